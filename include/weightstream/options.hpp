@@ -1,0 +1,110 @@
+#pragma once
+/// @file options.hpp
+/// Every tunable of weightstream, as small structs with documented defaults. Each field's
+/// comment names the environment variable that sets it; options_from_environment() (in
+/// src/base/environment.cpp, the only place that reads the environment) fills them, and
+/// command-line flags and API arguments override them afterwards.
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace weightstream {
+
+inline constexpr uint64_t kKiB = 1024;
+inline constexpr uint64_t kMiB = 1024 * kKiB;
+inline constexpr uint64_t kGiB = 1024 * kMiB;
+
+/// How local files are read.
+enum class LocalIo {
+  kPread,   ///< buffered pread(2) through the page cache
+  kDirect,  ///< O_DIRECT with aligned buffers, bypassing the page cache
+  kUring,   ///< io_uring (liburing) submissions of buffered reads
+};
+
+/// Options of the stream layer (planning, reader pool, staging pool).
+struct StreamOptions {
+  /// Reads in flight at once. WEIGHTSTREAM_CONCURRENCY.
+  unsigned concurrency = 16;
+  /// Hard cap on staging memory in bytes. WEIGHTSTREAM_MEMORY_LIMIT (e.g. "1GiB").
+  uint64_t memory_limit = 1 * kGiB;
+  /// Largest single read in bytes; large tensors are split into reads of this size,
+  /// neighbouring small ones merged up to it. WEIGHTSTREAM_CHUNK_SIZE.
+  uint64_t chunk_bytes = 16 * kMiB;
+  /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring.
+  LocalIo local_io = LocalIo::kPread;
+  /// Print progress on stderr even when it is not a terminal. WEIGHTSTREAM_PROGRESS = 0|1.
+  bool progress = false;
+};
+
+/// How S3 requests address a bucket.
+enum class S3Addressing {
+  kAuto,     ///< path-style for custom endpoints, virtual-hosted for AWS
+  kPath,     ///< https://endpoint/bucket/key
+  kVirtual,  ///< https://bucket.endpoint/key
+};
+
+/// Options of the S3 backend. Credentials are never logged or printed.
+struct S3Options {
+  /// Endpoint URL such as http://127.0.0.1:9000. AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL.
+  std::string endpoint;
+  /// Region used for signing. AWS_REGION, then AWS_DEFAULT_REGION; default us-east-1.
+  std::string region;
+  /// Static credentials. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN.
+  std::string access_key_id;
+  std::string secret_access_key;
+  std::string session_token;
+  /// Shared credentials file. AWS_SHARED_CREDENTIALS_FILE; default ~/.aws/credentials.
+  std::string credentials_file;
+  /// Profile in the shared credentials file. AWS_PROFILE; default "default".
+  std::string profile;
+  /// CA bundle for TLS verification. AWS_CA_BUNDLE.
+  std::string ca_bundle;
+  /// Bucket addressing. WEIGHTSTREAM_S3_ADDRESSING = auto | path | virtual.
+  S3Addressing addressing = S3Addressing::kAuto;
+  /// Send unsigned requests (public buckets). WEIGHTSTREAM_S3_UNSIGNED = 0|1.
+  bool unsigned_requests = false;
+  /// Verify TLS certificates. Only an explicit option turns this off, with a warning.
+  bool verify_tls = true;
+  /// Connections in flight. WEIGHTSTREAM_S3_CONNECTIONS.
+  unsigned max_connections = 32;
+  /// Bytes per ranged GET. WEIGHTSTREAM_S3_REQUEST_SIZE.
+  uint64_t request_bytes = 16 * kMiB;
+  /// Attempts per request, first one included. WEIGHTSTREAM_S3_MAX_ATTEMPTS.
+  unsigned max_attempts = 5;
+  /// Deadline for one request across all its attempts, seconds. WEIGHTSTREAM_S3_DEADLINE.
+  double deadline_seconds = 300;
+  /// Stall timeout: a transfer slower than 1 byte/s for this long fails. WEIGHTSTREAM_S3_TIMEOUT.
+  double timeout_seconds = 30;
+};
+
+/// Every option of the library, as read from the environment.
+struct Options {
+  StreamOptions stream;
+  S3Options s3;
+  /// Checkpoint URI used when a model's own sources hold no weights.
+  /// WEIGHTSTREAM_MODEL_URI (MX_MODEL_URI accepted as an alias; the two must agree).
+  std::string model_uri;
+};
+
+/// A snapshot of environment variables (name to value).
+using Environment = std::map<std::string, std::string, std::less<>>;
+
+/// The current process environment.
+Environment process_environment();
+
+/// Reads and validates every WEIGHTSTREAM_* (and the AWS_*) variable of `environment`.
+/// An unknown WEIGHTSTREAM_* name, a malformed value, or aliases that disagree throw
+/// Error(kConfig) naming the variable.
+Options options_from_environment(const Environment& environment);
+
+/// Parses a byte size such as "64MiB", "2GiB", "1.5GB", "4096" or "512k".
+/// Throws Error(kInvalidArgument) naming `what` on a malformed or overflowing value.
+uint64_t parse_size(std::string_view text, std::string_view what = "size");
+
+/// Formats a byte count for people, e.g. "1.50 GiB".
+std::string format_size(uint64_t bytes);
+
+}  // namespace weightstream

@@ -1,0 +1,76 @@
+#pragma once
+/// @file storage.hpp
+/// The storage layer: URIs, and the Storage interface (list, stat, ranged read) with its
+/// backends: local files and S3-compatible object storage. Knows nothing of tensors.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightstream/options.hpp"
+
+namespace weightstream {
+
+/// A parsed checkpoint location.
+struct Uri {
+  enum class Scheme { kFile, kS3, kHttp };
+  Scheme scheme = Scheme::kFile;
+  /// The text as given.
+  std::string text;
+  /// kFile: absolute or relative path. kS3: key or prefix (no leading '/'). kHttp: URL.
+  std::string path;
+  /// kS3: bucket name.
+  std::string bucket;
+};
+
+/// Parses a plain path, file://PATH, s3://bucket/prefix or http(s)://... URI.
+/// Throws Error(kInvalidArgument) on an empty, malformed or unsupported URI.
+Uri parse_uri(std::string_view text);
+
+/// An object (file) in a storage root.
+struct ObjectInfo {
+  std::string name;  ///< name relative to the root, a plain file name
+  uint64_t size = 0;
+};
+
+/// A flat namespace of objects under one root: a local directory or an S3 prefix.
+/// Implementations are thread-safe: reads may run concurrently from many threads.
+class Storage {
+ public:
+  virtual ~Storage() = default;
+  /// The root, as a URI for messages ("/models/llama", "s3://bucket/prefix").
+  virtual std::string root_uri() const = 0;
+  /// The URI of one object, for messages.
+  virtual std::string object_uri(std::string_view name) const = 0;
+  /// Objects directly under the root (not recursive), in no particular order.
+  virtual std::vector<ObjectInfo> list() = 0;
+  /// Size of one object. Throws Error(kNotFound) when it does not exist.
+  virtual ObjectInfo stat(std::string_view name) = 0;
+  /// Reads exactly destination.size() bytes of `name` starting at `offset`. Throws an
+  /// Error naming the object, the range, the operation and the cause; never returns short.
+  virtual void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) = 0;
+  /// Reads in flight that this backend serves well (a hint for the stream layer).
+  virtual unsigned preferred_concurrency() const { return 16; }
+  /// Local path of an object when the backend is the local file system, else empty.
+  virtual std::string local_path(std::string_view /*name*/) const { return {}; }
+};
+
+/// Opens the storage root that `uri` names. For a URI that names a single object the
+/// root is its parent and `object` is set to its name; otherwise `object` is cleared.
+std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, std::string* object);
+
+/// Local files under `directory`, read as `io` says (O_DIRECT and io_uring as options).
+std::unique_ptr<Storage> open_local_storage(const std::string& directory, LocalIo io);
+
+/// S3-compatible object storage under s3://bucket/prefix. Throws Error(kUnsupported)
+/// where the build has no S3 support.
+std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::string& prefix, const S3Options& options);
+
+/// Reads a whole (small) object, refusing one larger than `max_bytes`.
+std::string read_object(Storage& storage, std::string_view name, uint64_t max_bytes);
+
+}  // namespace weightstream

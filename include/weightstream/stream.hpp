@@ -1,0 +1,195 @@
+#pragma once
+/// @file stream.hpp
+/// The stream layer: a Checkpoint (shards, headers, index, config) opened from any
+/// Storage, and the Streamer that plans reads, runs a reader pool, stages through a
+/// bounded pool of buffers and delivers each completed piece to a sink.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "weightstream/device.hpp"
+#include "weightstream/format.hpp"
+#include "weightstream/options.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+
+/// One shard file of a checkpoint.
+struct ShardInfo {
+  std::string name;  ///< object name in the storage root
+  uint64_t size = 0;
+  SafetensorsHeader header;
+};
+
+/// One tensor of a checkpoint, located in its shard.
+struct CheckpointTensor {
+  std::string name;
+  Dtype dtype = Dtype::kU8;
+  std::vector<int64_t> shape;
+  uint32_t shard = 0;      ///< index into Checkpoint::shards()
+  uint64_t offset = 0;     ///< absolute byte offset in the shard file
+  uint64_t bytes = 0;
+};
+
+/// A safetensors checkpoint: a single file, or a directory/prefix of shards with or
+/// without model.safetensors.index.json. Headers are read and validated on open.
+class Checkpoint {
+ public:
+  /// Opens `uri` (path, file://, s3://). Throws Error naming the object and the rule
+  /// broken: no safetensors files, a malformed header or index, an index naming a missing
+  /// shard, a tensor in two shards, index and shard headers that disagree.
+  static Checkpoint open(std::string_view uri, const Options& options);
+  /// Opens from an existing storage root; `single_object` limits it to one file.
+  static Checkpoint open(std::shared_ptr<Storage> storage, const std::string& single_object = {});
+
+  const std::string& uri() const noexcept { return uri_; }
+  Storage& storage() const noexcept { return *storage_; }
+  const std::shared_ptr<Storage>& shared_storage() const noexcept { return storage_; }
+  const std::vector<ShardInfo>& shards() const noexcept { return shards_; }
+  /// Tensors in file order (shard by shard, offset by offset).
+  const std::vector<CheckpointTensor>& tensors() const noexcept { return tensors_; }
+  /// Index into tensors() of a tensor, or nullopt.
+  std::optional<size_t> find(std::string_view name) const;
+  /// The index, when the checkpoint has one.
+  const std::optional<CheckpointIndex>& index() const noexcept { return index_; }
+  /// Text of config.json beside the shards, when there is one.
+  const std::optional<std::string>& config_json() const noexcept { return config_json_; }
+  /// Sum of all tensors' bytes.
+  uint64_t tensor_bytes() const noexcept;
+  /// URI of shard `shard` for messages.
+  std::string shard_uri(uint32_t shard) const;
+
+ private:
+  std::string uri_;
+  std::shared_ptr<Storage> storage_;
+  std::vector<ShardInfo> shards_;
+  std::vector<CheckpointTensor> tensors_;
+  std::optional<CheckpointIndex> index_;
+  std::optional<std::string> config_json_;
+};
+
+/// A byte range [offset, offset + length).
+struct ByteRange {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+/// Part (or all) of one checkpoint tensor that a sink wants.
+struct TensorRequest {
+  size_t tensor = 0;   ///< index into Checkpoint::tensors()
+  ByteRange range;     ///< bytes within the tensor; length 0 means "to the end"
+};
+
+/// A completed run of bytes of one request, delivered to a sink.
+struct TensorPiece {
+  size_t request = 0;            ///< index into the request list
+  const CheckpointTensor* tensor = nullptr;
+  uint64_t offset = 0;           ///< offset of `bytes` within the requested range
+  std::span<const std::byte> bytes;
+  /// Keeps the staging buffer that holds `bytes` alive; a sink that finishes with the
+  /// bytes later (an async copy) keeps a copy of it. Empty for direct reads.
+  std::shared_ptr<const void> keepalive;
+};
+
+/// Receives pieces. Called from reader threads: pieces of different requests arrive
+/// concurrently; pieces of one request arrive in order when StreamOptions say so.
+class TensorSink {
+ public:
+  virtual ~TensorSink() = default;
+  /// Host memory the bytes of request `request` may be read into directly (no staging),
+  /// or nullptr to stage them. Must hold the whole requested range.
+  virtual std::byte* direct_destination(size_t /*request*/) { return nullptr; }
+  /// Whether pieces of one request must arrive in offset order (hashing needs this).
+  virtual bool wants_ordered_pieces() const { return false; }
+  /// Consumes one piece. An exception fails the stream and cancels the other readers.
+  virtual void consume(TensorPiece&& piece) = 0;
+  /// All pieces of request `request` were consumed.
+  virtual void request_complete(size_t /*request*/) {}
+  /// Every request completed; waits for work the sink still has in flight.
+  virtual void finish() {}
+};
+
+/// Counters of one stream.
+struct StreamStats {
+  uint64_t tensors = 0;             ///< requests delivered whole
+  uint64_t bytes = 0;               ///< bytes delivered to the sink
+  uint64_t bytes_read = 0;          ///< bytes read from storage (merged reads may cover gaps)
+  uint64_t reads = 0;               ///< read calls issued
+  uint64_t peak_staging_bytes = 0;  ///< most staging memory held at once
+  uint64_t shards_read = 0;         ///< distinct shards touched
+  double seconds = 0;
+  double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+};
+
+/// Progress callback: bytes delivered so far, bytes in total.
+using ProgressCallback = std::function<void(uint64_t done, uint64_t total)>;
+
+/// Streams `requests` from `checkpoint` into `sink`. Every requested byte is delivered
+/// exactly once or the call throws; the first error cancels the other readers and is the
+/// error thrown. Staging memory never exceeds options.memory_limit.
+StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                           TensorSink& sink, const StreamOptions& options,
+                           const ProgressCallback& progress = {}, HostMemory staging = HostMemory::kPageable);
+
+/// Requests for every tensor of the checkpoint, whole.
+std::vector<TensorRequest> all_tensors(const Checkpoint& checkpoint);
+
+/// One tensor loaded into memory.
+struct LoadedTensor {
+  size_t tensor = 0;      ///< index into Checkpoint::tensors()
+  std::byte* data = nullptr;  ///< host or device address
+  uint64_t bytes = 0;
+};
+
+/// The result of load_checkpoint: every tensor in one arena on `device`.
+struct LoadedCheckpoint {
+  Buffer arena;
+  std::vector<LoadedTensor> tensors;  ///< parallel to Checkpoint::tensors()
+  StreamStats stats;
+};
+
+/// Loads every tensor of `checkpoint` into one arena on `device`.
+LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device,
+                                 const StreamOptions& options, const ProgressCallback& progress = {});
+
+/// Hash functions for digests.
+enum class HashKind { kSha256, kXxh64 };
+std::string_view hash_name(HashKind kind) noexcept;
+HashKind parse_hash(std::string_view text);
+
+/// The digest of one tensor's bytes (lowercase hex).
+struct TensorDigest {
+  std::string name;
+  std::string hex;
+};
+
+/// Hashes every tensor's bytes as streamed (host staging), in bounded memory.
+/// With a CUDA `device`, bytes are landed in device memory and hashed from there.
+std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
+                                            const StreamOptions& options, StreamStats* stats = nullptr,
+                                            const ProgressCallback& progress = {});
+
+/// Incremental hasher over one of the HashKinds.
+class Hasher {
+ public:
+  explicit Hasher(HashKind kind);
+  Hasher(Hasher&&) noexcept;
+  Hasher& operator=(Hasher&&) noexcept;
+  ~Hasher();
+  void update(std::span<const std::byte> bytes);
+  /// Lowercase hex of the digest; the hasher is spent afterwards.
+  std::string finish();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weightstream

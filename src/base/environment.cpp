@@ -1,0 +1,195 @@
+// The only place in weightstream that reads environment variables.
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <set>
+
+#include "weightstream/error.hpp"
+#include "weightstream/options.hpp"
+
+extern char** environ;
+
+namespace weightstream {
+namespace {
+
+const std::set<std::string, std::less<>> kKnownVariables = {
+    "WEIGHTSTREAM_CONCURRENCY",     "WEIGHTSTREAM_MEMORY_LIMIT",   "WEIGHTSTREAM_CHUNK_SIZE",
+    "WEIGHTSTREAM_LOCAL_IO",        "WEIGHTSTREAM_PROGRESS",       "WEIGHTSTREAM_S3_ADDRESSING",
+    "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
+    "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
+    "WEIGHTSTREAM_MODEL_URI",
+};
+
+const std::string* find(const Environment& environment, std::string_view name) {
+  auto it = environment.find(name);
+  return it == environment.end() ? nullptr : &it->second;
+}
+
+std::string first_of(const Environment& environment, std::initializer_list<std::string_view> names) {
+  for (auto name : names) {
+    if (const auto* value = find(environment, name); value && !value->empty()) return *value;
+  }
+  return {};
+}
+
+uint64_t parse_unsigned(std::string_view name, std::string_view text, uint64_t minimum, uint64_t maximum) {
+  uint64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  WS_EXPECT(error == std::errc() && end == text.data() + text.size() && value >= minimum && value <= maximum,
+            ErrorCode::kConfig,
+            std::string(name) + "='" + std::string(text) + "': expected a whole number from " +
+                std::to_string(minimum) + " to " + std::to_string(maximum));
+  return value;
+}
+
+double parse_seconds(std::string_view name, std::string_view text) {
+  double value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  WS_EXPECT(error == std::errc() && end == text.data() + text.size() && value > 0 && std::isfinite(value),
+            ErrorCode::kConfig,
+            std::string(name) + "='" + std::string(text) + "': expected a positive number of seconds");
+  return value;
+}
+
+bool parse_flag(std::string_view name, std::string_view text) {
+  if (text == "1" || text == "true" || text == "yes" || text == "on") return true;
+  if (text == "0" || text == "false" || text == "no" || text == "off") return false;
+  WS_FAIL(ErrorCode::kConfig, std::string(name) + "='" + std::string(text) + "': expected 0 or 1");
+}
+
+uint64_t parse_size_variable(std::string_view name, std::string_view text) {
+  try {
+    return parse_size(text, name);
+  } catch (const Error& error) {
+    throw Error(ErrorCode::kConfig, error.what());
+  }
+}
+
+}  // namespace
+
+Environment process_environment() {
+  Environment environment;
+  for (char** entry = environ; entry && *entry; ++entry) {
+    std::string_view text(*entry);
+    auto equals = text.find('=');
+    if (equals == std::string_view::npos) continue;
+    environment.emplace(std::string(text.substr(0, equals)), std::string(text.substr(equals + 1)));
+  }
+  return environment;
+}
+
+Options options_from_environment(const Environment& environment) {
+  Options options;
+  for (const auto& [name, value] : environment) {
+    if (name.starts_with("WEIGHTSTREAM_")) {
+      WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,
+                "unknown environment variable " + name + " (known: WEIGHTSTREAM_CONCURRENCY, "
+                "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, "
+                "WEIGHTSTREAM_PROGRESS, WEIGHTSTREAM_S3_*, WEIGHTSTREAM_MODEL_URI)");
+    }
+  }
+  auto& stream = options.stream;
+  if (auto* v = find(environment, "WEIGHTSTREAM_CONCURRENCY"))
+    stream.concurrency = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_CONCURRENCY", *v, 1, 1024));
+  if (auto* v = find(environment, "WEIGHTSTREAM_MEMORY_LIMIT"))
+    stream.memory_limit = parse_size_variable("WEIGHTSTREAM_MEMORY_LIMIT", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_CHUNK_SIZE"))
+    stream.chunk_bytes = parse_size_variable("WEIGHTSTREAM_CHUNK_SIZE", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_LOCAL_IO")) {
+    if (*v == "pread") stream.local_io = LocalIo::kPread;
+    else if (*v == "direct") stream.local_io = LocalIo::kDirect;
+    else if (*v == "uring") stream.local_io = LocalIo::kUring;
+    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_LOCAL_IO='" + *v + "': expected pread, direct or uring");
+  }
+  if (auto* v = find(environment, "WEIGHTSTREAM_PROGRESS")) stream.progress = parse_flag("WEIGHTSTREAM_PROGRESS", *v);
+
+  auto& s3 = options.s3;
+  s3.endpoint = first_of(environment, {"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"});
+  s3.region = first_of(environment, {"AWS_REGION", "AWS_DEFAULT_REGION"});
+  s3.access_key_id = first_of(environment, {"AWS_ACCESS_KEY_ID"});
+  s3.secret_access_key = first_of(environment, {"AWS_SECRET_ACCESS_KEY"});
+  s3.session_token = first_of(environment, {"AWS_SESSION_TOKEN"});
+  s3.credentials_file = first_of(environment, {"AWS_SHARED_CREDENTIALS_FILE"});
+  if (s3.credentials_file.empty()) {
+    if (auto home = first_of(environment, {"HOME"}); !home.empty()) s3.credentials_file = home + "/.aws/credentials";
+  }
+  s3.profile = first_of(environment, {"AWS_PROFILE"});
+  if (s3.profile.empty()) s3.profile = "default";
+  s3.ca_bundle = first_of(environment, {"AWS_CA_BUNDLE"});
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_ADDRESSING")) {
+    if (*v == "auto") s3.addressing = S3Addressing::kAuto;
+    else if (*v == "path") s3.addressing = S3Addressing::kPath;
+    else if (*v == "virtual") s3.addressing = S3Addressing::kVirtual;
+    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_S3_ADDRESSING='" + *v + "': expected auto, path or virtual");
+  }
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_UNSIGNED"))
+    s3.unsigned_requests = parse_flag("WEIGHTSTREAM_S3_UNSIGNED", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_CONNECTIONS"))
+    s3.max_connections = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_S3_CONNECTIONS", *v, 1, 1024));
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_REQUEST_SIZE"))
+    s3.request_bytes = parse_size_variable("WEIGHTSTREAM_S3_REQUEST_SIZE", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_MAX_ATTEMPTS"))
+    s3.max_attempts = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_S3_MAX_ATTEMPTS", *v, 1, 100));
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_DEADLINE"))
+    s3.deadline_seconds = parse_seconds("WEIGHTSTREAM_S3_DEADLINE", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_TIMEOUT"))
+    s3.timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_TIMEOUT", *v);
+
+  const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
+  const auto* alias = find(environment, "MX_MODEL_URI");
+  if (primary && alias && !primary->empty() && !alias->empty()) {
+    WS_EXPECT(*primary == *alias, ErrorCode::kConfig,
+              "WEIGHTSTREAM_MODEL_URI='" + *primary + "' and its alias MX_MODEL_URI='" + *alias +
+                  "' disagree: set one of them");
+  }
+  if (primary && !primary->empty()) options.model_uri = *primary;
+  else if (alias && !alias->empty()) options.model_uri = *alias;
+  return options;
+}
+
+uint64_t parse_size(std::string_view text, std::string_view what) {
+  auto invalid = [&](std::string_view why) {
+    return std::string(what) + "='" + std::string(text) + "': " + std::string(why) +
+           " (examples: 4096, 64MiB, 2GiB, 1.5GB)";
+  };
+  size_t split = 0;
+  while (split < text.size() && (std::isdigit(static_cast<unsigned char>(text[split])) || text[split] == '.')) ++split;
+  WS_EXPECT(split > 0, ErrorCode::kInvalidArgument, invalid("expected a number"));
+  double number = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + split, number);
+  WS_EXPECT(error == std::errc() && end == text.data() + split, ErrorCode::kInvalidArgument, invalid("expected a number"));
+  std::string unit;
+  for (char c : text.substr(split)) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  double scale = 0;
+  if (unit.empty() || unit == "b") scale = 1;
+  else if (unit == "k" || unit == "kib") scale = 1024.0;
+  else if (unit == "m" || unit == "mib") scale = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "t" || unit == "tib") scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb") scale = 1e3;
+  else if (unit == "mb") scale = 1e6;
+  else if (unit == "gb") scale = 1e9;
+  else if (unit == "tb") scale = 1e12;
+  else WS_FAIL(ErrorCode::kInvalidArgument, invalid("unknown unit '" + std::string(text.substr(split)) + "'"));
+  double bytes = number * scale;
+  WS_EXPECT(bytes < 1.8e19, ErrorCode::kInvalidArgument, invalid("too large"));
+  WS_EXPECT(bytes == std::floor(bytes), ErrorCode::kInvalidArgument, invalid("not a whole number of bytes"));
+  return static_cast<uint64_t>(bytes);
+}
+
+std::string format_size(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  if (unit == 0) std::snprintf(text, sizeof(text), "%llu B", static_cast<unsigned long long>(bytes));
+  else std::snprintf(text, sizeof(text), "%.2f %s", value, units[unit]);
+  return text;
+}
+
+}  // namespace weightstream

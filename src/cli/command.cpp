@@ -1,0 +1,77 @@
+#include "cli/command.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::cli {
+
+const Options& environment_options() {
+  static const Options options = options_from_environment(process_environment());
+  return options;
+}
+
+void add_stream_flags(CLI::App& command, StreamFlags& flags) {
+  command.add_option("--concurrency", flags.concurrency, "Reads in flight (default 16; WEIGHTSTREAM_CONCURRENCY)")
+      ->check(CLI::Range(1, 1024));
+  command.add_option("--memory-limit", flags.memory_limit,
+                     "Staging memory cap, e.g. 256MiB (default 1GiB; WEIGHTSTREAM_MEMORY_LIMIT)");
+  command.add_option("--chunk-size", flags.chunk_size, "Largest single read (default 16MiB; WEIGHTSTREAM_CHUNK_SIZE)");
+  command.add_option("--io", flags.io, "Local read method: pread, direct (O_DIRECT) or uring (default pread)")
+      ->check(CLI::IsMember({"pread", "direct", "uring"}));
+  command.add_flag("--progress", flags.progress, "Print progress on stderr even when it is not a terminal");
+  command.add_flag("--no-progress", flags.no_progress, "Never print progress");
+}
+
+Options resolve_options(const StreamFlags& flags) {
+  Options options = environment_options();
+  auto& stream = options.stream;
+  if (flags.concurrency) stream.concurrency = *flags.concurrency;
+  if (!flags.memory_limit.empty()) stream.memory_limit = parse_size(flags.memory_limit, "--memory-limit");
+  if (!flags.chunk_size.empty()) stream.chunk_bytes = parse_size(flags.chunk_size, "--chunk-size");
+  if (flags.io == "pread") stream.local_io = LocalIo::kPread;
+  else if (flags.io == "direct") stream.local_io = LocalIo::kDirect;
+  else if (flags.io == "uring") stream.local_io = LocalIo::kUring;
+  WS_EXPECT(stream.memory_limit >= 4096, ErrorCode::kInvalidArgument,
+            "--memory-limit " + std::to_string(stream.memory_limit) + " bytes is too small: at least 4KiB");
+  WS_EXPECT(stream.chunk_bytes >= 4096, ErrorCode::kInvalidArgument,
+            "--chunk-size " + std::to_string(stream.chunk_bytes) + " bytes is too small: at least 4KiB");
+  return options;
+}
+
+bool progress_enabled(const StreamFlags& flags, const Options& options) {
+  if (flags.no_progress) return false;
+  return flags.progress || options.stream.progress || isatty(STDERR_FILENO);
+}
+
+namespace {
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+void ProgressLine::update(uint64_t done, uint64_t total) {
+  if (!enabled_) return;
+  double now = now_seconds();
+  if (start_ < 0) start_ = now;
+  if (done < total && now - last_draw_ < 0.1) return;
+  last_draw_ = now;
+  double elapsed = now - start_;
+  double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0;
+  double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0;
+  std::fprintf(stderr, "\r%s / %s  %.2f GB/s  ETA %.1f s   ", format_size(done).c_str(), format_size(total).c_str(),
+               rate / 1e9, eta);
+  drawn_ = true;
+}
+
+ProgressLine::~ProgressLine() {
+  if (drawn_) std::fputc('\n', stderr);
+}
+
+void print_json(const nlohmann::json& value) { std::cout << value.dump(2) << "\n"; }
+
+}  // namespace weightstream::cli

@@ -1,0 +1,59 @@
+#pragma once
+// Shared pieces of the `weightstream` subcommands. Each subcommand lives in its own
+// command_<name>.cpp and registers itself from main.cpp through add_<name>_command().
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "weightstream/options.hpp"
+
+namespace weightstream::cli {
+
+/// Options read once from the environment; flags then override them.
+const Options& environment_options();
+
+/// Flags shared by every command that streams (load, digest, audit, ...).
+struct StreamFlags {
+  std::optional<unsigned> concurrency;
+  std::string memory_limit;
+  std::string chunk_size;
+  std::string io;
+  bool progress = false;
+  bool no_progress = false;
+};
+
+/// Adds --concurrency, --memory-limit, --chunk-size, --io, --progress to `command`.
+void add_stream_flags(CLI::App& command, StreamFlags& flags);
+
+/// The environment's options with `flags` applied. Throws Error(kInvalidArgument).
+Options resolve_options(const StreamFlags& flags);
+
+/// Whether progress goes to stderr: --progress, WEIGHTSTREAM_PROGRESS=1, or a terminal.
+bool progress_enabled(const StreamFlags& flags, const Options& options);
+
+/// A progress printer for stderr (bytes, GB/s, ETA), redrawn at most 10 times a second.
+class ProgressLine {
+ public:
+  explicit ProgressLine(bool enabled) : enabled_(enabled) {}
+  ~ProgressLine();
+  void update(uint64_t done, uint64_t total);
+
+ private:
+  bool enabled_;
+  bool drawn_ = false;
+  double start_ = -1;
+  double last_draw_ = -1;
+};
+
+/// Prints `value` as indented JSON on stdout.
+void print_json(const nlohmann::json& value);
+
+/// Registration of each subcommand.
+void add_inspect_command(CLI::App& app);
+void add_load_command(CLI::App& app);
+void add_digest_command(CLI::App& app);
+void add_synth_command(CLI::App& app);
+
+}  // namespace weightstream::cli

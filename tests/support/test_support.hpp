@@ -1,0 +1,54 @@
+#pragma once
+// Shared fixtures for the tests: temporary directories, scoped environment variables,
+// running the command-line tool.
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace weightstream::testing {
+
+/// A fresh directory removed with its contents on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// Sets (or unsets) one environment variable for the guard's lifetime.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::string name, std::optional<std::string> value);
+  ~ScopedEnv();
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> previous_;
+};
+
+/// The result of running the command-line tool.
+struct CommandResult {
+  int exit_code = 0;
+  std::string out;
+  std::string err;
+};
+
+/// Runs the `weightstream` command with `arguments` (no shell), capturing its output.
+CommandResult run_cli(const std::vector<std::string>& arguments);
+
+/// Writes `bytes` to `path`.
+void write_file(const std::filesystem::path& path, const std::string& bytes);
+/// Reads all of `path`.
+std::string read_file(const std::filesystem::path& path);
+
+}  // namespace weightstream::testing
