@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -31,8 +32,15 @@ unsigned dtype_bits(Dtype dtype) noexcept;
 /// Byte size of a tensor of `shape`; nullopt when the element count overflows 64 bits,
 /// a dimension is negative, or the bit count is not a whole number of bytes.
 std::optional<uint64_t> tensor_byte_size(Dtype dtype, std::span<const int64_t> shape) noexcept;
+/// Number of elements of a tensor of `shape` (1 for a scalar); nullopt when a dimension
+/// is negative or the product overflows 64 bits.
+std::optional<uint64_t> tensor_element_count(std::span<const int64_t> shape) noexcept;
 /// "[4096, 11008]".
 std::string shape_text(std::span<const int64_t> shape);
+
+/// Most dimensions a tensor may have. The reference implementation sets no limit, but
+/// numpy stops at 64 and a longer shape only serves to make a hostile header expensive.
+inline constexpr size_t kMaxTensorRank = 64;
 
 /// One tensor of a safetensors file.
 struct TensorInfo {
@@ -71,9 +79,41 @@ uint64_t parse_header_length(std::string_view object, std::span<const std::byte>
 /// Throws Error(kFormat) naming the object, the tensor and the rule broken.
 SafetensorsHeader parse_safetensors_header(std::string_view object, std::string_view header_json, uint64_t file_size);
 
+/// Parses the prefix and header of a complete safetensors file held in memory (tests,
+/// fuzzing, small files). Same rules and errors as parse_header_length() followed by
+/// parse_safetensors_header().
+SafetensorsHeader parse_safetensors_bytes(std::string_view object, std::span<const std::byte> file);
+
+/// Name, dtype and shape of a tensor to be written.
+struct TensorSpec {
+  std::string name;
+  Dtype dtype = Dtype::kU8;
+  std::vector<int64_t> shape;
+};
+
+/// Fills `out` with bytes [offset, offset + out.size()) of tensor `index` of a streamed
+/// write. Called in file order with consecutive ranges; `offset` is a multiple of 8.
+using TensorFill = std::function<void(size_t index, uint64_t offset, std::span<std::byte> out)>;
+
+/// The serialized header of a file holding `specs` in that order: the 8-byte
+/// little-endian length followed by the JSON padded with spaces to a multiple of 8, as the
+/// reference writer does. Throws Error(kInvalidArgument) on a duplicate or reserved name,
+/// a negative dimension, or a size that is not a whole number of bytes.
+std::string safetensors_header_bytes(std::span<const TensorSpec> specs,
+                                     const std::map<std::string, std::string>& metadata = {});
+
 /// Writes safetensors files. Tensors are written in the order added.
 class SafetensorsWriter {
  public:
+  /// Bytes asked of a TensorFill at once by write_streaming().
+  static constexpr size_t kStreamChunkBytes = 4 << 20;
+
+  /// Writes a file of `specs` without holding it in memory: the header, then each
+  /// tensor's bytes in chunks of kStreamChunkBytes produced by `fill`. Throws
+  /// Error(kInvalidArgument) for bad specs and Error(kIo) naming the path and the errno.
+  static void write_streaming(const std::filesystem::path& path, std::span<const TensorSpec> specs,
+                              const TensorFill& fill, const std::map<std::string, std::string>& metadata = {});
+
   /// Adds a tensor; `data` must be exactly tensor_byte_size(dtype, shape) bytes.
   void add(std::string name, Dtype dtype, std::vector<int64_t> shape, std::span<const std::byte> data);
   /// Adds a `__metadata__` entry.
@@ -142,6 +182,7 @@ struct ModelConfig {
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
   int64_t num_nextn_predict_layers = 0;
+  int64_t num_experts_per_tok = 0;  ///< routed experts per token (0 when absent)
   // Qwen3-MoE style experts (num_experts) where present.
   int64_t num_experts = 0;
 };
@@ -153,22 +194,40 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json);
 /// Options of the synthetic checkpoint generator (`weightstream synth`).
 struct SynthOptions {
   std::string arch = "llama";  ///< llama | qwen3 | deepseek_v3
-  int64_t layers = 2;
-  int64_t hidden = 256;
-  int64_t shards = 2;
+  int64_t layers = 2;   ///< decoder layers (num_hidden_layers), 1 to 65536
+  int64_t hidden = 256; ///< hidden_size, a multiple of 32 from 64 to 65536
+  int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
   uint64_t seed = 0;
-  Dtype dtype = Dtype::kBF16;
-  /// When set, scale the model to about this many bytes (layers grow; hidden stays).
+  Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
+  /// When set, scale the model to about this many bytes: layers grow, and hidden doubles
+  /// while more than kSynthMaxScaledLayers layers would be needed.
   std::optional<uint64_t> target_bytes;
+  int64_t vocab = 4096;  ///< vocab_size
+  bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight
+  // deepseek_v3 only.
+  int64_t experts = 8;             ///< n_routed_experts
+  int64_t shared_experts = 1;      ///< n_shared_experts
+  int64_t experts_per_token = 2;   ///< num_experts_per_tok
+  int64_t first_dense_layers = 1;  ///< first_k_dense_replace (capped at layers)
+  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers
 };
+
+/// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
+inline constexpr int64_t kSynthMaxScaledLayers = 256;
 
 /// Summary of a synthesized checkpoint.
 struct SynthResult {
-  uint64_t tensors = 0;
-  uint64_t bytes = 0;
+  uint64_t tensors = 0;  ///< tensors written
+  uint64_t bytes = 0;    ///< tensor bytes written (metadata.total_size of the index)
+  /// Paths of the files written: config.json, the index, then the shards in order.
   std::vector<std::string> files;
-  ModelConfig config;
+  ModelConfig config;  ///< the config written, as parse_model_config() reads it back
 };
+
+/// Names, dtypes and shapes of the tensors of a Hugging Face checkpoint of `config`
+/// (model_type llama, qwen3 or deepseek_v3) with weights in `dtype`, in file order.
+/// Throws Error(kInvalidArgument) for another model_type.
+std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype);
 
 /// Writes config.json, model.safetensors.index.json and shards named and shaped like the
 /// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.

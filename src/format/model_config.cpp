@@ -1,0 +1,155 @@
+// The config.json fields weightstream uses. config.json is untrusted: every size that
+// later drives an allocation is range-checked here, before anything is allocated.
+
+#include "format/json_text.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/format.hpp"
+
+namespace weightstream {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr int64_t kMaxDimension = int64_t{1} << 20;
+constexpr int64_t kMaxCount = int64_t{1} << 16;
+
+// Reads integer fields of one config object with one error style:
+// "config.json: num_hidden_layers = -3: must be from 1 to 65536".
+class ConfigFields {
+ public:
+  ConfigFields(std::string_view object, const Json& document) : object_(object), document_(document) {}
+
+  // The field when present and not null.
+  const Json* find(std::string_view field) const {
+    auto found = document_.find(field);
+    return found == document_.end() || found->is_null() ? nullptr : &*found;
+  }
+
+  [[noreturn]] void fail(std::string_view field, const std::string& rule) const {
+    WS_FAIL(ErrorCode::kFormat, std::string(object_) + ": " + std::string(field) + " " + rule);
+  }
+
+  [[noreturn]] void fail_value(std::string_view field, const Json& value, const std::string& rule) const {
+    std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
+    if (text.size() > 64) text = text.substr(0, 64) + "...";
+    fail(field, "= " + text + ": " + rule);
+  }
+
+  // An integer field in [low, high]; `fallback` when absent, or an error when absent and required.
+  int64_t integer(std::string_view field, int64_t low, int64_t high, std::optional<int64_t> fallback) const {
+    const Json* value = find(field);
+    if (value == nullptr) {
+      if (!fallback) fail(field, "is missing: it is required");
+      return *fallback;
+    }
+    std::string range = "must be from " + std::to_string(low) + " to " + std::to_string(high);
+    if (value->is_number_unsigned()) {
+      uint64_t number = value->get<uint64_t>();
+      if (number > static_cast<uint64_t>(high) || static_cast<int64_t>(number) < low) fail_value(field, *value, range);
+      return static_cast<int64_t>(number);
+    }
+    if (value->is_number_integer()) {
+      int64_t number = value->get<int64_t>();
+      if (number < low || number > high) fail_value(field, *value, range);
+      return number;
+    }
+    fail_value(field, *value, "must be an integer, not " + std::string(detail::json_type_text(value->type())));
+  }
+
+  std::string text(std::string_view field) const {
+    const Json* value = find(field);
+    if (value == nullptr) return {};
+    if (!value->is_string()) {
+      fail_value(field, *value, "must be a string, not " + std::string(detail::json_type_text(value->type())));
+    }
+    return value->get<std::string>();
+  }
+
+  bool flag(std::string_view field, bool fallback) const {
+    const Json* value = find(field);
+    if (value == nullptr) return fallback;
+    if (!value->is_boolean()) {
+      fail_value(field, *value, "must be true or false, not " + std::string(detail::json_type_text(value->type())));
+    }
+    return value->get<bool>();
+  }
+
+ private:
+  std::string_view object_;
+  const Json& document_;
+};
+
+}  // namespace
+
+ModelConfig parse_model_config(std::string_view object, std::string_view json) {
+  Json document = detail::parse_json_strictly(object, json);
+  WS_EXPECT(document.is_object(), ErrorCode::kFormat,
+            std::string(object) + ": config is " + std::string(detail::json_type_text(document.type())) +
+                ", not a JSON object");
+  ConfigFields fields(object, document);
+  ModelConfig config;
+  config.model_type = fields.text("model_type");
+  config.hidden_size = fields.integer("hidden_size", 1, kMaxDimension, std::nullopt);
+  config.num_hidden_layers = fields.integer("num_hidden_layers", 1, kMaxCount, std::nullopt);
+  config.num_attention_heads = fields.integer("num_attention_heads", 1, kMaxCount, std::nullopt);
+  config.vocab_size = fields.integer("vocab_size", 1, kMaxDimension, std::nullopt);
+  config.intermediate_size = fields.integer("intermediate_size", 1, kMaxDimension, 0);
+  config.num_key_value_heads =
+      fields.integer("num_key_value_heads", 1, config.num_attention_heads, config.num_attention_heads);
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    fields.fail("num_key_value_heads",
+                "= " + std::to_string(config.num_key_value_heads) + ": must divide num_attention_heads = " +
+                    std::to_string(config.num_attention_heads));
+  }
+  config.tie_word_embeddings = fields.flag("tie_word_embeddings", false);
+  // Newer transformers releases write "dtype" where older ones wrote "torch_dtype".
+  config.torch_dtype = fields.text("torch_dtype");
+  if (config.torch_dtype.empty()) config.torch_dtype = fields.text("dtype");
+
+  config.q_lora_rank = fields.integer("q_lora_rank", 1, kMaxDimension, 0);
+  config.kv_lora_rank = fields.integer("kv_lora_rank", 1, kMaxDimension, 0);
+  config.qk_nope_head_dim = fields.integer("qk_nope_head_dim", 0, kMaxDimension, 0);
+  config.qk_rope_head_dim = fields.integer("qk_rope_head_dim", 0, kMaxDimension, 0);
+  config.v_head_dim = fields.integer("v_head_dim", 1, kMaxDimension, 0);
+  config.n_routed_experts = fields.integer("n_routed_experts", 0, kMaxCount, 0);
+  config.n_shared_experts = fields.integer("n_shared_experts", 0, kMaxCount, 0);
+  config.moe_intermediate_size = fields.integer("moe_intermediate_size", 1, kMaxDimension, 0);
+  config.first_k_dense_replace = fields.integer("first_k_dense_replace", 0, config.num_hidden_layers, 0);
+  config.moe_layer_freq = fields.integer("moe_layer_freq", 1, kMaxCount, 1);
+  config.num_nextn_predict_layers = fields.integer("num_nextn_predict_layers", 0, kMaxCount, 0);
+  config.num_experts = fields.integer("num_experts", 0, kMaxCount, 0);
+  config.num_experts_per_tok = fields.integer("num_experts_per_tok", 0, kMaxCount, 0);
+  // Mixtral and others name their expert count differently, so only the counts read here bound it.
+  if (int64_t routed = std::max(config.n_routed_experts, config.num_experts);
+      routed > 0 && config.num_experts_per_tok > routed) {
+    fields.fail("num_experts_per_tok", "= " + std::to_string(config.num_experts_per_tok) +
+                                           ": must be at most the " + std::to_string(routed) + " routed experts");
+  }
+
+  bool mla = config.kv_lora_rank > 0;
+  if (mla) {
+    // MLA (DeepSeek-V2/V3): queries and keys have nope + rope dims per head, values v_head_dim.
+    if (config.qk_nope_head_dim + config.qk_rope_head_dim == 0) {
+      fields.fail("qk_nope_head_dim", "and qk_rope_head_dim are both 0 or missing: MLA (kv_lora_rank > 0) needs them");
+    }
+    if (config.v_head_dim == 0) fields.fail("v_head_dim", "is missing: MLA (kv_lora_rank > 0) needs it");
+  }
+  if (config.n_routed_experts > 0 && config.moe_intermediate_size == 0) {
+    fields.fail("moe_intermediate_size", "is missing: n_routed_experts > 0 needs it");
+  }
+  if (fields.find("head_dim") != nullptr) {
+    config.head_dim = fields.integer("head_dim", 1, kMaxDimension, std::nullopt);
+  } else if (mla) {
+    config.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim;
+  } else {
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      fields.fail("num_attention_heads",
+                  "= " + std::to_string(config.num_attention_heads) + ": must divide hidden_size = " +
+                      std::to_string(config.hidden_size) + " when head_dim is absent");
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+  return config;
+}
+
+}  // namespace weightstream
