@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "weightstream/device.hpp"
@@ -73,6 +74,7 @@ class Checkpoint {
   std::vector<CheckpointTensor> tensors_;
   std::optional<CheckpointIndex> index_;
   std::optional<std::string> config_json_;
+  std::unordered_map<std::string, size_t> by_name_;
 };
 
 /// A byte range [offset, offset + length).

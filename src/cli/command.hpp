@@ -8,6 +8,7 @@
 #include <string>
 
 #include "weightstream/options.hpp"
+#include "weightstream/stream.hpp"
 
 namespace weightstream::cli {
 
@@ -49,6 +50,11 @@ class ProgressLine {
 
 /// Prints `value` as indented JSON on stdout.
 void print_json(const nlohmann::json& value);
+
+/// JSON fields of a stream's counters: tensors, bytes, seconds, gbps, peak_staging_bytes, ...
+nlohmann::json stream_stats_json(const StreamStats& stats);
+/// One human line: "loaded N tensors, X GiB in S s (R GB/s) to DEVICE; peak staging P".
+void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device);
 
 /// Registration of each subcommand.
 void add_inspect_command(CLI::App& app);

@@ -1,0 +1,56 @@
+// weightstream digest URI [--hash sha256|xxh64] [--device cpu|cuda:N] [--json]
+#include <cstdio>
+
+#include "cli/command.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream::cli {
+
+namespace {
+struct DigestFlags {
+  std::string uri;
+  std::string hash = "sha256";
+  std::string device = "cpu";
+  bool json = false;
+  bool summary = false;
+  StreamFlags stream;
+};
+}  // namespace
+
+void add_digest_command(CLI::App& app) {
+  auto flags = std::make_shared<DigestFlags>();
+  auto* command = app.add_subcommand("digest", "Hash every tensor's bytes as they are streamed (one line per tensor)");
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://")->required();
+  command->add_option("--hash", flags->hash, "sha256 or xxh64 (default sha256)")->check(CLI::IsMember({"sha256", "xxh64"}));
+  command->add_option("--device", flags->device, "Land the bytes on cpu or cuda:N and hash them from there");
+  command->add_flag("--json", flags->json, "One JSON object per line: {\"name\": ..., \"sha256\": ...}");
+  command->add_flag("--summary", flags->summary, "Also print the throughput summary on stderr");
+  add_stream_flags(*command, flags->stream);
+  command->callback([flags] {
+    auto options = resolve_options(flags->stream);
+    auto device = parse_device(flags->device);
+    auto kind = parse_hash(flags->hash);
+    auto checkpoint = Checkpoint::open(flags->uri, options);
+    StreamStats stats;
+    std::vector<TensorDigest> digests;
+    {
+      ProgressLine progress(progress_enabled(flags->stream, options));
+      digests = digest_checkpoint(checkpoint, kind, device, options.stream, &stats,
+                                  [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+    }
+    auto key = std::string(hash_name(kind));
+    for (const auto& digest : digests) {
+      if (flags->json) {
+        std::printf("%s\n", nlohmann::json({{"name", digest.name}, {key, digest.hex}}).dump().c_str());
+      } else {
+        std::printf("%s  %s\n", digest.hex.c_str(), digest.name.c_str());
+      }
+    }
+    if (flags->summary) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "%s\n", stream_stats_json(stats).dump().c_str());
+    }
+  });
+}
+
+}  // namespace weightstream::cli

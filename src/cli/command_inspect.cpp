@@ -1,0 +1,68 @@
+// weightstream inspect URI [--json]
+#include <cstdio>
+#include <iostream>
+
+#include "cli/command.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream::cli {
+
+namespace {
+struct InspectFlags {
+  std::string uri;
+  bool json = false;
+};
+}  // namespace
+
+void add_inspect_command(CLI::App& app) {
+  auto flags = std::make_shared<InspectFlags>();
+  auto* command = app.add_subcommand("inspect", "List a checkpoint's tensors: dtype, shape, bytes and shard; totals; metadata");
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://")->required();
+  command->add_flag("--json", flags->json, "Print JSON");
+  command->callback([flags] {
+    auto checkpoint = Checkpoint::open(flags->uri, environment_options());
+    const auto& shards = checkpoint.shards();
+    if (flags->json) {
+      nlohmann::json tensors = nlohmann::json::array();
+      for (const auto& tensor : checkpoint.tensors()) {
+        tensors.push_back({{"name", tensor.name},
+                           {"dtype", dtype_name(tensor.dtype)},
+                           {"shape", tensor.shape},
+                           {"bytes", tensor.bytes},
+                           {"shard", shards[tensor.shard].name},
+                           {"offset", tensor.offset}});
+      }
+      nlohmann::json shard_list = nlohmann::json::array();
+      nlohmann::json metadata = nlohmann::json::object();
+      for (const auto& shard : shards) {
+        shard_list.push_back({{"name", shard.name}, {"bytes", shard.size}, {"tensors", shard.header.tensors.size()}});
+        for (const auto& [key, value] : shard.header.metadata) metadata[key] = value;
+      }
+      print_json({{"uri", checkpoint.uri()},
+                  {"tensors", tensors},
+                  {"shards", shard_list},
+                  {"tensor_count", checkpoint.tensors().size()},
+                  {"bytes", checkpoint.tensor_bytes()},
+                  {"metadata", metadata},
+                  {"has_index", checkpoint.index().has_value()},
+                  {"has_config", checkpoint.config_json().has_value()}});
+      return;
+    }
+    size_t name_width = 4;
+    for (const auto& tensor : checkpoint.tensors()) name_width = std::max(name_width, tensor.name.size());
+    std::printf("%-*s  %-8s  %-20s  %12s  %s\n", static_cast<int>(name_width), "name", "dtype", "shape", "bytes", "shard");
+    for (const auto& tensor : checkpoint.tensors()) {
+      std::printf("%-*s  %-8s  %-20s  %12llu  %s\n", static_cast<int>(name_width), tensor.name.c_str(),
+                  std::string(dtype_name(tensor.dtype)).c_str(), shape_text(tensor.shape).c_str(),
+                  static_cast<unsigned long long>(tensor.bytes), shards[tensor.shard].name.c_str());
+    }
+    std::printf("\n%zu tensors, %s (%llu bytes) in %zu shard(s)\n", checkpoint.tensors().size(),
+                format_size(checkpoint.tensor_bytes()).c_str(), static_cast<unsigned long long>(checkpoint.tensor_bytes()),
+                shards.size());
+    for (const auto& shard : shards) {
+      for (const auto& [key, value] : shard.header.metadata) std::printf("metadata %s: %s = %s\n", shard.name.c_str(), key.c_str(), value.c_str());
+    }
+  });
+}
+
+}  // namespace weightstream::cli

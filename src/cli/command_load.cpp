@@ -1,0 +1,64 @@
+// weightstream load URI [--device cpu|cuda:N] [--concurrency N] [--memory-limit SIZE] [--json]
+#include <cstdio>
+
+#include "cli/command.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream::cli {
+
+namespace {
+struct LoadFlags {
+  std::string uri;
+  std::string device = "cpu";
+  bool json = false;
+  StreamFlags stream;
+};
+}  // namespace
+
+nlohmann::json stream_stats_json(const StreamStats& stats) {
+  return {{"tensors", stats.tensors},
+          {"bytes", stats.bytes},
+          {"bytes_read", stats.bytes_read},
+          {"reads", stats.reads},
+          {"shards_read", stats.shards_read},
+          {"seconds", stats.seconds},
+          {"gbps", stats.gbps()},
+          {"peak_staging_bytes", stats.peak_staging_bytes}};
+}
+
+void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device) {
+  std::printf("%s %llu tensors, %s in %.3f s (%.2f GB/s) to %s; peak staging %s\n", verb,
+              static_cast<unsigned long long>(stats.tensors), format_size(stats.bytes).c_str(), stats.seconds, stats.gbps(),
+              device.c_str(), format_size(stats.peak_staging_bytes).c_str());
+}
+
+void add_load_command(CLI::App& app) {
+  auto flags = std::make_shared<LoadFlags>();
+  auto* command = app.add_subcommand("load", "Stream every tensor of a checkpoint into memory and report the throughput");
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://")->required();
+  command->add_option("--device", flags->device, "Destination: cpu or cuda:N (default cpu)");
+  command->add_flag("--json", flags->json, "Print JSON: tensors, bytes, seconds, gbps, peak_staging_bytes, ...");
+  add_stream_flags(*command, flags->stream);
+  command->callback([flags] {
+    auto options = resolve_options(flags->stream);
+    auto device = parse_device(flags->device);
+    auto checkpoint = Checkpoint::open(flags->uri, options);
+    LoadedCheckpoint loaded;
+    {
+      ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
+      loaded = load_checkpoint(checkpoint, device, options.stream,
+                               [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+    }
+    if (flags->json) {
+      auto summary = stream_stats_json(loaded.stats);
+      summary["uri"] = checkpoint.uri();
+      summary["device"] = device.name();
+      summary["shards"] = checkpoint.shards().size();
+      print_json(summary);
+    } else {
+      print_stream_summary("loaded", loaded.stats, device.name());
+    }
+  });
+}
+
+}  // namespace weightstream::cli

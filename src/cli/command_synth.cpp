@@ -1,0 +1,53 @@
+// weightstream synth OUTDIR --arch llama|qwen3|deepseek_v3 [...]
+#include <cstdio>
+
+#include "cli/command.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/format.hpp"
+
+namespace weightstream::cli {
+
+namespace {
+struct SynthFlags {
+  std::string directory;
+  SynthOptions options;
+  std::string dtype = "bf16";
+  std::string size;
+  bool json = false;
+};
+}  // namespace
+
+void add_synth_command(CLI::App& app) {
+  auto flags = std::make_shared<SynthFlags>();
+  auto* command = app.add_subcommand("synth", "Write a synthetic checkpoint shaped like a Hugging Face model, from a seed");
+  command->add_option("outdir", flags->directory, "Directory to write (created if missing)")->required();
+  command->add_option("--arch", flags->options.arch, "llama, qwen3 or deepseek_v3 (default llama)")
+      ->check(CLI::IsMember({"llama", "qwen3", "deepseek_v3"}));
+  command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
+  command->add_option("--hidden", flags->options.hidden, "Hidden size (default 256, a multiple of 64)")->check(CLI::Range(64, 65536));
+  command->add_option("--shards", flags->options.shards, "Shard files (default 2)")->check(CLI::Range(1, 10000));
+  command->add_option("--seed", flags->options.seed, "Random seed (default 0)");
+  command->add_option("--dtype", flags->dtype, "bf16, f16 or f32 (default bf16)")->check(CLI::IsMember({"bf16", "f16", "f32"}));
+  command->add_option("--size", flags->size, "Scale the model to about this many bytes, e.g. 2GiB");
+  command->add_flag("--json", flags->json, "Print JSON");
+  command->callback([flags] {
+    auto options = flags->options;
+    options.dtype = flags->dtype == "f16" ? Dtype::kF16 : flags->dtype == "f32" ? Dtype::kF32 : Dtype::kBF16;
+    if (!flags->size.empty()) options.target_bytes = parse_size(flags->size, "--size");
+    auto result = synthesize_checkpoint(flags->directory, options);
+    if (flags->json) {
+      print_json({{"directory", flags->directory},
+                  {"arch", options.arch},
+                  {"tensors", result.tensors},
+                  {"bytes", result.bytes},
+                  {"files", result.files},
+                  {"layers", result.config.num_hidden_layers}});
+    } else {
+      std::printf("wrote %s: %s checkpoint, %llu layers, %llu tensors, %s in %zu file(s)\n", flags->directory.c_str(),
+                  options.arch.c_str(), static_cast<unsigned long long>(result.config.num_hidden_layers),
+                  static_cast<unsigned long long>(result.tensors), format_size(result.bytes).c_str(), result.files.size());
+    }
+  });
+}
+
+}  // namespace weightstream::cli

@@ -1,0 +1,233 @@
+// The local-file backend of Storage: pread, O_DIRECT or io_uring.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "storage/local_io.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+namespace local_io {
+
+FileDescriptor& FileDescriptor::operator=(FileDescriptor&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+FileDescriptor::~FileDescriptor() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+namespace {
+std::string range_text(uint64_t offset, uint64_t length) {
+  return std::to_string(offset) + "+" + std::to_string(length);
+}
+}  // namespace
+
+void pread_exact(int fd, const std::string& uri, uint64_t offset, std::span<std::byte> destination) {
+  size_t done = 0;
+  while (done < destination.size()) {
+    ssize_t got = ::pread(fd, destination.data() + done, destination.size() - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      WS_FAIL(ErrorCode::kIo, "cannot read " + range_text(offset, destination.size()) + " bytes of " + uri + ": pread: " +
+                                  detail::errno_text(errno));
+    }
+    WS_EXPECT(got > 0, ErrorCode::kIo,
+              "cannot read " + range_text(offset, destination.size()) + " bytes of " + uri +
+                  ": unexpected end of file after " + std::to_string(offset + done) + " bytes (truncated file?)");
+    done += static_cast<size_t>(got);
+  }
+}
+
+namespace {
+
+/// A page-aligned scratch buffer owned by one thread, grown on demand.
+struct BounceBuffer {
+  std::byte* data = nullptr;
+  size_t size = 0;
+  ~BounceBuffer() { std::free(data); }
+  std::byte* reserve(size_t bytes) {
+    if (bytes > size) {
+      std::free(data);
+      data = static_cast<std::byte*>(std::aligned_alloc(kDirectAlignment, bytes));
+      WS_EXPECT(data != nullptr, ErrorCode::kIo, "cannot allocate a " + std::to_string(bytes) + "-byte O_DIRECT buffer");
+      size = bytes;
+    }
+    return data;
+  }
+};
+
+constexpr size_t kBounceBytes = 8 * 1024 * 1024;
+
+bool aligned(uint64_t value) { return value % kDirectAlignment == 0; }
+
+}  // namespace
+
+void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t offset, std::span<std::byte> destination) {
+  thread_local BounceBuffer bounce;
+  uint64_t end = offset + destination.size();
+  uint64_t position = offset;
+  while (position < end) {
+    auto* target = destination.data() + (position - offset);
+    uint64_t remaining = end - position;
+    // Fast path: everything aligned, read straight into the caller's memory.
+    if (aligned(position) && aligned(reinterpret_cast<uintptr_t>(target)) && remaining >= kDirectAlignment) {
+      uint64_t length = remaining - remaining % kDirectAlignment;
+      ssize_t got = ::pread(fd, target, length, static_cast<off_t>(position));
+      if (got < 0 && errno == EINTR) continue;
+      WS_EXPECT(got >= 0, ErrorCode::kIo,
+                "cannot read " + range_text(position, length) + " bytes of " + uri + ": pread(O_DIRECT): " +
+                    detail::errno_text(errno));
+      WS_EXPECT(got > 0, ErrorCode::kIo, "cannot read " + range_text(position, length) + " bytes of " + uri + ": unexpected end of file");
+      position += static_cast<uint64_t>(got);
+      continue;
+    }
+    // Slow path: read the aligned window around the bytes into the bounce buffer.
+    uint64_t window_start = position - position % kDirectAlignment;
+    uint64_t window_end = std::min<uint64_t>(window_start + kBounceBytes, (end + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment);
+    auto* scratch = bounce.reserve(kBounceBytes);
+    ssize_t got = ::pread(fd, scratch, window_end - window_start, static_cast<off_t>(window_start));
+    if (got < 0 && errno == EINTR) continue;
+    WS_EXPECT(got >= 0, ErrorCode::kIo,
+              "cannot read " + range_text(window_start, window_end - window_start) + " bytes of " + uri +
+                  ": pread(O_DIRECT): " + detail::errno_text(errno));
+    // At the end of the file O_DIRECT returns fewer bytes than the aligned window.
+    uint64_t available = window_start + static_cast<uint64_t>(got);
+    WS_EXPECT(available > position, ErrorCode::kIo,
+              "cannot read " + range_text(position, remaining) + " bytes of " + uri + ": unexpected end of file at " +
+                  std::to_string(available) + " (file size " + std::to_string(file_size) + ")");
+    uint64_t take = std::min(end, available) - position;
+    std::memcpy(target, scratch + (position - window_start), take);
+    position += take;
+  }
+}
+
+}  // namespace local_io
+
+namespace {
+
+using local_io::FileDescriptor;
+
+class LocalStorage final : public Storage {
+ public:
+  LocalStorage(std::string directory, LocalIo io) : directory_(std::move(directory)), io_(io) {
+    WS_EXPECT(io_ != LocalIo::kUring || local_io::uring_available(), ErrorCode::kUnsupported,
+              "io_uring reads were asked for, but this build has no liburing support (use --io pread or direct)");
+    while (directory_.size() > 1 && directory_.back() == '/') directory_.pop_back();
+  }
+
+  std::string root_uri() const override { return directory_; }
+  std::string object_uri(std::string_view name) const override { return directory_ + "/" + std::string(name); }
+  std::string local_path(std::string_view name) const override { return object_uri(name); }
+
+  std::vector<ObjectInfo> list() override {
+    std::vector<ObjectInfo> objects;
+    std::error_code error;
+    std::filesystem::directory_iterator it(directory_, error);
+    WS_EXPECT(!error, error.value() == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIo,
+              "cannot list " + directory_ + ": " + error.message());
+    for (const auto& entry : it) {
+      std::error_code entry_error;
+      // is_regular_file follows symlinks, as Hugging Face cache snapshots are symlinks to blobs.
+      if (!entry.is_regular_file(entry_error)) continue;
+      auto size = entry.file_size(entry_error);
+      if (entry_error) continue;
+      objects.push_back({entry.path().filename().string(), size});
+    }
+    return objects;
+  }
+
+  ObjectInfo stat(std::string_view name) override {
+    check_name(name);
+    struct stat info {};
+    auto path = object_uri(name);
+    if (::stat(path.c_str(), &info) != 0) {
+      int error = errno;
+      WS_FAIL(error == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(error));
+    }
+    WS_EXPECT(S_ISREG(info.st_mode), ErrorCode::kFormat, path + " is not a regular file");
+    return {std::string(name), static_cast<uint64_t>(info.st_size)};
+  }
+
+  void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
+    if (destination.empty()) return;
+    const auto& file = open_file(name);
+    auto uri = object_uri(name);
+    WS_EXPECT(offset <= file.size && destination.size() <= file.size - offset, ErrorCode::kIo,
+              "cannot read " + std::to_string(offset) + "+" + std::to_string(destination.size()) + " bytes of " + uri +
+                  ": past the end of the " + std::to_string(file.size) + "-byte file");
+    switch (io_) {
+      case LocalIo::kPread: local_io::pread_exact(file.buffered.get(), uri, offset, destination); break;
+      case LocalIo::kDirect: local_io::direct_read(file.direct.get(), uri, file.size, offset, destination); break;
+      case LocalIo::kUring: local_io::uring_read(file.buffered.get(), uri, offset, destination); break;
+    }
+  }
+
+ private:
+  struct OpenFile {
+    FileDescriptor buffered;
+    FileDescriptor direct;
+    uint64_t size = 0;
+  };
+
+  void check_name(std::string_view name) const {
+    WS_EXPECT(!name.empty() && name.find('/') == std::string_view::npos && name != "." && name != "..",
+              ErrorCode::kInvalidArgument, "'" + std::string(name) + "' is not a plain file name in " + directory_);
+  }
+
+  // Descriptors are opened once per file and shared by all reader threads (pread is
+  // position-free, so one descriptor serves concurrent reads).
+  const OpenFile& open_file(std::string_view name) {
+    {
+      std::shared_lock lock(mutex_);
+      if (auto it = files_.find(std::string(name)); it != files_.end()) return it->second;
+    }
+    check_name(name);
+    auto path = object_uri(name);
+    OpenFile file;
+    file.buffered = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!file.buffered) {
+      int error = errno;
+      WS_FAIL(error == ENOENT ? ErrorCode::kNotFound : (error == EACCES ? ErrorCode::kPermission : ErrorCode::kIo),
+              "cannot open " + path + ": " + detail::errno_text(error));
+    }
+    struct stat info {};
+    WS_EXPECT(::fstat(file.buffered.get(), &info) == 0, ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(errno));
+    file.size = static_cast<uint64_t>(info.st_size);
+    if (io_ == LocalIo::kDirect) {
+      file.direct = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
+      WS_EXPECT(static_cast<bool>(file.direct), ErrorCode::kUnsupported,
+                "cannot open " + path + " with O_DIRECT: " + detail::errno_text(errno) +
+                    " (the file system may not support it; use --io pread)");
+    }
+    std::unique_lock lock(mutex_);
+    return files_.try_emplace(std::string(name), std::move(file)).first->second;
+  }
+
+  std::string directory_;
+  LocalIo io_;
+  std::shared_mutex mutex_;
+  std::unordered_map<std::string, OpenFile> files_;
+};
+
+}  // namespace
+
+std::unique_ptr<Storage> open_local_storage(const std::string& directory, LocalIo io) {
+  return std::make_unique<LocalStorage>(directory, io);
+}
+
+}  // namespace weightstream

@@ -1,0 +1,94 @@
+#include <algorithm>
+#include <filesystem>
+
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+
+Uri parse_uri(std::string_view text) {
+  WS_EXPECT(!text.empty(), ErrorCode::kInvalidArgument, "empty checkpoint URI: give a path, file://PATH or s3://BUCKET/PREFIX");
+  WS_EXPECT(text.find('\0') == std::string_view::npos, ErrorCode::kInvalidArgument, "checkpoint URI contains a NUL byte");
+  Uri uri;
+  uri.text = std::string(text);
+  auto scheme_end = text.find("://");
+  if (scheme_end == std::string_view::npos) {
+    uri.scheme = Uri::Scheme::kFile;
+    uri.path = std::string(text);
+    return uri;
+  }
+  std::string scheme(text.substr(0, scheme_end));
+  std::transform(scheme.begin(), scheme.end(), scheme.begin(), [](unsigned char c) { return std::tolower(c); });
+  auto rest = text.substr(scheme_end + 3);
+  if (scheme == "file") {
+    // file:///abs/path or file://localhost/abs/path; a relative file://dir is accepted too.
+    if (rest.starts_with("localhost/")) rest.remove_prefix(9);
+    WS_EXPECT(!rest.empty(), ErrorCode::kInvalidArgument, "'" + uri.text + "': file:// URI without a path");
+    uri.scheme = Uri::Scheme::kFile;
+    uri.path = std::string(rest);
+    return uri;
+  }
+  if (scheme == "s3") {
+    auto slash = rest.find('/');
+    uri.scheme = Uri::Scheme::kS3;
+    uri.bucket = std::string(rest.substr(0, slash));
+    uri.path = slash == std::string_view::npos ? std::string() : std::string(rest.substr(slash + 1));
+    while (!uri.path.empty() && uri.path.back() == '/') uri.path.pop_back();
+    WS_EXPECT(!uri.bucket.empty(), ErrorCode::kInvalidArgument, "'" + uri.text + "': s3:// URI without a bucket (expected s3://BUCKET/PREFIX)");
+    // Bucket naming rules: 3-63 characters of lowercase letters, digits, '.', '-'.
+    bool valid = uri.bucket.size() >= 3 && uri.bucket.size() <= 63 &&
+                 std::all_of(uri.bucket.begin(), uri.bucket.end(), [](char c) {
+                   return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '-';
+                 });
+    WS_EXPECT(valid, ErrorCode::kInvalidArgument,
+              "'" + uri.text + "': bucket name '" + uri.bucket + "' is not valid (3-63 characters: a-z, 0-9, '.', '-')");
+    return uri;
+  }
+  if (scheme == "http" || scheme == "https") {
+    uri.scheme = Uri::Scheme::kHttp;
+    uri.path = uri.text;
+    return uri;
+  }
+  WS_FAIL(ErrorCode::kInvalidArgument, "'" + uri.text + "': unsupported scheme '" + scheme + "://' (supported: file://, s3://, plain paths)");
+}
+
+std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, std::string* object) {
+  if (object) object->clear();
+  switch (uri.scheme) {
+    case Uri::Scheme::kFile: {
+      std::error_code error;
+      std::filesystem::path path(uri.path);
+      auto status = std::filesystem::status(path, error);
+      WS_EXPECT(std::filesystem::exists(status), ErrorCode::kNotFound,
+                "checkpoint '" + uri.text + "' does not exist (expected a .safetensors file or a directory of them)");
+      if (std::filesystem::is_directory(status)) return open_local_storage(uri.path, options.stream.local_io);
+      auto parent = path.parent_path();
+      if (object) *object = path.filename().string();
+      return open_local_storage(parent.empty() ? std::string(".") : parent.string(), options.stream.local_io);
+    }
+    case Uri::Scheme::kS3: {
+      // A key that ends in .safetensors names one object; anything else is a prefix.
+      if (uri.path.ends_with(".safetensors")) {
+        auto slash = uri.path.rfind('/');
+        if (object) *object = slash == std::string::npos ? uri.path : uri.path.substr(slash + 1);
+        return open_s3_storage(uri.bucket, slash == std::string::npos ? std::string() : uri.path.substr(0, slash), options.s3);
+      }
+      return open_s3_storage(uri.bucket, uri.path, options.s3);
+    }
+    case Uri::Scheme::kHttp:
+      WS_FAIL(ErrorCode::kUnsupported, "'" + uri.text + "': http(s) checkpoints are not supported yet; use s3:// with an endpoint");
+  }
+  WS_FAIL(ErrorCode::kInternal, "unhandled URI scheme");
+}
+
+std::string read_object(Storage& storage, std::string_view name, uint64_t max_bytes) {
+  auto info = storage.stat(name);
+  WS_EXPECT(info.size <= max_bytes, ErrorCode::kFormat,
+            storage.object_uri(name) + ": " + std::to_string(info.size) + " bytes is larger than the " +
+                std::to_string(max_bytes) + " bytes allowed for this file");
+  std::string text(info.size, '\0');
+  storage.read(name, 0, std::as_writable_bytes(std::span(text.data(), text.size())));
+  return text;
+}
+
+}  // namespace weightstream

@@ -1,0 +1,291 @@
+// The streamer: plan reads from tensor requests, run a reader pool, stage through a bounded
+// pool, deliver every requested byte exactly once to the sink.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "stream/staging_pool.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream {
+namespace {
+
+/// Part of a read that belongs to one request.
+struct Delivery {
+  size_t request;
+  uint64_t request_offset;  // where the bytes go within the requested range
+  uint64_t buffer_offset;   // where they are within the read
+  uint64_t length;
+};
+
+/// One read call against storage.
+struct PlannedRead {
+  uint32_t shard;
+  uint64_t offset;
+  uint64_t length;
+  std::byte* direct;  // non-null: read straight into this memory (no staging)
+  std::vector<Delivery> deliveries;
+};
+
+struct ResolvedRequest {
+  uint32_t shard;
+  uint64_t start;   // absolute offset in the shard file
+  uint64_t length;
+  std::byte* direct;
+};
+
+uint64_t effective_chunk(const StreamOptions& options) {
+  // Keep at least four buffers inside the memory limit so reads overlap, but never read in
+  // pieces smaller than a page.
+  uint64_t chunk = std::min(options.chunk_bytes, std::max<uint64_t>(options.memory_limit / 4, 4096));
+  chunk = std::max<uint64_t>(chunk - chunk % 4096, 4096);
+  return std::min(chunk, std::max<uint64_t>(options.memory_limit, 4096));
+}
+
+std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                                    TensorSink& sink, uint64_t chunk) {
+  std::vector<ResolvedRequest> resolved(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& request = requests[i];
+    WS_EXPECT(request.tensor < checkpoint.tensors().size(), ErrorCode::kInvalidArgument,
+              "request " + std::to_string(i) + " names tensor #" + std::to_string(request.tensor) + " of a checkpoint with " +
+                  std::to_string(checkpoint.tensors().size()) + " tensors");
+    const auto& tensor = checkpoint.tensors()[request.tensor];
+    uint64_t length = request.range.length == 0 ? tensor.bytes - std::min(tensor.bytes, request.range.offset) : request.range.length;
+    WS_EXPECT(request.range.offset <= tensor.bytes && length <= tensor.bytes - request.range.offset, ErrorCode::kInvalidArgument,
+              "request for bytes " + std::to_string(request.range.offset) + "+" + std::to_string(length) + " of tensor '" +
+                  tensor.name + "' lies outside its " + std::to_string(tensor.bytes) + " bytes");
+    resolved[i] = {tensor.shard, tensor.offset + request.range.offset, length, sink.direct_destination(i)};
+  }
+  std::vector<size_t> order(requests.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::tie(resolved[a].shard, resolved[a].start) < std::tie(resolved[b].shard, resolved[b].start);
+  });
+
+  std::vector<PlannedRead> reads;
+  bool merge_open = false;  // whether reads.back() may take more staged neighbours
+  for (size_t index : order) {
+    const auto& request = resolved[index];
+    if (request.length == 0) continue;
+    if (!request.direct && request.length <= chunk && merge_open) {
+      auto& last = reads.back();
+      if (last.shard == request.shard && last.offset + last.length == request.start && last.length + request.length <= chunk) {
+        last.deliveries.push_back({index, 0, last.length, request.length});
+        last.length += request.length;
+        continue;
+      }
+    }
+    merge_open = false;
+    for (uint64_t done = 0; done < request.length; done += chunk) {
+      uint64_t length = std::min(chunk, request.length - done);
+      reads.push_back({request.shard, request.start + done, length, request.direct ? request.direct + done : nullptr,
+                       {{index, done, 0, length}}});
+    }
+    merge_open = !request.direct && request.length <= chunk;
+  }
+  return reads;
+}
+
+/// State shared by the reader threads of one stream.
+class StreamRun {
+ public:
+  StreamRun(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
+            std::vector<PlannedRead> reads, std::shared_ptr<StagingPool> pool)
+      : checkpoint_(checkpoint), requests_(requests), sink_(sink), reads_(std::move(reads)), pool_(std::move(pool)),
+        ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0) {
+    for (const auto& read : reads_) {
+      for (const auto& delivery : read.deliveries) remaining_[delivery.request] += delivery.length;
+    }
+    // The callback holds the wake-up state by shared_ptr: a sink may drop a lease after this
+    // run is gone. Taking the lock orders the wake-up after a waiter's failed try_acquire.
+    pool_->set_on_release([wake = wake_] {
+      { std::lock_guard lock(wake->mutex); }
+      wake->condition.notify_all();
+    });
+  }
+
+  void run_worker() {
+    while (true) {
+      size_t read_index;
+      StagingPool::Lease lease;
+      {
+        std::unique_lock lock(mutex_);
+        while (true) {
+          if (error_ || next_read_ >= reads_.size()) return;
+          if (reads_[next_read_].direct) break;
+          lease = pool_->try_acquire();
+          if (lease.data) break;
+          wakeup_.wait(lock);
+        }
+        read_index = next_read_++;
+      }
+      try {
+        execute(reads_[read_index], lease);
+      } catch (...) {
+        fail(std::current_exception());
+        return;
+      }
+    }
+  }
+
+  void fail(std::exception_ptr error) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!error_) error_ = error;
+    }
+    wakeup_.notify_all();
+  }
+
+  std::exception_ptr error() {
+    std::lock_guard lock(mutex_);
+    return error_;
+  }
+
+  uint64_t delivered() const { return delivered_.load(std::memory_order_relaxed); }
+  uint64_t completed() const { return completed_.load(std::memory_order_relaxed); }
+
+  /// Requests with nothing to read (empty tensors) complete at once.
+  void complete_empty_requests() {
+    for (size_t i = 0; i < remaining_.size(); ++i) {
+      if (remaining_[i] == 0) {
+        sink_.request_complete(i);
+        completed_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+
+ private:
+  void execute(const PlannedRead& read, const StagingPool::Lease& lease) {
+    std::byte* target = read.direct ? read.direct : lease.data;
+    const auto& shard = checkpoint_.shards()[read.shard];
+    checkpoint_.storage().read(shard.name, read.offset, std::span(target, read.length));
+    for (const auto& delivery : read.deliveries) {
+      TensorPiece piece;
+      piece.request = delivery.request;
+      piece.offset = delivery.request_offset;
+      piece.bytes = std::span<const std::byte>(target + delivery.buffer_offset, delivery.length);
+      piece.keepalive = read.direct ? nullptr : lease.keepalive;
+      if (ordered_) {
+        std::unique_lock lock(mutex_);
+        wakeup_.wait(lock, [&] { return error_ || next_offset_[delivery.request] == delivery.request_offset; });
+        if (error_) return;
+      }
+      piece.tensor = &checkpoint_.tensors()[requests_[delivery.request].tensor];
+      sink_.consume(std::move(piece));
+      if (ordered_) {
+        {
+          std::lock_guard lock(mutex_);
+          next_offset_[delivery.request] += delivery.length;
+        }
+        wakeup_.notify_all();
+      }
+      delivered_.fetch_add(delivery.length, std::memory_order_relaxed);
+      if (remaining_[delivery.request].fetch_sub(delivery.length) == delivery.length) {
+        sink_.request_complete(delivery.request);
+        completed_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+
+  struct WakeState {
+    std::mutex mutex;
+    std::condition_variable condition;
+  };
+
+  const Checkpoint& checkpoint_;
+  std::span<const TensorRequest> requests_;
+  TensorSink& sink_;
+  std::vector<PlannedRead> reads_;
+  std::shared_ptr<StagingPool> pool_;
+  bool ordered_;
+  std::vector<std::atomic<uint64_t>> remaining_;
+  std::vector<uint64_t> next_offset_;
+  std::shared_ptr<WakeState> wake_ = std::make_shared<WakeState>();
+  std::mutex& mutex_ = wake_->mutex;
+  std::condition_variable& wakeup_ = wake_->condition;
+  size_t next_read_ = 0;
+  std::exception_ptr error_;
+  std::atomic<uint64_t> delivered_{0};
+  std::atomic<uint64_t> completed_{0};
+};
+
+}  // namespace
+
+std::vector<TensorRequest> all_tensors(const Checkpoint& checkpoint) {
+  std::vector<TensorRequest> requests(checkpoint.tensors().size());
+  for (size_t i = 0; i < requests.size(); ++i) requests[i] = {i, {0, checkpoint.tensors()[i].bytes}};
+  return requests;
+}
+
+StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
+                           const StreamOptions& options, const ProgressCallback& progress, HostMemory staging) {
+  auto start = std::chrono::steady_clock::now();
+  WS_EXPECT(options.concurrency >= 1, ErrorCode::kInvalidArgument, "concurrency must be at least 1");
+  uint64_t chunk = effective_chunk(options);
+  auto reads = plan_reads(checkpoint, requests, sink, chunk);
+
+  StreamStats stats;
+  std::set<uint32_t> shards;
+  uint64_t total = 0;
+  for (const auto& read : reads) {
+    stats.bytes_read += read.length;
+    shards.insert(read.shard);
+    for (const auto& delivery : read.deliveries) total += delivery.length;
+  }
+  stats.reads = reads.size();
+  stats.shards_read = shards.size();
+
+  size_t max_buffers = static_cast<size_t>(std::max<uint64_t>(1, options.memory_limit / chunk));
+  auto pool = StagingPool::create(chunk, max_buffers, staging);
+  unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
+  {
+    StreamRun run(checkpoint, requests, sink, std::move(reads), pool);
+    run.complete_empty_requests();
+    {
+      std::vector<std::jthread> threads;
+      threads.reserve(thread_count);
+      for (unsigned i = 0; i < thread_count; ++i) {
+        threads.emplace_back([&run] {
+          try {
+            run.run_worker();
+          } catch (...) {
+            run.fail(std::current_exception());
+          }
+        });
+      }
+      if (progress) {
+        while (run.delivered() < total && !run.error()) {
+          progress(run.delivered(), total);
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+      }
+    }
+    if (auto error = run.error()) {
+      try {
+        sink.finish();
+      } catch (...) {
+        // The first error is the one the caller sees; a sink failing to drain after it
+        // adds nothing.
+      }
+      std::rethrow_exception(error);
+    }
+    WS_EXPECT(run.delivered() == total, ErrorCode::kInternal,
+              "stream delivered " + std::to_string(run.delivered()) + " of " + std::to_string(total) + " bytes");
+    stats.tensors = run.completed();
+    stats.bytes = run.delivered();
+  }
+  sink.finish();
+  if (progress) progress(total, total);
+  stats.peak_staging_bytes = pool->peak_bytes();
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return stats;
+}
+
+}  // namespace weightstream
