@@ -78,6 +78,9 @@ struct S3Options {
   double deadline_seconds = 300;
   /// Stall timeout: a transfer slower than 1 byte/s for this long fails. WEIGHTSTREAM_S3_TIMEOUT.
   double timeout_seconds = 30;
+  /// First retry's backoff ceiling in seconds; it doubles per attempt (capped at 10 s) and the
+  /// actual sleep is drawn uniformly below it ("full jitter"). WEIGHTSTREAM_S3_RETRY_BASE.
+  double retry_base_seconds = 0.1;
 };
 
 /// Every option of the library, as read from the environment.

@@ -18,6 +18,7 @@ const std::set<std::string, std::less<>> kKnownVariables = {
     "WEIGHTSTREAM_LOCAL_IO",        "WEIGHTSTREAM_PROGRESS",       "WEIGHTSTREAM_S3_ADDRESSING",
     "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
     "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
+    "WEIGHTSTREAM_S3_RETRY_BASE",
     "WEIGHTSTREAM_MODEL_URI",
 };
 
@@ -135,6 +136,8 @@ Options options_from_environment(const Environment& environment) {
     s3.deadline_seconds = parse_seconds("WEIGHTSTREAM_S3_DEADLINE", *v);
   if (auto* v = find(environment, "WEIGHTSTREAM_S3_TIMEOUT"))
     s3.timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_TIMEOUT", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_RETRY_BASE"))
+    s3.retry_base_seconds = parse_seconds("WEIGHTSTREAM_S3_RETRY_BASE", *v);
 
   const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
   const auto* alias = find(environment, "MX_MODEL_URI");

@@ -1,0 +1,492 @@
+// S3 requests with retries. The retry policy follows AWS's guidance: exponential backoff
+// with "full jitter" (sleep uniformly in [0, min(cap, base * 2^attempt)]), see
+// https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/ and
+// https://docs.aws.amazon.com/sdkref/latest/guide/feature-retry-behavior.html
+// Retried: 5xx (503 SlowDown included), 429, 408, RequestTimeout, transport failures
+// (reset, refused, stall, timeout) and bodies whose length or range is not the one asked
+// for. Not retried: 403 and 404 (they will not change), other 4xx, TLS verification failures.
+#include "storage/s3_client.hpp"
+
+#include <curl/curl.h>
+
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "storage/s3_checksum.hpp"
+
+namespace weightstream::s3 {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Backoff ceiling: no single sleep exceeds this, however many attempts.
+constexpr double kMaxBackoffSeconds = 10;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double jittered_backoff(double base, unsigned attempt) {
+  thread_local std::mt19937_64 random{std::random_device{}()};
+  double ceiling = std::min(kMaxBackoffSeconds, base * std::ldexp(1.0, static_cast<int>(std::min(attempt, 30u)) - 1));
+  return std::uniform_real_distribution<double>(0, ceiling)(random);
+}
+
+bool dns_compatible(std::string_view bucket) {
+  // Virtual-hosted addressing needs a bucket that is a valid host label and has no dots
+  // (dots break the wildcard TLS certificate). Others go path-style.
+  if (bucket.size() < 3 || bucket.size() > 63) return false;
+  for (char c : bucket) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return false;
+  }
+  return bucket.front() != '-' && bucket.back() != '-';
+}
+
+std::optional<uint64_t> parse_u64(std::string_view text) {
+  uint64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+std::string request_id_of(const HttpResponse& response, const ErrorBody& body) {
+  std::string id = response.header("x-amz-request-id");
+  if (id.empty()) id = body.request_id;
+  return id.substr(0, 100);
+}
+
+bool retryable_transport(int code) {
+  switch (static_cast<CURLcode>(code)) {
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_URL_MALFORMAT:
+    case CURLE_PEER_FAILED_VERIFICATION:
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CERTPROBLEM:
+    case CURLE_SSL_ISSUER_ERROR:
+    case CURLE_ABORTED_BY_CALLBACK:
+      return false;
+    default:
+      return true;
+  }
+}
+
+std::string describe_range(uint64_t offset, uint64_t size) {
+  return std::to_string(offset) + "+" + std::to_string(size) + " bytes";
+}
+
+}  // namespace
+
+std::string s3_uri(std::string_view bucket, std::string_view key) {
+  return "s3://" + std::string(bucket) + "/" + std::string(key);
+}
+
+std::optional<ContentRange> parse_content_range(std::string_view value) {
+  if (!value.starts_with("bytes ")) return std::nullopt;
+  value.remove_prefix(6);
+  auto dash = value.find('-');
+  auto slash = value.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || dash > slash) return std::nullopt;
+  auto first = parse_u64(value.substr(0, dash));
+  auto last = parse_u64(value.substr(dash + 1, slash - dash - 1));
+  if (!first || !last || *last < *first) return std::nullopt;
+  ContentRange range{*first, *last, std::nullopt};
+  auto total_text = value.substr(slash + 1);
+  if (total_text != "*") {
+    auto total = parse_u64(total_text);
+    if (!total || *total <= *last) return std::nullopt;
+    range.total = *total;
+  }
+  return range;
+}
+
+Endpoint Endpoint::from_options(const S3Options& options) {
+  Endpoint endpoint;
+  endpoint.addressing = options.addressing;
+  if (options.endpoint.empty()) {
+    const std::string region = options.region.empty() ? "us-east-1" : options.region;
+    // us-east-1 answers on the global name, which is also what AWS's examples sign.
+    endpoint.authority = region == "us-east-1" ? "s3.amazonaws.com" : "s3." + region + ".amazonaws.com";
+    return endpoint;
+  }
+  std::string_view text = options.endpoint;
+  endpoint.custom = true;
+  if (text.starts_with("https://")) {
+    text.remove_prefix(8);
+  } else if (text.starts_with("http://")) {
+    // Plain HTTP only ever comes from an explicit endpoint (a local MinIO, moto, a proxy).
+    endpoint.scheme = "http";
+    text.remove_prefix(7);
+  } else {
+    WS_FAIL(ErrorCode::kConfig, "S3 endpoint '" + options.endpoint +
+                                    "' must start with http:// or https:// (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL)");
+  }
+  auto slash = text.find('/');
+  endpoint.authority = std::string(text.substr(0, slash));
+  if (slash != std::string_view::npos) {
+    std::string_view path = text.substr(slash);
+    while (!path.empty() && path.back() == '/') path.remove_suffix(1);
+    endpoint.base_path = std::string(path);
+  }
+  WS_EXPECT(!endpoint.authority.empty() && endpoint.authority.find_first_of("?#@ ") == std::string::npos,
+            ErrorCode::kConfig, "S3 endpoint '" + options.endpoint + "' has no usable host");
+  return endpoint;
+}
+
+bool Endpoint::virtual_hosted(std::string_view bucket) const {
+  switch (addressing) {
+    case S3Addressing::kPath:
+      return false;
+    case S3Addressing::kVirtual:
+      return true;
+    case S3Addressing::kAuto:
+      return !custom && dns_compatible(bucket);
+  }
+  return false;
+}
+
+S3Client::S3Client(S3Options options)
+    : options_(std::move(options)),
+      endpoint_(Endpoint::from_options(options_)),
+      signer_(resolve_credentials(options_), options_.region.empty() ? "us-east-1" : options_.region),
+      http_(HttpSettings{options_.verify_tls, options_.ca_bundle, options_.timeout_seconds,
+                         std::max(1u, options_.max_connections)}) {
+  if (options_.max_attempts == 0) options_.max_attempts = 1;
+  if (!options_.verify_tls) {
+    // Security bullet of issue 7: turning verification off is explicit and loud.
+    std::fprintf(stderr, "weightstream: warning: TLS certificate verification is OFF for S3 endpoint %s\n",
+                 endpoint_.authority.c_str());
+  }
+}
+
+Target S3Client::target(std::string_view bucket, std::string_view key, const std::vector<Field>& query) const {
+  Target target;
+  const std::string encoded_key = uri_encode(key, true);
+  if (endpoint_.virtual_hosted(bucket)) {
+    target.host = std::string(bucket) + "." + endpoint_.authority;
+    target.encoded_path = endpoint_.base_path + "/" + encoded_key;
+  } else {
+    target.host = endpoint_.authority;
+    target.encoded_path = endpoint_.base_path + "/" + uri_encode(bucket, false);
+    if (!key.empty()) target.encoded_path += "/" + encoded_key;
+  }
+  target.url = endpoint_.scheme + "://" + target.host + target.encoded_path;
+  if (!query.empty()) target.url += "?" + canonical_query(query);
+  return target;
+}
+
+HttpResponse S3Client::send(HttpRequest request, std::string_view bucket, std::string_view key,
+                            const std::vector<Field>& query, std::string_view payload_hash) {
+  Target where = target(bucket, key, query);
+  SigningInput input;
+  input.method = request.method;
+  input.encoded_path = where.encoded_path;
+  input.query = query;
+  input.payload_hash = std::string(payload_hash);
+  // Host is set explicitly so that the value signed is exactly the value sent.
+  input.headers.emplace_back("host", where.host);
+  for (auto& header : request.headers) input.headers.push_back(std::move(header));
+  signer_.sign_headers(input, amz_date_now());
+  request.headers = std::move(input.headers);
+  request.url = std::move(where.url);
+  ++requests_;
+  return http_.perform(request);
+}
+
+S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::string_view bucket,
+                                         std::string_view key) const {
+  Failure failure;
+  if (response.transport_error != 0) {
+    failure.retryable = retryable_transport(response.transport_error);
+    if (response.timed_out) {
+      failure.code = ErrorCode::kTimeout;
+      failure.cause = "timed out or stalled (no progress for " + std::to_string(std::lround(options_.timeout_seconds)) +
+                      " s, WEIGHTSTREAM_S3_TIMEOUT): " + response.transport_message;
+    } else {
+      failure.cause = "transfer failed (curl error " + std::to_string(response.transport_error) + ": " +
+                      response.transport_message + ")";
+    }
+    if (response.transport_error == CURLE_PEER_FAILED_VERIFICATION ||
+        response.transport_error == CURLE_SSL_CACERT_BADFILE) {
+      failure.advice = "check the endpoint's TLS certificate and the CA bundle (AWS_CA_BUNDLE)";
+    }
+    return failure;
+  }
+  ErrorBody body = parse_error_body(response.body);
+  const std::string request_id = request_id_of(response, body);
+  failure.cause = "HTTP " + std::to_string(response.status);
+  if (!body.code.empty()) failure.cause += " " + body.code;
+  if (!body.message.empty()) failure.cause += ": " + body.message;
+  if (!request_id.empty()) failure.cause += " (request id " + request_id + ")";
+  const long status = response.status;
+  if (status >= 500 || status == 429 || status == 408 || body.code == "RequestTimeout" ||
+      body.code == "SlowDown" || body.code == "InternalError") {
+    failure.retryable = true;
+    return failure;
+  }
+  failure.retryable = false;
+  const std::string region = signer_.region();
+  if (status == 403 || body.code == "AuthorizationHeaderMalformed" || body.code == "ExpiredToken" ||
+      body.code == "InvalidAccessKeyId" || body.code == "SignatureDoesNotMatch") {
+    failure.code = ErrorCode::kPermission;
+    if (body.code == "RequestTimeTooSkewed") {
+      failure.advice = "check this machine's clock: S3 rejects signatures more than 15 minutes off";
+    } else {
+      failure.advice = "check the credentials (from " + signer_.credentials().source + "), that they may read s3://" +
+                       std::string(bucket) + ", and the region (" + region + ", AWS_REGION)";
+    }
+  } else if (status == 404) {
+    failure.code = ErrorCode::kNotFound;
+    if (body.code == "NoSuchBucket") {
+      failure.advice = "check the bucket name '" + std::string(bucket) + "' and the endpoint";
+    } else {
+      failure.advice = "check the bucket '" + std::string(bucket) + "', the key '" + std::string(key) +
+                       "' and the prefix of the URI";
+    }
+  } else if (status == 301 || status == 307 || body.code == "PermanentRedirect") {
+    failure.code = ErrorCode::kConfig;
+    std::string other = response.header("x-amz-bucket-region");
+    if (other.empty()) other = body.region;
+    failure.advice = "the bucket lives in another region" + (other.empty() ? std::string() : " (" + other + ")") +
+                     ": set AWS_REGION (now " + region + ") or the endpoint";
+  } else if (status == 416) {
+    failure.code = ErrorCode::kIo;
+    failure.advice = "the range starts past the end of the object";
+  }
+  return failure;
+}
+
+void S3Client::with_retries(const std::string& operation,
+                            const std::function<std::optional<Failure>(double)>& attempt) {
+  const auto start = Clock::now();
+  const double deadline = options_.deadline_seconds;
+  Failure last;
+  unsigned attempts = 0;
+  bool deadline_passed = false;
+  while (attempts < options_.max_attempts) {
+    const double remaining = deadline - seconds_since(start);
+    if (remaining <= 0) {
+      deadline_passed = true;
+      break;
+    }
+    ++attempts;
+    auto failure = attempt(remaining);
+    if (!failure) return;
+    last = std::move(*failure);
+    if (!last.retryable || attempts == options_.max_attempts) break;
+    ++retries_;
+    const double delay = jittered_backoff(options_.retry_base_seconds, attempts);
+    if (seconds_since(start) + delay >= deadline) {
+      deadline_passed = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+  }
+  std::string message = operation + ": " + (last.cause.empty() ? std::string("no attempt made") : last.cause) +
+                        ", after " + std::to_string(attempts) + (attempts == 1 ? " attempt" : " attempts");
+  ErrorCode code = last.code;
+  if (deadline_passed) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%g", deadline);
+    message += std::string(" (deadline of ") + seconds + " s passed, WEIGHTSTREAM_S3_DEADLINE)";
+    code = ErrorCode::kTimeout;
+  }
+  if (!last.advice.empty()) message += "; " + last.advice;
+  WS_FAIL(code, message);
+}
+
+ObjectHead S3Client::head_object(std::string_view bucket, std::string_view key, bool checksums) {
+  ObjectHead head;
+  with_retries("cannot stat " + s3_uri(bucket, key), [&](double remaining) -> std::optional<Failure> {
+    HttpRequest request;
+    request.method = "HEAD";
+    request.timeout_seconds = remaining;
+    if (checksums) request.headers.emplace_back("x-amz-checksum-mode", "ENABLED");
+    auto response = send(std::move(request), bucket, key, {});
+    if (response.transport_error != 0 || response.status < 200 || response.status >= 300) {
+      return http_failure(response, bucket, key);
+    }
+    auto size = parse_u64(response.header("content-length"));
+    if (!size) {
+      return Failure{"HEAD response has no valid Content-Length ('" + response.header("content-length").substr(0, 40) + "')",
+                     true};
+    }
+    head.size = *size;
+    head.etag = response.header("etag");
+    head.checksum_crc32c = response.header("x-amz-checksum-crc32c");
+    head.checksum_sha256 = response.header("x-amz-checksum-sha256");
+    return std::nullopt;
+  });
+  return head;
+}
+
+ListPage S3Client::list_page(std::string_view bucket, std::string_view prefix, std::string_view delimiter,
+                             std::string_view continuation_token, unsigned max_keys) {
+  std::vector<Field> query = {{"list-type", "2"}, {"max-keys", std::to_string(max_keys)}};
+  if (!prefix.empty()) query.emplace_back("prefix", std::string(prefix));
+  if (!delimiter.empty()) query.emplace_back("delimiter", std::string(delimiter));
+  if (!continuation_token.empty()) query.emplace_back("continuation-token", std::string(continuation_token));
+  ListPage page;
+  const std::string operation = "cannot list " + s3_uri(bucket, prefix);
+  with_retries(operation, [&](double remaining) -> std::optional<Failure> {
+    HttpRequest request;
+    request.timeout_seconds = remaining;
+    auto response = send(std::move(request), bucket, "", query);
+    if (response.transport_error != 0 || response.status < 200 || response.status >= 300) {
+      auto failure = http_failure(response, bucket, prefix);
+      if (response.status == 404 && failure.code == ErrorCode::kNotFound)
+        failure.advice = "check the bucket name '" + std::string(bucket) + "' and the endpoint";
+      return failure;
+    }
+    try {
+      page = parse_list_page(response.body);
+    } catch (const Error& error) {
+      return Failure{error.what(), false, ErrorCode::kFormat};
+    }
+    return std::nullopt;
+  });
+  return page;
+}
+
+std::vector<ListedObject> S3Client::list_objects(std::string_view bucket, std::string_view prefix,
+                                                 std::string_view delimiter, unsigned max_keys, size_t max_pages) {
+  std::vector<ListedObject> objects;
+  std::string token;
+  std::vector<std::string> seen_tokens;
+  for (size_t pages = 0;; ++pages) {
+    WS_EXPECT(pages < max_pages, ErrorCode::kFormat,
+              "cannot list " + s3_uri(bucket, prefix) + ": more than " + std::to_string(max_pages) + " pages");
+    ListPage page = list_page(bucket, prefix, delimiter, token, max_keys);
+    for (auto& object : page.objects) objects.push_back(std::move(object));
+    if (!page.truncated) break;
+    // A server that hands back a token it already gave would loop forever.
+    WS_EXPECT(page.next_token != token && std::find(seen_tokens.begin(), seen_tokens.end(), page.next_token) ==
+                                              seen_tokens.end(),
+              ErrorCode::kFormat,
+              "cannot list " + s3_uri(bucket, prefix) + ": the server repeated a continuation token");
+    seen_tokens.push_back(page.next_token);
+    token = page.next_token;
+  }
+  return objects;
+}
+
+uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint64_t offset,
+                             std::span<std::byte> destination, std::optional<uint64_t> whole_object_size) {
+  const uint64_t size = destination.size();
+  WS_EXPECT(size > 0, ErrorCode::kInternal, "get_range of zero bytes");
+  WS_EXPECT(offset <= UINT64_MAX - size, ErrorCode::kInvalidArgument,
+            "cannot read " + describe_range(offset, size) + " of " + s3_uri(bucket, key) + ": the range overflows");
+  const bool whole = whole_object_size && offset == 0 && *whole_object_size == size;
+  uint64_t total = 0;
+  const std::string operation = "cannot read " + describe_range(offset, size) + " of " + s3_uri(bucket, key);
+  with_retries(operation, [&](double remaining) -> std::optional<Failure> {
+    HttpRequest request;
+    request.timeout_seconds = remaining;
+    request.destination = destination;
+    request.into_destination = true;
+    if (whole) {
+      request.headers.emplace_back("x-amz-checksum-mode", "ENABLED");
+    } else {
+      request.headers.emplace_back("range",
+                                   "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + size - 1));
+    }
+    auto response = send(std::move(request), bucket, key, {});
+    const bool success_status = response.status >= 200 && response.status < 300;
+    if (response.overflow && success_status) {
+      if (response.status == 200 && !whole) {
+        return Failure{"the server ignored the Range header (HTTP 200 with the whole object)", false,
+                       ErrorCode::kNetwork};
+      }
+      return Failure{"over-long body: more than the " + std::to_string(size) + " bytes asked for", true};
+    }
+    if (response.transport_error != 0 || !success_status) return http_failure(response, bucket, key);
+    const std::string request_id = response.header("x-amz-request-id");
+    const std::string id_note = request_id.empty() ? "" : " (request id " + request_id.substr(0, 100) + ")";
+    if (whole || response.status == 200) {
+      if (response.status != 200 || (!whole && offset != 0)) {
+        return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};
+      }
+      total = size;
+    } else {
+      if (response.status != 206) return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};
+      auto range = parse_content_range(response.header("content-range"));
+      if (!range || range->first != offset || range->last != offset + size - 1) {
+        return Failure{"Content-Range '" + response.header("content-range").substr(0, 80) +
+                           "' does not match the range asked for" + id_note,
+                       true};
+      }
+      total = range->total.value_or(offset + size);
+    }
+    if (auto length = response.header("content-length"); !length.empty() && parse_u64(length) != size) {
+      return Failure{"Content-Length " + length.substr(0, 40) + " does not match the " + std::to_string(size) +
+                         " bytes asked for" + id_note,
+                     true};
+    }
+    if (response.body_bytes != size) {
+      return Failure{"short body: " + std::to_string(response.body_bytes) + " of " + std::to_string(size) + " bytes" +
+                         id_note,
+                     true};
+    }
+    if (whole) {
+      // Checksums stored with the object cover it whole, so they are checked only here.
+      auto crc = response.header("x-amz-checksum-crc32c");
+      if (!crc.empty() && crc.find('-') == std::string::npos && crc32c_header_value(destination) != crc) {
+        return Failure{"checksum mismatch: x-amz-checksum-crc32c is " + crc.substr(0, 20) +
+                           " but the bytes received give " + crc32c_header_value(destination) + id_note,
+                       true};
+      }
+      auto sha = response.header("x-amz-checksum-sha256");
+      if (!sha.empty() && sha.find('-') == std::string::npos && sha256_header_value(destination) != sha) {
+        return Failure{"checksum mismatch: x-amz-checksum-sha256 is " + sha.substr(0, 60) +
+                           " but the bytes received give " + sha256_header_value(destination) + id_note,
+                       true};
+      }
+    }
+    return std::nullopt;
+  });
+  return total;
+}
+
+void S3Client::put_object(std::string_view bucket, std::string_view key, std::string_view body,
+                          const std::vector<Field>& extra_headers) {
+  const std::string payload_hash = sha256_hex(body);
+  with_retries("cannot write " + std::to_string(body.size()) + " bytes to " + s3_uri(bucket, key),
+               [&](double remaining) -> std::optional<Failure> {
+                 HttpRequest request;
+                 request.method = "PUT";
+                 request.upload = body;
+                 request.timeout_seconds = remaining;
+                 request.headers = extra_headers;
+                 auto response = send(std::move(request), bucket, key, {}, payload_hash);
+                 if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
+                   return http_failure(response, bucket, key);
+                 return std::nullopt;
+               });
+}
+
+void S3Client::create_bucket(std::string_view bucket) {
+  with_retries("cannot create bucket s3://" + std::string(bucket), [&](double remaining) -> std::optional<Failure> {
+    HttpRequest request;
+    request.method = "PUT";
+    request.timeout_seconds = remaining;
+    auto response = send(std::move(request), bucket, "", {});
+    if (response.status == 409) return std::nullopt;  // BucketAlreadyOwnedByYou
+    if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
+      return http_failure(response, bucket, "");
+    return std::nullopt;
+  });
+}
+
+std::string S3Client::presign_get(std::string_view bucket, std::string_view key, uint64_t expires_seconds,
+                                  std::string_view amz_date) const {
+  Target where = target(bucket, key);
+  SigningInput input;
+  input.method = "GET";
+  input.encoded_path = where.encoded_path;
+  input.headers.emplace_back("host", where.host);
+  return where.url + "?" + signer_.presign_query(std::move(input), amz_date, expires_seconds);
+}
+
+}  // namespace weightstream::s3

@@ -1,0 +1,225 @@
+#include "storage/s3_http.hpp"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::s3 {
+namespace {
+
+// curl_global_init is not thread-safe before libcurl 7.84; a function-local static runs it
+// exactly once, before the first handle is made.
+void ensure_curl_initialized() {
+  static const CURLcode result = curl_global_init(CURL_GLOBAL_DEFAULT);
+  WS_EXPECT(result == CURLE_OK, ErrorCode::kInternal,
+            std::string("curl_global_init failed: ") + curl_easy_strerror(result));
+}
+
+struct SlistDeleter {
+  void operator()(curl_slist* list) const { curl_slist_free_all(list); }
+};
+using Slist = std::unique_ptr<curl_slist, SlistDeleter>;
+
+// State of one transfer, shared with libcurl's callbacks.
+struct Transfer {
+  const HttpRequest* request = nullptr;
+  HttpResponse* response = nullptr;
+  size_t upload_offset = 0;
+
+  bool body_to_destination() const {
+    return request->into_destination && response->status >= 200 && response->status < 300;
+  }
+};
+
+size_t on_header(char* data, size_t size, size_t count, void* user) {
+  auto& transfer = *static_cast<Transfer*>(user);
+  const size_t length = size * count;
+  std::string_view line(data, length);
+  while (!line.empty() && (line.back() == '\r' || line.back() == '\n')) line.remove_suffix(1);
+  if (line.starts_with("HTTP/")) {
+    // A new status line (after a 100 Continue, say) starts a new set of headers.
+    transfer.response->headers.clear();
+    auto space = line.find(' ');
+    transfer.response->status = space == std::string_view::npos ? 0 : std::atol(std::string(line.substr(space + 1, 3)).c_str());
+    return length;
+  }
+  auto colon = line.find(':');
+  if (colon == std::string_view::npos) return length;
+  std::string name(line.substr(0, colon));
+  for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::string_view value = line.substr(colon + 1);
+  while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+  while (!value.empty() && (value.back() == ' ' || value.back() == '\t')) value.remove_suffix(1);
+  transfer.response->headers.emplace_back(std::move(name), std::string(value));
+  return length;
+}
+
+size_t on_body(char* data, size_t size, size_t count, void* user) {
+  auto& transfer = *static_cast<Transfer*>(user);
+  auto& response = *transfer.response;
+  const size_t length = size * count;
+  if (transfer.body_to_destination()) {
+    auto destination = transfer.request->destination;
+    if (response.body_bytes + length > destination.size()) {
+      // More bytes than the range asked for: stop now rather than write past the buffer.
+      response.overflow = true;
+      return 0;  // any count other than `length` aborts the transfer
+    }
+    std::memcpy(destination.data() + response.body_bytes, data, length);
+  } else {
+    if (response.body.size() + length > transfer.request->max_body_bytes) {
+      response.overflow = true;
+      return 0;  // any count other than `length` aborts the transfer
+    }
+    response.body.append(data, length);
+  }
+  response.body_bytes += length;
+  return length;
+}
+
+size_t on_upload(char* buffer, size_t size, size_t count, void* user) {
+  auto& transfer = *static_cast<Transfer*>(user);
+  auto upload = transfer.request->upload;
+  size_t length = std::min(size * count, upload.size() - transfer.upload_offset);
+  std::memcpy(buffer, upload.data() + transfer.upload_offset, length);
+  transfer.upload_offset += length;
+  return length;
+}
+
+}  // namespace
+
+std::string HttpResponse::header(std::string_view name) const {
+  for (const auto& [key, value] : headers) {
+    if (key == name) return value;
+  }
+  return {};
+}
+
+void HttpClient::HandleDeleter::operator()(void* handle) const { curl_easy_cleanup(static_cast<CURL*>(handle)); }
+
+HttpClient::HttpClient(HttpSettings settings) : settings_(std::move(settings)) {
+  if (settings_.max_connections == 0) settings_.max_connections = 1;
+  ensure_curl_initialized();
+}
+
+HttpClient::~HttpClient() = default;
+
+size_t HttpClient::handles_created() const {
+  std::lock_guard lock(mutex_);
+  return created_;
+}
+
+HttpClient::Handle HttpClient::acquire() {
+  std::unique_lock lock(mutex_);
+  available_.wait(lock, [&] { return in_flight_ < settings_.max_connections; });
+  ++in_flight_;
+  if (!idle_.empty()) {
+    Handle handle = std::move(idle_.back());
+    idle_.pop_back();
+    return handle;
+  }
+  ++created_;
+  lock.unlock();
+  Handle handle(curl_easy_init());
+  if (!handle) {
+    release(nullptr);
+    WS_FAIL(ErrorCode::kInternal, "curl_easy_init failed");
+  }
+  return handle;
+}
+
+void HttpClient::release(Handle handle) {
+  {
+    std::lock_guard lock(mutex_);
+    --in_flight_;
+    if (handle) idle_.push_back(std::move(handle));
+  }
+  available_.notify_one();
+}
+
+HttpResponse HttpClient::perform(const HttpRequest& request) {
+  HttpResponse response;
+  Handle owned = acquire();
+  struct Returner {
+    HttpClient* client;
+    Handle* handle;
+    ~Returner() { client->release(std::move(*handle)); }
+  } returner{this, &owned};
+  auto* curl = static_cast<CURL*>(owned.get());
+  // A reset keeps the handle's connection cache: that is the reuse this pool exists for.
+  curl_easy_reset(curl);
+
+  Slist headers;
+  for (const auto& [name, value] : request.headers) {
+    std::string line = name + ": " + value;
+    curl_slist* appended = curl_slist_append(headers.get(), line.c_str());
+    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
+    headers.release();
+    headers.reset(appended);
+  }
+  // libcurl adds "Expect: 100-continue" to uploads; S3-compatible servers vary in honouring it.
+  if (request.method == "PUT") {
+    curl_slist* appended = curl_slist_append(headers.get(), "Expect:");
+    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
+    headers.release();
+    headers.reset(appended);
+  }
+
+  Transfer transfer{&request, &response};
+  char error_text[CURL_ERROR_SIZE] = {0};
+  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_text);
+  // Signals are unsafe with many threads (the resolver's timeout would use SIGALRM).
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(curl, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header);
+  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+  curl_easy_setopt(curl, CURLOPT_TCP_KEEPALIVE, 1L);
+  // A stalled transfer (under 1 byte/s for stall_seconds) fails with CURLE_OPERATION_TIMEDOUT
+  // and is retried by the caller.
+  const long stall = std::max(1L, static_cast<long>(std::lround(settings_.stall_seconds)));
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, stall);
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(settings_.stall_seconds, 30.0) * 1000));
+  if (request.timeout_seconds > 0) {
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(request.timeout_seconds * 1000)));
+  }
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, settings_.verify_tls ? 1L : 0L);
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, settings_.verify_tls ? 2L : 0L);
+  if (!settings_.ca_bundle.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, settings_.ca_bundle.c_str());
+  if (request.method == "HEAD") {
+    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
+  } else if (request.method == "PUT") {
+    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(curl, CURLOPT_READFUNCTION, on_upload);
+    curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
+  } else if (request.method != "GET") {
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  }
+
+  CURLcode code = curl_easy_perform(curl);
+  long status = 0;
+  curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
+  if (status != 0) response.status = status;
+  if (code != CURLE_OK) {
+    response.transport_error = static_cast<int>(code);
+    response.transport_message = error_text[0] ? error_text : curl_easy_strerror(code);
+    response.timed_out = code == CURLE_OPERATION_TIMEDOUT;
+    // A failed transfer may leave its connection half-read; libcurl closes such connections
+    // itself, so the handle stays reusable.
+  }
+  return response;
+}
+
+}  // namespace weightstream::s3

@@ -1,0 +1,163 @@
+// The S3 backend of Storage: a prefix of a bucket seen as a flat directory.
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "storage/s3_checksum.hpp"
+#include "storage/s3_client.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+namespace {
+
+class S3Storage final : public Storage {
+ public:
+  S3Storage(std::string bucket, std::string prefix, const S3Options& options)
+      : bucket_(std::move(bucket)), prefix_(std::move(prefix)), client_(options) {}
+
+  std::string root_uri() const override {
+    std::string_view prefix = prefix_;
+    if (prefix.ends_with('/')) prefix.remove_suffix(1);
+    return "s3://" + bucket_ + (prefix.empty() ? "" : "/" + std::string(prefix));
+  }
+
+  std::string object_uri(std::string_view name) const override { return s3::s3_uri(bucket_, key_of(name)); }
+
+  std::vector<ObjectInfo> list() override {
+    // The delimiter keeps "subdirectories" out: the root is one level, like a directory.
+    auto objects = client_.list_objects(bucket_, prefix_, "/");
+    std::vector<ObjectInfo> result;
+    std::lock_guard lock(mutex_);
+    for (auto& object : objects) {
+      // Keys outside the prefix would be a broken server; a key equal to the prefix is a
+      // "directory marker" some tools create. Neither is an object of this root.
+      if (!std::string_view(object.key).starts_with(prefix_) || object.key.size() == prefix_.size()) continue;
+      std::string name = object.key.substr(prefix_.size());
+      sizes_[name] = object.size;
+      result.push_back({std::move(name), object.size});
+    }
+    return result;
+  }
+
+  ObjectInfo stat(std::string_view name) override {
+    auto head = client_.head_object(bucket_, key_of(name));
+    std::lock_guard lock(mutex_);
+    sizes_[std::string(name)] = head.size;
+    return {std::string(name), head.size};
+  }
+
+  void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
+    const uint64_t size = destination.size();
+    const std::string key = key_of(name);
+    WS_EXPECT(offset <= UINT64_MAX - size, ErrorCode::kInvalidArgument,
+              "cannot read " + std::to_string(offset) + "+" + std::to_string(size) + " bytes of " +
+                  s3::s3_uri(bucket_, key) + ": the range overflows");
+    if (size == 0) return;
+    std::optional<uint64_t> known_size;
+    {
+      std::lock_guard lock(mutex_);
+      if (auto it = sizes_.find(std::string(name)); it != sizes_.end()) known_size = it->second;
+    }
+    if (known_size && offset + size > *known_size) {
+      WS_FAIL(ErrorCode::kIo,
+              "cannot read " + std::to_string(offset) + "+" + std::to_string(size) + " bytes of " +
+                  s3::s3_uri(bucket_, key) + ": past the end of the " + std::to_string(*known_size) + "-byte object");
+    }
+    const bool whole = known_size && offset == 0 && size == *known_size;
+    const uint64_t piece = std::max<uint64_t>(client_.options().request_bytes, 1);
+    if (size <= piece) {
+      client_.get_range(bucket_, key, offset, destination, whole ? known_size : std::nullopt);
+      return;
+    }
+    read_pieces(key, offset, destination, piece);
+    if (whole) verify_whole(key, destination);
+  }
+
+  unsigned preferred_concurrency() const override { return std::max(1u, client_.options().max_connections); }
+
+ private:
+  // Names are plain object names under the prefix, as for local files: no '/', which
+  // would reach into another "directory", and no dot segments.
+  std::string key_of(std::string_view name) const {
+    WS_EXPECT(!name.empty() && name.find('/') == std::string_view::npos && name != "." && name != "..",
+              ErrorCode::kInvalidArgument, "'" + std::string(name) + "' is not a plain object name in " + root_uri());
+    return prefix_ + std::string(name);
+  }
+
+  // A read larger than request_bytes becomes parallel ranged GETs: the caller sees one
+  // result, and the first failure stops the other workers and is the error it gets.
+  void read_pieces(const std::string& key, uint64_t offset, std::span<std::byte> destination, uint64_t piece) {
+    const uint64_t size = destination.size();
+    const uint64_t pieces = (size + piece - 1) / piece;
+    const unsigned workers =
+        static_cast<unsigned>(std::min<uint64_t>(pieces, std::max(1u, client_.options().max_connections)));
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr first_error;
+    std::mutex error_mutex;
+    auto work = [&] {
+      while (!failed.load()) {
+        uint64_t index = next.fetch_add(1);
+        if (index >= pieces) return;
+        uint64_t begin = index * piece;
+        uint64_t length = std::min(piece, size - begin);
+        try {
+          client_.get_range(bucket_, key, offset + begin, destination.subspan(begin, length));
+        } catch (...) {
+          std::lock_guard lock(error_mutex);
+          if (!failed.exchange(true)) first_error = std::current_exception();
+          return;
+        }
+      }
+    };
+    {
+      std::vector<std::jthread> threads;
+      threads.reserve(workers - 1);
+      for (unsigned i = 1; i < workers; ++i) threads.emplace_back(work);
+      work();
+    }
+    if (first_error) std::rethrow_exception(first_error);
+  }
+
+  // A whole object read in pieces: compare it with the checksums S3 stored, when there are
+  // any (ranged GETs do not carry them, so one HEAD asks for them).
+  void verify_whole(const std::string& key, std::span<const std::byte> bytes) {
+    auto head = client_.head_object(bucket_, key, true);
+    auto check = [&](const std::string& expected, const std::string& actual, std::string_view header) {
+      if (expected.empty() || expected.find('-') != std::string::npos) return;  // absent, or multipart composite
+      WS_EXPECT(expected == actual, ErrorCode::kNetwork,
+                "cannot read 0+" + std::to_string(bytes.size()) + " bytes of " + s3::s3_uri(bucket_, key) +
+                    ": checksum mismatch: " + std::string(header) + " is " + expected.substr(0, 60) +
+                    " but the bytes received give " + actual);
+    };
+    if (!head.checksum_crc32c.empty()) check(head.checksum_crc32c, s3::crc32c_header_value(bytes), "x-amz-checksum-crc32c");
+    if (!head.checksum_sha256.empty()) check(head.checksum_sha256, s3::sha256_header_value(bytes), "x-amz-checksum-sha256");
+  }
+
+  std::string bucket_;
+  std::string prefix_;  ///< empty, or ends with '/'
+  s3::S3Client client_;
+  std::mutex mutex_;
+  std::map<std::string, uint64_t, std::less<>> sizes_;  ///< sizes seen by list() and stat()
+};
+
+}  // namespace
+
+std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::string& prefix,
+                                         const S3Options& options) {
+  // Bucket names: 3-63 characters of lowercase letters, digits, dots and hyphens
+  // (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html); some
+  // S3-compatible stores allow uppercase and underscores, so only the URL-breaking ones are refused.
+  WS_EXPECT(!bucket.empty() && bucket.find_first_of("/?#% ") == std::string::npos, ErrorCode::kInvalidArgument,
+            "'" + bucket + "' is not a valid S3 bucket name");
+  std::string normalized = prefix;
+  while (normalized.starts_with('/')) normalized.erase(0, 1);
+  if (!normalized.empty() && !normalized.ends_with('/')) normalized += '/';
+  return std::make_unique<S3Storage>(bucket, std::move(normalized), options);
+}
+
+}  // namespace weightstream
