@@ -1,0 +1,351 @@
+// The stream layer's contracts: every requested byte exactly once, bounded staging memory,
+// the first error cancels the other readers and is the one the caller sees.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <random>
+#include <set>
+
+#include "support/test_support.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+/// Deterministic bytes of tensor `index` at `offset`.
+std::byte expected_byte(size_t index, uint64_t offset) {
+  return static_cast<std::byte>((index * 131 + offset * 7 + (offset >> 9)) & 0xff);
+}
+
+/// Writes `shards` files holding `count` U8 tensors of pseudo-random sizes (some larger than
+/// 1 MiB) and returns the directory's tensor sizes.
+std::vector<uint64_t> write_checkpoint(const std::filesystem::path& directory, size_t count, size_t shards,
+                                       uint64_t seed, uint64_t max_bytes = 3 * kMiB) {
+  std::mt19937_64 random(seed);
+  std::vector<uint64_t> sizes(count);
+  std::vector<SafetensorsWriter> writers(shards);
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t size = (i % 7 == 0) ? random() % max_bytes : random() % 9000;
+    if (i == 3) size = 0;  // an empty tensor
+    sizes[i] = size;
+    std::vector<std::byte> bytes(size);
+    for (uint64_t offset = 0; offset < size; ++offset) bytes[offset] = expected_byte(i, offset);
+    char name[32];
+    std::snprintf(name, sizeof(name), "t%05zu", i);
+    writers[i % shards].add(name, Dtype::kU8, {static_cast<int64_t>(size)}, bytes);
+  }
+  for (size_t shard = 0; shard < shards; ++shard) {
+    writers[shard].write(directory / ("model-" + std::to_string(shard + 1) + ".safetensors"));
+  }
+  return sizes;
+}
+
+/// Records every delivered byte and checks it lands once, at the right place, with the
+/// right value; also tracks staging memory held by pieces at once.
+class RecordingSink : public TensorSink {
+ public:
+  RecordingSink(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, bool ordered, bool direct)
+      : checkpoint_(checkpoint), requests_(requests), ordered_(ordered), direct_(direct) {
+    for (const auto& request : requests) {
+      uint64_t length = request.range.length ? request.range.length : checkpoint.tensors()[request.tensor].bytes;
+      coverage_.emplace_back(length, 0);
+      destinations_.emplace_back(length);
+    }
+    next_offset_.assign(requests.size(), 0);
+    completed_.assign(requests.size(), 0);
+  }
+  std::byte* direct_destination(size_t request) override { return direct_ ? destinations_[request].data() : nullptr; }
+  bool wants_ordered_pieces() const override { return ordered_; }
+  void consume(TensorPiece&& piece) override {
+    std::lock_guard lock(mutex_);
+    ASSERT_EQ(piece.tensor, &checkpoint_.tensors()[requests_[piece.request].tensor]);
+    if (ordered_) {
+      EXPECT_EQ(piece.offset, next_offset_[piece.request]) << "pieces out of order";
+      next_offset_[piece.request] += piece.bytes.size();
+    }
+    auto& coverage = coverage_[piece.request];
+    ASSERT_LE(piece.offset + piece.bytes.size(), coverage.size());
+    uint64_t base = requests_[piece.request].range.offset;
+    size_t tensor_index = requests_[piece.request].tensor;
+    const auto& name = checkpoint_.tensors()[tensor_index].name;
+    size_t source_index = std::stoul(name.substr(1));
+    for (uint64_t i = 0; i < piece.bytes.size(); ++i) {
+      ++coverage[piece.offset + i];
+      if (piece.bytes[i] != expected_byte(source_index, base + piece.offset + i)) ++wrong_bytes_;
+    }
+    if (piece.keepalive) held_.insert(piece.keepalive.get());
+  }
+  void request_complete(size_t request) override {
+    std::lock_guard lock(mutex_);
+    ++completed_[request];
+  }
+  void expect_exactly_once() {
+    EXPECT_EQ(wrong_bytes_, 0u);
+    for (size_t r = 0; r < coverage_.size(); ++r) {
+      EXPECT_EQ(completed_[r], 1) << "request " << r << " completed " << completed_[r] << " times";
+      for (uint64_t i = 0; i < coverage_[r].size(); ++i) {
+        if (coverage_[r][i] != 1) {
+          ADD_FAILURE() << "request " << r << " byte " << i << " delivered " << int(coverage_[r][i]) << " times";
+          return;
+        }
+      }
+    }
+  }
+  size_t distinct_buffers() const { return held_.size(); }
+
+ private:
+  const Checkpoint& checkpoint_;
+  std::span<const TensorRequest> requests_;
+  bool ordered_;
+  bool direct_;
+  std::mutex mutex_;
+  std::vector<std::vector<uint8_t>> coverage_;
+  std::vector<std::vector<std::byte>> destinations_;
+  std::vector<uint64_t> next_offset_;
+  std::vector<int> completed_;
+  uint64_t wrong_bytes_ = 0;
+  std::set<const void*> held_;
+};
+
+struct StreamCase {
+  unsigned concurrency;
+  uint64_t memory_limit;
+  uint64_t chunk;
+  bool ordered;
+  bool direct;
+};
+
+class StreamExactlyOnce : public ::testing::TestWithParam<StreamCase> {};
+
+TEST_P(StreamExactlyOnce, EveryByteOnceInBoundedMemory) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 60, 3, 42);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  ASSERT_EQ(checkpoint.tensors().size(), sizes.size());
+  auto requests = all_tensors(checkpoint);
+  const auto& param = GetParam();
+  RecordingSink sink(checkpoint, requests, param.ordered, param.direct);
+  StreamOptions options;
+  options.concurrency = param.concurrency;
+  options.memory_limit = param.memory_limit;
+  options.chunk_bytes = param.chunk;
+  auto stats = stream_tensors(checkpoint, requests, sink, options);
+  sink.expect_exactly_once();
+  EXPECT_EQ(stats.tensors, requests.size());
+  EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
+  EXPECT_LE(stats.peak_staging_bytes, param.memory_limit);
+  if (param.direct) EXPECT_EQ(stats.peak_staging_bytes, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configurations, StreamExactlyOnce,
+                         ::testing::Values(StreamCase{1, 64 * kKiB, 16 * kKiB, false, false},
+                                           StreamCase{8, 256 * kKiB, 64 * kKiB, false, false},
+                                           StreamCase{8, 256 * kKiB, 64 * kKiB, true, false},
+                                           StreamCase{16, 64 * kMiB, 16 * kMiB, false, false},
+                                           StreamCase{3, 16 * kKiB, 4 * kKiB, true, false},
+                                           StreamCase{4, 64 * kKiB, 16 * kKiB, false, true}));
+
+TEST(Streamer, PartialRangesOfTensorsAreDeliveredExactly) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 20, 2, 7);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  std::vector<TensorRequest> requests;
+  for (size_t i = 0; i < checkpoint.tensors().size(); ++i) {
+    uint64_t bytes = checkpoint.tensors()[i].bytes;
+    if (bytes < 4) continue;
+    requests.push_back({i, {bytes / 4, bytes / 2}});  // a middle slice, as a tensor-parallel rank reads
+  }
+  RecordingSink sink(checkpoint, requests, true, false);
+  StreamOptions options;
+  options.memory_limit = 128 * kKiB;
+  options.chunk_bytes = 32 * kKiB;
+  auto stats = stream_tensors(checkpoint, requests, sink, options);
+  sink.expect_exactly_once();
+  EXPECT_LT(stats.bytes_read, checkpoint.tensor_bytes());
+}
+
+TEST(Streamer, RequestOutsideTensorIsRejected) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 5, 1, 1);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  std::vector<TensorRequest> requests = {{0, {0, checkpoint.tensors()[0].bytes + 1}}};
+  RecordingSink sink(checkpoint, requests, false, false);
+  try {
+    stream_tensors(checkpoint, requests, sink, StreamOptions{});
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_THAT(error.what(), HasSubstr("lies outside"));
+    EXPECT_THAT(error.what(), HasSubstr("t00000"));
+  }
+}
+
+/// A storage that fails every read at or past `fail_from` bytes of `fail_object`.
+class FailingStorage : public Storage {
+ public:
+  FailingStorage(std::unique_ptr<Storage> inner, std::string fail_object, uint64_t fail_from)
+      : inner_(std::move(inner)), fail_object_(std::move(fail_object)), fail_from_(fail_from) {}
+  std::string root_uri() const override { return inner_->root_uri(); }
+  std::string object_uri(std::string_view name) const override { return inner_->object_uri(name); }
+  std::vector<ObjectInfo> list() override { return inner_->list(); }
+  ObjectInfo stat(std::string_view name) override { return inner_->stat(name); }
+  void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
+    ++reads_;
+    if (armed_ && name == fail_object_ && offset + destination.size() > fail_from_) {
+      WS_FAIL(ErrorCode::kIo, "cannot read " + std::to_string(offset) + "+" + std::to_string(destination.size()) +
+                                  " bytes of " + object_uri(name) + ": injected fault");
+    }
+    inner_->read(name, offset, destination);
+  }
+  bool armed_ = false;
+  std::atomic<uint64_t> reads_{0};
+
+ private:
+  std::unique_ptr<Storage> inner_;
+  std::string fail_object_;
+  uint64_t fail_from_;
+};
+
+TEST(Streamer, FirstStorageErrorCancelsTheOtherReadersAndIsReported) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 200, 1, 3);
+  auto failing = std::make_shared<FailingStorage>(open_local_storage(directory.path().string(), LocalIo::kPread),
+                                                  "model-1.safetensors", 0);
+  auto checkpoint = Checkpoint::open(failing, "");
+  failing->armed_ = true;
+  failing->reads_ = 0;
+  auto requests = all_tensors(checkpoint);
+  RecordingSink sink(checkpoint, requests, false, false);
+  StreamOptions options;
+  options.concurrency = 4;
+  options.memory_limit = 64 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  try {
+    stream_tensors(checkpoint, requests, sink, options);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), HasSubstr("model-1.safetensors: injected fault"));
+  }
+  // Every read fails, so the readers stop after at most one failed read each.
+  EXPECT_LE(failing->reads_.load(), options.concurrency);
+}
+
+TEST(Streamer, SinkErrorStopsTheStream) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 100, 2, 5);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  auto requests = all_tensors(checkpoint);
+  struct ThrowingSink : TensorSink {
+    std::atomic<int> consumed{0};
+    void consume(TensorPiece&& piece) override {
+      if (++consumed == 10) WS_FAIL(ErrorCode::kModel, "tensor '" + piece.tensor->name + "' rejected by the sink");
+    }
+  } sink;
+  StreamOptions options;
+  options.concurrency = 4;
+  options.memory_limit = 64 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  EXPECT_THROW(
+      {
+        try {
+          stream_tensors(checkpoint, requests, sink, options);
+        } catch (const Error& error) {
+          EXPECT_THAT(error.what(), HasSubstr("rejected by the sink"));
+          throw;
+        }
+      },
+      Error);
+  EXPECT_LT(sink.consumed.load(), static_cast<int>(requests.size()));
+}
+
+TEST(Digest, MatchesHashOfTheWholeTensor) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 30, 2, 11);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  StreamOptions options;
+  options.memory_limit = 64 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  options.concurrency = 8;
+  for (auto kind : {HashKind::kSha256, HashKind::kXxh64}) {
+    StreamStats stats;
+    auto digests = digest_checkpoint(checkpoint, kind, Device{}, options, &stats);
+    ASSERT_EQ(digests.size(), checkpoint.tensors().size());
+    EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
+    for (size_t i = 0; i < digests.size(); ++i) {
+      size_t source = std::stoul(digests[i].name.substr(1));
+      std::vector<std::byte> bytes(sizes[source]);
+      for (uint64_t offset = 0; offset < bytes.size(); ++offset) bytes[offset] = expected_byte(source, offset);
+      Hasher hasher(kind);
+      hasher.update(bytes);
+      EXPECT_EQ(digests[i].hex, hasher.finish()) << digests[i].name;
+    }
+  }
+}
+
+TEST(Hasher, KnownVectors) {
+  Hasher sha(HashKind::kSha256);
+  std::string abc = "abc";
+  sha.update(std::as_bytes(std::span(abc.data(), abc.size())));
+  EXPECT_EQ(sha.finish(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  Hasher empty(HashKind::kXxh64);
+  EXPECT_EQ(empty.finish(), "ef46db3751d8e999");
+}
+
+TEST(Load, HostArenaHoldsEveryTensor) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 40, 3, 13);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  StreamOptions options;
+  options.memory_limit = 64 * kKiB;
+  auto loaded = load_checkpoint(checkpoint, Device{}, options);
+  ASSERT_EQ(loaded.tensors.size(), checkpoint.tensors().size());
+  EXPECT_EQ(loaded.stats.bytes, checkpoint.tensor_bytes());
+  for (size_t i = 0; i < loaded.tensors.size(); ++i) {
+    size_t source = std::stoul(checkpoint.tensors()[i].name.substr(1));
+    ASSERT_EQ(loaded.tensors[i].bytes, sizes[source]);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(loaded.tensors[i].data) % 256, 0u);
+    for (uint64_t offset = 0; offset < loaded.tensors[i].bytes; ++offset) {
+      ASSERT_EQ(loaded.tensors[i].data[offset], expected_byte(source, offset)) << checkpoint.tensors()[i].name;
+    }
+  }
+}
+
+TEST(Load, EveryLocalIoModeReadsTheSameBytes) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 30, 2, 17);
+  std::vector<LocalIo> modes = {LocalIo::kPread, LocalIo::kDirect};
+#ifdef WS_HAVE_URING
+  modes.push_back(LocalIo::kUring);
+#endif
+  std::vector<std::string> reference;
+  for (auto mode : modes) {
+    Options options;
+    options.stream.local_io = mode;
+    options.stream.memory_limit = 256 * kKiB;
+    options.stream.chunk_bytes = 64 * kKiB;
+    Checkpoint checkpoint = [&] {
+      try {
+        return Checkpoint::open(directory.path().string(), options);
+      } catch (const Error& error) {
+        // Some file systems (tmpfs) refuse O_DIRECT; that is reported, not hidden.
+        EXPECT_THAT(error.what(), HasSubstr("O_DIRECT"));
+        return Checkpoint::open(directory.path().string(), Options{});
+      }
+    }();
+    auto digests = digest_checkpoint(checkpoint, HashKind::kXxh64, Device{}, options.stream);
+    std::vector<std::string> hexes;
+    for (auto& digest : digests) hexes.push_back(digest.name + ":" + digest.hex);
+    if (reference.empty()) reference = hexes;
+    else EXPECT_EQ(hexes, reference);
+  }
+}
+
+}  // namespace
+}  // namespace weightstream
