@@ -2,7 +2,8 @@
 /// @file device.hpp
 /// The device layer: host, pinned-host and CUDA memory, and copies between them. Built
 /// with CUDA where the toolkit is found; otherwise every CUDA request throws
-/// Error(kUnsupported) naming the device. Knows nothing of storage.
+/// Error(kUnsupported) naming the device. Knows nothing of storage. Every CUDA call of
+/// weightstream is made in src/device/ (device_cuda.cpp); other layers use this API.
 
 #include <cstddef>
 #include <cstdint>
@@ -30,8 +31,9 @@ Device parse_device(std::string_view text);
 bool cuda_compiled() noexcept;
 /// Number of CUDA devices visible (0 without CUDA support, a driver or a GPU).
 int cuda_device_count() noexcept;
-/// Throws Error(kDevice) naming `device` when it cannot be used (no CUDA in the build, no
-/// GPU on the machine, index out of range).
+/// Throws when `device` cannot be used: Error(kUnsupported) when the build has no CUDA
+/// support, Error(kDevice) naming the device when the machine has no GPU or the index is
+/// out of range. A CPU device is always usable.
 void require_device(const Device& device);
 
 /// Kinds of host memory.
@@ -70,5 +72,75 @@ class Buffer {
 /// Throws Error(kDevice) with the CUDA error string.
 void copy_bytes(void* destination, const Device& destination_device, const void* source,
                 const Device& source_device, size_t bytes);
+
+/// Page-locks an existing host range (typically a read-only mmap of a file) for the
+/// copy engine of `device`, so that async copies read it directly instead of through a
+/// pageable bounce. Registering faults in every page of the range, which on a cold page
+/// cache reads the file. Unregisters on destruction. Move-only.
+class HostRegistration {
+ public:
+  HostRegistration() = default;
+  /// Registers [data, data + bytes) read-only (cudaHostRegisterReadOnly) where `read_only`,
+  /// so a PROT_READ mapping is accepted. Throws Error(kUnsupported) without CUDA in the
+  /// build and Error(kDevice) naming the device, the size and the CUDA error otherwise.
+  HostRegistration(const Device& device, const void* data, size_t bytes, bool read_only = true);
+  HostRegistration(HostRegistration&& other) noexcept;
+  HostRegistration& operator=(HostRegistration&& other) noexcept;
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+  ~HostRegistration();
+
+  const void* data() const noexcept { return data_; }
+  size_t size() const noexcept { return size_; }
+
+ private:
+  void release() noexcept;
+  const void* data_ = nullptr;
+  size_t size_ = 0;
+  Device device_;
+};
+
+/// Asynchronous host-to-device copies on a set of CUDA streams ("lanes") of one device.
+/// Each copy keeps a caller's keepalive (a staging-buffer lease, a HostRegistration) until
+/// the copy engine is done with the source; a thread of the copier releases it then, so
+/// a bounded staging pool refills while copies are still being enqueued. Thread-safe:
+/// any number of threads may enqueue at once. The first CUDA error fails every later call
+/// and is the error synchronize() throws.
+class DeviceCopier {
+ public:
+  /// Creates `lanes` (at least 1) non-blocking streams on `device`. Throws
+  /// Error(kUnsupported) without CUDA in the build, Error(kDevice) for an unusable device.
+  DeviceCopier(const Device& device, unsigned lanes);
+  /// Waits for the copies in flight (the sources must outlive them); never throws.
+  ~DeviceCopier();
+  DeviceCopier(const DeviceCopier&) = delete;
+  DeviceCopier& operator=(const DeviceCopier&) = delete;
+
+  /// Enqueues a copy of `bytes` from host `source` to device `destination` on lane
+  /// `lane % lanes()` and returns at once; `keepalive` is dropped once the copy is done.
+  /// The source should be pinned or registered host memory: pageable memory is copied
+  /// synchronously by the driver. `what` (a tensor name) is used only in error messages.
+  /// Throws Error(kDevice) naming the device, `what`, the range and the CUDA error.
+  void copy_to_device(void* destination, const void* source, size_t bytes, std::shared_ptr<const void> keepalive,
+                      unsigned lane, std::string_view what = {});
+  /// Copies `bytes` from device `source` to host `destination` on lane `lane % lanes()`
+  /// and waits for that copy (for reading back what landed, e.g. to hash it).
+  void copy_to_host(void* destination, const void* source, size_t bytes, unsigned lane, std::string_view what = {});
+  /// Blocks while more than `bytes` of enqueued copies are unfinished (a bound on the
+  /// source memory a producer holds, e.g. registered windows of a mapped file).
+  void wait_until_in_flight_at_most(uint64_t bytes);
+  /// Waits for every copy enqueued so far and releases their keepalives. Throws the first
+  /// CUDA error of any copy, naming the device and the copy.
+  void synchronize();
+
+  unsigned lanes() const noexcept;
+  const Device& device() const noexcept;
+  /// Bytes enqueued and not yet known to be finished.
+  uint64_t bytes_in_flight() const noexcept;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace weightstream

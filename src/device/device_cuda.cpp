@@ -1,0 +1,336 @@
+// The CUDA half of the device layer: the one place weightstream calls the CUDA runtime.
+// Compiled only where CMake found the CUDA toolkit; device_cuda_fallback.cpp otherwise.
+// The runtime is linked statically, so a binary of this build starts on a machine without
+// a driver or a GPU and reports it when a device is asked for.
+#include <cuda_runtime.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "device/host_memory.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/options.hpp"
+
+namespace weightstream {
+namespace {
+
+/// "out of memory (cudaErrorMemoryAllocation)". Also clears the runtime's last error, which
+/// a failed call leaves set for the next unrelated cudaGetLastError() to find.
+std::string cuda_error_text(cudaError_t error) {
+  cudaGetLastError();
+  return std::string(cudaGetErrorString(error)) + " (" + cudaGetErrorName(error) + ")";
+}
+
+/// The device count and, when it is 0, why.
+struct DeviceCensus {
+  int count = 0;
+  std::string reason;
+};
+
+const DeviceCensus& census() {
+  // Asked once: without a driver cudaGetDeviceCount fails the same way every time, and the
+  // set of visible devices (CUDA_VISIBLE_DEVICES) is fixed for the life of the process.
+  static const DeviceCensus result = [] {
+    DeviceCensus census;
+    cudaError_t error = cudaGetDeviceCount(&census.count);
+    if (error != cudaSuccess) {
+      census.count = 0;
+      census.reason = cuda_error_text(error);
+    } else if (census.count == 0) {
+      census.reason = "no CUDA device is visible";
+    }
+    return census;
+  }();
+  return result;
+}
+
+std::string device_count_text() {
+  int count = census().count;
+  return "this machine has " + std::to_string(count) + " CUDA device" + (count == 1 ? "" : "s");
+}
+
+/// Makes `device` current on this thread (CUDA's current device is per thread).
+void set_device(const Device& device) {
+  cudaError_t error = cudaSetDevice(device.index);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cudaSetDevice failed: " + cuda_error_text(error) + " (" + device_count_text() + ")");
+}
+
+std::string copy_text(std::string_view what, size_t bytes) {
+  return (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + "copy of " + std::to_string(bytes) +
+         " bytes";
+}
+
+}  // namespace
+
+bool cuda_compiled() noexcept { return true; }
+
+int cuda_device_count() noexcept { return census().count; }
+
+void require_device(const Device& device) {
+  if (!device.is_cuda()) return;
+  const auto& devices = census();
+  WS_EXPECT(devices.count > 0, ErrorCode::kDevice,
+            device.name() + ": no usable CUDA device on this machine: " + devices.reason);
+  WS_EXPECT(device.index < devices.count, ErrorCode::kDevice,
+            device.name() + ": invalid device ordinal (" + device_count_text() + ")");
+  set_device(device);
+}
+
+Buffer::Buffer(Device device, size_t bytes, HostMemory host) : device_(device) {
+  if (bytes == 0) return;
+  if (device.is_cuda()) {
+    require_device(device);
+    void* data = nullptr;
+    cudaError_t error = cudaMalloc(&data, bytes);
+    WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+              device.name() + ": cannot allocate " + format_size(bytes) + " of device memory: cudaMalloc failed: " +
+                  cuda_error_text(error));
+    data_ = static_cast<std::byte*>(data);
+  } else if (host == HostMemory::kPinned && cuda_device_count() > 0) {
+    // Portable: the pages are pinned for every device, not only the current one.
+    void* data = nullptr;
+    cudaError_t error = cudaHostAlloc(&data, bytes, cudaHostAllocPortable);
+    WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+              "cpu: cannot allocate " + format_size(bytes) + " of pinned host memory: cudaHostAlloc failed: " +
+                  cuda_error_text(error));
+    data_ = static_cast<std::byte*>(data);
+    pinned_ = true;
+  } else {
+    // Pinning needs a driver; without one, page-aligned memory serves the same reads.
+    data_ = detail::allocate_host(bytes);
+  }
+  size_ = bytes;
+}
+
+void Buffer::release() noexcept {
+  if (!data_) return;
+  if (device_.is_cuda()) {
+    cudaSetDevice(device_.index);
+    cudaFree(data_);
+  } else if (pinned_) {
+    cudaFreeHost(data_);
+  } else {
+    detail::free_host(data_);
+  }
+  data_ = nullptr;
+  size_ = 0;
+  pinned_ = false;
+}
+
+void copy_bytes(void* destination, const Device& destination_device, const void* source, const Device& source_device,
+                size_t bytes) {
+  if (bytes == 0) return;
+  if (!destination_device.is_cuda() && !source_device.is_cuda()) {
+    std::memcpy(destination, source, bytes);
+    return;
+  }
+  const Device& device = source_device.is_cuda() ? source_device : destination_device;
+  require_device(device);
+  // Unified addressing lets the runtime tell host from device memory by the pointers.
+  cudaError_t error = cudaMemcpy(destination, source, bytes, cudaMemcpyDefault);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": copy of " + std::to_string(bytes) + " bytes from " + source_device.name() + " to " +
+                destination_device.name() + " failed: cudaMemcpy: " + cuda_error_text(error));
+}
+
+HostRegistration::HostRegistration(const Device& device, const void* data, size_t bytes, bool read_only)
+    : device_(device) {
+  if (bytes == 0) return;
+  WS_EXPECT(device.is_cuda(), ErrorCode::kInvalidArgument,
+            "host memory can be registered only for a CUDA device, not " + device.name());
+  require_device(device);
+  unsigned flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0u);
+  // The runtime takes a non-const pointer but, with cudaHostRegisterReadOnly, never writes.
+  cudaError_t error = cudaHostRegister(const_cast<void*>(data), bytes, flags);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cannot register " + format_size(bytes) + " of host memory" +
+                (read_only ? " read-only" : "") + ": cudaHostRegister failed: " + cuda_error_text(error));
+  data_ = data;
+  size_ = bytes;
+}
+
+void HostRegistration::release() noexcept {
+  if (!data_) return;
+  cudaSetDevice(device_.index);
+  cudaHostUnregister(const_cast<void*>(data_));
+  data_ = nullptr;
+  size_ = 0;
+}
+
+struct DeviceCopier::State {
+  /// A copy enqueued and not yet seen finished.
+  struct Pending {
+    cudaEvent_t done = nullptr;
+    std::shared_ptr<const void> keepalive;
+    uint64_t bytes = 0;
+    std::string what;  // for an error found when the copy is waited on
+  };
+
+  Device device;
+  std::vector<cudaStream_t> streams;
+  std::mutex mutex;
+  std::condition_variable changed;  // pending gained an entry, lost one, or an error was set
+  std::deque<Pending> pending;
+  std::vector<cudaEvent_t> spare_events;
+  uint64_t in_flight = 0;
+  unsigned releasing = 0;  // finished copies whose keepalives are being dropped
+  std::optional<std::string> error;
+  bool stopping = false;
+  std::thread reaper;
+
+  ~State() {
+    for (auto event : spare_events) cudaEventDestroy(event);
+    for (auto stream : streams) cudaStreamDestroy(stream);
+  }
+
+  void fail_locked(std::string message) {
+    if (!error) error = std::move(message);
+    changed.notify_all();
+  }
+
+  void throw_if_failed_locked() const {
+    if (error) WS_FAIL(ErrorCode::kDevice, *error);
+  }
+
+  cudaEvent_t take_event_locked() {
+    if (!spare_events.empty()) {
+      auto event = spare_events.back();
+      spare_events.pop_back();
+      return event;
+    }
+    // Blocking sync: the reaper sleeps in the driver instead of spinning a core that the
+    // reader threads need. Timing is off because only completion matters.
+    cudaEvent_t event = nullptr;
+    cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync);
+    WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
+              device.name() + ": cudaEventCreate failed: " + cuda_error_text(status));
+    return event;
+  }
+
+  /// Waits for copies in order of enqueueing and drops their keepalives here, on a thread
+  /// of our own: dropping may free pinned memory (cudaFreeHost) or unregister a mapping,
+  /// which a CUDA host callback (cudaLaunchHostFunc) must never do.
+  void reap() {
+    cudaSetDevice(device.index);
+    std::unique_lock lock(mutex);
+    for (;;) {
+      changed.wait(lock, [&] { return stopping || !pending.empty(); });
+      if (pending.empty()) return;  // stopping, and nothing left to wait for
+      cudaEvent_t done = pending.front().done;
+      lock.unlock();
+      cudaError_t status = cudaEventSynchronize(done);
+      lock.lock();
+      Pending finished = std::move(pending.front());
+      pending.pop_front();
+      spare_events.push_back(finished.done);
+      ++releasing;
+      if (status != cudaSuccess) {
+        fail_locked(device.name() + ": " + copy_text(finished.what, finished.bytes) +
+                    " to the device failed: " + cuda_error_text(status));
+      }
+      lock.unlock();
+      finished.keepalive.reset();
+      lock.lock();
+      --releasing;
+      in_flight -= finished.bytes;
+      changed.notify_all();
+    }
+  }
+};
+
+DeviceCopier::DeviceCopier(const Device& device, unsigned lanes) : state_(std::make_unique<State>()) {
+  WS_EXPECT(device.is_cuda(), ErrorCode::kInvalidArgument, "a device copier needs a CUDA device, not " + device.name());
+  require_device(device);
+  state_->device = device;
+  for (unsigned i = 0; i < std::max(lanes, 1u); ++i) {
+    // Non-blocking: the copies must not serialize with work on the legacy default stream.
+    cudaStream_t stream = nullptr;
+    cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
+              device.name() + ": cudaStreamCreate failed: " + cuda_error_text(status));
+    state_->streams.push_back(stream);
+  }
+  state_->reaper = std::thread([state = state_.get()] { state->reap(); });
+}
+
+DeviceCopier::~DeviceCopier() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->changed.notify_all();
+  state_->reaper.join();
+}
+
+void DeviceCopier::copy_to_device(void* destination, const void* source, size_t bytes,
+                                  std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what) {
+  if (bytes == 0) return;
+  auto& state = *state_;
+  cudaStream_t stream = state.streams[lane % state.streams.size()];
+  std::unique_lock lock(state.mutex);
+  state.throw_if_failed_locked();
+  cudaEvent_t done = state.take_event_locked();
+  lock.unlock();
+  set_device(state.device);
+  cudaError_t status = cudaMemcpyAsync(destination, source, bytes, cudaMemcpyHostToDevice, stream);
+  if (status == cudaSuccess) status = cudaEventRecord(done, stream);
+  lock.lock();
+  if (status != cudaSuccess) {
+    state.spare_events.push_back(done);
+    std::string message = state.device.name() + ": " + copy_text(what, bytes) + " to the device failed: " +
+                          "cudaMemcpyAsync: " + cuda_error_text(status);
+    state.fail_locked(message);
+    WS_FAIL(ErrorCode::kDevice, message);
+  }
+  state.in_flight += bytes;
+  state.pending.push_back({done, std::move(keepalive), bytes, std::string(what)});
+  state.changed.notify_all();
+}
+
+void DeviceCopier::copy_to_host(void* destination, const void* source, size_t bytes, unsigned lane,
+                                std::string_view what) {
+  if (bytes == 0) return;
+  auto& state = *state_;
+  {
+    std::lock_guard lock(state.mutex);
+    state.throw_if_failed_locked();
+  }
+  cudaStream_t stream = state.streams[lane % state.streams.size()];
+  set_device(state.device);
+  cudaError_t status = cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToHost, stream);
+  if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
+  WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
+            state.device.name() + ": " + copy_text(what, bytes) + " to the host failed: " + cuda_error_text(status));
+}
+
+void DeviceCopier::wait_until_in_flight_at_most(uint64_t bytes) {
+  auto& state = *state_;
+  std::unique_lock lock(state.mutex);
+  state.changed.wait(lock, [&] { return state.in_flight <= bytes || state.error; });
+  state.throw_if_failed_locked();
+}
+
+void DeviceCopier::synchronize() {
+  auto& state = *state_;
+  std::unique_lock lock(state.mutex);
+  state.changed.wait(lock, [&] { return state.pending.empty() && state.releasing == 0; });
+  state.throw_if_failed_locked();
+}
+
+unsigned DeviceCopier::lanes() const noexcept { return static_cast<unsigned>(state_->streams.size()); }
+
+const Device& DeviceCopier::device() const noexcept { return state_->device; }
+
+uint64_t DeviceCopier::bytes_in_flight() const noexcept {
+  std::lock_guard lock(state_->mutex);
+  return state_->in_flight;
+}
+
+}  // namespace weightstream

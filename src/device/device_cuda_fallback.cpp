@@ -1,0 +1,70 @@
+// The device layer of a build without CUDA: host memory only. Every CUDA request throws
+// Error(kUnsupported) naming the device, so a caller learns that the build, not the
+// machine, is what lacks the GPU path.
+#include <cstring>
+
+#include "device/host_memory.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream {
+namespace {
+
+[[noreturn]] void fail_no_cuda(const Device& device) {
+  WS_FAIL(ErrorCode::kUnsupported, device.name() +
+                                       ": this build of weightstream has no CUDA support (the CUDA toolkit was not "
+                                       "found at build time; rebuild with -DWS_WITH_CUDA=ON)");
+}
+
+}  // namespace
+
+bool cuda_compiled() noexcept { return false; }
+
+int cuda_device_count() noexcept { return 0; }
+
+void require_device(const Device& device) {
+  if (device.is_cuda()) fail_no_cuda(device);
+}
+
+Buffer::Buffer(Device device, size_t bytes, HostMemory /*host: nothing can pin without CUDA*/) : device_(device) {
+  require_device(device);
+  data_ = detail::allocate_host(bytes);
+  size_ = data_ ? bytes : 0;
+}
+
+void Buffer::release() noexcept {
+  detail::free_host(data_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+void copy_bytes(void* destination, const Device& destination_device, const void* source, const Device& source_device,
+                size_t bytes) {
+  require_device(destination_device);
+  require_device(source_device);
+  if (bytes) std::memcpy(destination, source, bytes);
+}
+
+HostRegistration::HostRegistration(const Device& device, const void*, size_t, bool) : device_(device) {
+  fail_no_cuda(device);
+}
+
+void HostRegistration::release() noexcept {}
+
+struct DeviceCopier::State {
+  Device device;
+};
+
+DeviceCopier::DeviceCopier(const Device& device, unsigned) { fail_no_cuda(device); }
+DeviceCopier::~DeviceCopier() = default;
+void DeviceCopier::copy_to_device(void*, const void*, size_t, std::shared_ptr<const void>, unsigned, std::string_view) {
+  fail_no_cuda(state_->device);
+}
+void DeviceCopier::copy_to_host(void*, const void*, size_t, unsigned, std::string_view) { fail_no_cuda(state_->device); }
+void DeviceCopier::wait_until_in_flight_at_most(uint64_t) {}
+void DeviceCopier::synchronize() {}
+unsigned DeviceCopier::lanes() const noexcept { return 0; }
+const Device& DeviceCopier::device() const noexcept { return state_->device; }
+uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }
+
+}  // namespace weightstream

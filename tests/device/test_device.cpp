@@ -1,0 +1,292 @@
+// Tests of the device layer. Host paths run everywhere; CUDA paths skip with a message
+// where the build has no CUDA or the machine no GPU (scripts/gpu.sh runs them on one).
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "support/test_support.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+
+const Device kCpu{};
+const Device kCuda0{Device::Kind::kCuda, 0};
+
+#define WS_SKIP_WITHOUT_GPU()                                                                          \
+  do {                                                                                                 \
+    if (cuda_device_count() == 0)                                                                      \
+      GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA")      \
+                   << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";                  \
+  } while (0)
+
+/// The message and code of the Error that `call` throws.
+template <typename Call>
+Error thrown_by(Call&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return error;
+  }
+  ADD_FAILURE() << "expected a weightstream::Error";
+  return Error(ErrorCode::kInternal, "nothing thrown");
+}
+
+std::vector<std::byte> pattern(size_t bytes, unsigned seed) {
+  std::vector<std::byte> data(bytes);
+  uint32_t state = seed * 2654435761u + 1;
+  for (auto& byte : data) {
+    state = state * 1664525u + 1013904223u;
+    byte = static_cast<std::byte>(state >> 24);
+  }
+  return data;
+}
+
+TEST(Device, Names) {
+  EXPECT_EQ(kCpu.name(), "cpu");
+  EXPECT_EQ((Device{Device::Kind::kCuda, 3}).name(), "cuda:3");
+  EXPECT_FALSE(kCpu.is_cuda());
+  EXPECT_TRUE(kCuda0.is_cuda());
+}
+
+TEST(Device, ParsesTorchSpellings) {
+  EXPECT_EQ(parse_device("cpu"), kCpu);
+  EXPECT_EQ(parse_device("cuda"), kCuda0);
+  EXPECT_EQ(parse_device("cuda:0"), kCuda0);
+  EXPECT_EQ(parse_device("cuda:7"), (Device{Device::Kind::kCuda, 7}));
+}
+
+TEST(Device, RejectsMalformedNames) {
+  for (const char* text : {"", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:99999", "CUDA:0", " cpu"}) {
+    auto error = thrown_by([&] { parse_device(text); });
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << text;
+    EXPECT_THAT(error.what(), HasSubstr("invalid device '" + std::string(text) + "'"));
+    EXPECT_THAT(error.what(), HasSubstr("expected cpu, cuda or cuda:N"));
+  }
+}
+
+TEST(Device, CpuIsAlwaysUsable) { EXPECT_NO_THROW(require_device(kCpu)); }
+
+TEST(Device, CountIsZeroWithoutCudaSupport) {
+  if (!cuda_compiled()) EXPECT_EQ(cuda_device_count(), 0);
+  EXPECT_GE(cuda_device_count(), 0);
+}
+
+TEST(Device, MissingGpuIsReportedNotCrashed) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU; see OutOfRangeIndex";
+  auto error = thrown_by([] { require_device(kCuda0); });
+  EXPECT_THAT(error.what(), HasSubstr("cuda:0"));
+  if (cuda_compiled()) {
+    EXPECT_EQ(error.code(), ErrorCode::kDevice);
+    EXPECT_THAT(error.what(), HasSubstr("no usable CUDA device"));
+  } else {
+    EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+    EXPECT_THAT(error.what(), HasSubstr("no CUDA support"));
+  }
+  // Every CUDA request fails the same way, and none of them crashes.
+  EXPECT_THROW(Buffer(kCuda0, 4096), Error);
+  std::byte host[16] = {};
+  EXPECT_THROW(copy_bytes(host, kCpu, host, kCuda0, sizeof(host)), Error);
+  EXPECT_THROW(DeviceCopier(kCuda0, 2), Error);
+  EXPECT_THROW(HostRegistration(kCuda0, host, sizeof(host)), Error);
+}
+
+TEST(Buffer, HostMemoryIsPageAligned) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  for (auto kind : {HostMemory::kPageable, HostMemory::kPinned}) {
+    Buffer buffer(kCpu, 3 * page + 5, kind);
+    ASSERT_NE(buffer.data(), nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer.data()) % page, 0u);
+    EXPECT_EQ(buffer.size(), 3 * page + 5);
+    EXPECT_EQ(buffer.device(), kCpu);
+    // Pinned only where a GPU can pin it; page-aligned memory otherwise.
+    EXPECT_EQ(buffer.pinned(), kind == HostMemory::kPinned && cuda_device_count() > 0);
+    std::memset(buffer.data(), 0xab, buffer.size());
+  }
+}
+
+TEST(Buffer, EmptyAndMoved) {
+  Buffer empty(kCpu, 0);
+  EXPECT_EQ(empty.data(), nullptr);
+  EXPECT_EQ(empty.size(), 0u);
+
+  Buffer first(kCpu, 4096);
+  std::byte* data = first.data();
+  Buffer second(std::move(first));
+  EXPECT_EQ(second.data(), data);
+  EXPECT_EQ(first.data(), nullptr);  // NOLINT(bugprone-use-after-move): moved-from state is specified
+  Buffer third(kCpu, 8192, HostMemory::kPinned);
+  third = std::move(second);
+  EXPECT_EQ(third.data(), data);
+  EXPECT_EQ(third.size(), 4096u);
+}
+
+TEST(Buffer, HostToHostCopy) {
+  auto source = pattern(10000, 1);
+  Buffer buffer(kCpu, source.size());
+  copy_bytes(buffer.data(), kCpu, source.data(), kCpu, source.size());
+  EXPECT_EQ(std::memcmp(buffer.data(), source.data(), source.size()), 0);
+  copy_bytes(nullptr, kCpu, nullptr, kCpu, 0);  // an empty copy touches nothing
+}
+
+// ---- CUDA paths: skip without a GPU -------------------------------------------------------
+
+TEST(Cuda, OutOfRangeIndex) {
+  WS_SKIP_WITHOUT_GPU();
+  Device missing{Device::Kind::kCuda, cuda_device_count()};
+  auto error = thrown_by([&] { require_device(missing); });
+  EXPECT_EQ(error.code(), ErrorCode::kDevice);
+  EXPECT_THAT(error.what(), HasSubstr(missing.name() + ": invalid device ordinal"));
+  EXPECT_THAT(error.what(), HasSubstr("this machine has " + std::to_string(cuda_device_count()) + " CUDA device"));
+  EXPECT_THROW(Buffer(missing, 4096), Error);
+}
+
+TEST(Cuda, DeviceBufferRoundTrip) {
+  WS_SKIP_WITHOUT_GPU();
+  auto source = pattern(3 * 1024 * 1024 + 17, 2);
+  Buffer device(kCuda0, source.size());
+  EXPECT_EQ(device.device(), kCuda0);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(device.data()) % 256, 0u);
+  copy_bytes(device.data(), kCuda0, source.data(), kCpu, source.size());
+  Buffer other(kCuda0, source.size());
+  copy_bytes(other.data(), kCuda0, device.data(), kCuda0, source.size());
+  std::vector<std::byte> back(source.size());
+  copy_bytes(back.data(), kCpu, other.data(), kCuda0, back.size());
+  EXPECT_EQ(back, source);
+}
+
+TEST(Cuda, OutOfMemoryNamesDeviceAndCause) {
+  WS_SKIP_WITHOUT_GPU();
+  auto error = thrown_by([] { Buffer(kCuda0, size_t{1} << 50); });
+  EXPECT_EQ(error.code(), ErrorCode::kDevice);
+  EXPECT_THAT(error.what(), HasSubstr("cuda:0: cannot allocate 1024.00 TiB of device memory: cudaMalloc failed"));
+  EXPECT_THAT(error.what(), HasSubstr("out of memory"));
+  // The failure leaves the device usable.
+  Buffer small(kCuda0, 4096);
+  EXPECT_NE(small.data(), nullptr);
+}
+
+TEST(Cuda, CopierDeliversEveryPieceAndReleasesKeepalives) {
+  WS_SKIP_WITHOUT_GPU();
+  constexpr size_t kPiece = 1 << 20;
+  constexpr size_t kPieces = 64;
+  auto source = pattern(kPiece * kPieces, 3);
+  Buffer device(kCuda0, source.size());
+  std::atomic<int> released{0};
+  {
+    DeviceCopier copier(kCuda0, 4);
+    EXPECT_EQ(copier.lanes(), 4u);
+    EXPECT_EQ(copier.device(), kCuda0);
+    // Four producers, each with pinned staging buffers whose release is counted.
+    std::vector<std::thread> producers;
+    for (unsigned producer = 0; producer < 4; ++producer) {
+      producers.emplace_back([&, producer] {
+        for (size_t piece = producer; piece < kPieces; piece += 4) {
+          auto staging = std::make_shared<Buffer>(kCpu, kPiece, HostMemory::kPinned);
+          std::memcpy(staging->data(), source.data() + piece * kPiece, kPiece);
+          const std::byte* bytes = staging->data();
+          std::shared_ptr<const void> keepalive(staging.get(), [staging, &released](const void*) mutable {
+            staging.reset();
+            ++released;
+          });
+          staging.reset();
+          copier.copy_to_device(device.data() + piece * kPiece, bytes, kPiece, std::move(keepalive), producer, "t");
+        }
+      });
+    }
+    for (auto& producer : producers) producer.join();
+    copier.synchronize();
+    EXPECT_EQ(released.load(), static_cast<int>(kPieces));
+    EXPECT_EQ(copier.bytes_in_flight(), 0u);
+    std::vector<std::byte> back(source.size());
+    copier.copy_to_host(back.data(), device.data(), back.size(), 1, "t");
+    EXPECT_EQ(back, source);
+  }
+}
+
+TEST(Cuda, CopierBoundsBytesInFlight) {
+  WS_SKIP_WITHOUT_GPU();
+  constexpr size_t kPiece = 4 << 20;
+  Buffer staging(kCpu, kPiece, HostMemory::kPinned);
+  Buffer device(kCuda0, 16 * kPiece);
+  DeviceCopier copier(kCuda0, 2);
+  for (size_t i = 0; i < 16; ++i) {
+    copier.wait_until_in_flight_at_most(2 * kPiece);
+    EXPECT_LE(copier.bytes_in_flight(), 2 * kPiece);
+    copier.copy_to_device(device.data() + i * kPiece, staging.data(), kPiece, nullptr, static_cast<unsigned>(i));
+  }
+  copier.wait_until_in_flight_at_most(0);
+  EXPECT_EQ(copier.bytes_in_flight(), 0u);
+  copier.synchronize();
+}
+
+TEST(Cuda, RegisteredReadOnlyMappingCopiesDirectly) {
+  WS_SKIP_WITHOUT_GPU();
+  testing::TempDir directory;
+  auto path = directory / "weights.bin";
+  auto source = pattern((8 << 20) + 4096, 4);
+  testing::write_file(path, std::string(reinterpret_cast<const char*>(source.data()), source.size()));
+  int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  void* mapping = ::mmap(nullptr, source.size(), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(mapping, MAP_FAILED);
+  Buffer device(kCuda0, source.size());
+  {
+    DeviceCopier copier(kCuda0, 2);
+    // Two registered windows; each is unregistered by the copier once its copy is done.
+    size_t half = source.size() / 2 / 4096 * 4096;
+    auto* bytes = static_cast<const std::byte*>(mapping);
+    auto first = std::make_shared<HostRegistration>(kCuda0, bytes, half);
+    auto second = std::make_shared<HostRegistration>(kCuda0, bytes + half, source.size() - half);
+    EXPECT_EQ(first->size(), half);
+    copier.copy_to_device(device.data(), bytes, half, std::move(first), 0, "w");
+    copier.copy_to_device(device.data() + half, bytes + half, source.size() - half, std::move(second), 1, "w");
+    copier.synchronize();
+  }
+  ::munmap(mapping, source.size());
+  std::vector<std::byte> back(source.size());
+  copy_bytes(back.data(), kCpu, device.data(), kCuda0, back.size());
+  EXPECT_EQ(back, source);
+}
+
+TEST(Cuda, RegistrationErrorNamesDevice) {
+  WS_SKIP_WITHOUT_GPU();
+  Buffer pinned(kCpu, 8192, HostMemory::kPinned);
+  // Registering memory that is already pinned is refused by the driver.
+  auto error = thrown_by([&] { HostRegistration registration(kCuda0, pinned.data(), pinned.size()); });
+  EXPECT_EQ(error.code(), ErrorCode::kDevice);
+  EXPECT_THAT(error.what(), HasSubstr("cuda:0: cannot register 8.00 KiB of host memory read-only: cudaHostRegister failed"));
+}
+
+// Last in the file: should the driver report the bad copy asynchronously, the context is
+// spoiled for later tests of this process (ctest runs each test in a process of its own).
+TEST(Cuda, CopyErrorNamesDeviceTensorAndCause) {
+  WS_SKIP_WITHOUT_GPU();
+  Buffer staging(kCpu, 4096, HostMemory::kPinned);
+  DeviceCopier copier(kCuda0, 1);
+  // A null destination is refused when the copy is enqueued (cudaErrorInvalidValue).
+  auto error = thrown_by([&] {
+    copier.copy_to_device(nullptr, staging.data(), 4096, nullptr, 0, "model.embed.weight");
+    copier.synchronize();
+  });
+  EXPECT_EQ(error.code(), ErrorCode::kDevice);
+  EXPECT_THAT(error.what(), HasSubstr("cuda:0: tensor 'model.embed.weight': copy of 4096 bytes to the device failed"));
+  // The first error fails the copier for good: later calls and synchronize() report it.
+  EXPECT_THROW(copier.synchronize(), Error);
+  EXPECT_THROW(copier.copy_to_device(nullptr, staging.data(), 1, nullptr, 0), Error);
+}
+
+}  // namespace
+}  // namespace weightstream
