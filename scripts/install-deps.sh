@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs everything weightstream needs to build and test, from Debian's packages and PyPI.
+# Safe to run again. Needs root (or sudo) for apt-get.
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends \
+  cmake ninja-build g++ clang libclang-rt-dev pkg-config \
+  nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
+  libssl-dev libxxhash-dev liburing-dev libcurl4-openssl-dev \
+  python3 python3-pip >/dev/null
+# Python side: the tests' tools (pytest, boto3, moto's S3 server, the safetensors package
+# for cross-checks) and the build backend of the Python package.
+python3 -m pip install -q --disable-pip-version-check \
+  pytest numpy safetensors boto3 "moto[server]" scikit-build-core nanobind
+echo "weightstream: dependencies installed"
