@@ -24,6 +24,13 @@ enum class LocalIo {
   kUring,   ///< io_uring (liburing) submissions of buffered reads
 };
 
+/// How bytes reach a CUDA device.
+enum class GpuPath {
+  kAuto,    ///< kMapped for local files read through the page cache, else kStaged
+  kStaged,  ///< read into pinned staging buffers, async copies to the device
+  kMapped,  ///< mmap local files, register windows with CUDA (read-only), the copy engine reads them
+};
+
 /// Options of the stream layer (planning, reader pool, staging pool).
 struct StreamOptions {
   /// Reads in flight at once. WEIGHTSTREAM_CONCURRENCY.
@@ -35,6 +42,8 @@ struct StreamOptions {
   uint64_t chunk_bytes = 16 * kMiB;
   /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring.
   LocalIo local_io = LocalIo::kPread;
+  /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped.
+  GpuPath gpu_path = GpuPath::kAuto;
   /// Print progress on stderr even when it is not a terminal. WEIGHTSTREAM_PROGRESS = 0|1.
   bool progress = false;
 };

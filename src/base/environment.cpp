@@ -19,7 +19,7 @@ const std::set<std::string, std::less<>> kKnownVariables = {
     "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
     "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
     "WEIGHTSTREAM_S3_RETRY_BASE",
-    "WEIGHTSTREAM_MODEL_URI",
+    "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",
 };
 
 const std::string* find(const Environment& environment, std::string_view name) {
@@ -86,7 +86,7 @@ Options options_from_environment(const Environment& environment) {
     if (name.starts_with("WEIGHTSTREAM_")) {
       WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,
                 "unknown environment variable " + name + " (known: WEIGHTSTREAM_CONCURRENCY, "
-                "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, "
+                "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, WEIGHTSTREAM_GPU_PATH, "
                 "WEIGHTSTREAM_PROGRESS, WEIGHTSTREAM_S3_*, WEIGHTSTREAM_MODEL_URI)");
     }
   }
@@ -102,6 +102,12 @@ Options options_from_environment(const Environment& environment) {
     else if (*v == "direct") stream.local_io = LocalIo::kDirect;
     else if (*v == "uring") stream.local_io = LocalIo::kUring;
     else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_LOCAL_IO='" + *v + "': expected pread, direct or uring");
+  }
+  if (auto* v = find(environment, "WEIGHTSTREAM_GPU_PATH")) {
+    if (*v == "auto") stream.gpu_path = GpuPath::kAuto;
+    else if (*v == "staged") stream.gpu_path = GpuPath::kStaged;
+    else if (*v == "mapped") stream.gpu_path = GpuPath::kMapped;
+    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_GPU_PATH='" + *v + "': expected auto, staged or mapped");
   }
   if (auto* v = find(environment, "WEIGHTSTREAM_PROGRESS")) stream.progress = parse_flag("WEIGHTSTREAM_PROGRESS", *v);
 

@@ -23,6 +23,10 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
   command.add_option("--chunk-size", flags.chunk_size, "Largest single read (default 16MiB; WEIGHTSTREAM_CHUNK_SIZE)");
   command.add_option("--io", flags.io, "Local read method: pread, direct (O_DIRECT) or uring (default pread)")
       ->check(CLI::IsMember({"pread", "direct", "uring"}));
+  command.add_option("--gpu-path", flags.gpu_path,
+                     "How bytes reach a CUDA device: auto, staged (pinned buffers) or mapped (registered mmap of "
+                     "local files) (default auto; WEIGHTSTREAM_GPU_PATH)")
+      ->check(CLI::IsMember({"auto", "staged", "mapped"}));
   command.add_flag("--progress", flags.progress, "Print progress on stderr even when it is not a terminal");
   command.add_flag("--no-progress", flags.no_progress, "Never print progress");
 }
@@ -36,6 +40,9 @@ Options resolve_options(const StreamFlags& flags) {
   if (flags.io == "pread") stream.local_io = LocalIo::kPread;
   else if (flags.io == "direct") stream.local_io = LocalIo::kDirect;
   else if (flags.io == "uring") stream.local_io = LocalIo::kUring;
+  if (flags.gpu_path == "auto") stream.gpu_path = GpuPath::kAuto;
+  else if (flags.gpu_path == "staged") stream.gpu_path = GpuPath::kStaged;
+  else if (flags.gpu_path == "mapped") stream.gpu_path = GpuPath::kMapped;
   WS_EXPECT(stream.memory_limit >= 4096, ErrorCode::kInvalidArgument,
             "--memory-limit " + std::to_string(stream.memory_limit) + " bytes is too small: at least 4KiB");
   WS_EXPECT(stream.chunk_bytes >= 4096, ErrorCode::kInvalidArgument,

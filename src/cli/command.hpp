@@ -21,6 +21,7 @@ struct StreamFlags {
   std::string memory_limit;
   std::string chunk_size;
   std::string io;
+  std::string gpu_path;
   bool progress = false;
   bool no_progress = false;
 };
