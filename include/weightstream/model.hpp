@@ -1,0 +1,425 @@
+#pragma once
+/// @file model.hpp
+/// The model layer: an engine's parameters (`Parameter`, grouped by layer in a
+/// `ModelLayout`), the declarative mapping rules that say which checkpoint tensors fill
+/// which rows of which parameter on which tensor-parallel rank, the `LoadSession` that
+/// applies named tensors to them (cold load, reload, update), per-layer processing, model
+/// hooks that run once per load, and the bit-exact audit. Uses only the format and device
+/// layers: a session consumes named tensors, whatever produced them.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightstream/device.hpp"
+#include "weightstream/format.hpp"
+
+namespace weightstream {
+
+/// Where this rank sits among tensor-parallel and expert-parallel ranks.
+struct Parallelism {
+  int64_t tp_size = 1;  ///< tensor-parallel ranks
+  int64_t tp_rank = 0;  ///< this rank, in [0, tp_size)
+  int64_t ep_size = 1;  ///< expert-parallel ranks; above 1, routed experts are divided whole among them
+  int64_t ep_rank = 0;  ///< this rank, in [0, ep_size)
+};
+
+/// Vocabulary rows are padded to a multiple of this before they are divided among ranks
+/// (as vLLM's VocabParallelEmbedding does); padding rows are zero.
+inline constexpr int64_t kVocabPadding = 64;
+
+/// How a checkpoint tensor is divided among tensor-parallel ranks. Tensors are viewed as
+/// two-dimensional, [shape[0], product of the other dimensions].
+enum class Split {
+  kReplicated,  ///< every rank holds the whole tensor
+  kColumn,      ///< dim 0 (output features) divided: each rank's slice is one contiguous byte range
+  kRow,         ///< dim 1 (input features) divided: each rank's slice is strided
+  kVocab,       ///< dim 0 padded to a multiple of kVocabPadding, then divided; padding rows zero
+  kKvHeads,     ///< dim 0 divided by K/V heads; heads replicated when tp_size exceeds their count
+};
+
+/// "replicated", "column", "row", "vocab", "kv_heads".
+std::string_view split_name(Split split) noexcept;
+
+/// Which layers a mapping rule applies to.
+enum class LayerScope {
+  kGlobal,    ///< once per model (embeddings, final norm, lm_head); {layer} does not appear
+  kLayer,     ///< every decoder layer, MTP layers included
+  kDenseMlp,  ///< decoder layers with a dense MLP
+  kMoe,       ///< decoder layers with routed experts (once per layer)
+  kExpert,    ///< every routed expert of a MoE layer that this rank holds; {expert} appears
+  kMtp,       ///< multi-token-prediction layers only (enorm, hnorm, eh_proj, shared_head)
+};
+
+/// One row of a declarative mapping table: which checkpoint tensor fills which part of
+/// which parameter, how it is divided among ranks, and its full (unsharded) shape.
+struct MappingRule {
+  std::string tensor;     ///< checkpoint name pattern, with {layer} and {expert} placeholders
+  std::string parameter;  ///< parameter name pattern; without {expert} while `tensor` has it, experts are stacked
+  std::string part;       ///< part id within a fused parameter ("q", "k", "v", "0", "1"); empty when whole
+  std::vector<std::string> shape;  ///< checkpoint shape as names of dimensions (see model_dimensions)
+  Split split = Split::kReplicated;
+  LayerScope scope = LayerScope::kLayer;
+  bool linear = false;    ///< a linear layer's weight: quantized when the layout quantizes
+  /// Parameter dtype when it is not the model's (DeepSeek's router bias stays F32).
+  std::optional<Dtype> dtype;
+};
+
+/// The named dimensions that MappingRule::shape refers to, computed from a config
+/// ("hidden", "vocab", "q_rows", "kv_rows", "intermediate", "moe_intermediate", ...).
+std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& config);
+
+/// The mapping table of the config's architecture (llama, qwen3, deepseek_v3).
+/// Throws Error(kModel) naming the model_type when it is not supported.
+std::vector<MappingRule> mapping_rules(const ModelConfig& config);
+
+/// Checkpoint tensors that no parameter uses and that are not errors (glob patterns, '*'
+/// matches any run of characters), e.g. "*.rotary_emb.inv_freq".
+std::vector<std::string> ignore_rules(const ModelConfig& config);
+
+/// Per-layer processing a parameter gets once its layer is complete.
+enum class Processing {
+  kNone,
+  /// Online FP8 (OCP E4M3, max 448) quantization with one float32 scale per parameter:
+  /// the parameter holds E4M3 codes, its scale parameter amax / 448.
+  kFp8PerTensor,
+};
+
+/// Where one checkpoint tensor's slice lands in a parameter. The slice is the rectangle
+/// [row_begin, row_begin + rows) x [column_begin, column_begin + columns) of the tensor's
+/// two-dimensional view, written compactly (row-major) from element `element_offset` on.
+struct ParameterPart {
+  std::string tensor;          ///< checkpoint tensor name
+  std::string id;              ///< part id within the parameter ("q", "k", "v", "0", "1"); empty when whole
+  std::vector<int64_t> shape;  ///< full checkpoint shape, as every rank sees it
+  int64_t row_begin = 0;
+  int64_t rows = 0;
+  int64_t column_begin = 0;
+  int64_t columns = 0;
+  uint64_t element_offset = 0;  ///< first element of the parameter that the slice fills
+  std::string rule;             ///< the mapping rule it came from, for messages ("q_proj -> qkv_proj[q], kv_heads")
+  /// Rows of the tensor's 2-D view (shape[0], 1 for a scalar).
+  int64_t tensor_rows() const noexcept;
+  /// Columns of the tensor's 2-D view (product of shape[1:]).
+  int64_t tensor_columns() const noexcept;
+  /// True when the slice is one contiguous run of the tensor's bytes (all columns).
+  bool contiguous() const noexcept { return column_begin == 0 && columns == tensor_columns(); }
+  /// Elements in the slice.
+  uint64_t elements() const noexcept { return static_cast<uint64_t>(rows) * static_cast<uint64_t>(columns); }
+};
+
+/// Which module of a checkpoint a layer belongs to.
+enum class LayerKind { kGlobal, kDecoder, kMtp };
+
+/// One parameter of an engine: its kernel-format dtype and shape on this rank, its
+/// layer, the checkpoint tensors that fill it, and its storage.
+struct Parameter {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;  ///< as stored (kernel format)
+  std::vector<int64_t> shape;  ///< on this rank
+  int64_t layer = -1;          ///< layer index; -1 for global parameters
+  /// The tensors that fill it; empty for a derived parameter (a scale written by
+  /// processing, a tied lm_head written by a hook), which completeness checks skip.
+  std::vector<ParameterPart> parts;
+  Processing processing = Processing::kNone;
+  /// The dtype parts are written in before processing (checkpoint format); equal to
+  /// `dtype` when the parameter is not processed.
+  Dtype load_dtype = Dtype::kBF16;
+  std::string scale;  ///< name of the scale parameter that processing writes, or empty
+  /// Storage (host or device), set by ModelLayout::allocate or ModelLayout::bind; never
+  /// moves after the first load.
+  std::byte* data = nullptr;
+  Device device;
+  /// Byte ranges [first, second) of the storage that no part fills (vocabulary padding);
+  /// zeroed at the start of every cold load.
+  std::vector<std::pair<uint64_t, uint64_t>> padding;
+
+  /// Elements on this rank.
+  uint64_t elements() const noexcept;
+  /// Bytes on this rank, in `dtype`.
+  uint64_t bytes() const noexcept;
+};
+
+/// A buffer derived from parameters by a model hook (a fused K/V buffer), for the audit.
+struct DerivedBuffer {
+  std::string name;
+  const std::byte* data = nullptr;
+  Device device;
+  uint64_t bytes = 0;
+};
+
+class ModelLayout;
+
+/// A model-level hook, registered by the engine on a layout: runs exactly once at the end
+/// of every LoadSession::finish(), after all per-layer processing, never during load().
+/// Derived buffers it owns are allocated in attach() and refilled in place by run().
+class ModelHook {
+ public:
+  virtual ~ModelHook() = default;
+  /// Name used in messages and counters.
+  virtual std::string name() const = 0;
+  /// False when running twice would leave stale or wrong derived state: a reload or update
+  /// of the layout then fails at LoadSession::begin(), before any weight is touched.
+  virtual bool rerunnable() const { return true; }
+  /// Called once when added to `layout`: checks the parameters it needs and allocates
+  /// derived buffers on the layout's device. Throws Error(kModel).
+  virtual void attach(ModelLayout& layout) {}
+  /// Derives state from the loaded parameters, in place.
+  virtual void run(ModelLayout& layout) = 0;
+  /// The buffers it owns, for the audit (addresses must be stable).
+  virtual std::vector<DerivedBuffer> derived_buffers() const { return {}; }
+};
+
+/// A hook that copies the embedding into a tied lm_head parameter (both vocab-sharded
+/// alike), for models with tie_word_embeddings.
+std::unique_ptr<ModelHook> make_tied_lm_head_hook(std::string embedding = "model.embed_tokens.weight",
+                                                  std::string lm_head = "lm_head.weight");
+
+/// A hook that gathers every layer's K and V rows (parts "k" and "v" of the parameter
+/// named by `qkv_pattern`, with {layer}) into one buffer laid out [layer][k rows, v rows],
+/// the kind of fused buffer an engine keeps for a kernel. Throws Error(kModel) at attach
+/// when no layer has such parts.
+std::unique_ptr<ModelHook> make_fused_kv_hook(std::string qkv_pattern = "model.layers.{layer}.self_attn.qkv_proj.weight");
+
+/// A hook from a function.
+std::unique_ptr<ModelHook> make_model_hook(std::string name, std::function<void(ModelLayout&)> run,
+                                           bool rerunnable = true);
+
+/// Where a checkpoint tensor goes in a layout.
+struct TensorRoute {
+  enum class Kind {
+    kParameter,  ///< fills `targets`
+    kIgnored,    ///< named by an ignore rule
+    kSkipped,    ///< belongs to another rank (an expert) or another module; never read
+    kUnmatched,  ///< no parameter and no ignore rule: an error
+  };
+  Kind kind = Kind::kUnmatched;
+  /// (parameter index, part index) pairs that the tensor fills.
+  std::vector<std::pair<size_t, size_t>> targets;
+  std::string reason;  ///< for kIgnored and kSkipped: the rule or owner
+};
+
+/// The parameters of a model on one rank, grouped by layer, with their storage and hooks.
+/// Built from a config by build_model_layout, or parameter by parameter for any model.
+/// Move-only: it owns the storage it allocates.
+class ModelLayout {
+ public:
+  ModelLayout();
+  ~ModelLayout();
+  ModelLayout(ModelLayout&&) noexcept;
+  ModelLayout& operator=(ModelLayout&&) noexcept;
+  ModelLayout(const ModelLayout&) = delete;
+  ModelLayout& operator=(const ModelLayout&) = delete;
+
+  /// A description for messages, e.g. "llama tp 2 rank 1".
+  const std::string& description() const noexcept { return description_; }
+  void set_description(std::string text) { description_ = std::move(text); }
+
+  /// Adds a parameter. Throws Error(kModel) on a duplicate name, an empty name, or a part
+  /// whose slice does not fit its tensor or its parameter.
+  size_t add_parameter(Parameter parameter);
+  /// Declares what kind of layer `layer` is (decoder by default).
+  void set_layer_kind(int64_t layer, LayerKind kind);
+  /// What kind of layer `layer` is; kGlobal for -1.
+  LayerKind layer_kind(int64_t layer) const noexcept;
+  /// Adds an ignore rule (glob with '*').
+  void add_ignore_rule(std::string pattern);
+  /// Declares a checkpoint tensor that this layout never reads (`reason` names the owner).
+  void add_skipped_tensor(std::string name, std::string reason);
+
+  /// The parameters, in the order added.
+  const std::vector<Parameter>& parameters() const noexcept { return parameters_; }
+  /// Index of a parameter by name, or nullopt.
+  std::optional<size_t> find(std::string_view name) const;
+  /// A parameter by name. Throws Error(kNotFound) naming it.
+  const Parameter& parameter(std::string_view name) const;
+  /// Indices of the parameters of `layer`, in order.
+  std::vector<size_t> layer_parameters(int64_t layer) const;
+  /// Layer indices present, ascending (-1 first when there are global parameters).
+  std::vector<int64_t> layers() const;
+  /// Where a checkpoint tensor goes.
+  TensorRoute route(std::string_view tensor) const;
+  /// Every checkpoint tensor name that some part wants.
+  std::vector<std::string> wanted_tensors() const;
+
+  /// Allocates zeroed storage for every parameter without storage on `device`, once; the
+  /// addresses never change afterwards. Throws Error(kDevice).
+  void allocate(const Device& device);
+  /// Binds engine-owned storage of parameter.bytes() bytes to a parameter. Throws
+  /// Error(kModel) once the layout has been loaded (storage never moves).
+  void bind(std::string_view parameter, std::byte* data, const Device& device);
+  /// The device storage was allocated on (CPU before allocate()).
+  const Device& device() const noexcept { return device_; }
+  /// Bytes of storage this layout and its hooks own.
+  uint64_t allocated_bytes() const noexcept;
+
+  /// Registers a model hook; calls its attach(). Hooks run in registration order.
+  void add_hook(std::unique_ptr<ModelHook> hook);
+  const std::vector<std::unique_ptr<ModelHook>>& hooks() const noexcept { return hooks_; }
+
+  /// Loads finished on this layout so far (cold, reload and update).
+  uint64_t loads_finished() const noexcept { return loads_finished_; }
+  /// Model hook runs so far, all hooks together.
+  uint64_t model_hook_runs() const noexcept { return model_hook_runs_; }
+
+  /// A mutable parameter, for hooks and processing (its storage must not be replaced).
+  Parameter& mutable_parameter(size_t index) { return parameters_[index]; }
+  /// Allocates a buffer on the layout's device owned by the layout (for hooks' derived
+  /// state), zeroed; it lives as long as the layout.
+  std::byte* allocate_derived(uint64_t bytes);
+
+ private:
+  friend class LoadSession;
+  std::string description_;
+  std::vector<Parameter> parameters_;
+  std::map<std::string, size_t, std::less<>> by_name_;
+  std::multimap<std::string, std::pair<size_t, size_t>, std::less<>> by_tensor_;
+  std::map<std::string, std::string, std::less<>> skipped_;
+  std::vector<std::string> ignore_rules_;
+  std::map<int64_t, LayerKind> layer_kinds_;
+  std::vector<Buffer> storage_;
+  std::vector<std::unique_ptr<ModelHook>> hooks_;
+  Device device_;
+  uint64_t loads_finished_ = 0;
+  uint64_t model_hook_runs_ = 0;
+};
+
+/// Which part of a checkpoint a layout covers (a draft is a layout of its own).
+enum class LayoutModules {
+  kAll,     ///< the target model and its MTP layers
+  kTarget,  ///< without MTP layers (their tensors are skipped)
+  kDraft,   ///< only the MTP layers (the target's tensors are skipped)
+};
+
+/// Options of build_model_layout.
+struct LayoutOptions {
+  Parallelism parallel;
+  /// Parameter dtype; default: the config's torch_dtype (bfloat16 when absent).
+  std::optional<Dtype> dtype;
+  /// Per-layer processing of linear weights.
+  Processing quantize = Processing::kNone;
+  LayoutModules modules = LayoutModules::kAll;
+};
+
+/// Builds the layout of a llama, qwen3 or deepseek_v3 config for one rank from the
+/// architecture's mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for
+/// MLA), stacked experts w13/w2 of this rank, vocabulary padding, K/V head replication.
+/// Throws Error(kModel) naming the model_type, the rule and the dimension that does not
+/// divide among the ranks.
+ModelLayout build_model_layout(const ModelConfig& config, const LayoutOptions& options = {});
+
+/// Kinds of load a session runs.
+enum class LoadMode {
+  kCold,    ///< first load: every parameter must be filled by finish()
+  kReload,  ///< a new checkpoint over loaded storage: layers left out keep their values
+  kUpdate,  ///< a partial update (pushed buckets): layers left out keep their values
+};
+
+/// "cold", "reload", "update".
+std::string_view load_mode_name(LoadMode mode) noexcept;
+
+/// What names a batch uses.
+enum class TensorFormat {
+  kCheckpoint,  ///< checkpoint tensors: mapped, sharded, converted and processed
+  kEngine,      ///< parameter names and kernel-format bytes, copied in place as they are
+};
+
+/// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
+/// or on a device; they are read during load() only.
+struct TensorView {
+  std::string_view name;
+  Dtype dtype = Dtype::kBF16;
+  std::span<const int64_t> shape;
+  const std::byte* data = nullptr;
+  Device device;
+  uint64_t offset = 0;  ///< where `data` starts within the tensor's bytes
+  uint64_t bytes = 0;   ///< bytes at `data`
+};
+
+/// Counters of one load (reset by begin()).
+struct LoadCounters {
+  uint64_t tensors_applied = 0;    ///< tensors whose every needed byte was written
+  uint64_t bytes_applied = 0;      ///< tensor bytes written into parameters or staging
+  uint64_t tensors_skipped = 0;    ///< ignored or other ranks' tensors handed in
+  uint64_t parameters_completed = 0;
+  uint64_t layer_processing_runs = 0;  ///< layers processed (quantized)
+  uint64_t model_hook_runs = 0;
+};
+
+/// One load of a layout: begin(mode), load(batch) any number of times, finish(). Parts of
+/// one parameter may arrive in any order, in any batches; each is written as it arrives.
+/// Thread-safe: load() may be called from several threads.
+class LoadSession {
+ public:
+  explicit LoadSession(ModelLayout& layout);
+  ~LoadSession();
+  LoadSession(const LoadSession&) = delete;
+  LoadSession& operator=(const LoadSession&) = delete;
+
+  /// Starts a load. Throws Error(kModel), before touching any weight, when the layout has
+  /// a parameter without storage, a reload or update comes before any load, or the layout
+  /// has loaded before and a hook cannot run twice. A cold load zeroes padding.
+  void begin(LoadMode mode, TensorFormat format = TensorFormat::kCheckpoint);
+  /// Applies a batch. Every tensor is checked (known name, dtype, shape, bounds, not
+  /// delivered twice) before any byte of the batch is written; errors name the tensor, the
+  /// parameter, the part, the layer and the rule. A layer whose last part arrives is
+  /// processed (cold and reload).
+  void load(std::span<const TensorView> batch);
+  void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
+  /// Ends the load: completeness (cold: every parameter, naming every missing one by
+  /// layer), processing of layers still pending, then each model hook exactly once.
+  void finish();
+
+  /// The mode of the current or last load.
+  LoadMode mode() const noexcept { return mode_; }
+  /// Counters of the current or last load.
+  LoadCounters counters() const;
+  /// Layers whose every part arrived in this load, ascending.
+  std::vector<int64_t> completed_layers() const;
+
+ private:
+  struct State;
+  /// Runs per-layer processing of `layer`'s complete, unprocessed parameters (lock held).
+  void process_layer(int64_t layer);
+  ModelLayout& layout_;
+  LoadMode mode_ = LoadMode::kCold;
+  std::unique_ptr<State> state_;
+};
+
+/// "layer 3", "MTP layer 61", "global".
+std::string layer_label(const ModelLayout& layout, int64_t layer);
+
+/// Result of comparing two layouts' parameters and derived buffers bit for bit.
+struct LayoutComparison {
+  uint64_t compared = 0;    ///< parameters and derived buffers compared
+  uint64_t mismatched = 0;  ///< those whose bytes differ, or that one side lacks
+  std::vector<std::string> mismatches;  ///< names of the first mismatches (at most 20)
+};
+
+/// Compares every parameter and derived buffer of `a` with the same-named one of `b`.
+LayoutComparison compare_layouts(const ModelLayout& a, const ModelLayout& b);
+
+/// Addresses of every parameter and derived buffer, by name (for the audit).
+std::map<std::string, const std::byte*> storage_addresses(const ModelLayout& layout);
+
+/// Host copy of a parameter's bytes (kernel format).
+std::vector<std::byte> parameter_bytes(const Parameter& parameter);
+
+/// FP8 E4M3 (OCP "E4M3FN": no infinities, max 448) of a float, rounded to nearest even,
+/// saturating at +-448.
+uint8_t float_to_e4m3(float value) noexcept;
+/// The float value of an E4M3 code.
+float e4m3_to_float(uint8_t code) noexcept;
+/// Converts `elements` values between BF16, F16 and F32 on the host. Throws Error(kModel)
+/// for any other pair of distinct dtypes.
+void convert_elements(std::byte* destination, Dtype destination_dtype, const std::byte* source, Dtype source_dtype,
+                      uint64_t elements);
+
+}  // namespace weightstream

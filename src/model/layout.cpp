@@ -1,0 +1,306 @@
+// Parameter and ModelLayout: the parameters of one rank, their storage, routes from
+// checkpoint tensor names, and the audit helpers that read them back.
+#include <algorithm>
+#include <cstring>
+
+#include "model/parameter_copy.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/model.hpp"
+
+namespace weightstream {
+namespace {
+
+uint64_t product(std::span<const int64_t> dimensions) {
+  uint64_t result = 1;
+  for (int64_t dimension : dimensions) result *= static_cast<uint64_t>(dimension);
+  return result;
+}
+
+/// Glob match where '*' matches any run of characters (ignore rules).
+bool glob_match(std::string_view pattern, std::string_view text) {
+  size_t p = 0, t = 0, star = std::string_view::npos, resume = 0;
+  while (t < text.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = t;
+    } else if (p < pattern.size() && pattern[p] == text[t]) {
+      ++p;
+      ++t;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      t = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+}  // namespace
+
+int64_t ParameterPart::tensor_rows() const noexcept { return shape.empty() ? 1 : shape[0]; }
+
+int64_t ParameterPart::tensor_columns() const noexcept {
+  return shape.size() <= 1 ? 1 : static_cast<int64_t>(product(std::span(shape).subspan(1)));
+}
+
+uint64_t Parameter::elements() const noexcept { return product(shape); }
+
+uint64_t Parameter::bytes() const noexcept { return elements() * (dtype_bits(dtype) / 8); }
+
+std::string layer_label(const ModelLayout& layout, int64_t layer) {
+  switch (layout.layer_kind(layer)) {
+    case LayerKind::kGlobal: return "global";
+    case LayerKind::kMtp: return "MTP layer " + std::to_string(layer);
+    case LayerKind::kDecoder: break;
+  }
+  return "layer " + std::to_string(layer);
+}
+
+ModelLayout::ModelLayout() = default;
+ModelLayout::~ModelLayout() = default;
+ModelLayout::ModelLayout(ModelLayout&&) noexcept = default;
+ModelLayout& ModelLayout::operator=(ModelLayout&&) noexcept = default;
+
+size_t ModelLayout::add_parameter(Parameter parameter) {
+  const std::string& name = parameter.name;
+  WS_EXPECT(!name.empty(), ErrorCode::kModel, "a parameter of " + description_ + " has an empty name");
+  WS_EXPECT(!by_name_.contains(name), ErrorCode::kModel,
+            "parameter " + name + " is declared twice in " + description_);
+  WS_EXPECT(dtype_bits(parameter.dtype) % 8 == 0 && dtype_bits(parameter.load_dtype) % 8 == 0, ErrorCode::kModel,
+            "parameter " + name + ": sub-byte dtypes are not supported as parameter storage");
+  WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
+            "cannot add parameter " + name + " to " + description_ + " after it has been loaded");
+  for (int64_t dimension : parameter.shape) {
+    WS_EXPECT(dimension >= 0, ErrorCode::kModel, "parameter " + name + " has a negative dimension");
+  }
+  // Every part must lie inside its tensor and inside the parameter, and parts must not
+  // overlap: the rows no part fills are padding.
+  std::vector<std::pair<uint64_t, uint64_t>> covered;
+  for (const ParameterPart& part : parameter.parts) {
+    std::string where = "part '" + part.id + "' (tensor " + part.tensor + ") of parameter " + name;
+    WS_EXPECT(!part.tensor.empty(), ErrorCode::kModel, where + " names no tensor");
+    WS_EXPECT(part.row_begin >= 0 && part.rows >= 0 && part.row_begin + part.rows <= part.tensor_rows() &&
+                  part.column_begin >= 0 && part.columns >= 0 &&
+                  part.column_begin + part.columns <= part.tensor_columns(),
+              ErrorCode::kModel, where + ": slice rows " + std::to_string(part.row_begin) + "+" +
+                                     std::to_string(part.rows) + ", columns " + std::to_string(part.column_begin) +
+                                     "+" + std::to_string(part.columns) + " lies outside tensor shape " +
+                                     shape_text(part.shape));
+    WS_EXPECT(part.element_offset + part.elements() <= parameter.elements(), ErrorCode::kModel,
+              where + ": elements " + std::to_string(part.element_offset) + "+" + std::to_string(part.elements()) +
+                  " lie outside parameter shape " + shape_text(parameter.shape));
+    covered.emplace_back(part.element_offset, part.element_offset + part.elements());
+  }
+  std::sort(covered.begin(), covered.end());
+  uint64_t element_bytes = dtype_bits(parameter.dtype) / 8;
+  uint64_t cursor = 0;
+  parameter.padding.clear();
+  for (const auto& [begin, end] : covered) {
+    WS_EXPECT(begin >= cursor, ErrorCode::kModel,
+              "parameter " + name + ": two parts fill element " + std::to_string(begin));
+    if (begin > cursor) parameter.padding.emplace_back(cursor * element_bytes, begin * element_bytes);
+    cursor = end;
+  }
+  if (!covered.empty() && cursor < parameter.elements()) {
+    parameter.padding.emplace_back(cursor * element_bytes, parameter.elements() * element_bytes);
+  }
+  if (parameter.processing == Processing::kNone) parameter.load_dtype = parameter.dtype;
+  size_t index = parameters_.size();
+  for (size_t part = 0; part < parameter.parts.size(); ++part) {
+    by_tensor_.emplace(parameter.parts[part].tensor, std::make_pair(index, part));
+  }
+  by_name_.emplace(name, index);
+  parameters_.push_back(std::move(parameter));
+  return index;
+}
+
+void ModelLayout::set_layer_kind(int64_t layer, LayerKind kind) { layer_kinds_[layer] = kind; }
+
+LayerKind ModelLayout::layer_kind(int64_t layer) const noexcept {
+  if (layer < 0) return LayerKind::kGlobal;
+  auto it = layer_kinds_.find(layer);
+  return it == layer_kinds_.end() ? LayerKind::kDecoder : it->second;
+}
+
+void ModelLayout::add_ignore_rule(std::string pattern) { ignore_rules_.push_back(std::move(pattern)); }
+
+void ModelLayout::add_skipped_tensor(std::string name, std::string reason) {
+  skipped_.insert_or_assign(std::move(name), std::move(reason));
+}
+
+std::optional<size_t> ModelLayout::find(std::string_view name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) return std::nullopt;
+  return it->second;
+}
+
+const Parameter& ModelLayout::parameter(std::string_view name) const {
+  auto index = find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "parameter " + std::string(name) + " is not in " + description_);
+  return parameters_[*index];
+}
+
+std::vector<size_t> ModelLayout::layer_parameters(int64_t layer) const {
+  std::vector<size_t> indices;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (parameters_[i].layer == layer) indices.push_back(i);
+  }
+  return indices;
+}
+
+std::vector<int64_t> ModelLayout::layers() const {
+  std::vector<int64_t> result;
+  for (const Parameter& parameter : parameters_) result.push_back(parameter.layer);
+  std::sort(result.begin(), result.end());
+  result.erase(std::unique(result.begin(), result.end()), result.end());
+  return result;
+}
+
+TensorRoute ModelLayout::route(std::string_view tensor) const {
+  TensorRoute route;
+  auto [begin, end] = by_tensor_.equal_range(tensor);
+  for (auto it = begin; it != end; ++it) route.targets.push_back(it->second);
+  if (!route.targets.empty()) {
+    route.kind = TensorRoute::Kind::kParameter;
+    return route;
+  }
+  if (auto it = skipped_.find(tensor); it != skipped_.end()) {
+    route.kind = TensorRoute::Kind::kSkipped;
+    route.reason = it->second;
+    return route;
+  }
+  for (const std::string& rule : ignore_rules_) {
+    if (glob_match(rule, tensor)) {
+      route.kind = TensorRoute::Kind::kIgnored;
+      route.reason = "ignore rule " + rule;
+      return route;
+    }
+  }
+  return route;
+}
+
+std::vector<std::string> ModelLayout::wanted_tensors() const {
+  std::vector<std::string> names;
+  for (auto it = by_tensor_.begin(); it != by_tensor_.end(); it = by_tensor_.upper_bound(it->first)) {
+    names.push_back(it->first);
+  }
+  return names;
+}
+
+void ModelLayout::allocate(const Device& device) {
+  device_ = device;
+  for (Parameter& parameter : parameters_) {
+    if (parameter.data != nullptr) continue;
+    // Zero-sized parameters still get a distinct, stable (one-byte) allocation.
+    Buffer buffer(device, std::max<uint64_t>(parameter.bytes(), 1));
+    model::zero_bytes(buffer.data(), device, buffer.size());
+    parameter.data = buffer.data();
+    parameter.device = device;
+    storage_.push_back(std::move(buffer));
+  }
+}
+
+void ModelLayout::bind(std::string_view name, std::byte* data, const Device& device) {
+  WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
+            "cannot bind new storage to parameter " + std::string(name) + " of " + description_ +
+                " after it has been loaded: storage never moves (captured CUDA graphs would read freed memory)");
+  WS_EXPECT(data != nullptr, ErrorCode::kModel, "cannot bind null storage to parameter " + std::string(name));
+  auto index = find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "cannot bind parameter " + std::string(name) + ": it is not in " + description_);
+  parameters_[*index].data = data;
+  parameters_[*index].device = device;
+  device_ = device;
+}
+
+uint64_t ModelLayout::allocated_bytes() const noexcept {
+  uint64_t total = 0;
+  for (const Buffer& buffer : storage_) total += buffer.size();
+  return total;
+}
+
+std::byte* ModelLayout::allocate_derived(uint64_t bytes) {
+  Buffer buffer(device_, std::max<uint64_t>(bytes, 1));
+  model::zero_bytes(buffer.data(), device_, buffer.size());
+  std::byte* data = buffer.data();
+  storage_.push_back(std::move(buffer));
+  return data;
+}
+
+void ModelLayout::add_hook(std::unique_ptr<ModelHook> hook) {
+  WS_EXPECT(hook != nullptr, ErrorCode::kInvalidArgument, "add_hook: null hook for " + description_);
+  hook->attach(*this);
+  hooks_.push_back(std::move(hook));
+}
+
+std::vector<std::byte> parameter_bytes(const Parameter& parameter) {
+  std::vector<std::byte> bytes(parameter.bytes());
+  WS_EXPECT(parameter.data != nullptr || bytes.empty(), ErrorCode::kModel,
+            "parameter " + parameter.name + " has no storage");
+  if (!bytes.empty()) copy_bytes(bytes.data(), Device{}, parameter.data, parameter.device, bytes.size());
+  return bytes;
+}
+
+namespace {
+
+std::vector<std::byte> derived_bytes(const DerivedBuffer& buffer) {
+  std::vector<std::byte> bytes(buffer.bytes);
+  if (!bytes.empty()) copy_bytes(bytes.data(), Device{}, buffer.data, buffer.device, bytes.size());
+  return bytes;
+}
+
+std::map<std::string, DerivedBuffer> derived_by_name(const ModelLayout& layout) {
+  std::map<std::string, DerivedBuffer> result;
+  for (const auto& hook : layout.hooks()) {
+    for (DerivedBuffer& buffer : hook->derived_buffers()) result.emplace(buffer.name, buffer);
+  }
+  return result;
+}
+
+}  // namespace
+
+LayoutComparison compare_layouts(const ModelLayout& a, const ModelLayout& b) {
+  LayoutComparison result;
+  auto mismatch = [&](const std::string& name) {
+    ++result.mismatched;
+    if (result.mismatches.size() < 20) result.mismatches.push_back(name);
+  };
+  for (const Parameter& parameter : a.parameters()) {
+    ++result.compared;
+    auto other = b.find(parameter.name);
+    if (!other) {
+      mismatch(parameter.name);
+      continue;
+    }
+    const Parameter& twin = b.parameters()[*other];
+    if (twin.dtype != parameter.dtype || twin.shape != parameter.shape ||
+        parameter_bytes(parameter) != parameter_bytes(twin)) {
+      mismatch(parameter.name);
+    }
+  }
+  auto theirs = derived_by_name(b);
+  for (const auto& [name, buffer] : derived_by_name(a)) {
+    ++result.compared;
+    auto it = theirs.find(name);
+    if (it == theirs.end() || derived_bytes(buffer) != derived_bytes(it->second)) mismatch(name);
+  }
+  for (const Parameter& parameter : b.parameters()) {
+    if (!a.find(parameter.name)) {
+      ++result.compared;
+      mismatch(parameter.name);
+    }
+  }
+  return result;
+}
+
+std::map<std::string, const std::byte*> storage_addresses(const ModelLayout& layout) {
+  std::map<std::string, const std::byte*> addresses;
+  for (const Parameter& parameter : layout.parameters()) addresses.emplace(parameter.name, parameter.data);
+  for (const auto& [name, buffer] : derived_by_name(layout)) addresses.emplace(name, buffer.data);
+  return addresses;
+}
+
+}  // namespace weightstream

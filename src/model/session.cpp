@@ -1,0 +1,363 @@
+// LoadSession: the one path every load takes. A batch is checked whole before any byte
+// of it is written; parts are written as they arrive; a layer is processed when its last
+// part arrives; model hooks run once, in finish().
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+#include "model/parameter_copy.hpp"
+#include "model/processing.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/model.hpp"
+
+namespace weightstream {
+namespace {
+
+const Device kHost{};
+
+uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
+
+bool convertible(Dtype from, Dtype to) {
+  auto is_float = [](Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; };
+  return from == to || (is_float(from) && is_float(to));
+}
+
+std::string join(const std::vector<std::string>& items, std::string_view separator) {
+  std::string text;
+  for (const std::string& item : items) {
+    if (!text.empty()) text += separator;
+    text += item;
+  }
+  return text;
+}
+
+}  // namespace
+
+struct LoadSession::State {
+  struct PartState {
+    uint64_t received = 0;  ///< bytes of the needed source range received in this load
+    std::optional<Dtype> dtype;  ///< dtype its pieces arrive in (one per load)
+    std::vector<std::byte> assembly;  ///< needed rows, gathered when pieces cannot be written directly
+    bool complete = false;
+  };
+  struct ParameterState {
+    std::vector<PartState> parts;
+    size_t parts_complete = 0;
+    uint64_t engine_received = 0;  ///< engine format: bytes received
+    bool touched = false;
+    bool complete = false;
+    bool processed = false;
+    Buffer staging;  ///< checkpoint-format bytes of a processed parameter
+  };
+  struct LayerState {
+    size_t parameters = 0;  ///< parameters of the layer that parts fill
+    size_t complete = 0;
+    bool processed = false;
+  };
+
+  /// One write that a checked batch will perform.
+  struct Write {
+    const TensorView* view = nullptr;
+    size_t parameter = 0;
+    size_t part = 0;
+    uint64_t begin = 0, end = 0;  ///< bytes of the tensor written, within the needed range
+  };
+
+  std::mutex mutex;
+  bool active = false;
+  TensorFormat format = TensorFormat::kCheckpoint;
+  std::vector<ParameterState> parameters;
+  std::map<int64_t, LayerState> layers;
+  LoadCounters counters;
+};
+
+LoadSession::LoadSession(ModelLayout& layout) : layout_(layout), state_(std::make_unique<State>()) {}
+
+LoadSession::~LoadSession() = default;
+
+LoadCounters LoadSession::counters() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->counters;
+}
+
+std::vector<int64_t> LoadSession::completed_layers() const {
+  std::lock_guard lock(state_->mutex);
+  std::vector<int64_t> result;
+  for (const auto& [layer, state] : state_->layers) {
+    if (state.parameters > 0 && state.complete == state.parameters) result.push_back(layer);
+  }
+  return result;
+}
+
+void LoadSession::begin(LoadMode mode, TensorFormat format) {
+  std::lock_guard lock(state_->mutex);
+  State& state = *state_;
+  const std::string what = std::string(load_mode_name(mode)) + " load of " + layout_.description();
+  WS_EXPECT(!state.active, ErrorCode::kModel, "cannot begin a " + what + ": the previous load has not finished");
+  std::vector<std::string> unbound;
+  for (const Parameter& parameter : layout_.parameters()) {
+    if (parameter.data == nullptr) unbound.push_back(parameter.name);
+  }
+  WS_EXPECT(unbound.empty(), ErrorCode::kModel,
+            "cannot begin a " + what + ": parameters without storage (allocate() or bind() them first): " +
+                join(unbound, ", "));
+  WS_EXPECT(mode == LoadMode::kCold || layout_.loads_finished() > 0, ErrorCode::kModel,
+            "cannot begin a " + what + ": it has never been loaded; the first load must be cold");
+  if (layout_.loads_finished() > 0) {
+    for (const auto& hook : layout_.hooks()) {
+      // Refuse here, before a byte is written: running the hook again would leave derived
+      // state stale or wrong, and stopping after the weights changed would be worse.
+      WS_EXPECT(hook->rerunnable(), ErrorCode::kModel,
+                "cannot begin a " + what + ": model hook '" + hook->name() +
+                    "' declares that it cannot run twice, and this layout has already been loaded; "
+                    "rebuild the model instead of reloading it");
+    }
+  }
+  state.format = format;
+  state.counters = {};
+  state.parameters.clear();
+  state.parameters.resize(layout_.parameters().size());
+  state.layers.clear();
+  for (size_t i = 0; i < layout_.parameters().size(); ++i) {
+    const Parameter& parameter = layout_.parameters()[i];
+    state.parameters[i].parts.resize(parameter.parts.size());
+    bool filled = format == TensorFormat::kEngine || !parameter.parts.empty();
+    if (filled) ++state.layers[parameter.layer].parameters;
+  }
+  if (mode == LoadMode::kCold) {
+    for (const Parameter& parameter : layout_.parameters()) {
+      for (const auto& [begin, end] : parameter.padding) {
+        model::zero_bytes(parameter.data + begin, parameter.device, end - begin);
+      }
+    }
+  }
+  mode_ = mode;
+  state.active = true;
+}
+
+void LoadSession::load(std::span<const TensorView> batch) {
+  std::lock_guard lock(state_->mutex);
+  State& state = *state_;
+  const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
+  WS_EXPECT(state.active, ErrorCode::kModel, "load() outside begin()/finish() on " + layout_.description());
+
+  // Pass 1: check every tensor of the batch; nothing is written until all pass.
+  std::vector<State::Write> writes;
+  std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // per (parameter, part): bytes in this batch
+  for (const TensorView& view : batch) {
+    std::string tensor(view.name);
+    auto size = tensor_byte_size(view.dtype, view.shape);
+    WS_EXPECT(size.has_value(), ErrorCode::kModel,
+              "tensor " + tensor + ": shape " + shape_text(view.shape) + " of " + std::string(dtype_name(view.dtype)) +
+                  " has no valid byte size");
+    WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
+              "tensor " + tensor + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
+                  " lies outside its " + std::to_string(*size) + " bytes");
+    WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + tensor + ": no data");
+
+    if (state.format == TensorFormat::kEngine) {
+      auto index = layout_.find(tensor);
+      WS_EXPECT(index.has_value(), ErrorCode::kModel,
+                "engine-format tensor " + tensor + " names no parameter of " + layout_.description());
+      const Parameter& parameter = layout_.parameters()[*index];
+      WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
+                "engine-format tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) +
+                    " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
+                    std::string(dtype_name(parameter.dtype)));
+      WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
+                "engine-format tensor " + tensor + " has shape " + shape_text(view.shape) + " but parameter " +
+                    parameter.name + " (" + layer_label(layout_, parameter.layer) + ") has shape " +
+                    shape_text(parameter.shape));
+      uint64_t& pending = batch_bytes[{*index, 0}];
+      WS_EXPECT(state.parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(), ErrorCode::kModel,
+                "tensor " + tensor + " delivered twice in this " + what);
+      pending += view.bytes;
+      writes.push_back({&view, *index, 0, view.offset, view.offset + view.bytes});
+      continue;
+    }
+
+    TensorRoute route = layout_.route(tensor);
+    if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) {
+      if (view.offset == 0) ++state.counters.tensors_skipped;
+      continue;
+    }
+    WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
+              "tensor " + tensor + " matches no parameter of " + layout_.description() +
+                  " and no ignore rule; add an ignore rule if the engine does not use it");
+    for (const auto& [index, part_index] : route.targets) {
+      const Parameter& parameter = layout_.parameters()[index];
+      const ParameterPart& part = parameter.parts[part_index];
+      std::string target = "parameter " + parameter.name + " (part '" + part.id + "', " +
+                           layer_label(layout_, parameter.layer) + ", rule " + part.rule + ")";
+      WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
+                "tensor " + tensor + " has shape " + shape_text(view.shape) + " but " + target + " expects " +
+                    shape_text(part.shape));
+      WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
+                "tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target +
+                    " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
+                    " (only BF16, F16 and F32 convert on copy)");
+      const State::PartState& part_state = state.parameters[index].parts[part_index];
+      WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
+                "tensor " + tensor + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
+                    " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
+      uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
+      uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+      uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
+      uint64_t begin = std::max(view.offset, needed_begin);
+      uint64_t end = std::min(view.offset + view.bytes, needed_end);
+      if (begin >= end) continue;  // a piece of rows another rank holds
+      uint64_t& pending = batch_bytes[{index, part_index}];
+      WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
+                ErrorCode::kModel, "tensor " + tensor + " delivered twice in this " + what + " (" + target + ")");
+      pending += end - begin;
+      writes.push_back({&view, index, part_index, begin, end});
+    }
+  }
+
+  // Pass 2: write.
+  std::set<size_t> completed;
+  for (const State::Write& write : writes) {
+    const TensorView& view = *write.view;
+    Parameter& parameter = layout_.mutable_parameter(write.parameter);
+    State::ParameterState& parameter_state = state.parameters[write.parameter];
+    parameter_state.touched = true;
+    const std::byte* source = view.data + (write.begin - view.offset);
+    uint64_t length = write.end - write.begin;
+    state.counters.bytes_applied += length;
+
+    if (state.format == TensorFormat::kEngine) {
+      copy_bytes(parameter.data + write.begin, parameter.device, source, view.device, length);
+      parameter_state.engine_received += length;
+      if (parameter_state.engine_received == parameter.bytes()) {
+        ++state.counters.tensors_applied;
+        completed.insert(write.parameter);
+      }
+      continue;
+    }
+
+    const ParameterPart& part = parameter.parts[write.part];
+    State::PartState& part_state = parameter_state.parts[write.part];
+    part_state.dtype = view.dtype;
+    // Processed parameters take their checkpoint-format bytes in staging; the kernel-format
+    // storage is written only by processing, so a failed or partial load never leaves it half-new.
+    std::byte* base = parameter.data;
+    if (parameter.processing != Processing::kNone) {
+      if (parameter_state.staging.size() == 0) {
+        parameter_state.staging = Buffer(parameter.device, parameter.elements() * element_bytes(parameter.load_dtype));
+        model::zero_bytes(parameter_state.staging.data(), parameter.device, parameter_state.staging.size());
+      }
+      base = parameter_state.staging.data();
+    }
+    base += part.element_offset * element_bytes(parameter.load_dtype);
+    uint64_t source_element = element_bytes(view.dtype);
+    uint64_t tensor_columns = static_cast<uint64_t>(part.tensor_columns());
+    uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * tensor_columns * source_element;
+    uint64_t needed_bytes = static_cast<uint64_t>(part.rows) * tensor_columns * source_element;
+    const std::byte* needed_source = nullptr;  // the whole needed range, when available at once
+    if (length == needed_bytes) {
+      needed_source = source;
+    } else if (part.contiguous() && view.dtype == parameter.load_dtype) {
+      // A run of a contiguous slice in the parameter's dtype lands where it belongs.
+      copy_bytes(base + (write.begin - needed_begin), parameter.device, source, view.device, length);
+    } else {
+      // Strided or converted slices need whole rows (and whole elements): gather first.
+      if (part_state.assembly.empty()) part_state.assembly.resize(needed_bytes);
+      copy_bytes(part_state.assembly.data() + (write.begin - needed_begin), kHost, source, view.device, length);
+      if (part_state.received + length == needed_bytes) needed_source = part_state.assembly.data();
+    }
+    if (needed_source != nullptr) {
+      const Device& from = needed_source == source ? view.device : kHost;
+      model::copy_rows(base, parameter.device, parameter.load_dtype,
+                       needed_source + static_cast<uint64_t>(part.column_begin) * source_element, from, view.dtype,
+                       static_cast<uint64_t>(part.rows), static_cast<uint64_t>(part.columns), tensor_columns);
+      std::vector<std::byte>().swap(part_state.assembly);
+    }
+    part_state.received += length;
+    if (part_state.received == needed_bytes) {
+      part_state.complete = true;
+      ++state.counters.tensors_applied;
+      if (++parameter_state.parts_complete == parameter.parts.size()) completed.insert(write.parameter);
+    }
+  }
+
+  for (size_t index : completed) {
+    State::ParameterState& parameter_state = state.parameters[index];
+    parameter_state.complete = true;
+    ++state.counters.parameters_completed;
+    const Parameter& parameter = layout_.parameters()[index];
+    State::LayerState& layer = state.layers[parameter.layer];
+    ++layer.complete;
+    // An update may bring a layer in several buckets; its processing waits for finish().
+    if (mode_ != LoadMode::kUpdate && layer.complete == layer.parameters && state.format == TensorFormat::kCheckpoint) {
+      process_layer(parameter.layer);
+    }
+  }
+}
+
+void LoadSession::process_layer(int64_t layer) {
+  State& state = *state_;
+  bool ran = false;
+  for (size_t index : layout_.layer_parameters(layer)) {
+    const Parameter& parameter = layout_.parameters()[index];
+    State::ParameterState& parameter_state = state.parameters[index];
+    if (parameter.processing == Processing::kNone || !parameter_state.complete || parameter_state.processed) continue;
+    const Parameter* scale = nullptr;
+    if (auto scale_index = layout_.find(parameter.scale)) scale = &layout_.parameters()[*scale_index];
+    model::process_parameter(parameter, parameter_state.staging.data(), scale);
+    parameter_state.processed = true;
+    parameter_state.staging = Buffer();
+    ran = true;
+  }
+  state.layers[layer].processed = true;
+  if (ran) ++state.counters.layer_processing_runs;
+}
+
+void LoadSession::finish() {
+  std::lock_guard lock(state_->mutex);
+  State& state = *state_;
+  const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
+  WS_EXPECT(state.active, ErrorCode::kModel, "finish() without begin() on " + layout_.description());
+
+  // Completeness: a cold load names every parameter still missing, grouped by layer.
+  std::map<int64_t, std::vector<std::string>> missing;
+  for (size_t i = 0; i < layout_.parameters().size(); ++i) {
+    const Parameter& parameter = layout_.parameters()[i];
+    const State::ParameterState& parameter_state = state.parameters[i];
+    bool filled = state.format == TensorFormat::kEngine || !parameter.parts.empty();
+    if (!filled || parameter_state.complete) continue;
+    bool required = mode_ == LoadMode::kCold ||
+                    (parameter.processing != Processing::kNone && parameter_state.touched &&
+                     state.format == TensorFormat::kCheckpoint);
+    if (!required) continue;
+    std::vector<std::string> parts;
+    for (size_t p = 0; p < parameter.parts.size(); ++p) {
+      if (!parameter_state.parts[p].complete && parameter_state.touched) parts.push_back(parameter.parts[p].tensor);
+    }
+    missing[parameter.layer].push_back(parameter.name + (parts.empty() ? "" : " (missing " + join(parts, ", ") + ")"));
+  }
+  if (!missing.empty()) {
+    std::vector<std::string> groups;
+    for (const auto& [layer, names] : missing) {
+      groups.push_back(layer_label(layout_, layer) + " weights missing: " + join(names, ", "));
+    }
+    state.active = false;
+    WS_FAIL(ErrorCode::kModel,
+            mode_ == LoadMode::kCold
+                ? what + " is incomplete: " + join(groups, "; ")
+                : what + ": FP8-processed parameters need every part in checkpoint format to be requantized: " +
+                      join(groups, "; "));
+  }
+
+  for (auto& [layer, layer_state] : state.layers) {
+    if (state.format == TensorFormat::kCheckpoint) process_layer(layer);
+  }
+  for (const auto& hook : layout_.hooks()) {
+    hook->run(layout_);
+    ++state.counters.model_hook_runs;
+    ++layout_.model_hook_runs_;
+  }
+  ++layout_.loads_finished_;
+  state.active = false;
+}
+
+}  // namespace weightstream

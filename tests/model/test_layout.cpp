@@ -1,0 +1,214 @@
+// Layouts built from config.json: fused parameters, tensor-parallel shapes, vocabulary
+// padding, K/V head replication, MLA, stacked experts, MTP layers, expert parallelism.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "model/model_fixtures.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::synth_in_memory;
+using testing::synth_options;
+
+ModelConfig llama_config(int64_t heads, int64_t kv_heads) {
+  ModelConfig config;
+  config.model_type = "llama";
+  config.hidden_size = 64 * heads;
+  config.intermediate_size = 256;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = heads;
+  config.num_key_value_heads = kv_heads;
+  config.head_dim = 64;
+  config.vocab_size = 1000;
+  config.torch_dtype = "bfloat16";
+  return config;
+}
+
+const ParameterPart& part_of(const Parameter& parameter, std::string_view id) {
+  for (const ParameterPart& part : parameter.parts) {
+    if (part.id == id) return part;
+  }
+  throw std::runtime_error("no part " + std::string(id) + " in " + parameter.name);
+}
+
+TEST(ModelLayout, LlamaFusesQkvAndGateUp) {
+  ModelLayout layout = build_model_layout(llama_config(8, 2));
+  const Parameter& qkv = layout.parameter("model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(qkv.shape, (std::vector<int64_t>{512 + 2 * 128, 512}));
+  ASSERT_EQ(qkv.parts.size(), 3u);
+  EXPECT_EQ(part_of(qkv, "q").tensor, "model.layers.0.self_attn.q_proj.weight");
+  EXPECT_EQ(part_of(qkv, "k").element_offset, 512u * 512u);
+  EXPECT_EQ(part_of(qkv, "v").element_offset, 640u * 512u);
+  const Parameter& gate_up = layout.parameter("model.layers.1.mlp.gate_up_proj.weight");
+  EXPECT_EQ(gate_up.shape, (std::vector<int64_t>{512, 512}));
+  EXPECT_EQ(part_of(gate_up, "1").tensor, "model.layers.1.mlp.up_proj.weight");
+  EXPECT_EQ(layout.route("model.layers.0.self_attn.rotary_emb.inv_freq").kind, TensorRoute::Kind::kIgnored);
+  EXPECT_EQ(layout.route("model.layers.0.self_attn.unknown").kind, TensorRoute::Kind::kUnmatched);
+  EXPECT_EQ(layout.description(), "llama tp 1 rank 0");
+}
+
+TEST(ModelLayout, TensorParallelShardsColumnsRowsAndVocabulary) {
+  LayoutOptions options;
+  options.parallel = {4, 3};
+  ModelLayout layout = build_model_layout(llama_config(8, 4), options);
+  const Parameter& qkv = layout.parameter("model.layers.0.self_attn.qkv_proj.weight");
+  // 2 of 8 query heads and 1 of 4 K/V heads per rank.
+  EXPECT_EQ(qkv.shape, (std::vector<int64_t>{128 + 64 + 64, 512}));
+  EXPECT_EQ(part_of(qkv, "q").row_begin, 3 * 128);
+  EXPECT_TRUE(part_of(qkv, "q").contiguous());
+  EXPECT_EQ(part_of(qkv, "k").row_begin, 3 * 64);
+  const Parameter& o_proj = layout.parameter("model.layers.0.self_attn.o_proj.weight");
+  EXPECT_EQ(o_proj.shape, (std::vector<int64_t>{512, 128}));
+  EXPECT_EQ(o_proj.parts[0].column_begin, 3 * 128);
+  EXPECT_FALSE(o_proj.parts[0].contiguous());
+  // 1000 rows padded to 1024, 256 per rank: rank 3 holds rows 768..999 and 24 zero rows.
+  const Parameter& embedding = layout.parameter("model.embed_tokens.weight");
+  EXPECT_EQ(embedding.shape, (std::vector<int64_t>{256, 512}));
+  EXPECT_EQ(embedding.parts[0].row_begin, 768);
+  EXPECT_EQ(embedding.parts[0].rows, 232);
+  ASSERT_EQ(embedding.padding.size(), 1u);
+  EXPECT_EQ(embedding.padding[0], std::make_pair(uint64_t{232 * 512 * 2}, uint64_t{256 * 512 * 2}));
+}
+
+TEST(ModelLayout, KvHeadsReplicateWhenTpSizeExceedsThem) {
+  for (int64_t rank = 0; rank < 8; ++rank) {
+    LayoutOptions options;
+    options.parallel = {8, rank};
+    ModelLayout layout = build_model_layout(llama_config(8, 2), options);
+    const Parameter& qkv = layout.parameter("model.layers.1.self_attn.qkv_proj.weight");
+    EXPECT_EQ(qkv.shape, (std::vector<int64_t>{64 + 64 + 64, 512}));
+    // Ranks 0-3 hold K/V head 0, ranks 4-7 head 1.
+    EXPECT_EQ(part_of(qkv, "k").row_begin, rank / 4 * 64) << "rank " << rank;
+    EXPECT_EQ(part_of(qkv, "v").rows, 64);
+  }
+}
+
+TEST(ModelLayout, RejectsShardingThatDoesNotDivide) {
+  LayoutOptions options;
+  options.parallel = {3, 0};
+  try {
+    build_model_layout(llama_config(6, 2), options);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    EXPECT_THAT(error.what(), HasSubstr("padded to a multiple of 64"));
+    EXPECT_THAT(error.what(), HasSubstr("model.embed_tokens.weight"));
+  }
+  options.parallel = {2, 2};
+  EXPECT_THROW(build_model_layout(llama_config(8, 2), options), Error);
+  ModelConfig config = llama_config(8, 2);
+  config.model_type = "gpt2";
+  try {
+    build_model_layout(config);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("model_type 'gpt2' has no mapping table"));
+  }
+}
+
+TEST(ModelLayout, Qwen3AddsQueryAndKeyNorms) {
+  auto checkpoint = synth_in_memory(synth_options("qwen3"));
+  ModelLayout layout = build_model_layout(checkpoint.config);
+  EXPECT_EQ(layout.parameter("model.layers.1.self_attn.k_norm.weight").shape,
+            (std::vector<int64_t>{checkpoint.config.head_dim}));
+  for (const auto& tensor : checkpoint.tensors) {
+    EXPECT_EQ(layout.route(tensor.name).kind, TensorRoute::Kind::kParameter) << tensor.name;
+  }
+}
+
+TEST(ModelLayout, DeepSeekMlaExpertsAndMtp) {
+  auto checkpoint = synth_in_memory(synth_options("deepseek_v3"));
+  const ModelConfig& config = checkpoint.config;
+  LayoutOptions options;
+  options.parallel = {2, 1};
+  ModelLayout layout = build_model_layout(config, options);
+  // Every checkpoint tensor has a home.
+  for (const auto& tensor : checkpoint.tensors) {
+    EXPECT_EQ(layout.route(tensor.name).kind, TensorRoute::Kind::kParameter) << tensor.name;
+  }
+  const Parameter& fused = layout.parameter("model.layers.0.self_attn.fused_qkv_a_proj.weight");
+  EXPECT_EQ(fused.shape[0], config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim);
+  const Parameter& w13 = layout.parameter("model.layers.1.mlp.experts.w13_weight");
+  EXPECT_EQ(w13.shape, (std::vector<int64_t>{config.n_routed_experts, config.moe_intermediate_size,
+                                             config.hidden_size}));
+  EXPECT_EQ(w13.parts.size(), static_cast<size_t>(2 * config.n_routed_experts));
+  const Parameter& w2 = layout.parameter("model.layers.1.mlp.experts.w2_weight");
+  EXPECT_EQ(w2.shape, (std::vector<int64_t>{config.n_routed_experts, config.hidden_size,
+                                            config.moe_intermediate_size / 2}));
+  EXPECT_EQ(layout.parameter("model.layers.1.mlp.gate.e_score_correction_bias").dtype, Dtype::kF32);
+  int64_t mtp = config.num_hidden_layers;
+  EXPECT_EQ(layout.layer_kind(mtp), LayerKind::kMtp);
+  EXPECT_EQ(layer_label(layout, mtp), "MTP layer " + std::to_string(mtp));
+  EXPECT_TRUE(layout.find("model.layers." + std::to_string(mtp) + ".eh_proj.weight"));
+  EXPECT_TRUE(layout.find("model.layers.0.mlp.gate_up_proj.weight"));  // first_k_dense_replace
+}
+
+TEST(ModelLayout, ExpertParallelRanksHoldWholeExperts) {
+  auto checkpoint = synth_in_memory(synth_options("deepseek_v3"));
+  const ModelConfig& config = checkpoint.config;
+  LayoutOptions options;
+  options.parallel = {1, 0, 2, 1};
+  ModelLayout layout = build_model_layout(config, options);
+  int64_t local = config.n_routed_experts / 2;
+  const Parameter& w13 = layout.parameter("model.layers.1.mlp.experts.w13_weight");
+  EXPECT_EQ(w13.shape, (std::vector<int64_t>{local, 2 * config.moe_intermediate_size, config.hidden_size}));
+  EXPECT_EQ(w13.parts[0].tensor, "model.layers.1.mlp.experts." + std::to_string(local) + ".gate_proj.weight");
+  TensorRoute route = layout.route("model.layers.1.mlp.experts.0.down_proj.weight");
+  EXPECT_EQ(route.kind, TensorRoute::Kind::kSkipped);
+  EXPECT_THAT(route.reason, HasSubstr("expert-parallel rank 0"));
+}
+
+TEST(ModelLayout, DraftModuleIsALayoutOfItsOwn) {
+  auto checkpoint = synth_in_memory(synth_options("deepseek_v3"));
+  LayoutOptions options;
+  options.modules = LayoutModules::kDraft;
+  ModelLayout draft = build_model_layout(checkpoint.config, options);
+  for (const Parameter& parameter : draft.parameters()) {
+    EXPECT_EQ(draft.layer_kind(parameter.layer), LayerKind::kMtp) << parameter.name;
+  }
+  EXPECT_EQ(draft.route("model.layers.0.input_layernorm.weight").kind, TensorRoute::Kind::kSkipped);
+  options.modules = LayoutModules::kTarget;
+  ModelLayout target = build_model_layout(checkpoint.config, options);
+  EXPECT_EQ(target.route("model.layers.2.eh_proj.weight").kind, TensorRoute::Kind::kSkipped);
+  EXPECT_EQ(draft.parameters().size() + target.parameters().size(),
+            build_model_layout(checkpoint.config).parameters().size());
+}
+
+TEST(ModelLayout, QuantizedLayoutStoresFp8WithScales) {
+  LayoutOptions options;
+  options.quantize = Processing::kFp8PerTensor;
+  ModelLayout layout = build_model_layout(llama_config(8, 2), options);
+  const Parameter& qkv = layout.parameter("model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(qkv.dtype, Dtype::kF8E4M3);
+  EXPECT_EQ(qkv.load_dtype, Dtype::kBF16);
+  EXPECT_EQ(qkv.scale, "model.layers.0.self_attn.qkv_proj.weight_scale");
+  EXPECT_EQ(layout.parameter(qkv.scale).dtype, Dtype::kF32);
+  EXPECT_EQ(layout.parameter("model.layers.0.input_layernorm.weight").dtype, Dtype::kBF16);
+}
+
+TEST(ModelLayout, CustomLayoutThroughTheApi) {
+  ModelLayout layout;
+  layout.set_description("custom");
+  Parameter parameter;
+  parameter.name = "w";
+  parameter.dtype = Dtype::kF32;
+  parameter.shape = {4, 2};
+  parameter.parts.push_back({"a", "", {2, 2}, 0, 2, 0, 2, 0, "a"});
+  parameter.parts.push_back({"b", "", {2, 2}, 0, 2, 0, 2, 3, "b"});
+  try {
+    layout.add_parameter(parameter);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("two parts fill element 3"));
+  }
+  parameter.parts[1].element_offset = 4;
+  layout.add_parameter(parameter);
+  EXPECT_THROW(layout.add_parameter(parameter), Error);
+  EXPECT_EQ(layout.route("b").targets, (std::vector<std::pair<size_t, size_t>>{{0, 1}}));
+}
+
+}  // namespace
+}  // namespace weightstream
