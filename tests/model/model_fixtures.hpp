@@ -46,6 +46,13 @@ struct MemoryCheckpoint {
     for (const MemoryTensor& tensor : tensors) result.push_back(tensor.view());
     return result;
   }
+  std::vector<TensorView> views_matching(std::string_view needle) const {
+    std::vector<TensorView> result;
+    for (const MemoryTensor& tensor : tensors) {
+      if (tensor.name.find(needle) != std::string::npos) result.push_back(tensor.view());
+    }
+    return result;
+  }
   std::vector<TensorView> views_except(std::string_view needle) const {
     std::vector<TensorView> result;
     for (const MemoryTensor& tensor : tensors) {
