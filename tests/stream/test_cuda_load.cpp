@@ -1,0 +1,239 @@
+// Loading and digesting into CUDA memory: every byte lands at its tensor's offset by both
+// GPU paths, host memory stays within the limit, digests equal the host digests. The GPU
+// tests skip with a message where there is no GPU (scripts/gpu.sh runs them on one).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+
+#include "stream/cuda_load.hpp"
+#include "support/test_support.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+const Device kCuda0{Device::Kind::kCuda, 0};
+
+#define WS_SKIP_WITHOUT_GPU()                                                                     \
+  do {                                                                                            \
+    if (cuda_device_count() == 0)                                                                 \
+      GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA") \
+                   << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";             \
+  } while (0)
+
+/// Writes `shards` shard files of `count` tensors with sizes from `seed`: mostly small,
+/// every fifth up to `max_bytes` (so tensors straddle staging buffers and mapped windows),
+/// one empty, in several dtypes. Bytes are pseudo-random from the seed.
+void write_checkpoint(const std::filesystem::path& directory, size_t count, size_t shards, uint64_t seed,
+                      uint64_t max_bytes) {
+  std::mt19937_64 random(seed);
+  std::vector<SafetensorsWriter> writers(shards);
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t elements = (i % 5 == 0) ? random() % (max_bytes / 2) : random() % 5000;
+    if (i == 2) elements = 0;
+    std::vector<std::byte> bytes(elements * 2);
+    for (auto& byte : bytes) byte = static_cast<std::byte>(random());
+    writers[i % shards].add("layers." + std::to_string(i) + ".weight", i % 2 ? Dtype::kBF16 : Dtype::kF16,
+                            {static_cast<int64_t>(elements)}, bytes);
+  }
+  for (size_t shard = 0; shard < shards; ++shard) {
+    writers[shard].write(directory / ("model-0000" + std::to_string(shard + 1) + ".safetensors"));
+  }
+}
+
+/// Every tensor's bytes on the device equal those of the host load.
+void expect_same_bytes(const Checkpoint& checkpoint, const LoadedCheckpoint& on_device, const LoadedCheckpoint& on_host) {
+  ASSERT_EQ(on_device.tensors.size(), checkpoint.tensors().size());
+  ASSERT_EQ(on_host.tensors.size(), checkpoint.tensors().size());
+  EXPECT_EQ(on_device.arena.device(), kCuda0);
+  for (size_t i = 0; i < on_device.tensors.size(); ++i) {
+    const auto& tensor = on_device.tensors[i];
+    ASSERT_EQ(tensor.bytes, checkpoint.tensors()[i].bytes);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(tensor.data) % 256, 0u);
+    std::vector<std::byte> back(tensor.bytes);
+    copy_bytes(back.data(), Device{}, tensor.data, kCuda0, back.size());
+    ASSERT_TRUE(std::memcmp(back.data(), on_host.tensors[i].data, back.size()) == 0) << checkpoint.tensors()[i].name;
+  }
+}
+
+/// Objects in memory: a storage that is not the local file system (no local_path).
+class MemoryStorage final : public Storage {
+ public:
+  explicit MemoryStorage(const std::filesystem::path& directory) {
+    for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+      objects_[entry.path().filename().string()] = testing::read_file(entry.path());
+    }
+  }
+  std::string root_uri() const override { return "memory://test"; }
+  std::string object_uri(std::string_view name) const override { return "memory://test/" + std::string(name); }
+  std::vector<ObjectInfo> list() override {
+    std::vector<ObjectInfo> objects;
+    for (const auto& [name, bytes] : objects_) objects.push_back({name, bytes.size()});
+    return objects;
+  }
+  ObjectInfo stat(std::string_view name) override {
+    auto it = objects_.find(std::string(name));
+    WS_EXPECT(it != objects_.end(), ErrorCode::kNotFound, object_uri(name) + " does not exist");
+    return {it->first, it->second.size()};
+  }
+  void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
+    const auto& bytes = objects_.at(std::string(name));
+    WS_EXPECT(offset + destination.size() <= bytes.size(), ErrorCode::kIo, "read past the end of " + object_uri(name));
+    std::memcpy(destination.data(), bytes.data() + offset, destination.size());
+  }
+
+ private:
+  std::map<std::string, std::string> objects_;
+};
+
+TEST(GpuPathOption, FromEnvironment) {
+  EXPECT_EQ(options_from_environment({}).stream.gpu_path, GpuPath::kAuto);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "staged"}}).stream.gpu_path, GpuPath::kStaged);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "mapped"}}).stream.gpu_path, GpuPath::kMapped);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "auto"}}).stream.gpu_path, GpuPath::kAuto);
+  try {
+    options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "pinned"}});
+    FAIL() << "a malformed WEIGHTSTREAM_GPU_PATH was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kConfig);
+    EXPECT_THAT(error.what(), HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged or mapped"));
+  }
+}
+
+TEST(CudaLoad, WithoutGpuSaysSo) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU";
+  TempDir directory;
+  write_checkpoint(directory.path(), 4, 1, 1, 4096);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  try {
+    load_checkpoint_cuda(checkpoint, kCuda0, StreamOptions{}, {});
+    FAIL() << "loading onto a missing GPU succeeded";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), cuda_compiled() ? ErrorCode::kDevice : ErrorCode::kUnsupported);
+    EXPECT_THAT(error.what(), HasSubstr("cuda:0"));
+  }
+  EXPECT_THROW(digest_checkpoint_cuda(checkpoint, HashKind::kXxh64, kCuda0, StreamOptions{}, nullptr, {}), Error);
+}
+
+struct CudaLoadCase {
+  GpuPath path;
+  uint64_t memory_limit;
+  uint64_t chunk_bytes;
+  unsigned concurrency;
+};
+
+class CudaLoadPaths : public ::testing::TestWithParam<CudaLoadCase> {};
+
+TEST_P(CudaLoadPaths, EveryByteAtItsOffsetInBoundedMemory) {
+  WS_SKIP_WITHOUT_GPU();
+  const auto& param = GetParam();
+  TempDir directory;
+  write_checkpoint(directory.path(), 60, 3, 7, 3 * kMiB);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  StreamOptions options;
+  options.gpu_path = param.path;
+  options.memory_limit = param.memory_limit;
+  options.chunk_bytes = param.chunk_bytes;
+  options.concurrency = param.concurrency;
+  uint64_t last_done = 0;
+  bool monotonic = true;
+  auto on_device = load_checkpoint_cuda(checkpoint, kCuda0, options, [&](uint64_t done, uint64_t total) {
+    monotonic = monotonic && done >= last_done && done <= total;
+    last_done = done;
+  });
+  EXPECT_TRUE(monotonic);
+  EXPECT_EQ(last_done, checkpoint.tensor_bytes());
+  EXPECT_EQ(on_device.stats.bytes, checkpoint.tensor_bytes());
+  EXPECT_GT(on_device.stats.peak_staging_bytes, 0u);
+  EXPECT_LE(on_device.stats.peak_staging_bytes, options.memory_limit);
+  auto on_host = load_checkpoint(checkpoint, Device{}, StreamOptions{});
+  expect_same_bytes(checkpoint, on_device, on_host);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configurations, CudaLoadPaths,
+    ::testing::Values(CudaLoadCase{GpuPath::kStaged, 1 * kGiB, 16 * kMiB, 16},
+                      CudaLoadCase{GpuPath::kStaged, 256 * kKiB, 64 * kKiB, 4},
+                      CudaLoadCase{GpuPath::kStaged, 64 * kKiB, 16 * kKiB, 1},
+                      CudaLoadCase{GpuPath::kMapped, 1 * kGiB, 16 * kMiB, 16},
+                      CudaLoadCase{GpuPath::kMapped, 256 * kKiB, 64 * kKiB, 4},
+                      CudaLoadCase{GpuPath::kMapped, 64 * kKiB, 16 * kKiB, 1},
+                      CudaLoadCase{GpuPath::kAuto, 1 * kMiB, 1 * kMiB, 8}),
+    [](const auto& info) {
+      const char* path = info.param.path == GpuPath::kStaged ? "Staged" : info.param.path == GpuPath::kMapped ? "Mapped" : "Auto";
+      return std::string(path) + "Limit" + std::to_string(info.param.memory_limit / kKiB) + "KiB" +
+             std::to_string(info.param.concurrency) + "Readers";
+    });
+
+TEST(CudaLoad, DigestsEqualHostDigests) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir directory;
+  write_checkpoint(directory.path(), 40, 2, 9, 2 * kMiB);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  for (auto path : {GpuPath::kStaged, GpuPath::kMapped}) {
+    for (auto kind : {HashKind::kSha256, HashKind::kXxh64}) {
+      StreamOptions options;
+      options.gpu_path = path;
+      options.memory_limit = 512 * kKiB;  // smaller than the largest tensor: readback in chunks
+      options.chunk_bytes = 128 * kKiB;
+      StreamStats stats;
+      auto on_device = digest_checkpoint_cuda(checkpoint, kind, kCuda0, options, &stats, {});
+      auto on_host = digest_checkpoint(checkpoint, kind, Device{}, StreamOptions{});
+      ASSERT_EQ(on_device.size(), on_host.size());
+      for (size_t i = 0; i < on_host.size(); ++i) {
+        EXPECT_EQ(on_device[i].name, on_host[i].name);
+        EXPECT_EQ(on_device[i].hex, on_host[i].hex) << on_host[i].name;
+      }
+      EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
+      EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
+    }
+  }
+}
+
+TEST(CudaLoad, MappedPathNeedsLocalFiles) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir directory;
+  write_checkpoint(directory.path(), 10, 2, 5, 64 * kKiB);
+  auto checkpoint = Checkpoint::open(std::make_shared<MemoryStorage>(directory.path()));
+  StreamOptions options;
+  options.gpu_path = GpuPath::kMapped;
+  try {
+    load_checkpoint_cuda(checkpoint, kCuda0, options, {});
+    FAIL() << "the mapped path accepted storage without local files";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+    EXPECT_THAT(error.what(), HasSubstr("memory://test"));
+    EXPECT_THAT(error.what(), HasSubstr("--gpu-path staged"));
+  }
+  // Auto falls back to staging, which any storage can feed.
+  options.gpu_path = GpuPath::kAuto;
+  auto on_device = load_checkpoint_cuda(checkpoint, kCuda0, options, {});
+  auto on_host = load_checkpoint(checkpoint, Device{}, StreamOptions{});
+  expect_same_bytes(checkpoint, on_device, on_host);
+}
+
+TEST(CudaLoad, MissingDeviceIsNamed) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir directory;
+  write_checkpoint(directory.path(), 4, 1, 3, 4096);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  Device missing{Device::Kind::kCuda, cuda_device_count()};
+  try {
+    load_checkpoint_cuda(checkpoint, missing, StreamOptions{}, {});
+    FAIL() << "loading onto " << missing.name() << " succeeded";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kDevice);
+    EXPECT_THAT(error.what(), HasSubstr(missing.name() + ": invalid device ordinal"));
+  }
+}
+
+}  // namespace
+}  // namespace weightstream
