@@ -199,7 +199,7 @@ S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::stri
                                          std::string_view key) const {
   Failure failure;
   if (response.transport_error != 0) {
-    failure.retryable = retryable_transport(response.transport_error);
+    failure.retryable = response.timed_out || retryable_transport(response.transport_error);
     if (response.timed_out) {
       failure.code = ErrorCode::kTimeout;
       failure.cause = "timed out or stalled (no progress for " + std::to_string(std::lround(options_.timeout_seconds)) +
@@ -412,6 +412,11 @@ uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint
     } else {
       if (response.status != 206) return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};
       auto range = parse_content_range(response.header("content-range"));
+      // A range that runs past the end comes back cut short (RFC 9110 14.1.2): not a
+      // fault to retry but a read past the end of the object.
+      if (range && range->first == offset && range->total && *range->total < offset + size) {
+        return Failure{"past the end of the " + std::to_string(*range->total) + "-byte object", false, ErrorCode::kIo};
+      }
       if (!range || range->first != offset || range->last != offset + size - 1) {
         return Failure{"Content-Range '" + response.header("content-range").substr(0, 80) +
                            "' does not match the range asked for" + id_note,

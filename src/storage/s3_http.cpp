@@ -3,6 +3,7 @@
 #include <curl/curl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -30,6 +31,11 @@ struct Transfer {
   const HttpRequest* request = nullptr;
   HttpResponse* response = nullptr;
   size_t upload_offset = 0;
+  double stall_seconds = 30;
+  // Progress watch for stall detection (see on_progress).
+  curl_off_t last_bytes = -1;
+  std::chrono::steady_clock::time_point last_progress = std::chrono::steady_clock::now();
+  bool stalled = false;
 
   bool body_to_destination() const {
     return request->into_destination && response->status >= 200 && response->status < 300;
@@ -89,6 +95,24 @@ size_t on_upload(char* buffer, size_t size, size_t count, void* user) {
   std::memcpy(buffer, upload.data() + transfer.upload_offset, length);
   transfer.upload_offset += length;
   return length;
+}
+
+// libcurl's own low-speed check averages over several seconds, so a body that arrives fast
+// and then stops is noticed late. This watch fails the transfer once no byte has moved in
+// either direction for stall_seconds; libcurl calls it at least once a second.
+int on_progress(void* user, curl_off_t, curl_off_t downloaded, curl_off_t, curl_off_t uploaded) {
+  auto& transfer = *static_cast<Transfer*>(user);
+  const auto now = std::chrono::steady_clock::now();
+  if (downloaded + uploaded != transfer.last_bytes) {
+    transfer.last_bytes = downloaded + uploaded;
+    transfer.last_progress = now;
+    return 0;
+  }
+  if (std::chrono::duration<double>(now - transfer.last_progress).count() > transfer.stall_seconds) {
+    transfer.stalled = true;
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -171,6 +195,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   }
 
   Transfer transfer{&request, &response};
+  transfer.stall_seconds = settings_.stall_seconds;
   char error_text[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
@@ -188,6 +213,9 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   // A stalled transfer (under 1 byte/s for stall_seconds) fails with CURLE_OPERATION_TIMEDOUT
   // and is retried by the caller.
   const long stall = std::max(1L, static_cast<long>(std::lround(settings_.stall_seconds)));
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, on_progress);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, stall);
   curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(settings_.stall_seconds, 30.0) * 1000));
@@ -215,7 +243,10 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   if (code != CURLE_OK) {
     response.transport_error = static_cast<int>(code);
     response.transport_message = error_text[0] ? error_text : curl_easy_strerror(code);
-    response.timed_out = code == CURLE_OPERATION_TIMEDOUT;
+    response.timed_out = code == CURLE_OPERATION_TIMEDOUT || transfer.stalled;
+    if (transfer.stalled) {
+      response.transport_message = "no bytes moved in either direction";
+    }
     // A failed transfer may leave its connection half-read; libcurl closes such connections
     // itself, so the handle stays reusable.
   }

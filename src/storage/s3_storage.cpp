@@ -73,8 +73,24 @@ class S3Storage final : public Storage {
       client_.get_range(bucket_, key, offset, destination, whole ? known_size : std::nullopt);
       return;
     }
-    read_pieces(key, offset, destination, piece);
-    if (whole) verify_whole(key, destination);
+    if (!whole) {
+      read_pieces(key, offset, destination, piece);
+      return;
+    }
+    // A whole object read in pieces is compared with the checksums S3 stored, when it has
+    // any; ranged GETs do not carry them, so one HEAD asks for them. A mismatch (bytes
+    // spoiled in transit with their length intact) reads the object again, within the
+    // same attempt bound as a single request.
+    auto head = client_.head_object(bucket_, key, true);
+    const unsigned attempts = std::max(1u, client_.options().max_attempts);
+    for (unsigned attempt = 1;; ++attempt) {
+      read_pieces(key, offset, destination, piece);
+      auto mismatch = checksum_mismatch(head, destination);
+      if (!mismatch) return;
+      WS_EXPECT(attempt < attempts, ErrorCode::kNetwork,
+                "cannot read 0+" + std::to_string(size) + " bytes of " + s3::s3_uri(bucket_, key) + ": " + *mismatch +
+                    ", after " + std::to_string(attempt) + (attempt == 1 ? " read" : " reads") + " of the whole object");
+    }
   }
 
   unsigned preferred_concurrency() const override { return std::max(1u, client_.options().max_connections); }
@@ -123,19 +139,25 @@ class S3Storage final : public Storage {
     if (first_error) std::rethrow_exception(first_error);
   }
 
-  // A whole object read in pieces: compare it with the checksums S3 stored, when there are
-  // any (ranged GETs do not carry them, so one HEAD asks for them).
-  void verify_whole(const std::string& key, std::span<const std::byte> bytes) {
-    auto head = client_.head_object(bucket_, key, true);
-    auto check = [&](const std::string& expected, const std::string& actual, std::string_view header) {
-      if (expected.empty() || expected.find('-') != std::string::npos) return;  // absent, or multipart composite
-      WS_EXPECT(expected == actual, ErrorCode::kNetwork,
-                "cannot read 0+" + std::to_string(bytes.size()) + " bytes of " + s3::s3_uri(bucket_, key) +
-                    ": checksum mismatch: " + std::string(header) + " is " + expected.substr(0, 60) +
-                    " but the bytes received give " + actual);
+  // Why `bytes` do not match the checksums of `head`, or nullopt when they match or there
+  // are none (a multipart object's composite checksum, "…-N", covers parts, not the whole).
+  static std::optional<std::string> checksum_mismatch(const s3::ObjectHead& head, std::span<const std::byte> bytes) {
+    auto differs = [](const std::string& expected, const std::string& actual) {
+      return !expected.empty() && expected.find('-') == std::string::npos && expected != actual;
     };
-    if (!head.checksum_crc32c.empty()) check(head.checksum_crc32c, s3::crc32c_header_value(bytes), "x-amz-checksum-crc32c");
-    if (!head.checksum_sha256.empty()) check(head.checksum_sha256, s3::sha256_header_value(bytes), "x-amz-checksum-sha256");
+    if (!head.checksum_crc32c.empty()) {
+      auto actual = s3::crc32c_header_value(bytes);
+      if (differs(head.checksum_crc32c, actual))
+        return "checksum mismatch: x-amz-checksum-crc32c is " + head.checksum_crc32c.substr(0, 20) +
+               " but the bytes received give " + actual;
+    }
+    if (!head.checksum_sha256.empty()) {
+      auto actual = s3::sha256_header_value(bytes);
+      if (differs(head.checksum_sha256, actual))
+        return "checksum mismatch: x-amz-checksum-sha256 is " + head.checksum_sha256.substr(0, 60) +
+               " but the bytes received give " + actual;
+    }
+    return std::nullopt;
   }
 
   std::string bucket_;

@@ -1,0 +1,293 @@
+// The S3 backend against a real S3-compatible server (moto's), directly and through the
+// fault-injecting proxy: pagination, connection reuse, checksums, explained 403/404,
+// retries that stay within their bounds, and secrets that never reach a message.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "storage/s3_checksum.hpp"
+#include "storage/s3_client.hpp"
+#include "storage/test_s3_fixture.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::span<std::byte> writable(std::string& bytes) { return std::as_writable_bytes(std::span(bytes.data(), bytes.size())); }
+std::span<const std::byte> readable(const std::string& bytes) { return std::as_bytes(std::span(bytes.data(), bytes.size())); }
+
+class S3Server : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    WS_REQUIRE_S3_SERVER();
+    endpoint_ = *testing::s3_test_endpoint();
+    options_ = testing::s3_test_options(endpoint_);
+    bucket_ = testing::unique_bucket("s3test");
+    s3::S3Client setup(options_);
+    setup.create_bucket(bucket_);
+    payload_ = testing::pattern_bytes(300000, 7);
+    setup.put_object(bucket_, "ckpt/model.safetensors", payload_);
+    // An object that carries a stored CRC-32C, as S3 keeps when the uploader sends one.
+    setup.put_object(bucket_, "ckpt/checked.bin", payload_,
+                     {{"x-amz-sdk-checksum-algorithm", "CRC32C"},
+                      {"x-amz-checksum-crc32c", s3::crc32c_header_value(readable(payload_))}});
+  }
+
+  std::string endpoint_;
+  S3Options options_;
+  std::string bucket_;
+  std::string payload_;
+};
+
+TEST_F(S3Server, ListsAcrossPages) {
+  s3::S3Client client(options_);
+  for (int i = 0; i < 7; ++i) client.put_object(bucket_, "paged/object-" + std::to_string(i), std::string(i, 'x'));
+  auto objects = client.list_objects(bucket_, "paged/", "/", /*max_keys=*/2);
+  ASSERT_EQ(objects.size(), 7u);
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ(objects[i].key, "paged/object-" + std::to_string(i));
+    EXPECT_EQ(objects[i].size, static_cast<uint64_t>(i));
+  }
+  // 7 objects at 2 a page: 4 requests.
+  EXPECT_EQ(client.stats().requests, 7u + 4u);
+}
+
+TEST_F(S3Server, ReusesConnections) {
+  s3::S3Client client(options_);
+  std::string bytes(1000, '\0');
+  for (int i = 0; i < 20; ++i) client.get_range(bucket_, "ckpt/model.safetensors", i * 1000, writable(bytes));
+  EXPECT_EQ(client.connections_opened(), 1u);
+  EXPECT_EQ(bytes, payload_.substr(19000, 1000));
+}
+
+TEST_F(S3Server, VerifiesStoredChecksumsOnWholeReads) {
+  auto storage = open_s3_storage(bucket_, "ckpt", options_);
+  EXPECT_EQ(storage->stat("checked.bin").size, payload_.size());
+  std::string bytes(payload_.size(), '\0');
+  storage->read("checked.bin", 0, writable(bytes));
+  EXPECT_EQ(bytes, payload_);
+
+  // The same object read in 64 KiB pieces is checked after the pieces are joined.
+  auto options = options_;
+  options.request_bytes = 64 * 1024;
+  auto split = open_s3_storage(bucket_, "ckpt", options);
+  split->stat("checked.bin");
+  std::fill(bytes.begin(), bytes.end(), '\0');
+  split->read("checked.bin", 0, writable(bytes));
+  EXPECT_EQ(bytes, payload_);
+}
+
+TEST_F(S3Server, MissingBucketAndKeyAreExplained) {
+  auto storage = open_s3_storage(testing::unique_bucket("absent"), "ckpt", options_);
+  try {
+    storage->list();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot list s3://absent-"), HasSubstr("HTTP 404"),
+                                    HasSubstr("check the bucket name"), HasSubstr("after 1 attempt")));
+  }
+  auto present = open_s3_storage(bucket_, "ckpt", options_);
+  try {
+    std::string bytes(10, '\0');
+    present->read("nothing-here.safetensors", 0, writable(bytes));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot read 0+10 bytes of s3://" + bucket_ + "/ckpt/nothing-here.safetensors"),
+                                    HasSubstr("NoSuchKey"), HasSubstr("check the bucket"), HasSubstr("prefix")));
+  }
+}
+
+TEST_F(S3Server, UnsignedRequestsReadPublicObjects) {
+  s3::S3Client client(options_);
+  client.put_object(bucket_, "public/open.bin", "public bytes", {{"x-amz-acl", "public-read"}});
+  auto options = options_;
+  options.access_key_id.clear();
+  options.secret_access_key.clear();
+  options.unsigned_requests = true;
+  auto storage = open_s3_storage(bucket_, "public", options);
+  std::string bytes(12, '\0');
+  storage->read("open.bin", 0, writable(bytes));
+  EXPECT_EQ(bytes, "public bytes");
+}
+
+class S3Faults : public S3Server {
+ protected:
+  void SetUp() override {
+    S3Server::SetUp();
+    if (IsSkipped()) return;
+    proxy_ = std::make_unique<testing::FaultProxy>(endpoint_, /*stall_seconds=*/3);
+    options_.endpoint = proxy_->endpoint();
+    options_.timeout_seconds = 1;
+    storage_ = open_s3_storage(bucket_, "ckpt", options_);
+  }
+
+  std::string read(uint64_t offset, size_t size, const std::string& name = "model.safetensors") {
+    std::string bytes(size, '\0');
+    storage_->read(name, offset, writable(bytes));
+    return bytes;
+  }
+
+  std::unique_ptr<testing::FaultProxy> proxy_;
+  std::unique_ptr<Storage> storage_;
+};
+
+TEST_F(S3Faults, RecoversFromEachFaultWithinTheAttemptBound) {
+  for (std::string mode : {"reset", "truncate", "overlong", "badrange", "stall", "503", "500"}) {
+    SCOPED_TRACE(mode);
+    proxy_->clear();
+    proxy_->arm(mode, 2);
+    EXPECT_EQ(read(4096, 100000), payload_.substr(4096, 100000));
+    EXPECT_EQ(proxy_->faults(), 2);
+    EXPECT_EQ(proxy_->requests("GET"), 3);  // two spoiled attempts, then the good one
+  }
+}
+
+TEST_F(S3Faults, PersistentSlowDownGivesOneErrorWithEverything) {
+  proxy_->arm("503", 100);
+  try {
+    read(4096, 100000);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNetwork);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot read 4096+100000 bytes of s3://" + bucket_ + "/ckpt/model.safetensors"),
+                                    HasSubstr("HTTP 503 SlowDown"), HasSubstr("(request id FAULTPROXY"),
+                                    HasSubstr("after 5 attempts")));
+    EXPECT_THAT(error.what(), Not(HasSubstr(testing::kTestSecret)));
+  }
+  EXPECT_EQ(proxy_->requests("GET"), 5);
+}
+
+TEST_F(S3Faults, ForbiddenIsNotRetriedAndSaysWhatToCheck) {
+  proxy_->arm("403", 100, "");
+  try {
+    storage_->stat("model.safetensors");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kPermission);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot stat s3://" + bucket_ + "/ckpt/model.safetensors"),
+                                    HasSubstr("HTTP 403"), HasSubstr("check the credentials"),
+                                    HasSubstr("region (us-east-1"), HasSubstr("after 1 attempt")));
+    EXPECT_THAT(error.what(), Not(HasSubstr(testing::kTestSecret)));
+  }
+  EXPECT_EQ(proxy_->requests("HEAD"), 1);
+  try {
+    read(0, 10);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("HTTP 403 AccessDenied"), HasSubstr("check the credentials")));
+    EXPECT_THAT(error.what(), Not(HasSubstr(testing::kTestSecret)));
+  }
+  EXPECT_EQ(proxy_->requests("GET"), 1);
+}
+
+TEST_F(S3Faults, StallsPastTheTimeoutAreTimeouts) {
+  auto options = options_;
+  options.max_attempts = 2;
+  auto storage = open_s3_storage(bucket_, "ckpt", options);
+  proxy_->arm("stall", 100);
+  auto start = std::chrono::steady_clock::now();
+  try {
+    std::string bytes(100000, '\0');
+    storage->read("model.safetensors", 0, writable(bytes));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("timed out or stalled"), HasSubstr("after 2 attempts")));
+  }
+  // Two stalls of about the 1 s timeout each, not the proxy's 3 s hold.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.5);
+}
+
+TEST_F(S3Faults, TheDeadlineBoundsAllAttempts) {
+  auto options = options_;
+  options.max_attempts = 100;
+  options.retry_base_seconds = 0.2;
+  options.deadline_seconds = 1.0;
+  auto storage = open_s3_storage(bucket_, "ckpt", options);
+  proxy_->arm("503", 1000);
+  auto start = std::chrono::steady_clock::now();
+  try {
+    std::string bytes(10, '\0');
+    storage->read("model.safetensors", 0, writable(bytes));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("deadline of 1 s passed"), HasSubstr("HTTP 503 SlowDown")));
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+  EXPECT_LT(proxy_->requests("GET"), 100);
+}
+
+TEST_F(S3Faults, CorruptBytesAreCaughtWhereAChecksumCoversThem) {
+  storage_->stat("checked.bin");
+  proxy_->clear();
+  proxy_->arm("corrupt", 1);
+  EXPECT_EQ(read(0, payload_.size(), "checked.bin"), payload_);
+  EXPECT_EQ(proxy_->requests("GET"), 2);  // the corrupted copy was refused and fetched again
+
+  proxy_->clear();
+  proxy_->arm("corrupt", 100);
+  try {
+    read(0, payload_.size(), "checked.bin");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNetwork);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("checksum mismatch"), HasSubstr("x-amz-checksum-crc32c"),
+                                    HasSubstr("after 5 attempts")));
+  }
+}
+
+TEST_F(S3Faults, CorruptPiecesOfAWholeObjectAreCaughtToo) {
+  auto options = options_;
+  options.request_bytes = 64 * 1024;
+  auto storage = open_s3_storage(bucket_, "ckpt", options);
+  storage->stat("checked.bin");
+  proxy_->clear();
+  proxy_->arm("corrupt", 1);
+  std::string bytes(payload_.size(), '\0');
+  storage->read("checked.bin", 0, writable(bytes));
+  EXPECT_EQ(bytes, payload_);
+  EXPECT_EQ(proxy_->faults(), 1);
+
+  proxy_->clear();
+  proxy_->arm("corrupt", 1000);
+  try {
+    storage->read("checked.bin", 0, writable(bytes));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("checksum mismatch"), HasSubstr("after 5 reads")));
+  }
+}
+
+TEST_F(S3Faults, SplitReadsRecoverAndFailAsOne) {
+  auto options = options_;
+  options.request_bytes = 32 * 1024;
+  auto storage = open_s3_storage(bucket_, "ckpt", options);
+  proxy_->arm("reset", 3);
+  std::string bytes(payload_.size(), '\0');
+  storage->read("model.safetensors", 0, writable(bytes));
+  EXPECT_EQ(bytes, payload_);
+
+  proxy_->clear();
+  proxy_->arm("404", 1000);
+  try {
+    storage->read("model.safetensors", 0, writable(bytes));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), HasSubstr("NoSuchKey"));
+  }
+  // 404 is not retried, and the first failure stops the other workers.
+  EXPECT_LE(proxy_->requests("GET"), static_cast<int>(options.max_connections));
+}
+
+}  // namespace
+}  // namespace weightstream

@@ -1,0 +1,212 @@
+// One contract for every Storage backend (after Arrow's generic filesystem tests): the
+// same cases run against local files and against S3 (moto's server). A backend passes
+// when it lists, stats and reads as the interface in weightstream/storage.hpp promises,
+// and fails with errors that name the object.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <thread>
+
+#include "storage/test_s3_fixture.hpp"
+#include "support/test_support.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+
+/// Creates objects in one backend and opens a Storage over them.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  /// An object directly under the root.
+  virtual void put(const std::string& name, const std::string& bytes) = 0;
+  /// An object one level below the root (a "subdirectory"), which list() must not show.
+  virtual void put_below(const std::string& directory, const std::string& name, const std::string& bytes) = 0;
+  virtual std::unique_ptr<Storage> open() = 0;
+};
+
+class LocalBackend final : public Backend {
+ public:
+  void put(const std::string& name, const std::string& bytes) override { testing::write_file(directory_ / name, bytes); }
+  void put_below(const std::string& directory, const std::string& name, const std::string& bytes) override {
+    std::filesystem::create_directories(directory_ / directory);
+    testing::write_file(directory_ / directory / name, bytes);
+  }
+  std::unique_ptr<Storage> open() override { return open_local_storage(directory_.path().string(), LocalIo::kPread); }
+
+ private:
+  testing::TempDir directory_;
+};
+
+class S3Backend final : public Backend {
+ public:
+  explicit S3Backend(const std::string& endpoint)
+      : options_(testing::s3_test_options(endpoint)), bucket_(testing::unique_bucket("contract")), client_(options_) {
+    // Small requests so that reads over 64 KiB take the split, parallel path.
+    options_.request_bytes = 64 * 1024;
+    client_.create_bucket(bucket_);
+    // An object beside the prefix, which the root must not see.
+    client_.put_object(bucket_, "checkpoint-other/outside.bin", "outside");
+  }
+  void put(const std::string& name, const std::string& bytes) override {
+    client_.put_object(bucket_, std::string(kPrefix) + name, bytes);
+  }
+  void put_below(const std::string& directory, const std::string& name, const std::string& bytes) override {
+    client_.put_object(bucket_, std::string(kPrefix) + directory + "/" + name, bytes);
+  }
+  std::unique_ptr<Storage> open() override { return open_s3_storage(bucket_, kPrefix, options_); }
+
+ private:
+  static constexpr const char* kPrefix = "checkpoint/";
+  S3Options options_;
+  std::string bucket_;
+  s3::S3Client client_;
+};
+
+class StorageContract : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "local") {
+      backend_ = std::make_unique<LocalBackend>();
+    } else {
+      WS_REQUIRE_S3_SERVER();
+      backend_ = std::make_unique<S3Backend>(*testing::s3_test_endpoint());
+    }
+    small_ = testing::pattern_bytes(4096 + 17, 1);
+    large_ = testing::pattern_bytes(1024 * 1024 + 3, 2);
+    backend_->put("small.bin", small_);
+    backend_->put("model-00001-of-00002.safetensors", large_);
+    backend_->put("empty.json", "");
+    backend_->put_below("nested", "hidden.bin", "hidden");
+    storage_ = backend_->open();
+  }
+
+  std::string read(const std::string& name, uint64_t offset, size_t size) {
+    std::string bytes(size, '\0');
+    storage_->read(name, offset, std::as_writable_bytes(std::span(bytes.data(), bytes.size())));
+    return bytes;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Storage> storage_;
+  std::string small_;
+  std::string large_;
+};
+
+TEST_P(StorageContract, ListsTheObjectsDirectlyUnderTheRoot) {
+  auto objects = storage_->list();
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& object : objects) sizes[object.name] = object.size;
+  std::map<std::string, uint64_t> expected = {
+      {"small.bin", small_.size()}, {"model-00001-of-00002.safetensors", large_.size()}, {"empty.json", 0}};
+  EXPECT_EQ(sizes, expected);
+}
+
+TEST_P(StorageContract, StatsAnObject) {
+  auto info = storage_->stat("small.bin");
+  EXPECT_EQ(info.name, "small.bin");
+  EXPECT_EQ(info.size, small_.size());
+  EXPECT_EQ(storage_->stat("empty.json").size, 0u);
+}
+
+TEST_P(StorageContract, MissingObjectIsNotFoundAndNamed) {
+  try {
+    storage_->stat("absent.safetensors");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), HasSubstr(storage_->object_uri("absent.safetensors")));
+  }
+  try {
+    read("absent.safetensors", 0, 16);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), HasSubstr("absent.safetensors"));
+  }
+}
+
+TEST_P(StorageContract, ReadsExactRanges) {
+  EXPECT_EQ(read("small.bin", 0, small_.size()), small_);
+  EXPECT_EQ(read("small.bin", 100, 1000), small_.substr(100, 1000));
+  EXPECT_EQ(read("small.bin", small_.size() - 1, 1), small_.substr(small_.size() - 1));
+  EXPECT_EQ(read("small.bin", 0, 1), small_.substr(0, 1));
+}
+
+TEST_P(StorageContract, ReadsLargeRangesWhole) {
+  EXPECT_EQ(read("model-00001-of-00002.safetensors", 0, large_.size()), large_);
+  EXPECT_EQ(read("model-00001-of-00002.safetensors", 12345, 700000), large_.substr(12345, 700000));
+}
+
+TEST_P(StorageContract, ZeroLengthReadIsANoOp) {
+  std::string nothing;
+  storage_->read("small.bin", 10, std::as_writable_bytes(std::span(nothing.data(), size_t{0})));
+  storage_->read("empty.json", 0, std::as_writable_bytes(std::span(nothing.data(), size_t{0})));
+}
+
+TEST_P(StorageContract, ReadPastTheEndFailsNamingObjectAndRange) {
+  storage_->list();  // whether sizes are known or not, the answer is the same error
+  for (int pass = 0; pass < 2; ++pass) {
+    try {
+      read("small.bin", small_.size() - 10, 20);
+      FAIL() << "expected an error";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kIo) << error.what();
+      EXPECT_THAT(error.what(), HasSubstr(storage_->object_uri("small.bin")));
+      EXPECT_THAT(error.what(), HasSubstr(std::to_string(small_.size() - 10) + "+20"));
+    }
+    storage_ = backend_->open();  // a fresh root knows no sizes
+  }
+}
+
+TEST_P(StorageContract, RejectsNamesThatAreNotPlain) {
+  for (std::string name : {"nested/hidden.bin", "..", ""}) {
+    try {
+      storage_->stat(name);
+      ADD_FAILURE() << "expected an error for '" << name << "'";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << name << ": " << error.what();
+    }
+  }
+}
+
+TEST_P(StorageContract, ConcurrentReadsAreCorrect) {
+  std::vector<std::string> results(8);
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < results.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = read("model-00001-of-00002.safetensors", i * 100000, 90000); });
+    }
+  }
+  for (size_t i = 0; i < results.size(); ++i) EXPECT_EQ(results[i], large_.substr(i * 100000, 90000)) << i;
+}
+
+TEST_P(StorageContract, UrisNameTheRootAndTheObject) {
+  auto root = storage_->root_uri();
+  EXPECT_FALSE(root.empty());
+  EXPECT_FALSE(root.ends_with("/"));
+  EXPECT_EQ(storage_->object_uri("small.bin"), root + "/small.bin");
+}
+
+TEST_P(StorageContract, ReadObjectReadsSmallFilesAndRefusesLargeOnes) {
+  EXPECT_EQ(read_object(*storage_, "small.bin", 1 << 20), small_);
+  EXPECT_EQ(read_object(*storage_, "empty.json", 16), "");
+  try {
+    read_object(*storage_, "small.bin", 100);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("small.bin"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "s3"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace weightstream
