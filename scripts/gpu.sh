@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Everything weightstream checks on a GPU machine, in one run from the repository root:
+# build with CUDA, run the whole test suite (the CUDA tests run here instead of skipping),
+# check that digests of bytes landed on the GPU equal the host digests, and run the GPU
+# load benchmark (bench/gpu_bench.py). Logs and results go under $OUT (default out/gpu).
+#
+# The GPU machine has the CUDA toolkit, CMake, ninja and PyTorch but none of our -dev
+# packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
+# them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
+#
+# Usage: scripts/gpu.sh [build|test|digest|bench|all]...   (default: all)
+#   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
+#   WS_JOBS             build and test parallelism (default: the core count)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/out/gpu}
+build=$root/build-gpu
+deps=$root/.deps
+jobs=${WS_JOBS:-$(nproc)}
+mkdir -p "$out"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+wants() { for stage in "${stages[@]}"; do [ "$stage" = all ] || [ "$stage" = "$1" ] && return 0; done; return 1; }
+status=0
+summary() { echo "$*" | tee -a "$out/summary.txt"; }
+
+if [ -d "$deps/lib" ]; then
+  export LD_LIBRARY_PATH="$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  deps_flag=(-DWS_DEPS_DIR="$deps")
+else
+  echo "no .deps/ (scripts/gpu-deps.sh makes it): using the system's libraries"
+  deps_flag=()
+fi
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1
+  nvcc --version | tail -1
+  cmake --version | head -1
+  grep PRETTY_NAME /etc/os-release
+  echo "cores $(nproc), memory $(free -g | awk '/Mem:/ {print $2}') GiB"
+} >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+if wants build; then
+  start=$SECONDS
+  if cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON "${deps_flag[@]}" >"$out/build.log" 2>&1 &&
+     ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1; then
+    summary "build: ok in $((SECONDS - start)) s"
+  else
+    tail -40 "$out/build.log"
+    summary "build: FAILED (see build.log)"
+    exit 1
+  fi
+fi
+
+if wants test; then
+  start=$SECONDS
+  # No S3 server here (moto is not installed): those tests skip and say so.
+  (cd "$build" && ctest -j "$jobs" --timeout 300 --output-on-failure) >"$out/ctest.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1 | sed "s/^/tests: /" | tee -a "$out/summary.txt"
+  grep -A200 "The following tests FAILED" "$out/ctest.log" | head -40
+  # The CUDA tests must have run, not skipped.
+  "$build/tests/test_device" --gtest_filter='Cuda.*' --gtest_brief=1 >"$out/cuda_tests.log" 2>&1 || status=1
+  "$build/tests/test_stream" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
+  summary "cuda tests ($((SECONDS - start)) s for all tests):" \
+    "$(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/cuda_tests.log" | tr '\n' ' ')"
+fi
+
+if wants digest; then
+  # sha256 of every tensor of a small llama checkpoint: host, then landed on cuda:0 by each path.
+  scratch=$(mktemp -d)
+  "$build/weightstream" synth "$scratch/ckpt" --arch llama --size 256MiB --shards 3 >/dev/null
+  "$build/weightstream" digest "$scratch/ckpt" --device cpu --no-progress >"$out/digest_cpu.txt"
+  result="digest: cuda:0 vs cpu (sha256, $(wc -l <"$out/digest_cpu.txt") tensors):"
+  for path in staged mapped; do
+    "$build/weightstream" digest "$scratch/ckpt" --device cuda:0 --gpu-path "$path" --no-progress \
+      >"$out/digest_cuda_$path.txt" 2>>"$out/digest.log"
+    if cmp -s "$out/digest_cpu.txt" "$out/digest_cuda_$path.txt"; then result+=" $path equal"; else result+=" $path DIFFER"; status=1; fi
+  done
+  summary "$result"
+  rm -rf "$scratch"
+fi
+
+if wants bench; then
+  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" \
+    --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+
+cat "$out/summary.txt"
+exit $status
