@@ -92,6 +92,10 @@ nlohmann::json parse_json_strictly(std::string_view object, std::string_view tex
   if (auto bad = invalid_utf8_offset(text)) {
     WS_FAIL(ErrorCode::kFormat, std::string(object) + ": not valid UTF-8 at byte " + std::to_string(*bad));
   }
+  // nlohmann's lexer takes a NUL byte for the end of its input; a raw NUL is never valid JSON.
+  if (size_t nul = text.find('\0'); nul != std::string_view::npos) {
+    WS_FAIL(ErrorCode::kFormat, std::string(object) + ": not valid JSON: NUL byte at byte " + std::to_string(nul));
+  }
   // nlohmann keeps the last of repeated keys; a file whose meaning depends on which
   // duplicate a reader keeps is ambiguous, so each open object tracks its keys.
   std::vector<std::set<std::string>> open_objects;

@@ -281,6 +281,11 @@ SafetensorsHeader parse_safetensors_header(std::string_view object, std::string_
     WS_FAIL(ErrorCode::kFormat, name + ": header is not valid UTF-8 at byte " + std::to_string(*bad));
   }
 
+  // nlohmann's lexer takes a NUL byte for the end of its input and would accept "{}\0junk";
+  // a raw NUL is never valid JSON, and the reference rejects NUL padding.
+  if (size_t nul = header_json.find('\0'); nul != std::string_view::npos) {
+    WS_FAIL(ErrorCode::kFormat, name + ": header is not valid JSON: NUL byte at byte " + std::to_string(nul));
+  }
   HeaderReader reader(object);
   // strict: nothing but whitespace may follow the object (the reference writer pads with spaces).
   Json::sax_parse(header_json.begin(), header_json.end(), &reader, nlohmann::detail::input_format_t::json,
