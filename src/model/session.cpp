@@ -124,6 +124,23 @@ void LoadSession::begin(LoadMode mode, TensorFormat format) {
     bool filled = format == TensorFormat::kEngine || !parameter.parts.empty();
     if (filled) ++state.layers[parameter.layer].parameters;
   }
+  // Parts that hold no rows on this rank (a vocabulary slice wholly in padding) are complete
+  // before any byte arrives.
+  if (format == TensorFormat::kCheckpoint) {
+    for (size_t i = 0; i < layout_.parameters().size(); ++i) {
+      const Parameter& parameter = layout_.parameters()[i];
+      State::ParameterState& parameter_state = state.parameters[i];
+      for (size_t p = 0; p < parameter.parts.size(); ++p) {
+        if (parameter.parts[p].elements() > 0) continue;
+        parameter_state.parts[p].complete = true;
+        ++parameter_state.parts_complete;
+      }
+      if (!parameter.parts.empty() && parameter_state.parts_complete == parameter.parts.size()) {
+        parameter_state.complete = true;
+        ++state.layers[parameter.layer].complete;
+      }
+    }
+  }
   if (mode == LoadMode::kCold) {
     for (const Parameter& parameter : layout_.parameters()) {
       for (const auto& [begin, end] : parameter.padding) {

@@ -1,0 +1,183 @@
+// The checkpoint loader: a rank reads only its byte ranges, pieces of any size reach the
+// session, and the result is bit-identical to a session fed from memory.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "model/model_fixtures.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/load.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+struct DiskCheckpoint {
+  TempDir directory;
+  Checkpoint checkpoint;
+  testing::MemoryCheckpoint memory;
+};
+
+std::unique_ptr<DiskCheckpoint> synth_on_disk(const std::string& arch, uint64_t seed = 1) {
+  auto disk = std::make_unique<DiskCheckpoint>();
+  synthesize_checkpoint(disk->directory.path(), testing::synth_options(arch, seed));
+  disk->checkpoint = Checkpoint::open(disk->directory.path().string(), Options{});
+  // The same tensors read back without the stream layer, as the reference.
+  for (const CheckpointTensor& tensor : disk->checkpoint.tensors()) {
+    std::string file = testing::read_file(disk->directory.path() / disk->checkpoint.shards()[tensor.shard].name);
+    const auto* begin = reinterpret_cast<const std::byte*>(file.data()) + tensor.offset;
+    disk->memory.tensors.push_back({tensor.name, tensor.dtype, tensor.shape, {begin, begin + tensor.bytes}});
+  }
+  disk->memory.config = checkpoint_model_config(disk->checkpoint);
+  return disk;
+}
+
+StreamOptions small_pieces() {
+  StreamOptions options;
+  options.concurrency = 4;
+  options.chunk_bytes = 4096;  // pieces split rows and elements
+  options.memory_limit = 64 * 1024;
+  return options;
+}
+
+class CheckpointLoader : public ::testing::TestWithParam<std::tuple<std::string, int64_t>> {};
+
+TEST_P(CheckpointLoader, StreamedLoadEqualsLoadFromMemory) {
+  auto [arch, tp_size] = GetParam();
+  auto disk = synth_on_disk(arch);
+  for (int64_t rank = 0; rank < tp_size; ++rank) {
+    ModelLayout reference = testing::host_layout(disk->memory, tp_size, rank);
+    testing::run_load(reference, LoadMode::kCold, {disk->memory.views()});
+    ModelLayout layout = testing::host_layout(disk->memory, tp_size, rank);
+    LayoutLoad load = load_layout(layout, disk->checkpoint, LoadMode::kCold, small_pieces());
+    LayoutComparison comparison = compare_layouts(layout, reference);
+    EXPECT_EQ(comparison.mismatched, 0u) << (comparison.mismatches.empty() ? "" : comparison.mismatches[0]);
+    LoadPlan plan = plan_layout_load(layout, disk->checkpoint);
+    EXPECT_EQ(load.stream.bytes, plan.bytes_to_read);
+    if (tp_size > 1) EXPECT_LT(plan.bytes_to_read, disk->checkpoint.tensor_bytes());
+    EXPECT_TRUE(plan.missing.empty());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, CheckpointLoader,
+                         ::testing::Combine(::testing::Values("llama", "qwen3", "deepseek_v3"),
+                                            ::testing::Values(1, 2, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(CheckpointLoaderPlan, ReadsColumnSlicesAsRangesAndRowSlicesWhole) {
+  auto disk = synth_on_disk("llama");
+  ModelLayout layout = testing::host_layout(disk->memory, 2, 1);
+  LoadPlan plan = plan_layout_load(layout, disk->checkpoint);
+  auto find = [&](std::string_view name) -> const PlannedTensor& {
+    for (const PlannedTensor& read : plan.reads) {
+      if (disk->checkpoint.tensors()[read.tensor].name == name) return read;
+    }
+    throw std::runtime_error("not planned: " + std::string(name));
+  };
+  const PlannedTensor& q = find("model.layers.0.self_attn.q_proj.weight");
+  uint64_t q_bytes = disk->checkpoint.tensors()[q.tensor].bytes;
+  EXPECT_TRUE(q.slice);
+  EXPECT_EQ(q.range.offset, q_bytes / 2);
+  EXPECT_EQ(q.range.length, q_bytes / 2);
+  const PlannedTensor& o = find("model.layers.0.self_attn.o_proj.weight");
+  EXPECT_FALSE(o.slice);
+  EXPECT_EQ(o.range.length, disk->checkpoint.tensors()[o.tensor].bytes);
+  // One K/V head, two ranks: both read all of k_proj.
+  EXPECT_FALSE(find("model.layers.0.self_attn.k_proj.weight").slice);
+}
+
+TEST(CheckpointLoaderPlan, ExpertsOfOtherRanksAreNeverRead) {
+  auto disk = synth_on_disk("deepseek_v3");
+  LayoutOptions options;
+  options.parallel = {1, 0, 2, 0};
+  ModelLayout layout = build_model_layout(disk->memory.config, options);
+  layout.allocate(Device{});
+  LoadPlan plan = plan_layout_load(layout, disk->checkpoint);
+  size_t skipped_experts = 0;
+  for (const UnusedTensor& unused : plan.unused) {
+    EXPECT_THAT(disk->checkpoint.tensors()[unused.tensor].name, HasSubstr(".mlp.experts."));
+    EXPECT_THAT(unused.reason, HasSubstr("expert-parallel rank 1"));
+    ++skipped_experts;
+  }
+  int64_t moe_layers = disk->memory.config.num_hidden_layers + disk->memory.config.num_nextn_predict_layers -
+                       disk->memory.config.first_k_dense_replace;
+  EXPECT_EQ(skipped_experts, static_cast<size_t>(moe_layers * disk->memory.config.n_routed_experts / 2 * 3));
+  LayoutLoad load = load_layout(layout, disk->checkpoint, LoadMode::kCold, small_pieces());
+  EXPECT_EQ(load.stream.bytes, plan.bytes_to_read);
+  EXPECT_LT(load.stream.bytes, disk->checkpoint.tensor_bytes());
+}
+
+TEST(CheckpointLoaderPlan, UnknownTensorIsAnErrorBeforeAnyRead) {
+  TempDir directory;
+  auto memory = testing::synth_in_memory(testing::synth_options("llama"));
+  SafetensorsWriter writer;
+  for (const auto& tensor : memory.tensors) writer.add(tensor.name, tensor.dtype, tensor.shape, tensor.bytes);
+  std::vector<std::byte> stray(16);
+  writer.add("model.layers.0.self_attn.q_proj.bias", Dtype::kBF16, {8}, stray);
+  writer.add("model.layers.0.self_attn.rotary_emb.inv_freq", Dtype::kBF16, {8}, stray);
+  writer.write(directory / "model.safetensors");
+  synthesize_checkpoint(directory / "synth", testing::synth_options("llama"));
+  std::filesystem::copy_file(directory / "synth" / "config.json", directory / "config.json");
+  std::filesystem::remove_all(directory / "synth");
+  Checkpoint checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  ModelLayout layout = testing::host_layout(memory);
+  try {
+    plan_layout_load(layout, checkpoint);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    EXPECT_THAT(error.what(), HasSubstr("1 tensors of"));
+    EXPECT_THAT(error.what(), HasSubstr("model.layers.0.self_attn.q_proj.bias ("));
+    EXPECT_THAT(error.what(), HasSubstr("model.safetensors)"));
+    EXPECT_THAT(error.what(), HasSubstr("match no parameter of llama tp 1 rank 0 and no ignore rule"));
+  }
+}
+
+TEST(CheckpointLoaderPlan, ReloadInBatchesKeepsAddressesAndMatchesAColdLoad) {
+  auto first = synth_on_disk("qwen3", 1);
+  auto second = synth_on_disk("qwen3", 2);
+  ModelLayout layout = testing::host_layout(first->memory, 2, 0);
+  layout.add_hook(make_fused_kv_hook());
+  load_layout(layout, first->checkpoint, LoadMode::kCold, small_pieces());
+  auto addresses = storage_addresses(layout);
+  LoadPlan plan = plan_layout_load(layout, second->checkpoint);
+  LoadSession session(layout);
+  session.begin(LoadMode::kReload);
+  for (size_t batch = 0; batch < 3; ++batch) {
+    std::vector<size_t> indices;
+    for (size_t i = batch; i < plan.reads.size(); i += 3) indices.push_back(i);
+    stream_into_session(second->checkpoint, plan.subset(indices), session, small_pieces());
+    EXPECT_EQ(layout.model_hook_runs(), 1u);
+  }
+  session.finish();
+  EXPECT_EQ(layout.model_hook_runs(), 2u);
+  ModelLayout fresh = testing::host_layout(second->memory, 2, 0);
+  fresh.add_hook(make_fused_kv_hook());
+  load_layout(fresh, second->checkpoint, LoadMode::kCold, StreamOptions{});
+  LayoutComparison comparison = compare_layouts(layout, fresh);
+  EXPECT_EQ(comparison.mismatched, 0u);
+  EXPECT_GT(comparison.compared, layout.parameters().size());  // the fused K/V buffer too
+  EXPECT_EQ(storage_addresses(layout), addresses);
+}
+
+TEST(CheckpointLoaderPlan, MissingConfigIsNamed) {
+  TempDir directory;
+  SafetensorsWriter writer;
+  std::vector<std::byte> bytes(4);
+  writer.add("x", Dtype::kF32, {1}, bytes);
+  writer.write(directory / "model.safetensors");
+  Checkpoint checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  try {
+    checkpoint_model_config(checkpoint);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);
+    EXPECT_THAT(error.what(), HasSubstr("has no config.json"));
+  }
+}
+
+}  // namespace
+}  // namespace weightstream
