@@ -1,0 +1,343 @@
+// weightstream._core: the nanobind module behind the weightstream Python package. It binds
+// the public C++ API only (Checkpoint, stream_tensors through TensorStream, load_checkpoint,
+// digest_checkpoint); python/weightstream/*.py shape it into the documented Python API.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensor_stream.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/options.hpp"
+#include "weightstream/stream.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace weightstream::python {
+namespace {
+
+// The Python exception class weightstream.Error, created at import. Owned by the module
+// (as its attribute) for the life of the interpreter.
+PyObject* error_type = nullptr;
+
+/// Raises weightstream.Error with the library's message and its code's name as `.code`.
+void raise_python_error(const Error& error) {
+  nb::object instance = nb::steal(PyObject_CallFunction(error_type, "s", error.what()));
+  if (!instance.is_valid()) return;  // the constructor itself failed and set an exception
+  instance.attr("code") = std::string(error_code_name(error.code()));
+  PyErr_SetObject(error_type, instance.ptr());
+}
+
+// ---- options ----------------------------------------------------------------------------
+
+constexpr const char* kOptionNames = "concurrency, memory_limit, chunk_size, io, gpu_path";
+
+/// A byte size given as an int or as text such as "64MiB".
+uint64_t size_argument(nb::handle value, const char* name) {
+  if (nb::isinstance<nb::str>(value)) return parse_size(nb::cast<std::string>(value), name);
+  if (nb::isinstance<nb::int_>(value) && !nb::isinstance<nb::bool_>(value)) {
+    WS_EXPECT(nb::cast<long long>(value) >= 0, ErrorCode::kInvalidArgument,
+              std::string(name) + " must not be negative, got " + nb::cast<std::string>(nb::str(value)));
+    return nb::cast<uint64_t>(value);
+  }
+  throw nb::type_error((std::string(name) + " must be an int (bytes) or a string such as \"64MiB\", not " +
+                        nb::cast<std::string>(nb::str(value.type().attr("__name__"))))
+                           .c_str());
+}
+
+std::string text_argument(nb::handle value, const char* name) {
+  if (!nb::isinstance<nb::str>(value)) throw nb::type_error((std::string(name) + " must be a string").c_str());
+  return nb::cast<std::string>(value);
+}
+
+/// The environment's options (WEIGHTSTREAM_*, read now) with keyword overrides applied,
+/// checked as the command's flags are. `overrides` holds only options the caller set.
+Options resolve_options(const Options& base, nb::dict overrides) {
+  Options options = base;
+  auto& stream = options.stream;
+  for (auto [key, value] : overrides) {
+    std::string name = nb::cast<std::string>(key);
+    if (value.is_none()) continue;
+    if (name == "concurrency") {
+      if (!nb::isinstance<nb::int_>(value) || nb::isinstance<nb::bool_>(value)) throw nb::type_error("concurrency must be an int");
+      long long concurrency = nb::cast<long long>(value);
+      WS_EXPECT(concurrency >= 1 && concurrency <= 1024, ErrorCode::kInvalidArgument,
+                "concurrency " + std::to_string(concurrency) + " is out of range: expected 1 to 1024");
+      stream.concurrency = static_cast<unsigned>(concurrency);
+    } else if (name == "memory_limit") {
+      stream.memory_limit = size_argument(value, "memory_limit");
+    } else if (name == "chunk_size") {
+      stream.chunk_bytes = size_argument(value, "chunk_size");
+    } else if (name == "io") {
+      auto io = text_argument(value, "io");
+      if (io == "pread") stream.local_io = LocalIo::kPread;
+      else if (io == "direct") stream.local_io = LocalIo::kDirect;
+      else if (io == "uring") stream.local_io = LocalIo::kUring;
+      else WS_FAIL(ErrorCode::kInvalidArgument, "io '" + io + "' is not one of pread, direct, uring");
+    } else if (name == "gpu_path") {
+      auto path = text_argument(value, "gpu_path");
+      if (path == "auto") stream.gpu_path = GpuPath::kAuto;
+      else if (path == "staged") stream.gpu_path = GpuPath::kStaged;
+      else if (path == "mapped") stream.gpu_path = GpuPath::kMapped;
+      else WS_FAIL(ErrorCode::kInvalidArgument, "gpu_path '" + path + "' is not one of auto, staged, mapped");
+    } else {
+      throw nb::type_error(("unknown option '" + name + "' (options are " + kOptionNames + ")").c_str());
+    }
+  }
+  WS_EXPECT(stream.memory_limit >= 4096, ErrorCode::kInvalidArgument,
+            "memory_limit " + std::to_string(stream.memory_limit) + " bytes is too small: at least 4KiB");
+  WS_EXPECT(stream.chunk_bytes >= 4096, ErrorCode::kInvalidArgument,
+            "chunk_size " + std::to_string(stream.chunk_bytes) + " bytes is too small: at least 4KiB");
+  return options;
+}
+
+Options environment_options() { return options_from_environment(process_environment()); }
+
+nb::dict options_dict(const Options& options) {
+  const auto& stream = options.stream;
+  nb::dict result;
+  result["concurrency"] = stream.concurrency;
+  result["memory_limit"] = stream.memory_limit;
+  result["chunk_size"] = stream.chunk_bytes;
+  result["io"] = stream.local_io == LocalIo::kDirect ? "direct" : stream.local_io == LocalIo::kUring ? "uring" : "pread";
+  result["gpu_path"] = stream.gpu_path == GpuPath::kStaged ? "staged" : stream.gpu_path == GpuPath::kMapped ? "mapped" : "auto";
+  return result;
+}
+
+// ---- tensors as DLPack arrays -----------------------------------------------------------
+
+/// The DLPack dtype of a safetensors dtype numpy can hold; nullopt for the others (BF16,
+/// the F8, F6 and F4 kinds), which cross as raw bytes and are viewed in Python.
+std::optional<nb::dlpack::dtype> numpy_dtype(Dtype dtype) {
+  using Code = nb::dlpack::dtype_code;
+  auto make = [](Code code, uint8_t bits) { return nb::dlpack::dtype{static_cast<uint8_t>(code), bits, 1}; };
+  switch (dtype) {
+    case Dtype::kBool: return make(Code::Bool, 8);
+    case Dtype::kU8: return make(Code::UInt, 8);
+    case Dtype::kI8: return make(Code::Int, 8);
+    case Dtype::kI16: return make(Code::Int, 16);
+    case Dtype::kU16: return make(Code::UInt, 16);
+    case Dtype::kF16: return make(Code::Float, 16);
+    case Dtype::kI32: return make(Code::Int, 32);
+    case Dtype::kU32: return make(Code::UInt, 32);
+    case Dtype::kF32: return make(Code::Float, 32);
+    case Dtype::kF64: return make(Code::Float, 64);
+    case Dtype::kI64: return make(Code::Int, 64);
+    case Dtype::kU64: return make(Code::UInt, 64);
+    case Dtype::kC64: return make(Code::Complex, 64);
+    default: return std::nullopt;
+  }
+}
+
+/// A framework-less nanobind array (DLPack and, on the host, the buffer protocol) over
+/// `data`, kept alive by `owner`. Dtypes numpy lacks become uint8 of shape
+/// [*shape, itemsize], or flat bytes for sub-byte dtypes (F4, F6).
+nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nb::handle owner) {
+  // DLPack consumers dereference nothing for an empty tensor, but some reject a null pointer.
+  alignas(256) static std::byte empty_tensor[1];
+  if (tensor.bytes == 0) data = empty_tensor;
+  std::vector<size_t> shape(tensor.shape.begin(), tensor.shape.end());
+  auto dtype = numpy_dtype(tensor.dtype);
+  if (!dtype) {
+    dtype = nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::UInt), 8, 1};
+    unsigned bits = dtype_bits(tensor.dtype);
+    if (bits % 8 == 0) {
+      shape.push_back(bits / 8);
+    } else {
+      shape.assign(1, tensor.bytes);
+    }
+  }
+  int device_type = device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  // array_api: an object with __dlpack__, __dlpack_device__ and the buffer protocol
+  // (no_framework would give a bare, single-use DLPack capsule).
+  nb::ndarray<nb::array_api> array(data, shape.size(), shape.data(), owner, nullptr, *dtype, device_type, device.index);
+  return array.cast();
+}
+
+// ---- bound types --------------------------------------------------------------------------
+
+/// What Python sees of one checkpoint tensor.
+struct TensorEntry {
+  std::string name;
+  std::string dtype;  ///< safetensors spelling, e.g. "BF16"
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  std::string shard;  ///< shard file name
+  uint64_t offset = 0;
+};
+
+/// An open checkpoint and the options it was opened with.
+class CheckpointHandle {
+ public:
+  CheckpointHandle(const std::string& uri, nb::dict overrides) : options_(resolve_options(environment_options(), overrides)) {
+    nb::gil_scoped_release release;
+    checkpoint_ = std::make_shared<const Checkpoint>(Checkpoint::open(uri, options_));
+  }
+
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  const std::shared_ptr<const Checkpoint>& shared() const { return checkpoint_; }
+  Options options(nb::dict overrides) const { return resolve_options(options_, overrides); }
+  const Options& options() const { return options_; }
+
+  TensorEntry info(size_t index) const {
+    const auto& tensor = checkpoint_->tensors().at(index);
+    return {tensor.name, std::string(dtype_name(tensor.dtype)), tensor.shape, tensor.bytes,
+            checkpoint_->shards()[tensor.shard].name, tensor.offset};
+  }
+
+ private:
+  Options options_;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+};
+
+/// Python face of TensorStream: an iterator of (tensor index, array).
+class StreamIterator {
+ public:
+  StreamIterator(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides) {
+    auto options = checkpoint.options(overrides);
+    auto parsed = parse_device(device);
+    nb::gil_scoped_release release;
+    stream_ = std::make_unique<TensorStream>(checkpoint.shared(), parsed, options.stream);
+  }
+
+  nb::tuple next() {
+    std::optional<StreamedTensor> tensor;
+    {
+      nb::gil_scoped_release release;
+      tensor = stream_->next();
+    }
+    if (!tensor) throw nb::stop_iteration();
+    const auto& info = stream_->checkpoint().tensors()[tensor->tensor];
+    std::byte* data = tensor->buffer ? tensor->buffer->data() : nullptr;
+    nb::capsule owner(tensor->buffer.release(), [](void* buffer) noexcept { delete static_cast<Buffer*>(buffer); });
+    return nb::make_tuple(tensor->tensor, tensor_array(data, info, stream_->device(), owner));
+  }
+
+  void close() {
+    nb::gil_scoped_release release;
+    stream_->cancel();
+  }
+
+  uint64_t queued_bytes() const { return stream_->queued_bytes(); }
+  uint64_t peak_queued_bytes() const { return stream_->peak_queued_bytes(); }
+
+ private:
+  std::unique_ptr<TensorStream> stream_;
+};
+
+nb::list load(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides) {
+  auto options = checkpoint.options(overrides);
+  auto parsed = parse_device(device);
+  std::shared_ptr<LoadedCheckpoint> loaded;
+  {
+    nb::gil_scoped_release release;
+    loaded = std::make_shared<LoadedCheckpoint>(load_checkpoint(checkpoint.checkpoint(), parsed, options.stream));
+  }
+  // Every array holds a reference to the one arena; it is freed with the last of them.
+  nb::list result;
+  for (const auto& tensor : loaded->tensors) {
+    nb::capsule owner(new std::shared_ptr<LoadedCheckpoint>(loaded),
+                      [](void* arena) noexcept { delete static_cast<std::shared_ptr<LoadedCheckpoint>*>(arena); });
+    const auto& info = checkpoint.checkpoint().tensors()[tensor.tensor];
+    result.append(nb::make_tuple(info.name, tensor_array(tensor.data, info, parsed, owner)));
+  }
+  return result;
+}
+
+std::vector<std::pair<std::string, std::string>> digest(const CheckpointHandle& checkpoint, const std::string& hash,
+                                                        const std::string& device, nb::dict overrides) {
+  auto options = checkpoint.options(overrides);
+  auto kind = parse_hash(hash);
+  auto parsed = parse_device(device);
+  std::vector<TensorDigest> digests;
+  {
+    nb::gil_scoped_release release;
+    digests = digest_checkpoint(checkpoint.checkpoint(), kind, parsed, options.stream);
+  }
+  std::vector<std::pair<std::string, std::string>> result;
+  result.reserve(digests.size());
+  for (auto& entry : digests) result.emplace_back(std::move(entry.name), std::move(entry.hex));
+  return result;
+}
+
+}  // namespace
+}  // namespace weightstream::python
+
+NB_MODULE(_core, m) {
+  using namespace weightstream;
+  using namespace weightstream::python;
+  m.doc() = "Compiled core of weightstream; use the functions of the weightstream package.";
+
+  error_type = PyErr_NewExceptionWithDoc(
+      "weightstream.Error",
+      "A failure reported by weightstream. The message names the object, the range, the operation and the "
+      "cause; .code is the kind of failure (\"not_found\", \"format\", \"invalid_argument\", \"io\", ...).",
+      PyExc_RuntimeError, nullptr);
+  m.attr("Error") = nb::handle(error_type);
+  nb::register_exception_translator([](const std::exception_ptr& exception, void*) {
+    try {
+      std::rethrow_exception(exception);
+    } catch (const Error& error) {
+      raise_python_error(error);
+    }
+  });
+
+  m.def("environment_options", [] { return options_dict(environment_options()); },
+        "The options as the WEIGHTSTREAM_* environment variables set them (defaults otherwise).");
+  m.def("resolve_options",
+        [](nb::dict overrides) { return options_dict(resolve_options(environment_options(), overrides)); },
+        "overrides"_a, "The environment's options with `overrides` applied and checked.");
+  m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
+  m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
+
+  nb::class_<TensorEntry>(m, "TensorInfo", "One tensor of a checkpoint: name, dtype, shape, bytes and where it lies.")
+      .def_ro("name", &TensorEntry::name)
+      .def_ro("dtype", &TensorEntry::dtype, "safetensors dtype name, e.g. \"BF16\"")
+      .def_prop_ro("shape", [](const TensorEntry& info) {
+        nb::list shape;
+        for (int64_t dimension : info.shape) shape.append(dimension);
+        return nb::tuple(shape);
+      })
+      .def_ro("bytes", &TensorEntry::bytes)
+      .def_ro("shard", &TensorEntry::shard, "shard file name")
+      .def_ro("offset", &TensorEntry::offset, "absolute byte offset in the shard file")
+      .def("__repr__", [](const TensorEntry& info) {
+        return "TensorInfo(name='" + info.name + "', dtype='" + info.dtype + "', shape=" + shape_text(info.shape) +
+               ", bytes=" + std::to_string(info.bytes) + ", shard='" + info.shard + "')";
+      });
+
+  nb::class_<CheckpointHandle>(m, "Checkpoint")
+      .def(nb::init<const std::string&, nb::dict>(), "uri"_a, "options"_a)
+      .def_prop_ro("uri", [](const CheckpointHandle& handle) { return handle.checkpoint().uri(); })
+      .def_prop_ro("options", [](const CheckpointHandle& handle) { return options_dict(handle.options()); })
+      .def("__len__", [](const CheckpointHandle& handle) { return handle.checkpoint().tensors().size(); })
+      .def("info", &CheckpointHandle::info, "index"_a)
+      .def("find", [](const CheckpointHandle& handle, const std::string& name) { return handle.checkpoint().find(name); },
+           "name"_a)
+      .def_prop_ro("shards",
+                   [](const CheckpointHandle& handle) {
+                     std::vector<std::pair<std::string, uint64_t>> shards;
+                     for (const auto& shard : handle.checkpoint().shards()) shards.emplace_back(shard.name, shard.size);
+                     return shards;
+                   })
+      .def_prop_ro("tensor_bytes", [](const CheckpointHandle& handle) { return handle.checkpoint().tensor_bytes(); })
+      .def_prop_ro("config_json", [](const CheckpointHandle& handle) { return handle.checkpoint().config_json(); })
+      .def("load", &load, "device"_a, "options"_a)
+      .def("digest", &digest, "hash"_a, "device"_a, "options"_a);
+
+  nb::class_<StreamIterator>(m, "TensorStream")
+      .def(nb::init<const CheckpointHandle&, const std::string&, nb::dict>(), "checkpoint"_a, "device"_a, "options"_a)
+      .def("__iter__", [](nb::handle self) { return self; })
+      .def("__next__", &StreamIterator::next)
+      .def("close", &StreamIterator::close, "Stops the stream and waits for its reader thread.")
+      .def_prop_ro("queued_bytes", &StreamIterator::queued_bytes)
+      .def_prop_ro("peak_queued_bytes", &StreamIterator::peak_queued_bytes);
+}

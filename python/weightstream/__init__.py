@@ -1,0 +1,43 @@
+"""weightstream: stream safetensors checkpoints from local disks or S3 into host or GPU
+memory, fast and in bounded memory, as DLPack tensors that torch, numpy and cupy take
+without a copy.
+
+    import weightstream
+    for name, tensor in weightstream.stream("/models/llama", device="cuda:0", memory_limit="2GiB"):
+        ...
+
+The package carries the compiled C++ library (weightstream._core); it never runs the
+``weightstream`` command. Errors raise weightstream.Error (a RuntimeError) with the
+library's message and a ``.code`` such as "not_found", "format" or "invalid_argument".
+"""
+
+from ._api import (
+    Checkpoint,
+    Error,
+    TensorInfo,
+    TensorIterator,
+    digest,
+    load,
+    open,
+    resolve_options,
+    stream,
+)
+from ._core import cuda_compiled, cuda_device_count
+from ._weights_iterator import safetensors_weights_iterator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint",
+    "Error",
+    "TensorInfo",
+    "TensorIterator",
+    "cuda_compiled",
+    "cuda_device_count",
+    "digest",
+    "load",
+    "open",
+    "resolve_options",
+    "safetensors_weights_iterator",
+    "stream",
+]
