@@ -29,6 +29,22 @@ fi
 status=0
 (cd "$build" && ctest --output-on-failure -j "${WS_JOBS:-$(nproc)}" --timeout 600) || status=1
 export WS_CLI="$build/weightstream"
+# ---- Python package (python/, issue 6) ------------------------------------------------
+# Installs the package built from this checkout into a throwaway directory that only the
+# pytest run below sees, so tests/python imports the compiled module. scikit-build-core
+# keeps its build tree under build/python/ (pyproject.toml), so a rerun recompiles only
+# what changed. WS_SKIP_PYTHON_PACKAGE=1 skips it (tests needing it then skip).
+if [ "${WS_SKIP_PYTHON_PACKAGE:-0}" != 1 ]; then
+  python_site="$build/python-site"
+  if CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-build-isolation --no-deps \
+      --disable-pip-version-check --root-user-action=ignore -q --upgrade --target "$python_site" "$root"; then
+    export PYTHONPATH="$python_site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "pip install of the Python package failed" >&2
+    status=1
+  fi
+fi
+# ---- end of the Python package block ---------------------------------------------------
 if [ -d "$root/tests/python" ]; then
   python3 -m pytest -q "$root/tests/python" || status=1
 fi
