@@ -70,6 +70,13 @@ std::unique_ptr<Storage> open_local_storage(const std::string& directory, LocalI
 /// where the build has no S3 support.
 std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::string& prefix, const S3Options& options);
 
+/// A presigned GET URL for s3://bucket/key (SigV4 query-string authentication), valid for
+/// `expires_seconds` (1 to 604800) from `amz_date` (YYYYMMDDTHHMMSSZ; empty means now), signed
+/// with the credentials, region, endpoint and addressing of `options`. Throws
+/// Error(kInvalidArgument) on a bad expiry or date, and credential resolution's errors.
+std::string presign_s3_url(const std::string& bucket, const std::string& key, const S3Options& options,
+                           uint64_t expires_seconds, const std::string& amz_date = {});
+
 /// Reads a whole (small) object, refusing one larger than `max_bytes`.
 std::string read_object(Storage& storage, std::string_view name, uint64_t max_bytes);
 

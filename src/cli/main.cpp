@@ -12,6 +12,10 @@ int main(int argc, char** argv) {
   weightstream::cli::add_load_command(app);
   weightstream::cli::add_digest_command(app);
   weightstream::cli::add_synth_command(app);
+  weightstream::cli::add_plan_command(app);
+  weightstream::cli::add_export_command(app);
+  weightstream::cli::add_audit_command(app);
+  weightstream::cli::add_s3_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -182,4 +182,12 @@ std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::s
   return std::make_unique<S3Storage>(bucket, std::move(normalized), options);
 }
 
+std::string presign_s3_url(const std::string& bucket, const std::string& key, const S3Options& options,
+                           uint64_t expires_seconds, const std::string& amz_date) {
+  WS_EXPECT(!bucket.empty() && !key.empty(), ErrorCode::kInvalidArgument,
+            "a presigned URL needs a bucket and a key (s3://BUCKET/KEY)");
+  s3::S3Client client(options);
+  return client.presign_get(bucket, key, expires_seconds, amz_date.empty() ? s3::amz_date_now() : amz_date);
+}
+
 }  // namespace weightstream
