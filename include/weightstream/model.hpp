@@ -182,11 +182,13 @@ class ModelHook {
 std::unique_ptr<ModelHook> make_tied_lm_head_hook(std::string embedding = "model.embed_tokens.weight",
                                                   std::string lm_head = "lm_head.weight");
 
-/// A hook that gathers every layer's K and V rows (parts "k" and "v" of the parameter
-/// named by `qkv_pattern`, with {layer}) into one buffer laid out [layer][k rows, v rows],
-/// the kind of fused buffer an engine keeps for a kernel. Throws Error(kModel) at attach
-/// when no layer has such parts.
-std::unique_ptr<ModelHook> make_fused_kv_hook(std::string qkv_pattern = "model.layers.{layer}.self_attn.qkv_proj.weight");
+/// A hook that gathers every layer's K and V rows (the parts `part_ids` of the parameter
+/// named by `qkv_pattern`, with {layer}) into one buffer laid out [layer][parts in order],
+/// the kind of fused buffer an engine keeps for a kernel. For MLA, pass the latent part
+/// ("model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", {"kv_a"}). Throws
+/// Error(kModel) at attach when no layer has such parts.
+std::unique_ptr<ModelHook> make_fused_kv_hook(std::string qkv_pattern = "model.layers.{layer}.self_attn.qkv_proj.weight",
+                                              std::vector<std::string> part_ids = {"k", "v"});
 
 /// A hook from a function.
 std::unique_ptr<ModelHook> make_model_hook(std::string name, std::function<void(ModelLayout&)> run,

@@ -15,6 +15,9 @@ int main(int argc, char** argv) {
   weightstream::cli::add_plan_command(app);
   weightstream::cli::add_export_command(app);
   weightstream::cli::add_audit_command(app);
+  weightstream::cli::add_plan_command(app);
+  weightstream::cli::add_export_command(app);
+  weightstream::cli::add_audit_command(app);
   weightstream::cli::add_s3_command(app);
   try {
     app.parse(argc, argv);

@@ -44,7 +44,8 @@ class TiedLmHeadHook final : public ModelHook {
 
 class FusedKvHook final : public ModelHook {
  public:
-  explicit FusedKvHook(std::string pattern) : pattern_(std::move(pattern)) {}
+  FusedKvHook(std::string pattern, std::vector<std::string> part_ids)
+      : pattern_(std::move(pattern)), part_ids_(std::move(part_ids)) {}
 
   std::string name() const override { return "fused_kv"; }
 
@@ -57,46 +58,53 @@ class FusedKvHook final : public ModelHook {
       auto index = layout.find(name);
       if (!index) continue;
       const Parameter& parameter = layout.parameters()[*index];
-      const ParameterPart* k = nullptr;
-      const ParameterPart* v = nullptr;
-      for (const ParameterPart& part : parameter.parts) {
-        if (part.id == "k") k = &part;
-        if (part.id == "v") v = &part;
-      }
-      if (k == nullptr || v == nullptr) continue;
       uint64_t element = dtype_bits(parameter.dtype) / 8;
-      Source source{*index, k->element_offset * element, k->elements() * element, v->element_offset * element,
-                    v->elements() * element, total};
-      total += source.k_bytes + source.v_bytes;
-      sources_.push_back(source);
+      std::vector<Copy> copies;
+      for (const std::string& id : part_ids_) {
+        for (const ParameterPart& part : parameter.parts) {
+          if (part.id != id) continue;
+          copies.push_back({*index, part.element_offset * element, part.elements() * element, total});
+          total += part.elements() * element;
+        }
+      }
+      if (copies.size() != part_ids_.size()) {
+        total = copies.empty() ? total : copies.front().buffer_offset;
+        continue;
+      }
+      copies_.insert(copies_.end(), copies.begin(), copies.end());
     }
-    WS_EXPECT(!sources_.empty(), ErrorCode::kModel,
+    WS_EXPECT(!copies_.empty(), ErrorCode::kModel,
               "model hook fused_kv: no parameter of " + layout.description() + " matching " + pattern_ +
-                  " has parts 'k' and 'v'");
+                  " has parts '" + join_ids() + "'");
     bytes_ = total;
     device_ = layout.device();
     buffer_ = layout.allocate_derived(total);
   }
 
   void run(ModelLayout& layout) override {
-    for (const Source& source : sources_) {
-      const Parameter& parameter = layout.parameters()[source.parameter];
-      copy_bytes(buffer_ + source.offset, device_, parameter.data + source.k_offset, parameter.device, source.k_bytes);
-      copy_bytes(buffer_ + source.offset + source.k_bytes, device_, parameter.data + source.v_offset, parameter.device,
-                 source.v_bytes);
+    for (const Copy& copy : copies_) {
+      const Parameter& parameter = layout.parameters()[copy.parameter];
+      copy_bytes(buffer_ + copy.buffer_offset, device_, parameter.data + copy.offset, parameter.device, copy.bytes);
     }
   }
 
   std::vector<DerivedBuffer> derived_buffers() const override { return {{"fused_kv_buffer", buffer_, device_, bytes_}}; }
 
  private:
-  struct Source {
+  /// One part's rows, copied to `buffer_offset` of the buffer.
+  struct Copy {
     size_t parameter;
-    uint64_t k_offset, k_bytes, v_offset, v_bytes;
-    uint64_t offset;  ///< where this layer's K then V rows go in the buffer
+    uint64_t offset, bytes;
+    uint64_t buffer_offset;
   };
+  std::string join_ids() const {
+    std::string text;
+    for (const std::string& id : part_ids_) text += (text.empty() ? "" : "' and '") + id;
+    return text;
+  }
   std::string pattern_;
-  std::vector<Source> sources_;
+  std::vector<std::string> part_ids_;
+  std::vector<Copy> copies_;
   std::byte* buffer_ = nullptr;
   Device device_;
   uint64_t bytes_ = 0;
@@ -122,8 +130,8 @@ std::unique_ptr<ModelHook> make_tied_lm_head_hook(std::string embedding, std::st
   return std::make_unique<TiedLmHeadHook>(std::move(embedding), std::move(lm_head));
 }
 
-std::unique_ptr<ModelHook> make_fused_kv_hook(std::string qkv_pattern) {
-  return std::make_unique<FusedKvHook>(std::move(qkv_pattern));
+std::unique_ptr<ModelHook> make_fused_kv_hook(std::string qkv_pattern, std::vector<std::string> part_ids) {
+  return std::make_unique<FusedKvHook>(std::move(qkv_pattern), std::move(part_ids));
 }
 
 std::unique_ptr<ModelHook> make_model_hook(std::string name, std::function<void(ModelLayout&)> run, bool rerunnable) {

@@ -173,6 +173,9 @@ TEST(ModelHook, FusedKvBufferFollowsEveryLayerInPlace) {
   } catch (const Error& error) {
     EXPECT_THAT(error.what(), HasSubstr("has parts 'k' and 'v'"));
   }
+  // MLA keeps one latent K/V per layer: the kv_a rows of fused_qkv_a_proj.
+  plain.add_hook(make_fused_kv_hook("model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", {"kv_a"}));
+  EXPECT_GT(plain.hooks()[0]->derived_buffers()[0].bytes, 0u);
 }
 
 class Fp8Processing : public ::testing::Test {

@@ -1,0 +1,63 @@
+// weightstream export URI OUT.safetensors [--tp-size T] [--tp-rank R] [--quantize fp8]
+// Writes this rank's parameters as loaded (engine layout, after processing and hooks), so
+// a rank can later load a pre-sharded checkpoint directly (TensorFormat::kEngine).
+#include <cstdio>
+
+#include "cli/layout_flags.hpp"
+
+namespace weightstream::cli {
+namespace {
+
+struct ExportFlags {
+  std::string uri;
+  std::string output;
+  LayoutFlags layout;
+  bool json = false;
+  StreamFlags stream;
+};
+
+}  // namespace
+
+void add_export_command(CLI::App& app) {
+  auto flags = std::make_shared<ExportFlags>();
+  auto* command = app.add_subcommand("export", "Write this rank's parameters, as loaded, to one safetensors file");
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file:// or s3://")->required();
+  command->add_option("output", flags->output, "The .safetensors file to write")->required();
+  add_layout_flags(*command, flags->layout);
+  command->add_flag("--json", flags->json, "Print JSON: output, layout, tensors, bytes");
+  add_stream_flags(*command, flags->stream);
+  command->callback([flags] {
+    Options options = resolve_options(flags->stream);
+    Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
+    ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, Device{});
+    {
+      ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
+      load_layout(layout, checkpoint, LoadMode::kCold, options.stream,
+                  [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+    }
+    SafetensorsWriter writer;
+    uint64_t bytes = 0;
+    for (const Parameter& parameter : layout.parameters()) {
+      std::vector<std::byte> data = parameter_bytes(parameter);
+      bytes += data.size();
+      writer.add(parameter.name, parameter.dtype, parameter.shape, data);
+    }
+    writer.set_metadata("format", "weightstream-engine");
+    writer.set_metadata("layout", layout.description());
+    writer.set_metadata("tp_size", std::to_string(flags->layout.tp_size.value_or(1)));
+    writer.set_metadata("tp_rank", std::to_string(flags->layout.tp_rank.value_or(0)));
+    writer.set_metadata("source", checkpoint.uri());
+    writer.write(flags->output);
+    if (flags->json) {
+      print_json({{"output", flags->output},
+                  {"layout", layout.description()},
+                  {"tensors", layout.parameters().size()},
+                  {"bytes", bytes}});
+    } else {
+      std::printf("wrote %zu parameters (%s) of %s to %s\n", layout.parameters().size(), format_size(bytes).c_str(),
+                  layout.description().c_str(), flags->output.c_str());
+    }
+  });
+}
+
+}  // namespace weightstream::cli

@@ -1,0 +1,98 @@
+#include "cli/layout_flags.hpp"
+
+#include <cstdio>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::cli {
+
+void add_layout_flags(CLI::App& command, LayoutFlags& flags) {
+  command.add_option("--tp-size", flags.tp_size, "Tensor-parallel ranks (default 1)")->check(CLI::Range(1, 4096));
+  command.add_option("--tp-rank", flags.tp_rank, "This tensor-parallel rank (default 0)")->check(CLI::Range(0, 4095));
+  command.add_option("--ep-size", flags.ep_size, "Expert-parallel ranks: routed experts divided whole (default 1)")
+      ->check(CLI::Range(1, 4096));
+  command.add_option("--ep-rank", flags.ep_rank, "This expert-parallel rank (default 0)")->check(CLI::Range(0, 4095));
+  command.add_option("--quantize", flags.quantize, "Per-layer processing of linear weights: none or fp8 (E4M3, per-tensor scale)")
+      ->check(CLI::IsMember({"none", "fp8"}));
+}
+
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device) {
+  ModelConfig config = checkpoint_model_config(checkpoint);
+  LayoutOptions options;
+  options.parallel = {flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
+  WS_EXPECT(options.parallel.tp_rank < options.parallel.tp_size, ErrorCode::kInvalidArgument,
+            "--tp-rank " + std::to_string(options.parallel.tp_rank) + " must be below --tp-size " +
+                std::to_string(options.parallel.tp_size));
+  WS_EXPECT(options.parallel.ep_rank < options.parallel.ep_size, ErrorCode::kInvalidArgument,
+            "--ep-rank " + std::to_string(options.parallel.ep_rank) + " must be below --ep-size " +
+                std::to_string(options.parallel.ep_size));
+  if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
+  ModelLayout layout = build_model_layout(config, options);
+  layout.allocate(device);
+  if (config.tie_word_embeddings && layout.find("lm_head.weight") && layout.find("model.embed_tokens.weight")) {
+    layout.add_hook(make_tied_lm_head_hook());
+  }
+  // The fused K/V buffer an engine derives: K and V rows of qkv_proj, or MLA's latent kv_a.
+  bool has_kv = false, has_latent = false;
+  for (const Parameter& parameter : layout.parameters()) {
+    for (const ParameterPart& part : parameter.parts) {
+      has_kv = has_kv || part.id == "k";
+      has_latent = has_latent || part.id == "kv_a";
+    }
+  }
+  if (has_kv) layout.add_hook(make_fused_kv_hook());
+  if (has_latent) layout.add_hook(make_fused_kv_hook("model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", {"kv_a"}));
+  return layout;
+}
+
+nlohmann::json load_counters_json(const LoadCounters& counters) {
+  return {{"tensors_applied", counters.tensors_applied},
+          {"bytes_applied", counters.bytes_applied},
+          {"tensors_skipped", counters.tensors_skipped},
+          {"parameters_completed", counters.parameters_completed},
+          {"layer_processing_runs", counters.layer_processing_runs},
+          {"model_hook_runs", counters.model_hook_runs}};
+}
+
+void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
+  add_layout_flags(command, flags.layout);
+  command.add_flag("--raw", flags.raw, "Plain tensor load, without a model layout (ignores --tp-size/--tp-rank)");
+}
+
+void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device_name,
+                     const StreamFlags& stream_flags, bool json) {
+  Options options = resolve_options(stream_flags);
+  Device device = parse_device(device_name);
+  Checkpoint checkpoint = Checkpoint::open(uri, options);
+  ModelLayout layout = checkpoint_layout(checkpoint, flags, device);
+  LayoutLoad load;
+  {
+    ProgressLine progress(progress_enabled(stream_flags, options) && !json);
+    load = load_layout(layout, checkpoint, LoadMode::kCold, options.stream,
+                       [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+  }
+  uint64_t parameter_bytes = 0;
+  for (const Parameter& parameter : layout.parameters()) parameter_bytes += parameter.bytes();
+  if (json) {
+    print_json({{"uri", checkpoint.uri()},
+                {"layout", layout.description()},
+                {"device", device.name()},
+                {"parameters", layout.parameters().size()},
+                {"parameter_bytes", parameter_bytes},
+                {"bytes_read", load.stream.bytes_read},
+                {"bytes", load.stream.bytes},
+                {"checkpoint_bytes", checkpoint.tensor_bytes()},
+                {"shards_read", load.stream.shards_read},
+                {"seconds", load.stream.seconds},
+                {"gbps", load.stream.gbps()},
+                {"peak_staging_bytes", load.stream.peak_staging_bytes},
+                {"session", load_counters_json(load.counters)}});
+    return;
+  }
+  std::printf("loaded %zu parameters (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %llu model hook runs\n",
+              layout.parameters().size(), format_size(parameter_bytes).c_str(), layout.description().c_str(),
+              device.name().c_str(), format_size(load.stream.bytes).c_str(), format_size(checkpoint.tensor_bytes()).c_str(),
+              load.stream.seconds, load.stream.gbps(), static_cast<unsigned long long>(load.counters.model_hook_runs));
+}
+
+}  // namespace weightstream::cli

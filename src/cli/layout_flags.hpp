@@ -1,0 +1,52 @@
+#pragma once
+// Flags and helpers shared by the commands that build a model layout from a checkpoint's
+// config.json (plan, export, audit, and load with --tp-size/--tp-rank).
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "cli/command.hpp"
+#include "weightstream/load.hpp"
+#include "weightstream/model.hpp"
+
+namespace weightstream::cli {
+
+/// --tp-size, --tp-rank, --ep-size, --ep-rank, --quantize.
+struct LayoutFlags {
+  std::optional<int64_t> tp_size;
+  std::optional<int64_t> tp_rank;
+  int64_t ep_size = 1;
+  int64_t ep_rank = 0;
+  std::string quantize = "none";
+};
+
+/// Adds the layout flags to `command`.
+void add_layout_flags(CLI::App& command, LayoutFlags& flags);
+
+/// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
+/// `device` and the hooks an engine would register (a tied lm_head where the embeddings
+/// are tied, a fused K/V buffer where layers have K and V parts).
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device);
+
+/// The `load` command's model-layout path: builds the layout from config.json, loads the
+/// checkpoint into it through a LoadSession and prints the summary (JSON when `json`).
+void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device,
+                     const StreamFlags& stream_flags, bool json);
+
+/// Flags of `load` for the layout path, kept apart from the plain load's own flags.
+struct LayoutLoadFlags {
+  LayoutFlags layout;
+  bool raw = false;
+  /// Whether the layout path was asked for (a layout flag given, --raw not).
+  bool requested() const noexcept { return !raw && (layout.tp_size || layout.tp_rank || layout.ep_size > 1); }
+};
+
+/// Adds --tp-size, --tp-rank, --ep-size, --ep-rank, --quantize and --raw to `load`.
+void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags);
+
+/// JSON of a session's counters.
+nlohmann::json load_counters_json(const LoadCounters& counters);
+
+}  // namespace weightstream::cli
