@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "cli/command.hpp"
+#include "cli/layout_flags.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream::cli {
@@ -39,7 +40,17 @@ void add_load_command(CLI::App& app) {
   command->add_option("--device", flags->device, "Destination: cpu or cuda:N (default cpu)");
   command->add_flag("--json", flags->json, "Print JSON: tensors, bytes, seconds, gbps, peak_staging_bytes, ...");
   add_stream_flags(*command, flags->stream);
-  command->callback([flags] {
+  // ---- model layout path (model layer; see cli/layout_flags.hpp) ----
+  // --tp-size/--tp-rank/--ep-size build the layout from config.json and load through a
+  // LoadSession; --raw (or no layout flag) keeps the plain tensor load below.
+  auto layout_flags = std::make_shared<LayoutLoadFlags>();
+  add_layout_load_flags(*command, *layout_flags);
+  // ---- end of model layout path ----
+  command->callback([flags, layout_flags] {
+    if (layout_flags->requested()) {  // model layout path
+      run_layout_load(flags->uri, layout_flags->layout, flags->device, flags->stream, flags->json);
+      return;
+    }
     auto options = resolve_options(flags->stream);
     auto device = parse_device(flags->device);
     auto checkpoint = Checkpoint::open(flags->uri, options);

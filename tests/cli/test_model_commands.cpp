@@ -1,0 +1,123 @@
+// The model-layer commands end to end: plan, load --tp-size/--tp-rank, export, audit.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/test_support.hpp"
+#include "weightstream/format.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::run_cli;
+using testing::TempDir;
+
+std::string synth(const TempDir& directory, const std::string& name, const std::string& arch, uint64_t seed) {
+  SynthOptions options;
+  options.arch = arch;
+  options.layers = 2;
+  options.hidden = 256;
+  options.seed = seed;
+  options.vocab = 1000;
+  synthesize_checkpoint(directory / name, options);
+  return (directory / name).string();
+}
+
+class AuditCommand : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(AuditCommand, ReloadsAreBitExactInPlaceWithOneHookRunPerLoad) {
+  auto [arch, tp_size] = GetParam();
+  TempDir directory;
+  std::string first = synth(directory, "a", arch, 1);
+  std::string second = synth(directory, "b", arch, 2);
+  int rank = tp_size - 1;
+  auto result = run_cli({"audit", first, "--reload", second, "--tp-size", std::to_string(tp_size), "--tp-rank",
+                         std::to_string(rank), "--batches", "3", "--order", "shuffled", "--repeat", "2", "--json",
+                         "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err << result.out;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_GT(json["compared"].get<uint64_t>(), 10u);
+  EXPECT_EQ(json["mismatched"], 0);
+  EXPECT_EQ(json["address_changes"], 0);
+  EXPECT_EQ(json["model_hook_runs_per_load"], 1);
+  EXPECT_EQ(json["memory_growth_bytes"], 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, AuditCommand,
+                         ::testing::Combine(::testing::Values("llama", "qwen3", "deepseek_v3"), ::testing::Values(1, 2, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(AuditCommand, QuantizedLayoutAndReversedOrder) {
+  TempDir directory;
+  std::string first = synth(directory, "a", "llama", 1);
+  auto result = run_cli({"audit", first, "--quantize", "fp8", "--batches", "5", "--order", "reversed", "--json",
+                         "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_EQ(json["mismatched"], 0);
+  EXPECT_EQ(json["model_hook_runs_per_load"], 1);
+}
+
+TEST(PlanCommand, ListsPartsRangesAndUnusedTensors) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", "deepseek_v3", 1);
+  auto result = run_cli({"plan", checkpoint, "--tp-size", "2", "--tp-rank", "1", "--ep-size", "2", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_EQ(json["layout"], "deepseek_v3 tp 2 rank 1 ep 2 rank 0");
+  EXPECT_LT(json["bytes_to_read"].get<uint64_t>(), json["checkpoint_bytes"].get<uint64_t>());
+  bool found = false;
+  for (const auto& parameter : json["parameters"]) {
+    if (parameter["name"] != "model.layers.0.self_attn.q_b_proj.weight") continue;
+    found = true;
+    EXPECT_EQ(parameter["parts"][0]["read"], "slice");
+    EXPECT_TRUE(parameter["parts"][0].contains("file_offset"));
+    EXPECT_THAT(parameter["parts"][0]["shard"].get<std::string>(), HasSubstr(".safetensors"));
+  }
+  EXPECT_TRUE(found);
+  ASSERT_FALSE(json["unused"].empty());
+  EXPECT_THAT(json["unused"][0]["reason"].get<std::string>(), HasSubstr("expert-parallel rank 1"));
+}
+
+TEST(LoadCommand, TensorParallelLoadReadsOnlyTheRanksBytes) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", "qwen3", 1);
+  auto result = run_cli({"load", checkpoint, "--tp-size", "4", "--tp-rank", "2", "--json", "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_EQ(json["layout"], "qwen3 tp 4 rank 2");
+  EXPECT_LT(json["bytes"].get<uint64_t>(), json["checkpoint_bytes"].get<uint64_t>());
+  EXPECT_EQ(json["session"]["model_hook_runs"], 1);
+  auto raw = run_cli({"load", checkpoint, "--tp-size", "4", "--raw", "--json", "--no-progress"});
+  ASSERT_EQ(raw.exit_code, 0) << raw.err;
+  EXPECT_FALSE(nlohmann::json::parse(raw.out).contains("layout"));
+  auto bad = run_cli({"load", checkpoint, "--tp-size", "2", "--tp-rank", "2", "--no-progress"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("--tp-rank 2 must be below --tp-size 2"));
+}
+
+TEST(ExportCommand, WritesTheRanksParametersAsLoaded) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", "llama", 1);
+  std::string output = (directory / "rank1.safetensors").string();
+  auto result = run_cli({"export", checkpoint, output, "--tp-size", "2", "--tp-rank", "1", "--quantize", "fp8",
+                         "--json", "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  std::string file = testing::read_file(output);
+  auto header = parse_safetensors_bytes(output, std::span(reinterpret_cast<const std::byte*>(file.data()), file.size()));
+  EXPECT_EQ(header.metadata["format"], "weightstream-engine");
+  EXPECT_EQ(header.metadata["layout"], "llama tp 2 rank 1");
+  bool quantized = false, scale = false;
+  for (const TensorInfo& tensor : header.tensors) {
+    if (tensor.name == "model.layers.0.self_attn.qkv_proj.weight") quantized = tensor.dtype == Dtype::kF8E4M3;
+    if (tensor.name == "model.layers.0.self_attn.qkv_proj.weight_scale") scale = tensor.dtype == Dtype::kF32;
+  }
+  EXPECT_TRUE(quantized);
+  EXPECT_TRUE(scale);
+}
+
+}  // namespace
+}  // namespace weightstream
