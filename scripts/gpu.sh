@@ -23,7 +23,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 wants() { for stage in "${stages[@]}"; do [ "$stage" = all ] || [ "$stage" = "$1" ] && return 0; done; return 1; }
 status=0
-summary() { echo "$*" | tee -a "$out/summary.txt"; }
+summary() { echo "$*" >>"$out/summary.txt"; }
 
 if [ -d "$deps/lib" ]; then
   export LD_LIBRARY_PATH="$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -76,7 +76,8 @@ if wants test; then
   start=$SECONDS
   # No S3 server here (moto is not installed): those tests skip and say so.
   (cd "$build" && ctest -j "$jobs" --timeout 300 --output-on-failure) >"$out/ctest.log" 2>&1 || status=1
-  grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1 | sed "s/^/tests: /" | tee -a "$out/summary.txt"
+  summary "tests: $(grep -E 'tests passed|tests failed' "$out/ctest.log" | tail -1)" \
+    "($(grep -c '\*\*\*Skipped' "$out/ctest.log") skipped)"
   grep -A200 "The following tests FAILED" "$out/ctest.log" | head -40
   # The CUDA tests must have run, not skipped.
   "$build/tests/test_device" --gtest_filter='Cuda.*' --gtest_brief=1 >"$out/cuda_tests.log" 2>&1 || status=1
@@ -87,14 +88,14 @@ fi
 
 if wants digest; then
   # sha256 of every tensor of a small llama checkpoint: host, then landed on cuda:0 by each path.
+  # (Few files under $OUT: the device tool brings back at most 8.)
   scratch=$(mktemp -d)
   "$build/weightstream" synth "$scratch/ckpt" --arch llama --size 256MiB --shards 3 >/dev/null
-  "$build/weightstream" digest "$scratch/ckpt" --device cpu --no-progress >"$out/digest_cpu.txt"
-  result="digest: cuda:0 vs cpu (sha256, $(wc -l <"$out/digest_cpu.txt") tensors):"
+  "$build/weightstream" digest "$scratch/ckpt" --device cpu --no-progress >"$scratch/cpu.txt"
+  result="digest: cuda:0 vs cpu (sha256, $(wc -l <"$scratch/cpu.txt") tensors):"
   for path in staged mapped; do
-    "$build/weightstream" digest "$scratch/ckpt" --device cuda:0 --gpu-path "$path" --no-progress \
-      >"$out/digest_cuda_$path.txt" 2>>"$out/digest.log"
-    if cmp -s "$out/digest_cpu.txt" "$out/digest_cuda_$path.txt"; then result+=" $path equal"; else result+=" $path DIFFER"; status=1; fi
+    "$build/weightstream" digest "$scratch/ckpt" --device cuda:0 --gpu-path "$path" --no-progress >"$scratch/$path.txt" &&
+      cmp -s "$scratch/cpu.txt" "$scratch/$path.txt" && result+=" $path equal" || { result+=" $path DIFFER"; status=1; }
   done
   summary "$result"
   rm -rf "$scratch"
@@ -105,5 +106,6 @@ if wants bench; then
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
 fi
 
+echo "== summary"
 cat "$out/summary.txt"
 exit $status
