@@ -19,6 +19,7 @@ build=$root/build-gpu
 deps=$root/.deps
 jobs=${WS_JOBS:-$(nproc)}
 mkdir -p "$out"
+: >"$out/summary.txt"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 wants() { for stage in "${stages[@]}"; do [ "$stage" = all ] || [ "$stage" = "$1" ] && return 0; done; return 1; }
