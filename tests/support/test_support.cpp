@@ -1,7 +1,7 @@
 #include "support/test_support.hpp"
 
 #include <fcntl.h>
-#include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,7 +44,7 @@ ScopedEnv::~ScopedEnv() {
   else unsetenv(name_.c_str());
 }
 
-CommandResult run_cli(const std::vector<std::string>& arguments) {
+CommandResult run_cli(const std::vector<std::string>& arguments, const RunLimits& limits) {
   TempDir scratch;
   auto out_path = scratch / "out";
   auto err_path = scratch / "err";
@@ -53,18 +53,29 @@ CommandResult run_cli(const std::vector<std::string>& arguments) {
   std::vector<char*> argv;
   for (auto& argument : argv_storage) argv.push_back(argument.data());
   argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  pid_t pid = 0;
-  int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) throw std::runtime_error("cannot run " + argv_storage[0]);
+  // fork rather than posix_spawn: the limit must be set in the child before exec, and
+  // posix_spawn has no attribute for it. Between fork and exec the child only makes
+  // async-signal-safe calls (the test process may have other threads).
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("cannot fork to run " + argv_storage[0]);
+  if (pid == 0) {
+    int in = open("/dev/null", O_RDONLY);
+    int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (in < 0 || out < 0 || err < 0 || dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0) _exit(127);
+    if (limits.address_space_bytes != 0) {
+      struct rlimit limit {};
+      limit.rlim_cur = limit.rlim_max = limits.address_space_bytes;
+      if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(127);
+    }
+    execve(argv[0], argv.data(), environ);
+    _exit(127);
+  }
   int status = 0;
-  waitpid(pid, &status, 0);
+  struct rusage usage {};
+  wait4(pid, &status, 0, &usage);
   CommandResult result;
+  result.max_rss_kib = usage.ru_maxrss;
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   result.out = read_file(out_path);
   result.err = read_file(err_path);

@@ -2,6 +2,7 @@
 // Shared fixtures for the tests: temporary directories, scoped environment variables,
 // running the command-line tool.
 
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -41,10 +42,18 @@ struct CommandResult {
   int exit_code = 0;
   std::string out;
   std::string err;
+  long max_rss_kib = 0;  ///< peak resident memory of the command
 };
 
-/// Runs the `weightstream` command with `arguments` (no shell), capturing its output.
-CommandResult run_cli(const std::vector<std::string>& arguments);
+/// Resource limits applied to the command's process only (setrlimit in the child).
+struct RunLimits {
+  /// RLIMIT_AS in bytes: allocations past it fail inside the command; 0 leaves it unlimited.
+  uint64_t address_space_bytes = 0;
+};
+
+/// Runs the `weightstream` command with `arguments` (no shell), capturing its output,
+/// under `limits` (none by default).
+CommandResult run_cli(const std::vector<std::string>& arguments, const RunLimits& limits = {});
 
 /// Writes `bytes` to `path`.
 void write_file(const std::filesystem::path& path, const std::string& bytes);

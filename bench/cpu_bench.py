@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Host-memory load benchmark (issue 2): one checkpoint, page cache warm, in one run.
+
+Compares `weightstream load` against
+  * the read limit of this machine: `dd` of every shard to /dev/null with 16 MiB blocks
+    (all shards in parallel, as a loader may read them),
+  * the Python `safetensors` package: safe_open + get_tensor for every tensor (numpy),
+  * the Run:ai model streamer (`runai-model-streamer`, SafetensorsStreamer to CPU), when it
+    is importable (it needs PyTorch, so on these machines it runs on the GPU machine),
+and prints GB/s and the ratios as a markdown table (also written to --out as JSON and MD).
+
+Each contender runs --repeat times; the median is reported. Run under `taskset -c 0,1`
+to measure a 2-core machine.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def shard_files(checkpoint):
+    files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
+    return [os.path.join(checkpoint, f) for f in files]
+
+
+def tensor_bytes(cli, checkpoint):
+    out = subprocess.run([cli, "inspect", checkpoint, "--json"], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["bytes"]
+
+
+def warm(files):
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run_dd(files):
+    start = time.perf_counter()
+    procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=16M"], stderr=subprocess.DEVNULL) for p in files]
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError("dd failed")
+    return time.perf_counter() - start
+
+
+def run_weightstream(cli, checkpoint, extra):
+    out = subprocess.run([cli, "load", checkpoint, "--json", "--no-progress", *extra], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)["seconds"]
+
+
+def run_safetensors(files):
+    from safetensors import safe_open
+    start = time.perf_counter()
+    total = 0
+    for path in files:
+        with safe_open(path, framework="np") as f:
+            for name in f.keys():
+                total += f.get_tensor(name).nbytes
+    return time.perf_counter() - start
+
+
+def run_runai(files):
+    from runai_model_streamer import SafetensorsStreamer
+    start = time.perf_counter()
+    total = 0
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(files)
+        for _name, tensor in streamer.get_tensors():
+            total += tensor.numel() * tensor.element_size()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="directory of a checkpoint (e.g. from weightstream synth --size 2GiB)")
+    parser.add_argument("--cli", default=os.environ.get("WS_CLI", "build/weightstream"))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--weightstream-args", default="", help="extra flags for weightstream load")
+    parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    args = parser.parse_args()
+
+    files = shard_files(args.checkpoint)
+    total = tensor_bytes(args.cli, args.checkpoint)
+    file_bytes = sum(os.path.getsize(p) for p in files)
+    warm(files)
+
+    contenders = {
+        "read limit (parallel dd, 16 MiB blocks)": (lambda: run_dd(files), file_bytes),
+        "weightstream load": (lambda: run_weightstream(args.cli, args.checkpoint, args.weightstream_args.split()), total),
+        "safetensors safe_open + get_tensor (numpy)": (lambda: run_safetensors(files), total),
+    }
+    try:
+        import runai_model_streamer  # noqa: F401
+        contenders["Run:ai SafetensorsStreamer (CPU)"] = (lambda: run_runai(files), total)
+    except Exception as error:  # the streamer needs torch; say why it is missing
+        print(f"Run:ai streamer not measured: {error}", file=sys.stderr)
+
+    results = {}
+    for name, (run, nbytes) in contenders.items():
+        times = [run() for _ in range(args.repeat)]
+        seconds = statistics.median(times)
+        results[name] = {"seconds": seconds, "bytes": nbytes, "gbps": nbytes / seconds / 1e9, "runs": times}
+        print(f"{name}: {results[name]['gbps']:.2f} GB/s (median of {args.repeat})", file=sys.stderr)
+
+    ours = results["weightstream load"]["gbps"]
+    lines = ["| contender | GB/s | weightstream ÷ contender |", "| --- | ---: | ---: |"]
+    for name, result in results.items():
+        ratio = ours / result["gbps"] if name != "weightstream load" else 1.0
+        lines.append(f"| {name} | {result['gbps']:.2f} | {ratio:.2f}× |")
+    limit = results["read limit (parallel dd, 16 MiB blocks)"]["gbps"]
+    lines.append("")
+    lines.append(f"weightstream reaches {100 * ours / limit:.0f}% of the read limit; "
+                 f"checkpoint {total / 1e9:.2f} GB in {len(files)} shards; cpus {len(os.sched_getaffinity(0))}.")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "cpu_results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(args.out, "cpu_results.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
