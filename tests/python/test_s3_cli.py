@@ -82,7 +82,7 @@ class Proxy:
     def __init__(self):
         self.process = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "tools" / "fault_proxy.py"), "--upstream", ENDPOINT,
-             "--stall", "4", "--lifetime", "600", "--watch-stdin"],
+             "--stall", "10", "--lifetime", "600", "--watch-stdin"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.process.stdout.readline()
         assert line.startswith("PORT "), line
