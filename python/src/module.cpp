@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings.hpp"
 #include "tensor_stream.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
@@ -58,8 +59,8 @@ std::string text_argument(nb::handle value, const char* name) {
   return nb::cast<std::string>(value);
 }
 
-/// The environment's options (WEIGHTSTREAM_*, read now) with keyword overrides applied,
-/// checked as the command's flags are. `overrides` holds only options the caller set.
+}  // namespace
+
 Options resolve_options(const Options& base, nb::dict overrides) {
   Options options = base;
   auto& stream = options.stream;
@@ -101,6 +102,8 @@ Options resolve_options(const Options& base, nb::dict overrides) {
 
 Options environment_options() { return options_from_environment(process_environment()); }
 
+namespace {
+
 nb::dict options_dict(const Options& options) {
   const auto& stream = options.stream;
   nb::dict result;
@@ -137,9 +140,8 @@ std::optional<nb::dlpack::dtype> numpy_dtype(Dtype dtype) {
   }
 }
 
-/// A framework-less nanobind array (DLPack and, on the host, the buffer protocol) over
-/// `data`, kept alive by `owner`. Dtypes numpy lacks become uint8 of shape
-/// [*shape, itemsize], or flat bytes for sub-byte dtypes (F4, F6).
+}  // namespace
+
 nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nb::handle owner) {
   // DLPack consumers dereference nothing for an empty tensor, but some reject a null pointer.
   alignas(256) static std::byte empty_tensor[1];
@@ -162,41 +164,10 @@ nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const D
   return array.cast();
 }
 
+namespace {
+
 // ---- bound types --------------------------------------------------------------------------
 
-/// What Python sees of one checkpoint tensor.
-struct TensorEntry {
-  std::string name;
-  std::string dtype;  ///< safetensors spelling, e.g. "BF16"
-  std::vector<int64_t> shape;
-  uint64_t bytes = 0;
-  std::string shard;  ///< shard file name
-  uint64_t offset = 0;
-};
-
-/// An open checkpoint and the options it was opened with.
-class CheckpointHandle {
- public:
-  CheckpointHandle(const std::string& uri, nb::dict overrides) : options_(resolve_options(environment_options(), overrides)) {
-    nb::gil_scoped_release release;
-    checkpoint_ = std::make_shared<const Checkpoint>(Checkpoint::open(uri, options_));
-  }
-
-  const Checkpoint& checkpoint() const { return *checkpoint_; }
-  const std::shared_ptr<const Checkpoint>& shared() const { return checkpoint_; }
-  Options options(nb::dict overrides) const { return resolve_options(options_, overrides); }
-  const Options& options() const { return options_; }
-
-  TensorEntry info(size_t index) const {
-    const auto& tensor = checkpoint_->tensors().at(index);
-    return {tensor.name, std::string(dtype_name(tensor.dtype)), tensor.shape, tensor.bytes,
-            checkpoint_->shards()[tensor.shard].name, tensor.offset};
-  }
-
- private:
-  Options options_;
-  std::shared_ptr<const Checkpoint> checkpoint_;
-};
 
 /// Python face of TensorStream: an iterator of (tensor index, array).
 class StreamIterator {
@@ -295,6 +266,7 @@ NB_MODULE(_core, m) {
   m.def("resolve_options",
         [](nb::dict overrides) { return options_dict(resolve_options(environment_options(), overrides)); },
         "overrides"_a, "The environment's options with `overrides` applied and checked.");
+  bind_model(m);
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
   m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
 

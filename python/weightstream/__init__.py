@@ -23,6 +23,7 @@ from ._api import (
     stream,
 )
 from ._core import cuda_compiled, cuda_device_count
+from ._model import LoadSession, ModelLayout, model_layout
 from ._weights_iterator import safetensors_weights_iterator
 
 __version__ = "0.1.0"
@@ -30,12 +31,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint",
     "Error",
+    "LoadSession",
+    "ModelLayout",
     "TensorInfo",
     "TensorIterator",
     "cuda_compiled",
     "cuda_device_count",
     "digest",
     "load",
+    "model_layout",
     "open",
     "resolve_options",
     "safetensors_weights_iterator",

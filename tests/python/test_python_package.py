@@ -525,3 +525,79 @@ def test_vllm_loader_example_imports_without_vllm(synth_f32):
     # The shard list it streams is the index's, in the order weightstream reads it.
     assert plugin.checkpoint_source(str(synth_f32)) == [str(p) for p in shard_files(synth_f32)]
     assert plugin.checkpoint_source("s3://bucket/model") == "s3://bucket/model"
+
+
+# ---- LoadSession --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def synth_llama_bf16(cli, tmp_path_factory):
+    return synth(cli, tmp_path_factory.mktemp("llama_bf16"), "--arch", "llama", "--dtype", "bf16", "--seed", "2")
+
+
+def parameter_bytes(layout):
+    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
+
+
+def test_load_session_from_streamed_batches_equals_a_checkpoint_load(synth_llama_bf16):
+    checkpoint = weightstream.open(str(synth_llama_bf16))
+    reference = weightstream.model_layout(checkpoint, device="cpu")
+    session = weightstream.LoadSession(reference)
+    session.begin("cold")
+    stats = session.load_checkpoint(checkpoint)
+    session.finish()
+    assert stats["tensors"] == len(checkpoint) and session.counters["tensors_applied"] == len(checkpoint)
+    assert session.mode == "cold" and session.counters["model_hook_runs"] == 0
+
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    hook_runs = []
+    layout.add_hook("count", lambda: hook_runs.append(layout.loads_finished))
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    # Small batches of what stream() yields; raw BF16 bytes need their dtype named.
+    batch = []
+    for name, tensor in checkpoint.stream(framework="numpy", memory_limit="1MiB"):
+        batch.append((name, tensor, checkpoint.dtypes[name]))
+        if len(batch) == 3:
+            session.load(batch)
+            batch = []
+    session.load(batch)
+    assert hook_runs == [], "the model hook never runs during load()"
+    session.finish()
+    assert hook_runs == [0] and session.counters["model_hook_runs"] == 1
+    assert session.counters["parameters_completed"] == len(layout.parameter_names)
+    assert parameter_bytes(layout) == parameter_bytes(reference)
+
+    # A reload that leaves everything out keeps every value and runs the hook once more.
+    before = parameter_bytes(layout)
+    session.begin("reload")
+    session.finish()
+    assert hook_runs == [0, 1] and parameter_bytes(layout) == before
+
+
+def test_load_session_errors_name_the_tensor_and_the_parameter(synth_llama_bf16):
+    checkpoint = weightstream.open(str(synth_llama_bf16))
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    wrong = np.zeros((3, 3), dtype=np.float32)
+    with pytest.raises(weightstream.Error, match=r"model.layers.0.self_attn.q_proj.weight.*shape \[3, 3\]") as error:
+        session.load([("model.layers.0.self_attn.q_proj.weight", wrong)])
+    assert error.value.code == "model"
+    with pytest.raises(weightstream.Error, match="missing") as error:
+        session.finish()
+    with pytest.raises(weightstream.Error, match="not contiguous"):
+        session.load([("model.norm.weight", np.zeros((4, 4), dtype=np.float32).T)])
+    with pytest.raises(weightstream.Error, match="load mode 'warm'"):
+        session.begin("warm")
+
+    def failing_hook():
+        raise RuntimeError("derived buffer exploded")
+
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    layout.add_hook("failing", failing_hook)
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    with pytest.raises(weightstream.Error, match="model hook 'failing' raised RuntimeError: derived buffer exploded"):
+        session.finish()

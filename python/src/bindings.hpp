@@ -1,0 +1,66 @@
+#pragma once
+// Pieces shared by the translation units of weightstream._core (module.cpp binds the
+// stream layer, model_bindings.cpp the model layer). Not an installed header.
+
+#include <nanobind/nanobind.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "weightstream/device.hpp"
+#include "weightstream/options.hpp"
+#include "weightstream/stream.hpp"
+
+namespace weightstream::python {
+
+/// The environment's options (WEIGHTSTREAM_*, read now).
+Options environment_options();
+
+/// `base` with keyword overrides applied, checked as the command's flags are.
+/// `overrides` holds only options the caller set; an unknown name raises TypeError.
+Options resolve_options(const Options& base, nanobind::dict overrides);
+
+/// A framework-less nanobind array (DLPack and, on the host, the buffer protocol) over
+/// `data`, shaped and typed as `tensor`, kept alive by `owner`. Dtypes numpy lacks become
+/// uint8 of shape [*shape, itemsize], or flat bytes for sub-byte dtypes (F4, F6).
+nanobind::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nanobind::handle owner);
+
+/// What Python sees of one checkpoint tensor.
+struct TensorEntry {
+  std::string name;
+  std::string dtype;  ///< safetensors spelling, e.g. "BF16"
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  std::string shard;  ///< shard file name
+  uint64_t offset = 0;
+};
+
+/// An open checkpoint and the options it was opened with.
+class CheckpointHandle {
+ public:
+  CheckpointHandle(const std::string& uri, nanobind::dict overrides) : options_(resolve_options(environment_options(), overrides)) {
+    nanobind::gil_scoped_release release;
+    checkpoint_ = std::make_shared<const Checkpoint>(Checkpoint::open(uri, options_));
+  }
+
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  const std::shared_ptr<const Checkpoint>& shared() const { return checkpoint_; }
+  Options options(nanobind::dict overrides) const { return resolve_options(options_, overrides); }
+  const Options& options() const { return options_; }
+
+  TensorEntry info(size_t index) const {
+    const auto& tensor = checkpoint_->tensors().at(index);
+    return {tensor.name, std::string(dtype_name(tensor.dtype)), tensor.shape, tensor.bytes,
+            checkpoint_->shards()[tensor.shard].name, tensor.offset};
+  }
+
+ private:
+  Options options_;
+  std::shared_ptr<const Checkpoint> checkpoint_;
+};
+
+/// Adds ModelLayout and LoadSession to the module.
+void bind_model(nanobind::module_& m);
+
+}  // namespace weightstream::python

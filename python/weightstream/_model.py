@@ -1,0 +1,96 @@
+"""Engines' side of weightstream: a ModelLayout (an engine's parameters on one rank) and
+the LoadSession that applies named tensors to it: cold load, reload or update, with
+per-layer processing and model hooks that run once per finish()."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+from . import _core
+from ._api import Checkpoint
+
+ModelLayout = _core.ModelLayout
+
+
+def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *, tp_size: int = 1, tp_rank: int = 0,
+                 ep_size: int = 1, ep_rank: int = 0, dtype: Optional[str] = None, quantize: str = "none",
+                 modules: str = "all", device: Optional[str] = None) -> ModelLayout:
+    """Builds the layout of a llama, qwen3 or deepseek_v3 model for one rank from its
+    Hugging Face config: a dict, JSON text, a path to config.json, or an open Checkpoint
+    (its config.json). ``dtype`` is the parameters' safetensors dtype (default: the config's
+    torch_dtype); ``quantize`` "fp8" quantizes linear weights per tensor once a layer is
+    complete; ``modules`` "all", "target" (without MTP layers) or "draft" (only them).
+    With ``device`` ("cpu", "cuda:N") storage is allocated at once; otherwise call
+    ``layout.allocate(device)``. ``layout.tensor(name)`` is a DLPack view of a parameter.
+    Raises weightstream.Error (code "model") for an unsupported model or a bad division.
+    """
+    if isinstance(config, Checkpoint):
+        text = config._core.config_json
+        if text is None:
+            raise _core.Error(f"{config.uri} has no config.json")
+    elif isinstance(config, dict):
+        text = json.dumps(config)
+    elif isinstance(config, os.PathLike) or (isinstance(config, str) and not config.lstrip().startswith("{")):
+        with open(config) as file:
+            text = file.read()
+    else:
+        text = config
+    layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
+    if device is not None:
+        layout.allocate(device)
+    return layout
+
+
+class LoadSession:
+    """One load of a ModelLayout: ``begin(mode)``, ``load(batch)`` any number of times,
+    ``finish()``. Modes: "cold" (every parameter must be filled by finish()), "reload" and
+    "update" (layers left out keep their values). A batch is an iterable of
+    ``(name, tensor)`` or ``(name, tensor, dtype)``: any contiguous DLPack tensor on the host
+    or the layout's device (torch, numpy, cupy, or what weightstream.stream yields); the
+    safetensors ``dtype`` name is needed for the raw uint8 bytes weightstream gives for BF16
+    and F8 when torch is absent. Parts of one parameter (q, k, v) may come in any order and
+    in different batches. Every tensor of a batch is checked before a byte is written;
+    errors raise weightstream.Error naming the tensor, the parameter and the rule.
+    """
+
+    def __init__(self, layout: ModelLayout) -> None:
+        self._core = _core.LoadSession(layout)
+        self.layout = layout
+
+    def begin(self, mode: str = "cold", format: str = "checkpoint") -> None:
+        """Starts a load; ``format`` "engine" takes parameter names and kernel-format bytes."""
+        self._core.begin(mode, format)
+
+    def load(self, batch: Iterable[Tuple[Any, ...]]) -> None:
+        """Applies one batch of named tensors."""
+        self._core.load(list(batch))
+
+    def load_checkpoint(self, checkpoint: Union[str, Checkpoint], **options: Any) -> Dict[str, Any]:
+        """Streams the tensors this rank needs from a checkpoint straight into the session
+        (contiguous slices read as their own byte ranges); returns the stream's counters."""
+        if not isinstance(checkpoint, Checkpoint):
+            checkpoint = Checkpoint(checkpoint)
+        return self._core.stream_checkpoint(checkpoint._core, options)
+
+    def finish(self) -> None:
+        """Ends the load: completeness checks, pending layer processing, then every model
+        hook exactly once."""
+        self._core.finish()
+
+    @property
+    def counters(self) -> Dict[str, int]:
+        """tensors_applied, bytes_applied, tensors_skipped, parameters_completed,
+        layer_processing_runs, model_hook_runs of the current or last load."""
+        return self._core.counters
+
+    @property
+    def mode(self) -> str:
+        """"cold", "reload" or "update"."""
+        return self._core.mode
+
+    @property
+    def completed_layers(self) -> List[int]:
+        """Layers whose every part arrived in this load, ascending."""
+        return self._core.completed_layers
