@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
 
 #include "storage/s3_checksum.hpp"
 #include "storage/s3_client.hpp"
@@ -64,6 +65,37 @@ TEST_F(S3Server, ReusesConnections) {
   for (int i = 0; i < 20; ++i) client.get_range(bucket_, "ckpt/model.safetensors", i * 1000, writable(bytes));
   EXPECT_EQ(client.connections_opened(), 1u);
   EXPECT_EQ(bytes, payload_.substr(19000, 1000));
+}
+
+TEST_F(S3Server, BoundsConnectionsInFlight) {
+  auto options = options_;
+  options.max_connections = 2;
+  s3::S3Client client(options);
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < 8; ++t) {
+      threads.emplace_back([&, t] {
+        std::string bytes(20000, '\0');
+        for (int i = 0; i < 3; ++i) client.get_range(bucket_, "ckpt/model.safetensors", (t * 3 + i) * 10000, writable(bytes));
+      });
+    }
+  }
+  EXPECT_EQ(client.stats().requests, 24u);
+  EXPECT_LE(client.connections_opened(), 2u);
+}
+
+TEST_F(S3Server, VerifiesStoredSha256) {
+  s3::S3Client client(options_);
+  client.put_object(bucket_, "ckpt/sha.bin", payload_,
+                    {{"x-amz-sdk-checksum-algorithm", "SHA256"},
+                     {"x-amz-checksum-sha256", s3::sha256_header_value(readable(payload_))}});
+  auto head = client.head_object(bucket_, "ckpt/sha.bin", true);
+  EXPECT_EQ(head.checksum_sha256, s3::sha256_header_value(readable(payload_)));
+  auto storage = open_s3_storage(bucket_, "ckpt", options_);
+  storage->stat("sha.bin");
+  std::string bytes(payload_.size(), '\0');
+  storage->read("sha.bin", 0, writable(bytes));
+  EXPECT_EQ(bytes, payload_);
 }
 
 TEST_F(S3Server, VerifiesStoredChecksumsOnWholeReads) {
