@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -133,6 +134,7 @@ class SafetensorsWriter {
     std::vector<std::byte> data;
   };
   std::vector<Entry> entries_;
+  std::set<std::string, std::less<>> names_;  // to reject a duplicate at add(), not at write()
   std::map<std::string, std::string> metadata_;
 };
 

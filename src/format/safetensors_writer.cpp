@@ -76,9 +76,9 @@ void SafetensorsWriter::add(std::string name, Dtype dtype, std::vector<int64_t> 
   WS_EXPECT(data.size() == expected, ErrorCode::kInvalidArgument,
             "tensor " + detail::quoted_name(name) + ": " + std::to_string(data.size()) + " bytes given but " +
                 std::string(dtype_name(dtype)) + " " + shape_text(shape) + " needs " + std::to_string(expected));
-  for (const Entry& entry : entries_) {
-    WS_EXPECT(entry.name != name, ErrorCode::kInvalidArgument, "tensor " + detail::quoted_name(name) + " is added twice");
-  }
+  WS_EXPECT(!names_.contains(name), ErrorCode::kInvalidArgument,
+            "tensor " + detail::quoted_name(name) + " is added twice");
+  names_.insert(name);
   entries_.push_back(Entry{std::move(name), dtype, std::move(shape), {data.begin(), data.end()}});
 }
 
