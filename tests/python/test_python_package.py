@@ -443,12 +443,11 @@ MEMORY_PROBE = textwrap.dedent(
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     tensors = total = 0
-    stream = checkpoint.stream(memory_limit=sys.argv[2])
+    stream = checkpoint.stream(memory_limit=sys.argv[2], framework=sys.argv[3] if len(sys.argv) > 3 else None)
     for name, tensor in stream:
-        view = memoryview(tensor)  # touch the bytes as a consumer would
-        total += view.nbytes
+        total += memoryview(tensor).nbytes  # touch the bytes as a consumer would
         tensors += 1
-        del view, tensor
+        del tensor
     largest = max(info.bytes for info in checkpoint.tensors)
     print(json.dumps({"tensors": tensors, "bytes": total, "checkpoint": checkpoint.nbytes, "largest": largest,
                       "growth": status("VmHWM:") - baseline, "peak_queued": stream.peak_queued_bytes}))
@@ -459,7 +458,8 @@ MEMORY_PROBE = textwrap.dedent(
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_stream_memory_stays_bounded_below_the_checkpoint_size(synth_256mib):
     limit = 32 << 20
-    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(synth_256mib), str(limit)],
+    # framework="numpy": raw bytes for BF16, so the probe measures weightstream, not torch's import.
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(synth_256mib), str(limit), "numpy"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -481,7 +481,7 @@ def test_abandoning_the_iterator_stops_the_stream(synth_256mib):
     threads_before = task_count()
     for _ in range(3):
         start = time.monotonic()
-        stream = weightstream.stream(str(synth_256mib), memory_limit="8MiB")
+        stream = weightstream.stream(str(synth_256mib), memory_limit="8MiB", framework="numpy")
         name, tensor = next(stream)
         assert name == weightstream.open(synth_256mib).names[0]
         assert stream.queued_bytes <= 8 << 20 or stream.queued_bytes <= max(i.bytes for i in stream.checkpoint.tensors)
