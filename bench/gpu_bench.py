@@ -108,11 +108,32 @@ def python_synthesize(directory, size, shards):
                 f.write(block.tobytes())
 
 
+# How loads are driven: "cli" (`weightstream load`), or "test" where the CLI does not yet
+# reach the GPU paths: the disabled test CudaLoadBench in test_stream calls the library's
+# load_checkpoint_cuda with the same options, given as WEIGHTSTREAM_* variables.
+DRIVER = {"kind": "cli", "test_binary": None}
+FLAG_VARIABLES = {"--memory-limit": "WEIGHTSTREAM_MEMORY_LIMIT", "--io": "WEIGHTSTREAM_LOCAL_IO"}
+
+
 def weightstream_load(cli, directory, path, concurrency, extra=()):
-    command = [cli, "load", directory, "--device", "cuda:0", "--json", "--no-progress", "--gpu-path", path,
-               "--concurrency", str(concurrency), *extra]
-    out, wall = run_timed(command)
-    result = json.loads(out)
+    if DRIVER["kind"] == "cli":
+        command = [cli, "load", directory, "--device", "cuda:0", "--json", "--no-progress", "--gpu-path", path,
+                   "--concurrency", str(concurrency), *extra]
+        out, wall = run_timed(command)
+        result = json.loads(out)
+    else:
+        env = dict(os.environ, WS_TEST_GPU_CHECKPOINT=directory, WEIGHTSTREAM_GPU_PATH=path,
+                   WEIGHTSTREAM_CONCURRENCY=str(concurrency))
+        for flag, value in zip(extra[::2], extra[1::2]):
+            env[FLAG_VARIABLES[flag]] = value
+        start = time.perf_counter()
+        process = subprocess.run([DRIVER["test_binary"], "--gtest_also_run_disabled_tests",
+                                  "--gtest_filter=CudaLoadBench.*"], capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - start
+        lines = [l for l in process.stdout.splitlines() if l.startswith("WS_GPU_LOAD_JSON ")]
+        if process.returncode != 0 or not lines:
+            raise RuntimeError(f"CudaLoadBench failed ({process.returncode}): {process.stdout[-2000:]}{process.stderr[-1000:]}")
+        result = json.loads(lines[-1].split(" ", 1)[1])
     result["wall_seconds"] = wall
     return result
 
@@ -197,14 +218,19 @@ def main():
     parser.add_argument("--size", default="16GiB")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    parser.add_argument("--load-driver", default="cli", metavar="cli|TEST_BINARY",
+                        help="drive loads by `weightstream load` (default) or by this test_stream binary")
     args = parser.parse_args()
+    if args.load_driver != "cli":
+        DRIVER.update(kind="test", test_binary=os.path.abspath(args.load_driver))
     os.makedirs(args.out, exist_ok=True)
     cli = os.path.abspath(args.cli)
 
     import torch
     from safetensors.torch import load_file
 
-    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": []}
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": [],
+               "load_driver": "weightstream load" if DRIVER["kind"] == "cli" else "load_checkpoint_cuda (test_stream)"}
     shutil.rmtree(args.dir, ignore_errors=True)
     try:
         files, total, how = synthesize(cli, args.dir, args.size, args.shards)
@@ -230,8 +256,13 @@ def main():
             best = max(runs, key=lambda r: r["gbps"])
             record(f"weightstream {path} c={concurrency} {' '.join(extra)}".strip(), "warm", statistics.median(r["gbps"] for r in runs),
                    best=best["gbps"], wall_s=best["wall_seconds"], peak_staging=best["peak_staging_bytes"])
-        rss = {p: peak_rss_of([cli, "load", args.dir, "--device", "cuda:0", "--no-progress", "--gpu-path", p])
-               for p in ("staged", "mapped")}
+        if DRIVER["kind"] == "cli":
+            rss_command = lambda p: [cli, "load", args.dir, "--device", "cuda:0", "--no-progress", "--gpu-path", p]
+        else:
+            rss_command = lambda p: ["env", f"WS_TEST_GPU_CHECKPOINT={args.dir}", f"WEIGHTSTREAM_GPU_PATH={p}",
+                                     DRIVER["test_binary"], "--gtest_also_run_disabled_tests",
+                                     "--gtest_filter=CudaLoadBench.*"]
+        rss = {p: peak_rss_of(rss_command(p)) for p in ("staged", "mapped")}
         results["peak_rss_bytes"] = rss
         log(f"peak RSS of a load: {', '.join(f'{p} {v / 2**20:.0f} MiB' for p, v in rss.items())}")
         load_file(files[0], device="cuda:0")  # warm-up of the library and the CUDA context
@@ -274,7 +305,8 @@ def markdown(results):
     disk = max(results["odirect_serial_gbps"], results["odirect_parallel_gbps"])
     lines = [
         f"GPU {results['gpu']}, checkpoint {results['checkpoint_bytes'] / GB:.1f} GB in {results['shards']} shards "
-        f"({results['synthesized_by']}), torch {results['torch']}; drop_caches allowed: {results['drop_caches']}.",
+        f"({results['synthesized_by']}), torch {results['torch']}; drop_caches allowed: {results['drop_caches']}; "
+        f"weightstream loads driven by {results['load_driver']}.",
         "",
         f"Ceilings measured in the same run: pinned host-to-device copy **{copy:.1f} GB/s** "
         f"(pageable {results['pageable_h2d_gbps']:.1f}); O_DIRECT read (dd bs=16M) **{disk:.2f} GB/s** "

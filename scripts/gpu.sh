@@ -103,7 +103,11 @@ if wants digest; then
 fi
 
 if wants bench; then
-  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" \
+  # Until load_checkpoint() hands CUDA destinations to load_checkpoint_cuda(), the CLI
+  # does not reach the GPU paths: then the library is driven through test_stream.
+  driver=cli
+  grep -q load_checkpoint_cuda "$root/src/stream/load.cpp" || driver="$build/tests/test_stream"
+  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
 fi
 
