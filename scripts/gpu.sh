@@ -48,8 +48,11 @@ configure_and_build() {  # source folder
   cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON "${deps_flag[@]}" >>"$out/build.log" 2>&1 &&
     ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1
 }
+source_dir=$root  # what was built: the working tree, or HEAD when the tree does not build
+[ -f "$build/CMakeCache.txt" ] && source_dir=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
 if wants build; then
   start=$SECONDS
+  source_dir=$root
   : >"$out/build.log"
   if configure_and_build "$root"; then
     summary "build: ok in $((SECONDS - start)) s"
@@ -59,7 +62,8 @@ if wants build; then
     echo "the working tree does not build; building HEAD ($(git -C "$root" rev-parse --short HEAD)) instead"
     rm -rf "$build" "$root/build-gpu-head" && mkdir -p "$root/build-gpu-head"
     git -C "$root" archive HEAD | tar -x -C "$root/build-gpu-head"
-    if configure_and_build "$root/build-gpu-head"; then
+    source_dir=$root/build-gpu-head
+    if configure_and_build "$source_dir"; then
       summary "build: the working tree failed; HEAD $(git -C "$root" rev-parse --short HEAD) built in $((SECONDS - start)) s"
     else
       tail -40 "$out/build.log"
@@ -106,7 +110,7 @@ if wants bench; then
   # Until load_checkpoint() hands CUDA destinations to load_checkpoint_cuda(), the CLI
   # does not reach the GPU paths: then the library is driven through test_stream.
   driver=cli
-  grep -q load_checkpoint_cuda "$root/src/stream/load.cpp" || driver="$build/tests/test_stream"
+  grep -q load_checkpoint_cuda "$source_dir/src/stream/load.cpp" || driver="$build/tests/test_stream"
   PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
 fi
