@@ -201,8 +201,9 @@ struct SynthOptions {
   int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
   uint64_t seed = 0;
   Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
-  /// When set, scale the model to about this many bytes: layers grow, and hidden doubles
-  /// while more than kSynthMaxScaledLayers layers would be needed.
+  /// When set, scale the model to about this many bytes (`layers` is then ignored): layers
+  /// grow, and hidden doubles (up to 16384) while more than kSynthMaxScaledLayers layers
+  /// would be needed.
   std::optional<uint64_t> target_bytes;
   int64_t vocab = 4096;  ///< vocab_size
   bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight

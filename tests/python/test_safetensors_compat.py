@@ -80,21 +80,18 @@ def sample_tensors(seed):
     }
 
 
-def add_bf16(path, name, array_u16):
-    """Writes `array_u16` (raw bfloat16 bits) as a BF16 tensor with the reference writer."""
-    tensors = {name: array_u16}
+def save_bf16(path, name, bits):
+    """Writes `bits` (raw bfloat16 values as uint16) as a BF16 tensor with the reference writer."""
     if ml_dtypes is not None:
-        safetensors_numpy.save_file({name: array_u16.view(ml_dtypes.bfloat16)}, str(path))
-        return
-    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.8
+        safetensors_numpy.save_file({name: bits.view(ml_dtypes.bfloat16)}, str(path))
+    elif hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.8 takes specs of raw memory
         spec = safetensors.TensorSpec(
-            dtype="bfloat16", shape=list(array_u16.shape), data_ptr=array_u16.ctypes.data, data_len=array_u16.nbytes
+            dtype="bfloat16", shape=list(bits.shape), data_ptr=bits.ctypes.data, data_len=bits.nbytes
         )
         safetensors.serialize_file({name: spec}, str(path), metadata=None)
-    else:  # older releases take dicts of raw bytes
-        spec = {"dtype": "bfloat16", "shape": list(array_u16.shape), "data": array_u16.tobytes()}
+    else:  # older releases take dicts of bytes
+        spec = {"dtype": "bfloat16", "shape": list(bits.shape), "data": bits.tobytes()}
         safetensors.serialize_file({name: spec}, str(path), metadata=None)
-    del tensors
 
 
 def test_reference_single_file_digests_match(cli, tmp_path):
@@ -108,7 +105,7 @@ def test_reference_single_file_digests_match(cli, tmp_path):
 def test_reference_bf16_digests_match(cli, tmp_path):
     bits = np.random.default_rng(2).integers(0, 2**16, (16, 24), dtype=np.uint16)
     path = tmp_path / "bf16.safetensors"
-    add_bf16(path, "w.bf16", bits)
+    save_bf16(path, "w.bf16", bits)
     with safetensors.safe_open(str(path), "np") as f:
         assert f.get_slice("w.bf16").get_dtype() == "BF16"
     assert digest(cli, path) == {"w.bf16": sha256(bits.tobytes())}
