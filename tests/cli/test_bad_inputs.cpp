@@ -25,25 +25,12 @@ using testing::run_cli;
 using testing::RunLimits;
 using testing::TempDir;
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define WS_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define WS_TEST_SANITIZED 1
-#endif
-
 /// The address-space limit of every command here. The CLI itself needs well under this;
-/// a hostile file that made it allocate gigabytes gets std::bad_alloc instead. ASan and
-/// TSan reserve terabytes of shadow address space up front, so sanitized builds (which
-/// check allocations their own way) run without it.
+/// a hostile file that made it allocate gigabytes gets std::bad_alloc instead. Sanitized
+/// builds run without it (see sanitized_build()).
 RunLimits bounded() {
-#ifdef WS_TEST_SANITIZED
-  return {};
-#else
+  if (testing::sanitized_build()) return {};
   return {.address_space_bytes = 512 * kMiB};
-#endif
 }
 
 /// A safetensors file: 8-byte little-endian `declared_length` (the JSON's length when

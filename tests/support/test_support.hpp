@@ -51,6 +51,11 @@ struct RunLimits {
   uint64_t address_space_bytes = 0;
 };
 
+/// True when the tests (and the CLI built with them) run under AddressSanitizer or
+/// ThreadSanitizer. Those reserve terabytes of address space up front, so an RLIMIT_AS
+/// cannot apply, and ASan's quarantine keeps freed memory resident, so RSS is no measure.
+bool sanitized_build();
+
 /// Runs the `weightstream` command with `arguments` (no shell), capturing its output,
 /// under `limits` (none by default).
 CommandResult run_cli(const std::vector<std::string>& arguments, const RunLimits& limits = {});
