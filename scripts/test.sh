@@ -49,4 +49,15 @@ if [ -d "$root/tests/python" ]; then
   # pytest exits 5 when it collects nothing; that is not a failure of the suite.
   python3 -m pytest -q "$root/tests/python" || { rc=$?; [ "$rc" = 5 ] || status=1; }
 fi
+# ---- Reliability stages (issue 7): sanitizers and fuzzing -----------------------------
+# Heavy (two more builds of the suite and one with clang), so they run in CI (CI=true) or on
+# request (WS_TEST_FULL=1), and WS_TEST_FULL=0 skips them anywhere. They reuse build-asan/,
+# build-tsan/ and build-fuzz/ between runs and see the moto server started above.
+# WS_FUZZ_SECONDS bounds each fuzz target (20 s here); WS_SANITIZE_STAGES picks the
+# sanitizer builds ("asan tsan" by default). docs/RELIABILITY.md lists the times measured.
+if [ "${WS_TEST_FULL:-}" = 1 ] || { [ "${CI:-}" = true ] && [ "${WS_TEST_FULL:-}" != 0 ]; }; then
+  "$root/scripts/sanitize.sh" || status=1
+  WS_FUZZ_SECONDS=${WS_FUZZ_SECONDS:-20} "$root/scripts/fuzz.sh" || status=1
+fi
+# ---- end of the reliability stages -----------------------------------------------------
 exit $status
