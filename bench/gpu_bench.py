@@ -140,13 +140,16 @@ def weightstream_load(cli, directory, path, concurrency, extra=()):
 
 
 def peak_rss_of(command):
-    """Peak resident set of one child process (wait4 reports it per child)."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    """Peak resident set of one command, in bytes. Linux carries a process's peak RSS across
+    fork and exec, so a child of this (torch-sized) process would report this process's RSS:
+    the command is started from a small fresh interpreter instead."""
+    launcher = ("import resource, subprocess, sys; "
+                "code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode; "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    process = subprocess.run([sys.executable, "-c", launcher, *command], capture_output=True, text=True)
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({process.returncode})")
-    return usage.ru_maxrss * 1024
+    return int(process.stdout.split()[-1]) * 1024
 
 
 def safetensors_load(files, torch, load_file):
