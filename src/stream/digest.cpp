@@ -3,8 +3,8 @@
 #include <xxhash.h>
 
 #include <cstdio>
-#include <mutex>
 
+#include "stream/cuda_load.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
 
@@ -71,55 +71,22 @@ HashKind parse_hash(std::string_view text) {
 
 namespace {
 
-/// Hashes pieces in order. With a CUDA device, each piece first lands in device memory and
-/// is hashed from a copy read back from there, so the digest covers the bytes the device holds.
+/// Hashes pieces in order, as they arrive from the reader pool.
 class DigestSink final : public TensorSink {
  public:
-  DigestSink(size_t requests, HashKind kind, const Device& device, uint64_t chunk) : device_(device), chunk_(chunk) {
+  DigestSink(size_t requests, HashKind kind) {
     hashers_.reserve(requests);
     for (size_t i = 0; i < requests; ++i) hashers_.emplace_back(kind);
     digests_.resize(requests);
   }
   bool wants_ordered_pieces() const override { return true; }
-  void consume(TensorPiece&& piece) override {
-    if (!device_.is_cuda()) {
-      hashers_[piece.request].update(piece.bytes);
-      return;
-    }
-    auto scratch = take_scratch();
-    std::vector<std::byte> landed(piece.bytes.size());
-    copy_bytes(scratch.device.data(), device_, piece.bytes.data(), Device{}, piece.bytes.size());
-    copy_bytes(landed.data(), Device{}, scratch.device.data(), device_, piece.bytes.size());
-    give_scratch(std::move(scratch));
-    hashers_[piece.request].update(landed);
-  }
+  void consume(TensorPiece&& piece) override { hashers_[piece.request].update(piece.bytes); }
   void request_complete(size_t request) override { digests_[request] = hashers_[request].finish(); }
   std::vector<std::string>& digests() { return digests_; }
 
  private:
-  struct Scratch {
-    Buffer device;
-  };
-  Scratch take_scratch() {
-    std::lock_guard lock(mutex_);
-    if (!free_.empty()) {
-      auto scratch = std::move(free_.back());
-      free_.pop_back();
-      return scratch;
-    }
-    return Scratch{Buffer(device_, chunk_)};
-  }
-  void give_scratch(Scratch scratch) {
-    std::lock_guard lock(mutex_);
-    free_.push_back(std::move(scratch));
-  }
-
-  Device device_;
-  uint64_t chunk_;
   std::vector<Hasher> hashers_;
   std::vector<std::string> digests_;
-  std::mutex mutex_;
-  std::vector<Scratch> free_;
 };
 
 }  // namespace
@@ -128,10 +95,12 @@ std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKi
                                             const StreamOptions& options, StreamStats* stats,
                                             const ProgressCallback& progress) {
   require_device(device);
+  // With a CUDA device the bytes land in device memory and are hashed from there, so the
+  // digest covers what the device holds.
+  if (device.is_cuda()) return digest_checkpoint_cuda(checkpoint, kind, device, options, stats, progress);
   auto requests = all_tensors(checkpoint);
-  DigestSink sink(requests.size(), kind, device, options.chunk_bytes);
-  auto result = stream_tensors(checkpoint, requests, sink, options, progress,
-                               device.is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+  DigestSink sink(requests.size(), kind);
+  auto result = stream_tensors(checkpoint, requests, sink, options, progress);
   if (stats) *stats = result;
   std::vector<TensorDigest> digests;
   digests.reserve(requests.size());

@@ -2,6 +2,7 @@
 #include <mutex>
 #include <vector>
 
+#include "stream/cuda_load.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
 
@@ -26,26 +27,12 @@ class HostArenaSink final : public TensorSink {
   const std::vector<uint64_t>& offsets_;
 };
 
-/// Stages in pinned memory and copies each piece to its final offset on the device.
-class DeviceArenaSink final : public TensorSink {
- public:
-  DeviceArenaSink(std::byte* arena, const Device& device, const std::vector<uint64_t>& offsets)
-      : arena_(arena), device_(device), offsets_(offsets) {}
-  void consume(TensorPiece&& piece) override {
-    copy_bytes(arena_ + offsets_[piece.request] + piece.offset, device_, piece.bytes.data(), Device{}, piece.bytes.size());
-  }
-
- private:
-  std::byte* arena_;
-  Device device_;
-  const std::vector<uint64_t>& offsets_;
-};
-
 }  // namespace
 
 LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
                                  const ProgressCallback& progress) {
   require_device(device);
+  if (device.is_cuda()) return load_checkpoint_cuda(checkpoint, device, options, progress);
   const auto& tensors = checkpoint.tensors();
   std::vector<uint64_t> offsets(tensors.size());
   uint64_t total = 0;
@@ -56,13 +43,8 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   LoadedCheckpoint loaded;
   loaded.arena = Buffer(device, std::max<uint64_t>(total, 1));
   auto requests = all_tensors(checkpoint);
-  if (device.is_cuda()) {
-    DeviceArenaSink sink(loaded.arena.data(), device, offsets);
-    loaded.stats = stream_tensors(checkpoint, requests, sink, options, progress, HostMemory::kPinned);
-  } else {
-    HostArenaSink sink(loaded.arena.data(), offsets);
-    loaded.stats = stream_tensors(checkpoint, requests, sink, options, progress);
-  }
+  HostArenaSink sink(loaded.arena.data(), offsets);
+  loaded.stats = stream_tensors(checkpoint, requests, sink, options, progress);
   loaded.tensors.resize(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) loaded.tensors[i] = {i, loaded.arena.data() + offsets[i], tensors[i].bytes};
   return loaded;
