@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <utility>
 
 #include "weightstream/error.hpp"
 
@@ -13,6 +14,9 @@ OutputFile::OutputFile(const std::filesystem::path& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) fail("cannot create", errno);
 }
+
+OutputFile::OutputFile(OutputFile&& other) noexcept
+    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)), offset_(other.offset_) {}
 
 OutputFile::~OutputFile() {
   if (fd_ >= 0) ::close(fd_);
@@ -29,6 +33,20 @@ void OutputFile::write(const void* data, size_t size) {
     bytes += written;
     size -= static_cast<size_t>(written);
     offset_ += static_cast<uint64_t>(written);
+  }
+}
+
+void OutputFile::write_at(uint64_t offset, const void* data, size_t size) const {
+  const auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t written = ::pwrite(fd_, bytes, size, static_cast<off_t>(offset));
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      fail("cannot write " + std::to_string(size) + " bytes at offset " + std::to_string(offset) + " of", errno);
+    }
+    bytes += written;
+    size -= static_cast<size_t>(written);
+    offset += static_cast<uint64_t>(written);
   }
 }
 

@@ -16,9 +16,14 @@ class OutputFile {
   ~OutputFile();
   OutputFile(const OutputFile&) = delete;
   OutputFile& operator=(const OutputFile&) = delete;
+  OutputFile(OutputFile&& other) noexcept;
+  OutputFile& operator=(OutputFile&&) = delete;
 
-  /// Writes all `size` bytes, retrying short writes.
+  /// Writes all `size` bytes at the current position, retrying short writes.
   void write(const void* data, size_t size);
+  /// Writes all `size` bytes at `offset` without moving the position (pwrite(2)); safe to
+  /// call from several threads at once for disjoint ranges.
+  void write_at(uint64_t offset, const void* data, size_t size) const;
   /// Closes the file and reports the errors close(2) defers (NFS, quotas).
   void close();
 

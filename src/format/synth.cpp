@@ -289,17 +289,17 @@ std::string shard_name(size_t index, size_t shards) {
   return name;
 }
 
-// Runs `work(i)` for i in [0, count) on up to `threads` threads; the first failure stops
-// further work and is rethrown.
-void run_parallel(size_t count, size_t threads, const std::function<void(size_t)>& work) {
+// Runs `work(worker, item)` for every item in [0, count) on up to `workers` threads; the
+// first failure stops further work and is rethrown.
+void run_parallel(size_t count, size_t workers, const std::function<void(size_t, size_t)>& work) {
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::exception_ptr first_error;
   std::mutex error_mutex;
-  auto worker = [&] {
-    for (size_t i; !failed && (i = next++) < count;) {
+  auto worker = [&](size_t id) {
+    for (size_t item; !failed && (item = next++) < count;) {
       try {
-        work(i);
+        work(id, item);
       } catch (...) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = std::current_exception();
@@ -307,12 +307,23 @@ void run_parallel(size_t count, size_t threads, const std::function<void(size_t)
       }
     }
   };
-  std::vector<std::jthread> pool;
-  for (size_t t = 1; t < std::min(threads, count); ++t) pool.emplace_back(worker);
-  worker();
-  pool.clear();  // joins
+  workers = std::max<size_t>(1, std::min(workers, count));
+  {
+    std::vector<std::jthread> pool;
+    for (size_t id = 1; id < workers; ++id) pool.emplace_back(worker, id);
+    worker(0);
+  }  // joins
   if (first_error) std::rethrow_exception(first_error);
 }
+
+// A piece of one tensor's bytes, generated and written independently of the others.
+struct Chunk {
+  size_t shard;
+  size_t tensor;          // index in the shard
+  uint64_t offset;        // in the tensor
+  uint64_t length;
+  uint64_t file_offset;
+};
 
 }  // namespace
 
@@ -437,17 +448,39 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
 
   // transformers refuses safetensors files whose metadata lacks a known "format".
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  run_parallel(shards, std::max(1u, std::thread::hardware_concurrency()), [&](size_t s) {
-    const std::vector<TensorSpec>& tensors = shard_specs[s];
-    std::vector<LaneTransform> transforms;
-    for (const TensorSpec& spec : tensors) {
-      transforms.push_back(lane_transform(spec.dtype, is_norm(spec.name) ? ValueKind::kNorm : ValueKind::kWeight));
+  // Every core fills chunks of any shard and pwrites them in place, so a few large shards
+  // still use the whole machine; memory stays at one chunk per thread.
+  std::vector<detail::OutputFile> files;
+  files.reserve(shards);
+  std::vector<Chunk> chunks;
+  std::vector<std::vector<LaneTransform>> transforms(shards);
+  for (size_t s = 0; s < shards; ++s) {
+    std::string header = safetensors_header_bytes(shard_specs[s], metadata);
+    files.emplace_back(directory / index.shards[s]);
+    files.back().write(header.data(), header.size());
+    uint64_t file_offset = header.size();
+    for (size_t t = 0; t < shard_specs[s].size(); ++t) {
+      const TensorSpec& spec = shard_specs[s][t];
+      transforms[s].push_back(lane_transform(spec.dtype, is_norm(spec.name) ? ValueKind::kNorm : ValueKind::kWeight));
+      uint64_t size = *tensor_byte_size(spec.dtype, spec.shape);
+      for (uint64_t offset = 0; offset < size; offset += SafetensorsWriter::kStreamChunkBytes) {
+        uint64_t length = std::min<uint64_t>(SafetensorsWriter::kStreamChunkBytes, size - offset);
+        chunks.push_back(Chunk{s, t, offset, length, file_offset + offset});
+      }
+      file_offset += size;
     }
-    SafetensorsWriter::write_streaming(
-        directory / index.shards[s], tensors,
-        [&](size_t i, uint64_t offset, std::span<std::byte> out) { fill_values(shard_keys[s][i], transforms[i], offset, out); },
-        metadata);
+  }
+  size_t workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::vector<std::byte>> buffers(std::min(workers, std::max<size_t>(chunks.size(), 1)));
+  run_parallel(chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
+    const Chunk& chunk = chunks[item];
+    std::vector<std::byte>& buffer = buffers[worker];
+    buffer.resize(SafetensorsWriter::kStreamChunkBytes);
+    std::span<std::byte> out(buffer.data(), static_cast<size_t>(chunk.length));
+    fill_values(shard_keys[chunk.shard][chunk.tensor], transforms[chunk.shard][chunk.tensor], chunk.offset, out);
+    files[chunk.shard].write_at(chunk.file_offset, out.data(), out.size());
   });
+  for (detail::OutputFile& file : files) file.close();
   for (const std::string& shard : index.shards) result.files.push_back((directory / shard).string());
   result.tensors = sizes.size();
   result.bytes = bytes;
