@@ -1,0 +1,202 @@
+// Source resolution: which of model_weights, model and the checkpoint URI holds a module's
+// weights. Each candidate is probed cheaply (a listing, and the index when there is one) and
+// every candidate passed over keeps its reason, so that the error, when nothing serves,
+// names all of them instead of the last cause only.
+#include <algorithm>
+#include <set>
+
+#include "resolve/source_probe.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/resolve.hpp"
+
+namespace weightstream {
+namespace {
+
+constexpr std::string_view kConfigFileName = "config.json";
+constexpr uint64_t kMaxConfigBytes = 16 * kMiB;
+constexpr uint64_t kMaxIndexBytes = 256 * kMiB;
+
+std::string join(const std::vector<std::string>& items, std::string_view separator) {
+  std::string text;
+  for (const std::string& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
+  return text;
+}
+
+/// The candidates of a module in the order they are tried.
+std::vector<SourceCandidate> ordered_candidates(const ModelSource& source, const std::string& checkpoint_uri) {
+  return {{"model_weights", source.model_weights, {}, {}},
+          {"model", source.model, {}, {}},
+          {std::string(kCheckpointUriField), checkpoint_uri, {}, {}}};
+}
+
+}  // namespace
+
+namespace resolve {
+
+SourceListing list_source(const std::string& uri, const Options& options) {
+  SourceListing listing;
+  listing.storage = std::shared_ptr<Storage>(open_storage(parse_uri(uri), options, &listing.object));
+  if (!listing.object.empty()) {
+    // A URI naming one object: a single-file checkpoint when it is a safetensors file.
+    if (listing.object.ends_with(".safetensors")) listing.safetensors.push_back(listing.object);
+    return listing;
+  }
+  for (const ObjectInfo& object : listing.storage->list()) {
+    if (object.name == kIndexFileName) listing.has_index = true;
+    else if (object.name == kConfigFileName) listing.has_config = true;
+    else if (object.name.ends_with(".safetensors")) listing.safetensors.push_back(object.name);
+  }
+  std::sort(listing.safetensors.begin(), listing.safetensors.end(),
+            [](const std::string& a, const std::string& b) { return natural_less(a, b); });
+  if (listing.has_index) {
+    std::string text = read_object(*listing.storage, kIndexFileName, kMaxIndexBytes);
+    listing.index = parse_checkpoint_index(listing.storage->object_uri(kIndexFileName), text);
+  }
+  return listing;
+}
+
+std::vector<std::string> wanted_shards(const SourceListing& listing, const ModelLayout& layout,
+                                       const Options& options, std::optional<Checkpoint>* opened) {
+  std::vector<std::string> wanted = layout.wanted_tensors();
+  std::set<std::string> shards;
+  if (listing.index) {
+    for (const std::string& tensor : wanted) {
+      auto it = listing.index->weight_map.find(tensor);
+      if (it != listing.index->weight_map.end()) shards.insert(it->second);
+    }
+  } else {
+    // Without an index, only the shards' headers tell which tensors they hold.
+    Checkpoint checkpoint = Checkpoint::open(listing.storage, listing.object);
+    for (const std::string& tensor : wanted) {
+      if (auto index = checkpoint.find(tensor)) shards.insert(checkpoint.shards()[checkpoint.tensors()[*index].shard].name);
+    }
+    if (opened) *opened = std::move(checkpoint);
+  }
+  std::vector<std::string> result(shards.begin(), shards.end());
+  std::sort(result.begin(), result.end(), [](const std::string& a, const std::string& b) { return natural_less(a, b); });
+  return result;
+}
+
+}  // namespace resolve
+
+std::string_view module_role_name(ModuleRole role) noexcept {
+  return role == ModuleRole::kDraft ? "draft" : "target";
+}
+
+std::string SourceCandidate::text() const {
+  std::string head = uri.empty() ? field : field + " " + uri;
+  return head + ": " + (reason.empty() ? "chosen" : reason);
+}
+
+const SourceCandidate& SourceResolution::chosen() const {
+  WS_EXPECT(found(), ErrorCode::kNotFound, error_text());
+  return candidates.back();
+}
+
+std::string SourceResolution::module_text() const {
+  if (role == ModuleRole::kTarget) return "the target";
+  return "the draft" + (method.empty() ? std::string() : " (" + method + ")");
+}
+
+std::string SourceResolution::error_text() const {
+  std::vector<std::string> reasons;
+  for (const SourceCandidate& candidate : candidates) reasons.push_back(candidate.text());
+  return "Cannot find any safetensors model weights for " + module_text() + ": " + join(reasons, "; ");
+}
+
+SourceResolution resolve_source(const ModelSource& source, const std::string& checkpoint_uri, ModuleRole role,
+                                const ModelLayout& layout, const Options& options, std::string method) {
+  SourceResolution resolution;
+  resolution.role = role;
+  resolution.method = std::move(method);
+  const std::string wants = "no tensor the " + std::string(module_role_name(role)) + " wants";
+  for (SourceCandidate& candidate : ordered_candidates(source, checkpoint_uri)) {
+    if (candidate.uri.empty()) {
+      candidate.reason = "not set";
+    } else {
+      try {
+        resolve::SourceListing listing = resolve::list_source(candidate.uri, options);
+        if (listing.safetensors.empty() && !listing.index) {
+          candidate.reason = "no *.safetensors files";
+        } else {
+          candidate.shards = resolve::wanted_shards(listing, layout, options, nullptr);
+          if (candidate.shards.empty()) candidate.reason = wants + (listing.index ? " (per its index)" : "");
+        }
+      } catch (const Error& error) {
+        candidate.reason = "cannot open: " + std::string(error.what());
+      }
+    }
+    resolution.candidates.push_back(std::move(candidate));
+    if (resolution.found()) break;
+  }
+  return resolution;
+}
+
+void expect_resolved(const std::vector<SourceResolution>& resolutions) {
+  std::vector<std::string> errors;
+  for (const SourceResolution& resolution : resolutions) {
+    if (!resolution.found()) errors.push_back(resolution.error_text());
+  }
+  WS_EXPECT(errors.empty(), ErrorCode::kNotFound, join(errors, ". "));
+}
+
+ModelConfigSource find_model_config(const ModelSource& source, const std::string& checkpoint_uri,
+                                    const Options& options) {
+  // The config describes the model, so `model` is asked first, then the weights.
+  std::vector<SourceCandidate> candidates = {{"model", source.model, {}, {}},
+                                             {"model_weights", source.model_weights, {}, {}},
+                                             {std::string(kCheckpointUriField), checkpoint_uri, {}, {}}};
+  std::vector<std::string> reasons;
+  for (SourceCandidate& candidate : candidates) {
+    if (candidate.uri.empty()) {
+      candidate.reason = "not set";
+    } else {
+      try {
+        resolve::SourceListing listing = resolve::list_source(candidate.uri, options);
+        if (listing.has_config) {
+          std::string uri = listing.storage->object_uri(kConfigFileName);
+          std::string text = read_object(*listing.storage, kConfigFileName, kMaxConfigBytes);
+          return {parse_model_config(uri, text), candidate.uri, candidate.field};
+        }
+        candidate.reason = "no config.json";
+      } catch (const Error& error) {
+        if (error.code() == ErrorCode::kFormat) throw;  // a config that is there but broken is its own error
+        candidate.reason = "cannot open: " + std::string(error.what());
+      }
+    }
+    reasons.push_back(candidate.text());
+  }
+  WS_FAIL(ErrorCode::kNotFound, "Cannot find the model's config.json: " + join(reasons, "; "));
+}
+
+ModelLayout build_module_layout(const ModelConfig& config, ModuleRole role, LayoutOptions options) {
+  options.modules = role == ModuleRole::kDraft ? LayoutModules::kDraft : LayoutModules::kTarget;
+  if (role == ModuleRole::kDraft) {
+    WS_EXPECT(config.model_type == "deepseek_v3" && config.num_nextn_predict_layers > 0, ErrorCode::kModel,
+              "speculative method mtp: the " + config.model_type + " config declares no MTP layers (" +
+                  (config.model_type == "deepseek_v3" ? "num_nextn_predict_layers is 0"
+                                                       : "only deepseek_v3-style MTP layers are supported") +
+                  ")");
+  }
+  return build_model_layout(config, options);
+}
+
+std::vector<std::string> share_target_embeddings(ModelLayout& draft, const ModelLayout& target) {
+  std::vector<std::string> shared;
+  for (size_t index = 0; index < draft.parameters().size(); ++index) {
+    const Parameter& parameter = draft.parameters()[index];
+    if (draft.layer_kind(parameter.layer) != LayerKind::kMtp) continue;
+    std::string prefix = "model.layers." + std::to_string(parameter.layer) + ".";
+    std::string owner;
+    if (parameter.name == prefix + "embed_tokens.weight") owner = "model.embed_tokens.weight";
+    else if (parameter.name == prefix + "shared_head.head.weight") owner = "lm_head.weight";
+    else continue;
+    const Parameter& owned = target.parameter(owner);
+    std::string name = parameter.name;
+    draft.share_storage(name, owned, "shared with the target's " + owner + " by reference");
+    shared.push_back(std::move(name));
+  }
+  return shared;
+}
+
+}  // namespace weightstream
