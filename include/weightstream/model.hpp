@@ -257,6 +257,12 @@ class ModelLayout {
   /// Binds engine-owned storage of parameter.bytes() bytes to a parameter. Throws
   /// Error(kModel) once the layout has been loaded (storage never moves).
   void bind(std::string_view parameter, std::byte* data, const Device& device);
+  /// Makes parameter `name` a reference to `owner`'s storage (a draft's embedding or head
+  /// that is the target's, bound by reference): its checkpoint tensors become skipped with
+  /// `reason`, loads no longer fill it or check it for completeness, and its data points
+  /// at owner.data (the owner's layout must outlive this one). Throws Error(kModel) when
+  /// dtype or shape differ, the owner has no storage, or this layout has been loaded.
+  void share_storage(std::string_view name, const Parameter& owner, const std::string& reason);
   /// The device storage was allocated on (CPU before allocate()).
   const Device& device() const noexcept { return device_; }
   /// Bytes of storage this layout and its hooks own.

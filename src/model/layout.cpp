@@ -216,6 +216,31 @@ void ModelLayout::bind(std::string_view name, std::byte* data, const Device& dev
   device_ = device;
 }
 
+void ModelLayout::share_storage(std::string_view name, const Parameter& owner, const std::string& reason) {
+  auto index = find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "cannot share parameter " + std::string(name) + ": it is not in " + description_);
+  Parameter& parameter = parameters_[*index];
+  WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
+            "cannot share parameter " + parameter.name + " of " + description_ +
+                " after it has been loaded: storage never moves");
+  WS_EXPECT(owner.data != nullptr, ErrorCode::kModel,
+            "cannot share parameter " + parameter.name + " with " + owner.name + ": " + owner.name + " has no storage");
+  WS_EXPECT(owner.dtype == parameter.dtype && owner.shape == parameter.shape, ErrorCode::kModel,
+            "cannot share parameter " + parameter.name + " (" + std::string(dtype_name(parameter.dtype)) + " " +
+                shape_text(parameter.shape) + ") with " + owner.name + " (" + std::string(dtype_name(owner.dtype)) +
+                " " + shape_text(owner.shape) + ")");
+  // Its tensors are read by the owner's layout, not this one: route them as skipped.
+  for (auto it = by_tensor_.begin(); it != by_tensor_.end();) {
+    it = it->second.first == *index ? by_tensor_.erase(it) : std::next(it);
+  }
+  for (const ParameterPart& part : parameter.parts) skipped_.insert_or_assign(part.tensor, reason);
+  parameter.parts.clear();
+  parameter.padding.clear();
+  parameter.data = owner.data;
+  parameter.device = owner.device;
+}
+
 uint64_t ModelLayout::allocated_bytes() const noexcept {
   uint64_t total = 0;
   for (const Buffer& buffer : storage_) total += buffer.size();
