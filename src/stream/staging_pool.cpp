@@ -9,19 +9,7 @@ std::shared_ptr<StagingPool> StagingPool::create(size_t buffer_bytes, size_t max
   return std::shared_ptr<StagingPool>(new StagingPool(buffer_bytes, max_buffers, memory));
 }
 
-StagingPool::Lease StagingPool::take_locked() {
-  std::byte* data = nullptr;
-  if (!free_.empty()) {
-    data = free_.back();
-    free_.pop_back();
-  } else if (buffers_.size() < max_buffers_) {
-    buffers_.emplace_back(Device{}, buffer_bytes_, memory_);
-    data = buffers_.back().data();
-  } else {
-    return {};
-  }
-  ++leased_;
-  peak_leased_ = std::max(peak_leased_, leased_);
+StagingPool::Lease StagingPool::lease(std::byte* data) {
   auto self = shared_from_this();
   return {data, std::shared_ptr<const void>(data, [self](const void* pointer) {
             self->give_back(static_cast<std::byte*>(const_cast<void*>(pointer)));
@@ -29,8 +17,43 @@ StagingPool::Lease StagingPool::take_locked() {
 }
 
 StagingPool::Lease StagingPool::try_acquire() {
+  std::byte* data = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    if (free_.empty()) return {};
+    data = free_.back();
+    free_.pop_back();
+    ++leased_;
+    peak_leased_ = std::max(peak_leased_, leased_);
+  }
+  return lease(data);
+}
+
+bool StagingPool::try_reserve() {
   std::lock_guard lock(mutex_);
-  return take_locked();
+  if (reserved_ >= max_buffers_) return false;
+  ++reserved_;
+  ++leased_;
+  peak_leased_ = std::max(peak_leased_, leased_);
+  return true;
+}
+
+StagingPool::Lease StagingPool::allocate_reserved() {
+  Buffer buffer;
+  try {
+    buffer = Buffer(Device{}, buffer_bytes_, memory_);
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    --reserved_;
+    --leased_;
+    throw;
+  }
+  std::byte* data = buffer.data();
+  {
+    std::lock_guard lock(mutex_);
+    buffers_.push_back(std::move(buffer));
+  }
+  return lease(data);
 }
 
 void StagingPool::give_back(std::byte* data) {

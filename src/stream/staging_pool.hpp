@@ -25,8 +25,15 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
     std::shared_ptr<const void> keepalive;
   };
 
-  /// Takes a buffer if one is free now, else returns an empty lease.
+  /// Takes a buffer if one is free now, else returns an empty lease. Never allocates.
   Lease try_acquire();
+  /// Reserves the right to allocate one more buffer (false when the cap is reached).
+  /// Cheap, so callers may hold their own locks; allocate_reserved() does the slow part.
+  bool try_reserve();
+  /// Allocates the buffer a successful try_reserve() promised and leases it. Pinned
+  /// allocations are slow (about 0.6 s per GiB on the GPU machines), so this runs outside
+  /// every lock and several readers can allocate at once.
+  Lease allocate_reserved();
 
   size_t buffer_bytes() const noexcept { return buffer_bytes_; }
   size_t max_buffers() const noexcept { return max_buffers_; }
@@ -40,7 +47,7 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
  private:
   StagingPool(size_t buffer_bytes, size_t max_buffers, HostMemory memory)
       : buffer_bytes_(buffer_bytes), max_buffers_(max_buffers), memory_(memory) {}
-  Lease take_locked();
+  Lease lease(std::byte* data);
   void give_back(std::byte* data);
 
   size_t buffer_bytes_;
@@ -48,6 +55,7 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   HostMemory memory_;
   mutable std::mutex mutex_;
   std::vector<Buffer> buffers_;      // every buffer ever allocated
+  size_t reserved_ = 0;              // buffers allocated or promised
   std::vector<std::byte*> free_;     // buffers not leased
   size_t leased_ = 0;
   size_t peak_leased_ = 0;

@@ -115,18 +115,24 @@ class StreamRun {
     while (true) {
       size_t read_index;
       StagingPool::Lease lease;
+      bool reserved = false;
       {
+        // Buffers are granted in plan order, so the earliest unfinished read always holds
+        // one: ordered delivery can wait on earlier pieces without deadlock.
         std::unique_lock lock(mutex_);
         while (true) {
           if (error_ || next_read_ >= reads_.size()) return;
           if (reads_[next_read_].direct) break;
           lease = pool_->try_acquire();
           if (lease.data) break;
+          reserved = pool_->try_reserve();
+          if (reserved) break;
           wakeup_.wait(lock);
         }
         read_index = next_read_++;
       }
       try {
+        if (reserved) lease = pool_->allocate_reserved();
         execute(reads_[read_index], lease);
       } catch (...) {
         fail(std::current_exception());
@@ -242,7 +248,11 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
   stats.reads = reads.size();
   stats.shards_read = shards.size();
 
-  size_t max_buffers = static_cast<size_t>(std::max<uint64_t>(1, options.memory_limit / chunk));
+  // Staging beyond what the readers can fill at once only costs allocation time (pinned
+  // memory is slow to allocate); half again the reader count covers pieces whose copy or
+  // hashing is still in flight.
+  size_t useful_buffers = options.concurrency + options.concurrency / 2 + 1;
+  size_t max_buffers = static_cast<size_t>(std::clamp<uint64_t>(options.memory_limit / chunk, 1, useful_buffers));
   auto pool = StagingPool::create(chunk, max_buffers, staging);
   unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
   {
