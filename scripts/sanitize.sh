@@ -22,10 +22,12 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:detect_stack_
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 
+# -O1 with line tables only: what the sanitizers' documentation recommends for readable
+# stacks, and about half the compile time of -O2 -g on the 2-core CI machine.
 configure() {  # configure BUILD_DIR SANITIZERS
   if [ ! -f "$1/build.ninja" ]; then
-    cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWS_SANITIZE="$2" \
-      -DWS_WITH_CUDA=OFF -DWS_BUILD_TESTS=ON
+    cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+      -DWS_SANITIZE="$2" -DWS_WITH_CUDA=OFF -DWS_BUILD_TESTS=ON
   fi
 }
 
