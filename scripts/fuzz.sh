@@ -17,11 +17,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${WS_FUZZ_BUILD_DIR:-$root/build-fuzz}
 seconds=${WS_FUZZ_SECONDS:-30}
 jobs=${WS_JOBS:-2}
-targets=${WS_FUZZ_TARGETS:-$(cd "$root/fuzz" && ls fuzz_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')}
 
 # CUDA stays out: the fuzz targets parse bytes and never touch a device.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DWS_BUILD_FUZZ=ON -DWS_BUILD_TESTS=OFF -DWS_WITH_CUDA=OFF >/dev/null
+# Every target fuzz/CMakeLists.txt defined (one per fuzz/fuzz_*.cpp whose parser exists).
+targets=${WS_FUZZ_TARGETS:-$(ninja -C "$build" -t targets all | sed -n 's/^\(fuzz_[a-z0-9_]*\): phony$/\1/p' | tr '\n' ' ')}
 start=$SECONDS
 # shellcheck disable=SC2086  # targets is a list
 cmake --build "$build" -j "$jobs" --target $targets
