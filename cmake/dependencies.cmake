@@ -44,3 +44,20 @@ message(STATUS "weightstream: CUDA ${WS_HAVE_CUDA}")
 find_package(pugixml 1.11 REQUIRED)
 cmake_language(DEFER DIRECTORY ${CMAKE_SOURCE_DIR}
   CALL target_link_libraries weightstream PRIVATE pugixml::pugixml)
+
+# NCCL (the update transport across GPUs and hosts, src/transfer/*_nccl.cpp). It ships
+# with the CUDA toolkit on the GPU machines (lib/ beside include/), or system-wide.
+set(WS_WITH_NCCL "AUTO" CACHE STRING "Build the NCCL update transport: AUTO, ON or OFF")
+set(WS_HAVE_NCCL OFF)
+if(WS_HAVE_CUDA AND NOT WS_WITH_NCCL STREQUAL "OFF")
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_LIBRARY_ROOT}/include)
+  find_library(NCCL_LIBRARY NAMES nccl HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib
+               ${CUDAToolkit_LIBRARY_ROOT}/lib64)
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(WS_HAVE_NCCL ON)
+  endif()
+endif()
+if(WS_WITH_NCCL STREQUAL "ON" AND NOT WS_HAVE_NCCL)
+  message(FATAL_ERROR "WS_WITH_NCCL=ON but NCCL (and CUDA) were not found")
+endif()
+message(STATUS "weightstream: NCCL ${WS_HAVE_NCCL}")

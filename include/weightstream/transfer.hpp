@@ -1,0 +1,176 @@
+#pragma once
+/// @file transfer.hpp
+/// The transfer layer: weight updates pushed by a trainer into a live model. An
+/// `UpdateSender` packs named tensors into buckets (one packed buffer plus a manifest of
+/// names, dtypes, shapes and offsets) and moves them through a transport; an
+/// `UpdateReceiver` checks every manifest against its `ModelLayout` and applies the bytes
+/// through a `LoadSession` in update mode. Two bucket buffers alternate: the sender fills
+/// one while the receiver applies the other.
+///
+/// Phases on the wire: connect (with the shared token), start (checkpoint or engine
+/// format), any number of buckets, finish (the model hooks run once). A layer's tensors are
+/// written into its parameters only when every tensor of the layer has arrived (or at
+/// finish, for a layer the update covers in part): when the sender disappears mid-update,
+/// layers not completed keep their old values, and a plain reload restores a consistent
+/// model. Uses the model, device and format layers only.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightstream/device.hpp"
+#include "weightstream/format.hpp"
+#include "weightstream/model.hpp"
+
+namespace weightstream {
+
+/// How bucket bytes travel from sender to receiver. Control messages always go over a
+/// socket: a Unix socket for the same-host transports, TCP otherwise.
+enum class TransportKind : uint8_t {
+  kShm = 1,      ///< same host, host memory: two memfd buckets mapped by both sides, Unix-socket control
+  kTcp = 2,      ///< any host: bucket bytes follow their manifest on the TCP connection
+  kCudaIpc = 3,  ///< same host, GPU: two device buckets exported once at connect (cudaIpcGetMemHandle)
+  kNccl = 4,     ///< across GPUs and hosts: ncclBroadcast from the sender's bucket, TCP control
+};
+
+/// "shm", "tcp", "cuda-ipc", "nccl".
+std::string_view transport_name(TransportKind kind) noexcept;
+/// Parses a transport name. Throws Error(kInvalidArgument) listing the accepted names.
+TransportKind parse_transport(std::string_view text);
+/// True when this build can use `kind` (CUDA IPC needs CUDA, NCCL needs NCCL compiled in).
+bool transport_compiled(TransportKind kind) noexcept;
+
+/// Default bucket size: large enough that the fixed cost per bucket (one round trip) is
+/// small against its copy, small enough that two of them fit beside a model.
+inline constexpr uint64_t kDefaultBucketBytes = 256ull << 20;
+
+/// Options of the receiving side.
+struct ReceiverOptions {
+  TransportKind transport = TransportKind::kTcp;
+  /// Where to listen. TCP and NCCL: "HOST:PORT" (default "127.0.0.1:0", a free loopback
+  /// port; a non-loopback host must be given explicitly). shm and CUDA IPC: a Unix socket
+  /// path (default: a fresh one under $TMPDIR, created mode 0600, removed on destruction).
+  std::string listen;
+  /// Shared token a sender must present; empty accepts any sender (then only the loopback
+  /// or Unix-socket binding protects the receiver).
+  std::string token;
+  /// Largest bucket a sender may ask for (the receiver allocates two of them).
+  uint64_t max_bucket_bytes = 4ull << 30;
+  /// How long to wait for the next message of a connected sender before the update fails.
+  std::chrono::milliseconds timeout{30'000};
+  /// Where CUDA IPC and NCCL buckets live (the model's GPU); ignored by shm and TCP.
+  Device device;
+};
+
+/// Options of the sending side.
+struct SenderOptions {
+  TransportKind transport = TransportKind::kTcp;
+  /// Token the receiver expects (empty when it expects none).
+  std::string token;
+  /// Bytes per bucket; a tensor larger than a bucket travels in pieces over several.
+  uint64_t bucket_bytes = kDefaultBucketBytes;
+  /// How long to wait for the receiver (connect, a free bucket, the final result).
+  std::chrono::milliseconds timeout{30'000};
+  /// Where the sender's CUDA IPC / NCCL bucket staging lives; ignored by shm and TCP.
+  Device device;
+};
+
+/// One tensor (or one piece of it) in a bucket.
+struct BucketEntry {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;
+  std::vector<int64_t> shape;
+  uint64_t tensor_offset = 0;  ///< where the piece starts within the tensor's bytes
+  uint64_t bucket_offset = 0;  ///< where the piece starts within the bucket
+  uint64_t bytes = 0;          ///< bytes of the piece
+};
+
+/// What a bucket holds: its sequence number (from 0), the buffer it occupies, its entries.
+struct BucketManifest {
+  uint64_t index = 0;
+  uint32_t slot = 0;          ///< which of the two bucket buffers
+  uint64_t bytes = 0;         ///< bytes used in the buffer
+  std::vector<BucketEntry> entries;
+};
+
+/// What an update did, reported by the receiver (and echoed to the sender).
+struct UpdateReport {
+  TensorFormat format = TensorFormat::kCheckpoint;
+  uint64_t buckets = 0;
+  uint64_t tensors = 0;      ///< distinct tensors received whole
+  uint64_t bytes = 0;        ///< bucket bytes received
+  double seconds = 0;        ///< from start to the end of finish()
+  LoadCounters counters;     ///< of the receiver's LoadSession
+  std::vector<int64_t> completed_layers;
+  double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+};
+
+/// Receives updates into a layout. Listens when constructed; each receive() accepts one
+/// sender and applies one update (start, buckets, finish) through a LoadSession in update
+/// mode. The layout must have been loaded before (update mode requires it). Errors name
+/// the peer, the bucket, the tensor and the cause; a failed update leaves layers it did not
+/// complete as they were and lists those it did.
+class UpdateReceiver {
+ public:
+  /// Binds the listener (loopback by default). Throws Error(kNetwork) naming the address,
+  /// Error(kUnsupported) when the build lacks the transport.
+  UpdateReceiver(ModelLayout& layout, ReceiverOptions options);
+  ~UpdateReceiver();
+  UpdateReceiver(const UpdateReceiver&) = delete;
+  UpdateReceiver& operator=(const UpdateReceiver&) = delete;
+
+  /// The address a sender connects to: "HOST:PORT" or a Unix socket path.
+  const std::string& address() const noexcept;
+  /// Accepts one sender (waiting at most `accept_timeout`) and runs its update to the end.
+  /// A sender with the wrong token or protocol version is refused with a message and the
+  /// call throws Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
+  /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
+  /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
+  UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Sends one update to a receiver. Usage: UpdateSender(address, options); start(format);
+/// send(tensor) any number of times; finish(). Not thread-safe: one thread sends.
+class UpdateSender {
+ public:
+  /// Connects to `address` ("HOST:PORT" or a Unix socket path), presents the token and
+  /// sets up the transport (maps the shared buckets, opens the CUDA IPC handles once, joins
+  /// the NCCL communicator). Throws Error(kNetwork) when it cannot connect, Error(kProtocol)
+  /// when the receiver refuses (its reason is in the message).
+  UpdateSender(const std::string& address, SenderOptions options);
+  ~UpdateSender();
+  UpdateSender(const UpdateSender&) = delete;
+  UpdateSender& operator=(const UpdateSender&) = delete;
+
+  /// Starts the update: checkpoint-format names (mapped and reprocessed by the receiver's
+  /// layout) or engine-format names (parameters, bytes copied in place).
+  void start(TensorFormat format);
+  /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
+  /// current bucket; a full bucket is sent, and the call waits only when both buckets are
+  /// in flight. Pieces of one tensor must come in order. The bytes are copied before the
+  /// call returns. Throws the receiver's error when it rejected an earlier bucket.
+  void send(const TensorView& tensor);
+  /// Sends the current bucket now, even if it is not full (a trainer that sends layer by
+  /// layer flushes at each layer's end, so no bucket mixes two layers).
+  void flush();
+  /// Sends the last bucket and the finish message, and waits for the receiver's report
+  /// (its model hooks have run once when this returns).
+  UpdateReport finish();
+
+  /// Buckets sent so far in this update.
+  uint64_t buckets_sent() const noexcept;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weightstream

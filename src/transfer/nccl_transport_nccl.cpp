@@ -1,0 +1,139 @@
+// The NCCL transport: the sender is rank 0 of a two-rank communicator and broadcasts each
+// bucket from its device buffer into the receiver's (rank 1); manifests and answers still
+// travel over the TCP control connection. The sender makes the NCCL unique id and sends it
+// in HELLO, so no other rendezvous is needed. Compiled only where NCCL was found
+// (WS_HAVE_NCCL); nccl_transport_nccl_fallback.cpp otherwise.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+
+#include "transfer/transport.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+constexpr int kSenderRank = 0;
+constexpr int kReceiverRank = 1;
+
+void check_cuda(cudaError_t error, const Device& device, const std::string& operation) {
+  if (error == cudaSuccess) return;
+  cudaGetLastError();
+  WS_FAIL(ErrorCode::kDevice, device.name() + ": " + operation + ": " + cudaGetErrorString(error) + " (" +
+                                  cudaGetErrorName(error) + ")");
+}
+
+void check_nccl(ncclResult_t result, const Device& device, const std::string& operation) {
+  WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice,
+            device.name() + ": " + operation + ": " + ncclGetErrorString(result) + " (" + ncclGetLastError(nullptr) + ")");
+}
+
+Device cuda_device(const Device& device) { return device.is_cuda() ? device : Device{Device::Kind::kCuda, 0}; }
+
+/// A communicator of the two peers and a stream for its collectives, on one GPU.
+class Peer {
+ public:
+  Peer(const Device& device, std::span<const std::byte> id_bytes, int rank) : device_(device), rank_(rank) {
+    WS_EXPECT(id_bytes.size() == sizeof(ncclUniqueId), ErrorCode::kProtocol,
+              "the sender's HELLO for nccl carried " + std::to_string(id_bytes.size()) + " bytes of unique id, not " +
+                  std::to_string(sizeof(ncclUniqueId)));
+    std::memcpy(&id_, id_bytes.data(), sizeof(id_));
+    require_device(device_);
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), device_, "cudaStreamCreate");
+  }
+  ~Peer() {
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    if (communicator_ != nullptr) ncclCommDestroy(communicator_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+  /// Blocks until both ranks have joined.
+  void join() {
+    require_device(device_);
+    check_nccl(ncclCommInitRank(&communicator_, 2, id_, rank_), device_,
+               "ncclCommInitRank (rank " + std::to_string(rank_) + " of 2)");
+  }
+  void broadcast(std::byte* buffer, uint64_t bytes) {
+    check_nccl(ncclBroadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_, stream_), device_,
+               "ncclBroadcast of " + std::to_string(bytes) + " bytes");
+    check_cuda(cudaStreamSynchronize(stream_), device_, "waiting for ncclBroadcast");
+  }
+  cudaStream_t stream() const noexcept { return stream_; }
+
+ private:
+  Device device_;
+  int rank_;
+  ncclUniqueId id_{};
+  ncclComm_t communicator_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+class NcclReceiver final : public ReceiverTransport {
+ public:
+  NcclReceiver(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id)
+      : device_(cuda_device(device)), peer_(device_, id, kReceiverRank) {
+    for (auto& buffer : buffers_) buffer = Buffer(device_, bucket_bytes);
+  }
+  void join(std::chrono::milliseconds) override { peer_.join(); }
+  void receive(Connection&, uint32_t slot, uint64_t bytes, std::chrono::milliseconds, const std::string&) override {
+    peer_.broadcast(buffers_[slot].data(), bytes);
+  }
+  const std::byte* slot(uint32_t index) const override { return buffers_[index].data(); }
+  Device device() const override { return device_; }
+
+ private:
+  Device device_;
+  Peer peer_;
+  Buffer buffers_[2];
+};
+
+class NcclSender final : public SenderTransport {
+ public:
+  NcclSender(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id)
+      : device_(cuda_device(device)), peer_(device_, id, kSenderRank) {
+    for (auto& buffer : buffers_) buffer = Buffer(device_, bucket_bytes);
+  }
+  void join(std::chrono::milliseconds) override { peer_.join(); }
+  void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
+            uint64_t bytes) override {
+    check_cuda(cudaMemcpyAsync(buffers_[slot].data() + offset, source, bytes, cudaMemcpyDefault, peer_.stream()),
+               device_, "copy of " + std::to_string(bytes) + " bytes into bucket buffer " + std::to_string(slot));
+  }
+  void seal(uint32_t slot) override {
+    check_cuda(cudaStreamSynchronize(peer_.stream()), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
+  }
+  void push(Connection&, uint32_t slot, uint64_t bytes, std::chrono::milliseconds) override {
+    peer_.broadcast(buffers_[slot].data(), bytes);
+  }
+
+ private:
+  Device device_;
+  Peer peer_;
+  Buffer buffers_[2];
+};
+
+}  // namespace
+
+bool nccl_compiled() noexcept { return true; }
+
+std::vector<std::byte> nccl_unique_id() {
+  ncclUniqueId id;
+  ncclResult_t result = ncclGetUniqueId(&id);
+  WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice, std::string("ncclGetUniqueId: ") + ncclGetErrorString(result));
+  const auto* bytes = reinterpret_cast<const std::byte*>(&id);
+  return {bytes, bytes + sizeof(id)};
+}
+
+std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t bucket_bytes, const Device& device,
+                                                      std::span<const std::byte> unique_id) {
+  return std::make_unique<NcclReceiver>(bucket_bytes, device, unique_id);
+}
+
+std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t bucket_bytes, const Device& device,
+                                                  std::span<const std::byte> unique_id) {
+  return std::make_unique<NcclSender>(bucket_bytes, device, unique_id);
+}
+
+}  // namespace weightstream::transfer

@@ -1,0 +1,394 @@
+// UpdateReceiver: accepts a sender, checks each bucket's manifest against the layout, and
+// applies the bytes through a LoadSession in update mode, one layer at a time.
+//
+// Why layers are gated: a LoadSession writes each tensor as it arrives. If a sender died
+// after half of a layer's tensors, that layer would hold a mix of old and new weights. So a
+// piece of a layer that is not yet complete is held back (copied out of the bucket, which
+// the sender will overwrite) and handed to the session together with the rest of its layer.
+// Layers the update covers only in part are applied at FINISH.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "transfer/socket.hpp"
+#include "transfer/transport.hpp"
+#include "transfer/wire.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace transfer;
+
+bool convertible(Dtype from, Dtype to) {
+  auto is_float = [](Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; };
+  return from == to || (is_float(from) && is_float(to));
+}
+
+/// Compares two strings in time independent of where they differ (token checks).
+bool same_secret(std::string_view a, std::string_view b) {
+  unsigned char difference = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(b.size(), 1)]);
+  return difference == 0;
+}
+
+std::string join_layers(const ModelLayout& layout, const std::vector<int64_t>& layers) {
+  if (layers.empty()) return "none";
+  std::string text;
+  for (int64_t layer : layers) {
+    if (!text.empty()) text += ", ";
+    text += layer_label(layout, layer);
+  }
+  return text;
+}
+
+/// The layer bookkeeping of one update: which tensors each layer needs, what has arrived,
+/// and the held-back pieces of layers not yet complete.
+class LayerGate {
+ public:
+  LayerGate(const ModelLayout& layout, TensorFormat format, const Device& device)
+      : layout_(layout), format_(format), device_(device) {
+    if (format == TensorFormat::kEngine) {
+      for (const Parameter& parameter : layout.parameters()) add(parameter.name, parameter.layer);
+    } else {
+      for (const std::string& tensor : layout.wanted_tensors()) {
+        TensorRoute route = layout.route(tensor);
+        if (route.kind != TensorRoute::Kind::kParameter || route.targets.empty()) continue;
+        add(tensor, layout.parameters()[route.targets.front().first].layer);
+      }
+    }
+  }
+
+  /// Checks every entry of a manifest against the layout and the pieces received so far;
+  /// throws Error(kModel) naming the tensor, the parameter and the rule. Changes nothing.
+  void check(const BucketManifest& manifest) const {
+    std::map<std::string_view, uint64_t> pending;  // bytes of each tensor earlier in this bucket
+    for (const BucketEntry& entry : manifest.entries) {
+      const std::string& tensor = entry.name;
+      const std::string at = "tensor " + tensor + " (entry of bucket " + std::to_string(manifest.index) + ")";
+      if (format_ == TensorFormat::kEngine) {
+        auto index = layout_.find(tensor);
+        WS_EXPECT(index.has_value(), ErrorCode::kModel,
+                  "engine-format " + at + " names no parameter of " + layout_.description());
+        const Parameter& parameter = layout_.parameters()[*index];
+        WS_EXPECT(entry.dtype == parameter.dtype, ErrorCode::kModel,
+                  "engine-format " + at + " has dtype " + std::string(dtype_name(entry.dtype)) + " but parameter " +
+                      parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
+                      std::string(dtype_name(parameter.dtype)));
+        WS_EXPECT(std::ranges::equal(entry.shape, parameter.shape), ErrorCode::kModel,
+                  "engine-format " + at + " has shape " + shape_text(entry.shape) + " but parameter " + parameter.name +
+                      " (" + layer_label(layout_, parameter.layer) + ") has shape " + shape_text(parameter.shape));
+      } else {
+        TensorRoute route = layout_.route(tensor);
+        if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) continue;
+        WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
+                  at + " matches no parameter of " + layout_.description() + " and no ignore rule");
+        for (const auto& [index, part_index] : route.targets) {
+          const Parameter& parameter = layout_.parameters()[index];
+          const ParameterPart& part = parameter.parts[part_index];
+          std::string target = "parameter " + parameter.name + " (part '" + part.id + "', " +
+                               layer_label(layout_, parameter.layer) + ", rule " + part.rule + ")";
+          WS_EXPECT(std::ranges::equal(entry.shape, part.shape), ErrorCode::kModel,
+                    at + " has shape " + shape_text(entry.shape) + " but " + target + " expects " + shape_text(part.shape));
+          WS_EXPECT(convertible(entry.dtype, parameter.load_dtype), ErrorCode::kModel,
+                    at + " has dtype " + std::string(dtype_name(entry.dtype)) + " but " + target + " is loaded as " +
+                        std::string(dtype_name(parameter.load_dtype)) + " (only BF16, F16 and F32 convert)");
+        }
+      }
+      auto found = tensors_.find(tensor);
+      if (found == tensors_.end()) continue;
+      const Track& track = found->second;
+      uint64_t expected = track.received + pending[tensor];
+      WS_EXPECT(!track.complete && entry.tensor_offset == expected, ErrorCode::kModel,
+                at + (track.complete ? " was already delivered whole in this update"
+                                     : ": piece at byte " + std::to_string(entry.tensor_offset) + ", expected byte " +
+                                           std::to_string(expected) + " (pieces of a tensor come in order, once)"));
+      WS_EXPECT(!track.dtype || *track.dtype == entry.dtype, ErrorCode::kModel,
+                at + ": a piece arrived as " + std::string(dtype_name(entry.dtype)) + " after earlier pieces as " +
+                    std::string(dtype_name(*track.dtype)));
+      pending[tensor] += entry.bytes;
+    }
+  }
+
+  /// Accounts a checked bucket and returns the views to apply now: pieces of layers that are
+  /// complete with this bucket (held-back pieces included) and tensors no layer gates. The
+  /// pieces of other layers are copied out of `bucket` and held. Views stay valid until
+  /// release_applied().
+  std::vector<TensorView> admit(const BucketManifest& manifest, const std::byte* bucket) {
+    std::vector<const BucketEntry*> gated;
+    std::vector<TensorView> now;
+    for (const BucketEntry& entry : manifest.entries) {
+      auto found = tensors_.find(entry.name);
+      if (found == tensors_.end()) {
+        now.push_back(view(entry, bucket + entry.bucket_offset, device_));
+        continue;
+      }
+      Track& track = found->second;
+      track.dtype = entry.dtype;
+      track.received += entry.bytes;
+      if (track.received == *tensor_byte_size(entry.dtype, entry.shape) && !track.complete) {
+        track.complete = true;
+        ++layers_[track.layer].done;
+      }
+      gated.push_back(&entry);
+    }
+    std::set<int64_t> completed_now;
+    for (const BucketEntry* entry : gated) {
+      int64_t layer = tensors_.at(entry->name).layer;
+      LayerState& state = layers_[layer];
+      if (state.done == state.needed) {
+        now.push_back(view(*entry, bucket + entry->bucket_offset, device_));
+        completed_now.insert(layer);
+      } else {
+        Held piece{*entry, Buffer(device_, std::max<uint64_t>(entry->bytes, 1))};
+        copy_bytes(piece.bytes.data(), device_, bucket + entry->bucket_offset, device_, entry->bytes);
+        state.held.push_back(std::move(piece));
+        held_bytes_ += entry->bytes;
+      }
+    }
+    for (int64_t layer : completed_now) {
+      for (Held& piece : layers_[layer].held) now.push_back(view(piece.entry, piece.bytes.data(), device_));
+      flushing_.push_back(layer);
+      completing_.push_back(layer);
+    }
+    return now;
+  }
+
+  /// Every held piece (layers the update covers in part), for FINISH.
+  std::vector<TensorView> admit_rest() {
+    std::vector<TensorView> now;
+    for (auto& [layer, state] : layers_) {
+      if (state.held.empty()) continue;
+      for (Held& piece : state.held) now.push_back(view(piece.entry, piece.bytes.data(), device_));
+      flushing_.push_back(layer);
+    }
+    return now;
+  }
+
+  /// Frees the held pieces of layers handed over by the last admit, once the session has
+  /// applied them (a batch the session rejects writes nothing, so nothing is released).
+  void release_applied() {
+    completed_.insert(completed_.end(), completing_.begin(), completing_.end());
+    completing_.clear();
+    for (int64_t layer : flushing_) {
+      for (const Held& piece : layers_[layer].held) held_bytes_ -= piece.entry.bytes;
+      layers_[layer].held.clear();
+    }
+    flushing_.clear();
+  }
+
+  /// Layers whose every tensor arrived, in the order they completed.
+  const std::vector<int64_t>& completed() const noexcept { return completed_; }
+  /// Tensors received whole.
+  uint64_t tensors_complete() const {
+    uint64_t count = 0;
+    for (const auto& [name, track] : tensors_) count += track.complete ? 1 : 0;
+    return count;
+  }
+
+ private:
+  struct Track {
+    int64_t layer = -1;
+    uint64_t received = 0;
+    std::optional<Dtype> dtype;
+    bool complete = false;
+  };
+  struct Held {
+    BucketEntry entry;
+    Buffer bytes;
+  };
+  struct LayerState {
+    size_t needed = 0;
+    size_t done = 0;
+    std::vector<Held> held;
+  };
+
+  void add(const std::string& tensor, int64_t layer) {
+    Track track;
+    track.layer = layer;
+    if (tensors_.emplace(tensor, track).second) ++layers_[layer].needed;
+  }
+
+  static TensorView view(const BucketEntry& entry, const std::byte* data, const Device& device) {
+    return TensorView{entry.name, entry.dtype, entry.shape, data, device, entry.tensor_offset, entry.bytes};
+  }
+
+  const ModelLayout& layout_;
+  TensorFormat format_;
+  Device device_;
+  std::map<std::string, Track, std::less<>> tensors_;
+  std::map<int64_t, LayerState> layers_;
+  std::vector<int64_t> flushing_;
+  std::vector<int64_t> completing_;
+  std::vector<int64_t> completed_;
+  uint64_t held_bytes_ = 0;
+};
+
+}  // namespace
+
+struct UpdateReceiver::State {
+  ModelLayout& layout;
+  ReceiverOptions options;
+  Listener listener;
+};
+
+UpdateReceiver::UpdateReceiver(ModelLayout& layout, ReceiverOptions options)
+    : state_(std::make_unique<State>(State{
+          layout, options,
+          options.transport == TransportKind::kShm || options.transport == TransportKind::kCudaIpc
+              ? Listener::unix_socket(options.listen)
+              : Listener::tcp(options.listen)})) {
+  WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
+            "update receiver: the " + std::string(transport_name(options.transport)) +
+                " transport is not compiled into this build");
+}
+
+UpdateReceiver::~UpdateReceiver() = default;
+
+const std::string& UpdateReceiver::address() const noexcept { return state_->listener.address(); }
+
+UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
+  State& state = *state_;
+  const auto timeout = state.options.timeout;
+  Connection connection = state.listener.accept(accept_timeout);
+  const std::string& peer = connection.peer();
+  const std::string self = "update receiver at " + state.listener.address() + " (" +
+                           std::string(transport_name(state.options.transport)) + ")";
+
+  auto refuse = [&](const std::string& reason) {
+    Message refusal;
+    refusal.type = MessageType::kRefuse;
+    refusal.text = reason;
+    try {
+      connection.send(refusal, timeout);
+    } catch (const Error&) {
+      // The peer may already be gone; the refusal is reported here either way.
+    }
+    WS_FAIL(ErrorCode::kProtocol, self + " refused " + peer + ": " + reason);
+  };
+
+  // ---- connect: HELLO, token, transport set-up ----
+  Received hello = connection.receive(timeout, "HELLO");
+  if (hello.message.type != MessageType::kHello) {
+    refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
+  }
+  if (!state.options.token.empty() && !same_secret(hello.message.token, state.options.token)) {
+    refuse("wrong or missing token");
+  }
+  if (hello.message.transport != state.options.transport) {
+    refuse("the sender asked for transport " + std::string(transport_name(hello.message.transport)) +
+           " but this receiver serves " + std::string(transport_name(state.options.transport)));
+  }
+  if (hello.message.bucket_bytes > state.options.max_bucket_bytes) {
+    refuse("bucket size " + std::to_string(hello.message.bucket_bytes) + " bytes exceeds this receiver's limit of " +
+           std::to_string(state.options.max_bucket_bytes));
+  }
+  const uint64_t bucket_bytes = hello.message.bucket_bytes;
+
+  uint64_t buckets = 0;      // buckets received and applied
+  uint64_t bytes = 0;
+  std::optional<LayerGate> gate;
+  std::optional<LoadSession> session;
+  const auto started = Clock::now();
+
+  std::optional<uint64_t> current;  // the bucket being checked and applied
+  auto last_bucket_text = [&] {
+    if (current) return "at bucket " + std::to_string(*current) + " (" + std::to_string(buckets) + " applied before it)";
+    return buckets == 0 ? std::string("before any bucket arrived")
+                        : "after bucket " + std::to_string(buckets - 1) + " (the last received)";
+  };
+  try {
+    auto transport = make_receiver_transport(state.options.transport, bucket_bytes, state.options.device,
+                                             hello.message.blob);
+    Message welcome;
+    welcome.type = MessageType::kWelcome;
+    welcome.bucket_bytes = bucket_bytes;
+    welcome.slots = 2;
+    welcome.blob = transport->welcome_blob();
+    connection.send(welcome, timeout, transport->welcome_fd());
+    transport->join(timeout);
+
+    // ---- start ----
+    Received start = connection.receive(timeout, "START");
+    WS_EXPECT(start.message.type == MessageType::kStart, ErrorCode::kProtocol,
+              "expected START, got " + std::string(message_type_name(start.message.type)));
+    const TensorFormat format = start.message.format;
+    session.emplace(state.layout);
+    session->begin(LoadMode::kUpdate, format);
+    gate.emplace(state.layout, format, transport->device());
+
+    // ---- buckets, then finish ----
+    for (;;) {
+      Received received = connection.receive(timeout, "bucket " + std::to_string(buckets) + " or FINISH");
+      Message& message = received.message;
+      if (message.type == MessageType::kFinish) {
+        WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
+                  "FINISH says " + std::to_string(message.buckets) + " buckets were sent but " +
+                      std::to_string(buckets) + " arrived");
+        std::vector<TensorView> rest = gate->admit_rest();
+        if (!rest.empty()) session->load(rest);
+        gate->release_applied();
+        session->finish();
+        UpdateReport report;
+        report.format = format;
+        report.buckets = buckets;
+        report.bytes = bytes;
+        report.tensors = gate->tensors_complete();
+        report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+        report.counters = session->counters();
+        report.completed_layers = session->completed_layers();
+        Message answer;
+        answer.type = MessageType::kReport;
+        answer.report = report;
+        connection.send(answer, timeout);
+        return report;
+      }
+      WS_EXPECT(message.type == MessageType::kBucket, ErrorCode::kProtocol,
+                "expected bucket " + std::to_string(buckets) + " or FINISH, got " +
+                    std::string(message_type_name(message.type)));
+      BucketManifest& manifest = message.manifest;
+      WS_EXPECT(manifest.index == buckets, ErrorCode::kProtocol,
+                "bucket numbered " + std::to_string(manifest.index) + " arrived where bucket " +
+                    std::to_string(buckets) + " was due");
+      WS_EXPECT(manifest.bytes <= bucket_bytes, ErrorCode::kProtocol,
+                "bucket " + std::to_string(manifest.index) + " claims " + std::to_string(manifest.bytes) +
+                    " bytes, more than the agreed bucket size " + std::to_string(bucket_bytes));
+      current = manifest.index;
+      transport->receive(connection, manifest.slot, manifest.bytes, timeout,
+                         "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
+                             std::to_string(manifest.index));
+      // Every entry is checked before any byte of the bucket is written (or held back).
+      gate->check(manifest);
+      std::vector<TensorView> views = gate->admit(manifest, transport->slot(manifest.slot));
+      if (!views.empty()) session->load(views);
+      gate->release_applied();
+      current.reset();
+      ++buckets;
+      bytes += manifest.bytes;
+      Message applied;
+      applied.type = MessageType::kApplied;
+      applied.manifest.index = manifest.index;
+      applied.manifest.slot = manifest.slot;
+      connection.send(applied, timeout);
+    }
+  } catch (const Error& error) {
+    // Tell the sender why (best effort: it may be the one that vanished).
+    Message failure;
+    failure.type = MessageType::kError;
+    failure.code = error.code();
+    failure.text = error.what();
+    try {
+      connection.send(failure, std::chrono::milliseconds(1000));
+    } catch (const Error&) {
+    }
+    std::string applied = gate ? join_layers(state.layout, gate->completed()) : "none";
+    WS_FAIL(error.code(), "update from " + peer + " to " + self + " failed " + last_bucket_text() + ": " +
+                              error.what() + "; layers completed and applied before the failure: " + applied +
+                              "; every other layer keeps its old values (a reload restores a consistent model)");
+  }
+}
+
+}  // namespace weightstream

@@ -1,0 +1,108 @@
+#pragma once
+// Sockets of the update protocol: TCP and Unix-socket listeners and connections with
+// deadlines, and framed messages (wire.hpp) over them, optionally carrying one file
+// descriptor (SCM_RIGHTS). Every wait is bounded by a timeout; a silent or vanished peer
+// becomes Error(kTimeout) or Error(kNetwork) naming the peer and what was awaited.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "transfer/wire.hpp"
+
+namespace weightstream::transfer {
+
+/// An owned file descriptor, closed on destruction.
+class FileDescriptor {
+ public:
+  FileDescriptor() = default;
+  explicit FileDescriptor(int fd) noexcept : fd_(fd) {}
+  FileDescriptor(FileDescriptor&& other) noexcept : fd_(other.release()) {}
+  FileDescriptor& operator=(FileDescriptor&& other) noexcept;
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  ~FileDescriptor();
+  int get() const noexcept { return fd_; }
+  int release() noexcept {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+/// A framed message received, with the descriptor that came with it (if any).
+struct Received {
+  Message message;
+  FileDescriptor fd;
+};
+
+/// One connected socket carrying framed messages and raw payload bytes.
+class Connection {
+ public:
+  Connection(FileDescriptor fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
+  /// Who is at the other end, for messages: "tcp peer 127.0.0.1:5555", "unix peer /tmp/x.sock".
+  const std::string& peer() const noexcept { return peer_; }
+  int fd() const noexcept { return fd_.get(); }
+
+  /// Sends one message; `pass_fd` >= 0 is passed with it (Unix sockets only).
+  void send(const Message& message, std::chrono::milliseconds timeout, int pass_fd = -1);
+  /// Receives one message. `awaiting` says what for ("bucket 3 or FINISH") in errors.
+  /// Throws Error(kTimeout) after `timeout` of silence, Error(kNetwork) when the peer
+  /// closes or resets, Error(kProtocol) for a malformed frame.
+  Received receive(std::chrono::milliseconds timeout, const std::string& awaiting);
+  /// Writes raw bytes (a TCP bucket payload).
+  void send_bytes(std::span<const std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what);
+  /// Reads exactly `bytes.size()` raw bytes.
+  void receive_bytes(std::span<std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what);
+  /// True when a message (or EOF) is ready to read without waiting.
+  bool readable();
+
+ private:
+  /// Reads exactly `bytes`; the first chunk may carry a descriptor.
+  void read_exact(std::span<std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what,
+                  FileDescriptor* received_fd);
+  FileDescriptor fd_;
+  std::string peer_;
+};
+
+/// A listening socket (TCP or Unix).
+class Listener {
+ public:
+  /// TCP on "HOST:PORT" (port 0 picks a free one); an empty `address` means "127.0.0.1:0".
+  static Listener tcp(const std::string& address);
+  /// A Unix stream socket at `path` (mode 0600); an empty path picks a fresh one under
+  /// $TMPDIR. The file is removed on destruction.
+  static Listener unix_socket(const std::string& path);
+  Listener(Listener&&) noexcept = default;
+  Listener& operator=(Listener&&) noexcept = default;
+  ~Listener();
+
+  /// The address a peer connects to ("127.0.0.1:43211" or the socket path).
+  const std::string& address() const noexcept { return address_; }
+  /// The host part as bound (for TCP): "127.0.0.1".
+  const std::string& bound_host() const noexcept { return host_; }
+  /// Waits for one peer. Throws Error(kTimeout) after `timeout`.
+  Connection accept(std::chrono::milliseconds timeout);
+
+ private:
+  Listener() = default;
+  FileDescriptor fd_;
+  std::string address_;
+  std::string host_;
+  std::string unlink_path_;
+  bool unix_ = false;
+};
+
+/// Connects to "HOST:PORT" (TCP) or, for an address containing '/', a Unix socket path.
+/// Throws Error(kNetwork) naming the address and the errno, Error(kTimeout).
+Connection connect_to(const std::string& address, std::chrono::milliseconds timeout);
+
+/// Splits "HOST:PORT" ("[::1]:PORT" for IPv6). Throws Error(kInvalidArgument).
+std::pair<std::string, uint16_t> split_host_port(const std::string& address);
+
+}  // namespace weightstream::transfer

@@ -1,0 +1,81 @@
+#pragma once
+// The transports of the update protocol: where the two bucket buffers live and how a
+// bucket's bytes reach the receiver. Control messages always travel over the Connection;
+// a transport only moves bucket bytes. Host transports (shm, TCP) are in transport.cpp;
+// CUDA IPC in cuda_ipc_transport_cuda.cpp and NCCL in nccl_transport_nccl.cpp, each with a
+// fallback twin that throws Error(kUnsupported) in builds without the library.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "transfer/socket.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream::transfer {
+
+/// The receiver's end: owns (or maps) the two bucket buffers it applies from.
+class ReceiverTransport {
+ public:
+  virtual ~ReceiverTransport() = default;
+  /// Bytes sent to the sender with WELCOME (the CUDA IPC handles of both buffers).
+  virtual std::vector<std::byte> welcome_blob() const { return {}; }
+  /// A descriptor passed with WELCOME (the shm memfd), or -1.
+  virtual int welcome_fd() const { return -1; }
+  /// Called once WELCOME is sent: joins the sender where the transport needs both sides
+  /// at once (the NCCL communicator).
+  virtual void join(std::chrono::milliseconds timeout) {}
+  /// Makes `bytes` of the bucket in `slot` present in the buffer: TCP reads them from the
+  /// connection, NCCL receives the broadcast; shared-memory transports have them already.
+  virtual void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
+                       const std::string& what) {}
+  /// Start of buffer `slot` (0 or 1).
+  virtual const std::byte* slot(uint32_t index) const = 0;
+  /// Where the buffers live.
+  virtual Device device() const = 0;
+};
+
+/// The sender's end: fills the buffers and hands them over.
+class SenderTransport {
+ public:
+  virtual ~SenderTransport() = default;
+  /// Called once WELCOME has arrived: joins the receiver (NCCL).
+  virtual void join(std::chrono::milliseconds timeout) {}
+  /// Copies `bytes` from `source` (on `source_device`) to `offset` of buffer `slot`. The
+  /// copy may still be in flight when this returns; seal() waits for it.
+  virtual void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
+                    uint64_t bytes) = 0;
+  /// Waits until every fill of `slot` has landed, before its manifest goes out.
+  virtual void seal(uint32_t slot) {}
+  /// Moves the bucket's bytes after its BUCKET message (TCP writes them, NCCL broadcasts).
+  virtual void push(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout) {}
+};
+
+/// The HELLO blob a sender of `kind` offers (the NCCL unique id; empty otherwise).
+std::vector<std::byte> sender_hello_blob(TransportKind kind);
+
+/// The receiver's transport for a sender that asked for `bucket_bytes`.
+std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, uint64_t bucket_bytes,
+                                                           const Device& device, std::span<const std::byte> hello_blob);
+/// The sender's transport, given what the receiver sent with WELCOME.
+std::unique_ptr<SenderTransport> make_sender_transport(TransportKind kind, uint64_t bucket_bytes, const Device& device,
+                                                       std::span<const std::byte> hello_blob,
+                                                       std::span<const std::byte> welcome_blob, FileDescriptor passed_fd);
+
+// CUDA IPC (cuda_ipc_transport_cuda.cpp, or its fallback).
+std::unique_ptr<ReceiverTransport> make_cuda_ipc_receiver(uint64_t bucket_bytes, const Device& device);
+std::unique_ptr<SenderTransport> make_cuda_ipc_sender(uint64_t bucket_bytes, const Device& device,
+                                                      std::span<const std::byte> welcome_blob);
+// NCCL (nccl_transport_nccl.cpp, or its fallback).
+bool nccl_compiled() noexcept;
+std::vector<std::byte> nccl_unique_id();
+std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t bucket_bytes, const Device& device,
+                                                      std::span<const std::byte> unique_id);
+std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t bucket_bytes, const Device& device,
+                                                  std::span<const std::byte> unique_id);
+
+}  // namespace weightstream::transfer

@@ -1,0 +1,331 @@
+// Encoding and hostile-input parsing of the update protocol's messages (see wire.hpp).
+#include "transfer/wire.hpp"
+
+#include <bit>
+#include <cstring>
+
+namespace weightstream::transfer {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "the wire format is little-endian; add byte swaps here");
+
+class Writer {
+ public:
+  template <typename T>
+  void put(T value) {
+    const auto* bytes = reinterpret_cast<const std::byte*>(&value);
+    out_.insert(out_.end(), bytes, bytes + sizeof(T));
+  }
+  void put_bytes(std::span<const std::byte> bytes) {
+    put(static_cast<uint32_t>(bytes.size()));
+    out_.insert(out_.end(), bytes.begin(), bytes.end());
+  }
+  void put_string(std::string_view text) {
+    put_bytes(std::span(reinterpret_cast<const std::byte*>(text.data()), text.size()));
+  }
+  std::vector<std::byte> take() { return std::move(out_); }
+
+ private:
+  std::vector<std::byte> out_;
+};
+
+/// Reads fields from a body, failing with the peer, message and field on any overrun.
+class Reader {
+ public:
+  Reader(std::span<const std::byte> body, MessageType type, const std::string& peer)
+      : body_(body), type_(type), peer_(peer) {}
+
+  [[noreturn]] void fail(const std::string& field, const std::string& cause) const {
+    WS_FAIL(ErrorCode::kProtocol, std::string(message_type_name(type_)) + " message from " + peer_ + ": " + field +
+                                      ": " + cause);
+  }
+
+  template <typename T>
+  T get(const char* field) {
+    if (body_.size() - position_ < sizeof(T)) {
+      fail(field, "truncated (" + std::to_string(body_.size() - position_) + " bytes left, " +
+                      std::to_string(sizeof(T)) + " needed)");
+    }
+    T value;
+    std::memcpy(&value, body_.data() + position_, sizeof(T));
+    position_ += sizeof(T);
+    return value;
+  }
+
+  std::span<const std::byte> get_bytes(const char* field, uint32_t limit) {
+    uint32_t length = get<uint32_t>(field);
+    if (length > limit) fail(field, "length " + std::to_string(length) + " exceeds the limit " + std::to_string(limit));
+    if (body_.size() - position_ < length) {
+      fail(field, "length " + std::to_string(length) + " runs past the end of the message (" +
+                      std::to_string(body_.size() - position_) + " bytes left)");
+    }
+    auto bytes = body_.subspan(position_, length);
+    position_ += length;
+    return bytes;
+  }
+
+  std::string get_string(const char* field, uint32_t limit) {
+    auto bytes = get_bytes(field, limit);
+    return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }
+
+  size_t left() const noexcept { return body_.size() - position_; }
+
+  void expect_end() const {
+    if (left() != 0) fail("end", std::to_string(left()) + " trailing bytes");
+  }
+
+ private:
+  std::span<const std::byte> body_;
+  size_t position_ = 0;
+  MessageType type_;
+  const std::string& peer_;
+};
+
+bool known_type(uint16_t type) { return type >= 1 && type <= 9; }
+
+std::string printable(std::string_view name) {
+  std::string text;
+  for (char c : name.substr(0, 200)) text += (c >= 0x20 && c < 0x7f) ? c : '?';
+  if (name.size() > 200) text += "...";
+  return text;
+}
+
+}  // namespace
+
+std::string_view message_type_name(MessageType type) noexcept {
+  switch (type) {
+    case MessageType::kHello: return "HELLO";
+    case MessageType::kWelcome: return "WELCOME";
+    case MessageType::kRefuse: return "REFUSE";
+    case MessageType::kStart: return "START";
+    case MessageType::kBucket: return "BUCKET";
+    case MessageType::kApplied: return "APPLIED";
+    case MessageType::kFinish: return "FINISH";
+    case MessageType::kReport: return "REPORT";
+    case MessageType::kError: return "ERROR";
+  }
+  return "unknown";
+}
+
+std::array<std::byte, kHeaderBytes> encode_header(MessageType type, uint64_t length) {
+  std::array<std::byte, kHeaderBytes> header{};
+  uint32_t magic = kMagic;
+  uint16_t version = kProtocolVersion;
+  auto kind = static_cast<uint16_t>(type);
+  std::memcpy(header.data(), &magic, 4);
+  std::memcpy(header.data() + 4, &version, 2);
+  std::memcpy(header.data() + 6, &kind, 2);
+  std::memcpy(header.data() + 8, &length, 8);
+  return header;
+}
+
+FrameHeader parse_header(std::span<const std::byte> bytes, const std::string& peer) {
+  WS_EXPECT(bytes.size() == kHeaderBytes, ErrorCode::kProtocol,
+            "frame header from " + peer + ": " + std::to_string(bytes.size()) + " bytes, expected 16");
+  uint32_t magic;
+  uint16_t version, type;
+  uint64_t length;
+  std::memcpy(&magic, bytes.data(), 4);
+  std::memcpy(&version, bytes.data() + 4, 2);
+  std::memcpy(&type, bytes.data() + 6, 2);
+  std::memcpy(&length, bytes.data() + 8, 8);
+  WS_EXPECT(magic == kMagic, ErrorCode::kProtocol,
+            "frame header from " + peer + ": bad magic 0x" + [&] {
+              char text[16];
+              std::snprintf(text, sizeof(text), "%08x", magic);
+              return std::string(text);
+            }() + " (not a weightstream update peer)");
+  WS_EXPECT(version == kProtocolVersion, ErrorCode::kProtocol,
+            "frame header from " + peer + ": protocol version " + std::to_string(version) + ", this build speaks " +
+                std::to_string(kProtocolVersion));
+  WS_EXPECT(known_type(type), ErrorCode::kProtocol,
+            "frame header from " + peer + ": unknown message type " + std::to_string(type));
+  WS_EXPECT(length <= kMaxMessageBytes, ErrorCode::kProtocol,
+            "frame header from " + peer + ": " + std::string(message_type_name(MessageType(type))) + " length " +
+                std::to_string(length) + " exceeds the limit " + std::to_string(kMaxMessageBytes));
+  return {version, static_cast<MessageType>(type), length};
+}
+
+std::vector<std::byte> encode_body(const Message& message) {
+  Writer out;
+  switch (message.type) {
+    case MessageType::kHello:
+      out.put_string(message.token);
+      out.put(static_cast<uint8_t>(message.transport));
+      out.put(message.bucket_bytes);
+      out.put_bytes(message.blob);
+      break;
+    case MessageType::kWelcome:
+      out.put(message.bucket_bytes);
+      out.put(message.slots);
+      out.put_bytes(message.blob);
+      break;
+    case MessageType::kRefuse:
+      out.put_string(message.text);
+      break;
+    case MessageType::kStart:
+      out.put(static_cast<uint8_t>(message.format == TensorFormat::kEngine ? 1 : 0));
+      break;
+    case MessageType::kBucket:
+      out.put(message.manifest.index);
+      out.put(message.manifest.slot);
+      out.put(message.manifest.bytes);
+      out.put(static_cast<uint32_t>(message.manifest.entries.size()));
+      for (const BucketEntry& entry : message.manifest.entries) {
+        out.put_string(entry.name);
+        out.put(static_cast<uint8_t>(entry.dtype));
+        out.put(static_cast<uint8_t>(entry.shape.size()));
+        for (int64_t dimension : entry.shape) out.put(dimension);
+        out.put(entry.tensor_offset);
+        out.put(entry.bucket_offset);
+        out.put(entry.bytes);
+      }
+      break;
+    case MessageType::kApplied:
+      out.put(message.manifest.index);
+      out.put(message.manifest.slot);
+      break;
+    case MessageType::kFinish:
+      out.put(message.buckets);
+      break;
+    case MessageType::kReport: {
+      const UpdateReport& report = message.report;
+      out.put(report.buckets);
+      out.put(report.tensors);
+      out.put(report.bytes);
+      out.put(report.seconds);
+      const LoadCounters& counters = report.counters;
+      for (uint64_t value : {counters.tensors_applied, counters.bytes_applied, counters.tensors_skipped,
+                             counters.parameters_completed, counters.layer_processing_runs, counters.model_hook_runs}) {
+        out.put(value);
+      }
+      out.put(static_cast<uint32_t>(report.completed_layers.size()));
+      for (int64_t layer : report.completed_layers) out.put(layer);
+      break;
+    }
+    case MessageType::kError:
+      out.put(static_cast<uint8_t>(message.code));
+      out.put_string(message.text);
+      break;
+  }
+  return out.take();
+}
+
+Message parse_body(MessageType type, std::span<const std::byte> body, const std::string& peer) {
+  Reader in(body, type, peer);
+  Message message;
+  message.type = type;
+  switch (type) {
+    case MessageType::kHello: {
+      message.token = in.get_string("token", kMaxTokenBytes);
+      auto transport = in.get<uint8_t>("transport");
+      if (transport < 1 || transport > 4) in.fail("transport", "unknown transport " + std::to_string(transport));
+      message.transport = static_cast<TransportKind>(transport);
+      message.bucket_bytes = in.get<uint64_t>("bucket_bytes");
+      if (message.bucket_bytes == 0) in.fail("bucket_bytes", "zero");
+      auto blob = in.get_bytes("blob", kMaxBlobBytes);
+      message.blob.assign(blob.begin(), blob.end());
+      break;
+    }
+    case MessageType::kWelcome: {
+      message.bucket_bytes = in.get<uint64_t>("bucket_bytes");
+      message.slots = in.get<uint32_t>("slots");
+      if (message.slots != 2) in.fail("slots", std::to_string(message.slots) + " bucket buffers, expected 2");
+      auto blob = in.get_bytes("blob", kMaxBlobBytes);
+      message.blob.assign(blob.begin(), blob.end());
+      break;
+    }
+    case MessageType::kRefuse:
+      message.text = in.get_string("reason", kMaxTextBytes);
+      break;
+    case MessageType::kStart: {
+      auto format = in.get<uint8_t>("format");
+      if (format > 1) in.fail("format", "unknown tensor format " + std::to_string(format));
+      message.format = format == 1 ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
+      break;
+    }
+    case MessageType::kBucket: {
+      BucketManifest& manifest = message.manifest;
+      manifest.index = in.get<uint64_t>("index");
+      manifest.slot = in.get<uint32_t>("slot");
+      if (manifest.slot > 1) in.fail("slot", "bucket buffer " + std::to_string(manifest.slot) + " does not exist");
+      manifest.bytes = in.get<uint64_t>("bytes");
+      auto count = in.get<uint32_t>("count");
+      if (count > kMaxEntries) in.fail("count", std::to_string(count) + " entries exceed the limit");
+      // Each entry takes at least 34 bytes: reserve no more than the body can hold.
+      if (count > in.left() / 34) {
+        in.fail("count", std::to_string(count) + " entries cannot fit in the " + std::to_string(in.left()) +
+                             " bytes left");
+      }
+      manifest.entries.reserve(count);
+      for (uint32_t i = 0; i < count; ++i) {
+        BucketEntry entry;
+        entry.name = in.get_string("entry name", kMaxNameBytes);
+        std::string where = "entry " + std::to_string(i) + " ('" + printable(entry.name) + "') of bucket " +
+                            std::to_string(manifest.index);
+        if (entry.name.empty()) in.fail(where, "empty name");
+        auto dtype = in.get<uint8_t>("entry dtype");
+        if (dtype > static_cast<uint8_t>(Dtype::kF6E3M2)) in.fail(where, "unknown dtype code " + std::to_string(dtype));
+        entry.dtype = static_cast<Dtype>(dtype);
+        auto rank = in.get<uint8_t>("entry rank");
+        if (rank > kMaxTensorRank) in.fail(where, "rank " + std::to_string(rank) + " exceeds " + std::to_string(kMaxTensorRank));
+        entry.shape.reserve(rank);
+        for (uint8_t d = 0; d < rank; ++d) entry.shape.push_back(in.get<int64_t>("entry shape"));
+        entry.tensor_offset = in.get<uint64_t>("entry tensor_offset");
+        entry.bucket_offset = in.get<uint64_t>("entry bucket_offset");
+        entry.bytes = in.get<uint64_t>("entry bytes");
+        auto size = tensor_byte_size(entry.dtype, entry.shape);
+        if (!size) in.fail(where, "shape " + shape_text(entry.shape) + " of " + std::string(dtype_name(entry.dtype)) + " has no valid byte size");
+        if (entry.tensor_offset > *size || entry.bytes > *size - entry.tensor_offset) {
+          in.fail(where, "piece " + std::to_string(entry.tensor_offset) + "+" + std::to_string(entry.bytes) +
+                             " lies outside the tensor's " + std::to_string(*size) + " bytes");
+        }
+        if (entry.bucket_offset > manifest.bytes || entry.bytes > manifest.bytes - entry.bucket_offset) {
+          in.fail(where, "bytes " + std::to_string(entry.bucket_offset) + "+" + std::to_string(entry.bytes) +
+                             " lie outside the bucket's " + std::to_string(manifest.bytes) + " bytes");
+        }
+        manifest.entries.push_back(std::move(entry));
+      }
+      break;
+    }
+    case MessageType::kApplied:
+      message.manifest.index = in.get<uint64_t>("index");
+      message.manifest.slot = in.get<uint32_t>("slot");
+      if (message.manifest.slot > 1) in.fail("slot", "bucket buffer " + std::to_string(message.manifest.slot) + " does not exist");
+      break;
+    case MessageType::kFinish:
+      message.buckets = in.get<uint64_t>("buckets");
+      break;
+    case MessageType::kReport: {
+      UpdateReport& report = message.report;
+      report.buckets = in.get<uint64_t>("buckets");
+      report.tensors = in.get<uint64_t>("tensors");
+      report.bytes = in.get<uint64_t>("bytes");
+      report.seconds = in.get<double>("seconds");
+      LoadCounters& counters = report.counters;
+      for (uint64_t* value : {&counters.tensors_applied, &counters.bytes_applied, &counters.tensors_skipped,
+                              &counters.parameters_completed, &counters.layer_processing_runs,
+                              &counters.model_hook_runs}) {
+        *value = in.get<uint64_t>("counters");
+      }
+      auto count = in.get<uint32_t>("layers");
+      if (count > kMaxLayers || count > in.left() / 8) in.fail("layers", std::to_string(count) + " layers do not fit");
+      for (uint32_t i = 0; i < count; ++i) report.completed_layers.push_back(in.get<int64_t>("layer"));
+      break;
+    }
+    case MessageType::kError: {
+      auto code = in.get<uint8_t>("code");
+      if (code > static_cast<uint8_t>(ErrorCode::kInternal)) in.fail("code", "unknown error code " + std::to_string(code));
+      message.code = static_cast<ErrorCode>(code);
+      message.text = in.get_string("message", kMaxTextBytes);
+      break;
+    }
+    default:
+      in.fail("type", "unknown message type " + std::to_string(static_cast<uint16_t>(type)));
+  }
+  in.expect_end();
+  return message;
+}
+
+}  // namespace weightstream::transfer

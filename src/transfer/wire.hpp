@@ -1,0 +1,110 @@
+#pragma once
+// The update protocol's wire format, version 1. Every message is a frame: a 16-byte header
+// followed by a body of `length` bytes. All integers are little-endian.
+//
+//   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
+//   string: u32 length, then that many bytes (no terminator)
+//   blob:   u32 length, then that many bytes
+//
+//   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, blob (NCCL unique id)
+//   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles); shm passes
+//                                 the bucket memfd with this message (SCM_RIGHTS)
+//   REFUSE  (receiver -> sender)  reason string; the receiver then closes
+//   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine)
+//   BUCKET  (sender -> receiver)  index u64, slot u32, bytes u64, count u32, then per entry:
+//                                 name string, dtype u8, rank u8, rank x i64 dims,
+//                                 tensor_offset u64, bucket_offset u64, bytes u64.
+//                                 TCP: `bytes` bytes of payload follow the frame.
+//   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled
+//   FINISH  (sender -> receiver)  buckets u64
+//   REPORT  (receiver -> sender)  buckets, tensors, bytes u64, seconds f64, six counters u64,
+//                                 count u32, count x i64 completed layers
+//   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
+//
+// Every field read from a peer is hostile input: lengths are checked against the bytes
+// left and against limits before anything is allocated, so a parser never reads out of
+// bounds or allocates more than the frame's own size.
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "weightstream/error.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream::transfer {
+
+inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kHeaderBytes = 16;
+/// Largest message body: a manifest of 100,000 entries with long names fits easily.
+inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
+inline constexpr uint32_t kMaxNameBytes = 4096;
+inline constexpr uint32_t kMaxTokenBytes = 4096;
+inline constexpr uint32_t kMaxTextBytes = 64 << 10;
+inline constexpr uint32_t kMaxBlobBytes = 64 << 10;
+inline constexpr uint32_t kMaxEntries = 1 << 20;
+inline constexpr uint32_t kMaxLayers = 1 << 20;
+
+enum class MessageType : uint16_t {
+  kHello = 1,
+  kWelcome = 2,
+  kRefuse = 3,
+  kStart = 4,
+  kBucket = 5,
+  kApplied = 6,
+  kFinish = 7,
+  kReport = 8,
+  kError = 9,
+};
+
+/// "HELLO", "BUCKET", ...; "unknown" for a value outside the enum.
+std::string_view message_type_name(MessageType type) noexcept;
+
+struct FrameHeader {
+  uint16_t version = kProtocolVersion;
+  MessageType type = MessageType::kError;
+  uint64_t length = 0;
+};
+
+/// One decoded message; only the fields of its type are set.
+struct Message {
+  MessageType type = MessageType::kError;
+  // HELLO
+  std::string token;
+  TransportKind transport = TransportKind::kTcp;
+  // HELLO, WELCOME
+  uint64_t bucket_bytes = 0;
+  std::vector<std::byte> blob;
+  // WELCOME
+  uint32_t slots = 0;
+  // START
+  TensorFormat format = TensorFormat::kCheckpoint;
+  // BUCKET (manifest), APPLIED (index, slot)
+  BucketManifest manifest;
+  // FINISH
+  uint64_t buckets = 0;
+  // REPORT
+  UpdateReport report;
+  // REFUSE, ERROR
+  ErrorCode code = ErrorCode::kProtocol;
+  std::string text;
+};
+
+/// The 16 header bytes of a frame with a body of `length` bytes.
+std::array<std::byte, kHeaderBytes> encode_header(MessageType type, uint64_t length);
+/// Parses a frame header. Throws Error(kProtocol) naming `peer` on a wrong magic, an
+/// unsupported version, an unknown type or a length over kMaxMessageBytes.
+FrameHeader parse_header(std::span<const std::byte> bytes, const std::string& peer);
+
+/// The body of `message` (its type decides which fields are written).
+std::vector<std::byte> encode_body(const Message& message);
+/// Parses the body of a frame of type `type`. Throws Error(kProtocol) naming `peer`, the
+/// message and the field on any truncated, oversized or invalid field, or trailing bytes.
+/// A BUCKET's entries are checked for themselves (known dtype, shape within kMaxTensorRank
+/// with a valid byte size, piece inside its tensor and inside the bucket's `bytes`).
+Message parse_body(MessageType type, std::span<const std::byte> body, const std::string& peer);
+
+}  // namespace weightstream::transfer

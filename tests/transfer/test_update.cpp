@@ -1,0 +1,367 @@
+// Pushed updates end to end: a sender (a thread, or a forked process where it must die)
+// sends a checkpoint over shm or TCP into a receiver holding a LoadSession in update mode;
+// the result is compared bit for bit with a cold load. Also manifest validation, a sender
+// that dies or stalls mid-update, tokens and the loopback default.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include "model/model_fixtures.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using testing::host_layout;
+using testing::MemoryCheckpoint;
+using testing::run_load;
+using testing::synth_in_memory;
+using testing::synth_options;
+using namespace std::chrono_literals;
+
+const MemoryCheckpoint& checkpoint_of(uint64_t seed) {
+  static std::map<uint64_t, MemoryCheckpoint> cache;
+  if (!cache.contains(seed)) cache.emplace(seed, synth_in_memory(synth_options("llama", seed)));
+  return cache.at(seed);
+}
+
+/// A layout cold-loaded from seed 1 with a counting model hook.
+struct LoadedModel {
+  ModelLayout layout;
+  int hook_runs = 0;
+  std::map<std::string, const std::byte*> addresses;
+
+  explicit LoadedModel(uint64_t seed = 1) : layout(host_layout(checkpoint_of(seed))) {
+    layout.add_hook(make_model_hook("count", [this](ModelLayout&) { ++hook_runs; }));
+    run_load(layout, LoadMode::kCold, {checkpoint_of(seed).views()});
+    addresses = storage_addresses(layout);
+  }
+};
+
+ModelLayout fresh_layout(uint64_t seed) {
+  ModelLayout layout = host_layout(checkpoint_of(seed));
+  run_load(layout, LoadMode::kCold, {checkpoint_of(seed).views()});
+  return layout;
+}
+
+std::string error_text(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return std::string(error_code_name(error.code())) + ": " + error.what();
+  }
+  return "no error";
+}
+
+ReceiverOptions receiver_options(TransportKind kind) {
+  ReceiverOptions options;
+  options.transport = kind;
+  options.token = "shared-secret";
+  options.timeout = 10s;
+  return options;
+}
+
+SenderOptions sender_options(TransportKind kind, uint64_t bucket_bytes = 64 << 10) {
+  SenderOptions options;
+  options.transport = kind;
+  options.token = "shared-secret";
+  options.bucket_bytes = bucket_bytes;
+  options.timeout = 10s;
+  return options;
+}
+
+/// Sends `views` in `format` from a thread; the future holds the sender's report or error.
+std::future<UpdateReport> send_async(std::string address, SenderOptions options, std::vector<TensorView> views,
+                                     TensorFormat format = TensorFormat::kCheckpoint) {
+  return std::async(std::launch::async, [=] {
+    UpdateSender sender(address, options);
+    sender.start(format);
+    for (const TensorView& view : views) sender.send(view);
+    return sender.finish();
+  });
+}
+
+std::vector<TensorView> layer_views(const MemoryCheckpoint& checkpoint, const std::string& prefix) {
+  return checkpoint.views_matching(prefix);
+}
+
+class Transports : public ::testing::TestWithParam<TransportKind> {};
+
+TEST_P(Transports, CheckpointUpdateMatchesAColdLoadInPlaceWithOneHookRun) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(GetParam()));
+  // 64 KiB buckets: tensors of 128 KiB and more travel in pieces across buckets.
+  auto sent = send_async(receiver.address(), sender_options(GetParam()), checkpoint_of(2).views());
+  UpdateReport report = receiver.receive(10s);
+  UpdateReport echoed = sent.get();
+
+  ModelLayout expected = fresh_layout(2);
+  LayoutComparison comparison = compare_layouts(model.layout, expected);
+  EXPECT_GT(comparison.compared, 10u);
+  EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+  EXPECT_EQ(model.hook_runs, 2);  // the cold load's and the update's
+  EXPECT_EQ(report.counters.model_hook_runs, 1u);
+  EXPECT_GT(report.buckets, 10u);
+  EXPECT_EQ(report.tensors, checkpoint_of(2).tensors.size());
+  EXPECT_EQ(echoed.buckets, report.buckets);
+  EXPECT_EQ(echoed.bytes, report.bytes);
+  EXPECT_EQ(echoed.completed_layers, report.completed_layers);
+  EXPECT_EQ(report.completed_layers, (std::vector<int64_t>{-1, 0, 1}));
+}
+
+TEST_P(Transports, EngineFormatCopiesParametersInPlace) {
+  LoadedModel model(1);
+  ModelLayout source = fresh_layout(3);
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorView> views;
+  for (const Parameter& parameter : source.parameters()) bytes.push_back(parameter_bytes(parameter));
+  for (size_t i = 0; i < source.parameters().size(); ++i) {
+    const Parameter& parameter = source.parameters()[i];
+    views.push_back({parameter.name, parameter.dtype, parameter.shape, bytes[i].data(), Device{}, 0, bytes[i].size()});
+  }
+  UpdateReceiver receiver(model.layout, receiver_options(GetParam()));
+  auto sent = send_async(receiver.address(), sender_options(GetParam(), 1 << 20), views, TensorFormat::kEngine);
+  UpdateReport report = receiver.receive(10s);
+  sent.get();
+  EXPECT_EQ(report.format, TensorFormat::kEngine);
+  EXPECT_EQ(compare_layouts(model.layout, source).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+  EXPECT_EQ(model.hook_runs, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(ShmAndTcp, Transports, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
+                         [](const auto& info) { return std::string(transport_name(info.param)); });
+
+// ---- manifest validation ------------------------------------------------------------------
+
+/// Runs an update whose tensors are `before`, a flush, then `bad`; returns the receiver's error.
+std::string failed_update(LoadedModel& model, const std::vector<TensorView>& before, const std::vector<TensorView>& bad,
+                          TensorFormat format = TensorFormat::kCheckpoint, std::string* sender_error = nullptr) {
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
+    return error_text([&] {
+      UpdateSender sender(address, sender_options(TransportKind::kTcp));
+      sender.start(format);
+      for (const TensorView& view : before) sender.send(view);
+      sender.flush();
+      for (const TensorView& view : bad) sender.send(view);
+      sender.finish();
+    });
+  });
+  std::string text = error_text([&] { receiver.receive(10s); });
+  std::string sender_text = sent.get();
+  if (sender_error != nullptr) *sender_error = sender_text;
+  return text;
+}
+
+TEST(Manifest, UnknownNameFailsAtItsBucketAndReportsCompletedLayers) {
+  LoadedModel model(1);
+  const MemoryCheckpoint& update = checkpoint_of(2);
+  std::vector<TensorView> layer0 = layer_views(update, "model.layers.0.");
+  std::vector<int64_t> shape = {4, 4};
+  std::vector<std::byte> junk(32);
+  TensorView unknown{"model.layers.1.self_attn.rotary_blob", Dtype::kBF16, shape, junk.data(), Device{}, 0, 32};
+  std::string sender_error;
+  std::string text = failed_update(model, layer0, {unknown}, TensorFormat::kCheckpoint, &sender_error);
+  EXPECT_THAT(text, StartsWith("model: update from tcp peer 127.0.0.1:"));
+  EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob (entry of bucket"));
+  EXPECT_THAT(text, HasSubstr("matches no parameter of"));
+  EXPECT_THAT(text, HasSubstr("failed at bucket"));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
+  EXPECT_THAT(sender_error, HasSubstr("failed the update: tensor model.layers.1.self_attn.rotary_blob"));
+  // Layer 0 holds the update, layer 1 its old values.
+  ModelLayout old_values = fresh_layout(1);
+  ModelLayout new_values = fresh_layout(2);
+  const std::string q0 = "model.layers.0.self_attn.qkv_proj.weight";
+  const std::string q1 = "model.layers.1.self_attn.qkv_proj.weight";
+  EXPECT_EQ(testing::bytes_of(model.layout, q0), testing::bytes_of(new_values, q0));
+  EXPECT_EQ(testing::bytes_of(model.layout, q1), testing::bytes_of(old_values, q1));
+}
+
+TEST(Manifest, WrongShapeAndDtypeAreNamed) {
+  LoadedModel model(1);
+  const MemoryCheckpoint& update = checkpoint_of(2);
+  const auto& norm = update.tensor("model.layers.1.input_layernorm.weight");
+  std::vector<int64_t> wrong_shape = {norm.shape[0] / 2};
+  TensorView half{norm.name, norm.dtype, wrong_shape, norm.bytes.data(), Device{}, 0, norm.bytes.size() / 2};
+  EXPECT_THAT(failed_update(model, {}, {half}),
+              HasSubstr("tensor model.layers.1.input_layernorm.weight (entry of bucket 0) has shape [128] but "
+                        "parameter model.layers.1.input_layernorm.weight"));
+
+  TensorView as_int{norm.name, Dtype::kI16, norm.shape, norm.bytes.data(), Device{}, 0, norm.bytes.size()};
+  EXPECT_THAT(failed_update(model, {}, {as_int}), HasSubstr("has dtype I16 but parameter"));
+
+  const Parameter& parameter = model.layout.parameter("model.norm.weight");
+  std::vector<std::byte> bytes(parameter.elements() * 4);
+  TensorView engine_f32{parameter.name, Dtype::kF32, parameter.shape, bytes.data(), Device{}, 0, bytes.size()};
+  EXPECT_THAT(failed_update(model, {}, {engine_f32}, TensorFormat::kEngine),
+              HasSubstr("engine-format tensor model.norm.weight (entry of bucket 0) has dtype F32 but parameter "
+                        "model.norm.weight (global) holds BF16"));
+  // Nothing was written: the model is still the cold load's.
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
+}
+
+TEST(Manifest, PiecesOutOfOrderAreRejected) {
+  LoadedModel model(1);
+  const auto& tensor = checkpoint_of(2).tensor("model.layers.0.mlp.down_proj.weight");
+  TensorView second = tensor.piece(1024, 1024);
+  EXPECT_THAT(failed_update(model, {}, {second}),
+              HasSubstr("piece at byte 1024, expected byte 0 (pieces of a tensor come in order, once)"));
+}
+
+// ---- senders that die or stall --------------------------------------------------------------
+
+/// Forks a sender that sends `views` then dies (`stall`: stops answering instead). The pipe
+/// tells the parent how many buckets had gone out.
+struct DyingSender {
+  pid_t pid = -1;
+  int pipe_read = -1;
+  DyingSender(const std::string& address, const std::vector<TensorView>& views, bool stall) {
+    int fds[2];
+    EXPECT_EQ(::pipe(fds), 0);
+    pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[0]);
+      uint64_t sent = UINT64_MAX;
+      try {
+        UpdateSender sender(address, sender_options(TransportKind::kTcp, 16 << 10));
+        sender.start(TensorFormat::kCheckpoint);
+        for (const TensorView& view : views) sender.send(view);
+        sent = sender.buckets_sent();
+        (void)!::write(fds[1], &sent, sizeof(sent));
+        if (stall) ::pause();  // connected and silent
+      } catch (...) {
+        (void)!::write(fds[1], &sent, sizeof(sent));
+      }
+      ::raise(SIGKILL);  // vanish without a word, as a crashed trainer would
+    }
+    ::close(fds[1]);
+    pipe_read = fds[0];
+  }
+  uint64_t buckets_sent() {
+    uint64_t sent = 0;
+    EXPECT_EQ(::read(pipe_read, &sent, sizeof(sent)), static_cast<ssize_t>(sizeof(sent)));
+    return sent;
+  }
+  ~DyingSender() {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    ::close(pipe_read);
+  }
+};
+
+/// Layer 0 whole and the first half of layer 1's tensors of the seed-2 checkpoint.
+std::vector<TensorView> partial_update() {
+  std::vector<TensorView> views = layer_views(checkpoint_of(2), "model.layers.0.");
+  std::vector<TensorView> layer1 = layer_views(checkpoint_of(2), "model.layers.1.");
+  views.insert(views.end(), layer1.begin(), layer1.begin() + static_cast<ptrdiff_t>(layer1.size() / 2));
+  return views;
+}
+
+void expect_old_layer1_new_layer0_then_reload_restores(LoadedModel& model) {
+  ModelLayout old_values = fresh_layout(1);
+  ModelLayout new_values = fresh_layout(2);
+  for (const Parameter& parameter : model.layout.parameters()) {
+    if (parameter.layer == 1) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(old_values, parameter.name)) << parameter.name;
+    } else if (parameter.layer == 0) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name)) << parameter.name;
+    }
+  }
+  run_load(model.layout, LoadMode::kReload, {checkpoint_of(2).views()});
+  EXPECT_EQ(compare_layouts(model.layout, new_values).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+}
+
+TEST(DeadSender, KilledMidUpdateNamesTheLastBucketAndKeepsIncompleteLayers) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  DyingSender sender(receiver.address(), partial_update(), /*stall=*/false);
+  std::string text = error_text([&] { receiver.receive(10s); });
+  uint64_t buckets = sender.buckets_sent();
+  ASSERT_GT(buckets, 2u);
+  ASSERT_NE(buckets, UINT64_MAX);
+  EXPECT_THAT(text, StartsWith("network: update from tcp peer 127.0.0.1:"));
+  EXPECT_THAT(text, HasSubstr("failed after bucket " + std::to_string(buckets - 1) + " (the last received)"));
+  EXPECT_THAT(text, HasSubstr("(the peer has gone)"));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
+  EXPECT_THAT(text, HasSubstr("every other layer keeps its old values"));
+  expect_old_layer1_new_layer0_then_reload_restores(model);
+  EXPECT_EQ(model.hook_runs, 2);  // cold load and the reload; the failed update ran none
+}
+
+TEST(DeadSender, StalledSenderTimesOutNamingTheLastBucket) {
+  LoadedModel model(1);
+  ReceiverOptions options = receiver_options(TransportKind::kTcp);
+  options.timeout = 400ms;
+  UpdateReceiver receiver(model.layout, options);
+  DyingSender sender(receiver.address(), partial_update(), /*stall=*/true);
+  std::string text = error_text([&] { receiver.receive(10s); });
+  uint64_t buckets = sender.buckets_sent();
+  EXPECT_THAT(text, StartsWith("timeout: update from tcp peer"));
+  EXPECT_THAT(text, HasSubstr("failed after bucket " + std::to_string(buckets - 1) + " (the last received)"));
+  EXPECT_THAT(text, HasSubstr("timed out after 0.4 s of silence"));
+  EXPECT_THAT(text, HasSubstr("waiting for bucket " + std::to_string(buckets) + " or FINISH"));
+  expect_old_layer1_new_layer0_then_reload_restores(model);
+}
+
+// ---- tokens and binding ---------------------------------------------------------------------
+
+TEST(Security, WrongTokenIsRefusedBeforeAnythingIsWritten) {
+  for (TransportKind kind : {TransportKind::kTcp, TransportKind::kShm}) {
+    LoadedModel model(1);
+    UpdateReceiver receiver(model.layout, receiver_options(kind));
+    SenderOptions options = sender_options(kind);
+    options.token = "guess";
+    auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
+      return error_text([&] { UpdateSender sender(address, options); });
+    });
+    std::string text = error_text([&] { receiver.receive(10s); });
+    EXPECT_THAT(text, HasSubstr("protocol: update receiver at " + receiver.address()));
+    EXPECT_THAT(text, HasSubstr("refused"));
+    EXPECT_THAT(text, HasSubstr("wrong or missing token"));
+    EXPECT_THAT(sent.get(), HasSubstr("refused this sender: wrong or missing token"));
+    EXPECT_EQ(model.hook_runs, 1);
+  }
+}
+
+TEST(Security, ListenersBindLoopbackOrAPrivateUnixSocketByDefault) {
+  LoadedModel model(1);
+  UpdateReceiver tcp(model.layout, ReceiverOptions{});
+  EXPECT_THAT(tcp.address(), StartsWith("127.0.0.1:"));
+  ReceiverOptions shm_options;
+  shm_options.transport = TransportKind::kShm;
+  UpdateReceiver shm(model.layout, shm_options);
+  struct stat status{};
+  ASSERT_EQ(::stat(shm.address().c_str(), &status), 0) << shm.address();
+  EXPECT_TRUE(S_ISSOCK(status.st_mode));
+  EXPECT_EQ(status.st_mode & 0777, 0600u);
+}
+
+TEST(Security, NonLoopbackOnlyWhenAsked) {
+  LoadedModel model(1);
+  ReceiverOptions options;
+  options.listen = "0.0.0.0:0";
+  UpdateReceiver receiver(model.layout, options);
+  EXPECT_THAT(receiver.address(), StartsWith("0.0.0.0:"));
+}
+
+TEST(Transports, TransportNamesParseAndUnknownIsAnError) {
+  EXPECT_EQ(parse_transport("cuda-ipc"), TransportKind::kCudaIpc);
+  EXPECT_EQ(parse_transport("nccl"), TransportKind::kNccl);
+  EXPECT_THAT(error_text([] { parse_transport("rdma"); }),
+              HasSubstr("transport 'rdma' is not one of shm, tcp, cuda-ipc, nccl"));
+}
+
+}  // namespace
+}  // namespace weightstream
