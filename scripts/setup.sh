@@ -4,7 +4,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ "${WS_SKIP_DEPS:-0}" != 1 ]; then "$root/scripts/install-deps.sh"; fi
-"$root/scripts/build.sh"
+"$root/scripts/build.sh" weightstream_cli
 build=${WS_BUILD_DIR:-$root/build}
 sample="$build/sample-llama"
 rm -rf "$sample"
