@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "cli/command.hpp"
+#include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
 #include "weightstream/stream.hpp"
 
@@ -36,7 +37,8 @@ void print_stream_summary(const char* verb, const StreamStats& stats, const std:
 void add_load_command(CLI::App& app) {
   auto flags = std::make_shared<LoadFlags>();
   auto* command = app.add_subcommand("load", "Stream every tensor of a checkpoint into memory and report the throughput");
-  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://")->required();
+  // Required unless the resolve path below is taken (its sources can name the checkpoint).
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://");
   command->add_option("--device", flags->device, "Destination: cpu or cuda:N (default cpu)");
   command->add_flag("--json", flags->json, "Print JSON: tensors, bytes, seconds, gbps, peak_staging_bytes, ...");
   add_stream_flags(*command, flags->stream);
@@ -46,7 +48,19 @@ void add_load_command(CLI::App& app) {
   auto layout_flags = std::make_shared<LayoutLoadFlags>();
   add_layout_load_flags(*command, *layout_flags);
   // ---- end of model layout path ----
-  command->callback([flags, layout_flags] {
+  // ---- source resolution and drafts (resolve layer; see cli/draft_flags.hpp) ----
+  // --model/--model-weights/--speculative mtp/--draft-only resolve the target's and the
+  // draft's sources and load them as modules; the URI, when given, is the target's --model.
+  auto draft_flags = std::make_shared<DraftFlags>();
+  add_draft_load_flags(*command, *draft_flags);
+  // ---- end of source resolution and drafts ----
+  command->callback([flags, layout_flags, draft_flags] {
+    if (draft_flags->requested()) {  // source resolution and drafts
+      run_draft_load(flags->uri, *draft_flags, layout_options_from_flags(layout_flags->layout), flags->device,
+                     flags->stream, flags->json);
+      return;
+    }
+    if (flags->uri.empty()) throw CLI::RequiredError("uri");
     if (layout_flags->requested()) {  // model layout path
       run_layout_load(flags->uri, layout_flags->layout, flags->device, flags->stream, flags->json);
       return;

@@ -2,6 +2,7 @@
 #include <iostream>
 
 #include "cli/command.hpp"
+#include "cli/draft_flags.hpp"
 #include "weightstream/error.hpp"
 
 int main(int argc, char** argv) {
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   weightstream::cli::add_export_command(app);
   weightstream::cli::add_audit_command(app);
   weightstream::cli::add_s3_command(app);
+  weightstream::cli::add_resolve_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
