@@ -1,0 +1,201 @@
+// weightstream._core: bindings of the transfer layer (issue 8). A trainer pushes tensors
+// with UpdateSender (DLPack arrays: torch, numpy, cupy, on the host or a GPU); an engine
+// applies them with UpdateReceiver into its ModelLayout. The GIL is released while bytes
+// move and while the receiver waits.
+//
+// Registered from module.cpp with `bind_transfer(m);`. The receiver needs the C++
+// ModelLayout behind a Python ModelLayout: `python_layout()` (declared in bindings.hpp,
+// defined in model_bindings.cpp beside LayoutHandle) hands it over.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace weightstream::python {
+
+/// The C++ layout behind a Python ModelLayout (model_bindings.cpp owns LayoutHandle).
+ModelLayout& python_layout(nb::handle layout);
+
+namespace {
+
+std::chrono::milliseconds milliseconds(double seconds) {
+  WS_EXPECT(seconds > 0, ErrorCode::kInvalidArgument, "timeout must be positive, got " + std::to_string(seconds));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+TensorFormat format_of(const std::string& text) {
+  if (text == "checkpoint") return TensorFormat::kCheckpoint;
+  if (text == "engine") return TensorFormat::kEngine;
+  WS_FAIL(ErrorCode::kInvalidArgument, "tensor format '" + text + "' is not one of checkpoint, engine");
+}
+
+/// The safetensors dtype of a DLPack array, or of `declared` (a safetensors name) when
+/// given: needed for BF16 and F8 arrays that arrive as raw uint8 bytes.
+Dtype dtype_of(const nb::ndarray<nb::ro>& array, const std::optional<std::string>& declared, const std::string& name) {
+  if (declared) {
+    auto dtype = dtype_from_name(*declared);
+    WS_EXPECT(dtype.has_value(), ErrorCode::kInvalidArgument,
+              "tensor '" + name + "': unknown safetensors dtype '" + *declared + "'");
+    return *dtype;
+  }
+  using Code = nb::dlpack::dtype_code;
+  auto dtype = array.dtype();
+  auto code = static_cast<Code>(dtype.code);
+  if (code == Code::Bfloat && dtype.bits == 16) return Dtype::kBF16;
+  if (code == Code::Float && dtype.bits == 16) return Dtype::kF16;
+  if (code == Code::Float && dtype.bits == 32) return Dtype::kF32;
+  if (code == Code::Float && dtype.bits == 64) return Dtype::kF64;
+  if (code == Code::Int && dtype.bits == 8) return Dtype::kI8;
+  if (code == Code::Int && dtype.bits == 16) return Dtype::kI16;
+  if (code == Code::Int && dtype.bits == 32) return Dtype::kI32;
+  if (code == Code::Int && dtype.bits == 64) return Dtype::kI64;
+  if (code == Code::UInt && dtype.bits == 8) return Dtype::kU8;
+  if (code == Code::Bool) return Dtype::kBool;
+  if (code == Code::Float8_E4M3FN) return Dtype::kF8E4M3;
+  if (code == Code::Float8_E5M2) return Dtype::kF8E5M2;
+  WS_FAIL(ErrorCode::kInvalidArgument, "tensor '" + name + "' has a dtype safetensors has no name for; pass dtype=");
+}
+
+class PySender {
+ public:
+  PySender(const std::string& address, const std::string& transport, const std::string& token, uint64_t bucket_bytes,
+           double timeout, const std::string& device) {
+    SenderOptions options;
+    options.transport = parse_transport(transport);
+    options.token = token;
+    options.bucket_bytes = bucket_bytes;
+    options.timeout = milliseconds(timeout);
+    options.device = parse_device(device);
+    nb::gil_scoped_release release;
+    sender_ = std::make_unique<UpdateSender>(address, options);
+  }
+
+  void start(const std::string& format) {
+    auto parsed = format_of(format);
+    nb::gil_scoped_release release;
+    sender_->start(parsed);
+  }
+
+  void send(const std::string& name, nb::handle tensor, std::optional<std::string> dtype) {
+    auto array = nb::cast<nb::ndarray<nb::ro>>(tensor, false);
+    int64_t expected_stride = 1;
+    for (size_t i = array.ndim(); i-- > 0;) {
+      WS_EXPECT(array.shape(i) <= 1 || array.stride(i) == expected_stride, ErrorCode::kInvalidArgument,
+                "tensor '" + name + "' is not contiguous (row-major); pass tensor.contiguous()");
+      expected_stride *= static_cast<int64_t>(array.shape(i));
+    }
+    std::vector<int64_t> shape;
+    for (size_t i = 0; i < array.ndim(); ++i) shape.push_back(static_cast<int64_t>(array.shape(i)));
+    Dtype parsed = dtype_of(array, dtype, name);
+    unsigned bits = dtype_bits(parsed);
+    // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 without torch).
+    if (dtype && array.dtype().bits == 8 && bits > 8 && !shape.empty() && shape.back() == bits / 8) shape.pop_back();
+    auto bytes = tensor_byte_size(parsed, shape);
+    WS_EXPECT(bytes && *bytes == array.nbytes(), ErrorCode::kInvalidArgument,
+              "tensor '" + name + "' holds " + std::to_string(array.nbytes()) + " bytes, not the " +
+                  std::string(dtype_name(parsed)) + " " + shape_text(shape) + " it claims");
+    Device device = array.device_type() == nb::device::cuda::value ? Device{Device::Kind::kCuda, array.device_id()}
+                                                                   : Device{};
+    TensorView view{name, parsed, shape, static_cast<const std::byte*>(array.data()), device, 0, *bytes};
+    nb::gil_scoped_release release;  // the array stays referenced by `array` meanwhile
+    sender_->send(view);
+  }
+
+  void flush() {
+    nb::gil_scoped_release release;
+    sender_->flush();
+  }
+
+  nb::dict finish() {
+    UpdateReport report;
+    {
+      nb::gil_scoped_release release;
+      report = sender_->finish();
+    }
+    return report_dict(report);
+  }
+
+  static nb::dict report_dict(const UpdateReport& report) {
+    nb::dict result;
+    result["format"] = report.format == TensorFormat::kEngine ? "engine" : "checkpoint";
+    result["buckets"] = report.buckets;
+    result["tensors"] = report.tensors;
+    result["bytes"] = report.bytes;
+    result["seconds"] = report.seconds;
+    result["gbps"] = report.gbps();
+    result["model_hook_runs"] = report.counters.model_hook_runs;
+    result["parameters_completed"] = report.counters.parameters_completed;
+    result["completed_layers"] = report.completed_layers;
+    return result;
+  }
+
+ private:
+  std::unique_ptr<UpdateSender> sender_;
+};
+
+class PyReceiver {
+ public:
+  PyReceiver(nb::object layout, const std::string& transport, const std::string& listen, const std::string& token,
+             double timeout, const std::string& device)
+      : layout_object_(std::move(layout)) {
+    ReceiverOptions options;
+    options.transport = parse_transport(transport);
+    options.listen = listen;
+    options.token = token;
+    options.timeout = milliseconds(timeout);
+    options.device = parse_device(device);
+    receiver_ = std::make_unique<UpdateReceiver>(python_layout(layout_object_), options);
+  }
+
+  const std::string& address() const { return receiver_->address(); }
+
+  nb::dict receive(double accept_timeout) {
+    auto wait = milliseconds(accept_timeout);
+    UpdateReport report;
+    {
+      // Python model hooks take the GIL back themselves.
+      nb::gil_scoped_release release;
+      report = receiver_->receive(wait);
+    }
+    return PySender::report_dict(report);
+  }
+
+ private:
+  nb::object layout_object_;  // keeps the layout (and its storage) alive
+  std::unique_ptr<UpdateReceiver> receiver_;
+};
+
+}  // namespace
+
+void bind_transfer(nb::module_& m) {
+  nb::class_<PySender>(m, "UpdateSender",
+                       "Pushes tensors to an UpdateReceiver in buckets: start(format), send(name, tensor)*, finish().")
+      .def(nb::init<const std::string&, const std::string&, const std::string&, uint64_t, double, const std::string&>(),
+           "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
+           "timeout"_a = 30.0, "device"_a = "cpu")
+      .def("start", &PySender::start, "format"_a = "checkpoint")
+      .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none())
+      .def("flush", &PySender::flush)
+      .def("finish", &PySender::finish);
+  nb::class_<PyReceiver>(m, "UpdateReceiver",
+                         "Listens (loopback by default) and applies pushed updates to a ModelLayout.")
+      .def(nb::init<nb::object, const std::string&, const std::string&, const std::string&, double, const std::string&>(),
+           "layout"_a, "transport"_a = "tcp", "listen"_a = "", "token"_a = "", "timeout"_a = 30.0, "device"_a = "cpu")
+      .def_prop_ro("address", &PyReceiver::address)
+      .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0);
+}
+
+}  // namespace weightstream::python
