@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include "resolve/draft_fixtures.hpp"
 #include "weightstream/error.hpp"
 
@@ -273,6 +275,35 @@ TEST_F(SourceResolutionTest, DraftSharesTheTargetsEmbeddingAndHeadByReference) {
   }
   EXPECT_EQ(loads[0].stream.bytes_read, checkpoint.tensor_bytes() - copies);
   EXPECT_EQ(compare_layouts(target.layout, testing::reference_layout(checkpoint, ModuleRole::kTarget)).mismatched, 0u);
+}
+
+TEST_F(SourceResolutionTest, AFailureAfterTheFirstWriteNamesTheParametersWritten) {
+  auto draft = testing::module_fixture(ModuleRole::kDraft, {snapshot(), ""}, weights(), options_);
+  Checkpoint checkpoint = Checkpoint::open(weights(), options_);
+  auto footprint = testing::mtp_footprint(checkpoint, checkpoint_model_config(checkpoint));
+  ASSERT_GE(footprint.shards.size(), 2u);
+  std::filesystem::path last = checkpoint_->directory.path() / *footprint.shards.rbegin();
+  std::string contents = testing::read_file(last);
+  // One reader in file order: the first MTP shard's bytes land, then the last shard is cut
+  // short under the open checkpoint, so its reads fail midway through the load.
+  Options options = options_;
+  options.stream.concurrency = 1;
+  options.stream.chunk_bytes = 4096;
+  options.stream.memory_limit = 64 * 1024;
+  bool cut = false;
+  auto cut_last_shard = [&](uint64_t, uint64_t) {
+    if (!std::exchange(cut, true)) std::filesystem::resize_file(last, 16);
+  };
+  std::vector<ModuleLoadRequest> requests = {draft.request()};
+  std::string message =
+      error_of([&] { load_modules(requests, LoadMode::kCold, options, StrategyChain::standard(), cut_last_shard); });
+  testing::write_file(last, contents);
+  RecordProperty("error", message);
+  EXPECT_TRUE(cut);
+  EXPECT_THAT(message, AllOf(HasSubstr("local files: "), HasSubstr(last.filename().string()),
+                             HasSubstr("parameters written before the failure, to reload: draft ("),
+                             HasSubstr("model.layers.2.")));
+  EXPECT_EQ(draft.layout.loads_finished(), 0u);
 }
 
 /// A strategy that is always available and always fails, to show the chain keeps going and
