@@ -103,8 +103,8 @@ ModelLayout build_module_layout(const ModelConfig& config, ModuleRole role, Layo
 /// Makes the draft's per-layer embedding and head (model.layers.{L}.embed_tokens.weight and
 /// model.layers.{L}.shared_head.head.weight) references to the target's embedding and
 /// lm_head storage, as engines do when the checkpoint's copies are identical: the draft
-/// then never reads those tensors. Call before the draft's first load and after the
-/// target's storage exists. Returns the names shared. Throws Error(kModel) when shapes or
+/// then never reads those tensors. Call after the target's storage exists and before the
+/// draft's allocate() (so no copy is allocated) and first load. Returns the names shared. Throws Error(kModel) when shapes or
 /// dtypes differ or the target lacks the parameter.
 std::vector<std::string> share_target_embeddings(ModelLayout& draft, const ModelLayout& target);
 
