@@ -10,6 +10,7 @@
 #include <random>
 
 #include "cli/layout_flags.hpp"
+#include "cli/update_via.hpp"
 
 namespace weightstream::cli {
 namespace {
@@ -25,6 +26,7 @@ struct AuditFlags {
   uint64_t seed = 0;
   bool json = false;
   StreamFlags stream;
+  ViaFlags via;  // --via: the reload pushed from a sender process (issue 8)
 };
 
 /// Batches of plan indices: the plan's reads in `order`, dealt round-robin.
@@ -57,6 +59,10 @@ void add_audit_command(CLI::App& app) {
   command->add_flag("--json", flags->json,
                     "Print JSON: compared, mismatched, address_changes, model_hook_runs_per_load, memory_growth_bytes");
   add_stream_flags(*command, flags->stream);
+  // ---- --via (issue 8, transfer layer): flags and the hidden sender it spawns ----------
+  add_via_flags(*command, flags->via);
+  add_send_command(app);
+  // ---- end of the --via block ------------------------------------------------------------
   command->callback([flags] {
     Options options = resolve_options(flags->stream);
     Device device = parse_device(flags->device);
@@ -85,7 +91,18 @@ void add_audit_command(CLI::App& app) {
     std::mt19937_64 random(flags->seed);
     double reload_seconds = 0;
     uint64_t reload_bytes = 0;
+    double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
     for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
+      // ---- --via (issue 8): the reload arrives as buckets from a `weightstream send` process
+      if (flags->via.requested()) {
+        ViaUpdate update = receive_update_via(layout, reload_uri, flags->via, device, flags->stream);
+        reload_seconds += update.seconds;
+        update_seconds += update.report.seconds;
+        reload_bytes += update.report.bytes;
+        count_hooks();
+        continue;
+      }
+      // ---- end of the --via block ----------------------------------------------------------
       auto start = std::chrono::steady_clock::now();
       LoadSession session(layout);
       session.begin(LoadMode::kReload);
@@ -130,6 +147,14 @@ void add_audit_command(CLI::App& app) {
                              {"reload_bytes", reload_bytes},
                              {"reload_seconds", reload_seconds},
                              {"clean", clean}};
+    // ---- --via (issue 8) ----
+    if (flags->via.requested()) {
+      result["via"] = flags->via.via;
+      result["bucket_size"] = flags->via.bucket_size;
+      result["update_seconds"] = update_seconds;
+      result["update_gbps"] = update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0;
+    }
+    // ---- end of the --via block ----
     if (flags->json) {
       print_json(result);
     } else {
@@ -139,6 +164,10 @@ void add_audit_command(CLI::App& app) {
                   static_cast<unsigned long long>(comparison.mismatched),
                   static_cast<unsigned long long>(address_changes), static_cast<unsigned long long>(hooks_per_load),
                   static_cast<long long>(memory_growth), clean ? "clean" : "NOT CLEAN");
+      if (flags->via.requested()) {  // ---- --via (issue 8) ----
+        std::printf("update via %s: %.3f s, %.2f GB/s\n", flags->via.via.c_str(), update_seconds,
+                    update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0);
+      }
     }
     if (!clean) throw CLI::RuntimeError(3);
   });

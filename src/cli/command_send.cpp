@@ -1,0 +1,171 @@
+// weightstream send URI --to ADDRESS --via shm|tcp|cuda-ipc|nccl [--bucket-size SIZE]
+//                       [--format checkpoint|engine] [--token-stdin] [--device cuda:N]
+// Hidden: streams every tensor of a checkpoint into an update receiver, the way a trainer
+// would push its weights; `audit --via` spawns it. The token is read from stdin, never
+// from the command line, where other users could read it in the process list.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <mutex>
+#include <random>
+
+#include "cli/update_via.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/stream.hpp"
+
+extern char** environ;
+
+namespace weightstream::cli {
+namespace {
+
+struct SendFlags {
+  std::string uri;
+  std::string to;
+  std::string via = "tcp";
+  std::string bucket_size = "256MiB";
+  std::string format = "checkpoint";
+  std::string device = "cpu";
+  bool token_stdin = false;
+  StreamFlags stream;
+};
+
+/// Hands streamed pieces to the sender; pieces of one tensor arrive in order.
+class SenderSink final : public TensorSink {
+ public:
+  SenderSink(UpdateSender& sender, const Checkpoint& checkpoint) : sender_(sender), checkpoint_(checkpoint) {}
+  bool wants_ordered_pieces() const override { return true; }
+  void consume(TensorPiece&& piece) override {
+    const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
+    std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends
+    sender_.send(TensorView{tensor.name, tensor.dtype, tensor.shape, piece.bytes.data(), Device{}, piece.offset,
+                            piece.bytes.size()});
+  }
+
+ private:
+  UpdateSender& sender_;
+  const Checkpoint& checkpoint_;
+  std::mutex mutex_;
+};
+
+std::string random_token() {
+  std::random_device source;
+  std::string token;
+  const char* digits = "0123456789abcdef";
+  for (int i = 0; i < 32; ++i) token += digits[source() % 16];
+  return token;
+}
+
+}  // namespace
+
+void add_via_flags(CLI::App& command, ViaFlags& flags) {
+  command.add_option("--via", flags.via,
+                     "Run each reload as a pushed update from a separate sender process through this transport")
+      ->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
+  command.add_option("--bucket-size", flags.bucket_size, "Bucket size of --via updates (default 256MiB)");
+}
+
+void add_send_command(CLI::App& app) {
+  auto flags = std::make_shared<SendFlags>();
+  auto* command = app.add_subcommand("send", "");  // hidden: an empty description keeps it out of --help
+  command->add_option("uri", flags->uri, "Checkpoint to send")->required();
+  command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path")->required();
+  command->add_option("--via", flags->via, "Transport")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
+  command->add_option("--bucket-size", flags->bucket_size, "Bucket size (default 256MiB)");
+  command->add_option("--format", flags->format, "checkpoint or engine names")
+      ->check(CLI::IsMember({"checkpoint", "engine"}));
+  command->add_option("--device", flags->device, "GPU of the bucket staging for cuda-ipc and nccl");
+  command->add_flag("--token-stdin", flags->token_stdin, "Read the shared token from the first line of stdin");
+  add_stream_flags(*command, flags->stream);
+  command->callback([flags] {
+    Options options = resolve_options(flags->stream);
+    SenderOptions sender_options;
+    sender_options.transport = parse_transport(flags->via);
+    sender_options.bucket_bytes = parse_size(flags->bucket_size, "--bucket-size");
+    sender_options.device = parse_device(flags->device);
+    if (flags->token_stdin) std::getline(std::cin, sender_options.token);
+    Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
+    UpdateSender sender(flags->to, sender_options);
+    sender.start(flags->format == "engine" ? TensorFormat::kEngine : TensorFormat::kCheckpoint);
+    SenderSink sink(sender, checkpoint);
+    auto requests = all_tensors(checkpoint);
+    stream_tensors(checkpoint, requests, sink, options.stream);
+    UpdateReport report = sender.finish();
+    std::fprintf(stderr, "sent %llu buckets, %llu bytes to %s in %.3f s\n",
+                 static_cast<unsigned long long>(report.buckets), static_cast<unsigned long long>(report.bytes),
+                 flags->to.c_str(), report.seconds);
+  });
+}
+
+ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags,
+                             const Device& device, const StreamFlags& stream) {
+  ReceiverOptions options;
+  options.transport = parse_transport(flags.via);
+  options.token = random_token();
+  options.device = device;
+  options.max_bucket_bytes = std::max<uint64_t>(options.max_bucket_bytes, parse_size(flags.bucket_size, "--bucket-size"));
+  UpdateReceiver receiver(layout, options);
+
+  // NCCL refuses two ranks on one GPU: the sender stages on the next one.
+  Device sender_device = device;
+  if (options.transport == TransportKind::kNccl && device.is_cuda() && cuda_device_count() > 1) {
+    sender_device.index = (device.index + 1) % cuda_device_count();
+  }
+  std::vector<std::string> arguments = {"weightstream", "send", reload_uri, "--to", receiver.address(), "--via",
+                                        flags.via, "--bucket-size", flags.bucket_size, "--token-stdin",
+                                        "--no-progress", "--device", sender_device.name()};
+  if (stream.concurrency) arguments.insert(arguments.end(), {"--concurrency", std::to_string(*stream.concurrency)});
+  if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
+  if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
+  if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
+  std::vector<char*> argv;
+  for (std::string& argument : arguments) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+
+  int token_pipe[2];
+  WS_EXPECT(::pipe2(token_pipe, O_CLOEXEC) == 0, ErrorCode::kIo, "cannot create a pipe for the sender: " +
+                                                                      detail::errno_text(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
+  auto started = std::chrono::steady_clock::now();
+  pid_t child = -1;
+  int spawned = ::posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(token_pipe[0]);
+  if (spawned != 0) {
+    ::close(token_pipe[1]);
+    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + detail::errno_text(spawned));
+  }
+  std::string line = options.token + "\n";
+  (void)!::write(token_pipe[1], line.data(), line.size());
+  ::close(token_pipe[1]);
+
+  auto reap = [&] {
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return status;
+  };
+  ViaUpdate result;
+  try {
+    result.report = receiver.receive(std::chrono::minutes(5));
+  } catch (const Error& error) {
+    ::kill(child, SIGTERM);
+    int status = reap();
+    std::string how = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
+                                        : "was stopped by signal " + std::to_string(WTERMSIG(status));
+    WS_FAIL(error.code(), std::string(error.what()) + " (the sender process " + how + ")");
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  int status = reap();
+  WS_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, ErrorCode::kInternal,
+            "the update was applied but the sender process failed afterwards (status " + std::to_string(status) + ")");
+  return result;
+}
+
+}  // namespace weightstream::cli

@@ -1,0 +1,40 @@
+#pragma once
+// Pushed updates from the command line (issue 8): the hidden `weightstream send` command,
+// a sender process that streams a checkpoint into an update receiver, and the `--via`
+// flags of `audit`, which run the reload through a transport from such a process.
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "cli/command.hpp"
+#include "weightstream/model.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream::cli {
+
+/// `audit --via TRANSPORT [--bucket-size SIZE]`.
+struct ViaFlags {
+  std::string via;                   ///< empty: the plain in-process reload
+  std::string bucket_size = "256MiB";
+  bool requested() const noexcept { return !via.empty(); }
+};
+
+/// Adds --via and --bucket-size to `audit`.
+void add_via_flags(CLI::App& command, ViaFlags& flags);
+
+/// One update received through a transport.
+struct ViaUpdate {
+  UpdateReport report;
+  double seconds = 0;  ///< from spawning the sender to the receiver's end of finish()
+};
+
+/// Receives one update of `layout` from a `weightstream send` process spawned for
+/// `reload_uri`, through the transport of `flags`, with a fresh random token. Throws the
+/// receiver's error, with the sender's exit status when it failed first.
+ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags,
+                             const Device& device, const StreamFlags& stream);
+
+/// Registers the hidden `send` subcommand.
+void add_send_command(CLI::App& app);
+
+}  // namespace weightstream::cli

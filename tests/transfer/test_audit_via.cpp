@@ -1,0 +1,84 @@
+// `weightstream audit --via`: the reload travels as buckets from a separate
+// `weightstream send` process; the audit must stay clean and report update seconds and
+// GB/s. The GPU transports run only where the machine has the GPUs, and say why not.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/test_support.hpp"
+#include "weightstream/device.hpp"
+#include "weightstream/format.hpp"
+#include "weightstream/model.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::run_cli;
+using testing::TempDir;
+
+std::string synth(const TempDir& directory, const std::string& name, uint64_t seed) {
+  SynthOptions options;
+  options.arch = "llama";
+  options.layers = 2;
+  options.hidden = 256;
+  options.vocab = 1000;
+  options.seed = seed;
+  synthesize_checkpoint(directory / name, options);
+  return (directory / name).string();
+}
+
+nlohmann::json audit_via(const std::string& via, const std::string& device, std::string* err = nullptr) {
+  TempDir directory;
+  std::string first = synth(directory, "a", 1);
+  std::string second = synth(directory, "b", 2);
+  auto result = run_cli({"audit", first, "--reload", second, "--via", via, "--bucket-size", "64KiB", "--device", device,
+                         "--repeat", "2", "--json", "--no-progress"});
+  if (err != nullptr) *err = result.err;
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  if (result.exit_code != 0) return {};
+  return nlohmann::json::parse(result.out);
+}
+
+void expect_clean(const nlohmann::json& report, const std::string& via) {
+  ASSERT_FALSE(report.is_null());
+  EXPECT_EQ(report["via"], via);
+  EXPECT_GT(report["compared"].get<uint64_t>(), 10u);
+  EXPECT_EQ(report["mismatched"], 0);
+  EXPECT_EQ(report["address_changes"], 0);
+  EXPECT_EQ(report["model_hook_runs_per_load"], 1);
+  EXPECT_EQ(report["memory_growth_bytes"], 0);
+  EXPECT_GT(report["update_seconds"].get<double>(), 0.0);
+  EXPECT_GT(report["update_gbps"].get<double>(), 0.0);
+  EXPECT_EQ(report["clean"], true);
+}
+
+TEST(AuditVia, ShmIsClean) { expect_clean(audit_via("shm", "cpu"), "shm"); }
+
+TEST(AuditVia, TcpIsClean) { expect_clean(audit_via("tcp", "cpu"), "tcp"); }
+
+TEST(AuditVia, CudaIpcIsClean) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "cuda-ipc needs a CUDA GPU; this machine has none";
+  expect_clean(audit_via("cuda-ipc", "cuda:0"), "cuda-ipc");
+}
+
+TEST(AuditVia, NcclIsClean) {
+  if (!transport_compiled(TransportKind::kNccl)) GTEST_SKIP() << "this build has no NCCL (WS_HAVE_NCCL off)";
+  // NCCL refuses two ranks on one GPU: the sender takes the next GPU (issue 9's run).
+  if (cuda_device_count() < 2) GTEST_SKIP() << "nccl needs two CUDA GPUs; this machine has " << cuda_device_count();
+  expect_clean(audit_via("nccl", "cuda:0"), "nccl");
+}
+
+TEST(AuditVia, CudaIpcWithoutAGpuFailsInOneLine) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU: the clean run is tested instead";
+  TempDir directory;
+  std::string first = synth(directory, "a", 1);
+  auto result = run_cli({"audit", first, "--via", "cuda-ipc", "--json", "--no-progress"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_THAT(result.err, HasSubstr("weightstream: error: "));
+  EXPECT_THAT(result.err, ::testing::AnyOf(HasSubstr("no usable CUDA device"), HasSubstr("needs a build with CUDA")));
+}
+
+}  // namespace
+}  // namespace weightstream

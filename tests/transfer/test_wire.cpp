@@ -1,0 +1,125 @@
+// The update protocol's wire format: every message round-trips, and hostile frames (bad
+// magic, version or type, lengths past the end or over the limits, entries outside their
+// tensor or bucket) are Error(kProtocol) naming the peer, the message and the field.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "transfer/wire.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string error_text(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kProtocol) << error.what();
+    return error.what();
+  }
+  return "no error";
+}
+
+Message bucket_message() {
+  Message message;
+  message.type = MessageType::kBucket;
+  message.manifest.index = 7;
+  message.manifest.slot = 1;
+  message.manifest.bytes = 8448;
+  message.manifest.entries.push_back({"model.layers.0.mlp.down_proj.weight", Dtype::kBF16, {64, 64}, 0, 0, 8192});
+  message.manifest.entries.push_back({"model.norm.weight", Dtype::kF32, {64}, 0, 8192, 256});
+  return message;
+}
+
+TEST(Wire, BucketRoundTrips) {
+  Message message = bucket_message();
+  std::vector<std::byte> body = encode_body(message);
+  Message parsed = parse_body(MessageType::kBucket, body, "peer");
+  EXPECT_EQ(parsed.manifest.index, 7u);
+  EXPECT_EQ(parsed.manifest.slot, 1u);
+  ASSERT_EQ(parsed.manifest.entries.size(), 2u);
+  EXPECT_EQ(parsed.manifest.entries[1].name, "model.norm.weight");
+  EXPECT_EQ(parsed.manifest.entries[1].dtype, Dtype::kF32);
+  EXPECT_EQ(parsed.manifest.entries[1].bucket_offset, 8192u);
+  EXPECT_EQ(encode_body(parsed), body);
+}
+
+TEST(Wire, HelloReportAndErrorRoundTrip) {
+  Message hello;
+  hello.type = MessageType::kHello;
+  hello.token = "secret";
+  hello.transport = TransportKind::kShm;
+  hello.bucket_bytes = 1 << 20;
+  Message parsed = parse_body(MessageType::kHello, encode_body(hello), "peer");
+  EXPECT_EQ(parsed.token, "secret");
+  EXPECT_EQ(parsed.transport, TransportKind::kShm);
+
+  Message report;
+  report.type = MessageType::kReport;
+  report.report.buckets = 3;
+  report.report.seconds = 0.25;
+  report.report.counters.model_hook_runs = 1;
+  report.report.completed_layers = {-1, 0, 1};
+  parsed = parse_body(MessageType::kReport, encode_body(report), "peer");
+  EXPECT_EQ(parsed.report.completed_layers, (std::vector<int64_t>{-1, 0, 1}));
+  EXPECT_EQ(parsed.report.counters.model_hook_runs, 1u);
+  EXPECT_EQ(parsed.report.seconds, 0.25);
+}
+
+TEST(Wire, HeadersAreChecked) {
+  auto header = encode_header(MessageType::kStart, 1);
+  EXPECT_EQ(parse_header(header, "peer").type, MessageType::kStart);
+  auto bad_magic = header;
+  bad_magic[0] = std::byte{'X'};
+  EXPECT_THAT(error_text([&] { parse_header(bad_magic, "tcp peer 10.0.0.1:9"); }),
+              HasSubstr("frame header from tcp peer 10.0.0.1:9: bad magic"));
+  auto version = header;
+  version[4] = std::byte{9};
+  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks 1"));
+  auto type = header;
+  type[6] = std::byte{77};
+  EXPECT_THAT(error_text([&] { parse_header(type, "peer"); }), HasSubstr("unknown message type 77"));
+  auto huge = encode_header(MessageType::kBucket, uint64_t{1} << 40);
+  EXPECT_THAT(error_text([&] { parse_header(huge, "peer"); }), HasSubstr("BUCKET length 1099511627776 exceeds the limit"));
+}
+
+TEST(Wire, HostileBucketsAreRejectedWithTheField) {
+  std::vector<std::byte> body = encode_body(bucket_message());
+  // Truncated anywhere: never a read past the end.
+  for (size_t cut = 0; cut < body.size(); ++cut) {
+    std::span<const std::byte> part(body.data(), cut);
+    EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, part, "peer"); }), HasSubstr("BUCKET message from peer"));
+  }
+  // A count no body could hold.
+  std::vector<std::byte> counted = body;
+  uint32_t count = 0xFFFFFFF0;
+  std::memcpy(counted.data() + 20, &count, 4);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, counted, "peer"); }), HasSubstr("count:"));
+
+  Message outside = bucket_message();
+  outside.manifest.entries[0].tensor_offset = 1;  // 1 + 8192 > 8192 bytes of the tensor
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(outside), "peer"); }),
+              HasSubstr("entry 0 ('model.layers.0.mlp.down_proj.weight') of bucket 7: piece 1+8192 lies outside the "
+                        "tensor's 8192 bytes"));
+  Message past_bucket = bucket_message();
+  past_bucket.manifest.entries[1].bucket_offset = 8300;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(past_bucket), "peer"); }),
+              HasSubstr("bytes 8300+256 lie outside the bucket's 8448 bytes"));
+  Message overflow = bucket_message();
+  overflow.manifest.entries[0].shape = {int64_t{1} << 62, 1 << 20};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(overflow), "peer"); }),
+              HasSubstr("has no valid byte size"));
+  Message slot = bucket_message();
+  slot.manifest.slot = 5;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(slot), "peer"); }),
+              HasSubstr("slot: bucket buffer 5 does not exist"));
+  std::vector<std::byte> trailing = body;
+  trailing.push_back(std::byte{0});
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, trailing, "peer"); }), HasSubstr("1 trailing bytes"));
+}
+
+}  // namespace
+}  // namespace weightstream::transfer
