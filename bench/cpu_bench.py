@@ -82,6 +82,58 @@ print(time.perf_counter() - start)
 """
 
 
+# Without torch the Run:ai package's wrapper cannot be imported; its native engine
+# (libstreamer) can, through the package's own ctypes layer, as the wrapper drives it. This
+# reads every tensor's byte range into numpy buffers, which is what its wrapper does before
+# handing out tensors (it then wraps them, without a copy).
+RUNAI_ENGINE_PROGRAM = """
+import json, os, sys, time, types
+site = sys.argv[1]
+sys.path.insert(0, site)
+package = types.ModuleType("runai_model_streamer")
+package.__path__ = [os.path.join(site, "runai_model_streamer")]
+sys.modules["runai_model_streamer"] = package
+import numpy as np
+from runai_model_streamer.libstreamer import libstreamer as ls
+jobs = json.loads(sys.argv[2])
+start = time.perf_counter()
+streamer = ls.runai_start()
+keep, paths, counts, offsets, sizes, dsts = [], [], [], [], [], []
+for path, ranges in jobs:
+    buffer = np.empty(sum(size for _, size in ranges), dtype=np.uint8)
+    keep.append(buffer)
+    address, position = buffer.ctypes.data, 0
+    paths.append(path); counts.append(len(ranges))
+    for offset, size in ranges:
+        offsets.append(offset); sizes.append(size); dsts.append(address + position); position += size
+ls.runai_request(streamer, paths, counts, offsets, sizes, dsts)
+for _ in range(len(sizes)):
+    response = ls.runai_response(streamer, 600000)
+    if response is None or response[0] != 0:
+        sys.exit("runai engine error")
+ls.runai_end(streamer)
+print(time.perf_counter() - start)
+"""
+
+
+def tensor_ranges(path):
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    base = 8 + length
+    ranges = [(base + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+              for k, v in header.items() if k != "__metadata__"]
+    return sorted(r for r in ranges if r[1] > 0)
+
+
+def run_runai_engine(site, files, concurrency):
+    jobs = [[os.path.abspath(p), tensor_ranges(p)] for p in files]
+    env = dict(os.environ, RUNAI_STREAMER_CONCURRENCY=str(concurrency), RUNAI_STREAMER_LOG_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-c", RUNAI_ENGINE_PROGRAM, site, json.dumps(jobs)], check=True,
+                         capture_output=True, text=True, env=env).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def run_program(program, files):
     out = subprocess.run([sys.executable, "-c", program, *files], check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
@@ -110,6 +162,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--weightstream-args", default="", help="extra flags for weightstream load")
     parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    parser.add_argument("--runai-site", default=None,
+                        help="folder where `pip install --no-deps --target` put runai-model-streamer: drive its "
+                             "engine directly when its torch wrapper cannot be imported")
     args = parser.parse_args()
 
     files = shard_files(args.checkpoint)
@@ -127,8 +182,12 @@ def main():
     try:
         import runai_model_streamer  # noqa: F401
         contenders["Run:ai SafetensorsStreamer (CPU)"] = (lambda: run_runai(files), total)
-    except Exception as error:  # the streamer needs torch; say why it is missing
-        print(f"Run:ai streamer not measured: {error}", file=sys.stderr)
+    except Exception as error:  # the wrapper needs torch
+        if args.runai_site:
+            contenders["Run:ai streamer engine (libstreamer, 16 workers)"] = (
+                lambda: run_runai_engine(args.runai_site, files, 16), total)
+        else:
+            print(f"Run:ai streamer not measured: {error}", file=sys.stderr)
 
     results = {}
     for name, (run, nbytes) in contenders.items():
