@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|bench|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|bench|update|all]...   (default: all)
 #   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
 #   WS_JOBS             build and test parallelism (default: the core count)
 set -uo pipefail
@@ -114,6 +114,12 @@ if wants bench; then
   PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
 fi
+
+# ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------
+if wants update; then
+  OUT=$out "$root/bench/update_bench_gpu.sh" || status=1
+fi
+# ---- end of the pushed-updates block -------------------------------------------------------
 
 echo "== summary"
 cat "$out/summary.txt"

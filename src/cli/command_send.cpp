@@ -95,10 +95,7 @@ void add_send_command(CLI::App& app) {
     SenderSink sink(sender, checkpoint);
     auto requests = all_tensors(checkpoint);
     stream_tensors(checkpoint, requests, sink, options.stream);
-    UpdateReport report = sender.finish();
-    std::fprintf(stderr, "sent %llu buckets, %llu bytes to %s in %.3f s\n",
-                 static_cast<unsigned long long>(report.buckets), static_cast<unsigned long long>(report.bytes),
-                 flags->to.c_str(), report.seconds);
+    sender.finish();  // the receiver (audit) reports the update
   });
 }
 
