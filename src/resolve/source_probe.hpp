@@ -5,12 +5,20 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "weightstream/model.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream::resolve {
+
+/// `items` joined with `separator`.
+inline std::string join(const std::vector<std::string>& items, std::string_view separator) {
+  std::string text;
+  for (const std::string& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
+  return text;
+}
 
 /// What one source holds.
 struct SourceListing {

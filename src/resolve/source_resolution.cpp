@@ -12,15 +12,11 @@
 namespace weightstream {
 namespace {
 
+using resolve::join;
+
 constexpr std::string_view kConfigFileName = "config.json";
 constexpr uint64_t kMaxConfigBytes = 16 * kMiB;
 constexpr uint64_t kMaxIndexBytes = 256 * kMiB;
-
-std::string join(const std::vector<std::string>& items, std::string_view separator) {
-  std::string text;
-  for (const std::string& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
-  return text;
-}
 
 /// The candidates of a module in the order they are tried.
 std::vector<SourceCandidate> ordered_candidates(const ModelSource& source, const std::string& checkpoint_uri) {

@@ -14,11 +14,7 @@
 namespace weightstream {
 namespace {
 
-std::string join(const std::vector<std::string>& items, std::string_view separator) {
-  std::string text;
-  for (const std::string& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
-  return text;
-}
+using resolve::join;
 
 std::string join_limited(const std::vector<std::string>& items, size_t limit) {
   std::vector<std::string> head(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(std::min(limit, items.size())));
