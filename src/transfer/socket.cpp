@@ -193,8 +193,10 @@ void Connection::read_exact(std::span<std::byte> bytes, std::chrono::millisecond
     }
     if (got < 0) {
       if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
+      int cause = errno;
       WS_FAIL(ErrorCode::kNetwork, "connection to " + peer_ + " failed waiting for " + what + ": " +
-                                       detail::errno_text(errno));
+                                       detail::errno_text(cause) +
+                                       (cause == ECONNRESET ? " (the peer has gone)" : ""));
     }
     WS_EXPECT(got > 0, ErrorCode::kNetwork,
               peer_ + " disconnected (the peer has gone) while this side waited for " + what +
