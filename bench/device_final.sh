@@ -42,5 +42,6 @@ for run in "staged 1GiB" "staged 256MiB" "staged 256MiB" "mapped 1GiB"; do
     python3 -c "import json; d=json.load(open('$out/load.json')); print('weightstream load cuda:0 $1 limit $2: %.2f GB/s, %.2f s, peak staging %d MiB' % (d['gbps'], d['seconds'], d['peak_staging_bytes'] >> 20))" |
     tee -a "$out/gpu.txt"
 done
-taskset -c 0,1 python3 bench/cpu_bench.py "$ckpt" --cli "$cli" --repeat 2 --out "$out" 2>&1 | tail -12 | tee "$out/cpu.txt"
+"$root/build-gpu/tests/test_transfer" --gtest_filter='AuditVia.CudaIpc*' --gtest_brief=1 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+[ "${WS_FINAL_CPU_BENCH:-1}" = 1 ] && taskset -c 0,1 python3 bench/cpu_bench.py "$ckpt" --cli "$cli" --repeat 2 --out "$out" 2>&1 | tail -12 | tee "$out/cpu.txt"
 rm -rf "$ckpt"
