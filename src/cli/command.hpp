@@ -65,9 +65,6 @@ void add_synth_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
 void add_export_command(CLI::App& app);
 void add_audit_command(CLI::App& app);
-void add_plan_command(CLI::App& app);
-void add_export_command(CLI::App& app);
-void add_audit_command(CLI::App& app);
 void add_s3_command(CLI::App& app);
 
 }  // namespace weightstream::cli

@@ -16,9 +16,6 @@ int main(int argc, char** argv) {
   weightstream::cli::add_plan_command(app);
   weightstream::cli::add_export_command(app);
   weightstream::cli::add_audit_command(app);
-  weightstream::cli::add_plan_command(app);
-  weightstream::cli::add_export_command(app);
-  weightstream::cli::add_audit_command(app);
   weightstream::cli::add_s3_command(app);
   weightstream::cli::add_resolve_command(app);
   try {
