@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "weightstream/device.hpp"
+#include "weightstream/model.hpp"
 #include "weightstream/options.hpp"
 #include "weightstream/stream.hpp"
 
@@ -62,5 +63,11 @@ class CheckpointHandle {
 
 /// Adds ModelLayout and LoadSession to the module.
 void bind_model(nanobind::module_& m);
+
+/// The C++ layout behind a Python ModelLayout (defined beside LayoutHandle).
+ModelLayout& python_layout(nanobind::handle layout);
+
+/// Adds UpdateSender and UpdateReceiver (transfer_bindings.cpp).
+void bind_transfer(nanobind::module_& m);
 
 }  // namespace weightstream::python

@@ -248,6 +248,8 @@ nb::object parameter_array(nb::handle layout_object, const std::string& name) {
 
 }  // namespace
 
+ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
+
 void bind_model(nb::module_& m) {
   nb::class_<LayoutHandle>(m, "ModelLayout", nb::type_slots(layout_slots))
       .def_static(

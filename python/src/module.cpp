@@ -267,6 +267,7 @@ NB_MODULE(_core, m) {
         [](nb::dict overrides) { return options_dict(resolve_options(environment_options(), overrides)); },
         "overrides"_a, "The environment's options with `overrides` applied and checked.");
   bind_model(m);
+  bind_transfer(m);
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
   m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
 

@@ -8,6 +8,7 @@
 // defined in model_bindings.cpp beside LayoutHandle) hands it over.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -25,9 +26,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace weightstream::python {
-
-/// The C++ layout behind a Python ModelLayout (model_bindings.cpp owns LayoutHandle).
-ModelLayout& python_layout(nb::handle layout);
 
 namespace {
 

@@ -22,7 +22,7 @@ from ._api import (
     resolve_options,
     stream,
 )
-from ._core import cuda_compiled, cuda_device_count
+from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count
 from ._model import LoadSession, ModelLayout, model_layout
 from ._weights_iterator import safetensors_weights_iterator
 
@@ -35,6 +35,8 @@ __all__ = [
     "ModelLayout",
     "TensorInfo",
     "TensorIterator",
+    "UpdateReceiver",
+    "UpdateSender",
     "cuda_compiled",
     "cuda_device_count",
     "digest",

@@ -1,0 +1,86 @@
+"""Pushed updates from Python (issue 8): a trainer-side UpdateSender pushes a checkpoint's
+tensors over TCP and shared memory to an UpdateReceiver applying them to a live ModelLayout.
+The result must equal a cold load of the same weights bit for bit, with storage addresses
+unchanged and the model hook run once per update."""
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+np = pytest.importorskip("numpy")
+weightstream = pytest.importorskip("weightstream")
+
+CLI = os.environ.get("WS_CLI", str(Path(__file__).resolve().parents[2] / "build" / "weightstream"))
+
+
+def synth(directory, seed):
+    subprocess.run([CLI, "synth", str(directory), "--arch", "llama", "--layers", "2", "--seed", str(seed)],
+                   check=True, capture_output=True)
+    return weightstream.open(str(directory))
+
+
+def cold_layout(checkpoint):
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    session.finish()
+    return layout
+
+
+def parameter_bytes(layout):
+    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
+
+
+def parameter_addresses(layout):
+    return {name: np.from_dlpack(layout.tensor(name)).ctypes.data for name in layout.parameter_names}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
+    old = synth(tmp_path / "old", 1)
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(old)
+    hook_runs = []
+    live.add_hook("count", lambda: hook_runs.append(1))
+    addresses = parameter_addresses(live)
+    expected = parameter_bytes(cold_layout(new))
+    assert parameter_bytes(live) != expected
+
+    receiver = weightstream.UpdateReceiver(live, transport=transport, token="s3cret", timeout=30.0)
+    reports = []
+    thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
+    thread.start()
+    sender = weightstream.UpdateSender(receiver.address, transport=transport, token="s3cret", bucket_bytes=1 << 20)
+    sender.start("checkpoint")
+    for name, tensor in new.stream(framework="numpy"):
+        sender.send(name, tensor, new.dtypes[name])
+    sender.finish()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and reports
+    assert parameter_bytes(live) == expected
+    assert parameter_addresses(live) == addresses
+    assert hook_runs == [1]
+
+
+def test_a_sender_without_the_token_is_refused(tmp_path):
+    live = cold_layout(synth(tmp_path / "m", 3))
+    receiver = weightstream.UpdateReceiver(live, transport="tcp", token="right", timeout=10.0)
+    errors = []
+
+    def receive():
+        try:
+            receiver.receive(accept_timeout=20.0)
+        except weightstream.Error as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with pytest.raises(weightstream.Error, match="token"):
+        sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
+        sender.start("checkpoint")
+        sender.finish()
+    thread.join(timeout=30)
+    assert receiver.address.startswith("127.0.0.1:") or "127.0.0.1" in receiver.address
