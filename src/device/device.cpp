@@ -1,4 +1,5 @@
 // The host half of the device layer, built with and without CUDA.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <charconv>
@@ -71,13 +72,22 @@ HostRegistration::~HostRegistration() { release(); }
 
 namespace detail {
 
+// Large host buffers (arenas, staging) are aligned to 2 MiB and asked to be backed by
+// transparent huge pages: a load touches every page of a fresh arena once, and with 4 KiB
+// pages the page faults, not the copies, set the pace (measured on a 2-core VM: 2.1 GB/s
+// into 4 KiB pages against 4-5 GB/s for numpy's huge-page arrays in the same run).
+constexpr size_t kHugePageBytes = 2 * 1024 * 1024;
+
 std::byte* allocate_host(size_t bytes) {
   if (bytes == 0) return nullptr;
   static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t alignment = bytes >= kHugePageBytes ? kHugePageBytes : page;
   void* data = nullptr;
-  int rc = posix_memalign(&data, page, bytes);
+  int rc = posix_memalign(&data, alignment, bytes);
   WS_EXPECT(rc == 0, ErrorCode::kDevice,
             "cpu: cannot allocate " + format_size(bytes) + " of host memory: " + errno_text(rc));
+  // Advice only: where transparent huge pages are off this is a no-op.
+  if (alignment == kHugePageBytes) madvise(data, bytes - bytes % kHugePageBytes, MADV_HUGEPAGE);
   return static_cast<std::byte*>(data);
 }
 
