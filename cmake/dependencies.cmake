@@ -38,12 +38,8 @@ if(NOT WS_WITH_CUDA STREQUAL "OFF")
 endif()
 message(STATUS "weightstream: CUDA ${WS_HAVE_CUDA}")
 
-# S3 listing responses are XML (ListObjectsV2, error bodies): parsed with pugixml
-# (Debian libpugixml-dev). The library target is defined later, in src/CMakeLists.txt, so
-# the link is attached when the top-level directory has been processed.
+# pugixml parses S3 ListObjectsV2 pages (src/storage/s3_listing.cpp).
 find_package(pugixml 1.11 REQUIRED)
-cmake_language(DEFER DIRECTORY ${CMAKE_SOURCE_DIR}
-  CALL target_link_libraries weightstream PRIVATE pugixml::pugixml)
 
 # NCCL (the update transport across GPUs and hosts, src/transfer/*_nccl.cpp). It ships
 # with the CUDA toolkit on the GPU machines (lib/ beside include/), or system-wide.
