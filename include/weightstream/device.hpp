@@ -39,7 +39,7 @@ void require_device(const Device& device);
 /// Kinds of host memory.
 enum class HostMemory {
   kPageable,  ///< page-aligned ordinary memory
-  kPinned,    ///< page-locked (cudaHostAlloc) where CUDA is available, else page-aligned
+  kPinned,    ///< page-locked (huge-page backed, cudaHostRegister) where CUDA is available, else page-aligned
 };
 
 /// An owning, move-only block of memory on a device. Host memory is page-aligned.
@@ -72,6 +72,12 @@ class Buffer {
 /// Throws Error(kDevice) with the CUDA error string.
 void copy_bytes(void* destination, const Device& destination_device, const void* source,
                 const Device& source_device, size_t bytes);
+
+/// Waits until every copy_bytes() copy involving `device` has finished. A device-to-device
+/// copy_bytes() returns before the copy engine is done (CUDA's rule for cudaMemcpy between
+/// device buffers); call this before handing such memory to another process or stream.
+/// A no-op for the CPU and in builds without CUDA. Throws Error(kDevice) on a CUDA error.
+void wait_for_copies(const Device& device);
 
 /// Page-locks an existing host range (typically a read-only mmap of a file) for the
 /// copy engine of `device`, so that async copies read it directly instead of through a

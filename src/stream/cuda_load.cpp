@@ -193,25 +193,63 @@ std::vector<Window> plan_windows(const Checkpoint& checkpoint, uint64_t window_b
   return windows;
 }
 
-/// Bounds the bytes of registered windows held at once (the mapped path's staging memory).
+/// Bounds the bytes of registered windows held at once (the mapped path's staging memory)
+/// and retires finished ones. The copier's reaper thread only hands a finished window back
+/// here; the workers unregister it, in parallel, before they register their next window.
+/// Unregistering (unpinning every page) costs about as much as registering, and done on
+/// the reaper's one thread it serialized the whole mapped load.
 class WindowBudget {
  public:
-  explicit WindowBudget(uint64_t limit) : limit_(limit) {}
-  /// Waits until `bytes` more fit (or nothing is held). False once cancelled.
+  WindowBudget(uint64_t limit, size_t windows) : limit_(limit) { retired_.reserve(windows); }
+  ~WindowBudget() { drain(); }
+
+  /// Waits until `bytes` more fit (or nothing is held), unregistering retired windows
+  /// meanwhile. False once cancelled.
   bool acquire(uint64_t bytes) {
     std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return cancelled_ || held_ == 0 || held_ + bytes <= limit_; });
-    if (cancelled_) return false;
+    for (;;) {
+      if (cancelled_) return false;
+      if (!retired_.empty()) {
+        Retired window = std::move(retired_.back());
+        retired_.pop_back();
+        lock.unlock();
+        window.unregister();
+        lock.lock();
+        held_ -= window.bytes;
+        continue;
+      }
+      if (held_ == 0 || held_ + bytes <= limit_) break;
+      changed_.wait(lock);
+    }
     held_ += bytes;
     peak_ = std::max(peak_, held_);
     return true;
   }
+  /// Gives back a window's bytes at once (its registration failed).
   void release(uint64_t bytes) {
     {
       std::lock_guard lock(mutex_);
       held_ -= bytes;
     }
     changed_.notify_all();
+  }
+  /// Takes a window whose copies are done; never throws (it runs in a keepalive's deleter,
+  /// and room for every window was reserved up front).
+  void retire(std::unique_ptr<HostRegistration> registration, const std::byte* base, uint64_t bytes) noexcept {
+    {
+      std::lock_guard lock(mutex_);
+      retired_.push_back({std::move(registration), base, bytes});
+    }
+    changed_.notify_all();
+  }
+  /// Unregisters every retired window (after the last copy, or on the way out of an error).
+  void drain() noexcept {
+    std::lock_guard lock(mutex_);
+    for (auto& window : retired_) {
+      window.unregister();
+      held_ -= window.bytes;
+    }
+    retired_.clear();
   }
   void cancel() {
     {
@@ -226,12 +264,25 @@ class WindowBudget {
   }
 
  private:
+  struct Retired {
+    std::unique_ptr<HostRegistration> registration;
+    const std::byte* base = nullptr;
+    uint64_t bytes = 0;
+    void unregister() noexcept {
+      registration.reset();
+      // Drop the window's pages from this process (they stay in the page cache), so the
+      // resident set stays within the budget like staging memory would.
+      ::madvise(const_cast<std::byte*>(base), bytes, MADV_DONTNEED);
+    }
+  };
+
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   uint64_t limit_;
   uint64_t held_ = 0;
   uint64_t peak_ = 0;
   bool cancelled_ = false;
+  std::vector<Retired> retired_;
 };
 
 StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std::byte* arena,
@@ -261,7 +312,7 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
     if (shard_used[s]) files[s] = std::make_unique<MappedFile>(checkpoint.storage().local_path(shards[s].name), shards[s].size);
   }
 
-  auto budget = std::make_shared<WindowBudget>(limit);
+  auto budget = std::make_shared<WindowBudget>(limit, windows.size());
   DeviceCopier copier(device, kCopyLanes);
   std::atomic<size_t> next_window{0};
   std::atomic<uint64_t> enqueued{0};
@@ -284,14 +335,11 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
           // it in page by page (helps only a cold cache; free on a warm one).
           ::madvise(const_cast<std::byte*>(base), bytes, MADV_WILLNEED);
           auto* raw = new HostRegistration(device, base, bytes);
-          // The copier drops this when the window's last copy is done: unregister, then
-          // give the bytes back to the budget.
+          // The copier drops this when the window's last copy is done: the budget takes the
+          // registration back and a worker unregisters it.
           registration = std::shared_ptr<const void>(raw, [budget, base, bytes](const void* pointer) {
-            delete static_cast<const HostRegistration*>(pointer);
-            // Drop the window's pages from this process (they stay in the page cache), so
-            // the resident set stays within the budget like staging memory would.
-            ::madvise(const_cast<std::byte*>(base), bytes, MADV_DONTNEED);
-            budget->release(bytes);
+            budget->retire(std::unique_ptr<HostRegistration>(static_cast<HostRegistration*>(const_cast<void*>(pointer))),
+                           base, bytes);
           });
         } catch (const Error& error) {
           budget->release(bytes);
@@ -346,6 +394,7 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
     std::rethrow_exception(first_error);
   }
   copier.synchronize();
+  budget->drain();
   if (progress) progress(total, total);
   stats.bytes = total;
   stats.tensors = tensors.size();

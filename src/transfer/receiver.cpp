@@ -332,6 +332,7 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
         if (!rest.empty()) session->load(rest);
         gate->release_applied();
         session->finish();
+        wait_for_copies(transport->device());
         UpdateReport report;
         report.format = format;
         report.buckets = buckets;
@@ -364,6 +365,9 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
       gate->check(manifest);
       std::vector<TensorView> views = gate->admit(manifest, transport->slot(manifest.slot));
       if (!views.empty()) session->load(views);
+      // The sender refills this slot once it hears APPLIED: on a GPU the copies out of the
+      // slot must be done by then, not merely issued.
+      wait_for_copies(transport->device());
       gate->release_applied();
       current.reset();
       ++buckets;
