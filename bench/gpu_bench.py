@@ -248,7 +248,8 @@ def main():
             results["runs"].append({"name": name, "cache": cache, "gbps": gbps, **extra})
             log(f"{cache:5s} {name:40s} {gbps:6.2f} GB/s {extra if extra else ''}")
 
-        configs = [("staged", 16, ()), ("staged", 16, ("--memory-limit", "256MiB")), ("mapped", 8, ()), ("mapped", 16, ())]
+        configs = [("staged", 16, ()), ("staged", 8, ()), ("staged", 16, ("--memory-limit", "256MiB")),
+                   ("staged", 16, ("--memory-limit", "4GiB")), ("mapped", 8, ()), ("mapped", 16, ())]
         # Warm: the checkpoint was just written, and fits in memory; read it once to be sure.
         for path in files:
             with open(path, "rb") as f:

@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|bench|update|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|update|all]...   (default: all)
 #   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
 #   WS_JOBS             build and test parallelism (default: the core count)
 set -uo pipefail
@@ -26,8 +26,27 @@ wants() { for stage in "${stages[@]}"; do [ "$stage" = all ] || [ "$stage" = "$1
 status=0
 summary() { echo "$*" >>"$out/summary.txt"; }
 
+# libcurl and OpenSSL: where the GPU machine has them (runtime libraries, no headers), link
+# and run against its own, so no copy from .deps/ is ever loaded into a process that also
+# loads torch or Python's ssl module (two OpenSSL builds in one process abort in free()).
+system_library() { ldconfig -p | awk -v name="$1" '$1 == name && /x86-64/ {print $NF; exit}'; }
+use_system_tls=0
+if [ -d "$deps/lib" ] && [ -n "$(system_library libcurl.so.4)" ] && [ -n "$(system_library libssl.so.3)" ] &&
+  [ -n "$(system_library libcrypto.so.3)" ]; then
+  use_system_tls=1
+  for name in curl ssl crypto; do
+    soname=lib$name.so.$([ $name = curl ] && echo 4 || echo 3)
+    rm -f "$deps/lib/lib$name.so" "$deps/lib/$soname"
+    ln -s "$(system_library "$soname")" "$deps/lib/lib$name.so"
+  done
+fi
 if [ -d "$deps/lib" ]; then
-  export LD_LIBRARY_PATH="$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ $use_system_tls = 1 ]; then
+    echo "libcurl and OpenSSL: the system's ($(system_library libcurl.so.4), $(system_library libssl.so.3))"
+  else
+    echo "libcurl and OpenSSL: .deps/lib's copies, on LD_LIBRARY_PATH"
+    export LD_LIBRARY_PATH="$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
   deps_flag=(-DWS_DEPS_DIR="$deps")
 else
   echo "no .deps/ (scripts/gpu-deps.sh makes it): using the system's libraries"
@@ -45,7 +64,7 @@ fi
 cat "$out/machine.txt"
 
 configure_and_build() {  # source folder
-  cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON "${deps_flag[@]}" >>"$out/build.log" 2>&1 &&
+  cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON "${deps_flag[@]}" >>"$out/build.log" 2>&1 &&
     ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1
 }
 source_dir=$root  # what was built: the working tree, or HEAD when the tree does not build
@@ -113,6 +132,36 @@ if wants bench; then
   grep -q load_checkpoint_cuda "$source_dir/src/stream/load.cpp" || driver="$build/tests/test_stream"
   PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+
+if wants pinned; then
+  # How long pinning 1 GiB takes each way (the staged path allocates its staging in the load).
+  python3 bench/pinned_probe.py 2>&1 | tee -a "$out/summary.txt" || status=1
+fi
+
+if wants python; then
+  # The Python package (issue 6) built here against this machine's torch-bearing Python,
+  # then its tests with torch and a GPU present, and both import orders of torch and us.
+  start=$SECONDS
+  site=$build/python-site
+  rm -rf "$site"
+  if CMAKE_ARGS="-DWS_WITH_CUDA=ON ${deps_flag[*]}" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+    python3 -m pip install --no-build-isolation --no-deps --no-cache-dir -q --target "$site" \
+    --config-settings=build-dir="$build/python-build" "$root" >"$out/python.log" 2>&1; then
+    ldd "$site"/weightstream/_core*.so | grep -E 'curl|ssl|crypto|ffi|stdc' >>"$out/python.log"
+    imports=""
+    for order in "weightstream, torch" "torch, weightstream"; do
+      PYTHONPATH="$site" python3 -c "import $order; torch.ones(1, device='cuda:0'); print('ok')" >>"$out/python.log" 2>&1 &&
+        imports+=" [$order: ok]" || { imports+=" [$order: FAILED rc $?]"; status=1; }
+    done
+    WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -p no:cacheprovider "$root/tests/python" \
+      >>"$out/python.log" 2>&1 || status=1
+    summary "python ($((SECONDS - start)) s): imports$imports; pytest: $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1)"
+  else
+    tail -30 "$out/python.log"
+    summary "python: pip install FAILED (see python.log)"
+    status=1
+  fi
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------
