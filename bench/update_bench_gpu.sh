@@ -18,8 +18,11 @@ deps_flag=()
 [ -d "$root/.deps/lib" ] && deps_flag=(-DWS_DEPS_DIR="$root/.deps") &&
   export LD_LIBRARY_PATH="$root/.deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
+# Built by scripts/gpu.sh already (perhaps from another source folder): only the targets.
+configure=(cmake -S "$root" -B "$build")
+[ -f "$build/CMakeCache.txt" ] && configure=(true)
 {
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON \
+  "${configure[@]}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON \
     "${deps_flag[@]}" && ninja -C "$build" -j "$jobs" update_bench test_transfer weightstream_cli
 } >"$out/update_build.log" 2>&1 || { tail -30 "$out/update_build.log"; echo "update: build FAILED" >>"$out/summary.txt"; exit 1; }
 grep "weightstream: NCCL" "$out/update_build.log" | tail -1

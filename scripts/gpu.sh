@@ -67,15 +67,18 @@ configure_and_build() {  # source folder
   cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON "${deps_flag[@]}" >>"$out/build.log" 2>&1 &&
     ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1
 }
-source_dir=$root  # what was built: the working tree, or HEAD when the tree does not build
+# What is built: the working tree, or WS_GPU_SOURCE (a folder holding an export of one
+# commit, e.g. `git archive HEAD`, for a working tree that others are editing), or HEAD
+# when the tree does not build.
+source_dir=${WS_GPU_SOURCE:-$root}
 [ -f "$build/CMakeCache.txt" ] && source_dir=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
 if wants build; then
   start=$SECONDS
-  source_dir=$root
+  source_dir=$(cd "${WS_GPU_SOURCE:-$root}" && pwd)
   : >"$out/build.log"
-  if configure_and_build "$root"; then
+  if configure_and_build "$source_dir"; then
     summary "build: ok in $((SECONDS - start)) s"
-  elif git -C "$root" rev-parse -q --verify HEAD >/dev/null 2>&1; then
+  elif [ -z "${WS_GPU_SOURCE:-}" ] && git -C "$root" rev-parse -q --verify HEAD >/dev/null 2>&1; then
     # A shared working tree can hold someone's half-written file: build the last commit.
     tail -20 "$out/build.log"
     echo "the working tree does not build; building HEAD ($(git -C "$root" rev-parse --short HEAD)) instead"
@@ -147,14 +150,14 @@ if wants python; then
   rm -rf "$site"
   if CMAKE_ARGS="-DWS_WITH_CUDA=ON ${deps_flag[*]}" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     python3 -m pip install --no-build-isolation --no-deps --no-cache-dir -q --target "$site" \
-    --config-settings=build-dir="$build/python-build" "$root" >"$out/python.log" 2>&1; then
+    --config-settings=build-dir="$build/python-build" "$source_dir" >"$out/python.log" 2>&1; then
     ldd "$site"/weightstream/_core*.so | grep -E 'curl|ssl|crypto|ffi|stdc' >>"$out/python.log"
     imports=""
     for order in "weightstream, torch" "torch, weightstream"; do
       PYTHONPATH="$site" python3 -c "import $order; torch.ones(1, device='cuda:0'); print('ok')" >>"$out/python.log" 2>&1 &&
         imports+=" [$order: ok]" || { imports+=" [$order: FAILED rc $?]"; status=1; }
     done
-    WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -p no:cacheprovider "$root/tests/python" \
+    WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -p no:cacheprovider "$source_dir/tests/python" \
       >>"$out/python.log" 2>&1 || status=1
     summary "python ($((SECONDS - start)) s): imports$imports; pytest: $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1)"
   else
