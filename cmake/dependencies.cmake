@@ -40,6 +40,14 @@ message(STATUS "weightstream: CUDA ${WS_HAVE_CUDA}")
 
 # pugixml parses S3 ListObjectsV2 pages (src/storage/s3_listing.cpp).
 find_package(pugixml 1.11 REQUIRED)
+# Its static library where the package has one (Debian's is PIC): one shared library fewer
+# to find at run time, for the command and for the Python module, whose installed copy
+# carries no run path to wherever pugixml was found.
+if(TARGET pugixml::static)
+  set(WS_PUGIXML pugixml::static)
+else()
+  set(WS_PUGIXML pugixml::pugixml)
+endif()
 
 # NCCL (the update transport across GPUs and hosts, src/transfer/*_nccl.cpp). It ships
 # with the CUDA toolkit on the GPU machines (lib/ beside include/), or system-wide.
