@@ -323,6 +323,24 @@ struct LayoutOptions {
 /// divide among the ranks.
 ModelLayout build_model_layout(const ModelConfig& config, const LayoutOptions& options = {});
 
+/// Decoder layers that `tensor_names` hold for `config`'s architecture: the distinct
+/// {layer} indices of names that start like one of its mapping rules' {layer} patterns
+/// (model.layers.{layer}.*); MTP layers count too.
+/// Throws Error(kModel) naming the model_type when it is not supported.
+int64_t checkpoint_layer_count(const ModelConfig& config, std::span<const std::string_view> tensor_names);
+
+/// Checks, before a layout is built, that a checkpoint holding `tensor_names` has at least
+/// the config's num_hidden_layers layers, as a cold load needs every one of them.
+/// build_model_layout's memory grows with the layer count (65536 layers take gigabytes),
+/// and config.json is untrusted: a config asking for more layers than the checkpoint has
+/// is refused here, in bounded memory. A checkpoint that holds the layers but lacks some
+/// of their tensors passes; plan_layout_load and the session name what is missing.
+/// `config_object` names the config in messages. Throws Error(kModel), e.g.
+/// "m/config.json: num_hidden_layers = 65536, but the checkpoint holds 1 layer (tensors
+/// model.layers.{layer}.*): a cold load needs all 65536".
+void check_checkpoint_layers(const ModelConfig& config, std::string_view config_object,
+                             std::span<const std::string_view> tensor_names);
+
 /// Kinds of load a session runs.
 enum class LoadMode {
   kCold,    ///< first load: every parameter must be filled by finish()

@@ -103,7 +103,7 @@ void add_plan_command(CLI::App& app) {
     Options options = environment_options();
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     // Storage is not needed for a plan; the layout is built without allocating.
-    ModelConfig config = checkpoint_model_config(checkpoint);
+    ModelConfig config = checkpoint_layout_config(checkpoint);
     LayoutOptions layout_options;
     layout_options.parallel = {flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
                                flags->layout.ep_size, flags->layout.ep_rank};

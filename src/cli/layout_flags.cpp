@@ -16,8 +16,17 @@ void add_layout_flags(CLI::App& command, LayoutFlags& flags) {
       ->check(CLI::IsMember({"none", "fp8"}));
 }
 
-ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device) {
+ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint) {
   ModelConfig config = checkpoint_model_config(checkpoint);
+  std::vector<std::string_view> names;
+  names.reserve(checkpoint.tensors().size());
+  for (const CheckpointTensor& tensor : checkpoint.tensors()) names.push_back(tensor.name);
+  check_checkpoint_layers(config, checkpoint.uri() + "/config.json", names);
+  return config;
+}
+
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device) {
+  ModelConfig config = checkpoint_layout_config(checkpoint);
   LayoutOptions options;
   options.parallel = {flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
   WS_EXPECT(options.parallel.tp_rank < options.parallel.tp_size, ErrorCode::kInvalidArgument,

@@ -25,6 +25,11 @@ struct LayoutFlags {
 /// Adds the layout flags to `command`.
 void add_layout_flags(CLI::App& command, LayoutFlags& flags);
 
+/// `checkpoint`'s config.json, refused (Error(kModel) naming it and num_hidden_layers)
+/// when it asks for more layers than the checkpoint's tensors hold, before any layout is
+/// built from it: see check_checkpoint_layers.
+ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
+
 /// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
 /// `device` and the hooks an engine would register (a tied lm_head where the embeddings
 /// are tied, a fused K/V buffer where layers have K and V parts).

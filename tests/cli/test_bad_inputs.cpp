@@ -242,17 +242,22 @@ INSTANTIATE_TEST_SUITE_P(
                       AbsurdConfig{"StringLayers", "num_hidden_layers", "many", "must be an integer, not a string"}),
     [](const auto& info) { return info.param.name; });
 
-// num_hidden_layers at its documented maximum (2^16) passes the config parser, and a load
-// of this one-layer checkpoint must fail (65535 layers are missing) in bounded memory. The
-// layout of 393219 parameters is built first: `plan` takes 1.7 GB resident and 73 s to
-// list what is missing, and `load --tp-size 1` and `audit` under the limit end with
-// "internal error: std::bad_alloc" (exit 2). Reported to the model layer in issue 7;
-// enable once the layer count is checked against the checkpoint before the layout is built.
-TEST_F(BadShardedCheckpoint, DISABLED_MaximumLayerCountIsRefusedInBoundedMemory) {
+// num_hidden_layers at its documented maximum (2^16) passes the config parser, but this
+// checkpoint holds one layer. A layout of 65536 layers (393219 parameters) took 1.7 GB and
+// 73 s in `plan`, and ended in "internal error: std::bad_alloc" under the limit in `load`
+// and `audit` (issue 7): the layer count is now checked against the checkpoint first.
+TEST_F(BadShardedCheckpoint, MaximumLayerCountIsRefusedInBoundedMemory) {
   config_["num_hidden_layers"] = 1 << 16;
   write_config();
-  auto result = run_cli({"load", model_.string(), "--tp-size", "1", "--no-progress"}, bounded());
-  expect_rejected(result, "model", "");
+  const std::string model = model_.string();
+  for (const std::vector<std::string>& arguments :
+       {std::vector<std::string>{"plan", model}, {"load", model, "--tp-size", "1", "--no-progress"},
+        {"audit", model, "--no-progress"}}) {
+    SCOPED_TRACE(arguments[0]);
+    auto result = run_cli(arguments, bounded());
+    expect_rejected(result, (model_ / "config.json").string(),
+                    "num_hidden_layers = 65536, but the checkpoint holds 1 layer (tensors model.layers.{layer}.*)");
+  }
 }
 
 }  // namespace
