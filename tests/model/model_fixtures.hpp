@@ -6,6 +6,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/test_support.hpp"
@@ -92,6 +93,14 @@ inline SynthOptions synth_options(std::string arch, uint64_t seed = 1, int64_t h
   return options;
 }
 
+/// synth_in_memory(synth_options(arch, seed)), synthesized once per test binary.
+inline const MemoryCheckpoint& cached_checkpoint(const std::string& arch, uint64_t seed = 1) {
+  static std::map<std::pair<std::string, uint64_t>, MemoryCheckpoint> cache;
+  auto key = std::make_pair(arch, seed);
+  if (!cache.contains(key)) cache.emplace(key, synth_in_memory(synth_options(arch, seed)));
+  return cache.at(key);
+}
+
 /// A layout of `checkpoint` for one rank, with host storage.
 inline ModelLayout host_layout(const MemoryCheckpoint& checkpoint, int64_t tp_size = 1, int64_t tp_rank = 0,
                                LayoutOptions options = {}) {
@@ -109,6 +118,13 @@ inline LoadCounters run_load(ModelLayout& layout, LoadMode mode, const std::vect
   for (const auto& batch : batches) session.load(batch);
   session.finish();
   return session.counters();
+}
+
+/// A host layout of `checkpoint` for one rank, cold-loaded from all of it in one batch.
+inline ModelLayout cold_loaded_layout(const MemoryCheckpoint& checkpoint, int64_t tp_size = 1, int64_t tp_rank = 0) {
+  ModelLayout layout = host_layout(checkpoint, tp_size, tp_rank);
+  run_load(layout, LoadMode::kCold, {checkpoint.views()});
+  return layout;
 }
 
 /// Bytes of a parameter, on the host.

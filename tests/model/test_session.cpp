@@ -15,19 +15,12 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 using testing::bytes_of;
+using testing::cached_checkpoint;
+using testing::cold_loaded_layout;
 using testing::host_layout;
 using testing::MemoryCheckpoint;
 using testing::run_load;
 using testing::slice_of;
-using testing::synth_in_memory;
-using testing::synth_options;
-
-const MemoryCheckpoint& checkpoint_of(const std::string& arch, uint64_t seed = 1) {
-  static std::map<std::pair<std::string, uint64_t>, MemoryCheckpoint> cache;
-  auto key = std::make_pair(arch, seed);
-  if (!cache.contains(key)) cache.emplace(key, synth_in_memory(synth_options(arch, seed)));
-  return cache.at(key);
-}
 
 /// Checks every part of every parameter against the slice of its checkpoint tensor, and
 /// that padding is zero: the layout's own bookkeeping, checked against the bytes.
@@ -54,7 +47,7 @@ class ColdLoad : public ::testing::TestWithParam<std::tuple<std::string, int64_t
 
 TEST_P(ColdLoad, EveryRankHoldsItsSlices) {
   auto [arch, tp_size] = GetParam();
-  const MemoryCheckpoint& checkpoint = checkpoint_of(arch);
+  const MemoryCheckpoint& checkpoint = cached_checkpoint(arch);
   for (int64_t rank = 0; rank < tp_size; ++rank) {
     ModelLayout layout = host_layout(checkpoint, tp_size, rank);
     LoadCounters counters = run_load(layout, LoadMode::kCold, {checkpoint.views()});
@@ -75,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(Architectures, ColdLoad,
 TEST(LoadSession, RanksTogetherRebuildEveryShardedTensor) {
   // Independent of the layout's bookkeeping: column shards stacked across ranks give back
   // q_proj; row shards side by side give back o_proj; K/V heads replicate at tp 4 > 1 head.
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   const ModelConfig& config = checkpoint.config;
   ASSERT_EQ(config.num_key_value_heads, 1);
   int64_t tp = 4;
@@ -84,8 +77,7 @@ TEST(LoadSession, RanksTogetherRebuildEveryShardedTensor) {
   std::vector<std::byte> q, k_seen;
   std::vector<std::vector<std::byte>> o_shards;
   for (int64_t rank = 0; rank < tp; ++rank) {
-    ModelLayout layout = host_layout(checkpoint, tp, rank);
-    run_load(layout, LoadMode::kCold, {checkpoint.views()});
+    ModelLayout layout = cold_loaded_layout(checkpoint, tp, rank);
     auto qkv = bytes_of(layout, "model.layers.1.self_attn.qkv_proj.weight");
     size_t q_bytes = static_cast<size_t>(q_rows / tp * hidden * 2);
     size_t k_bytes = static_cast<size_t>(config.head_dim * hidden * 2);
@@ -108,9 +100,8 @@ TEST(LoadSession, RanksTogetherRebuildEveryShardedTensor) {
 }
 
 TEST(LoadSession, QkvPartsInEveryOrderAcrossCalls) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
-  ModelLayout reference = host_layout(checkpoint, 2, 1);
-  run_load(reference, LoadMode::kCold, {checkpoint.views()});
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout reference = cold_loaded_layout(checkpoint, 2, 1);
   const std::string name = "model.layers.0.self_attn.qkv_proj.weight";
   std::vector<std::string> parts = {"q_proj", "k_proj", "v_proj"};
   std::sort(parts.begin(), parts.end());
@@ -133,10 +124,9 @@ TEST(LoadSession, QkvPartsInEveryOrderAcrossCalls) {
 TEST(LoadSession, PiecesInAnyOrderAndSize) {
   // Odd piece sizes split elements and rows: contiguous slices land directly, strided and
   // converted ones are gathered first.
-  const MemoryCheckpoint& checkpoint = checkpoint_of("deepseek_v3");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("deepseek_v3");
   for (int64_t tp : {1, 2}) {
-    ModelLayout reference = host_layout(checkpoint, tp, tp - 1);
-    run_load(reference, LoadMode::kCold, {checkpoint.views()});
+    ModelLayout reference = cold_loaded_layout(checkpoint, tp, tp - 1);
     std::vector<TensorView> pieces;
     for (const auto& tensor : checkpoint.tensors) {
       for (uint64_t offset = 0; offset < tensor.bytes.size(); offset += 997) {
@@ -155,7 +145,7 @@ TEST(LoadSession, PiecesInAnyOrderAndSize) {
 }
 
 TEST(LoadSession, ConvertsDtypesOnCopy) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("qwen3");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("qwen3");
   // The same weights as F32: the BF16 parameters must come out bit-identical (BF16 -> F32
   // is exact and F32 -> BF16 rounds back to the same value).
   std::vector<testing::MemoryTensor> wide;
@@ -167,20 +157,17 @@ TEST(LoadSession, ConvertsDtypesOnCopy) {
   }
   std::vector<TensorView> views;
   for (const auto& tensor : wide) views.push_back(tensor.view());
-  ModelLayout reference = host_layout(checkpoint, 2, 0);
-  run_load(reference, LoadMode::kCold, {checkpoint.views()});
+  ModelLayout reference = cold_loaded_layout(checkpoint, 2, 0);
   ModelLayout layout = host_layout(checkpoint, 2, 0);
   run_load(layout, LoadMode::kCold, {views});
   EXPECT_EQ(compare_layouts(layout, reference).mismatched, 0u);
 }
 
 TEST(LoadSession, PartialUpdateLeavesOtherLayersBitIdentical) {
-  const MemoryCheckpoint& old_weights = checkpoint_of("llama", 1);
-  const MemoryCheckpoint& new_weights = checkpoint_of("llama", 2);
-  ModelLayout layout = host_layout(old_weights, 2, 0);
-  run_load(layout, LoadMode::kCold, {old_weights.views()});
-  ModelLayout before = host_layout(old_weights, 2, 0);
-  run_load(before, LoadMode::kCold, {old_weights.views()});
+  const MemoryCheckpoint& old_weights = cached_checkpoint("llama", 1);
+  const MemoryCheckpoint& new_weights = cached_checkpoint("llama", 2);
+  ModelLayout layout = cold_loaded_layout(old_weights, 2, 0);
+  ModelLayout before = cold_loaded_layout(old_weights, 2, 0);
   auto addresses = storage_addresses(layout);
 
   LoadCounters counters = run_load(layout, LoadMode::kUpdate,
@@ -208,10 +195,9 @@ TEST(LoadSession, PartialUpdateLeavesOtherLayersBitIdentical) {
 }
 
 TEST(LoadSession, WrongShapeOrDtypeIsRejectedBeforeAnyByteIsWritten) {
-  const MemoryCheckpoint& old_weights = checkpoint_of("llama", 1);
-  const MemoryCheckpoint& new_weights = checkpoint_of("llama", 2);
-  ModelLayout layout = host_layout(old_weights);
-  run_load(layout, LoadMode::kCold, {old_weights.views()});
+  const MemoryCheckpoint& old_weights = cached_checkpoint("llama", 1);
+  const MemoryCheckpoint& new_weights = cached_checkpoint("llama", 2);
+  ModelLayout layout = cold_loaded_layout(old_weights);
   auto before = bytes_of(layout, "model.norm.weight");
 
   const auto& q = new_weights.tensor("model.layers.0.self_attn.q_proj.weight");
@@ -246,7 +232,7 @@ TEST(LoadSession, WrongShapeOrDtypeIsRejectedBeforeAnyByteIsWritten) {
 }
 
 TEST(LoadSession, UnknownTensorsAreErrorsUnlessIgnored) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   ModelLayout layout = host_layout(checkpoint);
   LoadSession session(layout);
   session.begin(LoadMode::kCold);
@@ -266,7 +252,7 @@ TEST(LoadSession, UnknownTensorsAreErrorsUnlessIgnored) {
 }
 
 TEST(LoadSession, ColdLoadNamesEveryMissingParameter) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("deepseek_v3");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("deepseek_v3");
   int64_t mtp = checkpoint.config.num_hidden_layers;
   std::string prefix = "model.layers." + std::to_string(mtp) + ".";
   ModelLayout layout = host_layout(checkpoint);
@@ -290,7 +276,7 @@ TEST(LoadSession, ColdLoadNamesEveryMissingParameter) {
 }
 
 TEST(LoadSession, PartiallyArrivedParameterNamesTheMissingTensors) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   ModelLayout layout = host_layout(checkpoint);
   LoadSession session(layout);
   session.begin(LoadMode::kCold);
@@ -305,7 +291,7 @@ TEST(LoadSession, PartiallyArrivedParameterNamesTheMissingTensors) {
 }
 
 TEST(LoadSession, DeliveringATensorTwiceIsAnError) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   ModelLayout layout = host_layout(checkpoint);
   LoadSession session(layout);
   session.begin(LoadMode::kCold);
@@ -319,7 +305,7 @@ TEST(LoadSession, DeliveringATensorTwiceIsAnError) {
 }
 
 TEST(LoadSession, ReloadAndUpdateNeedAColdLoadFirst) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("llama");
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   ModelLayout layout = host_layout(checkpoint);
   LoadSession session(layout);
   try {
@@ -334,10 +320,9 @@ TEST(LoadSession, ReloadAndUpdateNeedAColdLoadFirst) {
 }
 
 TEST(LoadSession, ReloadsInShuffledBatchesMatchAFreshColdLoad) {
-  const MemoryCheckpoint& first = checkpoint_of("deepseek_v3", 1);
-  const MemoryCheckpoint& second = checkpoint_of("deepseek_v3", 2);
-  ModelLayout layout = host_layout(first, 2, 1);
-  run_load(layout, LoadMode::kCold, {first.views()});
+  const MemoryCheckpoint& first = cached_checkpoint("deepseek_v3", 1);
+  const MemoryCheckpoint& second = cached_checkpoint("deepseek_v3", 2);
+  ModelLayout layout = cold_loaded_layout(first, 2, 1);
   auto addresses = storage_addresses(layout);
   uint64_t allocated = layout.allocated_bytes();
   std::mt19937 random(3);
@@ -348,17 +333,15 @@ TEST(LoadSession, ReloadsInShuffledBatchesMatchAFreshColdLoad) {
     for (size_t i = 0; i < views.size(); ++i) batches[i % 4].push_back(views[i]);
     run_load(layout, LoadMode::kReload, batches);
   }
-  ModelLayout fresh = host_layout(second, 2, 1);
-  run_load(fresh, LoadMode::kCold, {second.views()});
+  ModelLayout fresh = cold_loaded_layout(second, 2, 1);
   EXPECT_EQ(compare_layouts(layout, fresh).mismatched, 0u);
   EXPECT_EQ(storage_addresses(layout), addresses);
   EXPECT_EQ(layout.allocated_bytes(), allocated);
 }
 
 TEST(LoadSession, EngineFormatCopiesParametersInPlace) {
-  const MemoryCheckpoint& checkpoint = checkpoint_of("qwen3");
-  ModelLayout source = host_layout(checkpoint, 2, 1);
-  run_load(source, LoadMode::kCold, {checkpoint.views()});
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("qwen3");
+  ModelLayout source = cold_loaded_layout(checkpoint, 2, 1);
   std::vector<std::vector<std::byte>> copies;
   std::vector<TensorView> views;
   for (const Parameter& parameter : source.parameters()) copies.push_back(parameter_bytes(parameter));

@@ -21,18 +21,15 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
+using testing::cached_checkpoint;
+using testing::cold_loaded_layout;
 using testing::host_layout;
 using testing::MemoryCheckpoint;
 using testing::run_load;
-using testing::synth_in_memory;
-using testing::synth_options;
 using namespace std::chrono_literals;
 
-const MemoryCheckpoint& checkpoint_of(uint64_t seed) {
-  static std::map<uint64_t, MemoryCheckpoint> cache;
-  if (!cache.contains(seed)) cache.emplace(seed, synth_in_memory(synth_options("llama", seed)));
-  return cache.at(seed);
-}
+// Every checkpoint here is llama's; the seed tells the weights apart.
+const MemoryCheckpoint& checkpoint_of(uint64_t seed) { return cached_checkpoint("llama", seed); }
 
 /// A layout cold-loaded from seed 1 with a counting model hook.
 struct LoadedModel {
@@ -47,11 +44,7 @@ struct LoadedModel {
   }
 };
 
-ModelLayout fresh_layout(uint64_t seed) {
-  ModelLayout layout = host_layout(checkpoint_of(seed));
-  run_load(layout, LoadMode::kCold, {checkpoint_of(seed).views()});
-  return layout;
-}
+ModelLayout fresh_layout(uint64_t seed) { return cold_loaded_layout(checkpoint_of(seed)); }
 
 std::string error_text(const std::function<void()>& action) {
   try {
