@@ -130,7 +130,9 @@ struct StreamStats {
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
 
-/// Progress callback: bytes delivered so far, bytes in total.
+/// Progress callback: bytes delivered so far, bytes in total. Called on the thread that
+/// started the load, about every 100 ms. An exception it throws cancels the load: the
+/// readers stop after their current read and the load throws that exception.
 using ProgressCallback = std::function<void(uint64_t done, uint64_t total)>;
 
 /// Streams `requests` from `checkpoint` into `sink`. Every requested byte is delivered

@@ -70,4 +70,25 @@ ModelLayout& python_layout(nanobind::handle layout);
 /// Adds UpdateSender and UpdateReceiver (transfer_bindings.cpp).
 void bind_transfer(nanobind::module_& m);
 
+/// Thrown by interruptible_progress() once Python's signal handlers raised (Ctrl-C); the
+/// Python error stays set on the calling thread until the binding raises it.
+struct InterruptRequested {};
+
+/// A progress callback for a long call made without the GIL: about every 100 ms, on the
+/// calling thread, it takes the GIL and runs Python's signal handlers, so Ctrl-C cancels
+/// the load (the library stops its readers when a progress callback throws).
+ProgressCallback interruptible_progress();
+
+/// Runs `call(progress)` without the GIL, with interruptible_progress(), and raises the
+/// KeyboardInterrupt (or whatever a signal handler raised) that cancelled it.
+template <typename Call>
+auto call_interruptibly(Call&& call) {
+  try {
+    nanobind::gil_scoped_release release;
+    return call(interruptible_progress());
+  } catch (const InterruptRequested&) {
+    throw nanobind::python_error();
+  }
+}
+
 }  // namespace weightstream::python

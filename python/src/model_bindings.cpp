@@ -208,12 +208,10 @@ class SessionHandle {
 
   nb::dict stream_checkpoint(const CheckpointHandle& checkpoint, nb::dict overrides) {
     auto options = checkpoint.options(overrides);
-    StreamStats stats;
-    {
-      nb::gil_scoped_release release;
+    StreamStats stats = call_interruptibly([&](const ProgressCallback& progress) {
       auto plan = plan_layout_load(layout(), checkpoint.checkpoint());
-      stats = stream_into_session(checkpoint.checkpoint(), plan, session_, options.stream);
-    }
+      return stream_into_session(checkpoint.checkpoint(), plan, session_, options.stream, progress);
+    });
     nb::dict result;
     result["tensors"] = stats.tensors;
     result["bytes"] = stats.bytes;

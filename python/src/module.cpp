@@ -164,6 +164,13 @@ nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const D
   return array.cast();
 }
 
+ProgressCallback interruptible_progress() {
+  return [](uint64_t, uint64_t) {
+    nb::gil_scoped_acquire acquire;
+    if (PyErr_CheckSignals() != 0) throw InterruptRequested{};
+  };
+}
+
 namespace {
 
 // ---- bound types --------------------------------------------------------------------------
@@ -207,11 +214,9 @@ class StreamIterator {
 nb::list load(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides) {
   auto options = checkpoint.options(overrides);
   auto parsed = parse_device(device);
-  std::shared_ptr<LoadedCheckpoint> loaded;
-  {
-    nb::gil_scoped_release release;
-    loaded = std::make_shared<LoadedCheckpoint>(load_checkpoint(checkpoint.checkpoint(), parsed, options.stream));
-  }
+  auto loaded = call_interruptibly([&](const ProgressCallback& progress) {
+    return std::make_shared<LoadedCheckpoint>(load_checkpoint(checkpoint.checkpoint(), parsed, options.stream, progress));
+  });
   // Every array holds a reference to the one arena; it is freed with the last of them.
   nb::list result;
   for (const auto& tensor : loaded->tensors) {
@@ -228,11 +233,9 @@ std::vector<std::pair<std::string, std::string>> digest(const CheckpointHandle& 
   auto options = checkpoint.options(overrides);
   auto kind = parse_hash(hash);
   auto parsed = parse_device(device);
-  std::vector<TensorDigest> digests;
-  {
-    nb::gil_scoped_release release;
-    digests = digest_checkpoint(checkpoint.checkpoint(), kind, parsed, options.stream);
-  }
+  auto digests = call_interruptibly([&](const ProgressCallback& progress) {
+    return digest_checkpoint(checkpoint.checkpoint(), kind, parsed, options.stream, nullptr, progress);
+  });
   std::vector<std::pair<std::string, std::string>> result;
   result.reserve(digests.size());
   for (auto& entry : digests) result.emplace_back(std::move(entry.name), std::move(entry.hex));

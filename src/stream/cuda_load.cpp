@@ -378,10 +378,18 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
     }
     std::unique_lock lock(mutex);
     while (!workers_done.wait_for(lock, std::chrono::milliseconds(100), [&] { return running == 0; })) {
-      if (progress) {
+      if (progress && !first_error) {
         lock.unlock();
-        progress(enqueued.load(std::memory_order_relaxed), total);
-        lock.lock();
+        try {
+          progress(enqueued.load(std::memory_order_relaxed), total);
+          lock.lock();
+        } catch (...) {
+          lock.lock();
+          // A throwing progress callback cancels the load, as in stream_tensors.
+          if (!first_error) first_error = std::current_exception();
+          next_window.store(windows.size());
+          budget->cancel();
+        }
       }
     }
   }

@@ -271,9 +271,15 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
         });
       }
       if (progress) {
-        while (run.delivered() < total && !run.error()) {
-          progress(run.delivered(), total);
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        try {
+          while (run.delivered() < total && !run.error()) {
+            progress(run.delivered(), total);
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+        } catch (...) {
+          // A progress callback that throws cancels the stream (how a caller interrupts
+          // a load, e.g. Python's Ctrl-C); its exception is the one thrown.
+          run.fail(std::current_exception());
         }
       }
     }
