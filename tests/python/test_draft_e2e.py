@@ -10,18 +10,16 @@ import os
 import random
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from conftest import CLI, requires_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = os.environ.get("WS_CLI", str(ROOT / "build" / "weightstream"))
 ENDPOINT = os.environ.get("WS_TEST_S3_ENDPOINT")
 
 pytestmark = [
     pytest.mark.skipif(not ENDPOINT, reason="WS_TEST_S3_ENDPOINT is not set: no S3 server for this run "
                                             "(scripts/test.sh starts moto_server)"),
-    pytest.mark.skipif(not Path(CLI).exists(), reason="the weightstream CLI is not built at " + CLI),
+    requires_cli,
 ]
 
 boto3 = pytest.importorskip("boto3")
@@ -71,7 +69,8 @@ def test_target_and_draft_load_through_the_checkpoint_uri(model, variable):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["target"]["source"] == model["uri"] and report["target"]["field"] == "model_weights"
-    assert report["draft"]["source"] == model["uri"] and report["draft"]["field"] == "WEIGHTSTREAM_MODEL_URI"
+    # The checkpoint URI is named by the variable that set it.
+    assert report["draft"]["source"] == model["uri"] and report["draft"]["field"] == variable
     assert report["draft"]["passed_over"] == ["model_weights: not set",
                                               "model %s: no *.safetensors files" % model["snapshot"]]
     assert report["draft"]["shards_read"] == len(model["mtp_shards"])

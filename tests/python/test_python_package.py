@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 np = pytest.importorskip("numpy")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -29,7 +30,6 @@ try:
 except ImportError:
     torch = None
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 without_torch = pytest.mark.skipif(torch is not None, reason="checks the behaviour when torch is absent")
 
@@ -80,16 +80,6 @@ def tensor_bytes(tensor):
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = Path(os.environ.get("WS_CLI", "build/weightstream"))
-    if not path.is_absolute():
-        path = ROOT / path
-    if not path.exists():
-        pytest.skip(f"weightstream CLI not built at {path} (set WS_CLI)")
-    return str(path)
 
 
 def synth(cli, directory, *args):

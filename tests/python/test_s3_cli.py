@@ -12,12 +12,10 @@ import random
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
+from conftest import CLI, ROOT, requires_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = os.environ.get("WS_CLI", str(ROOT / "build" / "weightstream"))
 ENDPOINT = os.environ.get("WS_TEST_S3_ENDPOINT")
 # A secret no message may ever show; the tests grep every output for it.
 SECRET = "wsCliSecret/NeverPrintMe+9876543210zyxwvu"
@@ -25,7 +23,7 @@ SECRET = "wsCliSecret/NeverPrintMe+9876543210zyxwvu"
 pytestmark = [
     pytest.mark.skipif(not ENDPOINT, reason="WS_TEST_S3_ENDPOINT is not set: no S3 server for this run "
                                             "(scripts/test.sh starts moto_server)"),
-    pytest.mark.skipif(not Path(CLI).exists(), reason="the weightstream CLI is not built at " + CLI),
+    requires_cli,
 ]
 
 boto3 = pytest.importorskip("boto3")

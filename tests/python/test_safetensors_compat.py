@@ -4,14 +4,12 @@ Checkpoints written by the reference writer must digest, tensor by tensor, to th
 of their raw row-major bytes; checkpoints written by `weightstream synth` must open in the
 reference reader with the same names, shapes and bytes.
 
-The CLI comes from $WS_CLI (default build/weightstream under the repository root).
+The CLI is the `cli` fixture of conftest.py ($WS_CLI, default build/weightstream).
 """
 
 import hashlib
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -23,18 +21,6 @@ try:
     import ml_dtypes
 except ImportError:
     ml_dtypes = None
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def cli():
-    path = Path(os.environ.get("WS_CLI", "build/weightstream"))
-    if not path.is_absolute():
-        path = ROOT / path
-    if not path.exists():
-        pytest.skip(f"weightstream CLI not built at {path} (set WS_CLI)")
-    return str(path)
 
 
 def run(cli, *args):

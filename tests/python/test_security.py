@@ -15,15 +15,13 @@ import ssl
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
+from conftest import CLI, requires_cli
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = os.environ.get("WS_CLI", str(ROOT / "build" / "weightstream"))
 SECRET = "wsSecuritySecret/NeverShowMe+1234567890abcdefgh"
 
-pytestmark = pytest.mark.skipif(not Path(CLI).exists(), reason="the weightstream CLI is not built at " + CLI)
+pytestmark = requires_cli
 
 
 def cli_env(endpoint):

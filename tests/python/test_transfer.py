@@ -2,17 +2,16 @@
 tensors over TCP and shared memory to an UpdateReceiver applying them to a live ModelLayout.
 The result must equal a cold load of the same weights bit for bit, with storage addresses
 unchanged and the model hook run once per update."""
-import os
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
+from conftest import CLI, requires_cli
 
 np = pytest.importorskip("numpy")
 weightstream = pytest.importorskip("weightstream")
 
-CLI = os.environ.get("WS_CLI", str(Path(__file__).resolve().parents[2] / "build" / "weightstream"))
+pytestmark = requires_cli
 
 
 def synth(directory, seed):
