@@ -183,10 +183,24 @@ struct ModelConfig {
   int64_t moe_intermediate_size = 0;
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
+  /// MTP layers shipped with the checkpoint; Qwen3-Next's config may call it
+  /// mtp_num_hidden_layers (both given and different is an error).
   int64_t num_nextn_predict_layers = 0;
   int64_t num_experts_per_tok = 0;  ///< routed experts per token (0 when absent)
   // Qwen3-MoE style experts (num_experts) where present.
   int64_t num_experts = 0;
+  // Qwen3-Next: Gated DeltaNet (linear attention) layers between full-attention layers, and
+  // MoE layers with one shared expert.
+  int64_t full_attention_interval = 0;  ///< every this many layers is full attention; 0 when absent
+  std::vector<std::string> layer_types;  ///< per layer ("full_attention", "linear_attention"), when given
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  int64_t decoder_sparse_step = 1;      ///< layer i has experts when (i + 1) % decoder_sparse_step == 0
+  std::vector<int64_t> mlp_only_layers;  ///< layers with a dense MLP instead of experts
 };
 
 /// Parses config.json. Sizes are validated (positive where required, at most 2^20 for

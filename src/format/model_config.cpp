@@ -1,6 +1,8 @@
 // The config.json fields weightstream uses. config.json is untrusted: every size that
 // later drives an allocation is range-checked here, before anything is allocated.
 
+#include <functional>
+
 #include "format/json_text.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
@@ -65,6 +67,19 @@ class ConfigFields {
     return value->get<std::string>();
   }
 
+  // A list field: each element read by `element`; empty when absent.
+  template <typename Element>
+  std::vector<Element> list(std::string_view field, const std::function<Element(const Json&)>& element) const {
+    const Json* value = find(field);
+    if (value == nullptr) return {};
+    if (!value->is_array() || value->size() > static_cast<size_t>(kMaxCount)) {
+      fail_value(field, *value, "must be a list of at most " + std::to_string(kMaxCount) + " elements");
+    }
+    std::vector<Element> result;
+    for (const Json& item : *value) result.push_back(element(item));
+    return result;
+  }
+
   bool flag(std::string_view field, bool fallback) const {
     const Json* value = find(field);
     if (value == nullptr) return fallback;
@@ -117,6 +132,33 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
   config.first_k_dense_replace = fields.integer("first_k_dense_replace", 0, config.num_hidden_layers, 0);
   config.moe_layer_freq = fields.integer("moe_layer_freq", 1, kMaxCount, 1);
   config.num_nextn_predict_layers = fields.integer("num_nextn_predict_layers", 0, kMaxCount, 0);
+  // Qwen3-Next and later Qwen releases name the MTP layer count mtp_num_hidden_layers.
+  if (fields.find("mtp_num_hidden_layers") != nullptr) {
+    int64_t mtp_layers = fields.integer("mtp_num_hidden_layers", 0, kMaxCount, 0);
+    if (fields.find("num_nextn_predict_layers") != nullptr && mtp_layers != config.num_nextn_predict_layers) {
+      fields.fail("mtp_num_hidden_layers", "= " + std::to_string(mtp_layers) + " and num_nextn_predict_layers = " +
+                                               std::to_string(config.num_nextn_predict_layers) + " disagree");
+    }
+    config.num_nextn_predict_layers = mtp_layers;
+  }
+  config.full_attention_interval = fields.integer("full_attention_interval", 1, kMaxCount, 0);
+  config.layer_types = fields.list<std::string>("layer_types", [&](const Json& item) {
+    if (!item.is_string()) fields.fail_value("layer_types", item, "elements must be strings");
+    return item.get<std::string>();
+  });
+  config.linear_num_key_heads = fields.integer("linear_num_key_heads", 1, kMaxCount, 0);
+  config.linear_num_value_heads = fields.integer("linear_num_value_heads", 1, kMaxCount, 0);
+  config.linear_key_head_dim = fields.integer("linear_key_head_dim", 1, kMaxDimension, 0);
+  config.linear_value_head_dim = fields.integer("linear_value_head_dim", 1, kMaxDimension, 0);
+  config.linear_conv_kernel_dim = fields.integer("linear_conv_kernel_dim", 1, kMaxDimension, 0);
+  config.shared_expert_intermediate_size = fields.integer("shared_expert_intermediate_size", 0, kMaxDimension, 0);
+  config.decoder_sparse_step = fields.integer("decoder_sparse_step", 1, kMaxCount, 1);
+  config.mlp_only_layers = fields.list<int64_t>("mlp_only_layers", [&](const Json& item) {
+    if (!item.is_number_integer() || item.get<int64_t>() < 0 || item.get<int64_t>() >= config.num_hidden_layers) {
+      fields.fail_value("mlp_only_layers", item, "elements must be layer indices from 0 to num_hidden_layers - 1");
+    }
+    return item.get<int64_t>();
+  });
   config.num_experts = fields.integer("num_experts", 0, kMaxCount, 0);
   config.num_experts_per_tok = fields.integer("num_experts_per_tok", 0, kMaxCount, 0);
   // Mixtral and others name their expert count differently, so only the counts read here bound it.

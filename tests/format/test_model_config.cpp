@@ -190,5 +190,72 @@ TEST(ModelConfig, RejectsExpertsWithoutTheirSize) {
   EXPECT_THAT(config_error(json), HasSubstr("moe_intermediate_size is missing: n_routed_experts > 0 needs it"));
 }
 
+// Shaped like Qwen3-Next-80B-A3B's config.json: Gated DeltaNet layers with full attention
+// every fourth layer, 512 experts and one shared expert.
+const char* const kQwen3NextConfig = R"({
+  "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+  "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+  "head_dim": 256, "vocab_size": 151936, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+  "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+  "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+  "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+  "partial_rotary_factor": 0.25, "tie_word_embeddings": false, "torch_dtype": "bfloat16"})";
+
+nlohmann::json qwen3_next() { return nlohmann::json::parse(kQwen3NextConfig); }
+
+TEST(ModelConfig, ReadsAQwen3NextConfig) {
+  ModelConfig config = parse_model_config("config.json", kQwen3NextConfig);
+  EXPECT_EQ(config.model_type, "qwen3_next");
+  EXPECT_EQ(config.head_dim, 256);
+  EXPECT_EQ(config.full_attention_interval, 4);
+  EXPECT_TRUE(config.layer_types.empty());
+  EXPECT_EQ(config.linear_num_key_heads, 16);
+  EXPECT_EQ(config.linear_num_value_heads, 32);
+  EXPECT_EQ(config.linear_key_head_dim, 128);
+  EXPECT_EQ(config.linear_value_head_dim, 128);
+  EXPECT_EQ(config.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(config.num_experts, 512);
+  EXPECT_EQ(config.shared_expert_intermediate_size, 512);
+  EXPECT_EQ(config.decoder_sparse_step, 1);
+  EXPECT_TRUE(config.mlp_only_layers.empty());
+  EXPECT_EQ(config.num_nextn_predict_layers, 0) << "no MTP layer count given";
+
+  auto json = qwen3_next();
+  json["layer_types"] = nlohmann::json::array();
+  for (int layer = 0; layer < 48; ++layer) json["layer_types"].push_back(layer % 4 == 3 ? "full_attention" : "linear_attention");
+  json["mlp_only_layers"] = {0, 47};
+  config = parse_model_config("config.json", json.dump());
+  ASSERT_EQ(config.layer_types.size(), 48u);
+  EXPECT_EQ(config.layer_types[3], "full_attention");
+  EXPECT_EQ(config.mlp_only_layers, (std::vector<int64_t>{0, 47}));
+}
+
+TEST(ModelConfig, ReadsTheMtpLayerCountUnderEitherName) {
+  auto json = qwen3_next();
+  json["num_nextn_predict_layers"] = 1;  // the name vLLM's Qwen3NextMTP reads
+  EXPECT_EQ(parse_model_config("config.json", json.dump()).num_nextn_predict_layers, 1);
+  json.erase("num_nextn_predict_layers");
+  json["mtp_num_hidden_layers"] = 2;  // the name later Qwen configs carry
+  EXPECT_EQ(parse_model_config("config.json", json.dump()).num_nextn_predict_layers, 2);
+  json["num_nextn_predict_layers"] = 2;
+  EXPECT_EQ(parse_model_config("config.json", json.dump()).num_nextn_predict_layers, 2);
+  json["num_nextn_predict_layers"] = 1;
+  EXPECT_THAT(config_error(json), HasSubstr("mtp_num_hidden_layers = 2 and num_nextn_predict_layers = 1 disagree"));
+}
+
+TEST(ModelConfig, RejectsMalformedLayerLists) {
+  auto json = qwen3_next();
+  json["layer_types"] = "linear_attention";
+  EXPECT_THAT(config_error(json), HasSubstr("layer_types = \"linear_attention\": must be a list"));
+  json["layer_types"] = {1, 2};
+  EXPECT_THAT(config_error(json), HasSubstr("layer_types = 1: elements must be strings"));
+  json.erase("layer_types");
+  json["mlp_only_layers"] = {48};
+  EXPECT_THAT(config_error(json),
+              HasSubstr("mlp_only_layers = 48: elements must be layer indices from 0 to num_hidden_layers - 1"));
+  json["mlp_only_layers"] = {"0"};
+  EXPECT_THAT(config_error(json), HasSubstr("mlp_only_layers = \"0\": elements must be layer indices"));
+}
+
 }  // namespace
 }  // namespace weightstream
