@@ -56,6 +56,13 @@ enum class LayerScope {
   kMoe,       ///< decoder layers with routed experts (once per layer)
   kExpert,    ///< every routed expert of a MoE layer that this rank holds; {expert} appears
   kMtp,       ///< multi-token-prediction layers only (enorm, hnorm, eh_proj, shared_head)
+  /// Layers with full (softmax) attention: every layer of a model without linear attention,
+  /// every full_attention_interval-th layer of Qwen3-Next, and MTP layers.
+  kFullAttention,
+  kLinearAttention,  ///< Qwen3-Next's Gated DeltaNet (linear attention) layers
+  /// Once, with the first MTP layer: the MTP module's weights outside its layers (Qwen3-Next's
+  /// mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm); no {layer}.
+  kMtpModule,
 };
 
 /// One row of a declarative mapping table: which checkpoint tensor fills which part of
@@ -76,9 +83,14 @@ struct MappingRule {
 /// ("hidden", "vocab", "q_rows", "kv_rows", "intermediate", "moe_intermediate", ...).
 std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& config);
 
-/// The mapping table of the config's architecture (llama, qwen3, deepseek_v3).
+/// The mapping table of the config's architecture (llama, qwen3, deepseek_v3, qwen3_next).
 /// Throws Error(kModel) naming the model_type when it is not supported.
 std::vector<MappingRule> mapping_rules(const ModelConfig& config);
+
+/// MTP layers the config's checkpoint ships (num_nextn_predict_layers) for the
+/// architectures that have them (deepseek_v3: model.layers.{num_hidden_layers + i};
+/// qwen3_next: mtp.layers.{i}); 0 for the others. Layout layers num_hidden_layers and up.
+int64_t mtp_layer_count(const ModelConfig& config);
 
 /// Checkpoint tensors that no parameter uses and that are not errors (glob patterns, '*'
 /// matches any run of characters), e.g. "*.rotary_emb.inv_freq".
@@ -316,11 +328,13 @@ struct LayoutOptions {
   LayoutModules modules = LayoutModules::kAll;
 };
 
-/// Builds the layout of a llama, qwen3 or deepseek_v3 config for one rank from the
-/// architecture's mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for
+/// Builds the layout of a llama, qwen3, deepseek_v3 or qwen3_next config for one rank from
+/// the architecture's mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for
 /// MLA), stacked experts w13/w2 of this rank, vocabulary padding, K/V head replication.
-/// Throws Error(kModel) naming the model_type, the rule and the dimension that does not
-/// divide among the ranks.
+/// Qwen3-Next's MTP layers keep their checkpoint names (mtp.layers.{i}.*, parameters fused
+/// as in decoder layers). Throws Error(kModel) naming the model_type, the rule and the
+/// dimension that does not divide among the ranks; for qwen3_next with tp_size above 1
+/// while Gated DeltaNet layers are in the layout.
 ModelLayout build_model_layout(const ModelConfig& config, const LayoutOptions& options = {});
 
 /// Decoder layers that `tensor_names` hold for `config`'s architecture: the distinct

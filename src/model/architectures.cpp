@@ -130,11 +130,87 @@ const std::vector<MappingRule> kMtpRules = {
      {"vocab", "hidden"}, Split::kVocab, LayerScope::kMtp),
 };
 
+// Qwen3-Next, as its Hugging Face checkpoint names it and vLLM's qwen3_next.py and
+// qwen3_next_mtp.py load it: Gated DeltaNet (linear attention) layers, with full attention
+// every full_attention_interval-th layer whose q_proj carries the query and its output gate
+// (2 x heads x head_dim rows, per head), MoE layers with one gated shared expert, and an MTP
+// module under mtp.*: mtp.fc over [embedding; hidden] (2 x hidden columns), pre-fc norms,
+// full-attention layers mtp.layers.{i}.* and a final norm. Its embedding and lm_head are the
+// target's (vLLM's Qwen3NextMTP reads model.embed_tokens and lm_head), so the draft has none.
+const std::vector<MappingRule> kDecoderNormRules = {
+    rule("model.layers.{layer}.input_layernorm.weight", "model.layers.{layer}.input_layernorm.weight", "", {"hidden"}),
+    rule("model.layers.{layer}.post_attention_layernorm.weight", "model.layers.{layer}.post_attention_layernorm.weight", "",
+     {"hidden"}),
+};
+
+const std::vector<MappingRule> kGatedAttentionRules = {
+    rule("model.layers.{layer}.self_attn.q_proj.weight", "model.layers.{layer}.self_attn.qkv_proj.weight", "q",
+     {"q_gate_rows", "hidden"}, Split::kColumn, LayerScope::kFullAttention, true),
+    rule("model.layers.{layer}.self_attn.k_proj.weight", "model.layers.{layer}.self_attn.qkv_proj.weight", "k",
+     {"kv_rows", "hidden"}, Split::kKvHeads, LayerScope::kFullAttention, true),
+    rule("model.layers.{layer}.self_attn.v_proj.weight", "model.layers.{layer}.self_attn.qkv_proj.weight", "v",
+     {"kv_rows", "hidden"}, Split::kKvHeads, LayerScope::kFullAttention, true),
+    rule("model.layers.{layer}.self_attn.o_proj.weight", "model.layers.{layer}.self_attn.o_proj.weight", "",
+     {"hidden", "q_rows"}, Split::kRow, LayerScope::kFullAttention, true),
+    rule("model.layers.{layer}.self_attn.q_norm.weight", "model.layers.{layer}.self_attn.q_norm.weight", "", {"head_dim"},
+     Split::kReplicated, LayerScope::kFullAttention),
+    rule("model.layers.{layer}.self_attn.k_norm.weight", "model.layers.{layer}.self_attn.k_norm.weight", "", {"head_dim"},
+     Split::kReplicated, LayerScope::kFullAttention),
+};
+
+// Splits as vLLM's are for one rank only: build() refuses tp_size above 1 with these layers
+// (conv1d's q, k and v sections are each divided among ranks, which no single split says).
+const std::vector<MappingRule> kGatedDeltaNetRules = {
+    rule("model.layers.{layer}.linear_attn.in_proj_qkvz.weight", "model.layers.{layer}.linear_attn.in_proj_qkvz.weight",
+     "", {"linear_qkvz_rows", "hidden"}, Split::kColumn, LayerScope::kLinearAttention, true),
+    rule("model.layers.{layer}.linear_attn.in_proj_ba.weight", "model.layers.{layer}.linear_attn.in_proj_ba.weight", "",
+     {"linear_ba_rows", "hidden"}, Split::kColumn, LayerScope::kLinearAttention, true),
+    rule("model.layers.{layer}.linear_attn.conv1d.weight", "model.layers.{layer}.linear_attn.conv1d.weight", "",
+     {"linear_conv_rows", "one", "linear_conv_kernel"}, Split::kColumn, LayerScope::kLinearAttention),
+    rule("model.layers.{layer}.linear_attn.dt_bias", "model.layers.{layer}.linear_attn.dt_bias", "", {"linear_v_heads"},
+     Split::kColumn, LayerScope::kLinearAttention),
+    rule("model.layers.{layer}.linear_attn.A_log", "model.layers.{layer}.linear_attn.A_log", "", {"linear_v_heads"},
+     Split::kColumn, LayerScope::kLinearAttention),
+    rule("model.layers.{layer}.linear_attn.norm.weight", "model.layers.{layer}.linear_attn.norm.weight", "",
+     {"linear_v_head_dim"}, Split::kReplicated, LayerScope::kLinearAttention),
+    rule("model.layers.{layer}.linear_attn.out_proj.weight", "model.layers.{layer}.linear_attn.out_proj.weight", "",
+     {"hidden", "linear_value_dim"}, Split::kRow, LayerScope::kLinearAttention, true),
+};
+
+const std::vector<MappingRule> kGatedSharedExpertRules = {
+    rule("model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
+     "model.layers.{layer}.mlp.shared_expert.gate_up_proj.weight", "0", {"shared_expert_intermediate", "hidden"},
+     Split::kColumn, LayerScope::kMoe, true),
+    rule("model.layers.{layer}.mlp.shared_expert.up_proj.weight",
+     "model.layers.{layer}.mlp.shared_expert.gate_up_proj.weight", "1", {"shared_expert_intermediate", "hidden"},
+     Split::kColumn, LayerScope::kMoe, true),
+    rule("model.layers.{layer}.mlp.shared_expert.down_proj.weight", "model.layers.{layer}.mlp.shared_expert.down_proj.weight",
+     "", {"hidden", "shared_expert_intermediate"}, Split::kRow, LayerScope::kMoe, true),
+    rule("model.layers.{layer}.mlp.shared_expert_gate.weight", "model.layers.{layer}.mlp.shared_expert_gate.weight", "",
+     {"one", "hidden"}, Split::kReplicated, LayerScope::kMoe),
+};
+
+const std::vector<MappingRule> kQwen3NextMtpModuleRules = {
+    rule("mtp.fc.weight", "mtp.fc.weight", "", {"hidden", "hidden2"}, Split::kColumn, LayerScope::kMtpModule, true),
+    rule("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_embedding.weight", "", {"hidden"}, Split::kReplicated,
+     LayerScope::kMtpModule),
+    rule("mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_hidden.weight", "", {"hidden"}, Split::kReplicated,
+     LayerScope::kMtpModule),
+    rule("mtp.norm.weight", "mtp.norm.weight", "", {"hidden"}, Split::kReplicated, LayerScope::kMtpModule),
+};
+
 void append(std::vector<MappingRule>& rules, const std::vector<MappingRule>& more) {
   rules.insert(rules.end(), more.begin(), more.end());
 }
 
 bool is_deepseek(const ModelConfig& config) { return config.model_type == "deepseek_v3"; }
+
+bool is_qwen3_next(const ModelConfig& config) { return config.model_type == "qwen3_next"; }
+
+/// The checkpoint prefix of a decoder layer's tensors, which Qwen3-Next's MTP layers swap
+/// for kQwen3NextMtpLayerPrefix (counted from 0 there).
+constexpr std::string_view kDecoderLayerPrefix = "model.layers.{layer}.";
+constexpr std::string_view kQwen3NextMtpLayerPrefix = "mtp.layers.{layer}.";
 
 int64_t routed_experts(const ModelConfig& config) {
   return config.n_routed_experts > 0 ? config.n_routed_experts : config.num_experts;
@@ -267,12 +343,23 @@ class LayoutBuilder {
     } else {
       experts_per_rank_ = experts_;
     }
+    if (is_qwen3_next(config) && !config.layer_types.empty()) {
+      WS_EXPECT(static_cast<int64_t>(config.layer_types.size()) == config.num_hidden_layers, ErrorCode::kModel,
+                "qwen3_next: layer_types has " + std::to_string(config.layer_types.size()) +
+                    " entries for num_hidden_layers = " + std::to_string(config.num_hidden_layers));
+      for (size_t layer = 0; layer < config.layer_types.size(); ++layer) {
+        const std::string& type = config.layer_types[layer];
+        WS_EXPECT(type == "full_attention" || type == "linear_attention", ErrorCode::kModel,
+                  "qwen3_next: layer_types[" + std::to_string(layer) + "] = '" + type +
+                      "': expected full_attention or linear_attention");
+      }
+    }
     layout_.set_description(describe());
   }
 
   ModelLayout build(const std::vector<MappingRule>& rules) {
-    int64_t mtp_layers = is_deepseek(config_) ? config_.num_nextn_predict_layers : 0;
-    int64_t total_layers = config_.num_hidden_layers + mtp_layers;
+    int64_t total_layers = config_.num_hidden_layers + mtp_layer_count(config_);
+    expect_linear_attention_on_one_rank();
     bool tied = config_.tie_word_embeddings;
     for (const MappingRule& rule : rules) {
       if (rule.scope != LayerScope::kGlobal) continue;
@@ -282,11 +369,21 @@ class LayoutBuilder {
     for (int64_t layer = 0; layer < total_layers; ++layer) {
       bool mtp = layer >= config_.num_hidden_layers;
       layout_.set_layer_kind(layer, mtp ? LayerKind::kMtp : LayerKind::kDecoder);
-      bool moe = is_moe_layer(config_, layer);
+      bool moe = has_experts(layer);
+      bool full_attention = has_full_attention(layer);
       for (const MappingRule& rule : rules) {
         switch (rule.scope) {
           case LayerScope::kGlobal: break;
           case LayerScope::kLayer: apply(rule, layer, -1); break;
+          case LayerScope::kFullAttention:
+            if (full_attention) apply(rule, layer, -1);
+            break;
+          case LayerScope::kLinearAttention:
+            if (!full_attention) apply(rule, layer, -1);
+            break;
+          case LayerScope::kMtpModule:
+            if (layer == config_.num_hidden_layers) apply(rule, layer, -1);
+            break;
           case LayerScope::kDenseMlp:
             if (!moe) apply(rule, layer, -1);
             break;
@@ -323,6 +420,48 @@ class LayoutBuilder {
     return text;
   }
 
+  /// Whether `layer` has routed experts. vLLM decides Qwen3-Next's from the layer's index in
+  /// its own name, so an MTP layer mtp.layers.{i} counts as layer i there.
+  bool has_experts(int64_t layer) const {
+    if (!is_qwen3_next(config_)) return is_moe_layer(config_, layer);
+    int64_t index = layer >= config_.num_hidden_layers ? layer - config_.num_hidden_layers : layer;
+    bool dense = std::find(config_.mlp_only_layers.begin(), config_.mlp_only_layers.end(), index) !=
+                 config_.mlp_only_layers.end();
+    return !dense && routed_experts(config_) > 0 && (index + 1) % config_.decoder_sparse_step == 0;
+  }
+
+  /// Whether `layer` has full attention (else Gated DeltaNet): every layer of the other
+  /// architectures and every MTP layer; for Qwen3-Next layer_types, or every
+  /// full_attention_interval-th layer (4 when absent, as transformers' Qwen3NextConfig).
+  bool has_full_attention(int64_t layer) const {
+    if (!is_qwen3_next(config_) || layer >= config_.num_hidden_layers) return true;
+    if (!config_.layer_types.empty()) return config_.layer_types[static_cast<size_t>(layer)] == "full_attention";
+    int64_t interval = config_.full_attention_interval > 0 ? config_.full_attention_interval : 4;
+    return (layer + 1) % interval == 0;
+  }
+
+  void expect_linear_attention_on_one_rank() const {
+    if (options_.parallel.tp_size == 1 || options_.modules == LayoutModules::kDraft) return;
+    for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
+      WS_EXPECT(has_full_attention(layer), ErrorCode::kModel,
+                config_.model_type + " tp " + std::to_string(options_.parallel.tp_size) + ": layer " +
+                    std::to_string(layer) +
+                    " is a Gated DeltaNet layer, whose tensor-parallel split (linear_attn.conv1d's q, k and v "
+                    "sections divided each) is not supported yet; use tp_size 1, or a draft layout (its MTP "
+                    "layers have full attention)");
+    }
+  }
+
+  /// A rule's pattern expanded for `layer`: Qwen3-Next names its MTP layers mtp.layers.{i}
+  /// from 0 where DeepSeek-V3 continues model.layers.{num_hidden_layers + i}.
+  std::string expand_name(std::string_view pattern, int64_t layer, int64_t expert) const {
+    if (is_qwen3_next(config_) && layer >= config_.num_hidden_layers && pattern.starts_with(kDecoderLayerPrefix)) {
+      std::string renamed = std::string(kQwen3NextMtpLayerPrefix) + std::string(pattern.substr(kDecoderLayerPrefix.size()));
+      return expand(renamed, layer - config_.num_hidden_layers, expert);
+    }
+    return expand(pattern, layer, expert);
+  }
+
   bool module_wants(int64_t layer) const {
     bool mtp = layer >= config_.num_hidden_layers;
     switch (options_.modules) {
@@ -334,7 +473,7 @@ class LayoutBuilder {
   }
 
   void apply(const MappingRule& rule, int64_t layer, int64_t expert) {
-    std::string tensor = expand(rule.tensor, layer, expert);
+    std::string tensor = expand_name(rule.tensor, layer, expert);
     if (!module_wants(layer)) {
       layout_.add_skipped_tensor(tensor, options_.modules == LayoutModules::kDraft
                                              ? "the target module (this layout is the draft)"
@@ -365,7 +504,7 @@ class LayoutBuilder {
     }
     Slice slice = slice_for_rank(rule, split, shape, dimensions_, options_.parallel, tensor);
 
-    std::string name = expand(rule.parameter, layer, expert);
+    std::string name = expand_name(rule.parameter, layer, expert);
     auto [it, inserted] = pending_index_.try_emplace(name, pending_.size());
     if (inserted) {
       PendingParameter pending;
@@ -472,6 +611,8 @@ std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& 
   int64_t kv_heads = config.num_key_value_heads > 0 ? config.num_key_value_heads : config.num_attention_heads;
   int64_t heads = config.num_attention_heads;
   int64_t qk_head = config.qk_nope_head_dim + config.qk_rope_head_dim;
+  int64_t linear_key_dim = config.linear_num_key_heads * config.linear_key_head_dim;
+  int64_t linear_value_dim = config.linear_num_value_heads * config.linear_value_head_dim;
   return {
       {"hidden", config.hidden_size},
       {"hidden2", 2 * config.hidden_size},
@@ -491,6 +632,18 @@ std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& 
       {"routed_experts", routed_experts(config)},
       {"moe_intermediate", config.moe_intermediate_size},
       {"shared_intermediate", config.moe_intermediate_size * config.n_shared_experts},
+      {"one", 1},
+      // Qwen3-Next: a gated query (query and output gate per head), Gated DeltaNet layers
+      // (in_proj_qkvz holds q, k, v and z; conv1d runs over q, k and v), one shared expert.
+      {"q_gate_rows", 2 * heads * head_dim},
+      {"linear_qkvz_rows", 2 * linear_key_dim + 2 * linear_value_dim},
+      {"linear_ba_rows", 2 * config.linear_num_value_heads},
+      {"linear_conv_rows", 2 * linear_key_dim + linear_value_dim},
+      {"linear_conv_kernel", config.linear_conv_kernel_dim},
+      {"linear_v_heads", config.linear_num_value_heads},
+      {"linear_v_head_dim", config.linear_value_head_dim},
+      {"linear_value_dim", linear_value_dim},
+      {"shared_expert_intermediate", config.shared_expert_intermediate_size},
   };
 }
 
@@ -502,8 +655,22 @@ std::vector<MappingRule> mapping_rules(const ModelConfig& config) {
     if (config.model_type == "qwen3") append(rules, kQwen3LayerRules);
     return rules;
   }
+  if (is_qwen3_next(config)) {
+    append(rules, kLlamaGlobalRules);
+    append(rules, kDecoderNormRules);
+    append(rules, kGatedAttentionRules);
+    append(rules, kGatedDeltaNetRules);
+    for (const MappingRule& rule : kLlamaLayerRules) {
+      if (rule.scope == LayerScope::kDenseMlp) rules.push_back(rule);  // layers of mlp_only_layers
+    }
+    append(rules, kMoeRules);
+    if (config.shared_expert_intermediate_size > 0) append(rules, kGatedSharedExpertRules);
+    append(rules, kQwen3NextMtpModuleRules);
+    return rules;
+  }
   WS_EXPECT(is_deepseek(config), ErrorCode::kModel,
-            "model_type '" + config.model_type + "' has no mapping table (supported: llama, qwen3, deepseek_v3); " +
+            "model_type '" + config.model_type +
+                "' has no mapping table (supported: llama, qwen3, deepseek_v3, qwen3_next); " +
                 "build a ModelLayout through the API instead");
   append(rules, kLlamaGlobalRules);
   append(rules, config.q_lora_rank > 0 ? kMlaQLoraRules : kMlaQRules);
@@ -517,6 +684,10 @@ std::vector<MappingRule> mapping_rules(const ModelConfig& config) {
   if (config.n_shared_experts > 0) append(rules, kSharedExpertRules);
   append(rules, kMtpRules);
   return rules;
+}
+
+int64_t mtp_layer_count(const ModelConfig& config) {
+  return is_deepseek(config) || is_qwen3_next(config) ? config.num_nextn_predict_layers : 0;
 }
 
 std::vector<std::string> ignore_rules(const ModelConfig& /*config*/) {
