@@ -209,7 +209,7 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json);
 
 /// Options of the synthetic checkpoint generator (`weightstream synth`).
 struct SynthOptions {
-  std::string arch = "llama";  ///< llama | qwen3 | deepseek_v3
+  std::string arch = "llama";  ///< llama | qwen3 | deepseek_v3 | qwen3_next
   int64_t layers = 2;   ///< decoder layers (num_hidden_layers), 1 to 65536
   int64_t hidden = 256; ///< hidden_size, a multiple of 32 from 64 to 65536
   int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
@@ -221,12 +221,12 @@ struct SynthOptions {
   std::optional<uint64_t> target_bytes;
   int64_t vocab = 4096;  ///< vocab_size
   bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight
-  // deepseek_v3 only.
-  int64_t experts = 8;             ///< n_routed_experts
-  int64_t shared_experts = 1;      ///< n_shared_experts
-  int64_t experts_per_token = 2;   ///< num_experts_per_tok
+  // deepseek_v3 (and, where noted, qwen3_next) only.
+  int64_t experts = 8;             ///< n_routed_experts (qwen3_next: num_experts)
+  int64_t shared_experts = 1;      ///< n_shared_experts (qwen3_next has one shared expert)
+  int64_t experts_per_token = 2;   ///< num_experts_per_tok (qwen3_next too)
   int64_t first_dense_layers = 1;  ///< first_k_dense_replace (capped at layers)
-  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers
+  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers (qwen3_next too)
 };
 
 /// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
@@ -242,14 +242,18 @@ struct SynthResult {
 };
 
 /// Names, dtypes and shapes of the tensors of a Hugging Face checkpoint of `config`
-/// (model_type llama, qwen3 or deepseek_v3) with weights in `dtype`, in file order.
+/// (model_type llama, qwen3, deepseek_v3 or qwen3_next) with weights in `dtype`, in file order.
 /// Throws Error(kInvalidArgument) for another model_type.
 std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype);
 
 /// Writes config.json, model.safetensors.index.json and shards named and shaped like the
 /// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.
 /// deepseek_v3 includes routed and shared MoE experts and num_nextn_predict_layers MTP
-/// layers named model.layers.{num_hidden_layers+i}.*.
+/// layers named model.layers.{num_hidden_layers+i}.*; qwen3_next has Gated DeltaNet layers
+/// with a full-attention layer every full_attention_interval (4, or the layer count when
+/// smaller), MoE layers with one shared expert, and its MTP module under mtp.* (mtp.fc,
+/// mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.{i}.*, mtp.norm) after
+/// every other tensor.
 SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options);
 
 }  // namespace weightstream

@@ -1,4 +1,4 @@
-// weightstream synth OUTDIR --arch llama|qwen3|deepseek_v3 [...]
+// weightstream synth OUTDIR --arch llama|qwen3|deepseek_v3|qwen3_next [...]
 #include <cstdio>
 
 #include "cli/command.hpp"
@@ -21,8 +21,9 @@ void add_synth_command(CLI::App& app) {
   auto flags = std::make_shared<SynthFlags>();
   auto* command = app.add_subcommand("synth", "Write a synthetic checkpoint shaped like a Hugging Face model, from a seed");
   command->add_option("outdir", flags->directory, "Directory to write (created if missing)")->required();
-  command->add_option("--arch", flags->options.arch, "llama, qwen3 or deepseek_v3 (default llama)")
-      ->check(CLI::IsMember({"llama", "qwen3", "deepseek_v3"}));
+  command->add_option("--arch", flags->options.arch,
+                      "llama, qwen3, deepseek_v3 or qwen3_next (default llama); the last two with MTP layers")
+      ->check(CLI::IsMember({"llama", "qwen3", "deepseek_v3", "qwen3_next"}));
   command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
   command->add_option("--hidden", flags->options.hidden, "Hidden size (default 256, a multiple of 64)")->check(CLI::Range(64, 65536));
   command->add_option("--shards", flags->options.shards, "Shard files (default 2)")->check(CLI::Range(1, 10000));

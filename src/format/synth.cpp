@@ -1,5 +1,5 @@
-// Synthetic checkpoints shaped like the Hugging Face releases of llama, qwen3 and
-// deepseek_v3, for tests and benchmarks. Weights are a pure function of (seed, tensor
+// Synthetic checkpoints shaped like the Hugging Face releases of llama, qwen3, deepseek_v3
+// and qwen3_next, for tests and benchmarks. Weights are a pure function of (seed, tensor
 // name, byte offset), so a tensor's bytes do not depend on the shard layout, any range
 // can be generated independently, and multi-GB shards stream to disk without being held.
 
@@ -167,7 +167,33 @@ ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hi
     config.moe_layer_freq = 1;
     config.num_nextn_predict_layers = options.mtp_layers;
   }
+  if (options.arch == "qwen3_next") {
+    config.tie_word_embeddings = false;
+    // Gated DeltaNet heads as in the release (16 key and 32 value heads of half the
+    // attention head size), scaled to the width.
+    config.linear_num_key_heads = config.num_attention_heads;
+    config.linear_num_value_heads = 2 * config.num_attention_heads;
+    config.linear_key_head_dim = std::max<int64_t>(1, config.head_dim / 2);
+    config.linear_value_head_dim = config.linear_key_head_dim;
+    config.linear_conv_kernel_dim = 4;
+    // Full attention every fourth layer as released, and at least once in a small model.
+    config.full_attention_interval = std::min<int64_t>(4, layers);
+    config.num_experts = options.experts;
+    config.num_experts_per_tok = options.experts_per_token;
+    config.moe_intermediate_size = round_up(hidden / 2, 32);
+    config.shared_expert_intermediate_size = options.shared_experts > 0 ? config.moe_intermediate_size : 0;
+    config.decoder_sparse_step = 1;
+    config.num_nextn_predict_layers = options.mtp_layers;
+  }
   return config;
+}
+
+bool is_full_attention_layer(const ModelConfig& c, int64_t layer) {
+  return c.model_type != "qwen3_next" || (layer + 1) % c.full_attention_interval == 0;
+}
+
+bool has_qwen_experts(const ModelConfig& c, int64_t layer) {
+  return c.num_experts > 0 && (layer + 1) % c.decoder_sparse_step == 0;
 }
 
 OrderedJson config_json(const ModelConfig& config) {
@@ -176,6 +202,8 @@ OrderedJson config_json(const ModelConfig& config) {
     json["architectures"] = {"LlamaForCausalLM"};
   } else if (config.model_type == "qwen3") {
     json["architectures"] = {"Qwen3ForCausalLM"};
+  } else if (config.model_type == "qwen3_next") {
+    json["architectures"] = {"Qwen3NextForCausalLM"};
   } else {
     json["architectures"] = {"DeepseekV3ForCausalLM"};
   }
@@ -185,12 +213,15 @@ OrderedJson config_json(const ModelConfig& config) {
   json["num_hidden_layers"] = config.num_hidden_layers;
   json["num_attention_heads"] = config.num_attention_heads;
   json["num_key_value_heads"] = config.num_key_value_heads;
-  if (config.model_type == "qwen3") json["head_dim"] = config.head_dim;
+  if (config.model_type == "qwen3" || config.model_type == "qwen3_next") json["head_dim"] = config.head_dim;
   json["vocab_size"] = config.vocab_size;
   json["hidden_act"] = "silu";
   json["max_position_embeddings"] = 4096;
   json["rms_norm_eps"] = 1e-6;
-  json["rope_theta"] = config.model_type == "llama" ? 500000.0 : config.model_type == "qwen3" ? 1000000.0 : 10000.0;
+  json["rope_theta"] = config.model_type == "llama"        ? 500000.0
+                       : config.model_type == "qwen3"      ? 1000000.0
+                       : config.model_type == "qwen3_next" ? 10000000.0
+                                                           : 10000.0;
   json["tie_word_embeddings"] = config.tie_word_embeddings;
   json["torch_dtype"] = config.torch_dtype;
   if (config.model_type == "deepseek_v3") {
@@ -212,6 +243,24 @@ OrderedJson config_json(const ModelConfig& config) {
     json["scoring_func"] = "sigmoid";
     json["norm_topk_prob"] = true;
     json["routed_scaling_factor"] = 2.5;
+  }
+  if (config.model_type == "qwen3_next") {
+    json["full_attention_interval"] = config.full_attention_interval;
+    json["linear_num_key_heads"] = config.linear_num_key_heads;
+    json["linear_num_value_heads"] = config.linear_num_value_heads;
+    json["linear_key_head_dim"] = config.linear_key_head_dim;
+    json["linear_value_head_dim"] = config.linear_value_head_dim;
+    json["linear_conv_kernel_dim"] = config.linear_conv_kernel_dim;
+    json["num_experts"] = config.num_experts;
+    json["num_experts_per_tok"] = config.num_experts_per_tok;
+    json["moe_intermediate_size"] = config.moe_intermediate_size;
+    json["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size;
+    json["decoder_sparse_step"] = config.decoder_sparse_step;
+    json["mlp_only_layers"] = OrderedJson::array();
+    json["norm_topk_prob"] = true;
+    json["partial_rotary_factor"] = 0.25;
+    // The MTP layer count under the name vLLM's Qwen3NextMTP reads.
+    json["num_nextn_predict_layers"] = config.num_nextn_predict_layers;
   }
   return json;
 }
@@ -255,6 +304,47 @@ void add_deepseek_layer(std::vector<TensorSpec>& specs, const ModelConfig& c, co
   }
   if (c.n_shared_experts > 0) {
     add_dense_mlp(specs, p + "mlp.shared_experts.", h, c.moe_intermediate_size * c.n_shared_experts, dtype);
+  }
+}
+
+// One Qwen3-Next layer: gated full attention or Gated DeltaNet, then routed experts with one
+// gated shared expert, or a dense MLP. Shapes as in the Hugging Face release.
+void add_qwen3_next_layer(std::vector<TensorSpec>& specs, const ModelConfig& c, const std::string& p,
+                          bool full_attention, bool moe, Dtype dtype) {
+  int64_t h = c.hidden_size;
+  specs.push_back({p + "input_layernorm.weight", dtype, {h}});
+  if (full_attention) {
+    int64_t q_width = c.num_attention_heads * c.head_dim;
+    int64_t kv_width = c.num_key_value_heads * c.head_dim;
+    specs.push_back({p + "self_attn.q_proj.weight", dtype, {2 * q_width, h}});  // query and output gate
+    specs.push_back({p + "self_attn.k_proj.weight", dtype, {kv_width, h}});
+    specs.push_back({p + "self_attn.v_proj.weight", dtype, {kv_width, h}});
+    specs.push_back({p + "self_attn.o_proj.weight", dtype, {h, q_width}});
+    specs.push_back({p + "self_attn.q_norm.weight", dtype, {c.head_dim}});
+    specs.push_back({p + "self_attn.k_norm.weight", dtype, {c.head_dim}});
+  } else {
+    int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+    int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+    specs.push_back({p + "linear_attn.in_proj_qkvz.weight", dtype, {2 * key_dim + 2 * value_dim, h}});
+    specs.push_back({p + "linear_attn.in_proj_ba.weight", dtype, {2 * c.linear_num_value_heads, h}});
+    specs.push_back({p + "linear_attn.conv1d.weight", dtype, {2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim}});
+    specs.push_back({p + "linear_attn.dt_bias", dtype, {c.linear_num_value_heads}});
+    specs.push_back({p + "linear_attn.A_log", dtype, {c.linear_num_value_heads}});
+    specs.push_back({p + "linear_attn.norm.weight", dtype, {c.linear_value_head_dim}});
+    specs.push_back({p + "linear_attn.out_proj.weight", dtype, {h, value_dim}});
+  }
+  specs.push_back({p + "post_attention_layernorm.weight", dtype, {h}});
+  if (!moe) {
+    add_dense_mlp(specs, p + "mlp.", h, c.intermediate_size, dtype);
+    return;
+  }
+  specs.push_back({p + "mlp.gate.weight", dtype, {c.num_experts, h}});
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    add_dense_mlp(specs, p + "mlp.experts." + std::to_string(e) + ".", h, c.moe_intermediate_size, dtype);
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    add_dense_mlp(specs, p + "mlp.shared_expert.", h, c.shared_expert_intermediate_size, dtype);
+    specs.push_back({p + "mlp.shared_expert_gate.weight", dtype, {1, h}});
   }
 }
 
@@ -328,9 +418,11 @@ struct Chunk {
 }  // namespace
 
 std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, Dtype dtype) {
-  WS_EXPECT(c.model_type == "llama" || c.model_type == "qwen3" || c.model_type == "deepseek_v3",
+  WS_EXPECT(c.model_type == "llama" || c.model_type == "qwen3" || c.model_type == "deepseek_v3" ||
+                c.model_type == "qwen3_next",
             ErrorCode::kInvalidArgument,
-            "no tensor list for model_type " + detail::quoted_name(c.model_type) + ": llama, qwen3 or deepseek_v3");
+            "no tensor list for model_type " + detail::quoted_name(c.model_type) +
+                ": llama, qwen3, deepseek_v3 or qwen3_next");
   std::vector<TensorSpec> specs;
   int64_t h = c.hidden_size;
   specs.push_back({"model.embed_tokens.weight", dtype, {c.vocab_size, h}});
@@ -349,6 +441,11 @@ std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, Dtype dtyp
       add_deepseek_layer(specs, c, p, c.n_routed_experts > 0, dtype);
       specs.push_back({p + "shared_head.norm.weight", dtype, {h}});
       specs.push_back({p + "shared_head.head.weight", dtype, {c.vocab_size, h}});
+    }
+  } else if (c.model_type == "qwen3_next") {
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      add_qwen3_next_layer(specs, c, "model.layers." + std::to_string(i) + ".", is_full_attention_layer(c, i),
+                           has_qwen_experts(c, i), dtype);
     }
   } else {
     int64_t q_width = c.num_attention_heads * c.head_dim;
@@ -370,13 +467,25 @@ std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, Dtype dtyp
   }
   specs.push_back({"model.norm.weight", dtype, {h}});
   if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", dtype, {c.vocab_size, h}});
+  if (c.model_type == "qwen3_next") {
+    // The MTP module last, as mtp.* sorts after the target's names in the release's index.
+    // Its layers have full attention and, as vLLM numbers them, experts by their own index.
+    specs.push_back({"mtp.fc.weight", dtype, {h, 2 * h}});
+    specs.push_back({"mtp.pre_fc_norm_embedding.weight", dtype, {h}});
+    specs.push_back({"mtp.pre_fc_norm_hidden.weight", dtype, {h}});
+    for (int64_t i = 0; i < c.num_nextn_predict_layers; ++i) {
+      add_qwen3_next_layer(specs, c, "mtp.layers." + std::to_string(i) + ".", true, has_qwen_experts(c, i), dtype);
+    }
+    specs.push_back({"mtp.norm.weight", dtype, {h}});
+  }
   return specs;
 }
 
 SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options) {
   auto invalid = [](bool ok, const std::string& rule) { WS_EXPECT(ok, ErrorCode::kInvalidArgument, "synth: " + rule); };
-  invalid(options.arch == "llama" || options.arch == "qwen3" || options.arch == "deepseek_v3",
-          "arch " + detail::quoted_name(options.arch) + " is not one of llama, qwen3, deepseek_v3");
+  invalid(options.arch == "llama" || options.arch == "qwen3" || options.arch == "deepseek_v3" ||
+              options.arch == "qwen3_next",
+          "arch " + detail::quoted_name(options.arch) + " is not one of llama, qwen3, deepseek_v3, qwen3_next");
   invalid(options.layers >= 1 && options.layers <= 65536, "layers must be from 1 to 65536");
   invalid(options.hidden >= 64 && options.hidden <= 65536 && options.hidden % 32 == 0,
           "hidden " + std::to_string(options.hidden) + " must be a multiple of 32 from 64 to 65536");
@@ -384,7 +493,7 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   invalid(options.shards >= 1 && options.shards <= 99999, "shards must be from 1 to 99999");
   invalid(!torch_dtype_name(options.dtype).empty(),
           "dtype " + std::string(dtype_name(options.dtype)) + " is not a floating-point weight dtype");
-  if (options.arch == "deepseek_v3") {
+  if (options.arch == "deepseek_v3" || options.arch == "qwen3_next") {
     invalid(options.experts >= 1 && options.experts <= 65536, "experts must be from 1 to 65536");
     invalid(options.shared_experts >= 0 && options.shared_experts <= 64, "shared_experts must be from 0 to 64");
     invalid(options.experts_per_token >= 1 && options.experts_per_token <= options.experts,

@@ -123,7 +123,7 @@ TEST_P(SynthArch, IsDeterministicForASeed) {
   EXPECT_EQ(testing::read_file(first / "config.json"), testing::read_file(other / "config.json"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, SynthArch, ::testing::Values("llama", "qwen3", "deepseek_v3"));
+INSTANTIATE_TEST_SUITE_P(Archs, SynthArch, ::testing::Values("llama", "qwen3", "deepseek_v3", "qwen3_next"));
 
 TEST(Synth, NamesAndShapesLlamaLikeHuggingFace) {
   testing::TempDir dir;
@@ -252,6 +252,52 @@ float bf16_value(const std::string& data, size_t index) {
   float value = 0;
   std::memcpy(&value, &wide, 4);
   return value;
+}
+
+TEST(Synth, Qwen3NextHasGatedDeltaNetExpertsAndAnMtpModule) {
+  testing::TempDir dir;
+  SynthOptions options;
+  options.arch = "qwen3_next";
+  options.layers = 4;
+  options.hidden = 128;
+  synthesize_checkpoint(dir.path(), options);
+  ReadBack back = read_back(dir.path());
+  const ModelConfig& c = back.config;
+  EXPECT_EQ(c.full_attention_interval, 4);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_nextn_predict_layers, 1);
+  const int64_t h = 128, heads = c.num_attention_heads, head_dim = c.head_dim;
+  const int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
+
+  // Layers 0 to 2 are Gated DeltaNet, layer 3 has full attention with a gated query.
+  EXPECT_EQ(shape_of(back, "model.layers.0.linear_attn.in_proj_qkvz.weight"), (Shape{2 * key_dim + 2 * value_dim, h}));
+  EXPECT_EQ(shape_of(back, "model.layers.0.linear_attn.in_proj_ba.weight"), (Shape{2 * c.linear_num_value_heads, h}));
+  EXPECT_EQ(shape_of(back, "model.layers.0.linear_attn.conv1d.weight"),
+            (Shape{2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim}));
+  EXPECT_EQ(shape_of(back, "model.layers.0.linear_attn.A_log"), (Shape{c.linear_num_value_heads}));
+  EXPECT_EQ(shape_of(back, "model.layers.0.linear_attn.out_proj.weight"), (Shape{h, value_dim}));
+  EXPECT_EQ(back.tensors.count("model.layers.0.self_attn.q_proj.weight"), 0u);
+  EXPECT_EQ(shape_of(back, "model.layers.3.self_attn.q_proj.weight"), (Shape{2 * heads * head_dim, h}));
+  EXPECT_EQ(shape_of(back, "model.layers.3.self_attn.o_proj.weight"), (Shape{h, heads * head_dim}));
+  EXPECT_EQ(back.tensors.count("model.layers.3.linear_attn.A_log"), 0u);
+  EXPECT_EQ(shape_of(back, "model.layers.2.mlp.experts.7.down_proj.weight"), (Shape{h, c.moe_intermediate_size}));
+  EXPECT_EQ(shape_of(back, "model.layers.2.mlp.shared_expert_gate.weight"), (Shape{1, h}));
+
+  // The MTP module: fc over [embedding; hidden], norms, one full-attention MoE layer.
+  EXPECT_EQ(shape_of(back, "mtp.fc.weight"), (Shape{h, 2 * h}));
+  for (const char* norm : {"mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"}) {
+    EXPECT_EQ(shape_of(back, norm), (Shape{h})) << norm;
+  }
+  EXPECT_EQ(shape_of(back, "mtp.layers.0.self_attn.q_proj.weight"), (Shape{2 * heads * head_dim, h}));
+  EXPECT_EQ(shape_of(back, "mtp.layers.0.mlp.experts.0.gate_proj.weight"), (Shape{c.moe_intermediate_size, h}));
+  EXPECT_EQ(back.tensors.count("mtp.embed_tokens.weight"), 0u) << "the draft uses the target's embedding";
+  // The MTP module comes last in the files, so it lies in the last shard.
+  std::set<std::string> mtp_shards;
+  for (const auto& [name, shard] : back.shard_of) {
+    if (name.starts_with("mtp.")) mtp_shards.insert(shard);
+  }
+  EXPECT_EQ(mtp_shards, (std::set<std::string>{"model-00002-of-00002.safetensors"}));
 }
 
 TEST(Synth, WeightsAreSmallFiniteAndVariedNormsNearOne) {
