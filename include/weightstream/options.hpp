@@ -92,6 +92,9 @@ struct S3Options {
   double retry_base_seconds = 0.1;
 };
 
+/// How messages name Options::model_uri when the caller set it rather than the environment.
+inline constexpr std::string_view kModelUriOption = "model_uri option";
+
 /// Every option of the library, as read from the environment.
 struct Options {
   StreamOptions stream;
@@ -99,6 +102,9 @@ struct Options {
   /// Checkpoint URI used when a model's own sources hold no weights.
   /// WEIGHTSTREAM_MODEL_URI (MX_MODEL_URI accepted as an alias; the two must agree).
   std::string model_uri;
+  /// Where model_uri came from, as messages and reports name it: the variable that set it
+  /// ("WEIGHTSTREAM_MODEL_URI" or "MX_MODEL_URI"), or kModelUriOption when the caller did.
+  std::string model_uri_origin = std::string(kModelUriOption);
 };
 
 /// A snapshot of environment variables (name to value).

@@ -2,12 +2,13 @@
 /// @file resolve.hpp
 /// The resolve layer: where a model's weights come from, and the ordered chain of load
 /// strategies that fetch them. A model (the target, or a speculative draft such as the MTP
-/// layers DeepSeek-V3 and GLM ship inside the target's checkpoint) is described as an
-/// engine describes it: `model` (a URI or a local directory that may hold only config and
-/// tokenizer files), `model_weights` (a URI or nothing), and the checkpoint URI of
-/// Options::model_uri (WEIGHTSTREAM_MODEL_URI, alias MX_MODEL_URI). Sources are tried in that
-/// order; the first that holds a safetensors tensor the module's layout wants is chosen, and
-/// every one passed over keeps its reason, so that a failure is one error that names them all.
+/// layers DeepSeek-V3, GLM and Qwen3-Next ship inside the target's checkpoint) is described
+/// as an engine describes it: `model` (a URI or a local directory that may hold only config
+/// and tokenizer files), `model_weights` (a URI or nothing), and the checkpoint URI of
+/// Options::model_uri (WEIGHTSTREAM_MODEL_URI, alias MX_MODEL_URI, or set by the caller).
+/// Sources are tried in that order; the first that holds a safetensors tensor the module's
+/// layout wants is chosen, and every one passed over keeps its reason, so that a failure is
+/// one error that names them all.
 
 #include <cstdint>
 #include <memory>
@@ -38,12 +39,15 @@ struct ModelSource {
   std::string model_weights;  ///< URI of the weights, or empty
 };
 
-/// The label of the checkpoint URI among a module's candidates (Options::model_uri).
-inline constexpr std::string_view kCheckpointUriField = "WEIGHTSTREAM_MODEL_URI";
+/// The label of the checkpoint URI (Options::model_uri) among a module's candidates: where
+/// it came from (Options::model_uri_origin: "WEIGHTSTREAM_MODEL_URI", "MX_MODEL_URI" or
+/// "model_uri option"), or "WEIGHTSTREAM_MODEL_URI", the variable to set, when it is not set.
+std::string checkpoint_uri_field(const Options& options);
 
 /// One source considered for a module.
 struct SourceCandidate {
-  std::string field;   ///< "model_weights", "model" or "WEIGHTSTREAM_MODEL_URI"
+  /// "model_weights", "model", or the checkpoint URI's label (checkpoint_uri_field)
+  std::string field;
   std::string uri;     ///< empty when the field is not set
   /// Why it was passed over ("not set", "no *.safetensors files", "no tensor the draft
   /// wants", "cannot open: <error>"); empty for the chosen one.
@@ -51,6 +55,10 @@ struct SourceCandidate {
   /// Shards that hold a wanted tensor, per the index (all shards when there is none); set
   /// for the chosen source.
   std::vector<std::string> shards;
+  /// The chosen source's checkpoint when probing had to open it (no index: only the shard
+  /// headers tell which tensors it holds), handed to the load so that they are read once.
+  /// Null otherwise.
+  std::shared_ptr<const Checkpoint> checkpoint;
   /// "model /models/glm-snapshot: no *.safetensors files", "model_weights: not set".
   std::string text() const;
 };
@@ -70,12 +78,14 @@ struct SourceResolution {
   std::string error_text() const;
 };
 
-/// Resolves one module's source: model_weights, then model, then `checkpoint_uri`. A source
-/// is chosen when it holds at least one safetensors file (per its index when there is one)
-/// with at least one tensor that `layout` wants. Never throws for a source that cannot be
-/// opened: the failure becomes that candidate's reason ("cannot open: <error>").
-SourceResolution resolve_source(const ModelSource& source, const std::string& checkpoint_uri, ModuleRole role,
-                                const ModelLayout& layout, const Options& options, std::string method = {});
+/// Resolves one module's source: model_weights, then model, then options.model_uri. A
+/// source is chosen when it holds at least one safetensors file (per its index when there
+/// is one) with at least one tensor that `layout` wants. A source that `earlier` resolutions
+/// (the model's other modules) already opened is not opened again. Never throws for a source
+/// that cannot be opened: the failure becomes that candidate's reason ("cannot open: <error>").
+SourceResolution resolve_source(const ModelSource& source, ModuleRole role, const ModelLayout& layout,
+                                const Options& options, std::string method = {},
+                                const std::vector<SourceResolution>& earlier = {});
 
 /// Throws one Error(kNotFound) that joins the error_text() of every resolution not found
 /// (so a target and a draft that both fail are reported together); returns when all were found.
@@ -85,27 +95,30 @@ void expect_resolved(const std::vector<SourceResolution>& resolutions);
 struct ModelConfigSource {
   ModelConfig config;
   std::string uri;    ///< the source it came from
-  std::string field;  ///< "model", "model_weights" or "WEIGHTSTREAM_MODEL_URI"
+  std::string field;  ///< "model", "model_weights" or the checkpoint URI's label (checkpoint_uri_field)
 };
 
-/// Reads config.json from the first of model, model_weights and `checkpoint_uri` that has
+/// Reads config.json from the first of model, model_weights and options.model_uri that has
 /// one (a directory of config and tokenizer files is enough). Throws Error(kNotFound)
 /// naming every place looked at and why none served.
-ModelConfigSource find_model_config(const ModelSource& source, const std::string& checkpoint_uri,
-                                    const Options& options);
+ModelConfigSource find_model_config(const ModelSource& source, const Options& options);
 
 /// The layout of one module of `config`: the target without MTP layers, or the draft's MTP
-/// layers only (model.layers.{num_hidden_layers + i}.*, with enorm, hnorm, eh_proj and
-/// shared_head). `options.modules` is set from `role`. Throws Error(kModel) for a draft of
-/// a config that declares no MTP layers. Storage is not allocated: call allocate() or bind().
+/// layers only (DeepSeek-V3: model.layers.{num_hidden_layers + i}.*, with enorm, hnorm,
+/// eh_proj and shared_head; Qwen3-Next: mtp.fc, mtp.pre_fc_norm_embedding,
+/// mtp.pre_fc_norm_hidden, mtp.layers.{i}.* and mtp.norm). `options.modules` is set from
+/// `role`. Throws Error(kModel) for a draft of a config that declares no MTP layers. Storage
+/// is not allocated: call allocate() or bind().
 ModelLayout build_module_layout(const ModelConfig& config, ModuleRole role, LayoutOptions options = {});
 
 /// Makes the draft's per-layer embedding and head (model.layers.{L}.embed_tokens.weight and
 /// model.layers.{L}.shared_head.head.weight) references to the target's embedding and
 /// lm_head storage, as engines do when the checkpoint's copies are identical: the draft
-/// then never reads those tensors. Call after the target's storage exists and before the
-/// draft's allocate() (so no copy is allocated) and first load. Returns the names shared. Throws Error(kModel) when shapes or
-/// dtypes differ or the target lacks the parameter.
+/// then never reads those tensors. A Qwen3-Next draft has no copies (it uses the target's
+/// model.embed_tokens and lm_head): nothing to share. Call after the target's storage exists
+/// and before the draft's allocate() (so no copy is allocated) and first load. Returns the
+/// names shared. Throws Error(kModel) when shapes or dtypes differ or the target lacks the
+/// parameter.
 std::vector<std::string> share_target_embeddings(ModelLayout& draft, const ModelLayout& target);
 
 /// One module handed to a load: its role, its layout (storage already allocated or bound:
@@ -126,6 +139,9 @@ struct LoadContext {
   /// Read only the shards that hold wanted tensors (per the index). Set when the load holds
   /// no target, so that a draft-only load never opens the target's shards.
   bool only_wanted_shards = false;
+  /// `uri`'s checkpoint as resolution opened it (SourceCandidate::checkpoint), or null: the
+  /// load then reads no shard header again, and uses its storage as opened.
+  std::shared_ptr<const Checkpoint> checkpoint;
 };
 
 /// The outcome of one module's load.
@@ -137,7 +153,8 @@ struct ModuleLoad {
   uint64_t tensors = 0;   ///< checkpoint tensors read for this module
   uint64_t bytes_read = 0;   ///< bytes read for this module's tensors
   uint64_t shards_read = 0;  ///< distinct shards holding them
-  uint64_t shards_opened = 0;  ///< shards whose headers were read for this load
+  /// Shards whose headers this load read: 0 when it took the checkpoint resolution opened.
+  uint64_t shards_opened = 0;
   LoadCounters counters;
 };
 

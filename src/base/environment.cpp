@@ -152,8 +152,13 @@ Options options_from_environment(const Environment& environment) {
               "WEIGHTSTREAM_MODEL_URI='" + *primary + "' and its alias MX_MODEL_URI='" + *alias +
                   "' disagree: set one of them");
   }
-  if (primary && !primary->empty()) options.model_uri = *primary;
-  else if (alias && !alias->empty()) options.model_uri = *alias;
+  if (primary && !primary->empty()) {
+    options.model_uri = *primary;
+    options.model_uri_origin = "WEIGHTSTREAM_MODEL_URI";
+  } else if (alias && !alias->empty()) {
+    options.model_uri = *alias;
+    options.model_uri_origin = "MX_MODEL_URI";
+  }
   return options;
 }
 

@@ -68,10 +68,13 @@ std::vector<ModuleSetup> setup_modules(const DraftFlags& flags, const Options& o
     ModuleSetup module;
     module.role = role;
     module.source = std::move(source);
-    module.config = find_model_config(module.source, options.model_uri, options);
+    module.config = find_model_config(module.source, options);
     module.layout = build_module_layout(module.config.config, role, layout_options);
-    module.resolution = resolve_source(module.source, options.model_uri, role, module.layout, options,
-                                       role == ModuleRole::kDraft ? speculative_method(flags) : std::string());
+    // A source the target's resolution opened (no index) is not opened again for the draft.
+    std::vector<SourceResolution> earlier;
+    for (const ModuleSetup& other : modules) earlier.push_back(other.resolution);
+    module.resolution = resolve_source(module.source, role, module.layout, options,
+                                       role == ModuleRole::kDraft ? speculative_method(flags) : std::string(), earlier);
     modules.push_back(std::move(module));
   };
   if (include_target) add(ModuleRole::kTarget, {flags.model, flags.model_weights});

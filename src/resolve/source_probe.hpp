@@ -34,6 +34,9 @@ struct SourceListing {
 /// storage's or the index's Error.
 SourceListing list_source(const std::string& uri, const Options& options);
 
+/// Shards of an opened checkpoint that hold at least one tensor `layout` wants, in natural order.
+std::vector<std::string> shards_holding(const Checkpoint& checkpoint, const ModelLayout& layout);
+
 /// Shards that hold at least one tensor `layout` wants, in natural order: per the index when
 /// there is one, else from the shards' headers (then the opened checkpoint is kept in
 /// `opened` when it is not null).

@@ -19,10 +19,20 @@ constexpr uint64_t kMaxConfigBytes = 16 * kMiB;
 constexpr uint64_t kMaxIndexBytes = 256 * kMiB;
 
 /// The candidates of a module in the order they are tried.
-std::vector<SourceCandidate> ordered_candidates(const ModelSource& source, const std::string& checkpoint_uri) {
-  return {{"model_weights", source.model_weights, {}, {}},
-          {"model", source.model, {}, {}},
-          {std::string(kCheckpointUriField), checkpoint_uri, {}, {}}};
+std::vector<SourceCandidate> ordered_candidates(const ModelSource& source, const Options& options) {
+  return {{"model_weights", source.model_weights, {}, {}, {}},
+          {"model", source.model, {}, {}, {}},
+          {checkpoint_uri_field(options), options.model_uri, {}, {}, {}}};
+}
+
+/// The checkpoint of `uri` that one of `resolutions` opened while probing, or null.
+std::shared_ptr<const Checkpoint> opened_by(const std::vector<SourceResolution>& resolutions, const std::string& uri) {
+  for (const SourceResolution& resolution : resolutions) {
+    for (const SourceCandidate& candidate : resolution.candidates) {
+      if (candidate.uri == uri && candidate.checkpoint) return candidate.checkpoint;
+    }
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -51,29 +61,47 @@ SourceListing list_source(const std::string& uri, const Options& options) {
   return listing;
 }
 
-std::vector<std::string> wanted_shards(const SourceListing& listing, const ModelLayout& layout,
-                                       const Options& options, std::optional<Checkpoint>* opened) {
-  std::vector<std::string> wanted = layout.wanted_tensors();
-  std::set<std::string> shards;
-  if (listing.index) {
-    for (const std::string& tensor : wanted) {
-      auto it = listing.index->weight_map.find(tensor);
-      if (it != listing.index->weight_map.end()) shards.insert(it->second);
-    }
-  } else {
-    // Without an index, only the shards' headers tell which tensors they hold.
-    Checkpoint checkpoint = Checkpoint::open(listing.storage, listing.object);
-    for (const std::string& tensor : wanted) {
-      if (auto index = checkpoint.find(tensor)) shards.insert(checkpoint.shards()[checkpoint.tensors()[*index].shard].name);
-    }
-    if (opened) *opened = std::move(checkpoint);
-  }
+namespace {
+
+std::vector<std::string> in_natural_order(const std::set<std::string>& shards) {
   std::vector<std::string> result(shards.begin(), shards.end());
   std::sort(result.begin(), result.end(), [](const std::string& a, const std::string& b) { return natural_less(a, b); });
   return result;
 }
 
+}  // namespace
+
+std::vector<std::string> shards_holding(const Checkpoint& checkpoint, const ModelLayout& layout) {
+  std::set<std::string> shards;
+  for (const std::string& tensor : layout.wanted_tensors()) {
+    if (auto index = checkpoint.find(tensor)) shards.insert(checkpoint.shards()[checkpoint.tensors()[*index].shard].name);
+  }
+  return in_natural_order(shards);
+}
+
+std::vector<std::string> wanted_shards(const SourceListing& listing, const ModelLayout& layout,
+                                       const Options& options, std::optional<Checkpoint>* opened) {
+  if (!listing.index) {
+    // Without an index, only the shards' headers tell which tensors they hold.
+    Checkpoint checkpoint = Checkpoint::open(listing.storage, listing.object);
+    std::vector<std::string> shards = shards_holding(checkpoint, layout);
+    if (opened) *opened = std::move(checkpoint);
+    return shards;
+  }
+  std::set<std::string> shards;
+  for (const std::string& tensor : layout.wanted_tensors()) {
+    auto it = listing.index->weight_map.find(tensor);
+    if (it != listing.index->weight_map.end()) shards.insert(it->second);
+  }
+  return in_natural_order(shards);
+}
+
 }  // namespace resolve
+
+std::string checkpoint_uri_field(const Options& options) {
+  if (options.model_uri.empty()) return "WEIGHTSTREAM_MODEL_URI";
+  return options.model_uri_origin.empty() ? std::string(kModelUriOption) : options.model_uri_origin;
+}
 
 std::string_view module_role_name(ModuleRole role) noexcept {
   return role == ModuleRole::kDraft ? "draft" : "target";
@@ -100,23 +128,29 @@ std::string SourceResolution::error_text() const {
   return "Cannot find any safetensors model weights for " + module_text() + ": " + join(reasons, "; ");
 }
 
-SourceResolution resolve_source(const ModelSource& source, const std::string& checkpoint_uri, ModuleRole role,
-                                const ModelLayout& layout, const Options& options, std::string method) {
+SourceResolution resolve_source(const ModelSource& source, ModuleRole role, const ModelLayout& layout,
+                                const Options& options, std::string method, const std::vector<SourceResolution>& earlier) {
   SourceResolution resolution;
   resolution.role = role;
   resolution.method = std::move(method);
   const std::string wants = "no tensor the " + std::string(module_role_name(role)) + " wants";
-  for (SourceCandidate& candidate : ordered_candidates(source, checkpoint_uri)) {
+  for (SourceCandidate& candidate : ordered_candidates(source, options)) {
     if (candidate.uri.empty()) {
       candidate.reason = "not set";
+    } else if (std::shared_ptr<const Checkpoint> opened = opened_by(earlier, candidate.uri)) {
+      candidate.shards = resolve::shards_holding(*opened, layout);
+      if (candidate.shards.empty()) candidate.reason = wants;
+      else candidate.checkpoint = std::move(opened);
     } else {
       try {
         resolve::SourceListing listing = resolve::list_source(candidate.uri, options);
         if (listing.safetensors.empty() && !listing.index) {
           candidate.reason = "no *.safetensors files";
         } else {
-          candidate.shards = resolve::wanted_shards(listing, layout, options, nullptr);
+          std::optional<Checkpoint> opened;
+          candidate.shards = resolve::wanted_shards(listing, layout, options, &opened);
           if (candidate.shards.empty()) candidate.reason = wants + (listing.index ? " (per its index)" : "");
+          else if (opened) candidate.checkpoint = std::make_shared<const Checkpoint>(std::move(*opened));
         }
       } catch (const Error& error) {
         candidate.reason = "cannot open: " + std::string(error.what());
@@ -136,12 +170,10 @@ void expect_resolved(const std::vector<SourceResolution>& resolutions) {
   WS_EXPECT(errors.empty(), ErrorCode::kNotFound, join(errors, ". "));
 }
 
-ModelConfigSource find_model_config(const ModelSource& source, const std::string& checkpoint_uri,
-                                    const Options& options) {
+ModelConfigSource find_model_config(const ModelSource& source, const Options& options) {
   // The config describes the model, so `model` is asked first, then the weights.
-  std::vector<SourceCandidate> candidates = {{"model", source.model, {}, {}},
-                                             {"model_weights", source.model_weights, {}, {}},
-                                             {std::string(kCheckpointUriField), checkpoint_uri, {}, {}}};
+  std::vector<SourceCandidate> candidates = ordered_candidates(source, options);
+  std::swap(candidates[0], candidates[1]);
   std::vector<std::string> reasons;
   for (SourceCandidate& candidate : candidates) {
     if (candidate.uri.empty()) {
@@ -168,10 +200,12 @@ ModelConfigSource find_model_config(const ModelSource& source, const std::string
 ModelLayout build_module_layout(const ModelConfig& config, ModuleRole role, LayoutOptions options) {
   options.modules = role == ModuleRole::kDraft ? LayoutModules::kDraft : LayoutModules::kTarget;
   if (role == ModuleRole::kDraft) {
-    WS_EXPECT(config.model_type == "deepseek_v3" && config.num_nextn_predict_layers > 0, ErrorCode::kModel,
+    bool mtp_architecture = config.model_type == "deepseek_v3" || config.model_type == "qwen3_next";
+    WS_EXPECT(mtp_layer_count(config) > 0, ErrorCode::kModel,
               "speculative method mtp: the " + config.model_type + " config declares no MTP layers (" +
-                  (config.model_type == "deepseek_v3" ? "num_nextn_predict_layers is 0"
-                                                       : "only deepseek_v3-style MTP layers are supported") +
+                  (mtp_architecture ? std::string("num_nextn_predict_layers is 0") +
+                                          (config.model_type == "qwen3_next" ? " or absent, mtp_num_hidden_layers too" : "")
+                                    : "only deepseek_v3 and qwen3_next MTP layers are supported") +
                   ")");
   }
   return build_model_layout(config, options);

@@ -136,12 +136,14 @@ void expect_complete(const ModuleRun& module, const Checkpoint& checkpoint, Load
                                  "; a reload or update may leave layers out, a cold load may not");
 }
 
-/// Opens the checkpoint of `context`: only the shards holding wanted tensors when asked and
-/// the source has an index (all shards otherwise).
-Checkpoint open_checkpoint(const LoadContext& context) {
-  if (!context.only_wanted_shards) return Checkpoint::open(context.uri, context.options);
+/// The checkpoint of `context`: as resolution opened it, when it did; else opened, only the
+/// shards holding wanted tensors when asked and the source has an index (all shards otherwise).
+std::shared_ptr<const Checkpoint> open_checkpoint(const LoadContext& context) {
+  if (context.checkpoint) return context.checkpoint;
+  auto open_all = [&] { return std::make_shared<const Checkpoint>(Checkpoint::open(context.uri, context.options)); };
+  if (!context.only_wanted_shards) return open_all();
   resolve::SourceListing listing = resolve::list_source(context.uri, context.options);
-  if (!listing.index) return Checkpoint::open(context.uri, context.options);
+  if (!listing.index) return open_all();
   std::set<std::string, std::less<>> shards;
   for (const ModuleLoadRequest* module : context.modules) {
     for (const std::string& shard : resolve::wanted_shards(listing, *module->layout, context.options, nullptr)) {
@@ -150,13 +152,15 @@ Checkpoint open_checkpoint(const LoadContext& context) {
   }
   WS_EXPECT(!shards.empty(), ErrorCode::kNotFound,
             "the index of " + context.uri + " names no shard holding a tensor of " + modules_text(context));
-  Checkpoint checkpoint = Checkpoint::open(std::make_shared<ShardSubsetStorage>(listing.storage, std::move(shards)));
-  return checkpoint;
+  return std::make_shared<const Checkpoint>(
+      Checkpoint::open(std::make_shared<ShardSubsetStorage>(listing.storage, std::move(shards))));
 }
 
 /// The load both storage strategies run; they differ in which URIs they serve.
 StrategyLoad load_from_storage(LoadContext& context, const std::string& strategy) {
-  Checkpoint checkpoint = open_checkpoint(context);
+  std::shared_ptr<const Checkpoint> opened = open_checkpoint(context);
+  const Checkpoint& checkpoint = *opened;
+  uint64_t shards_opened = opened == context.checkpoint ? 0 : checkpoint.shards().size();
 
   // Plan and check every module before any session begins: a failure here writes nothing.
   std::vector<ModuleRun> modules;
@@ -220,7 +224,7 @@ StrategyLoad load_from_storage(LoadContext& context, const std::string& strategy
     std::set<uint32_t> shards;
     for (const PlannedTensor& read : module.plan.reads) shards.insert(checkpoint.tensors()[read.tensor].shard);
     load.shards_read = shards.size();
-    load.shards_opened = checkpoint.shards().size();
+    load.shards_opened = shards_opened;
     load.counters = module.session->counters();
     result.modules.push_back(std::move(load));
   }
@@ -315,11 +319,12 @@ std::vector<StrategyLoad> load_modules(std::vector<ModuleLoadRequest>& modules, 
     const std::string& uri = module.resolution.chosen().uri;
     auto it = std::find_if(contexts.begin(), contexts.end(), [&](const LoadContext& c) { return c.uri == uri; });
     if (it == contexts.end()) {
-      contexts.push_back({uri, {}, mode, options, progress, true});
+      contexts.push_back({uri, {}, mode, options, progress, true, {}});
       it = std::prev(contexts.end());
     }
     it->modules.push_back(&module);
     if (module.role == ModuleRole::kTarget) it->only_wanted_shards = false;
+    if (!it->checkpoint) it->checkpoint = module.resolution.chosen().checkpoint;
   }
   std::vector<StrategyLoad> loads;
   for (LoadContext& context : contexts) loads.push_back(chain.load(context));

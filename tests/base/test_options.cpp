@@ -59,6 +59,16 @@ TEST(Options, ModelUriAliasesMustAgree) {
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_MODEL_URI", "s3://b/a"}, {"MX_MODEL_URI", "s3://b/b"}}), HasSubstr("disagree"));
 }
 
+TEST(Options, ModelUriRemembersWhereItCameFrom) {
+  EXPECT_EQ(options_from_environment({{"MX_MODEL_URI", "s3://b/m"}}).model_uri_origin, "MX_MODEL_URI");
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_MODEL_URI", "s3://b/m"}}).model_uri_origin, "WEIGHTSTREAM_MODEL_URI");
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_MODEL_URI", "s3://b/m"}, {"MX_MODEL_URI", "s3://b/m"}}).model_uri_origin,
+            "WEIGHTSTREAM_MODEL_URI");
+  // Set by the caller, it is an option.
+  EXPECT_EQ(Options{}.model_uri_origin, kModelUriOption);
+  EXPECT_EQ(options_from_environment({}).model_uri_origin, kModelUriOption);
+}
+
 TEST(Options, AwsVariablesInTheirOrder) {
   auto options = options_from_environment({{"AWS_ENDPOINT_URL", "http://a"}, {"AWS_ENDPOINT_URL_S3", "http://b"},
                                            {"AWS_DEFAULT_REGION", "eu-west-1"}, {"HOME", "/home/u"}});

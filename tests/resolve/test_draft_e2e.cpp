@@ -19,6 +19,7 @@ namespace {
 using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::ScopedEnv;
 using testing::TempDir;
 
@@ -78,7 +79,7 @@ TEST_P(DraftEndToEnd, TargetAndDraftLoadFromTheCheckpointUri) {
   EXPECT_EQ(report["target"]["field"], "model_weights");
   EXPECT_EQ(report["target"]["strategy"], "object storage");
   EXPECT_EQ(report["draft"]["source"], uri_);
-  EXPECT_EQ(report["draft"]["field"], "WEIGHTSTREAM_MODEL_URI");
+  EXPECT_EQ(report["draft"]["field"], GetParam()) << "the variable that set the checkpoint URI";
   EXPECT_THAT(report["draft"]["passed_over"].get<std::vector<std::string>>(),
               ElementsAre("model_weights: not set", "model " + snapshot() + ": no *.safetensors files"));
   EXPECT_EQ(report["draft"]["tensors"], footprint_.tensors);
@@ -115,7 +116,7 @@ TEST_P(DraftEndToEnd, ResolveExplainsBothModules) {
   EXPECT_EQ(report["target"]["source"], uri_);
   EXPECT_EQ(report["target"]["field"], "model_weights");
   EXPECT_EQ(report["draft"]["source"], uri_);
-  EXPECT_EQ(report["draft"]["field"], "WEIGHTSTREAM_MODEL_URI");
+  EXPECT_EQ(report["draft"]["field"], GetParam());
   EXPECT_EQ(report["draft"]["shards"].size(), footprint_.shards.size());
   EXPECT_THAT(report["draft"]["passed_over"].get<std::vector<std::string>>(),
               ElementsAre("model_weights: not set", "model " + snapshot() + ": no *.safetensors files"));
@@ -123,7 +124,7 @@ TEST_P(DraftEndToEnd, ResolveExplainsBothModules) {
   auto text = testing::run_cli({"resolve", "--model", snapshot(), "--model-weights", uri_, "--speculative", "mtp"});
   ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_THAT(text.out, AllOf(HasSubstr("the target: " + uri_ + " (model_weights)"),
-                              HasSubstr("the draft (mtp): " + uri_ + " (WEIGHTSTREAM_MODEL_URI); passed over: "
+                              HasSubstr("the draft (mtp): " + uri_ + " (" + GetParam() + "); passed over: "
                                         "model_weights: not set; model " + snapshot() + ": no *.safetensors files")));
 }
 
@@ -142,6 +143,19 @@ TEST_P(DraftEndToEnd, WithoutTheCheckpointUriTheErrorNamesEverySource) {
                                   HasSubstr("model " + snapshot() + ": no *.safetensors files"),
                                   HasSubstr("WEIGHTSTREAM_MODEL_URI: not set")));
   }
+}
+
+TEST_P(DraftEndToEnd, TheErrorNamesTheVariableThatSetTheCheckpointUri) {
+  // The checkpoint URI points at the snapshot, which has no weights: the error says which
+  // variable set it, MX_MODEL_URI included.
+  ScopedEnv variable(GetParam(), snapshot());
+  auto result = testing::run_cli({"load", "--model", snapshot(), "--model-weights", uri_, "--speculative", "mtp",
+                                  "--no-progress"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_THAT(result.err, HasSubstr("weightstream: error: Cannot find any safetensors model weights for the draft (mtp): "
+                                    "model_weights: not set; model " + snapshot() + ": no *.safetensors files; " +
+                                    GetParam() + " " + snapshot() + ": no *.safetensors files"));
+  if (GetParam() == "MX_MODEL_URI") EXPECT_THAT(result.err, Not(HasSubstr("WEIGHTSTREAM_MODEL_URI")));
 }
 
 TEST_P(DraftEndToEnd, AliasesThatDisagreeAreAnError) {

@@ -1,7 +1,8 @@
 // Source resolution and the strategy chain on local files: the order model_weights, model,
 // checkpoint URI; the reason of every source passed over; one error that lists them all;
 // draft-only loads that read only the MTP shards; combined loads that read the checkpoint
-// once; storage that never moves; missing MTP layers; the WEIGHTSTREAM_MODEL_URI alias.
+// once; storage that never moves; missing MTP layers; the WEIGHTSTREAM_MODEL_URI alias and
+// the label of the checkpoint URI; shard headers of a source without an index read once.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -17,35 +18,12 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using testing::error_of;
 using testing::TempDir;
 
-/// The message of the Error that `action` throws; fails the test when it throws none.
-template <typename Action>
-std::string error_of(Action&& action, ErrorCode* code = nullptr) {
-  try {
-    action();
-  } catch (const Error& error) {
-    if (code) *code = error.code();
-    return error.what();
-  }
-  ADD_FAILURE() << "no error thrown";
-  return {};
-}
-
-class SourceResolutionTest : public ::testing::Test {
+class SourceResolutionTest : public ::testing::Test, protected testing::SnapshotFixture {
  protected:
-  void SetUp() override {
-    checkpoint_ = testing::synth_checkpoint(testing::deepseek_options());
-    snapshot_ = scratch_.path() / "glm-snapshot";
-    testing::write_config_only_model(snapshot_, *checkpoint_);
-  }
-  std::string snapshot() const { return snapshot_.string(); }
-  std::string weights() const { return checkpoint_->uri(); }
-
-  std::unique_ptr<testing::SynthCheckpoint> checkpoint_;
-  TempDir scratch_;
-  std::filesystem::path snapshot_;
-  Options options_;
+  void SetUp() override { make_checkpoint(testing::deepseek_options()); }
 };
 
 TEST_F(SourceResolutionTest, ModelWeightsComeFirst) {
@@ -121,10 +99,10 @@ TEST_F(SourceResolutionTest, OneErrorListsEverySourceWithItsReason) {
 }
 
 TEST_F(SourceResolutionTest, ConfigComesFromTheModelDirectory) {
-  ModelConfigSource config = find_model_config({snapshot(), ""}, "", options_);
+  ModelConfigSource config = find_model_config({snapshot(), ""}, options_);
   EXPECT_EQ(config.field, "model");
   EXPECT_EQ(config.config.num_nextn_predict_layers, 1);
-  std::string message = error_of([&] { find_model_config({"", ""}, "", options_); });
+  std::string message = error_of([&] { find_model_config({"", ""}, options_); });
   EXPECT_THAT(message, AllOf(HasSubstr("config.json"), HasSubstr("model: not set"), HasSubstr("model_weights: not set"),
                              HasSubstr("WEIGHTSTREAM_MODEL_URI: not set")));
 }
@@ -132,7 +110,7 @@ TEST_F(SourceResolutionTest, ConfigComesFromTheModelDirectory) {
 TEST_F(SourceResolutionTest, DraftOfAModelWithoutMtpLayersIsAnError) {
   auto stripped = testing::synth_checkpoint(testing::deepseek_options(0));
   std::string message = error_of([&] {
-    build_module_layout(find_model_config({stripped->uri(), ""}, "", options_).config, ModuleRole::kDraft);
+    build_module_layout(find_model_config({stripped->uri(), ""}, options_).config, ModuleRole::kDraft);
   });
   EXPECT_THAT(message, AllOf(HasSubstr("mtp"), HasSubstr("num_nextn_predict_layers is 0")));
 }
@@ -151,9 +129,46 @@ TEST(ModelUriAlias, MxModelUriIsAnAliasAndDisagreementIsAnError) {
                              HasSubstr("disagree")));
 }
 
-// ---- loads ------------------------------------------------------------------------------
+TEST_F(SourceResolutionTest, TheCheckpointUriIsNamedWhereItCameFrom) {
+  ModelConfigSource config = find_model_config({snapshot(), ""}, options_);
+  ModelLayout layout = build_module_layout(config.config, ModuleRole::kDraft);
+  // MX_MODEL_URI at a directory without weights: the error names MX_MODEL_URI, not its alias.
+  Options mx = testing::with_checkpoint_uri(options_, snapshot(), "MX_MODEL_URI");
+  SourceResolution failed = resolve_source({snapshot(), ""}, ModuleRole::kDraft, layout, mx, "mtp");
+  ASSERT_FALSE(failed.found());
+  EXPECT_EQ(failed.error_text(), "Cannot find any safetensors model weights for the draft (mtp): model_weights: not set; "
+                                 "model " + snapshot() + ": no *.safetensors files; MX_MODEL_URI " + snapshot() +
+                                     ": no *.safetensors files");
+  std::vector<ModuleLoadRequest> requests = {{ModuleRole::kDraft, &layout, failed}};
+  EXPECT_THAT(error_of([&] { load_modules(requests, LoadMode::kCold, mx); }),
+              AllOf(HasSubstr("MX_MODEL_URI " + snapshot() + ": no *.safetensors files"),
+                    Not(HasSubstr("WEIGHTSTREAM_MODEL_URI"))));
 
-TEST_F(SourceResolutionTest, DraftOnlyLoadReadsOnlyTheShardsAndBytesOfTheDraft) {
+  // Chosen through the alias, the resolution and the load say so.
+  layout.allocate(Device{});
+  SourceResolution chosen = resolve_source({snapshot(), ""}, ModuleRole::kDraft, layout,
+                                           testing::with_checkpoint_uri(options_, weights(), "MX_MODEL_URI"), "mtp");
+  EXPECT_EQ(chosen.chosen().text(), "MX_MODEL_URI " + weights() + ": chosen");
+  requests = {{ModuleRole::kDraft, &layout, chosen}};
+  EXPECT_EQ(load_modules(requests, LoadMode::kCold, options_)[0].modules[0].field, "MX_MODEL_URI");
+
+  // Set by the caller, it is the option; not set at all, the variable to set is named.
+  Options option = options_;
+  option.model_uri = weights();
+  EXPECT_EQ(resolve_source({snapshot(), ""}, ModuleRole::kDraft, layout, option, "mtp").chosen().field,
+            "model_uri option");
+  EXPECT_EQ(resolve_source({snapshot(), ""}, ModuleRole::kDraft, layout, options_, "mtp").candidates.back().text(),
+            "WEIGHTSTREAM_MODEL_URI: not set");
+}
+
+// ---- loads, for each architecture whose checkpoint ships MTP layers -----------------------
+
+class DraftLoad : public ::testing::TestWithParam<testing::MtpArchitecture>, protected testing::SnapshotFixture {
+ protected:
+  void SetUp() override { make_checkpoint(GetParam().options(1, 4, 5)); }
+};
+
+TEST_P(DraftLoad, DraftOnlyLoadReadsOnlyTheShardsAndBytesOfTheDraft) {
   auto draft = testing::module_fixture(ModuleRole::kDraft, {snapshot(), ""}, weights(), options_);
   std::vector<ModuleLoadRequest> requests = {draft.request()};
   std::vector<StrategyLoad> loads = load_modules(requests, LoadMode::kCold, options_);
@@ -161,6 +176,7 @@ TEST_F(SourceResolutionTest, DraftOnlyLoadReadsOnlyTheShardsAndBytesOfTheDraft) 
   Checkpoint checkpoint = Checkpoint::open(weights(), options_);
   auto footprint = testing::mtp_footprint(checkpoint, checkpoint_model_config(checkpoint));
   ASSERT_LT(footprint.shards.size(), checkpoint.shards().size()) << "the fixture must put MTP layers in some shards only";
+  EXPECT_EQ(std::vector<std::string>(footprint.shards.begin(), footprint.shards.end()), draft.resolution.chosen().shards);
   ASSERT_EQ(loads.size(), 1u);
   EXPECT_EQ(loads[0].strategy, "local files");
   EXPECT_EQ(loads[0].stream.bytes_read, footprint.bytes);
@@ -179,7 +195,7 @@ TEST_F(SourceResolutionTest, DraftOnlyLoadReadsOnlyTheShardsAndBytesOfTheDraft) 
   EXPECT_EQ(compare_layouts(draft.layout, reference).mismatched, 0u);
 }
 
-TEST_F(SourceResolutionTest, CombinedLoadReadsTheCheckpointOnceAndRoutesEachTensor) {
+TEST_P(DraftLoad, CombinedLoadReadsTheCheckpointOnceAndRoutesEachTensor) {
   auto target = testing::module_fixture(ModuleRole::kTarget, {snapshot(), weights()}, weights(), options_);
   auto draft = testing::module_fixture(ModuleRole::kDraft, {snapshot(), ""}, weights(), options_);
   std::vector<ModuleLoadRequest> requests = {target.request(), draft.request()};
@@ -198,6 +214,46 @@ TEST_F(SourceResolutionTest, CombinedLoadReadsTheCheckpointOnceAndRoutesEachTens
   EXPECT_EQ(compare_layouts(target.layout, testing::reference_layout(checkpoint, ModuleRole::kTarget)).mismatched, 0u);
   EXPECT_EQ(compare_layouts(draft.layout, testing::reference_layout(checkpoint, ModuleRole::kDraft)).mismatched, 0u);
 }
+
+TEST_P(DraftLoad, MissingMtpLayerFailsAColdLoadNamingItAndIsAllowedInAnUpdate) {
+  // The model declares two MTP layers; these weights hold only the first.
+  const testing::MtpArchitecture& arch = GetParam();
+  auto two = testing::synth_checkpoint(arch.options(2, 4, 5));
+  auto one = testing::synth_checkpoint(arch.options(1, 4, 8));
+  std::filesystem::path model = scratch_.path() / "two-mtp";
+  testing::write_config_only_model(model, *two);
+  auto draft = testing::module_fixture(ModuleRole::kDraft, {model.string(), one->uri()}, "", options_);
+  ASSERT_TRUE(draft.resolution.found());
+  std::vector<ModuleLoadRequest> requests = {draft.request()};
+  auto before = parameter_bytes(draft.layout.parameter(arch.first_layer_tensor));
+  std::string message = error_of([&] { load_modules(requests, LoadMode::kCold, options_); });
+  EXPECT_THAT(message, AllOf(HasSubstr("cold load of the draft (mtp)"),
+                             HasSubstr(arch.second_layer_label + " is missing from"), HasSubstr(arch.second_layer_prefix),
+                             Not(HasSubstr(arch.first_layer_label + " is missing"))));
+  // Checked before any byte was written.
+  EXPECT_EQ(parameter_bytes(draft.layout.parameter(arch.first_layer_tensor)), before);
+  EXPECT_EQ(draft.layout.loads_finished(), 0u);
+
+  // After a complete cold load, an update may carry the first MTP layer only.
+  auto complete = testing::module_fixture(ModuleRole::kDraft, {model.string(), two->uri()}, "", options_, false);
+  std::vector<ModuleLoadRequest> cold = {{ModuleRole::kDraft, &draft.layout, complete.resolution}};
+  load_modules(cold, LoadMode::kCold, options_);
+  auto second_layer = parameter_bytes(draft.layout.parameter(arch.second_layer_parameter));
+  load_modules(requests, LoadMode::kUpdate, options_);
+  EXPECT_EQ(parameter_bytes(draft.layout.parameter(arch.second_layer_parameter)), second_layer);
+  Checkpoint partial = Checkpoint::open(one->uri(), options_);
+  const CheckpointTensor& tensor = partial.tensors()[*partial.find(arch.first_layer_tensor)];
+  std::string file = testing::read_file(one->directory.path() / partial.shards()[tensor.shard].name);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(
+                            parameter_bytes(draft.layout.parameter(arch.first_layer_tensor)).data()),
+                        tensor.bytes),
+            file.substr(tensor.offset, tensor.bytes));
+}
+
+INSTANTIATE_TEST_SUITE_P(MtpArchitectures, DraftLoad, ::testing::ValuesIn(testing::mtp_architectures()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- loads ------------------------------------------------------------------------------
 
 TEST_F(SourceResolutionTest, ReloadWritesInPlaceIntoTheSameStorage) {
   auto target = testing::module_fixture(ModuleRole::kTarget, {snapshot(), weights()}, weights(), options_);
@@ -220,39 +276,6 @@ TEST_F(SourceResolutionTest, ReloadWritesInPlaceIntoTheSameStorage) {
   Checkpoint checkpoint = Checkpoint::open(updated->uri(), options_);
   EXPECT_EQ(compare_layouts(target.layout, testing::reference_layout(checkpoint, ModuleRole::kTarget)).mismatched, 0u);
   EXPECT_EQ(compare_layouts(draft.layout, testing::reference_layout(checkpoint, ModuleRole::kDraft)).mismatched, 0u);
-}
-
-TEST_F(SourceResolutionTest, MissingMtpLayerFailsAColdLoadNamingItAndIsAllowedInAnUpdate) {
-  // The model declares two MTP layers; these weights hold only the first.
-  auto two = testing::synth_checkpoint(testing::deepseek_options(2));
-  auto one = testing::synth_checkpoint(testing::deepseek_options(1, 4, 8));
-  std::filesystem::path model = scratch_.path() / "two-mtp";
-  testing::write_config_only_model(model, *two);
-  auto draft = testing::module_fixture(ModuleRole::kDraft, {model.string(), one->uri()}, "", options_);
-  ASSERT_TRUE(draft.resolution.found());
-  std::vector<ModuleLoadRequest> requests = {draft.request()};
-  auto before = parameter_bytes(draft.layout.parameter("model.layers.2.eh_proj.weight"));
-  std::string message = error_of([&] { load_modules(requests, LoadMode::kCold, options_); });
-  EXPECT_THAT(message, AllOf(HasSubstr("cold load of the draft (mtp)"), HasSubstr("MTP layer 3 is missing from"),
-                             HasSubstr("model.layers.3."), Not(HasSubstr("MTP layer 2 is missing"))));
-  // Checked before any byte was written.
-  EXPECT_EQ(parameter_bytes(draft.layout.parameter("model.layers.2.eh_proj.weight")), before);
-  EXPECT_EQ(draft.layout.loads_finished(), 0u);
-
-  // After a complete cold load, an update may carry the first MTP layer only.
-  auto complete = testing::module_fixture(ModuleRole::kDraft, {model.string(), two->uri()}, "", options_, false);
-  std::vector<ModuleLoadRequest> cold = {{ModuleRole::kDraft, &draft.layout, complete.resolution}};
-  load_modules(cold, LoadMode::kCold, options_);
-  auto layer3 = parameter_bytes(draft.layout.parameter("model.layers.3.eh_proj.weight"));
-  load_modules(requests, LoadMode::kUpdate, options_);
-  EXPECT_EQ(parameter_bytes(draft.layout.parameter("model.layers.3.eh_proj.weight")), layer3);
-  Checkpoint partial = Checkpoint::open(one->uri(), options_);
-  const CheckpointTensor& eh_proj = partial.tensors()[*partial.find("model.layers.2.eh_proj.weight")];
-  std::string file = testing::read_file(one->directory.path() / partial.shards()[eh_proj.shard].name);
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(
-                            parameter_bytes(draft.layout.parameter("model.layers.2.eh_proj.weight")).data()),
-                        eh_proj.bytes),
-            file.substr(eh_proj.offset, eh_proj.bytes));
 }
 
 TEST_F(SourceResolutionTest, DraftSharesTheTargetsEmbeddingAndHeadByReference) {
@@ -304,6 +327,54 @@ TEST_F(SourceResolutionTest, AFailureAfterTheFirstWriteNamesTheParametersWritten
                              HasSubstr("parameters written before the failure, to reload: draft ("),
                              HasSubstr("model.layers.2.")));
   EXPECT_EQ(draft.layout.loads_finished(), 0u);
+}
+
+/// Makes every shard header of `directory` unparseable (the JSON replaced by '!'), keeping
+/// its length and the tensor data where they were: a later Checkpoint::open fails on them.
+void break_shard_headers(const std::filesystem::path& directory) {
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::string file = testing::read_file(entry.path());
+    uint64_t length = 0;
+    for (int byte = 7; byte >= 0; --byte) length = length << 8 | static_cast<unsigned char>(file[byte]);
+    file.replace(8, length, length, '!');
+    testing::write_file(entry.path(), file);
+  }
+}
+
+TEST_F(SourceResolutionTest, ASourceWithoutAnIndexHasItsShardHeadersReadOnce) {
+  std::filesystem::remove(checkpoint_->directory.path() / std::string(kIndexFileName));
+  Checkpoint checkpoint = Checkpoint::open(weights(), options_);  // the reference, before the headers break
+  ModelLayout target_reference = testing::reference_layout(checkpoint, ModuleRole::kTarget);
+  ModelLayout draft_reference = testing::reference_layout(checkpoint, ModuleRole::kDraft);
+
+  // Without an index only the headers say which tensors a shard holds: resolving the target
+  // opens the checkpoint, and the draft's resolution takes that one instead of opening it again.
+  Options options = testing::with_checkpoint_uri(options_, weights());
+  ModelConfig config = find_model_config({snapshot(), ""}, options).config;
+  ModelLayout target = build_module_layout(config, ModuleRole::kTarget);
+  ModelLayout draft = build_module_layout(config, ModuleRole::kDraft);
+  target.allocate(Device{});
+  draft.allocate(Device{});
+  SourceResolution target_source = resolve_source({snapshot(), ""}, ModuleRole::kTarget, target, options);
+  SourceResolution draft_source = resolve_source({snapshot(), ""}, ModuleRole::kDraft, draft, options, "mtp", {target_source});
+  ASSERT_TRUE(target_source.found() && draft_source.found());
+  ASSERT_NE(target_source.chosen().checkpoint, nullptr);
+  EXPECT_EQ(target_source.chosen().checkpoint->shards().size(), checkpoint.shards().size());
+  EXPECT_EQ(draft_source.chosen().checkpoint, target_source.chosen().checkpoint) << "opened once for both modules";
+
+  // The load takes the opened checkpoint: no header is read again, and none could be.
+  break_shard_headers(checkpoint_->directory.path());
+  EXPECT_THROW(Checkpoint::open(weights(), options_), Error);
+  std::vector<ModuleLoadRequest> requests = {{ModuleRole::kTarget, &target, target_source},
+                                             {ModuleRole::kDraft, &draft, draft_source}};
+  std::vector<StrategyLoad> loads = load_modules(requests, LoadMode::kCold, options);
+  ASSERT_EQ(loads.size(), 1u);
+  EXPECT_EQ(loads[0].modules[0].shards_opened, 0u);
+  EXPECT_EQ(loads[0].modules[1].shards_opened, 0u);
+  EXPECT_EQ(loads[0].stream.bytes_read, checkpoint.tensor_bytes()) << "and every tensor byte once";
+  EXPECT_EQ(compare_layouts(target, target_reference).mismatched, 0u);
+  EXPECT_EQ(compare_layouts(draft, draft_reference).mismatched, 0u);
 }
 
 /// A strategy that is always available and always fails, to show the chain keeps going and
