@@ -1,16 +1,22 @@
 // weightstream audit URI [--tp-size T --tp-rank R] [--reload URI2] [--batches N]
 //                        [--order file|shuffled|reversed] [--repeat K] [--json]
+// weightstream audit [URI] --speculative mtp [--model M] [--model-weights W] [--draft-only] ...
 // Cold-loads URI, reloads from URI2 K times in N batches (neighbouring tensors, such as
 // q, k and v of one layer, in different batches), then compares every parameter and
-// derived buffer bit for bit with a fresh cold load of URI2.
+// derived buffer bit for bit with a fresh cold load of URI2. With the draft flags the
+// target and its MTP draft are resolved and cold-loaded as `load` does (one stream), each
+// module is reloaded in batches from its source (or URI2), and each is audited.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <numeric>
 #include <random>
 
+#include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
 #include "cli/update_via.hpp"
+#include "weightstream/error.hpp"
 
 namespace weightstream::cli {
 namespace {
@@ -27,6 +33,7 @@ struct AuditFlags {
   bool json = false;
   StreamFlags stream;
   ViaFlags via;  // --via: the reload pushed from a sender process (issue 8)
+  DraftFlags draft;  // --speculative mtp, --model, ...: the target and its draft (issue 5)
 };
 
 /// Batches of plan indices: the plan's reads in `order`, dealt round-robin.
@@ -41,13 +48,173 @@ std::vector<std::vector<size_t>> batch_indices(size_t reads, int64_t batches, co
   return result;
 }
 
+/// One reload of `layout` from `checkpoint` in the flags' batches and order. Returns the
+/// bytes streamed; adds the seconds it took to `seconds`.
+uint64_t reload_in_batches(ModelLayout& layout, const Checkpoint& checkpoint, const LoadPlan& plan,
+                           const AuditFlags& flags, const Options& options, std::mt19937_64& random, double& seconds) {
+  auto start = std::chrono::steady_clock::now();
+  uint64_t bytes = 0;
+  LoadSession session(layout);
+  session.begin(LoadMode::kReload);
+  for (const auto& indices : batch_indices(plan.reads.size(), flags.batches, flags.order, random)) {
+    if (indices.empty()) continue;
+    bytes += stream_into_session(checkpoint, plan.subset(indices), session, options.stream).bytes;
+  }
+  session.finish();
+  seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return bytes;
+}
+
+/// What the audit watches on one layout across its loads: model hook runs per load, and,
+/// from the cold load on, the storage addresses and the memory the layout owns.
+class LayoutWatch {
+ public:
+  /// Before the cold load.
+  explicit LayoutWatch(const ModelLayout& layout) : layout_(&layout), hook_runs_(layout.model_hook_runs()) {}
+
+  /// After each load, the cold load first.
+  void loaded() {
+    uint64_t runs = layout_->model_hook_runs() - hook_runs_;
+    hook_runs_ = layout_->model_hook_runs();
+    // Per load, each registered hook runs once: normalize by the number of hooks.
+    size_t hooks = layout_->hooks().size();
+    uint64_t per_hook = hooks == 0 || runs % hooks != 0 ? runs : runs / hooks;
+    hooks_min_ = std::min(hooks_min_, per_hook);
+    hooks_max_ = std::max(hooks_max_, per_hook);
+    if (loads_++ == 0) {
+      addresses_ = storage_addresses(*layout_);
+      allocated_ = layout_->allocated_bytes();
+    }
+  }
+
+  /// The audit's fields, against `fresh`, a fresh cold load of the reload's checkpoint.
+  nlohmann::json report(const ModelLayout& fresh) const {
+    uint64_t address_changes = 0;
+    for (const auto& [name, address] : storage_addresses(*layout_)) {
+      auto it = addresses_.find(name);
+      if (it == addresses_.end() || it->second != address) ++address_changes;
+    }
+    int64_t memory_growth = static_cast<int64_t>(layout_->allocated_bytes()) - static_cast<int64_t>(allocated_);
+    LayoutComparison comparison = compare_layouts(*layout_, fresh);
+    bool clean = comparison.mismatched == 0 && address_changes == 0 && memory_growth == 0 &&
+                 (layout_->hooks().empty() || (hooks_min_ == 1 && hooks_max_ == 1));
+    return {{"layout", layout_->description()},
+            {"hooks", layout_->hooks().size()},
+            {"compared", comparison.compared},
+            {"mismatched", comparison.mismatched},
+            {"mismatches", comparison.mismatches},
+            {"address_changes", address_changes},
+            {"model_hook_runs_per_load", hooks_max_},
+            {"model_hook_runs_per_load_min", hooks_min_},
+            {"memory_growth_bytes", memory_growth},
+            {"clean", clean}};
+  }
+
+ private:
+  const ModelLayout* layout_;
+  uint64_t hook_runs_ = 0;
+  uint64_t hooks_min_ = UINT64_MAX;
+  uint64_t hooks_max_ = 0;
+  uint64_t loads_ = 0;
+  std::map<std::string, const std::byte*> addresses_;
+  uint64_t allocated_ = 0;
+};
+
+/// "LAYOUT: compared N, mismatched M, address changes A, model hook runs per load H, memory
+/// growth G bytes: clean".
+void print_audit_line(const std::string& label, const nlohmann::json& audit) {
+  std::printf("%s: compared %llu, mismatched %llu, address changes %llu, model hook runs per load %llu, "
+              "memory growth %lld bytes: %s\n",
+              label.c_str(), audit["compared"].get<unsigned long long>(),
+              audit["mismatched"].get<unsigned long long>(), audit["address_changes"].get<unsigned long long>(),
+              audit["model_hook_runs_per_load"].get<unsigned long long>(), audit["memory_growth_bytes"].get<long long>(),
+              audit["clean"].get<bool>() ? "clean" : "NOT CLEAN");
+}
+
+/// The audit of a target and its MTP draft (or the draft alone): resolved and cold-loaded
+/// as `load` does, then each module reloaded in batches and compared with a fresh cold load.
+void run_draft_audit(const AuditFlags& flags) {
+  DraftFlags draft = with_target_uri("audit", flags.uri, flags.draft);
+  WS_EXPECT(!flags.via.requested(), ErrorCode::kInvalidArgument,
+            "audit: --via pushes the reload into one layout; it does not combine with --speculative/--model");
+  Options options = resolve_options(flags.stream);
+  Device device = parse_device(flags.device);
+  LayoutOptions layout_options = layout_options_from_flags(flags.layout);
+  std::vector<ModuleSetup> modules = ready_modules(draft, options, layout_options, device);
+  std::vector<LayoutWatch> watches;
+  for (const ModuleSetup& module : modules) watches.emplace_back(module.layout);
+  std::vector<ModuleLoadRequest> requests = load_requests(modules);
+  std::vector<StrategyLoad> cold = load_modules(requests, LoadMode::kCold, options);
+  for (LayoutWatch& watch : watches) watch.loaded();
+
+  // Each module reloads from --reload, or from the source it resolved to; one open each.
+  std::map<std::string, Checkpoint> checkpoints;
+  auto reload_checkpoint = [&](const ModuleSetup& module) -> const Checkpoint& {
+    std::string uri = flags.reload_uri.empty() ? module.resolution.chosen().uri : flags.reload_uri;
+    auto it = checkpoints.find(uri);
+    if (it == checkpoints.end()) it = checkpoints.emplace(uri, Checkpoint::open(uri, options)).first;
+    return it->second;
+  };
+  std::vector<LoadPlan> plans;
+  for (const ModuleSetup& module : modules) plans.push_back(plan_layout_load(module.layout, reload_checkpoint(module)));
+  std::mt19937_64 random(flags.seed);
+  double reload_seconds = 0;
+  uint64_t reload_bytes = 0;
+  for (int64_t repeat = 0; repeat < flags.repeat; ++repeat) {
+    for (size_t m = 0; m < modules.size(); ++m) {
+      reload_bytes += reload_in_batches(modules[m].layout, reload_checkpoint(modules[m]), plans[m], flags, options,
+                                        random, reload_seconds);
+      watches[m].loaded();
+    }
+  }
+
+  // Fresh modules set up the same way, cold-loaded straight from the reload's checkpoint.
+  std::vector<ModuleSetup> fresh;
+  for (const ModuleSetup& module : modules) {
+    ModuleSetup copy;
+    copy.role = module.role;
+    copy.config = module.config;
+    copy.layout = build_module_layout(module.config.config, module.role, layout_options);
+    fresh.push_back(std::move(copy));
+  }
+  allocate_modules(fresh, draft, device);
+  nlohmann::json result = {{"device", device.name()},   {"batches", flags.batches},
+                           {"order", flags.order},      {"repeat", flags.repeat},
+                           {"reload_bytes", reload_bytes}, {"reload_seconds", reload_seconds}};
+  uint64_t cold_bytes = 0;
+  for (const StrategyLoad& load : cold) cold_bytes += load.stream.bytes_read;
+  result["cold_bytes_read"] = cold_bytes;
+  bool clean = true;
+  for (size_t m = 0; m < modules.size(); ++m) {
+    const Checkpoint& checkpoint = reload_checkpoint(modules[m]);
+    load_layout(fresh[m].layout, checkpoint, LoadMode::kCold, options.stream);
+    nlohmann::json audit = watches[m].report(fresh[m].layout);
+    audit["source"] = modules[m].resolution.chosen().uri;
+    audit["field"] = modules[m].resolution.chosen().field;
+    audit["reload_uri"] = checkpoint.uri();
+    clean = clean && audit["clean"].get<bool>();
+    result[std::string(module_role_name(modules[m].role))] = audit;
+  }
+  result["clean"] = clean;
+  if (flags.json) {
+    print_json(result);
+  } else {
+    for (const ModuleSetup& module : modules) {
+      const nlohmann::json& audit = result[std::string(module_role_name(module.role))];
+      print_audit_line(module.resolution.module_text() + " (" + audit["layout"].get<std::string>() + ")", audit);
+    }
+  }
+  if (!clean) throw CLI::RuntimeError(3);
+}
+
 }  // namespace
 
 void add_audit_command(CLI::App& app) {
   auto flags = std::make_shared<AuditFlags>();
   auto* command = app.add_subcommand(
       "audit", "Cold load, reload in batches, and compare every parameter and derived buffer with a fresh load");
-  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file:// or s3://")->required();
+  // Required unless the draft path below is taken (its sources can name the checkpoint).
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file:// or s3://");
   command->add_option("--reload", flags->reload_uri, "Checkpoint to reload from (default: URI)");
   command->add_option("--device", flags->device, "Where parameters live: cpu or cuda:N (default cpu)");
   add_layout_flags(*command, flags->layout);
@@ -63,7 +230,15 @@ void add_audit_command(CLI::App& app) {
   add_via_flags(*command, flags->via);
   add_send_command(app);
   // ---- end of the --via block ------------------------------------------------------------
+  // ---- source resolution and drafts (issue 5, resolve layer; see cli/draft_flags.hpp) ----
+  add_draft_load_flags(*command, flags->draft);
+  // ---- end of source resolution and drafts -------------------------------------------------
   command->callback([flags] {
+    if (flags->draft.requested()) {  // source resolution and drafts
+      run_draft_audit(*flags);
+      return;
+    }
+    if (flags->uri.empty()) throw CLI::RequiredError("uri");
     Options options = resolve_options(flags->stream);
     Device device = parse_device(flags->device);
     std::string reload_uri = flags->reload_uri.empty() ? flags->uri : flags->reload_uri;
@@ -71,21 +246,9 @@ void add_audit_command(CLI::App& app) {
     Checkpoint second = Checkpoint::open(reload_uri, options);
 
     ModelLayout layout = checkpoint_layout(first, flags->layout, device);
-    uint64_t hook_runs = layout.model_hook_runs();
-    uint64_t hooks_min = UINT64_MAX, hooks_max = 0;
-    auto count_hooks = [&] {
-      uint64_t runs = layout.model_hook_runs() - hook_runs;
-      hook_runs = layout.model_hook_runs();
-      // Per load, each registered hook runs once: normalize by the number of hooks.
-      uint64_t per_hook = layout.hooks().empty() ? runs : runs / layout.hooks().size();
-      if (!layout.hooks().empty() && runs % layout.hooks().size() != 0) per_hook = runs;
-      hooks_min = std::min(hooks_min, per_hook);
-      hooks_max = std::max(hooks_max, per_hook);
-    };
+    LayoutWatch watch(layout);
     load_layout(layout, first, LoadMode::kCold, options.stream);
-    count_hooks();
-    auto addresses = storage_addresses(layout);
-    uint64_t allocated = layout.allocated_bytes();
+    watch.loaded();
 
     LoadPlan plan = plan_layout_load(layout, second);
     std::mt19937_64 random(flags->seed);
@@ -99,54 +262,25 @@ void add_audit_command(CLI::App& app) {
         reload_seconds += update.seconds;
         update_seconds += update.report.seconds;
         reload_bytes += update.report.bytes;
-        count_hooks();
+        watch.loaded();
         continue;
       }
       // ---- end of the --via block ----------------------------------------------------------
-      auto start = std::chrono::steady_clock::now();
-      LoadSession session(layout);
-      session.begin(LoadMode::kReload);
-      for (const auto& indices : batch_indices(plan.reads.size(), flags->batches, flags->order, random)) {
-        if (indices.empty()) continue;
-        reload_bytes += stream_into_session(second, plan.subset(indices), session, options.stream).bytes;
-      }
-      session.finish();
-      reload_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      count_hooks();
+      reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds);
+      watch.loaded();
     }
-
-    uint64_t address_changes = 0;
-    for (const auto& [name, address] : storage_addresses(layout)) {
-      auto it = addresses.find(name);
-      if (it == addresses.end() || it->second != address) ++address_changes;
-    }
-    int64_t memory_growth = static_cast<int64_t>(layout.allocated_bytes()) - static_cast<int64_t>(allocated);
 
     ModelLayout fresh = checkpoint_layout(second, flags->layout, device);
     load_layout(fresh, second, LoadMode::kCold, options.stream);
-    LayoutComparison comparison = compare_layouts(layout, fresh);
-
-    uint64_t hooks_per_load = hooks_max;
-    bool clean = comparison.mismatched == 0 && address_changes == 0 && memory_growth == 0 &&
-                 (layout.hooks().empty() || (hooks_min == 1 && hooks_max == 1));
     nlohmann::json result = {{"uri", first.uri()},
                              {"reload_uri", second.uri()},
-                             {"layout", layout.description()},
                              {"device", device.name()},
                              {"batches", flags->batches},
                              {"order", flags->order},
                              {"repeat", flags->repeat},
-                             {"hooks", layout.hooks().size()},
-                             {"compared", comparison.compared},
-                             {"mismatched", comparison.mismatched},
-                             {"mismatches", comparison.mismatches},
-                             {"address_changes", address_changes},
-                             {"model_hook_runs_per_load", hooks_per_load},
-                             {"model_hook_runs_per_load_min", hooks_min},
-                             {"memory_growth_bytes", memory_growth},
                              {"reload_bytes", reload_bytes},
-                             {"reload_seconds", reload_seconds},
-                             {"clean", clean}};
+                             {"reload_seconds", reload_seconds}};
+    result.update(watch.report(fresh));
     // ---- --via (issue 8) ----
     if (flags->via.requested()) {
       result["via"] = flags->via.via;
@@ -158,18 +292,13 @@ void add_audit_command(CLI::App& app) {
     if (flags->json) {
       print_json(result);
     } else {
-      std::printf("%s: compared %llu, mismatched %llu, address changes %llu, model hook runs per load %llu, "
-                  "memory growth %lld bytes: %s\n",
-                  layout.description().c_str(), static_cast<unsigned long long>(comparison.compared),
-                  static_cast<unsigned long long>(comparison.mismatched),
-                  static_cast<unsigned long long>(address_changes), static_cast<unsigned long long>(hooks_per_load),
-                  static_cast<long long>(memory_growth), clean ? "clean" : "NOT CLEAN");
+      print_audit_line(layout.description(), result);
       if (flags->via.requested()) {  // ---- --via (issue 8) ----
         std::printf("update via %s: %.3f s, %.2f GB/s\n", flags->via.via.c_str(), update_seconds,
                     update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0);
       }
     }
-    if (!clean) throw CLI::RuntimeError(3);
+    if (!result["clean"].get<bool>()) throw CLI::RuntimeError(3);
   });
 }
 

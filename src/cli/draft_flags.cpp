@@ -1,5 +1,5 @@
 // Source resolution and speculative drafts on the command line: `weightstream resolve`, and
-// `weightstream load` with --model / --model-weights / --speculative mtp.
+// `weightstream load` and `weightstream audit` with --model / --model-weights / --speculative mtp.
 #include "cli/draft_flags.hpp"
 
 #include <cstdio>
@@ -82,6 +82,44 @@ std::vector<ModuleSetup> setup_modules(const DraftFlags& flags, const Options& o
   return modules;
 }
 
+DraftFlags with_target_uri(const std::string& command, const std::string& uri, const DraftFlags& given) {
+  DraftFlags flags = given;
+  if (!uri.empty()) {
+    WS_EXPECT(flags.model.empty() || flags.model == uri, ErrorCode::kInvalidArgument,
+              command + ": the URI '" + uri + "' and --model '" + flags.model + "' disagree: give one of them");
+    flags.model = uri;
+  }
+  WS_EXPECT(!flags.share_embeddings || (flags.speculative == "mtp" && !flags.draft_only), ErrorCode::kInvalidArgument,
+            "--share-embeddings needs --speculative mtp and the target (not --draft-only)");
+  return flags;
+}
+
+void allocate_modules(std::vector<ModuleSetup>& modules, const DraftFlags& flags, const Device& device) {
+  for (ModuleSetup& module : modules) {
+    if (module.role == ModuleRole::kDraft && flags.share_embeddings) share_target_embeddings(module.layout, modules[0].layout);
+    module.layout.allocate(device);
+    add_engine_hooks(module.layout, module.config.config);
+  }
+}
+
+std::vector<ModuleSetup> ready_modules(const DraftFlags& flags, const Options& options,
+                                       const LayoutOptions& layout_options, const Device& device) {
+  std::vector<ModuleSetup> modules = setup_modules(flags, options, layout_options, !flags.draft_only);
+  std::vector<SourceResolution> resolutions;
+  for (const ModuleSetup& module : modules) resolutions.push_back(module.resolution);
+  expect_resolved(resolutions);
+  // Storage exists before the load, as an engine's modules do; the draft may refer to the
+  // target's embedding and head instead of holding copies.
+  allocate_modules(modules, flags, device);
+  return modules;
+}
+
+std::vector<ModuleLoadRequest> load_requests(std::vector<ModuleSetup>& modules) {
+  std::vector<ModuleLoadRequest> requests;
+  for (ModuleSetup& module : modules) requests.push_back({module.role, &module.layout, module.resolution});
+  return requests;
+}
+
 LayoutOptions layout_options_from_flags(const LayoutFlags& flags) {
   LayoutOptions options;
   options.parallel = {flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
@@ -118,29 +156,11 @@ nlohmann::json resolution_json(const SourceResolution& resolution) {
 
 void run_draft_load(const std::string& uri, const DraftFlags& given, const LayoutOptions& layout_options,
                     const std::string& device_name, const StreamFlags& stream_flags, bool json) {
-  DraftFlags flags = given;
-  if (!uri.empty()) {
-    WS_EXPECT(flags.model.empty() || flags.model == uri, ErrorCode::kInvalidArgument,
-              "load: the URI '" + uri + "' and --model '" + flags.model + "' disagree: give one of them");
-    flags.model = uri;
-  }
-  WS_EXPECT(!flags.share_embeddings || (flags.speculative == "mtp" && !flags.draft_only), ErrorCode::kInvalidArgument,
-            "--share-embeddings needs --speculative mtp and the target (not --draft-only)");
+  DraftFlags flags = with_target_uri("load", uri, given);
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
-  std::vector<ModuleSetup> modules = setup_modules(flags, options, layout_options, !flags.draft_only);
-  std::vector<SourceResolution> resolutions;
-  for (const ModuleSetup& module : modules) resolutions.push_back(module.resolution);
-  expect_resolved(resolutions);
-
-  // Storage exists before the load, as an engine's modules do; the draft may refer to the
-  // target's embedding and head instead of holding copies.
-  for (ModuleSetup& module : modules) {
-    if (module.role == ModuleRole::kDraft && flags.share_embeddings) share_target_embeddings(module.layout, modules[0].layout);
-    module.layout.allocate(device);
-  }
-  std::vector<ModuleLoadRequest> requests;
-  for (ModuleSetup& module : modules) requests.push_back({module.role, &module.layout, module.resolution});
+  std::vector<ModuleSetup> modules = ready_modules(flags, options, layout_options, device);
+  std::vector<ModuleLoadRequest> requests = load_requests(modules);
   std::vector<StrategyLoad> loads;
   {
     ProgressLine progress(progress_enabled(stream_flags, options) && !json);

@@ -1,7 +1,7 @@
 #pragma once
 // Flags and helpers of source resolution and speculative drafts (resolve layer): the
-// `resolve` command, and the `load` path taken with --model, --model-weights or
-// --speculative. Kept apart from the plain and model-layout paths of `load`.
+// `resolve` command, and the `load` and `audit` paths taken with --model, --model-weights or
+// --speculative. Kept apart from the plain and model-layout paths of those commands.
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -16,7 +16,7 @@
 namespace weightstream::cli {
 
 /// --model, --model-weights, --draft-model, --draft-model-weights, --speculative (and, on
-/// `load`, --draft-only and --share-embeddings).
+/// `load` and `audit`, --draft-only and --share-embeddings).
 struct DraftFlags {
   std::string model;
   std::string model_weights;
@@ -27,7 +27,7 @@ struct DraftFlags {
   std::string speculative;  ///< "" or "mtp"
   bool draft_only = false;
   bool share_embeddings = false;
-  /// Whether `load` was asked for this path.
+  /// Whether `load` or `audit` was asked for this path.
   bool requested() const noexcept {
     return !model.empty() || !model_weights.empty() || !speculative.empty() || draft_only || share_embeddings ||
            draft_model || draft_model_weights;
@@ -36,8 +36,13 @@ struct DraftFlags {
 
 /// Adds the source flags shared by `resolve` and `load`.
 void add_model_source_flags(CLI::App& command, DraftFlags& flags);
-/// Adds the source flags plus --draft-only and --share-embeddings to `load`.
+/// Adds the source flags plus --draft-only and --share-embeddings to `load` or `audit`.
 void add_draft_load_flags(CLI::App& command, DraftFlags& flags);
+
+/// `flags` with a command's URI argument as the target's --model (`command` names it in
+/// errors): they must agree when both are given. Checks that --share-embeddings has the
+/// target and the draft. Throws Error(kInvalidArgument).
+DraftFlags with_target_uri(const std::string& command, const std::string& uri, const DraftFlags& flags);
 
 /// One module set up for resolution or loading: config, layout (storage not yet allocated)
 /// and where its weights resolved.
@@ -54,6 +59,20 @@ struct ModuleSetup {
 /// resolutions for the caller to print or throw.
 std::vector<ModuleSetup> setup_modules(const DraftFlags& flags, const Options& options,
                                        const LayoutOptions& layout_options, bool include_target);
+
+/// Storage for each module, as an engine sets it up before the first load: with
+/// --share-embeddings the draft refers to the target's embedding and head (modules[0]),
+/// then each layout is allocated on `device` and gets the engine's hooks (add_engine_hooks).
+void allocate_modules(std::vector<ModuleSetup>& modules, const DraftFlags& flags, const Device& device);
+
+/// The modules of `flags` ready for their first load: set up (the target unless
+/// --draft-only), every one resolved (else the one error naming every source), storage
+/// allocated (allocate_modules).
+std::vector<ModuleSetup> ready_modules(const DraftFlags& flags, const Options& options,
+                                       const LayoutOptions& layout_options, const Device& device);
+
+/// The load request of each module, pointing at its layout.
+std::vector<ModuleLoadRequest> load_requests(std::vector<ModuleSetup>& modules);
 
 /// JSON of a resolution: module, source, field, shards, candidates with reasons.
 nlohmann::json resolution_json(const SourceResolution& resolution);

@@ -38,20 +38,37 @@ ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& f
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
   ModelLayout layout = build_model_layout(config, options);
   layout.allocate(device);
+  add_engine_hooks(layout, config);
+  return layout;
+}
+
+namespace {
+
+/// Whether a parameter named by `pattern` for its layer has a part `id`.
+bool has_layer_part(const ModelLayout& layout, std::string_view pattern, std::string_view id) {
+  constexpr std::string_view kLayer = "{layer}";
+  for (const Parameter& parameter : layout.parameters()) {
+    std::string name(pattern);
+    if (size_t at = name.find(kLayer); at != std::string::npos) name.replace(at, kLayer.size(), std::to_string(parameter.layer));
+    if (parameter.name != name) continue;
+    for (const ParameterPart& part : parameter.parts) {
+      if (part.id == id) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void add_engine_hooks(ModelLayout& layout, const ModelConfig& config) {
   if (config.tie_word_embeddings && layout.find("lm_head.weight") && layout.find("model.embed_tokens.weight")) {
     layout.add_hook(make_tied_lm_head_hook());
   }
   // The fused K/V buffer an engine derives: K and V rows of qkv_proj, or MLA's latent kv_a.
-  bool has_kv = false, has_latent = false;
-  for (const Parameter& parameter : layout.parameters()) {
-    for (const ParameterPart& part : parameter.parts) {
-      has_kv = has_kv || part.id == "k";
-      has_latent = has_latent || part.id == "kv_a";
-    }
-  }
-  if (has_kv) layout.add_hook(make_fused_kv_hook());
-  if (has_latent) layout.add_hook(make_fused_kv_hook("model.layers.{layer}.self_attn.fused_qkv_a_proj.weight", {"kv_a"}));
-  return layout;
+  constexpr std::string_view kQkv = "model.layers.{layer}.self_attn.qkv_proj.weight";
+  constexpr std::string_view kLatent = "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight";
+  if (has_layer_part(layout, kQkv, "k")) layout.add_hook(make_fused_kv_hook(std::string(kQkv)));
+  if (has_layer_part(layout, kLatent, "kv_a")) layout.add_hook(make_fused_kv_hook(std::string(kLatent), {"kv_a"}));
 }
 
 nlohmann::json load_counters_json(const LoadCounters& counters) {

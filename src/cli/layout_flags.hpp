@@ -30,9 +30,13 @@ void add_layout_flags(CLI::App& command, LayoutFlags& flags);
 /// built from it: see check_checkpoint_layers.
 ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
 
+/// Registers on `layout` (storage allocated) the hooks an engine would: a tied lm_head where
+/// the embeddings are tied, a fused K/V buffer where model.layers.{layer} have K and V
+/// parts (or MLA's latent kv_a part).
+void add_engine_hooks(ModelLayout& layout, const ModelConfig& config);
+
 /// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
-/// `device` and the hooks an engine would register (a tied lm_head where the embeddings
-/// are tied, a fused K/V buffer where layers have K and V parts).
+/// `device` and the hooks an engine would register (add_engine_hooks).
 ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device);
 
 /// The `load` command's model-layout path: builds the layout from config.json, loads the

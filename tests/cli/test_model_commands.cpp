@@ -61,6 +61,77 @@ TEST(AuditCommand, QuantizedLayoutAndReversedOrder) {
   EXPECT_EQ(json["model_hook_runs_per_load"], 1);
 }
 
+// The audit of a target and its MTP draft, resolved and loaded as `load --speculative mtp`
+// does: each module's audit fields are clean.
+class DraftAuditCommand : public ::testing::TestWithParam<std::string> {};
+
+void expect_clean_audit(const nlohmann::json& audit, const std::string& module) {
+  SCOPED_TRACE(module + ": " + audit.dump());
+  EXPECT_GT(audit["compared"].get<uint64_t>(), 3u);
+  EXPECT_EQ(audit["mismatched"], 0);
+  EXPECT_EQ(audit["address_changes"], 0);
+  EXPECT_EQ(audit["memory_growth_bytes"], 0);
+  EXPECT_LE(audit["model_hook_runs_per_load"], 1);
+  EXPECT_EQ(audit["model_hook_runs_per_load"], audit["model_hook_runs_per_load_min"]);
+  EXPECT_EQ(audit["clean"], true);
+}
+
+TEST_P(DraftAuditCommand, TargetAndDraftAuditsAreClean) {
+  TempDir directory;
+  std::string first = synth(directory, "a", GetParam(), 1);
+  std::string second = synth(directory, "b", GetParam(), 2);
+  auto result = run_cli({"audit", "--model", first, "--speculative", "mtp", "--reload", second, "--batches", "3",
+                         "--order", "shuffled", "--repeat", "2", "--json", "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err << result.out;
+  auto json = nlohmann::json::parse(result.out);
+  expect_clean_audit(json["target"], "target");
+  expect_clean_audit(json["draft"], "draft");
+  EXPECT_EQ(json["target"]["model_hook_runs_per_load"], 1) << "the fused K/V hook, once per load";
+  EXPECT_EQ(json["target"]["layout"], GetParam() + " tp 1 rank 0 (target)");
+  EXPECT_EQ(json["draft"]["layout"], GetParam() + " tp 1 rank 0 (draft)");
+  EXPECT_EQ(json["draft"]["source"], first);
+  EXPECT_EQ(json["draft"]["reload_uri"], second);
+  EXPECT_EQ(json["clean"], true);
+
+  // The text form, one line per module.
+  auto text = run_cli({"audit", first, "--speculative", "mtp", "--no-progress"});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("the target (" + GetParam() + " tp 1 rank 0 (target)): compared "));
+  EXPECT_THAT(text.out, HasSubstr("the draft (mtp) (" + GetParam() + " tp 1 rank 0 (draft)): compared "));
+}
+
+TEST_P(DraftAuditCommand, DraftOnlyAuditReadsOnlyTheDraftsBytes) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", GetParam(), 1);
+  auto result = run_cli({"audit", "--model", checkpoint, "--speculative", "mtp", "--draft-only", "--json",
+                         "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_FALSE(json.contains("target"));
+  expect_clean_audit(json["draft"], "draft");
+  auto plain = nlohmann::json::parse(
+      run_cli({"load", "--model", checkpoint, "--speculative", "mtp", "--draft-only", "--json", "--no-progress"}).out);
+  EXPECT_EQ(json["cold_bytes_read"], plain["draft"]["bytes_read"]);
+  EXPECT_EQ(json["reload_bytes"], plain["draft"]["bytes_read"]);
+}
+
+INSTANTIATE_TEST_SUITE_P(MtpArchitectures, DraftAuditCommand, ::testing::Values("deepseek_v3", "qwen3_next"),
+                         [](const auto& info) { return info.param; });
+
+TEST(DraftAuditCommand, RefusesFlagsThatDoNotCombine) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", "deepseek_v3", 1);
+  auto via = run_cli({"audit", checkpoint, "--speculative", "mtp", "--via", "tcp"});
+  EXPECT_EQ(via.exit_code, 1);
+  EXPECT_THAT(via.err, HasSubstr("--via pushes the reload into one layout"));
+  auto disagree = run_cli({"audit", checkpoint, "--model", checkpoint + "-other", "--speculative", "mtp"});
+  EXPECT_EQ(disagree.exit_code, 1);
+  EXPECT_THAT(disagree.err, HasSubstr("audit: the URI '" + checkpoint + "' and --model"));
+  auto missing = run_cli({"audit"});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_THAT(missing.err, HasSubstr("uri"));
+}
+
 TEST(PlanCommand, ListsPartsRangesAndUnusedTensors) {
   TempDir directory;
   std::string checkpoint = synth(directory, "a", "deepseek_v3", 1);
