@@ -1,9 +1,14 @@
 // The NCCL transport: the sender is rank 0 of a two-rank communicator and broadcasts each
 // bucket from its device buffer into the receiver's (rank 1); manifests and answers still
 // travel over the TCP control connection. The sender makes the NCCL unique id and sends it
-// in HELLO, so no other rendezvous is needed. Compiled only where NCCL was found
+// in HELLO, so no other rendezvous is needed. Compiled only where NCCL's header was found
 // (WS_HAVE_NCCL); nccl_transport_nccl_fallback.cpp otherwise.
+//
+// libnccl is opened at first use (dlopen), not linked: a process that also holds torch
+// must use the one NCCL torch loaded. Linked, the toolkit's libnccl.so.2 came in with
+// `import weightstream` and torch, imported after, aborted in free() on the GPU machine.
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <cstring>
@@ -12,6 +17,51 @@
 
 namespace weightstream::transfer {
 namespace {
+
+/// The NCCL functions this transport calls, from the libnccl.so.2 the process has (or
+/// loads now). Throws Error(kUnsupported) naming the library and dlerror() when absent.
+struct NcclApi {
+  decltype(&::ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&::ncclCommInitRank) comm_init_rank = nullptr;
+  decltype(&::ncclCommDestroy) comm_destroy = nullptr;
+  decltype(&::ncclBroadcast) broadcast = nullptr;
+  decltype(&::ncclGetErrorString) error_string = nullptr;
+  decltype(&::ncclGetLastError) last_error = nullptr;
+
+  static const NcclApi& get() {
+    static const NcclApi api = load();
+    return api;
+  }
+
+ private:
+  static NcclApi load() {
+    // The one already in the process or on the loader's path first; else the one found
+    // at build time (the CUDA toolkit's lib/ is on no default path).
+    constexpr const char* kLibrary = "libnccl.so.2";
+    void* library = ::dlopen(kLibrary, RTLD_NOW | RTLD_GLOBAL);  // kept open for the process
+    std::string reason = library == nullptr ? ::dlerror() : "";
+#ifdef WS_NCCL_FALLBACK_PATH
+    if (library == nullptr) library = ::dlopen(WS_NCCL_FALLBACK_PATH, RTLD_NOW | RTLD_GLOBAL);
+#endif
+    WS_EXPECT(library != nullptr, ErrorCode::kUnsupported,
+              std::string("the nccl transport cannot load ") + kLibrary + ": " + reason +
+                  " (install NCCL, e.g. the nvidia-nccl wheel torch uses, or put it on LD_LIBRARY_PATH)");
+    NcclApi api;
+    auto bind = [&](auto& function, const char* name) {
+      void* symbol = ::dlsym(library, name);
+      WS_EXPECT(symbol != nullptr, ErrorCode::kUnsupported,
+                std::string("the nccl transport: ") + kLibrary + " has no " + name + " (too old an NCCL?)");
+      function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(symbol);
+    };
+    bind(api.get_unique_id, "ncclGetUniqueId");
+    bind(api.comm_init_rank, "ncclCommInitRank");
+    bind(api.comm_destroy, "ncclCommDestroy");
+    bind(api.broadcast, "ncclBroadcast");
+    bind(api.error_string, "ncclGetErrorString");
+    bind(api.last_error, "ncclGetLastError");
+    return api;
+  }
+};
 
 constexpr int kSenderRank = 0;
 constexpr int kReceiverRank = 1;
@@ -25,7 +75,8 @@ void check_cuda(cudaError_t error, const Device& device, const std::string& oper
 
 void check_nccl(ncclResult_t result, const Device& device, const std::string& operation) {
   WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice,
-            device.name() + ": " + operation + ": " + ncclGetErrorString(result) + " (" + ncclGetLastError(nullptr) + ")");
+            device.name() + ": " + operation + ": " + NcclApi::get().error_string(result) + " (" +
+                NcclApi::get().last_error(nullptr) + ")");
 }
 
 Device cuda_device(const Device& device) { return device.is_cuda() ? device : Device{Device::Kind::kCuda, 0}; }
@@ -43,7 +94,7 @@ class Peer {
   }
   ~Peer() {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-    if (communicator_ != nullptr) ncclCommDestroy(communicator_);
+    if (communicator_ != nullptr) NcclApi::get().comm_destroy(communicator_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
   Peer(const Peer&) = delete;
@@ -52,11 +103,11 @@ class Peer {
   /// Blocks until both ranks have joined.
   void join() {
     require_device(device_);
-    check_nccl(ncclCommInitRank(&communicator_, 2, id_, rank_), device_,
+    check_nccl(NcclApi::get().comm_init_rank(&communicator_, 2, id_, rank_), device_,
                "ncclCommInitRank (rank " + std::to_string(rank_) + " of 2)");
   }
   void broadcast(std::byte* buffer, uint64_t bytes) {
-    check_nccl(ncclBroadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_, stream_), device_,
+    check_nccl(NcclApi::get().broadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_, stream_), device_,
                "ncclBroadcast of " + std::to_string(bytes) + " bytes");
     check_cuda(cudaStreamSynchronize(stream_), device_, "waiting for ncclBroadcast");
   }
@@ -120,8 +171,9 @@ bool nccl_compiled() noexcept { return true; }
 
 std::vector<std::byte> nccl_unique_id() {
   ncclUniqueId id;
-  ncclResult_t result = ncclGetUniqueId(&id);
-  WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice, std::string("ncclGetUniqueId: ") + ncclGetErrorString(result));
+  const NcclApi& api = NcclApi::get();
+  ncclResult_t result = api.get_unique_id(&id);
+  WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice, std::string("ncclGetUniqueId: ") + api.error_string(result));
   const auto* bytes = reinterpret_cast<const std::byte*>(&id);
   return {bytes, bytes + sizeof(id)};
 }
