@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -72,6 +73,21 @@ class Buffer {
 /// Throws Error(kDevice) with the CUDA error string.
 void copy_bytes(void* destination, const Device& destination_device, const void* source,
                 const Device& source_device, size_t bytes);
+
+/// One copy of a batch: `bytes` from `source` to `destination`, each in host memory or in
+/// the memory of the batch's device.
+struct CopyRange {
+  void* destination = nullptr;
+  const void* source = nullptr;
+  size_t bytes = 0;
+};
+
+/// Copies every range and waits until all are done. On a GPU the ranges go to the driver
+/// as one batch (cudaMemcpyBatchAsync): thousands of small tensors cost about one call,
+/// not one cudaMemcpy each (about 13 us each on an H200, which for 10,000 tensors is more
+/// than copying 16 GB). The ranges must not overlap. Throws Error(kDevice) naming the
+/// device, the number of ranges and the CUDA error.
+void copy_batch(const Device& device, std::span<const CopyRange> ranges);
 
 /// Waits until every copy_bytes() copy involving `device` has finished. A device-to-device
 /// copy_bytes() returns before the copy engine is done (CUDA's rule for cudaMemcpy between

@@ -155,8 +155,10 @@ class UpdateSender {
   void start(TensorFormat format);
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
-  /// in flight. Pieces of one tensor must come in order. The bytes are copied before the
-  /// call returns. Throws the receiver's error when it rejected an earlier bucket.
+  /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the
+  /// call returns; device bytes (CUDA IPC, NCCL) are copied in order on the sender's own
+  /// stream, so a device tensor must stay unchanged until finish() returns (a trainer's
+  /// parameters do). Throws the receiver's error when it rejected an earlier bucket.
   void send(const TensorView& tensor);
   /// Sends the current bucket now, even if it is not full (a trainer that sends layer by
   /// layer flushes at each layer's end, so no bucket mixes two layers).

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -144,6 +145,53 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
   WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
             device.name() + ": copy of " + std::to_string(bytes) + " bytes from " + source_device.name() + " to " +
                 destination_device.name() + " failed: cudaMemcpy: " + cuda_error_text(error));
+}
+
+void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
+  if (!device.is_cuda()) {
+    for (const CopyRange& range : ranges) {
+      if (range.bytes) std::memcpy(range.destination, range.source, range.bytes);
+    }
+    return;
+  }
+  if (ranges.empty()) return;
+  require_device(device);
+  std::vector<void*> destinations;
+  std::vector<const void*> sources;
+  std::vector<size_t> sizes;
+  destinations.reserve(ranges.size());
+  sources.reserve(ranges.size());
+  sizes.reserve(ranges.size());
+  for (const CopyRange& range : ranges) {
+    if (range.bytes == 0) continue;
+    destinations.push_back(range.destination);
+    sources.push_back(range.source);
+    sizes.push_back(range.bytes);
+  }
+  if (sizes.empty()) return;
+  // A stream of its own: batches are not allowed on the legacy default stream.
+  cudaStream_t stream = nullptr;
+  cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cudaStreamCreate for a batch of copies failed: " + cuda_error_text(error));
+  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> owned(stream, &cudaStreamDestroy);
+  // Every copy reads its source in stream order (the sources were written before the call).
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t first_attribute = 0;
+  error = cudaMemcpyBatchAsync(destinations.data(), sources.data(), sizes.data(), sizes.size(), &attributes,
+                               &first_attribute, 1, stream);
+  if (error == cudaErrorNotSupported || error == cudaErrorInvalidValue) {
+    // A driver without batches (or refusing this mix): one async copy each, still one wait.
+    cudaGetLastError();
+    error = cudaSuccess;
+    for (size_t i = 0; i < sizes.size() && error == cudaSuccess; ++i) {
+      error = cudaMemcpyAsync(destinations[i], sources[i], sizes[i], cudaMemcpyDefault, stream);
+    }
+  }
+  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": batch of " + std::to_string(sizes.size()) + " copies failed: " + cuda_error_text(error));
 }
 
 void wait_for_copies(const Device& device) {

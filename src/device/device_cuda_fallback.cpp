@@ -45,6 +45,13 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
   if (bytes) std::memcpy(destination, source, bytes);
 }
 
+void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
+  require_device(device);
+  for (const CopyRange& range : ranges) {
+    if (range.bytes) std::memcpy(range.destination, range.source, range.bytes);
+  }
+}
+
 void wait_for_copies(const Device&) {}
 
 HostRegistration::HostRegistration(const Device& device, const void*, size_t, bool) : device_(device) {

@@ -231,8 +231,10 @@ void LoadSession::load(std::span<const TensorView> batch) {
     }
   }
 
-  // Pass 2: write.
+  // Pass 2: write. Engine-format bytes land as they are: one batch of copies for the call
+  // (on a GPU one driver call, not one per tensor), issued after the loop.
   std::set<size_t> completed;
+  std::vector<CopyRange> engine_copies;
   for (const State::Write& write : writes) {
     const TensorView& view = *write.view;
     Parameter& parameter = layout_.mutable_parameter(write.parameter);
@@ -243,7 +245,11 @@ void LoadSession::load(std::span<const TensorView> batch) {
     state.counters.bytes_applied += length;
 
     if (state.format == TensorFormat::kEngine) {
-      copy_bytes(parameter.data + write.begin, parameter.device, source, view.device, length);
+      if (parameter.device == view.device || !view.device.is_cuda()) {
+        engine_copies.push_back({parameter.data + write.begin, source, length});
+      } else {
+        copy_bytes(parameter.data + write.begin, parameter.device, source, view.device, length);
+      }
       parameter_state.engine_received += length;
       if (parameter_state.engine_received == parameter.bytes()) {
         ++state.counters.tensors_applied;
@@ -296,6 +302,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
       if (++parameter_state.parts_complete == parameter.parts.size()) completed.insert(write.parameter);
     }
   }
+  copy_batch(layout_.device(), engine_copies);
 
   for (size_t index : completed) {
     State::ParameterState& parameter_state = state.parameters[index];

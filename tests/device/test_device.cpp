@@ -140,7 +140,51 @@ TEST(Buffer, HostToHostCopy) {
   copy_bytes(nullptr, kCpu, nullptr, kCpu, 0);  // an empty copy touches nothing
 }
 
+/// Ranges of `count` pieces of uneven sizes (0 included) that tile [0, total) of a and b.
+std::vector<CopyRange> tiled_ranges(std::byte* destination, const std::byte* source, size_t count, size_t* total) {
+  std::vector<CopyRange> ranges;
+  size_t offset = 0;
+  for (size_t i = 0; i < count; ++i) {
+    size_t bytes = (i * 7919) % 5000;  // 0 to 4999 bytes
+    ranges.push_back({destination + offset, source + offset, bytes});
+    offset += bytes;
+  }
+  *total = offset;
+  return ranges;
+}
+
+TEST(Buffer, HostBatchCopiesEveryRange) {
+  auto source = pattern(5000 * 300, 4);
+  std::vector<std::byte> destination(source.size());
+  size_t total = 0;
+  auto ranges = tiled_ranges(destination.data(), source.data(), 300, &total);
+  copy_batch(kCpu, ranges);
+  EXPECT_EQ(std::memcmp(destination.data(), source.data(), total), 0);
+  copy_batch(kCpu, {});  // an empty batch touches nothing
+}
+
 // ---- CUDA paths: skip without a GPU -------------------------------------------------------
+
+TEST(Cuda, DeviceBatchCopiesThousandsOfRanges) {
+  WS_SKIP_WITHOUT_GPU();
+  constexpr size_t kRanges = 5000;
+  auto source = pattern(5000 * kRanges, 5);
+  Buffer from(kCuda0, source.size());
+  Buffer to(kCuda0, source.size());
+  copy_bytes(from.data(), kCuda0, source.data(), kCpu, source.size());
+  size_t total = 0;
+  auto ranges = tiled_ranges(to.data(), from.data(), kRanges, &total);
+  copy_batch(kCuda0, ranges);  // device to device, waited for
+  std::vector<std::byte> back(total);
+  copy_bytes(back.data(), kCpu, to.data(), kCuda0, total);
+  EXPECT_EQ(std::memcmp(back.data(), source.data(), total), 0);
+  // Host to device in one batch too (pageable sources).
+  Buffer again(kCuda0, source.size());
+  auto uploads = tiled_ranges(again.data(), source.data(), kRanges, &total);
+  copy_batch(kCuda0, uploads);
+  copy_bytes(back.data(), kCpu, again.data(), kCuda0, total);
+  EXPECT_EQ(std::memcmp(back.data(), source.data(), total), 0);
+}
 
 TEST(Cuda, OutOfRangeIndex) {
   WS_SKIP_WITHOUT_GPU();
