@@ -38,6 +38,28 @@ if(NOT WS_WITH_CUDA STREQUAL "OFF")
 endif()
 message(STATUS "weightstream: CUDA ${WS_HAVE_CUDA}")
 
+# CUDA kernels of our own (src/device/*_kernels.cu: one launch copies thousands of
+# tensors) where nvcc works; without it those copies fall back to the driver's batch call.
+set(WS_HAVE_CUDA_KERNELS OFF)
+if(WS_HAVE_CUDA)
+  include(CheckLanguage)
+  if(NOT DEFINED CMAKE_CUDA_COMPILER AND CUDAToolkit_NVCC_EXECUTABLE)
+    set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      # Ampere and Hopper machine code, and PTX the driver compiles for newer GPUs.
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 90-real 90-virtual)
+    endif()
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    enable_language(CUDA)
+    set(WS_HAVE_CUDA_KERNELS ON)
+  endif()
+endif()
+message(STATUS "weightstream: CUDA kernels ${WS_HAVE_CUDA_KERNELS}")
+
 # pugixml parses S3 ListObjectsV2 pages (src/storage/s3_listing.cpp).
 find_package(pugixml 1.11 REQUIRED)
 # Its static library where the package has one (Debian's is PIC): one shared library fewer

@@ -14,6 +14,9 @@
 #include <vector>
 
 #include "device/host_memory.hpp"
+#ifdef WS_HAVE_CUDA_KERNELS
+#include "device/copy_kernels.hpp"
+#endif
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
@@ -192,6 +195,44 @@ void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
   if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
   WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
             device.name() + ": batch of " + std::to_string(sizes.size()) + " copies failed: " + cuda_error_text(error));
+}
+
+void copy_within_device(const Device& device, std::span<const CopyRange> ranges) {
+#ifdef WS_HAVE_CUDA_KERNELS
+  if (!device.is_cuda()) return copy_batch(device, ranges);
+  // Pieces of at most kCopyWorkBytes (a multiple of 16, so aligned ranges stay aligned):
+  // a 1 GiB tensor spreads over a thousand blocks instead of crawling through one.
+  std::vector<detail::CopyWork> work;
+  for (const CopyRange& range : ranges) {
+    auto* destination = static_cast<std::byte*>(range.destination);
+    const auto* source = static_cast<const std::byte*>(range.source);
+    for (uint64_t done = 0; done < range.bytes; done += detail::kCopyWorkBytes) {
+      work.push_back({destination + done, source + done, std::min<uint64_t>(detail::kCopyWorkBytes, range.bytes - done)});
+    }
+  }
+  if (work.empty()) return;
+  require_device(device);
+  cudaStream_t stream = nullptr;
+  cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cudaStreamCreate for a batch of copies failed: " + cuda_error_text(error));
+  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> owned(stream, &cudaStreamDestroy);
+  const size_t work_bytes = work.size() * sizeof(detail::CopyWork);
+  void* items = nullptr;
+  error = cudaMallocAsync(&items, work_bytes, stream);
+  if (error == cudaSuccess) {
+    error = cudaMemcpyAsync(items, work.data(), work_bytes, cudaMemcpyHostToDevice, stream);
+    if (error == cudaSuccess) error = detail::launch_copy_work(static_cast<const detail::CopyWork*>(items), work.size(), stream);
+    cudaError_t freed = cudaFreeAsync(items, stream);
+    if (error == cudaSuccess) error = freed;
+  }
+  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": copy of " + std::to_string(ranges.size()) + " ranges (" + std::to_string(work.size()) +
+                " pieces) within the device failed: " + cuda_error_text(error));
+#else
+  copy_batch(device, ranges);
+#endif
 }
 
 void wait_for_copies(const Device& device) {

@@ -45,6 +45,8 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
   if (bytes) std::memcpy(destination, source, bytes);
 }
 
+void copy_within_device(const Device& device, std::span<const CopyRange> ranges) { copy_batch(device, ranges); }
+
 void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
   require_device(device);
   for (const CopyRange& range : ranges) {

@@ -234,7 +234,8 @@ void LoadSession::load(std::span<const TensorView> batch) {
   // Pass 2: write. Engine-format bytes land as they are: one batch of copies for the call
   // (on a GPU one driver call, not one per tensor), issued after the loop.
   std::set<size_t> completed;
-  std::vector<CopyRange> engine_copies;
+  std::vector<CopyRange> engine_copies;         // from host memory, or all on the host
+  std::vector<CopyRange> engine_device_copies;  // from and to the layout's GPU
   for (const State::Write& write : writes) {
     const TensorView& view = *write.view;
     Parameter& parameter = layout_.mutable_parameter(write.parameter);
@@ -245,7 +246,9 @@ void LoadSession::load(std::span<const TensorView> batch) {
     state.counters.bytes_applied += length;
 
     if (state.format == TensorFormat::kEngine) {
-      if (parameter.device == view.device || !view.device.is_cuda()) {
+      if (parameter.device == view.device && view.device.is_cuda()) {
+        engine_device_copies.push_back({parameter.data + write.begin, source, length});
+      } else if (parameter.device == view.device || !view.device.is_cuda()) {
         engine_copies.push_back({parameter.data + write.begin, source, length});
       } else {
         copy_bytes(parameter.data + write.begin, parameter.device, source, view.device, length);
@@ -303,6 +306,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
     }
   }
   copy_batch(layout_.device(), engine_copies);
+  copy_within_device(layout_.device(), engine_device_copies);
 
   for (size_t index : completed) {
     State::ParameterState& parameter_state = state.parameters[index];

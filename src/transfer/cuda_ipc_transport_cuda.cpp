@@ -93,12 +93,18 @@ class CudaIpcSender final : public SenderTransport {
   }
   void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
             uint64_t bytes) override {
-    // Async on one stream: thousands of small tensors cost one launch each, not one
-    // synchronization each; seal() waits once per bucket.
+    if (source_device == device_) {
+      // From this GPU: gathered, and copied by one launch when the bucket is sealed.
+      pending_.push_back({buckets_[slot].data() + offset, source, bytes});
+      return;
+    }
+    // From the host (or another GPU): async on one stream; seal() waits once per bucket.
     check(cudaMemcpyAsync(buckets_[slot].data() + offset, source, bytes, cudaMemcpyDefault, stream_), device_,
           "copy of " + std::to_string(bytes) + " bytes into bucket buffer " + std::to_string(slot));
   }
   void seal(uint32_t slot) override {
+    copy_within_device(device_, pending_);
+    pending_.clear();
     check(cudaStreamSynchronize(stream_), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
   }
 
@@ -106,6 +112,7 @@ class CudaIpcSender final : public SenderTransport {
   Device device_;
   OpenedHandle buckets_[2];
   cudaStream_t stream_ = nullptr;
+  std::vector<CopyRange> pending_;  // copies from this GPU into the bucket being filled
 };
 
 }  // namespace
