@@ -326,7 +326,20 @@ struct LayoutOptions {
   /// Per-layer processing of linear weights.
   Processing quantize = Processing::kNone;
   LayoutModules modules = LayoutModules::kAll;
+  /// The most checkpoint tensors the config may map (an upper bound counted from its layers,
+  /// experts and rules before anything is built); 0: kMaxLayoutTensors. Set it from the
+  /// checkpoint a layout is built for, so an absurd config.json fails in bounded memory.
+  uint64_t max_tensors = 0;
 };
+
+/// More checkpoint tensors than any model weightstream accepts maps (DeepSeek-V3 has about
+/// 92,000; a config asking for more is refused before a layout is built).
+constexpr uint64_t kMaxLayoutTensors = uint64_t{1} << 22;
+
+/// A bound on the tensors a layout may map for a checkpoint of `tensors` tensors: rules that
+/// fuse or replicate read a tensor more than once, and the bound counts every layer's rules
+/// of every kind, so it is generous.
+constexpr uint64_t layout_tensor_bound(uint64_t tensors) { return 4 * tensors + 1024; }
 
 /// Builds the layout of a llama, qwen3, deepseek_v3 or qwen3_next config for one rank from
 /// the architecture's mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for

@@ -108,6 +108,7 @@ void add_plan_command(CLI::App& app) {
     layout_options.parallel = {flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
                                flags->layout.ep_size, flags->layout.ep_rank};
     if (flags->layout.quantize == "fp8") layout_options.quantize = Processing::kFp8PerTensor;
+    layout_options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
     ModelLayout layout = build_model_layout(config, layout_options);
     LoadPlan plan = plan_layout_load(layout, checkpoint);
     if (flags->json) {

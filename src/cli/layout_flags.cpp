@@ -36,6 +36,7 @@ ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& f
             "--ep-rank " + std::to_string(options.parallel.ep_rank) + " must be below --ep-size " +
                 std::to_string(options.parallel.ep_size));
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
+  options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
   ModelLayout layout = build_model_layout(config, options);
   layout.allocate(device);
   add_engine_hooks(layout, config);

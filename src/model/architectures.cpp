@@ -359,6 +359,7 @@ class LayoutBuilder {
 
   ModelLayout build(const std::vector<MappingRule>& rules) {
     int64_t total_layers = config_.num_hidden_layers + mtp_layer_count(config_);
+    expect_bounded_size(rules, total_layers);
     expect_linear_attention_on_one_rank();
     bool tied = config_.tie_word_embeddings;
     for (const MappingRule& rule : rules) {
@@ -408,6 +409,29 @@ class LayoutBuilder {
   }
 
  private:
+  /// config.json is untrusted: refuses, before building, a config whose layers, experts
+  /// and rules would map more tensors than allowed (every parameter part costs memory).
+  void expect_bounded_size(const std::vector<MappingRule>& rules, int64_t total_layers) const {
+    long double global = 0, per_layer = 0, per_expert = 0;
+    for (const MappingRule& rule : rules) {
+      if (rule.scope == LayerScope::kGlobal) global += 1;
+      else if (rule.scope == LayerScope::kExpert) per_expert += 1;
+      else per_layer += 1;
+    }
+    long double bound = global + static_cast<long double>(std::max<int64_t>(total_layers, 0)) *
+                                     (per_layer + static_cast<long double>(std::max<int64_t>(experts_, 0)) * per_expert);
+    uint64_t limit = options_.max_tensors > 0 ? options_.max_tensors : kMaxLayoutTensors;
+    if (bound <= static_cast<long double>(limit)) return;
+    WS_FAIL(ErrorCode::kModel,
+            config_.model_type + ": config.json describes up to " + std::to_string(static_cast<uint64_t>(std::min<long double>(bound, 1e19L))) +
+                " tensors (num_hidden_layers = " + std::to_string(config_.num_hidden_layers) +
+                ", MTP layers = " + std::to_string(mtp_layer_count(config_)) + ", routed experts = " +
+                std::to_string(experts_) + "), more than " +
+                (options_.max_tensors > 0 ? std::to_string(limit) + " that the checkpoint's tensors allow"
+                                          : std::to_string(limit) + ", the most any model may map") +
+                ": the layout is not built");
+  }
+
   std::string describe() const {
     const Parallelism& parallel = options_.parallel;
     std::string text = config_.model_type + " tp " + std::to_string(parallel.tp_size) + " rank " +

@@ -80,3 +80,46 @@ TEST(CheckpointLayers, UnsupportedModelTypeIsNamed) {
 
 }  // namespace
 }  // namespace weightstream
+
+namespace weightstream {
+namespace {
+
+std::string layout_error(const ModelConfig& config, LayoutOptions options) {
+  try {
+    build_model_layout(config, options);
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    return error.what();
+  }
+  return "no error";
+}
+
+TEST(LayoutSize, AbsurdExpertCountIsRefusedBeforeBuilding) {
+  // Layers match the checkpoint, so only the size bound can stop a million experts.
+  testing::MemoryCheckpoint checkpoint = testing::synth_in_memory(testing::synth_options("deepseek_v3"));
+  ModelConfig config = checkpoint.config;
+  config.n_routed_experts = 1'000'000;
+  LayoutOptions options;
+  options.max_tensors = layout_tensor_bound(checkpoint.tensors.size());
+  std::string error = layout_error(config, options);
+  EXPECT_THAT(error, HasSubstr("deepseek_v3: config.json describes up to "));
+  EXPECT_THAT(error, HasSubstr("routed experts = 1000000"));
+  EXPECT_THAT(error, HasSubstr("more than " + std::to_string(options.max_tensors) +
+                               " that the checkpoint's tensors allow: the layout is not built"));
+  // Without a checkpoint the absolute bound applies.
+  config.num_hidden_layers = 65536;
+  EXPECT_THAT(layout_error(config, LayoutOptions{}),
+              HasSubstr("more than " + std::to_string(kMaxLayoutTensors) + ", the most any model may map"));
+}
+
+TEST(LayoutSize, RealCheckpointsFitTheirBound) {
+  for (const char* arch : {"llama", "qwen3", "deepseek_v3", "qwen3_next"}) {
+    testing::MemoryCheckpoint checkpoint = testing::synth_in_memory(testing::synth_options(arch));
+    LayoutOptions options;
+    options.max_tensors = layout_tensor_bound(checkpoint.tensors.size());
+    EXPECT_EQ(layout_error(checkpoint.config, options), "no error") << arch;
+  }
+}
+
+}  // namespace
+}  // namespace weightstream
