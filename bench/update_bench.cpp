@@ -1,7 +1,7 @@
 // update_bench: pushed-update throughput against baselines measured in the same run.
 //
 //   update_bench [--bytes 1GiB] [--tensors 1000] [--bucket 64MiB] [--device cpu|cuda:N]
-//                [--transports shm,tcp] [--repeat 3]
+//                [--sender-device cuda:M] [--transports shm,tcp] [--repeat 3]
 //
 // The receiver (this process) holds an engine-format layout of `tensors` BF16 parameters
 // of `bytes` in all on `device`; a sender process (this binary again, --role sender)
@@ -43,6 +43,7 @@ struct Settings {
   uint64_t tensors = 1000;
   uint64_t bucket = 64ull << 20;
   std::string device = "cpu";
+  std::string sender_device;  // the sender's device; empty: the receiver's
   std::string transports = "shm,tcp";
   int repeat = 3;
   // sender role
@@ -241,7 +242,8 @@ int run_receiver(const Settings& settings, const char* self) {
     std::vector<std::string> arguments = {self, "--role", "sender", "--address", receiver.address(), "--transport",
                                           name, "--bytes", std::to_string(settings.bytes), "--tensors",
                                           std::to_string(settings.tensors), "--bucket", std::to_string(settings.bucket),
-                                          "--device", settings.device, "--repeat", std::to_string(settings.repeat)};
+                                          "--device", settings.sender_device.empty() ? settings.device : settings.sender_device,
+                                          "--repeat", std::to_string(settings.repeat)};
     std::vector<char*> argv;
     for (auto& argument : arguments) argv.push_back(argument.data());
     argv.push_back(nullptr);
@@ -302,6 +304,7 @@ int main(int argc, char** argv) {
     else if (flag == "--tensors") settings.tensors = std::stoull(value);
     else if (flag == "--bucket") settings.bucket = ws::parse_size(value, "--bucket");
     else if (flag == "--device") settings.device = value;
+    else if (flag == "--sender-device") settings.sender_device = value;
     else if (flag == "--transports") settings.transports = value;
     else if (flag == "--repeat") settings.repeat = std::max(1, std::stoi(value));
     else if (flag == "--role") settings.role = value;
