@@ -22,20 +22,7 @@ ckpt=/tmp/ws-final
 rm -rf "$ckpt"
 "$cli" synth "$ckpt" --arch llama --size "$size" --shards 8 --hidden 4096 --dtype f16 | tee "$out/gpu.txt"
 cat "$ckpt"/*.safetensors >/dev/null
-python3 - "$out/gpu.txt" <<'PY' 2>&1 | tee -a "$out/gpu.txt"
-import sys, torch
-n = 4 << 30
-host = torch.empty(n, dtype=torch.uint8, pin_memory=True); host.fill_(1)
-dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-for _ in range(2): dev.copy_(host, non_blocking=True)
-torch.cuda.synchronize()
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-rates = []
-for _ in range(3):
-    start.record(); dev.copy_(host, non_blocking=True); end.record(); end.synchronize()
-    rates.append(n / (start.elapsed_time(end) / 1e3) / 1e9)
-print(f"pinned host-to-device copy: {sorted(rates)[1]:.2f} GB/s (median of 3, 4 GiB)")
-PY
+python3 -c "import sys; sys.path.insert(0, '$root/bench'); import gpu_bench, torch; print('pinned host-to-device copy: %.2f GB/s (median of 3, 4 GiB)' % gpu_bench.pinned_copy_rate(torch, repeats=3)['pinned'])" 2>&1 | tee -a "$out/gpu.txt"
 for run in "staged 1GiB" "staged 256MiB" "staged 256MiB" "mapped 1GiB"; do
   set -- $run
   "$cli" load "$ckpt" --device cuda:0 --gpu-path "$1" --memory-limit "$2" --json --no-progress >"$out/load.json" 2>&1 &&

@@ -10,19 +10,7 @@ checkpoint=/tmp/ws-staging-sweep
 rm -rf "$checkpoint"
 "$cli" synth "$checkpoint" --arch llama --size "${1:-16GiB}" --shards 8 >/dev/null || exit 1
 cat "$checkpoint"/*.safetensors >/dev/null  # warm
-python3 - <<'PY'
-import torch
-n = 4 << 30
-host = torch.empty(n, dtype=torch.uint8, pin_memory=True); host.fill_(1)
-dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-dev.copy_(host, non_blocking=True); torch.cuda.synchronize()
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-rates = []
-for _ in range(3):
-    start.record(); dev.copy_(host, non_blocking=True); end.record(); end.synchronize()
-    rates.append(n / (start.elapsed_time(end) / 1e3) / 1e9)
-print(f"pinned host-to-device copy: {sorted(rates)[1]:.2f} GB/s (median of 3, 4 GiB)")
-PY
+python3 -c "import sys; sys.path.insert(0, '$root/bench'); import gpu_bench, torch; print('pinned host-to-device copy: %.2f GB/s (median of 3, 4 GiB)' % gpu_bench.pinned_copy_rate(torch, repeats=3)['pinned'])"
 echo "| memory limit | chunk | readers | GB/s (best of 2) | peak staging MiB |"
 echo "| --- | --- | ---: | ---: | ---: |"
 for setting in "1GiB 16MiB 16" "256MiB 16MiB 16" "128MiB 8MiB 16" "256MiB 8MiB 16" "256MiB 4MiB 16" \
