@@ -16,12 +16,22 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 
 namespace weightstream {
+
+namespace detail {
+/// Hash of std::string keys that also takes std::string_view (heterogeneous lookup): name
+/// lookups run per tensor on the update path, where std::map's string compares showed.
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view text) const noexcept { return std::hash<std::string_view>{}(text); }
+};
+}  // namespace detail
 
 /// Where this rank sits among tensor-parallel and expert-parallel ranks.
 struct Parallelism {
@@ -299,7 +309,7 @@ class ModelLayout {
   friend class LoadSession;
   std::string description_;
   std::vector<Parameter> parameters_;
-  std::map<std::string, size_t, std::less<>> by_name_;
+  std::unordered_map<std::string, size_t, detail::StringHash, std::equal_to<>> by_name_;
   std::multimap<std::string, std::pair<size_t, size_t>, std::less<>> by_tensor_;
   std::map<std::string, std::string, std::less<>> skipped_;
   std::vector<std::string> ignore_rules_;

@@ -204,13 +204,16 @@ void LoadSession::load(std::span<const TensorView> batch) {
     for (const auto& [index, part_index] : route.targets) {
       const Parameter& parameter = layout_.parameters()[index];
       const ParameterPart& part = parameter.parts[part_index];
-      std::string target = "parameter " + parameter.name + " (part '" + part.id + "', " +
-                           layer_label(layout_, parameter.layer) + ", rule " + part.rule + ")";
+      // Built only for a message: this runs for every tensor of every load.
+      auto target_text = [&] {
+        return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
+               ", rule " + part.rule + ")";
+      };
       WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
-                "tensor " + tensor + " has shape " + shape_text(view.shape) + " but " + target + " expects " +
+                "tensor " + tensor + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
                     shape_text(part.shape));
       WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
-                "tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target +
+                "tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
                     " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
                     " (only BF16, F16 and F32 convert on copy)");
       const State::PartState& part_state = state.parameters[index].parts[part_index];
@@ -225,7 +228,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
       if (begin >= end) continue;  // a piece of rows another rank holds
       uint64_t& pending = batch_bytes[{index, part_index}];
       WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
-                ErrorCode::kModel, "tensor " + tensor + " delivered twice in this " + what + " (" + target + ")");
+                ErrorCode::kModel, "tensor " + tensor + " delivered twice in this " + what + " (" + target_text() + ")");
       pending += end - begin;
       writes.push_back({&view, index, part_index, begin, end});
     }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <unordered_map>
 
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
@@ -65,36 +66,40 @@ class LayerGate {
   /// Checks every entry of a manifest against the layout and the pieces received so far;
   /// throws Error(kModel) naming the tensor, the parameter and the rule. Changes nothing.
   void check(const BucketManifest& manifest) const {
-    std::map<std::string_view, uint64_t> pending;  // bytes of each tensor earlier in this bucket
+    std::unordered_map<std::string_view, uint64_t> pending;  // bytes of each tensor earlier in this bucket
+    pending.reserve(manifest.entries.size());
     for (const BucketEntry& entry : manifest.entries) {
       const std::string& tensor = entry.name;
-      const std::string at = "tensor " + tensor + " (entry of bucket " + std::to_string(manifest.index) + ")";
+      // Built only for a message: this runs for every tensor of every update.
+      auto at_text = [&] { return "tensor " + tensor + " (entry of bucket " + std::to_string(manifest.index) + ")"; };
       if (format_ == TensorFormat::kEngine) {
         auto index = layout_.find(tensor);
         WS_EXPECT(index.has_value(), ErrorCode::kModel,
-                  "engine-format " + at + " names no parameter of " + layout_.description());
+                  "engine-format " + at_text() + " names no parameter of " + layout_.description());
         const Parameter& parameter = layout_.parameters()[*index];
         WS_EXPECT(entry.dtype == parameter.dtype, ErrorCode::kModel,
-                  "engine-format " + at + " has dtype " + std::string(dtype_name(entry.dtype)) + " but parameter " +
+                  "engine-format " + at_text() + " has dtype " + std::string(dtype_name(entry.dtype)) + " but parameter " +
                       parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
                       std::string(dtype_name(parameter.dtype)));
         WS_EXPECT(std::ranges::equal(entry.shape, parameter.shape), ErrorCode::kModel,
-                  "engine-format " + at + " has shape " + shape_text(entry.shape) + " but parameter " + parameter.name +
+                  "engine-format " + at_text() + " has shape " + shape_text(entry.shape) + " but parameter " + parameter.name +
                       " (" + layer_label(layout_, parameter.layer) + ") has shape " + shape_text(parameter.shape));
       } else {
         TensorRoute route = layout_.route(tensor);
         if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) continue;
         WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
-                  at + " matches no parameter of " + layout_.description() + " and no ignore rule");
+                  at_text() + " matches no parameter of " + layout_.description() + " and no ignore rule");
         for (const auto& [index, part_index] : route.targets) {
           const Parameter& parameter = layout_.parameters()[index];
           const ParameterPart& part = parameter.parts[part_index];
-          std::string target = "parameter " + parameter.name + " (part '" + part.id + "', " +
-                               layer_label(layout_, parameter.layer) + ", rule " + part.rule + ")";
+          auto target = [&] {
+            return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
+                   ", rule " + part.rule + ")";
+          };
           WS_EXPECT(std::ranges::equal(entry.shape, part.shape), ErrorCode::kModel,
-                    at + " has shape " + shape_text(entry.shape) + " but " + target + " expects " + shape_text(part.shape));
+                    at_text() + " has shape " + shape_text(entry.shape) + " but " + target() + " expects " + shape_text(part.shape));
           WS_EXPECT(convertible(entry.dtype, parameter.load_dtype), ErrorCode::kModel,
-                    at + " has dtype " + std::string(dtype_name(entry.dtype)) + " but " + target + " is loaded as " +
+                    at_text() + " has dtype " + std::string(dtype_name(entry.dtype)) + " but " + target() + " is loaded as " +
                         std::string(dtype_name(parameter.load_dtype)) + " (only BF16, F16 and F32 convert)");
         }
       }
@@ -103,11 +108,11 @@ class LayerGate {
       const Track& track = found->second;
       uint64_t expected = track.received + pending[tensor];
       WS_EXPECT(!track.complete && entry.tensor_offset == expected, ErrorCode::kModel,
-                at + (track.complete ? " was already delivered whole in this update"
+                at_text() + (track.complete ? " was already delivered whole in this update"
                                      : ": piece at byte " + std::to_string(entry.tensor_offset) + ", expected byte " +
                                            std::to_string(expected) + " (pieces of a tensor come in order, once)"));
       WS_EXPECT(!track.dtype || *track.dtype == entry.dtype, ErrorCode::kModel,
-                at + ": a piece arrived as " + std::string(dtype_name(entry.dtype)) + " after earlier pieces as " +
+                at_text() + ": a piece arrived as " + std::string(dtype_name(entry.dtype)) + " after earlier pieces as " +
                     std::string(dtype_name(*track.dtype)));
       pending[tensor] += entry.bytes;
     }
@@ -219,7 +224,7 @@ class LayerGate {
   const ModelLayout& layout_;
   TensorFormat format_;
   Device device_;
-  std::map<std::string, Track, std::less<>> tensors_;
+  std::unordered_map<std::string, Track, detail::StringHash, std::equal_to<>> tensors_;
   std::map<int64_t, LayerState> layers_;
   std::vector<int64_t> flushing_;
   std::vector<int64_t> completing_;
