@@ -12,7 +12,7 @@ import pytest
 weightstream = pytest.importorskip("weightstream")
 
 # Many small reads on one reader: slow enough that an interrupt lands mid-load anywhere.
-SLOW = {"concurrency": 1, "memory_limit": "64KiB"}
+SLOW = {"concurrency": 1, "memory_limit": "64KiB", "chunk_size": "4KiB"}
 
 
 @pytest.fixture(scope="module")
