@@ -150,6 +150,21 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
                 destination_device.name() + " failed: cudaMemcpy: " + cuda_error_text(error));
 }
 
+namespace {
+
+/// A non-blocking stream of its own for one batch of copies (batches are not allowed on the
+/// legacy default stream), destroyed with the handle.
+using OwnedStream = std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)>;
+OwnedStream batch_stream(const Device& device) {
+  cudaStream_t stream = nullptr;
+  cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cudaStreamCreate for a batch of copies failed: " + cuda_error_text(error));
+  return OwnedStream(stream, &cudaStreamDestroy);
+}
+
+}  // namespace
+
 void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
   if (!device.is_cuda()) {
     for (const CopyRange& range : ranges) {
@@ -172,12 +187,9 @@ void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
     sizes.push_back(range.bytes);
   }
   if (sizes.empty()) return;
-  // A stream of its own: batches are not allowed on the legacy default stream.
-  cudaStream_t stream = nullptr;
-  cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
-            device.name() + ": cudaStreamCreate for a batch of copies failed: " + cuda_error_text(error));
-  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> owned(stream, &cudaStreamDestroy);
+  OwnedStream owned = batch_stream(device);
+  cudaStream_t stream = owned.get();
+  cudaError_t error = cudaSuccess;
   // Every copy reads its source in stream order (the sources were written before the call).
   cudaMemcpyAttributes attributes{};
   attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -212,11 +224,9 @@ void copy_within_device(const Device& device, std::span<const CopyRange> ranges)
   }
   if (work.empty()) return;
   require_device(device);
-  cudaStream_t stream = nullptr;
-  cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
-            device.name() + ": cudaStreamCreate for a batch of copies failed: " + cuda_error_text(error));
-  std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> owned(stream, &cudaStreamDestroy);
+  OwnedStream owned = batch_stream(device);
+  cudaStream_t stream = owned.get();
+  cudaError_t error = cudaSuccess;
   const size_t work_bytes = work.size() * sizeof(detail::CopyWork);
   void* items = nullptr;
   error = cudaMallocAsync(&items, work_bytes, stream);
