@@ -2,10 +2,14 @@
 //
 //   update_bench [--bytes 1GiB] [--tensors 1000] [--bucket 64MiB] [--device cpu|cuda:N]
 //                [--sender-device cuda:M] [--transports shm,tcp] [--repeat 3]
+//                [--sender-memory arena|tensors] [--share on|off]
 //
 // The receiver (this process) holds an engine-format layout of `tensors` BF16 parameters
 // of `bytes` in all on `device`; a sender process (this binary again, --role sender)
 // creates the same tensors (on the same device) and pushes them through each transport.
+// The sender's tensors live in one arena (a trainer's flat parameter buffer; over CUDA IPC
+// the receiver reads them in place, unless --share off) or in one allocation each
+// (--sender-memory tensors: too small to share, they are copied through the buckets).
 // Baselines, same bytes, same run: on the CPU, one memcpy and a loopback TCP socket copy;
 // on a GPU, one device-to-device copy of the whole model and one copy per tensor. Prints a
 // Markdown table (median of the repeats) and checks the received bytes.
@@ -46,6 +50,8 @@ struct Settings {
   std::string sender_device;  // the sender's device; empty: the receiver's
   std::string transports = "shm,tcp";
   int repeat = 3;
+  std::string sender_memory = "arena";  // or "tensors": one allocation each
+  std::string share = "on";
   // sender role
   std::string role = "receiver";
   std::string address;
@@ -89,6 +95,21 @@ int run_sender(const Settings& settings) {
   ws::Buffer source = pattern_on(device, total);
   std::vector<std::string> names;
   for (size_t i = 0; i < elements.size(); ++i) names.push_back("p" + std::to_string(i));
+  // One allocation per tensor: the same bytes, copied out of the arena.
+  std::vector<ws::Buffer> singles;
+  std::vector<const std::byte*> data;
+  for (uint64_t i = 0, offset = 0; i < elements.size(); ++i) {
+    uint64_t bytes = static_cast<uint64_t>(elements[i]) * 2;
+    if (settings.sender_memory == "tensors") {
+      singles.emplace_back(device, bytes);
+      ws::copy_bytes(singles.back().data(), device, source.data() + offset, device, bytes);
+      data.push_back(singles.back().data());
+    } else {
+      data.push_back(source.data() + offset);
+    }
+    offset += bytes;
+  }
+  ws::wait_for_copies(device);
   std::string token;
   std::getline(std::cin, token);
   for (int run = 0; run < settings.repeat; ++run) {
@@ -97,14 +118,13 @@ int run_sender(const Settings& settings) {
     options.bucket_bytes = settings.bucket;
     options.token = token;
     options.device = device;
+    options.share_allocations = settings.share == "on";
     ws::UpdateSender sender(settings.address, options);
     sender.start(ws::TensorFormat::kEngine);
-    uint64_t offset = 0;
     for (size_t i = 0; i < elements.size(); ++i) {
       std::vector<int64_t> shape = {elements[i]};
       uint64_t bytes = static_cast<uint64_t>(elements[i]) * 2;
-      sender.send(ws::TensorView{names[i], ws::Dtype::kBF16, shape, source.data() + offset, device, 0, bytes});
-      offset += bytes;
+      sender.send(ws::TensorView{names[i], ws::Dtype::kBF16, shape, data[i], device, 0, bytes});
     }
     sender.finish();
   }
@@ -243,7 +263,8 @@ int run_receiver(const Settings& settings, const char* self) {
                                           name, "--bytes", std::to_string(settings.bytes), "--tensors",
                                           std::to_string(settings.tensors), "--bucket", std::to_string(settings.bucket),
                                           "--device", settings.sender_device.empty() ? settings.device : settings.sender_device,
-                                          "--repeat", std::to_string(settings.repeat)};
+                                          "--repeat", std::to_string(settings.repeat), "--sender-memory",
+                                          settings.sender_memory, "--share", settings.share};
     std::vector<char*> argv;
     for (auto& argument : arguments) argv.push_back(argument.data());
     argv.push_back(nullptr);
@@ -278,7 +299,13 @@ int run_receiver(const Settings& settings, const char* self) {
       }
       offset += parameter.bytes();
     }
-    rows.push_back({"update via " + name + " (" + std::to_string(buckets) + " buckets" +
+    std::string how;
+    if (options.transport == ws::TransportKind::kCudaIpc) {
+      how = settings.sender_memory == "arena"
+                ? (settings.share == "on" ? ", sender arena shared in place" : ", sender arena, sharing off")
+                : ", one sender allocation per tensor";
+    }
+    rows.push_back({"update via " + name + " (" + std::to_string(buckets) + " buckets" + how +
                         (wrong ? ", " + std::to_string(wrong) + " PARAMETERS WRONG" : "") + ")",
                     median(runs)});
   }
@@ -310,6 +337,8 @@ int main(int argc, char** argv) {
     else if (flag == "--role") settings.role = value;
     else if (flag == "--address") settings.address = value;
     else if (flag == "--transport") settings.transport = value;
+    else if (flag == "--sender-memory" && (value == "arena" || value == "tensors")) settings.sender_memory = value;
+    else if (flag == "--share" && (value == "on" || value == "off")) settings.share = value;
     else {
       std::fprintf(stderr, "update_bench: unknown flag %s\n", flag.c_str());
       return 2;

@@ -2,7 +2,8 @@
 # The GPU part of the update benchmark (issue 8), for the GPU machine: builds update_bench
 # with CUDA (and NCCL when the toolkit has it) in build-gpu/, runs the transfer tests there
 # (CUDA IPC must run, not skip), then a 16 GB BF16 model as ~1,000 and ~10,000 tensors
-# through CUDA IPC against a device-to-device copy of the same bytes in the same run.
+# through CUDA IPC against a device-to-device copy of the same bytes in the same run, with
+# the sender's tensors shared in place and copied through buckets.
 # Called by scripts/gpu.sh (stage `update`) or alone; results under $OUT (default out/gpu).
 #   WS_UPDATE_BENCH_BYTES  model size (default 16GiB)
 #   WS_UPDATE_BUCKET       bucket size (default 1GiB)
@@ -33,12 +34,17 @@ grep "weightstream: NCCL" "$out/update_build.log" | tail -1
   grep -q '\[  PASSED  \] 1 test' || { echo "cuda-ipc audit did not pass"; status=1; }
 echo "update tests: $(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\]' "$out/update_tests.log" | head -3 | tr '\n' ' ')" >>"$out/summary.txt"
 
-# The benchmark: ~1,000 and ~10,000 tensors, three runs each, median.
+# The benchmark: ~1,000 and ~10,000 tensors, three runs each, median; the sender's tensors
+# in one arena shared in place (the default for allocations of 256 MiB and more), the same
+# arena with sharing off, and one allocation per tensor (both through the bucket buffers).
 : >"$out/update_bench.md"
 for tensors in 1000 10000; do
-  "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$bucket" \
-    --transports cuda-ipc --repeat 3 2>&1 | tee -a "$out/update_bench.md" || status=1
-  echo >>"$out/update_bench.md"
+  for memory in "arena on" "arena off" "tensors on"; do
+    set -- $memory
+    "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$bucket" \
+      --transports cuda-ipc --repeat 5 --sender-memory "$1" --share "$2" 2>&1 | tee -a "$out/update_bench.md" || status=1
+    echo >>"$out/update_bench.md"
+  done
 done
 echo "update bench: see update_bench.md ($(grep -c 'update via cuda-ipc' "$out/update_bench.md") cuda-ipc rows)" >>"$out/summary.txt"
 exit $status

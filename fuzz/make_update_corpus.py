@@ -11,7 +11,7 @@ OUT = Path(__file__).resolve().parent / "corpus" / "fuzz_update_message"
 MAGIC = 0x50555357
 
 
-def frame(kind, body, version=1, length=None):
+def frame(kind, body, version=2, length=None):
     return struct.pack("<IHHQ", MAGIC, version, kind, len(body) if length is None else length) + body
 
 
@@ -20,9 +20,13 @@ def string(text):
     return struct.pack("<I", len(data)) + data
 
 
-def entry(name, dtype, shape, tensor_offset, bucket_offset, size):
+def entry(name, dtype, shape, tensor_offset, source_offset, size, source=0):
     return (string(name) + struct.pack("<BB", dtype, len(shape)) + b"".join(struct.pack("<q", d) for d in shape)
-            + struct.pack("<QQQ", tensor_offset, bucket_offset, size))
+            + struct.pack("<QIQQ", tensor_offset, source, source_offset, size))
+
+
+def region(region_id, size, handle=b"\xab" * 64):
+    return struct.pack("<IQ", region_id, size) + struct.pack("<I", len(handle)) + handle
 
 
 BF16 = 6
@@ -31,19 +35,23 @@ SEEDS = {
     "welcome": frame(2, struct.pack("<QI", 1 << 20, 2) + string("")),
     "refuse": frame(3, string("wrong or missing token")),
     "start_engine": frame(4, b"\x01"),
-    "bucket": frame(5, struct.pack("<QIQI", 0, 0, 8448, 2)
+    "bucket": frame(5, struct.pack("<QIQII", 0, 0, 8448, 0, 2)
                     + entry("model.layers.0.self_attn.q_proj.weight", BF16, [64, 64], 0, 0, 8192)
                     + entry("model.norm.weight", BF16, [128], 0, 8192, 256)),
-    "bucket_piece": frame(5, struct.pack("<QIQI", 3, 1, 4096, 1)
+    "bucket_piece": frame(5, struct.pack("<QIQII", 3, 1, 4096, 0, 1)
                           + entry("lm_head.weight", BF16, [1000, 256], 4096, 0, 4096)),
+    "bucket_shared": frame(5, struct.pack("<QIQI", 1, 0, 256, 2) + region(0, 1 << 30) + region(1, 1 << 20)
+                           + struct.pack("<I", 2)
+                           + entry("model.layers.1.mlp.up_proj.weight", BF16, [64, 64], 0, 4096, 8192, source=1)
+                           + entry("model.norm.weight", BF16, [128], 0, 0, 256)),
     "applied": frame(6, struct.pack("<QI", 3, 1)),
     "finish": frame(7, struct.pack("<Q", 4)),
     "report": frame(8, struct.pack("<QQQd", 4, 10, 1 << 20, 0.5) + struct.pack("<6Q", 10, 1 << 20, 0, 12, 0, 1)
                     + struct.pack("<I", 3) + struct.pack("<3q", -1, 0, 1)),
     "error": frame(9, struct.pack("<B", 8) + string("tensor x matches no parameter")),
-    "bad_version": frame(4, b"\x00", version=2),
+    "bad_version": frame(4, b"\x00", version=1),
     "huge_length": frame(5, b"", length=1 << 40),
-    "count_overflow": frame(5, struct.pack("<QIQI", 0, 0, 0, 0xFFFFFFFF)),
+    "count_overflow": frame(5, struct.pack("<QIQII", 0, 0, 0, 0, 0xFFFFFFFF)),
 }
 
 OUT.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,35 @@ void copy_batch(const Device& device, std::span<const CopyRange> ranges);
 /// them all where the build has CUDA kernels, so 10,000 tensors cost about what one does.
 void copy_within_device(const Device& device, std::span<const CopyRange> ranges);
 
+/// Copies within one device issued in order on a stream of the queue's own and waited for
+/// together: a caller applying a stream of batches (an update's buckets) enqueues one gather
+/// per batch, and its host work on the next batch overlaps the copies of this one. A gather
+/// is one kernel launch where the build has CUDA kernels (as copy_within_device()); on the
+/// CPU, or without kernels, it copies at once. Sources must stay valid and unchanged, and
+/// destinations untouched by others, until wait() returns. Move-only; the destructor waits.
+class CopyQueue {
+ public:
+  CopyQueue();
+  explicit CopyQueue(const Device& device);
+  ~CopyQueue();
+  CopyQueue(CopyQueue&&) noexcept;
+  CopyQueue& operator=(CopyQueue&&) noexcept;
+
+  /// Issues the copies of every range (sources and destinations in the device's memory, or
+  /// memory another process exported to it) and returns before they are done. Throws
+  /// Error(kDevice) naming the device and the CUDA error.
+  void gather(std::span<const CopyRange> ranges);
+  /// Waits until every gather issued so far has landed. Throws Error(kDevice) when one of
+  /// them failed.
+  void wait();
+  /// True while gathers are issued and not yet waited for.
+  bool pending() const noexcept;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 /// Waits until every copy_bytes() copy involving `device` has finished. A device-to-device
 /// copy_bytes() returns before the copy engine is done (CUDA's rule for cudaMemcpy between
 /// device buffers); call this before handing such memory to another process or stream.

@@ -416,6 +416,13 @@ struct LoadCounters {
   uint64_t model_hook_runs = 0;
 };
 
+/// How long the bytes of a batch handed to LoadSession::load() stay valid and unchanged.
+enum class SourceLifetime {
+  kCall,     ///< until load() returns (the default): every copy has landed by then
+  kSession,  ///< until settle() or finish() returns: engine-format copies within the
+             ///< layout's GPU are only issued, so the caller's next batch overlaps them
+};
+
 /// One load of a layout: begin(mode), load(batch) any number of times, finish(). Parts of
 /// one parameter may arrive in any order, in any batches; each is written as it arrives.
 /// Thread-safe: load() may be called from several threads.
@@ -434,8 +441,11 @@ class LoadSession {
   /// delivered twice) before any byte of the batch is written; errors name the tensor, the
   /// parameter, the part, the layer and the rule. A layer whose last part arrives is
   /// processed (cold and reload).
-  void load(std::span<const TensorView> batch);
+  void load(std::span<const TensorView> batch, SourceLifetime sources = SourceLifetime::kCall);
   void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
+  /// Waits until the copies of batches loaded with SourceLifetime::kSession have landed
+  /// (finish() does too, before model hooks run). Throws Error(kDevice).
+  void settle();
   /// Ends the load: completeness (cold: every parameter, naming every missing one by
   /// layer), processing of layers still pending, then each model hook exactly once.
   void finish();

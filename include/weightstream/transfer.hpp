@@ -48,6 +48,9 @@ bool transport_compiled(TransportKind kind) noexcept;
 /// small against its copy, small enough that two of them fit beside a model.
 inline constexpr uint64_t kDefaultBucketBytes = 256ull << 20;
 
+/// Smallest sender allocation shared in place over CUDA IPC (SenderOptions).
+inline constexpr uint64_t kDefaultShareMinimumBytes = 256ull << 20;
+
 /// Options of the receiving side.
 struct ReceiverOptions {
   TransportKind transport = TransportKind::kTcp;
@@ -77,6 +80,12 @@ struct SenderOptions {
   std::chrono::milliseconds timeout{30'000};
   /// Where the sender's CUDA IPC / NCCL bucket staging lives; ignored by shm and TCP.
   Device device;
+  /// CUDA IPC: tensors in an allocation of `device` at least `share_minimum_bytes` large
+  /// are not copied into buckets; the receiver opens the allocation once per update and
+  /// reads them in place (one copy per byte instead of two). Opening costs about 0.1 ms,
+  /// about what copying 200 MB once costs on an H200, hence the default.
+  bool share_allocations = true;
+  uint64_t share_minimum_bytes = kDefaultShareMinimumBytes;
 };
 
 /// One tensor (or one piece of it) in a bucket.
@@ -85,15 +94,29 @@ struct BucketEntry {
   Dtype dtype = Dtype::kBF16;
   std::vector<int64_t> shape;
   uint64_t tensor_offset = 0;  ///< where the piece starts within the tensor's bytes
-  uint64_t bucket_offset = 0;  ///< where the piece starts within the bucket
+  /// Where the bytes are: 0, the bucket buffer; r + 1, shared region r (CUDA IPC only: the
+  /// receiver reads the sender's own allocation in place, so each byte is copied once).
+  uint32_t source = 0;
+  uint64_t source_offset = 0;  ///< where the piece starts within its source
   uint64_t bytes = 0;          ///< bytes of the piece
 };
 
-/// What a bucket holds: its sequence number (from 0), the buffer it occupies, its entries.
+/// A device allocation of the sender that the receiver may read in place (CUDA IPC): shared
+/// the first time a bucket refers to it, opened once by the receiver, closed at the end of
+/// the update.
+struct SharedRegion {
+  uint32_t id = 0;                  ///< 0, 1, 2... in the order they are shared
+  uint64_t bytes = 0;               ///< size of the allocation
+  std::vector<std::byte> handle;    ///< the transport's handle (a cudaIpcMemHandle_t)
+};
+
+/// What a bucket holds: its sequence number (from 0), the buffer it occupies, the regions
+/// it shares for the first time, its entries.
 struct BucketManifest {
   uint64_t index = 0;
-  uint32_t slot = 0;          ///< which of the two bucket buffers
+  uint32_t slot = 0;          ///< which of the two bucket buffers (unused when `bytes` is 0)
   uint64_t bytes = 0;         ///< bytes used in the buffer
+  std::vector<SharedRegion> regions;
   std::vector<BucketEntry> entries;
 };
 

@@ -4,6 +4,7 @@
 // a driver or a GPU and reports it when a device is asked for.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -209,12 +210,12 @@ void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
             device.name() + ": batch of " + std::to_string(sizes.size()) + " copies failed: " + cuda_error_text(error));
 }
 
-void copy_within_device(const Device& device, std::span<const CopyRange> ranges) {
 #ifdef WS_HAVE_CUDA_KERNELS
-  if (!device.is_cuda()) return copy_batch(device, ranges);
-  // Pieces of at most kCopyWorkBytes (a multiple of 16, so aligned ranges stay aligned):
-  // a 1 GiB tensor spreads over a thousand blocks instead of crawling through one.
-  std::vector<detail::CopyWork> work;
+namespace {
+
+/// Pieces of at most kCopyWorkBytes (a multiple of 16, so aligned ranges stay aligned): a
+/// 1 GiB tensor spreads over a thousand blocks instead of crawling through one.
+void append_work(std::span<const CopyRange> ranges, std::vector<detail::CopyWork>& work) {
   for (const CopyRange& range : ranges) {
     auto* destination = static_cast<std::byte*>(range.destination);
     const auto* source = static_cast<const std::byte*>(range.source);
@@ -222,6 +223,16 @@ void copy_within_device(const Device& device, std::span<const CopyRange> ranges)
       work.push_back({destination + done, source + done, std::min<uint64_t>(detail::kCopyWorkBytes, range.bytes - done)});
     }
   }
+}
+
+}  // namespace
+#endif
+
+void copy_within_device(const Device& device, std::span<const CopyRange> ranges) {
+#ifdef WS_HAVE_CUDA_KERNELS
+  if (!device.is_cuda()) return copy_batch(device, ranges);
+  std::vector<detail::CopyWork> work;
+  append_work(ranges, work);
   if (work.empty()) return;
   require_device(device);
   OwnedStream owned = batch_stream(device);
@@ -244,6 +255,109 @@ void copy_within_device(const Device& device, std::span<const CopyRange> ranges)
   copy_batch(device, ranges);
 #endif
 }
+
+// The queue keeps its work items in a pinned host array and a device array of the same
+// size: a gather appends its items to both (one async upload, one launch); wait() empties
+// them. An array too small is regrown only after a wait, never under copies in flight.
+struct CopyQueue::State {
+  Device device;
+  OwnedStream stream{nullptr, &cudaStreamDestroy};
+#ifdef WS_HAVE_CUDA_KERNELS
+  detail::CopyWork* host_items = nullptr;    // pinned (cudaMallocHost)
+  detail::CopyWork* device_items = nullptr;  // cudaMalloc
+  size_t capacity = 0;                       // items each array holds
+  size_t used = 0;                           // items of gathers not yet waited for
+  std::vector<detail::CopyWork> work;        // scratch of one gather
+#endif
+  bool pending = false;
+
+  ~State() {
+    if (pending) cudaStreamSynchronize(stream.get());
+#ifdef WS_HAVE_CUDA_KERNELS
+    if (host_items != nullptr) cudaFreeHost(host_items);
+    if (device_items != nullptr) cudaFree(device_items);
+#endif
+  }
+
+  void check(cudaError_t error, const std::string& what) const {
+    WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice, device.name() + ": copy queue: " + what + ": " + cuda_error_text(error));
+  }
+
+#ifdef WS_HAVE_CUDA_KERNELS
+  /// Room for `items` more work items, after waiting for the gathers in flight if the
+  /// arrays must grow.
+  void reserve(size_t items) {
+    if (used + items <= capacity) return;
+    if (pending) {
+      check(cudaStreamSynchronize(stream.get()), "waiting for earlier gathers");
+      pending = false;
+    }
+    used = 0;
+    if (items <= capacity) return;
+    size_t grown = std::max<size_t>({items, 2 * capacity, 4096});
+    if (host_items != nullptr) cudaFreeHost(host_items);
+    if (device_items != nullptr) cudaFree(device_items);
+    host_items = nullptr;
+    device_items = nullptr;
+    capacity = 0;
+    check(cudaMallocHost(reinterpret_cast<void**>(&host_items), grown * sizeof(detail::CopyWork)),
+          "cudaMallocHost of " + std::to_string(grown) + " work items");
+    check(cudaMalloc(reinterpret_cast<void**>(&device_items), grown * sizeof(detail::CopyWork)),
+          "cudaMalloc of " + std::to_string(grown) + " work items");
+    capacity = grown;
+  }
+#endif
+};
+
+CopyQueue::CopyQueue() : CopyQueue(Device{}) {}
+
+CopyQueue::CopyQueue(const Device& device) : state_(std::make_unique<State>()) {
+  state_->device = device;
+  if (device.is_cuda()) {
+    require_device(device);
+    state_->stream = batch_stream(device);
+  }
+}
+
+CopyQueue::~CopyQueue() = default;
+CopyQueue::CopyQueue(CopyQueue&&) noexcept = default;
+CopyQueue& CopyQueue::operator=(CopyQueue&&) noexcept = default;
+
+void CopyQueue::gather(std::span<const CopyRange> ranges) {
+  State& state = *state_;
+  if (!state.device.is_cuda()) return copy_batch(state.device, ranges);
+#ifdef WS_HAVE_CUDA_KERNELS
+  state.work.clear();
+  append_work(ranges, state.work);
+  if (state.work.empty()) return;
+  require_device(state.device);
+  state.reserve(state.work.size());
+  detail::CopyWork* host = state.host_items + state.used;
+  detail::CopyWork* on_device = state.device_items + state.used;
+  std::copy(state.work.begin(), state.work.end(), host);
+  const size_t bytes = state.work.size() * sizeof(detail::CopyWork);
+  state.check(cudaMemcpyAsync(on_device, host, bytes, cudaMemcpyHostToDevice, state.stream.get()),
+              "upload of " + std::to_string(state.work.size()) + " work items");
+  state.pending = true;
+  state.used += state.work.size();
+  state.check(detail::launch_copy_work(on_device, state.work.size(), state.stream.get()),
+              "launch of a copy of " + std::to_string(ranges.size()) + " ranges");
+#else
+  copy_batch(state.device, ranges);
+#endif
+}
+
+void CopyQueue::wait() {
+  State& state = *state_;
+  if (!state.pending) return;
+  state.pending = false;
+#ifdef WS_HAVE_CUDA_KERNELS
+  state.used = 0;
+#endif
+  state.check(cudaStreamSynchronize(state.stream.get()), "waiting for its copies");
+}
+
+bool CopyQueue::pending() const noexcept { return state_ && state_->pending; }
 
 void wait_for_copies(const Device& device) {
   if (!device.is_cuda()) return;

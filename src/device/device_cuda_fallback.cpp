@@ -56,6 +56,19 @@ void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
 
 void wait_for_copies(const Device&) {}
 
+struct CopyQueue::State {
+  Device device;
+};
+
+CopyQueue::CopyQueue() : CopyQueue(Device{}) {}
+CopyQueue::CopyQueue(const Device& device) : state_(std::make_unique<State>(State{device})) { require_device(device); }
+CopyQueue::~CopyQueue() = default;
+CopyQueue::CopyQueue(CopyQueue&&) noexcept = default;
+CopyQueue& CopyQueue::operator=(CopyQueue&&) noexcept = default;
+void CopyQueue::gather(std::span<const CopyRange> ranges) { copy_batch(state_->device, ranges); }
+void CopyQueue::wait() {}
+bool CopyQueue::pending() const noexcept { return false; }
+
 HostRegistration::HostRegistration(const Device& device, const void*, size_t, bool) : device_(device) {
   fail_no_cuda(device);
 }

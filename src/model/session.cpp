@@ -64,6 +64,9 @@ struct LoadSession::State {
   };
 
   std::mutex mutex;
+  std::optional<CopyQueue> queue;  ///< engine-format copies of SourceLifetime::kSession batches
+  std::vector<size_t> batch_bytes_touched;  ///< parameters with engine bytes in the current batch
+  std::vector<uint64_t> batch_engine_bytes;  ///< per parameter: engine bytes in the current batch
   bool active = false;
   TensorFormat format = TensorFormat::kCheckpoint;
   std::vector<ParameterState> parameters;
@@ -152,42 +155,54 @@ void LoadSession::begin(LoadMode mode, TensorFormat format) {
   state.active = true;
 }
 
-void LoadSession::load(std::span<const TensorView> batch) {
+void LoadSession::load(std::span<const TensorView> batch, SourceLifetime sources) {
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
-  const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
+  auto what = [&] { return std::string(load_mode_name(mode_)) + " load of " + layout_.description(); };
   WS_EXPECT(state.active, ErrorCode::kModel, "load() outside begin()/finish() on " + layout_.description());
 
   // Pass 1: check every tensor of the batch; nothing is written until all pass.
   std::vector<State::Write> writes;
-  std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // per (parameter, part): bytes in this batch
+  writes.reserve(batch.size());
+  std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // checkpoint format, per (parameter, part)
+  // Engine format, per parameter: a flat array reset after the batch (an update brings
+  // thousands of tensors a batch; a tree of them cost more than the checks).
+  state.batch_engine_bytes.resize(layout_.parameters().size());
+  struct ResetEngineBytes {
+    State& state;
+    ~ResetEngineBytes() {
+      for (size_t index : state.batch_bytes_touched) state.batch_engine_bytes[index] = 0;
+      state.batch_bytes_touched.clear();
+    }
+  } reset_engine_bytes{state};
   for (const TensorView& view : batch) {
-    std::string tensor(view.name);
+    const std::string_view tensor = view.name;
     auto size = tensor_byte_size(view.dtype, view.shape);
     WS_EXPECT(size.has_value(), ErrorCode::kModel,
-              "tensor " + tensor + ": shape " + shape_text(view.shape) + " of " + std::string(dtype_name(view.dtype)) +
+              "tensor " + std::string(tensor) + ": shape " + shape_text(view.shape) + " of " + std::string(dtype_name(view.dtype)) +
                   " has no valid byte size");
     WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
-              "tensor " + tensor + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
+              "tensor " + std::string(tensor) + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
                   " lies outside its " + std::to_string(*size) + " bytes");
-    WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + tensor + ": no data");
+    WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(tensor) + ": no data");
 
     if (state.format == TensorFormat::kEngine) {
       auto index = layout_.find(tensor);
       WS_EXPECT(index.has_value(), ErrorCode::kModel,
-                "engine-format tensor " + tensor + " names no parameter of " + layout_.description());
+                "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout_.description());
       const Parameter& parameter = layout_.parameters()[*index];
       WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
-                "engine-format tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) +
+                "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) +
                     " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
                     std::string(dtype_name(parameter.dtype)));
       WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
-                "engine-format tensor " + tensor + " has shape " + shape_text(view.shape) + " but parameter " +
+                "engine-format tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but parameter " +
                     parameter.name + " (" + layer_label(layout_, parameter.layer) + ") has shape " +
                     shape_text(parameter.shape));
-      uint64_t& pending = batch_bytes[{*index, 0}];
+      uint64_t& pending = state.batch_engine_bytes[*index];
       WS_EXPECT(state.parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(), ErrorCode::kModel,
-                "tensor " + tensor + " delivered twice in this " + what);
+                "tensor " + std::string(tensor) + " delivered twice in this " + what());
+      if (pending == 0) state.batch_bytes_touched.push_back(*index);
       pending += view.bytes;
       writes.push_back({&view, *index, 0, view.offset, view.offset + view.bytes});
       continue;
@@ -199,7 +214,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
       continue;
     }
     WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
-              "tensor " + tensor + " matches no parameter of " + layout_.description() +
+              "tensor " + std::string(tensor) + " matches no parameter of " + layout_.description() +
                   " and no ignore rule; add an ignore rule if the engine does not use it");
     for (const auto& [index, part_index] : route.targets) {
       const Parameter& parameter = layout_.parameters()[index];
@@ -210,15 +225,15 @@ void LoadSession::load(std::span<const TensorView> batch) {
                ", rule " + part.rule + ")";
       };
       WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
-                "tensor " + tensor + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
+                "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
                     shape_text(part.shape));
       WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
-                "tensor " + tensor + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
+                "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
                     " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
                     " (only BF16, F16 and F32 convert on copy)");
       const State::PartState& part_state = state.parameters[index].parts[part_index];
       WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
-                "tensor " + tensor + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
+                "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
                     " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
       uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
       uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
@@ -228,7 +243,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
       if (begin >= end) continue;  // a piece of rows another rank holds
       uint64_t& pending = batch_bytes[{index, part_index}];
       WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
-                ErrorCode::kModel, "tensor " + tensor + " delivered twice in this " + what + " (" + target_text() + ")");
+                ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
       pending += end - begin;
       writes.push_back({&view, index, part_index, begin, end});
     }
@@ -309,7 +324,12 @@ void LoadSession::load(std::span<const TensorView> batch) {
     }
   }
   copy_batch(layout_.device(), engine_copies);
-  copy_within_device(layout_.device(), engine_device_copies);
+  if (sources == SourceLifetime::kSession && !engine_device_copies.empty()) {
+    if (!state.queue) state.queue.emplace(layout_.device());
+    state.queue->gather(engine_device_copies);
+  } else {
+    copy_within_device(layout_.device(), engine_device_copies);
+  }
 
   for (size_t index : completed) {
     State::ParameterState& parameter_state = state.parameters[index];
@@ -343,9 +363,15 @@ void LoadSession::process_layer(int64_t layer) {
   if (ran) ++state.counters.layer_processing_runs;
 }
 
+void LoadSession::settle() {
+  std::lock_guard lock(state_->mutex);
+  if (state_->queue) state_->queue->wait();
+}
+
 void LoadSession::finish() {
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
+  if (state.queue) state.queue->wait();
   const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
   WS_EXPECT(state.active, ErrorCode::kModel, "finish() without begin() on " + layout_.description());
 

@@ -149,10 +149,17 @@ class NcclSender final : public SenderTransport {
   void join(std::chrono::milliseconds) override { peer_.join(); }
   void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
             uint64_t bytes) override {
+    if (source_device.is_cuda() && !device_settled_) {
+      // The copy runs on the peer's stream: first let every kernel the caller queued (on
+      // any stream) finish, so a tensor computed just before send() is copied complete.
+      check_cuda(cudaDeviceSynchronize(), device_, "waiting for the work queued before the bucket's first copy");
+      device_settled_ = true;
+    }
     check_cuda(cudaMemcpyAsync(buffers_[slot].data() + offset, source, bytes, cudaMemcpyDefault, peer_.stream()),
                device_, "copy of " + std::to_string(bytes) + " bytes into bucket buffer " + std::to_string(slot));
   }
-  void seal(uint32_t slot) override {
+  void seal(uint32_t slot, bool) override {
+    device_settled_ = false;
     check_cuda(cudaStreamSynchronize(peer_.stream()), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
   }
   void push(Connection&, uint32_t slot, uint64_t bytes, std::chrono::milliseconds) override {
@@ -163,6 +170,7 @@ class NcclSender final : public SenderTransport {
   Device device_;
   Peer peer_;
   Buffer buffers_[2];
+  bool device_settled_ = false;  // the caller's queued work was waited for in this bucket
 };
 
 }  // namespace

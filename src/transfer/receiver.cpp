@@ -63,15 +63,50 @@ class LayerGate {
     }
   }
 
-  /// Checks every entry of a manifest against the layout and the pieces received so far;
-  /// throws Error(kModel) naming the tensor, the parameter and the rule. Changes nothing.
-  void check(const BucketManifest& manifest) const {
-    std::unordered_map<std::string_view, uint64_t> pending;  // bytes of each tensor earlier in this bucket
-    pending.reserve(manifest.entries.size());
-    for (const BucketEntry& entry : manifest.entries) {
+  /// What has arrived of one gated tensor in this update.
+  struct Track {
+    int64_t layer = -1;
+    uint64_t received = 0;
+    std::optional<Dtype> dtype;
+    bool complete = false;
+    bool seen_whole_in_bucket = false;  ///< check(): delivered whole earlier in the bucket
+  };
+  /// One checked entry: where its bytes are and the track of its tensor (null: no layer
+  /// gates it, as for a checkpoint tensor the layout ignores).
+  struct Checked {
+    const std::byte* data = nullptr;
+    Track* track = nullptr;
+  };
+
+  /// Checks every entry of a manifest against the layout, the pieces received so far and
+  /// where its bytes are (`slot`: the bucket buffer; `transport`: the shared regions);
+  /// throws Error(kModel) naming the tensor, the parameter and the rule, Error(kProtocol)
+  /// for bytes outside their region. Changes nothing; returns what admit() takes.
+  std::vector<Checked> check(const BucketManifest& manifest, const std::byte* slot, const ReceiverTransport& transport) {
+    std::vector<Checked> checked(manifest.entries.size());
+    std::unordered_map<const Track*, uint64_t> pending;  // bytes of pieces earlier in this bucket
+    struct ClearMarks {
+      LayerGate& gate;
+      ~ClearMarks() { gate.clear_bucket_marks(); }
+    } clear_marks{*this};
+    for (size_t i = 0; i < manifest.entries.size(); ++i) {
+      const BucketEntry& entry = manifest.entries[i];
       const std::string& tensor = entry.name;
       // Built only for a message: this runs for every tensor of every update.
       auto at_text = [&] { return "tensor " + tensor + " (entry of bucket " + std::to_string(manifest.index) + ")"; };
+      if (entry.source == 0) {
+        checked[i].data = slot + entry.source_offset;
+      } else {
+        std::span<const std::byte> region = transport.region(entry.source - 1);
+        WS_EXPECT(!region.empty(), ErrorCode::kProtocol,
+                  at_text() + " is in shared region " + std::to_string(entry.source - 1) + ", which was never shared");
+        WS_EXPECT(entry.source_offset <= region.size() && entry.bytes <= region.size() - entry.source_offset,
+                  ErrorCode::kProtocol,
+                  at_text() + ": bytes " + std::to_string(entry.source_offset) + "+" + std::to_string(entry.bytes) +
+                      " lie outside shared region " + std::to_string(entry.source - 1) + " of " +
+                      std::to_string(region.size()) + " bytes");
+        checked[i].data = region.data() + entry.source_offset;
+      }
       if (format_ == TensorFormat::kEngine) {
         auto index = layout_.find(tensor);
         WS_EXPECT(index.has_value(), ErrorCode::kModel,
@@ -105,61 +140,93 @@ class LayerGate {
       }
       auto found = tensors_.find(tensor);
       if (found == tensors_.end()) continue;
-      const Track& track = found->second;
-      uint64_t expected = track.received + pending[tensor];
-      WS_EXPECT(!track.complete && entry.tensor_offset == expected, ErrorCode::kModel,
-                at_text() + (track.complete ? " was already delivered whole in this update"
-                                     : ": piece at byte " + std::to_string(entry.tensor_offset) + ", expected byte " +
-                                           std::to_string(expected) + " (pieces of a tensor come in order, once)"));
+      Track& track = found->second;
+      checked[i].track = &track;
+      // Most tensors come whole, once: the map of pieces is consulted only for the rest.
+      const bool piece = entry.tensor_offset != 0 || entry.bytes != *tensor_byte_size(entry.dtype, entry.shape);
+      uint64_t expected = track.received;
+      if (!pending.empty()) {
+        if (auto earlier = pending.find(&track); earlier != pending.end()) expected += earlier->second;
+      }
+      WS_EXPECT(!track.complete && entry.tensor_offset == expected && !track.seen_whole_in_bucket, ErrorCode::kModel,
+                at_text() + (track.complete || track.seen_whole_in_bucket
+                                 ? " was already delivered whole in this update"
+                                 : ": piece at byte " + std::to_string(entry.tensor_offset) + ", expected byte " +
+                                       std::to_string(expected) + " (pieces of a tensor come in order, once)"));
       WS_EXPECT(!track.dtype || *track.dtype == entry.dtype, ErrorCode::kModel,
                 at_text() + ": a piece arrived as " + std::string(dtype_name(entry.dtype)) + " after earlier pieces as " +
                     std::string(dtype_name(*track.dtype)));
-      pending[tensor] += entry.bytes;
+      if (piece) {
+        pending[&track] += entry.bytes;
+      } else {
+        track.seen_whole_in_bucket = true;
+        whole_in_bucket_.push_back(&track);
+      }
     }
+    return checked;
   }
 
   /// Accounts a checked bucket and returns the views to apply now: pieces of layers that are
   /// complete with this bucket (held-back pieces included) and tensors no layer gates. The
   /// pieces of other layers are copied out of `bucket` and held. Views stay valid until
   /// release_applied().
-  std::vector<TensorView> admit(const BucketManifest& manifest, const std::byte* bucket) {
-    std::vector<const BucketEntry*> gated;
+  ///
+  /// A piece in a shared region is held by reference: the sender keeps the region unchanged
+  /// until the update ends. Only bucket-buffer pieces are copied out.
+  std::vector<TensorView> admit(const BucketManifest& manifest, const std::vector<Checked>& checked) {
+    std::vector<size_t> gated;
     std::vector<TensorView> now;
-    for (const BucketEntry& entry : manifest.entries) {
-      auto found = tensors_.find(entry.name);
-      if (found == tensors_.end()) {
-        now.push_back(view(entry, bucket + entry.bucket_offset, device_));
+    now.reserve(manifest.entries.size());
+    for (size_t i = 0; i < manifest.entries.size(); ++i) {
+      const BucketEntry& entry = manifest.entries[i];
+      Track* track = checked[i].track;
+      if (track == nullptr) {
+        now.push_back(view(entry, checked[i].data, device_));
         continue;
       }
-      Track& track = found->second;
-      track.dtype = entry.dtype;
-      track.received += entry.bytes;
-      if (track.received == *tensor_byte_size(entry.dtype, entry.shape) && !track.complete) {
-        track.complete = true;
-        ++layers_[track.layer].done;
+      track->dtype = entry.dtype;
+      track->received += entry.bytes;
+      if (track->received == *tensor_byte_size(entry.dtype, entry.shape) && !track->complete) {
+        track->complete = true;
+        ++layers_[track->layer].done;
       }
-      gated.push_back(&entry);
+      gated.push_back(i);
     }
     std::set<int64_t> completed_now;
-    for (const BucketEntry* entry : gated) {
-      int64_t layer = tensors_.at(entry->name).layer;
+    for (size_t i : gated) {
+      const BucketEntry& entry = manifest.entries[i];
+      int64_t layer = checked[i].track->layer;
       LayerState& state = layers_[layer];
       if (state.done == state.needed) {
-        now.push_back(view(*entry, bucket + entry->bucket_offset, device_));
+        now.push_back(view(entry, checked[i].data, device_));
         completed_now.insert(layer);
+      } else if (entry.source != 0) {
+        state.held.push_back(Held{entry, Buffer(), checked[i].data});
       } else {
-        Held piece{*entry, Buffer(device_, std::max<uint64_t>(entry->bytes, 1))};
-        copy_bytes(piece.bytes.data(), device_, bucket + entry->bucket_offset, device_, entry->bytes);
+        Held piece{entry, Buffer(device_, std::max<uint64_t>(entry.bytes, 1)), nullptr};
+        copy_bytes(piece.bytes.data(), device_, checked[i].data, device_, entry.bytes);
+        piece.data = piece.bytes.data();
         state.held.push_back(std::move(piece));
-        held_bytes_ += entry->bytes;
+        held_bytes_ += entry.bytes;
       }
     }
     for (int64_t layer : completed_now) {
-      for (Held& piece : layers_[layer].held) now.push_back(view(piece.entry, piece.bytes.data(), device_));
+      for (Held& piece : layers_[layer].held) now.push_back(view(piece.entry, piece.data, device_));
       flushing_.push_back(layer);
       completing_.push_back(layer);
     }
     return now;
+  }
+
+  /// True when the views of the last admit include held pieces copied out of a bucket,
+  /// which release_applied() frees: their copies must have landed first.
+  bool releases_copies() const {
+    for (int64_t layer : flushing_) {
+      for (const Held& piece : layers_.at(layer).held) {
+        if (piece.bytes.size() > 0) return true;
+      }
+    }
+    return false;
   }
 
   /// Every held piece (layers the update covers in part), for FINISH.
@@ -167,7 +234,7 @@ class LayerGate {
     std::vector<TensorView> now;
     for (auto& [layer, state] : layers_) {
       if (state.held.empty()) continue;
-      for (Held& piece : state.held) now.push_back(view(piece.entry, piece.bytes.data(), device_));
+      for (Held& piece : state.held) now.push_back(view(piece.entry, piece.data, device_));
       flushing_.push_back(layer);
     }
     return now;
@@ -179,7 +246,7 @@ class LayerGate {
     completed_.insert(completed_.end(), completing_.begin(), completing_.end());
     completing_.clear();
     for (int64_t layer : flushing_) {
-      for (const Held& piece : layers_[layer].held) held_bytes_ -= piece.entry.bytes;
+      for (const Held& piece : layers_[layer].held) held_bytes_ -= piece.bytes.size() > 0 ? piece.entry.bytes : 0;
       layers_[layer].held.clear();
     }
     flushing_.clear();
@@ -195,16 +262,16 @@ class LayerGate {
   }
 
  private:
-  struct Track {
-    int64_t layer = -1;
-    uint64_t received = 0;
-    std::optional<Dtype> dtype;
-    bool complete = false;
-  };
   struct Held {
     BucketEntry entry;
-    Buffer bytes;
+    Buffer bytes;                       ///< a copy out of the bucket buffer (empty: in a region)
+    const std::byte* data = nullptr;    ///< the piece's bytes (in `bytes` or a shared region)
   };
+
+  void clear_bucket_marks() {
+    for (Track* track : whole_in_bucket_) track->seen_whole_in_bucket = false;
+    whole_in_bucket_.clear();
+  }
   struct LayerState {
     size_t needed = 0;
     size_t done = 0;
@@ -225,6 +292,7 @@ class LayerGate {
   TensorFormat format_;
   Device device_;
   std::unordered_map<std::string, Track, detail::StringHash, std::equal_to<>> tensors_;
+  std::vector<Track*> whole_in_bucket_;
   std::map<int64_t, LayerState> layers_;
   std::vector<int64_t> flushing_;
   std::vector<int64_t> completing_;
@@ -294,6 +362,7 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
   const uint64_t bucket_bytes = hello.message.bucket_bytes;
 
   uint64_t buckets = 0;      // buckets received and applied
+  uint32_t regions_open = 0;  // regions the sender shared so far
   uint64_t bytes = 0;
   std::optional<LayerGate> gate;
   std::optional<LoadSession> session;
@@ -363,16 +432,29 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
                 "bucket " + std::to_string(manifest.index) + " claims " + std::to_string(manifest.bytes) +
                     " bytes, more than the agreed bucket size " + std::to_string(bucket_bytes));
       current = manifest.index;
-      transport->receive(connection, manifest.slot, manifest.bytes, timeout,
-                         "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
-                             std::to_string(manifest.index));
+      for (const SharedRegion& region : manifest.regions) {
+        WS_EXPECT(region.id == regions_open, ErrorCode::kProtocol,
+                  "bucket " + std::to_string(manifest.index) + " shares region " + std::to_string(region.id) +
+                      " where region " + std::to_string(regions_open) + " was due");
+        transport->open_region(region);
+        ++regions_open;
+      }
+      if (manifest.bytes > 0) {
+        transport->receive(connection, manifest.slot, manifest.bytes, timeout,
+                           "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
+                               std::to_string(manifest.index));
+      }
       // Every entry is checked before any byte of the bucket is written (or held back).
-      gate->check(manifest);
-      std::vector<TensorView> views = gate->admit(manifest, transport->slot(manifest.slot));
-      if (!views.empty()) session->load(views);
-      // The sender refills this slot once it hears APPLIED: on a GPU the copies out of the
-      // slot must be done by then, not merely issued.
-      wait_for_copies(transport->device());
+      auto checked = gate->check(manifest, transport->slot(manifest.slot), *transport);
+      std::vector<TensorView> views = gate->admit(manifest, checked);
+      // Copies within the GPU are only issued: the next bucket's checks overlap them.
+      if (!views.empty()) session->load(views, SourceLifetime::kSession);
+      if (manifest.bytes > 0 || gate->releases_copies()) {
+        // The sender refills this slot once it hears APPLIED, and held copies are freed
+        // now: on a GPU the copies out of them must be done by then, not merely issued.
+        session->settle();
+        wait_for_copies(transport->device());
+      }
       gate->release_applied();
       current.reset();
       ++buckets;

@@ -27,10 +27,12 @@ struct UpdateSender::State {
   std::unique_ptr<SenderTransport> transport;
   bool started = false;
   bool finished = false;
-  uint32_t slot = 0;
-  bool in_flight[2] = {false, false};
+  uint32_t slot = 0;                             // the buffer the current bucket fills
+  bool slot_claimed = false;                     // the current bucket has bytes in `slot`
+  std::optional<uint64_t> in_flight[2];          // bucket occupying each buffer, until APPLIED
   uint64_t next_index = 0;
   BucketManifest current;
+  uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
 
   std::string receiver() const { return "update receiver at " + address; }
 
@@ -43,14 +45,15 @@ struct UpdateSender::State {
                                       " while this sender waited for " + awaiting);
   }
 
-  /// Handles one message from the receiver: an APPLIED frees its bucket buffer.
+  /// Handles one message from the receiver: an APPLIED frees the buffer its bucket held (a
+  /// bucket of shared regions only held none).
   void take_applied(const std::string& awaiting) {
     Received received = connection->receive(options.timeout, awaiting);
     if (received.message.type != MessageType::kApplied) fail_with(received.message, awaiting);
-    uint32_t freed = received.message.manifest.slot;
-    WS_EXPECT(in_flight[freed], ErrorCode::kProtocol,
-              receiver() + " released bucket buffer " + std::to_string(freed) + ", which was not in flight");
-    in_flight[freed] = false;
+    const BucketManifest& applied = received.message.manifest;
+    WS_EXPECT(applied.index < next_index, ErrorCode::kProtocol,
+              receiver() + " applied bucket " + std::to_string(applied.index) + ", which was not sent");
+    if (in_flight[applied.slot] == applied.index) in_flight[applied.slot].reset();
   }
 
   /// Runs `step`; when it fails because the receiver went away, prefers the receiver's own
@@ -74,27 +77,43 @@ struct UpdateSender::State {
 
   void flush() {
     if (current.entries.empty()) return;
-    transport->seal(slot);
+    transport->seal(slot, slot_claimed);
     Message message;
     message.type = MessageType::kBucket;
     message.manifest = std::move(current);
     uint64_t bytes = message.manifest.bytes;
     guarded([&] {
       connection->send(message, options.timeout);
-      transport->push(*connection, slot, bytes, options.timeout);
+      if (bytes > 0) transport->push(*connection, slot, bytes, options.timeout);
     });
-    in_flight[slot] = true;
+    if (slot_claimed) {
+      in_flight[slot] = next_index;
+      slot ^= 1u;
+    }
     ++next_index;
-    slot ^= 1u;
+    slot_claimed = false;
     current = BucketManifest{};
+    current_shared_bytes = 0;
+    // Buckets of shared regions alone never wait for a buffer: read the APPLIED messages
+    // that are already here, so the receiver never blocks on a full socket.
+    guarded([&] {
+      while (connection->readable()) take_applied("APPLIED");
+    });
   }
 
-  /// Starts filling a bucket in `slot`, once the receiver has released it.
+  /// Starts a bucket (it claims a buffer only when bytes are copied into it).
   void open_bucket() {
-    while (in_flight[slot]) take_applied("the release of bucket buffer " + std::to_string(slot));
     current = BucketManifest{};
     current.index = next_index;
+    current_shared_bytes = 0;
+  }
+
+  /// The current bucket's buffer, once the receiver has released it.
+  void claim_slot() {
+    if (slot_claimed) return;
+    while (in_flight[slot]) take_applied("the release of bucket buffer " + std::to_string(slot));
     current.slot = slot;
+    slot_claimed = true;
   }
 };
 
@@ -124,8 +143,7 @@ UpdateSender::UpdateSender(const std::string& address, SenderOptions options)
   WS_EXPECT(welcome.message.bucket_bytes == options.bucket_bytes, ErrorCode::kProtocol,
             state.receiver() + " agreed to buckets of " + std::to_string(welcome.message.bucket_bytes) +
                 " bytes, not the " + std::to_string(options.bucket_bytes) + " asked for");
-  state.transport = make_sender_transport(options.transport, options.bucket_bytes, options.device, hello.blob,
-                                          welcome.message.blob, std::move(welcome.fd));
+  state.transport = make_sender_transport(options, hello.blob, welcome.message.blob, std::move(welcome.fd));
   state.transport->join(options.timeout);
 }
 
@@ -159,27 +177,44 @@ void UpdateSender::send(const TensorView& tensor) {
   WS_EXPECT(tensor.data != nullptr || tensor.bytes == 0, ErrorCode::kInvalidArgument,
             "update sender: tensor " + name + " has no data");
   const uint64_t capacity = state.options.bucket_bytes;
+  auto add_entry = [&](uint64_t tensor_offset, uint32_t source, uint64_t source_offset, uint64_t bytes) {
+    BucketEntry& entry = state.current.entries.emplace_back();
+    entry.name = name;
+    entry.dtype = tensor.dtype;
+    entry.shape.assign(tensor.shape.begin(), tensor.shape.end());
+    entry.tensor_offset = tensor_offset;
+    entry.source = source;
+    entry.source_offset = source_offset;
+    entry.bytes = bytes;
+  };
+  // In place: the receiver reads the tensor from the sender's shared allocation. The bucket
+  // counts its bytes (a bucket is the unit of pipelining) but holds none of them.
+  if (tensor.bytes > 0 && tensor.device.is_cuda()) {
+    if (state.current.entries.empty()) state.open_bucket();
+    if (auto place = state.transport->share(tensor.data, tensor.device, tensor.bytes, state.current.regions)) {
+      add_entry(tensor.offset, place->region + 1, place->offset, tensor.bytes);
+      state.current_shared_bytes += tensor.bytes;
+      if (state.current.bytes + state.current_shared_bytes >= capacity) state.flush();
+      return;
+    }
+  }
   uint64_t done = 0;
   do {
     if (state.current.entries.empty()) state.open_bucket();
     uint64_t start = (state.current.bytes + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
-    if (start >= capacity) {  // no room after alignment: this bucket is full
+    if (start >= capacity || start + state.current_shared_bytes >= capacity) {  // no room: this bucket is full
       state.flush();
       continue;
     }
-    uint64_t take = std::min(tensor.bytes - done, capacity - start);
-    if (take > 0) state.transport->fill(state.slot, start, tensor.data + done, tensor.device, take);
-    BucketEntry entry;
-    entry.name = name;
-    entry.dtype = tensor.dtype;
-    entry.shape.assign(tensor.shape.begin(), tensor.shape.end());
-    entry.tensor_offset = tensor.offset + done;
-    entry.bucket_offset = start;
-    entry.bytes = take;
-    state.current.entries.push_back(std::move(entry));
+    uint64_t take = std::min(tensor.bytes - done, capacity - start - state.current_shared_bytes);
+    if (take > 0) {
+      state.claim_slot();
+      state.transport->fill(state.slot, start, tensor.data + done, tensor.device, take);
+    }
+    add_entry(tensor.offset + done, 0, start, take);
     state.current.bytes = start + take;
     done += take;
-    if (state.current.bytes >= capacity) state.flush();
+    if (state.current.bytes + state.current_shared_bytes >= capacity) state.flush();
   } while (done < tensor.bytes);
 }
 
@@ -201,10 +236,7 @@ UpdateReport UpdateSender::finish() {
   state.finished = true;
   for (;;) {
     Received received = state.connection->receive(state.options.timeout, "the update's REPORT");
-    if (received.message.type == MessageType::kApplied) {
-      state.in_flight[received.message.manifest.slot] = false;
-      continue;
-    }
+    if (received.message.type == MessageType::kApplied) continue;
     if (received.message.type != MessageType::kReport) state.fail_with(received.message, "the update's REPORT");
     return received.message.report;
   }

@@ -150,6 +150,11 @@ class TcpSender final : public SenderTransport {
 
 }  // namespace
 
+void ReceiverTransport::open_region(const SharedRegion& region) {
+  WS_FAIL(ErrorCode::kProtocol, "the sender shared region " + std::to_string(region.id) +
+                                    " (its own device memory), which only the cuda-ipc transport can read");
+}
+
 std::vector<std::byte> sender_hello_blob(TransportKind kind) {
   return kind == TransportKind::kNccl ? nccl_unique_id() : std::vector<std::byte>{};
 }
@@ -165,14 +170,13 @@ std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, u
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }
 
-std::unique_ptr<SenderTransport> make_sender_transport(TransportKind kind, uint64_t bucket_bytes, const Device& device,
-                                                       std::span<const std::byte> hello_blob,
+std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, std::span<const std::byte> hello_blob,
                                                        std::span<const std::byte> welcome_blob, FileDescriptor passed_fd) {
-  switch (kind) {
-    case TransportKind::kShm: return std::make_unique<ShmSender>(bucket_bytes, std::move(passed_fd));
-    case TransportKind::kTcp: return std::make_unique<TcpSender>(bucket_bytes);
-    case TransportKind::kCudaIpc: return make_cuda_ipc_sender(bucket_bytes, device, welcome_blob);
-    case TransportKind::kNccl: return make_nccl_sender(bucket_bytes, device, hello_blob);
+  switch (options.transport) {
+    case TransportKind::kShm: return std::make_unique<ShmSender>(options.bucket_bytes, std::move(passed_fd));
+    case TransportKind::kTcp: return std::make_unique<TcpSender>(options.bucket_bytes);
+    case TransportKind::kCudaIpc: return make_cuda_ipc_sender(options, welcome_blob);
+    case TransportKind::kNccl: return make_nccl_sender(options.bucket_bytes, options.device, hello_blob);
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }

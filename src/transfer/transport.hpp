@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,6 +38,18 @@ class ReceiverTransport {
   virtual const std::byte* slot(uint32_t index) const = 0;
   /// Where the buffers live.
   virtual Device device() const = 0;
+  /// Opens a region the sender shares for reading in place (CUDA IPC), kept open until the
+  /// transport is destroyed. Transports without shared regions throw Error(kProtocol).
+  virtual void open_region(const SharedRegion& region);
+  /// The bytes of region `id` opened before; empty when there is none.
+  virtual std::span<const std::byte> region(uint32_t id) const { return {}; }
+};
+
+/// Where the receiver finds bytes of the sender's in place: shared region `region`, at
+/// `offset` within it.
+struct RegionPlace {
+  uint32_t region = 0;
+  uint64_t offset = 0;
 };
 
 /// The sender's end: fills the buffers and hands them over.
@@ -49,8 +62,19 @@ class SenderTransport {
   /// copy may still be in flight when this returns; seal() waits for it.
   virtual void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
                     uint64_t bytes) = 0;
-  /// Waits until every fill of `slot` has landed, before its manifest goes out.
-  virtual void seal(uint32_t slot) {}
+  /// Waits until every fill of `slot` has landed, before its manifest goes out; called for
+  /// every bucket (with `filled` false when it has no buffer bytes), so a device transport
+  /// also waits here for the work queued before on the sender's GPU: a tensor computed just
+  /// before send() is read complete, whether copied or shared.
+  virtual void seal(uint32_t slot, bool filled) {}
+  /// Shares the allocation holding `bytes` at `data` (on `device`) so the receiver reads
+  /// them in place: where they are, with the region's announcement appended to `announce`
+  /// when it is shared for the first time. std::nullopt: the bytes travel in a bucket (host
+  /// transports; device memory that cannot be shared or is too small to be worth opening).
+  virtual std::optional<RegionPlace> share(const std::byte* data, const Device& device, uint64_t bytes,
+                                           std::vector<SharedRegion>& announce) {
+    return std::nullopt;
+  }
   /// Moves the bucket's bytes after its BUCKET message (TCP writes them, NCCL broadcasts).
   virtual void push(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout) {}
 };
@@ -62,13 +86,12 @@ std::vector<std::byte> sender_hello_blob(TransportKind kind);
 std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, uint64_t bucket_bytes,
                                                            const Device& device, std::span<const std::byte> hello_blob);
 /// The sender's transport, given what the receiver sent with WELCOME.
-std::unique_ptr<SenderTransport> make_sender_transport(TransportKind kind, uint64_t bucket_bytes, const Device& device,
-                                                       std::span<const std::byte> hello_blob,
+std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, std::span<const std::byte> hello_blob,
                                                        std::span<const std::byte> welcome_blob, FileDescriptor passed_fd);
 
 // CUDA IPC (cuda_ipc_transport_cuda.cpp, or its fallback).
 std::unique_ptr<ReceiverTransport> make_cuda_ipc_receiver(uint64_t bucket_bytes, const Device& device);
-std::unique_ptr<SenderTransport> make_cuda_ipc_sender(uint64_t bucket_bytes, const Device& device,
+std::unique_ptr<SenderTransport> make_cuda_ipc_sender(const SenderOptions& options,
                                                       std::span<const std::byte> welcome_blob);
 // NCCL (nccl_transport_nccl.cpp, or its fallback).
 bool nccl_compiled() noexcept;

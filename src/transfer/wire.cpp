@@ -171,6 +171,12 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(message.manifest.index);
       out.put(message.manifest.slot);
       out.put(message.manifest.bytes);
+      out.put(static_cast<uint32_t>(message.manifest.regions.size()));
+      for (const SharedRegion& region : message.manifest.regions) {
+        out.put(region.id);
+        out.put(region.bytes);
+        out.put_bytes(region.handle);
+      }
       out.put(static_cast<uint32_t>(message.manifest.entries.size()));
       for (const BucketEntry& entry : message.manifest.entries) {
         out.put_string(entry.name);
@@ -178,7 +184,8 @@ std::vector<std::byte> encode_body(const Message& message) {
         out.put(static_cast<uint8_t>(entry.shape.size()));
         for (int64_t dimension : entry.shape) out.put(dimension);
         out.put(entry.tensor_offset);
-        out.put(entry.bucket_offset);
+        out.put(entry.source);
+        out.put(entry.source_offset);
         out.put(entry.bytes);
       }
       break;
@@ -251,10 +258,29 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       manifest.slot = in.get<uint32_t>("slot");
       if (manifest.slot > 1) in.fail("slot", "bucket buffer " + std::to_string(manifest.slot) + " does not exist");
       manifest.bytes = in.get<uint64_t>("bytes");
+      auto regions = in.get<uint32_t>("regions");
+      // Each region takes at least 16 bytes: reserve no more than the body can hold.
+      if (regions > kMaxRegions || regions > in.left() / 16) {
+        in.fail("regions", std::to_string(regions) + " shared regions do not fit");
+      }
+      manifest.regions.reserve(regions);
+      for (uint32_t i = 0; i < regions; ++i) {
+        SharedRegion region;
+        region.id = in.get<uint32_t>("region id");
+        if (i > 0 && region.id != manifest.regions.back().id + 1) {
+          in.fail("region id", "region " + std::to_string(region.id) + " follows region " +
+                                   std::to_string(manifest.regions.back().id) + " (regions are numbered in order)");
+        }
+        region.bytes = in.get<uint64_t>("region bytes");
+        auto handle = in.get_bytes("region handle", kMaxHandleBytes);
+        if (handle.empty()) in.fail("region handle", "empty handle of region " + std::to_string(region.id));
+        region.handle.assign(handle.begin(), handle.end());
+        manifest.regions.push_back(std::move(region));
+      }
       auto count = in.get<uint32_t>("count");
       if (count > kMaxEntries) in.fail("count", std::to_string(count) + " entries exceed the limit");
-      // Each entry takes at least 34 bytes: reserve no more than the body can hold.
-      if (count > in.left() / 34) {
+      // Each entry takes at least 38 bytes: reserve no more than the body can hold.
+      if (count > in.left() / 38) {
         in.fail("count", std::to_string(count) + " entries cannot fit in the " + std::to_string(in.left()) +
                              " bytes left");
       }
@@ -262,28 +288,37 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       for (uint32_t i = 0; i < count; ++i) {
         BucketEntry entry;
         entry.name = in.get_string("entry name", kMaxNameBytes);
-        std::string where = "entry " + std::to_string(i) + " ('" + printable(entry.name) + "') of bucket " +
-                            std::to_string(manifest.index);
-        if (entry.name.empty()) in.fail(where, "empty name");
+        // Built only for a message: this runs for every tensor of every update.
+        auto where = [&] {
+          return "entry " + std::to_string(i) + " ('" + printable(entry.name) + "') of bucket " +
+                 std::to_string(manifest.index);
+        };
+        if (entry.name.empty()) in.fail(where(), "empty name");
         auto dtype = in.get<uint8_t>("entry dtype");
-        if (dtype > static_cast<uint8_t>(Dtype::kF6E3M2)) in.fail(where, "unknown dtype code " + std::to_string(dtype));
+        if (dtype > static_cast<uint8_t>(Dtype::kF6E3M2)) in.fail(where(), "unknown dtype code " + std::to_string(dtype));
         entry.dtype = static_cast<Dtype>(dtype);
         auto rank = in.get<uint8_t>("entry rank");
-        if (rank > kMaxTensorRank) in.fail(where, "rank " + std::to_string(rank) + " exceeds " + std::to_string(kMaxTensorRank));
-        entry.shape.reserve(rank);
-        for (uint8_t d = 0; d < rank; ++d) entry.shape.push_back(in.get<int64_t>("entry shape"));
+        if (rank > kMaxTensorRank) in.fail(where(), "rank " + std::to_string(rank) + " exceeds " + std::to_string(kMaxTensorRank));
+        entry.shape.resize(rank);
+        for (uint8_t d = 0; d < rank; ++d) entry.shape[d] = in.get<int64_t>("entry shape");
         entry.tensor_offset = in.get<uint64_t>("entry tensor_offset");
-        entry.bucket_offset = in.get<uint64_t>("entry bucket_offset");
+        entry.source = in.get<uint32_t>("entry source");
+        entry.source_offset = in.get<uint64_t>("entry source_offset");
         entry.bytes = in.get<uint64_t>("entry bytes");
         auto size = tensor_byte_size(entry.dtype, entry.shape);
-        if (!size) in.fail(where, "shape " + shape_text(entry.shape) + " of " + std::string(dtype_name(entry.dtype)) + " has no valid byte size");
+        if (!size) in.fail(where(), "shape " + shape_text(entry.shape) + " of " + std::string(dtype_name(entry.dtype)) + " has no valid byte size");
         if (entry.tensor_offset > *size || entry.bytes > *size - entry.tensor_offset) {
-          in.fail(where, "piece " + std::to_string(entry.tensor_offset) + "+" + std::to_string(entry.bytes) +
-                             " lies outside the tensor's " + std::to_string(*size) + " bytes");
+          in.fail(where(), "piece " + std::to_string(entry.tensor_offset) + "+" + std::to_string(entry.bytes) +
+                               " lies outside the tensor's " + std::to_string(*size) + " bytes");
         }
-        if (entry.bucket_offset > manifest.bytes || entry.bytes > manifest.bytes - entry.bucket_offset) {
-          in.fail(where, "bytes " + std::to_string(entry.bucket_offset) + "+" + std::to_string(entry.bytes) +
-                             " lie outside the bucket's " + std::to_string(manifest.bytes) + " bytes");
+        if (entry.source == 0 &&
+            (entry.source_offset > manifest.bytes || entry.bytes > manifest.bytes - entry.source_offset)) {
+          in.fail(where(), "bytes " + std::to_string(entry.source_offset) + "+" + std::to_string(entry.bytes) +
+                               " lie outside the bucket's " + std::to_string(manifest.bytes) + " bytes");
+        }
+        if (entry.source != 0 && entry.source_offset > UINT64_MAX - entry.bytes) {
+          in.fail(where(), "region bytes " + std::to_string(entry.source_offset) + "+" + std::to_string(entry.bytes) +
+                               " overflow");
         }
         manifest.entries.push_back(std::move(entry));
       }

@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 1. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 2. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -11,11 +11,14 @@
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes
 //   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine)
-//   BUCKET  (sender -> receiver)  index u64, slot u32, bytes u64, count u32, then per entry:
-//                                 name string, dtype u8, rank u8, rank x i64 dims,
-//                                 tensor_offset u64, bucket_offset u64, bytes u64.
-//                                 TCP: `bytes` bytes of payload follow the frame.
-//   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled
+//   BUCKET  (sender -> receiver)  index u64, slot u32, bytes u64, regions u32, then per region
+//                                 shared for the first time: id u32, bytes u64, blob (handle);
+//                                 then count u32, then per entry: name string, dtype u8,
+//                                 rank u8, rank x i64 dims, tensor_offset u64, source u32
+//                                 (0 bucket buffer, r + 1 region r), source_offset u64,
+//                                 bytes u64. TCP: `bytes` bytes of payload follow the frame.
+//   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled (a bucket with
+//                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
 //   REPORT  (receiver -> sender)  buckets, tensors, bytes u64, seconds f64, six counters u64,
 //                                 count u32, count x i64 completed layers
@@ -37,7 +40,7 @@
 namespace weightstream::transfer {
 
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 2;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
@@ -47,6 +50,9 @@ inline constexpr uint32_t kMaxTextBytes = 64 << 10;
 inline constexpr uint32_t kMaxBlobBytes = 64 << 10;
 inline constexpr uint32_t kMaxEntries = 1 << 20;
 inline constexpr uint32_t kMaxLayers = 1 << 20;
+/// Regions one update may share (a trainer's parameters live in a few large allocations).
+inline constexpr uint32_t kMaxRegions = 1 << 16;
+inline constexpr uint32_t kMaxHandleBytes = 256;
 
 enum class MessageType : uint16_t {
   kHello = 1,
@@ -104,7 +110,9 @@ std::vector<std::byte> encode_body(const Message& message);
 /// Parses the body of a frame of type `type`. Throws Error(kProtocol) naming `peer`, the
 /// message and the field on any truncated, oversized or invalid field, or trailing bytes.
 /// A BUCKET's entries are checked for themselves (known dtype, shape within kMaxTensorRank
-/// with a valid byte size, piece inside its tensor and inside the bucket's `bytes`).
+/// with a valid byte size, piece inside its tensor, a bucket-buffer piece inside the
+/// bucket's `bytes`); its new regions must be numbered consecutively. Whether an entry's
+/// region exists and holds its bytes is the receiver's check (regions span buckets).
 Message parse_body(MessageType type, std::span<const std::byte> body, const std::string& peer);
 
 }  // namespace weightstream::transfer

@@ -163,7 +163,46 @@ TEST(Buffer, HostBatchCopiesEveryRange) {
   copy_batch(kCpu, {});  // an empty batch touches nothing
 }
 
+TEST(CopyQueue, OnTheHostGathersCopyAtOnce) {
+  auto source = pattern(3000 * 100, 6);
+  std::vector<std::byte> destination(source.size());
+  size_t total = 0;
+  auto ranges = tiled_ranges(destination.data(), source.data(), 100, &total);
+  CopyQueue queue(kCpu);
+  queue.gather(ranges);
+  EXPECT_FALSE(queue.pending());
+  EXPECT_EQ(std::memcmp(destination.data(), source.data(), total), 0);
+  queue.wait();
+}
+
 // ---- CUDA paths: skip without a GPU -------------------------------------------------------
+
+TEST(Cuda, CopyQueueOverlapsGathersAndWaitsForAll) {
+  WS_SKIP_WITHOUT_GPU();
+  // Many gathers of many ranges, more work items than the queue's first arrays hold (it
+  // must regrow after waiting, never under copies in flight), then one wait.
+  constexpr size_t kRanges = 3000;
+  constexpr int kGathers = 8;
+  auto source = pattern(4000 * kRanges, 7);
+  Buffer from(kCuda0, source.size());
+  copy_bytes(from.data(), kCuda0, source.data(), kCpu, source.size());
+  std::vector<Buffer> targets;
+  CopyQueue queue(kCuda0);
+  size_t total = 0;
+  for (int g = 0; g < kGathers; ++g) {
+    targets.emplace_back(kCuda0, source.size());
+    auto ranges = tiled_ranges(targets.back().data(), from.data(), kRanges, &total);
+    queue.gather(ranges);
+    EXPECT_TRUE(queue.pending());
+  }
+  queue.wait();
+  EXPECT_FALSE(queue.pending());
+  std::vector<std::byte> back(total);
+  for (const Buffer& target : targets) {
+    copy_bytes(back.data(), kCpu, target.data(), kCuda0, total);
+    ASSERT_EQ(std::memcmp(back.data(), source.data(), total), 0);
+  }
+}
 
 TEST(Cuda, DeviceBatchCopiesThousandsOfRanges) {
   WS_SKIP_WITHOUT_GPU();

@@ -29,8 +29,17 @@ Message bucket_message() {
   message.manifest.index = 7;
   message.manifest.slot = 1;
   message.manifest.bytes = 8448;
-  message.manifest.entries.push_back({"model.layers.0.mlp.down_proj.weight", Dtype::kBF16, {64, 64}, 0, 0, 8192});
-  message.manifest.entries.push_back({"model.norm.weight", Dtype::kF32, {64}, 0, 8192, 256});
+  message.manifest.entries.push_back({"model.layers.0.mlp.down_proj.weight", Dtype::kBF16, {64, 64}, 0, 0, 0, 8192});
+  message.manifest.entries.push_back({"model.norm.weight", Dtype::kF32, {64}, 0, 0, 8192, 256});
+  return message;
+}
+
+/// A bucket with two regions shared for the first time and an entry read from region 4.
+Message shared_bucket_message() {
+  Message message = bucket_message();
+  message.manifest.regions.push_back({3, 1 << 30, std::vector<std::byte>(64, std::byte{0xab})});
+  message.manifest.regions.push_back({4, 1 << 20, std::vector<std::byte>(64, std::byte{0xcd})});
+  message.manifest.entries.push_back({"model.embed_tokens.weight", Dtype::kBF16, {128, 64}, 0, 5, 4096, 16384});
   return message;
 }
 
@@ -43,8 +52,49 @@ TEST(Wire, BucketRoundTrips) {
   ASSERT_EQ(parsed.manifest.entries.size(), 2u);
   EXPECT_EQ(parsed.manifest.entries[1].name, "model.norm.weight");
   EXPECT_EQ(parsed.manifest.entries[1].dtype, Dtype::kF32);
-  EXPECT_EQ(parsed.manifest.entries[1].bucket_offset, 8192u);
+  EXPECT_EQ(parsed.manifest.entries[1].source, 0u);
+  EXPECT_EQ(parsed.manifest.entries[1].source_offset, 8192u);
+  EXPECT_TRUE(parsed.manifest.regions.empty());
   EXPECT_EQ(encode_body(parsed), body);
+}
+
+TEST(Wire, SharedRegionsRoundTrip) {
+  Message message = shared_bucket_message();
+  std::vector<std::byte> body = encode_body(message);
+  Message parsed = parse_body(MessageType::kBucket, body, "peer");
+  ASSERT_EQ(parsed.manifest.regions.size(), 2u);
+  EXPECT_EQ(parsed.manifest.regions[1].id, 4u);
+  EXPECT_EQ(parsed.manifest.regions[1].bytes, 1u << 20);
+  EXPECT_EQ(parsed.manifest.regions[1].handle, std::vector<std::byte>(64, std::byte{0xcd}));
+  ASSERT_EQ(parsed.manifest.entries.size(), 3u);
+  // A region entry may lie past the bucket buffer's bytes: the receiver checks the region.
+  EXPECT_EQ(parsed.manifest.entries[2].source, 5u);
+  EXPECT_EQ(parsed.manifest.entries[2].source_offset, 4096u);
+  EXPECT_EQ(encode_body(parsed), body);
+}
+
+TEST(Wire, HostileRegionsAreRejectedWithTheField) {
+  Message gap = shared_bucket_message();
+  gap.manifest.regions[1].id = 6;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(gap), "peer"); }),
+              HasSubstr("region id: region 6 follows region 3 (regions are numbered in order)"));
+  Message empty = shared_bucket_message();
+  empty.manifest.regions[0].handle.clear();
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(empty), "peer"); }),
+              HasSubstr("empty handle of region 3"));
+  Message long_handle = shared_bucket_message();
+  long_handle.manifest.regions[0].handle.resize(kMaxHandleBytes + 1);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(long_handle), "peer"); }),
+              HasSubstr("region handle: length 257 exceeds the limit 256"));
+  std::vector<std::byte> counted = encode_body(shared_bucket_message());
+  uint32_t regions = 0x7FFFFFFF;
+  std::memcpy(counted.data() + 20, &regions, 4);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, counted, "peer"); }),
+              HasSubstr("regions: 2147483647 shared regions do not fit"));
+  Message wrap = shared_bucket_message();
+  wrap.manifest.entries[2].source_offset = UINT64_MAX - 10;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(wrap), "peer"); }),
+              HasSubstr("entry 2 ('model.embed_tokens.weight') of bucket 7: region bytes"));
 }
 
 TEST(Wire, HelloReportAndErrorRoundTrip) {
@@ -78,7 +128,7 @@ TEST(Wire, HeadersAreChecked) {
               HasSubstr("frame header from tcp peer 10.0.0.1:9: bad magic"));
   auto version = header;
   version[4] = std::byte{9};
-  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks 1"));
+  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks 2"));
   auto type = header;
   type[6] = std::byte{77};
   EXPECT_THAT(error_text([&] { parse_header(type, "peer"); }), HasSubstr("unknown message type 77"));
@@ -96,7 +146,7 @@ TEST(Wire, HostileBucketsAreRejectedWithTheField) {
   // A count no body could hold.
   std::vector<std::byte> counted = body;
   uint32_t count = 0xFFFFFFF0;
-  std::memcpy(counted.data() + 20, &count, 4);
+  std::memcpy(counted.data() + 24, &count, 4);  // after index, slot, bytes and the region count
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, counted, "peer"); }), HasSubstr("count:"));
 
   Message outside = bucket_message();
@@ -105,7 +155,7 @@ TEST(Wire, HostileBucketsAreRejectedWithTheField) {
               HasSubstr("entry 0 ('model.layers.0.mlp.down_proj.weight') of bucket 7: piece 1+8192 lies outside the "
                         "tensor's 8192 bytes"));
   Message past_bucket = bucket_message();
-  past_bucket.manifest.entries[1].bucket_offset = 8300;
+  past_bucket.manifest.entries[1].source_offset = 8300;
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(past_bucket), "peer"); }),
               HasSubstr("bytes 8300+256 lie outside the bucket's 8448 bytes"));
   Message overflow = bucket_message();
