@@ -39,9 +39,9 @@ echo "update tests: $(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\]' "$out/update_t
 # arena with sharing off, and one allocation per tensor (both through the bucket buffers).
 : >"$out/update_bench.md"
 for tensors in 1000 10000; do
-  for memory in "arena on" "arena off" "tensors on"; do
+  for memory in "arena on $bucket" "arena on 256MiB" "arena off $bucket" "tensors on $bucket"; do
     set -- $memory
-    "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$bucket" \
+    "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$3" \
       --transports cuda-ipc --repeat 5 --sender-memory "$1" --share "$2" 2>&1 | tee -a "$out/update_bench.md" || status=1
     echo >>"$out/update_bench.md"
   done

@@ -46,7 +46,8 @@ SEEDS = {
                            + entry("model.norm.weight", BF16, [128], 0, 0, 256)),
     "applied": frame(6, struct.pack("<QI", 3, 1)),
     "finish": frame(7, struct.pack("<Q", 4)),
-    "report": frame(8, struct.pack("<QQQd", 4, 10, 1 << 20, 0.5) + struct.pack("<6Q", 10, 1 << 20, 0, 12, 0, 1)
+    "report": frame(8, struct.pack("<QQQQQdd", 4, 10, 1 << 20, 1 << 30, 1, 0.5, 0.01)
+                    + struct.pack("<6Q", 10, 1 << 20, 0, 12, 0, 1)
                     + struct.pack("<I", 3) + struct.pack("<3q", -1, 0, 1)),
     "error": frame(9, struct.pack("<B", 8) + string("tensor x matches no parameter")),
     "bad_version": frame(4, b"\x00", version=1),

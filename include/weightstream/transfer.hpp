@@ -126,17 +126,27 @@ struct UpdateReport {
   uint64_t buckets = 0;
   uint64_t tensors = 0;      ///< distinct tensors received whole
   uint64_t bytes = 0;        ///< bucket bytes received
-  double seconds = 0;        ///< from start to the end of finish()
+  uint64_t shared_bytes = 0; ///< bytes read in place from the sender's shared regions (CUDA IPC)
+  uint64_t regions = 0;      ///< shared regions opened
+  double seconds = 0;        ///< from START to the end of finish()
+  /// Set-up of the connection (buffers allocated, exported and opened; NCCL joined), for
+  /// the first update of a connection; 0 for the updates after it.
+  double connect_seconds = 0;
   LoadCounters counters;     ///< of the receiver's LoadSession
   std::vector<int64_t> completed_layers;
-  double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
+  /// Tensor bytes moved (through buckets and in place) per second of the update.
+  double gbps() const noexcept {
+    return seconds > 0 ? static_cast<double>(bytes + shared_bytes) / seconds / 1e9 : 0;
+  }
 };
 
-/// Receives updates into a layout. Listens when constructed; each receive() accepts one
-/// sender and applies one update (start, buckets, finish) through a LoadSession in update
-/// mode. The layout must have been loaded before (update mode requires it). Errors name
-/// the peer, the bucket, the tensor and the cause; a failed update leaves layers it did not
-/// complete as they were and lists those it did.
+/// Receives updates into a layout. Listens when constructed; each receive() applies one
+/// update (start, buckets, finish) through a LoadSession in update mode, accepting a sender
+/// first when none is connected. A sender stays connected between its updates (connect
+/// once, update every few minutes); when it leaves, the next receive() accepts the next
+/// one. The layout must have been loaded before (update mode requires it). Errors name the
+/// peer, the bucket, the tensor and the cause; a failed update leaves layers it did not
+/// complete as they were, lists those it did, and drops the connection.
 class UpdateReceiver {
  public:
   /// Binds the listener (loopback by default). Throws Error(kNetwork) naming the address,
@@ -148,9 +158,9 @@ class UpdateReceiver {
 
   /// The address a sender connects to: "HOST:PORT" or a Unix socket path.
   const std::string& address() const noexcept;
-  /// Accepts one sender (waiting at most `accept_timeout`) and runs its update to the end.
-  /// A sender with the wrong token or protocol version is refused with a message and the
-  /// call throws Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
+  /// Runs the next update to its end, waiting at most `accept_timeout` for it to start (and
+  /// for a sender to connect, when none is). A sender with the wrong token or protocol
+  /// version is refused with a message and the call throws Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
@@ -160,8 +170,9 @@ class UpdateReceiver {
   std::unique_ptr<State> state_;
 };
 
-/// Sends one update to a receiver. Usage: UpdateSender(address, options); start(format);
-/// send(tensor) any number of times; finish(). Not thread-safe: one thread sends.
+/// Sends updates to a receiver over one connection. Usage: UpdateSender(address, options)
+/// once; then for each update start(format), send(tensor) any number of times, finish().
+/// After an error the sender is unusable: make a new one. Not thread-safe: one thread sends.
 class UpdateSender {
  public:
   /// Connects to `address` ("HOST:PORT" or a Unix socket path), presents the token and
@@ -173,21 +184,25 @@ class UpdateSender {
   UpdateSender(const UpdateSender&) = delete;
   UpdateSender& operator=(const UpdateSender&) = delete;
 
-  /// Starts the update: checkpoint-format names (mapped and reprocessed by the receiver's
-  /// layout) or engine-format names (parameters, bytes copied in place).
+  /// Starts an update: checkpoint-format names (mapped and reprocessed by the receiver's
+  /// layout) or engine-format names (parameters, bytes copied in place). Throws
+  /// Error(kInvalidArgument) while an update is open.
   void start(TensorFormat format);
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
   /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the
-  /// call returns; device bytes (CUDA IPC, NCCL) are copied in order on the sender's own
-  /// stream, so a device tensor must stay unchanged until finish() returns (a trainer's
-  /// parameters do). Throws the receiver's error when it rejected an earlier bucket.
+  /// call returns; device bytes (CUDA IPC, NCCL) are copied when their bucket is sealed, or
+  /// read in place by the receiver (CUDA IPC, large allocations: SenderOptions), so a
+  /// device tensor must stay allocated and unchanged until finish() returns (a trainer's
+  /// parameters do). Work queued on the device before a bucket is sealed is waited for, so
+  /// a tensor computed on any stream just before send() goes complete. Throws the
+  /// receiver's error when it rejected an earlier bucket.
   void send(const TensorView& tensor);
   /// Sends the current bucket now, even if it is not full (a trainer that sends layer by
   /// layer flushes at each layer's end, so no bucket mixes two layers).
   void flush();
   /// Sends the last bucket and the finish message, and waits for the receiver's report
-  /// (its model hooks have run once when this returns).
+  /// (its model hooks have run once when this returns). The next update may start.
   UpdateReport finish();
 
   /// Buckets sent so far in this update.

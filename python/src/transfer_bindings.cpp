@@ -108,6 +108,10 @@ class PySender {
     Device device = array.device_type() == nb::device::cuda::value ? Device{Device::Kind::kCuda, array.device_id()}
                                                                    : Device{};
     TensorView view{name, parsed, shape, static_cast<const std::byte*>(array.data()), device, 0, *bytes};
+    // Device bytes are copied when their bucket is sealed or read in place by the receiver
+    // until finish(): keep the tensor alive until then (a temporary such as p.to(bf16)
+    // would otherwise go back to the caching allocator and be overwritten).
+    if (device.is_cuda()) kept_alive_.push_back(nb::borrow(tensor));
     nb::gil_scoped_release release;  // the array stays referenced by `array` meanwhile
     sender_->send(view);
   }
@@ -119,10 +123,14 @@ class PySender {
 
   nb::dict finish() {
     UpdateReport report;
-    {
+    try {
       nb::gil_scoped_release release;
       report = sender_->finish();
+    } catch (...) {
+      kept_alive_.clear();
+      throw;
     }
+    kept_alive_.clear();
     return report_dict(report);
   }
 
@@ -132,7 +140,10 @@ class PySender {
     result["buckets"] = report.buckets;
     result["tensors"] = report.tensors;
     result["bytes"] = report.bytes;
+    result["shared_bytes"] = report.shared_bytes;
+    result["regions"] = report.regions;
     result["seconds"] = report.seconds;
+    result["connect_seconds"] = report.connect_seconds;
     result["gbps"] = report.gbps();
     result["model_hook_runs"] = report.counters.model_hook_runs;
     result["parameters_completed"] = report.counters.parameters_completed;
@@ -142,6 +153,7 @@ class PySender {
 
  private:
   std::unique_ptr<UpdateSender> sender_;
+  std::vector<nb::object> kept_alive_;  // device tensors of the open update
 };
 
 class PyReceiver {
@@ -180,7 +192,8 @@ class PyReceiver {
 
 void bind_transfer(nb::module_& m) {
   nb::class_<PySender>(m, "UpdateSender",
-                       "Pushes tensors to an UpdateReceiver in buckets: start(format), send(name, tensor)*, finish().")
+                       "Pushes tensors to an UpdateReceiver in buckets over one connection: for each update, "
+                       "start(format), send(name, tensor)*, finish().")
       .def(nb::init<const std::string&, const std::string&, const std::string&, uint64_t, double, const std::string&>(),
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
            "timeout"_a = 30.0, "device"_a = "cpu")

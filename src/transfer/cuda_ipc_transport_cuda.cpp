@@ -54,6 +54,7 @@ class CudaIpcReceiver final : public ReceiverTransport {
   Device device() const override { return device_; }
   void open_region(const SharedRegion& region) override;
   std::span<const std::byte> region(uint32_t id) const override;
+  void close_regions() override { regions_.clear(); }
 
  private:
   Device device_;
@@ -159,6 +160,12 @@ class CudaIpcSender final : public SenderTransport {
     copy_within_device(device_, pending_);
     pending_.clear();
     check(cudaStreamSynchronize(stream_), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
+  }
+
+  void begin_update() override {
+    allocations_.clear();
+    last_ = nullptr;
+    next_region_ = 0;
   }
 
   std::optional<RegionPlace> share(const std::byte* data, const Device& device, uint64_t bytes,

@@ -303,17 +303,39 @@ class LayerGate {
 }  // namespace
 
 struct UpdateReceiver::State {
+  State(ModelLayout& layout_, ReceiverOptions options_, Listener listener_)
+      : layout(layout_), options(std::move(options_)), listener(std::move(listener_)) {}
   ModelLayout& layout;
   ReceiverOptions options;
   Listener listener;
+  // The connected sender, kept between its updates (one connection carries any number).
+  std::optional<Connection> connection;
+  std::unique_ptr<ReceiverTransport> transport;
+  uint64_t bucket_bytes = 0;
+  double connect_seconds = 0;  // set-up of the current connection, reported with its first update
+  uint64_t updates = 0;        // updates finished on the current connection
+
+  std::string self() const {
+    return "update receiver at " + listener.address() + " (" + std::string(transport_name(options.transport)) + ")";
+  }
+
+  void drop_connection() {
+    transport.reset();
+    connection.reset();
+    updates = 0;
+  }
+
+  /// Accepts one sender and sets up the transport: HELLO, token, WELCOME, join.
+  void connect(std::chrono::milliseconds accept_timeout);
+  /// Runs one update on the connection, from its START to its REPORT.
+  UpdateReport run_update(const Message& start, Clock::time_point started);
 };
 
 UpdateReceiver::UpdateReceiver(ModelLayout& layout, ReceiverOptions options)
-    : state_(std::make_unique<State>(State{
-          layout, options,
-          options.transport == TransportKind::kShm || options.transport == TransportKind::kCudaIpc
-              ? Listener::unix_socket(options.listen)
-              : Listener::tcp(options.listen)})) {
+    : state_(std::make_unique<State>(layout, options,
+                                     options.transport == TransportKind::kShm || options.transport == TransportKind::kCudaIpc
+                                         ? Listener::unix_socket(options.listen)
+                                         : Listener::tcp(options.listen))) {
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
             "update receiver: the " + std::string(transport_name(options.transport)) +
                 " transport is not compiled into this build");
@@ -323,50 +345,101 @@ UpdateReceiver::~UpdateReceiver() = default;
 
 const std::string& UpdateReceiver::address() const noexcept { return state_->listener.address(); }
 
-UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
-  State& state = *state_;
-  const auto timeout = state.options.timeout;
-  Connection connection = state.listener.accept(accept_timeout);
-  const std::string& peer = connection.peer();
-  const std::string self = "update receiver at " + state.listener.address() + " (" +
-                           std::string(transport_name(state.options.transport)) + ")";
+void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
+  const auto timeout = options.timeout;
+  Connection accepted = listener.accept(accept_timeout);
+  const auto started = Clock::now();
+  const std::string peer = accepted.peer();
 
   auto refuse = [&](const std::string& reason) {
     Message refusal;
     refusal.type = MessageType::kRefuse;
     refusal.text = reason;
     try {
-      connection.send(refusal, timeout);
+      accepted.send(refusal, timeout);
     } catch (const Error&) {
       // The peer may already be gone; the refusal is reported here either way.
     }
-    WS_FAIL(ErrorCode::kProtocol, self + " refused " + peer + ": " + reason);
+    WS_FAIL(ErrorCode::kProtocol, self() + " refused " + peer + ": " + reason);
   };
 
-  // ---- connect: HELLO, token, transport set-up ----
-  Received hello = connection.receive(timeout, "HELLO");
+  Received hello = accepted.receive(timeout, "HELLO");
   if (hello.message.type != MessageType::kHello) {
     refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
   }
-  if (!state.options.token.empty() && !same_secret(hello.message.token, state.options.token)) {
-    refuse("wrong or missing token");
-  }
-  if (hello.message.transport != state.options.transport) {
+  if (!options.token.empty() && !same_secret(hello.message.token, options.token)) refuse("wrong or missing token");
+  if (hello.message.transport != options.transport) {
     refuse("the sender asked for transport " + std::string(transport_name(hello.message.transport)) +
-           " but this receiver serves " + std::string(transport_name(state.options.transport)));
+           " but this receiver serves " + std::string(transport_name(options.transport)));
   }
-  if (hello.message.bucket_bytes > state.options.max_bucket_bytes) {
+  if (hello.message.bucket_bytes > options.max_bucket_bytes) {
     refuse("bucket size " + std::to_string(hello.message.bucket_bytes) + " bytes exceeds this receiver's limit of " +
-           std::to_string(state.options.max_bucket_bytes));
+           std::to_string(options.max_bucket_bytes));
   }
-  const uint64_t bucket_bytes = hello.message.bucket_bytes;
+  try {
+    auto made = make_receiver_transport(options.transport, hello.message.bucket_bytes, options.device, hello.message.blob);
+    Message welcome;
+    welcome.type = MessageType::kWelcome;
+    welcome.bucket_bytes = hello.message.bucket_bytes;
+    welcome.slots = 2;
+    welcome.blob = made->welcome_blob();
+    accepted.send(welcome, timeout, made->welcome_fd());
+    made->join(timeout);
+    transport = std::move(made);
+  } catch (const Error& error) {
+    Message failure;
+    failure.type = MessageType::kError;
+    failure.code = error.code();
+    failure.text = error.what();
+    try {
+      accepted.send(failure, std::chrono::milliseconds(1000));
+    } catch (const Error&) {
+    }
+    WS_FAIL(error.code(), "connection from " + peer + " to " + self() + " failed before any update: " + error.what());
+  }
+  bucket_bytes = hello.message.bucket_bytes;
+  connection.emplace(std::move(accepted));
+  connect_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  updates = 0;
+}
 
-  uint64_t buckets = 0;      // buckets received and applied
-  uint32_t regions_open = 0;  // regions the sender shared so far
+UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
+  State& state = *state_;
+  const auto deadline = Clock::now() + accept_timeout;
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(0),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
+  for (;;) {
+    if (!state.connection) state.connect(left());
+    // A connected sender may take its time between updates (a trainer computing the next
+    // weights): START is awaited as long as the caller waits for an update.
+    Received start;
+    try {
+      start = state.connection->receive(left(), "START");
+    } catch (const Error& error) {
+      const bool between_updates = state.updates > 0;
+      const std::string peer = state.connection->peer();
+      state.drop_connection();
+      // A sender that leaves after its last update is done; wait for the next one.
+      if (between_updates && error.code() == ErrorCode::kNetwork) continue;
+      WS_FAIL(error.code(), "update from " + peer + " to " + state.self() + " failed before it started: " + error.what());
+    }
+    const auto started = Clock::now();
+    return state.run_update(start.message, started);
+  }
+}
+
+UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clock::time_point started) {
+  const auto timeout = options.timeout;
+  Connection& link = *connection;
+  const std::string peer = link.peer();
+  uint64_t buckets = 0;       // buckets received and applied
   uint64_t bytes = 0;
+  uint64_t shared_bytes = 0;  // bytes read in place from shared regions
+  uint32_t regions_open = 0;  // regions the sender shared in this update
   std::optional<LayerGate> gate;
   std::optional<LoadSession> session;
-  const auto started = Clock::now();
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
   auto last_bucket_text = [&] {
@@ -375,28 +448,16 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
                         : "after bucket " + std::to_string(buckets - 1) + " (the last received)";
   };
   try {
-    auto transport = make_receiver_transport(state.options.transport, bucket_bytes, state.options.device,
-                                             hello.message.blob);
-    Message welcome;
-    welcome.type = MessageType::kWelcome;
-    welcome.bucket_bytes = bucket_bytes;
-    welcome.slots = 2;
-    welcome.blob = transport->welcome_blob();
-    connection.send(welcome, timeout, transport->welcome_fd());
-    transport->join(timeout);
-
-    // ---- start ----
-    Received start = connection.receive(timeout, "START");
-    WS_EXPECT(start.message.type == MessageType::kStart, ErrorCode::kProtocol,
-              "expected START, got " + std::string(message_type_name(start.message.type)));
-    const TensorFormat format = start.message.format;
-    session.emplace(state.layout);
+    WS_EXPECT(start_message.type == MessageType::kStart, ErrorCode::kProtocol,
+              "expected START, got " + std::string(message_type_name(start_message.type)));
+    const TensorFormat format = start_message.format;
+    session.emplace(layout);
     session->begin(LoadMode::kUpdate, format);
-    gate.emplace(state.layout, format, transport->device());
+    gate.emplace(layout, format, transport->device());
 
     // ---- buckets, then finish ----
     for (;;) {
-      Received received = connection.receive(timeout, "bucket " + std::to_string(buckets) + " or FINISH");
+      Received received = link.receive(timeout, "bucket " + std::to_string(buckets) + " or FINISH");
       Message& message = received.message;
       if (message.type == MessageType::kFinish) {
         WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
@@ -407,18 +468,23 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
         gate->release_applied();
         session->finish();
         wait_for_copies(transport->device());
+        transport->close_regions();
         UpdateReport report;
         report.format = format;
         report.buckets = buckets;
         report.bytes = bytes;
+        report.shared_bytes = shared_bytes;
+        report.regions = regions_open;
         report.tensors = gate->tensors_complete();
         report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+        report.connect_seconds = updates == 0 ? connect_seconds : 0;
         report.counters = session->counters();
         report.completed_layers = session->completed_layers();
         Message answer;
         answer.type = MessageType::kReport;
         answer.report = report;
-        connection.send(answer, timeout);
+        link.send(answer, timeout);
+        ++updates;
         return report;
       }
       WS_EXPECT(message.type == MessageType::kBucket, ErrorCode::kProtocol,
@@ -440,7 +506,7 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
         ++regions_open;
       }
       if (manifest.bytes > 0) {
-        transport->receive(connection, manifest.slot, manifest.bytes, timeout,
+        transport->receive(link, manifest.slot, manifest.bytes, timeout,
                            "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
                                std::to_string(manifest.index));
       }
@@ -459,24 +525,28 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
       current.reset();
       ++buckets;
       bytes += manifest.bytes;
+      for (const BucketEntry& entry : manifest.entries) shared_bytes += entry.source != 0 ? entry.bytes : 0;
       Message applied;
       applied.type = MessageType::kApplied;
       applied.manifest.index = manifest.index;
       applied.manifest.slot = manifest.slot;
-      connection.send(applied, timeout);
+      link.send(applied, timeout);
     }
   } catch (const Error& error) {
-    // Tell the sender why (best effort: it may be the one that vanished).
+    // Tell the sender why (best effort: it may be the one that vanished), then drop the
+    // connection: after a failure neither side knows where the other stands.
     Message failure;
     failure.type = MessageType::kError;
     failure.code = error.code();
     failure.text = error.what();
     try {
-      connection.send(failure, std::chrono::milliseconds(1000));
+      link.send(failure, std::chrono::milliseconds(1000));
     } catch (const Error&) {
     }
-    std::string applied = gate ? join_layers(state.layout, gate->completed()) : "none";
-    WS_FAIL(error.code(), "update from " + peer + " to " + self + " failed " + last_bucket_text() + ": " +
+    session.reset();  // waits for copies issued from the sender's regions before closing them
+    drop_connection();
+    std::string applied = gate ? join_layers(layout, gate->completed()) : "none";
+    WS_FAIL(error.code(), "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +
                               error.what() + "; layers completed and applied before the failure: " + applied +
                               "; every other layer keeps its old values (a reload restores a consistent model)");
   }

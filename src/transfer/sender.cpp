@@ -25,8 +25,8 @@ struct UpdateSender::State {
   std::string address;
   std::optional<Connection> connection;
   std::unique_ptr<SenderTransport> transport;
-  bool started = false;
-  bool finished = false;
+  bool open = false;    // an update is between start() and finish()
+  bool broken = false;  // an update failed: the connection is in an unknown state
   uint32_t slot = 0;                             // the buffer the current bucket fills
   bool slot_claimed = false;                     // the current bucket has bytes in `slot`
   std::optional<uint64_t> in_flight[2];          // bucket occupying each buffer, until APPLIED
@@ -35,6 +35,20 @@ struct UpdateSender::State {
   uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
 
   std::string receiver() const { return "update receiver at " + address; }
+
+  /// Runs a step that talks to the receiver; a failure leaves the sender unusable.
+  template <typename Step>
+  auto on_connection(Step&& step) {
+    WS_EXPECT(!broken, ErrorCode::kInvalidArgument,
+              "update sender: an earlier update to " + receiver() + " failed; connect a new sender");
+    try {
+      return step();
+    } catch (...) {
+      broken = true;
+      open = false;
+      throw;
+    }
+  }
 
   /// Turns a message from the receiver that is not the expected one into an error.
   [[noreturn]] void fail_with(const Message& message, const std::string& awaiting) {
@@ -108,6 +122,9 @@ struct UpdateSender::State {
     current_shared_bytes = 0;
   }
 
+  /// Queues one tensor (UpdateSender::send after its checks).
+  void send(const TensorView& tensor, const std::string& name);
+
   /// The current bucket's buffer, once the receiver has released it.
   void claim_slot() {
     if (slot_claimed) return;
@@ -153,19 +170,29 @@ uint64_t UpdateSender::buckets_sent() const noexcept { return state_->next_index
 
 void UpdateSender::start(TensorFormat format) {
   State& state = *state_;
-  WS_EXPECT(!state.started, ErrorCode::kInvalidArgument, "update sender: start() called twice");
-  Message message;
-  message.type = MessageType::kStart;
-  message.format = format;
-  state.guarded([&] { state.connection->send(message, state.options.timeout); });
-  state.started = true;
+  WS_EXPECT(state.broken || !state.open, ErrorCode::kInvalidArgument,
+            "update sender: start() while an update is open (finish() it first)");
+  state.on_connection([&] {
+    Message message;
+    message.type = MessageType::kStart;
+    message.format = format;
+    state.transport->begin_update();
+    state.next_index = 0;
+    state.slot = 0;
+    state.slot_claimed = false;
+    state.in_flight[0].reset();
+    state.in_flight[1].reset();
+    state.current = BucketManifest{};
+    state.current_shared_bytes = 0;
+    state.guarded([&] { state.connection->send(message, state.options.timeout); });
+    state.open = true;
+  });
 }
 
 void UpdateSender::send(const TensorView& tensor) {
   State& state = *state_;
   const std::string name(tensor.name);
-  WS_EXPECT(state.started && !state.finished, ErrorCode::kInvalidArgument,
-            "update sender: send(" + name + ") outside start()/finish()");
+  WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: send(" + name + ") outside start()/finish()");
   WS_EXPECT(!name.empty() && name.size() <= kMaxNameBytes, ErrorCode::kInvalidArgument,
             "update sender: tensor name of " + std::to_string(name.size()) + " bytes (1 to 4096 allowed)");
   WS_EXPECT(tensor.shape.size() <= kMaxTensorRank, ErrorCode::kInvalidArgument,
@@ -176,6 +203,11 @@ void UpdateSender::send(const TensorView& tensor) {
                 std::to_string(tensor.bytes) + " does not fit its shape " + shape_text(tensor.shape));
   WS_EXPECT(tensor.data != nullptr || tensor.bytes == 0, ErrorCode::kInvalidArgument,
             "update sender: tensor " + name + " has no data");
+  state.on_connection([&] { state.send(tensor, name); });
+}
+
+void UpdateSender::State::send(const TensorView& tensor, const std::string& name) {
+  State& state = *this;
   const uint64_t capacity = state.options.bucket_bytes;
   auto add_entry = [&](uint64_t tensor_offset, uint32_t source, uint64_t source_offset, uint64_t bytes) {
     BucketEntry& entry = state.current.entries.emplace_back();
@@ -220,26 +252,27 @@ void UpdateSender::send(const TensorView& tensor) {
 
 void UpdateSender::flush() {
   State& state = *state_;
-  WS_EXPECT(state.started && !state.finished, ErrorCode::kInvalidArgument, "update sender: flush() outside start()/finish()");
-  state.flush();
+  WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: flush() outside start()/finish()");
+  state.on_connection([&] { state.flush(); });
 }
 
 UpdateReport UpdateSender::finish() {
   State& state = *state_;
-  WS_EXPECT(state.started && !state.finished, ErrorCode::kInvalidArgument,
-            "update sender: finish() without start(), or twice");
-  state.flush();
-  Message message;
-  message.type = MessageType::kFinish;
-  message.buckets = state.next_index;
-  state.guarded([&] { state.connection->send(message, state.options.timeout); });
-  state.finished = true;
-  for (;;) {
-    Received received = state.connection->receive(state.options.timeout, "the update's REPORT");
-    if (received.message.type == MessageType::kApplied) continue;
-    if (received.message.type != MessageType::kReport) state.fail_with(received.message, "the update's REPORT");
-    return received.message.report;
-  }
+  WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: finish() without start(), or twice");
+  return state.on_connection([&] {
+    state.flush();
+    Message message;
+    message.type = MessageType::kFinish;
+    message.buckets = state.next_index;
+    state.guarded([&] { state.connection->send(message, state.options.timeout); });
+    state.open = false;
+    for (;;) {
+      Received received = state.connection->receive(state.options.timeout, "the update's REPORT");
+      if (received.message.type == MessageType::kApplied) continue;
+      if (received.message.type != MessageType::kReport) state.fail_with(received.message, "the update's REPORT");
+      return received.message.report;
+    }
+  });
 }
 
 }  // namespace weightstream

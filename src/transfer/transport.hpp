@@ -43,6 +43,9 @@ class ReceiverTransport {
   virtual void open_region(const SharedRegion& region);
   /// The bytes of region `id` opened before; empty when there is none.
   virtual std::span<const std::byte> region(uint32_t id) const { return {}; }
+  /// Closes every region opened in this update (its copies have landed); the next update
+  /// numbers its regions from 0 again.
+  virtual void close_regions() {}
 };
 
 /// Where the receiver finds bytes of the sender's in place: shared region `region`, at
@@ -58,6 +61,9 @@ class SenderTransport {
   virtual ~SenderTransport() = default;
   /// Called once WELCOME has arrived: joins the receiver (NCCL).
   virtual void join(std::chrono::milliseconds timeout) {}
+  /// Called at each START: forgets the regions of the previous update (the receiver closed
+  /// them; the caller may have freed their memory since).
+  virtual void begin_update() {}
   /// Copies `bytes` from `source` (on `source_device`) to `offset` of buffer `slot`. The
   /// copy may still be in flight when this returns; seal() waits for it.
   virtual void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,

@@ -201,7 +201,10 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.buckets);
       out.put(report.tensors);
       out.put(report.bytes);
+      out.put(report.shared_bytes);
+      out.put(report.regions);
       out.put(report.seconds);
+      out.put(report.connect_seconds);
       const LoadCounters& counters = report.counters;
       for (uint64_t value : {counters.tensors_applied, counters.bytes_applied, counters.tensors_skipped,
                              counters.parameters_completed, counters.layer_processing_runs, counters.model_hook_runs}) {
@@ -337,7 +340,10 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.buckets = in.get<uint64_t>("buckets");
       report.tensors = in.get<uint64_t>("tensors");
       report.bytes = in.get<uint64_t>("bytes");
+      report.shared_bytes = in.get<uint64_t>("shared_bytes");
+      report.regions = in.get<uint64_t>("regions");
       report.seconds = in.get<double>("seconds");
+      report.connect_seconds = in.get<double>("connect_seconds");
       LoadCounters& counters = report.counters;
       for (uint64_t* value : {&counters.tensors_applied, &counters.bytes_applied, &counters.tensors_skipped,
                               &counters.parameters_completed, &counters.layer_processing_runs,

@@ -20,7 +20,8 @@
 //   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled (a bucket with
 //                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
-//   REPORT  (receiver -> sender)  buckets, tensors, bytes u64, seconds f64, six counters u64,
+//   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, regions u64, seconds,
+//                                 connect_seconds f64, six counters u64,
 //                                 count u32, count x i64 completed layers
 //   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
 //

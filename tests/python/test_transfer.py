@@ -56,12 +56,28 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     sender.start("checkpoint")
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
-    sender.finish()
+    echoed = sender.finish()
     thread.join(timeout=60)
     assert not thread.is_alive() and reports
     assert parameter_bytes(live) == expected
     assert parameter_addresses(live) == addresses
     assert hook_runs == [1]
+    assert echoed["connect_seconds"] > 0 and echoed["shared_bytes"] == 0 and echoed["regions"] == 0
+    assert echoed["bytes"] == reports[0]["bytes"] > 0
+
+    # The same connection carries the next update: back to the old weights.
+    thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
+    thread.start()
+    sender.start("checkpoint")
+    for name, tensor in old.stream(framework="numpy"):
+        sender.send(name, tensor, old.dtypes[name])
+    again = sender.finish()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(reports) == 2
+    assert again["connect_seconds"] == 0.0
+    assert parameter_bytes(live) == parameter_bytes(cold_layout(old))
+    assert parameter_addresses(live) == addresses
+    assert hook_runs == [1, 1]
 
 
 def test_a_sender_without_the_token_is_refused(tmp_path):

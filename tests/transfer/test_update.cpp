@@ -132,6 +132,42 @@ TEST_P(Transports, EngineFormatCopiesParametersInPlace) {
   EXPECT_EQ(model.hook_runs, 2);
 }
 
+TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(GetParam()));
+  // A trainer connects once and pushes seed 2, then seed 3, then leaves; a second trainer
+  // connects and pushes seed 4.
+  auto first_trainer = std::async(std::launch::async, [&, address = receiver.address()] {
+    UpdateSender sender(address, sender_options(GetParam()));
+    std::vector<UpdateReport> reports;
+    for (uint64_t seed : {2, 3}) {
+      sender.start(TensorFormat::kCheckpoint);
+      for (const TensorView& view : checkpoint_of(seed).views()) sender.send(view);
+      reports.push_back(sender.finish());
+    }
+    return reports;
+  });
+  UpdateReport second_seed = receiver.receive(10s);
+  EXPECT_GT(second_seed.connect_seconds, 0.0);
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
+  UpdateReport third_seed = receiver.receive(10s);
+  EXPECT_EQ(third_seed.connect_seconds, 0.0);  // the same connection: no set-up
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(3)).mismatched, 0u);
+  std::vector<UpdateReport> echoed = first_trainer.get();
+  ASSERT_EQ(echoed.size(), 2u);
+  EXPECT_EQ(echoed[1].buckets, third_seed.buckets);
+  EXPECT_EQ(third_seed.shared_bytes, 0u);  // host transports move every byte through buckets
+  EXPECT_EQ(third_seed.regions, 0u);
+
+  auto second_trainer = send_async(receiver.address(), sender_options(GetParam()), checkpoint_of(4).views());
+  UpdateReport fourth_seed = receiver.receive(10s);
+  second_trainer.get();
+  EXPECT_GT(fourth_seed.connect_seconds, 0.0);
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(4)).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+  EXPECT_EQ(model.hook_runs, 4);  // the cold load's and one per update
+}
+
 INSTANTIATE_TEST_SUITE_P(ShmAndTcp, Transports, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
                          [](const auto& info) { return std::string(transport_name(info.param)); });
 
@@ -179,6 +215,32 @@ TEST(Manifest, UnknownNameFailsAtItsBucketAndReportsCompletedLayers) {
   const std::string q1 = "model.layers.1.self_attn.qkv_proj.weight";
   EXPECT_EQ(testing::bytes_of(model.layout, q0), testing::bytes_of(new_values, q0));
   EXPECT_EQ(testing::bytes_of(model.layout, q1), testing::bytes_of(old_values, q1));
+}
+
+TEST(Manifest, AfterAFailedUpdateTheSenderMustReconnect) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  std::vector<int64_t> shape = {4, 4};
+  std::vector<std::byte> junk(32);
+  TensorView unknown{"model.layers.0.not_a_weight", Dtype::kBF16, shape, junk.data(), Device{}, 0, 32};
+  auto trainer = std::async(std::launch::async, [&, address = receiver.address()] {
+    UpdateSender sender(address, sender_options(TransportKind::kTcp));
+    sender.start(TensorFormat::kCheckpoint);
+    sender.send(unknown);
+    std::string first = error_text([&] { sender.finish(); });
+    std::string second = error_text([&] { sender.start(TensorFormat::kCheckpoint); });
+    return first + "\n" + second;
+  });
+  EXPECT_THAT(error_text([&] { receiver.receive(10s); }), HasSubstr("matches no parameter"));
+  std::string texts = trainer.get();
+  EXPECT_THAT(texts, HasSubstr("failed the update: tensor model.layers.0.not_a_weight"));
+  EXPECT_THAT(texts, HasSubstr("invalid_argument: update sender: an earlier update to update receiver at 127.0.0.1:"));
+  EXPECT_THAT(texts, HasSubstr("failed; connect a new sender"));
+  // The receiver dropped that connection and takes the next sender.
+  auto next = send_async(receiver.address(), sender_options(TransportKind::kTcp), checkpoint_of(2).views());
+  receiver.receive(10s);
+  next.get();
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
 }
 
 TEST(Manifest, WrongShapeAndDtypeAreNamed) {

@@ -111,12 +111,18 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   report.type = MessageType::kReport;
   report.report.buckets = 3;
   report.report.seconds = 0.25;
+  report.report.shared_bytes = 1ull << 34;
+  report.report.regions = 2;
+  report.report.connect_seconds = 0.125;
   report.report.counters.model_hook_runs = 1;
   report.report.completed_layers = {-1, 0, 1};
   parsed = parse_body(MessageType::kReport, encode_body(report), "peer");
   EXPECT_EQ(parsed.report.completed_layers, (std::vector<int64_t>{-1, 0, 1}));
   EXPECT_EQ(parsed.report.counters.model_hook_runs, 1u);
   EXPECT_EQ(parsed.report.seconds, 0.25);
+  EXPECT_EQ(parsed.report.shared_bytes, 1ull << 34);
+  EXPECT_EQ(parsed.report.regions, 2u);
+  EXPECT_EQ(parsed.report.connect_seconds, 0.125);
 }
 
 TEST(Wire, HeadersAreChecked) {
