@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -215,7 +216,9 @@ int run_receiver(const Settings& settings, const char* self) {
     // Baselines over the same bytes.
     ws::Buffer source = pattern_on(device, total);
     ws::Buffer destination(device, total);
-    std::vector<double> whole, per_tensor, batched, socket;
+    std::vector<double> whole, per_tensor, batched, gathered, socket;
+    std::optional<ws::CopyQueue> queue;
+    if (device.is_cuda()) queue.emplace(device);
     for (int run = 0; run < settings.repeat; ++run) {
       auto start = Clock::now();
       if (device.is_cuda()) {
@@ -239,6 +242,11 @@ int run_receiver(const Settings& settings, const char* self) {
         start = Clock::now();
         ws::copy_batch(device, ranges);
         batched.push_back(seconds_since(start));
+        // The receiver's own copy: one gather kernel over the per-tensor ranges.
+        start = Clock::now();
+        queue->gather(ranges);
+        queue->wait();
+        gathered.push_back(seconds_since(start));
       } else {
         socket.push_back(socket_copy(source.data(), destination.data(), total));
       }
@@ -247,6 +255,7 @@ int run_receiver(const Settings& settings, const char* self) {
     if (device.is_cuda()) {
       rows.push_back({"device-to-device copy per tensor (cudaMemcpy each)", median(per_tensor)});
       rows.push_back({"device-to-device copy per tensor, one batch (copy_batch)", median(batched)});
+      rows.push_back({"device-to-device copy per tensor, one gather kernel (CopyQueue)", median(gathered)});
     }
     else rows.push_back({"loopback TCP socket copy (4 MiB writes)", median(socket)});
   }

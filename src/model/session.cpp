@@ -251,7 +251,7 @@ void LoadSession::load(std::span<const TensorView> batch, SourceLifetime sources
 
   // Pass 2: write. Engine-format bytes land as they are: one batch of copies for the call
   // (on a GPU one driver call, not one per tensor), issued after the loop.
-  std::set<size_t> completed;
+  std::vector<size_t> completed;  // each parameter completes once
   std::vector<CopyRange> engine_copies;         // from host memory, or all on the host
   std::vector<CopyRange> engine_device_copies;  // from and to the layout's GPU
   for (const State::Write& write : writes) {
@@ -274,7 +274,7 @@ void LoadSession::load(std::span<const TensorView> batch, SourceLifetime sources
       parameter_state.engine_received += length;
       if (parameter_state.engine_received == parameter.bytes()) {
         ++state.counters.tensors_applied;
-        completed.insert(write.parameter);
+        completed.push_back(write.parameter);
       }
       continue;
     }
@@ -320,7 +320,7 @@ void LoadSession::load(std::span<const TensorView> batch, SourceLifetime sources
     if (part_state.received == needed_bytes) {
       part_state.complete = true;
       ++state.counters.tensors_applied;
-      if (++parameter_state.parts_complete == parameter.parts.size()) completed.insert(write.parameter);
+      if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
     }
   }
   copy_batch(layout_.device(), engine_copies);

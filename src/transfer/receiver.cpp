@@ -192,14 +192,14 @@ class LayerGate {
       }
       gated.push_back(i);
     }
-    std::set<int64_t> completed_now;
+    std::vector<int64_t> completed_now;
     for (size_t i : gated) {
       const BucketEntry& entry = manifest.entries[i];
       int64_t layer = checked[i].track->layer;
       LayerState& state = layers_[layer];
       if (state.done == state.needed) {
         now.push_back(view(entry, checked[i].data, device_));
-        completed_now.insert(layer);
+        if (completed_now.empty() || completed_now.back() != layer) completed_now.push_back(layer);
       } else if (entry.source != 0) {
         state.held.push_back(Held{entry, Buffer(), checked[i].data});
       } else {
@@ -210,6 +210,8 @@ class LayerGate {
         held_bytes_ += entry.bytes;
       }
     }
+    std::sort(completed_now.begin(), completed_now.end());
+    completed_now.erase(std::unique(completed_now.begin(), completed_now.end()), completed_now.end());
     for (int64_t layer : completed_now) {
       for (Held& piece : layers_[layer].held) now.push_back(view(piece.entry, piece.data, device_));
       flushing_.push_back(layer);

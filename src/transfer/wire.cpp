@@ -23,6 +23,7 @@ class Writer {
   void put_string(std::string_view text) {
     put_bytes(std::span(reinterpret_cast<const std::byte*>(text.data()), text.size()));
   }
+  void reserve(size_t bytes) { out_.reserve(bytes); }
   std::vector<std::byte> take() { return std::move(out_); }
 
  private:
@@ -168,6 +169,7 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(static_cast<uint8_t>(message.format == TensorFormat::kEngine ? 1 : 0));
       break;
     case MessageType::kBucket:
+      out.reserve(64 + 128 * message.manifest.regions.size() + 96 * message.manifest.entries.size());
       out.put(message.manifest.index);
       out.put(message.manifest.slot);
       out.put(message.manifest.bytes);
