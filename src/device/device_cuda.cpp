@@ -258,24 +258,36 @@ void copy_within_device(const Device& device, std::span<const CopyRange> ranges)
 
 // The queue keeps its work items in a pinned host array and a device array of the same
 // size: a gather appends its items to both (one async upload, one launch); wait() empties
-// them. An array too small is regrown only after a wait, never under copies in flight.
+// them. Arrays too small are replaced by larger ones without waiting (a wait here would
+// drain the pipeline the queue exists for); the old ones, still read by gathers in flight,
+// are freed at the next wait(). A queue reused across loads keeps its grown arrays.
 struct CopyQueue::State {
+#ifdef WS_HAVE_CUDA_KERNELS
+  /// One pair of work-item arrays.
+  struct Items {
+    detail::CopyWork* host = nullptr;    // pinned (cudaMallocHost)
+    detail::CopyWork* device = nullptr;  // cudaMalloc
+    size_t capacity = 0;
+    void release() noexcept {
+      if (host != nullptr) cudaFreeHost(host);
+      if (device != nullptr) cudaFree(device);
+      *this = Items{};
+    }
+  };
+  Items items;                         // the arrays gathers append to
+  std::vector<Items> retired;          // replaced arrays, freed at the next wait()
+  size_t used = 0;                     // items of `items` used since the last wait()
+  std::vector<detail::CopyWork> work;  // scratch of one gather
+#endif
   Device device;
   OwnedStream stream{nullptr, &cudaStreamDestroy};
-#ifdef WS_HAVE_CUDA_KERNELS
-  detail::CopyWork* host_items = nullptr;    // pinned (cudaMallocHost)
-  detail::CopyWork* device_items = nullptr;  // cudaMalloc
-  size_t capacity = 0;                       // items each array holds
-  size_t used = 0;                           // items of gathers not yet waited for
-  std::vector<detail::CopyWork> work;        // scratch of one gather
-#endif
   bool pending = false;
 
   ~State() {
     if (pending) cudaStreamSynchronize(stream.get());
 #ifdef WS_HAVE_CUDA_KERNELS
-    if (host_items != nullptr) cudaFreeHost(host_items);
-    if (device_items != nullptr) cudaFree(device_items);
+    items.release();
+    for (Items& old : retired) old.release();
 #endif
   }
 
@@ -284,27 +296,20 @@ struct CopyQueue::State {
   }
 
 #ifdef WS_HAVE_CUDA_KERNELS
-  /// Room for `items` more work items, after waiting for the gathers in flight if the
-  /// arrays must grow.
-  void reserve(size_t items) {
-    if (used + items <= capacity) return;
-    if (pending) {
-      check(cudaStreamSynchronize(stream.get()), "waiting for earlier gathers");
-      pending = false;
-    }
+  /// Room for `count` more work items: new, larger arrays when these are full.
+  void reserve(size_t count) {
+    if (used + count <= items.capacity) return;
+    // An update of 16 GB in 1 MiB pieces takes 16,384 items: the first arrays hold that.
+    Items grown;
+    grown.capacity = std::max<size_t>({count, 2 * items.capacity, size_t{1} << 15});
+    check(cudaMallocHost(reinterpret_cast<void**>(&grown.host), grown.capacity * sizeof(detail::CopyWork)),
+          "cudaMallocHost of " + std::to_string(grown.capacity) + " work items");
+    cudaError_t error = cudaMalloc(reinterpret_cast<void**>(&grown.device), grown.capacity * sizeof(detail::CopyWork));
+    if (error != cudaSuccess) grown.release();
+    check(error, "cudaMalloc of " + std::to_string(grown.capacity) + " work items");
+    if (items.capacity > 0) retired.push_back(items);
+    items = grown;
     used = 0;
-    if (items <= capacity) return;
-    size_t grown = std::max<size_t>({items, 2 * capacity, 4096});
-    if (host_items != nullptr) cudaFreeHost(host_items);
-    if (device_items != nullptr) cudaFree(device_items);
-    host_items = nullptr;
-    device_items = nullptr;
-    capacity = 0;
-    check(cudaMallocHost(reinterpret_cast<void**>(&host_items), grown * sizeof(detail::CopyWork)),
-          "cudaMallocHost of " + std::to_string(grown) + " work items");
-    check(cudaMalloc(reinterpret_cast<void**>(&device_items), grown * sizeof(detail::CopyWork)),
-          "cudaMalloc of " + std::to_string(grown) + " work items");
-    capacity = grown;
   }
 #endif
 };
@@ -332,8 +337,8 @@ void CopyQueue::gather(std::span<const CopyRange> ranges) {
   if (state.work.empty()) return;
   require_device(state.device);
   state.reserve(state.work.size());
-  detail::CopyWork* host = state.host_items + state.used;
-  detail::CopyWork* on_device = state.device_items + state.used;
+  detail::CopyWork* host = state.items.host + state.used;
+  detail::CopyWork* on_device = state.items.device + state.used;
   std::copy(state.work.begin(), state.work.end(), host);
   const size_t bytes = state.work.size() * sizeof(detail::CopyWork);
   state.check(cudaMemcpyAsync(on_device, host, bytes, cudaMemcpyHostToDevice, state.stream.get()),
@@ -351,10 +356,13 @@ void CopyQueue::wait() {
   State& state = *state_;
   if (!state.pending) return;
   state.pending = false;
+  cudaError_t error = cudaStreamSynchronize(state.stream.get());
 #ifdef WS_HAVE_CUDA_KERNELS
   state.used = 0;
+  for (State::Items& old : state.retired) old.release();
+  state.retired.clear();
 #endif
-  state.check(cudaStreamSynchronize(state.stream.get()), "waiting for its copies");
+  state.check(error, "waiting for its copies");
 }
 
 bool CopyQueue::pending() const noexcept { return state_ && state_->pending; }

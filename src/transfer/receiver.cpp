@@ -316,6 +316,9 @@ struct UpdateReceiver::State {
   uint64_t bucket_bytes = 0;
   double connect_seconds = 0;  // set-up of the current connection, reported with its first update
   uint64_t updates = 0;        // updates finished on the current connection
+  // One session for every update: begin() per update; its copy queue (and the arrays it
+  // has grown) stays. Made anew after a failed update, which leaves it mid-load.
+  std::optional<LoadSession> session;
 
   std::string self() const {
     return "update receiver at " + listener.address() + " (" + std::string(transport_name(options.transport)) + ")";
@@ -441,7 +444,6 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   uint64_t shared_bytes = 0;  // bytes read in place from shared regions
   uint32_t regions_open = 0;  // regions the sender shared in this update
   std::optional<LayerGate> gate;
-  std::optional<LoadSession> session;
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
   auto last_bucket_text = [&] {
@@ -453,7 +455,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     WS_EXPECT(start_message.type == MessageType::kStart, ErrorCode::kProtocol,
               "expected START, got " + std::string(message_type_name(start_message.type)));
     const TensorFormat format = start_message.format;
-    session.emplace(layout);
+    if (!session) session.emplace(layout);
     session->begin(LoadMode::kUpdate, format);
     gate.emplace(layout, format, transport->device());
 
@@ -546,7 +548,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     } catch (const Error&) {
     }
     session.reset();  // waits for copies issued from the sender's regions before closing them
-    drop_connection();
+    drop_connection();  // closes the regions
     std::string applied = gate ? join_layers(layout, gate->completed()) : "none";
     WS_FAIL(error.code(), "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +
                               error.what() + "; layers completed and applied before the failure: " + applied +
