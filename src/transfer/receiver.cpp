@@ -53,7 +53,13 @@ class LayerGate {
   LayerGate(const ModelLayout& layout, TensorFormat format, const Device& device)
       : layout_(layout), format_(format), device_(device) {
     if (format == TensorFormat::kEngine) {
-      for (const Parameter& parameter : layout.parameters()) add(parameter.name, parameter.layer);
+      // Engine names are parameters: tracks by parameter index, found by the same lookup
+      // that checks the entry (one hash lookup a tensor, not two).
+      engine_tracks_.resize(layout.parameters().size());
+      for (size_t i = 0; i < layout.parameters().size(); ++i) {
+        engine_tracks_[i].layer = layout.parameters()[i].layer;
+        ++layers_[engine_tracks_[i].layer].needed;
+      }
     } else {
       for (const std::string& tensor : layout.wanted_tensors()) {
         TensorRoute route = layout.route(tensor);
@@ -107,11 +113,13 @@ class LayerGate {
                       std::to_string(region.size()) + " bytes");
         checked[i].data = region.data() + entry.source_offset;
       }
+      Track* track_found = nullptr;
       if (format_ == TensorFormat::kEngine) {
         auto index = layout_.find(tensor);
         WS_EXPECT(index.has_value(), ErrorCode::kModel,
                   "engine-format " + at_text() + " names no parameter of " + layout_.description());
         const Parameter& parameter = layout_.parameters()[*index];
+        track_found = &engine_tracks_[*index];
         WS_EXPECT(entry.dtype == parameter.dtype, ErrorCode::kModel,
                   "engine-format " + at_text() + " has dtype " + std::string(dtype_name(entry.dtype)) + " but parameter " +
                       parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
@@ -138,9 +146,12 @@ class LayerGate {
                         std::string(dtype_name(parameter.load_dtype)) + " (only BF16, F16 and F32 convert)");
         }
       }
-      auto found = tensors_.find(tensor);
-      if (found == tensors_.end()) continue;
-      Track& track = found->second;
+      if (track_found == nullptr) {
+        auto found = tensors_.find(tensor);
+        if (found == tensors_.end()) continue;
+        track_found = &found->second;
+      }
+      Track& track = *track_found;
       checked[i].track = &track;
       // Most tensors come whole, once: the map of pieces is consulted only for the rest.
       const bool piece = entry.tensor_offset != 0 || entry.bytes != *tensor_byte_size(entry.dtype, entry.shape);
@@ -260,6 +271,7 @@ class LayerGate {
   uint64_t tensors_complete() const {
     uint64_t count = 0;
     for (const auto& [name, track] : tensors_) count += track.complete ? 1 : 0;
+    for (const Track& track : engine_tracks_) count += track.complete ? 1 : 0;
     return count;
   }
 
@@ -293,7 +305,8 @@ class LayerGate {
   const ModelLayout& layout_;
   TensorFormat format_;
   Device device_;
-  std::unordered_map<std::string, Track, detail::StringHash, std::equal_to<>> tensors_;
+  std::unordered_map<std::string, Track, detail::StringHash, std::equal_to<>> tensors_;  // checkpoint format
+  std::vector<Track> engine_tracks_;  // engine format, by parameter index
   std::vector<Track*> whole_in_bucket_;
   std::map<int64_t, LayerState> layers_;
   std::vector<int64_t> flushing_;
