@@ -315,6 +315,19 @@ class LayerGate {
   uint64_t held_bytes_ = 0;
 };
 
+/// Sends `error` to the peer as an ERROR message, best effort: it may be the one that
+/// vanished.
+void tell_peer(Connection& connection, const Error& error) {
+  Message failure;
+  failure.type = MessageType::kError;
+  failure.code = error.code();
+  failure.text = error.what();
+  try {
+    connection.send(failure, std::chrono::milliseconds(1000));
+  } catch (const Error&) {
+  }
+}
+
 }  // namespace
 
 struct UpdateReceiver::State {
@@ -405,14 +418,7 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
     made->join(timeout);
     transport = std::move(made);
   } catch (const Error& error) {
-    Message failure;
-    failure.type = MessageType::kError;
-    failure.code = error.code();
-    failure.text = error.what();
-    try {
-      accepted.send(failure, std::chrono::milliseconds(1000));
-    } catch (const Error&) {
-    }
+    tell_peer(accepted, error);
     WS_FAIL(error.code(), "connection from " + peer + " to " + self() + " failed before any update: " + error.what());
   }
   bucket_bytes = hello.message.bucket_bytes;
@@ -550,16 +556,9 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       link.send(applied, timeout);
     }
   } catch (const Error& error) {
-    // Tell the sender why (best effort: it may be the one that vanished), then drop the
-    // connection: after a failure neither side knows where the other stands.
-    Message failure;
-    failure.type = MessageType::kError;
-    failure.code = error.code();
-    failure.text = error.what();
-    try {
-      link.send(failure, std::chrono::milliseconds(1000));
-    } catch (const Error&) {
-    }
+    // Tell the sender why, then drop the connection: after a failure neither side knows
+    // where the other stands.
+    tell_peer(link, error);
     session.reset();  // waits for copies issued from the sender's regions before closing them
     drop_connection();  // closes the regions
     std::string applied = gate ? join_layers(layout, gate->completed()) : "none";
