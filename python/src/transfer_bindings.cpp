@@ -70,13 +70,15 @@ Dtype dtype_of(const nb::ndarray<nb::ro>& array, const std::optional<std::string
 class PySender {
  public:
   PySender(const std::string& address, const std::string& transport, const std::string& token, uint64_t bucket_bytes,
-           double timeout, const std::string& device) {
+           double timeout, const std::string& device, bool share_allocations, uint64_t share_minimum_bytes) {
     SenderOptions options;
     options.transport = parse_transport(transport);
     options.token = token;
     options.bucket_bytes = bucket_bytes;
     options.timeout = milliseconds(timeout);
     options.device = parse_device(device);
+    options.share_allocations = share_allocations;
+    options.share_minimum_bytes = share_minimum_bytes;
     nb::gil_scoped_release release;
     sender_ = std::make_unique<UpdateSender>(address, options);
   }
@@ -194,9 +196,11 @@ void bind_transfer(nb::module_& m) {
   nb::class_<PySender>(m, "UpdateSender",
                        "Pushes tensors to an UpdateReceiver in buckets over one connection: for each update, "
                        "start(format), send(name, tensor)*, finish().")
-      .def(nb::init<const std::string&, const std::string&, const std::string&, uint64_t, double, const std::string&>(),
+      .def(nb::init<const std::string&, const std::string&, const std::string&, uint64_t, double, const std::string&, bool,
+                    uint64_t>(),
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
-           "timeout"_a = 30.0, "device"_a = "cpu")
+           "timeout"_a = 30.0, "device"_a = "cpu", "share_allocations"_a = true,
+           "share_minimum_bytes"_a = kDefaultShareMinimumBytes)
       .def("start", &PySender::start, "format"_a = "checkpoint")
       .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none())
       .def("flush", &PySender::flush)

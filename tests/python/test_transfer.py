@@ -52,7 +52,8 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     reports = []
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
-    sender = weightstream.UpdateSender(receiver.address, transport=transport, token="s3cret", bucket_bytes=1 << 20)
+    sender = weightstream.UpdateSender(receiver.address, transport=transport, token="s3cret", bucket_bytes=1 << 20,
+                                       share_minimum_bytes=1 << 30)
     sender.start("checkpoint")
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
