@@ -123,15 +123,24 @@ int run_sender(const Settings& settings) {
   options.device = device;
   options.share_allocations = settings.share == "on";
   ws::UpdateSender sender(settings.address, options);
+  std::vector<double> sending, finishing;  // the sender's own time: its send() calls, its finish()
   for (int run = 0; run < settings.repeat; ++run) {
+    auto begun = Clock::now();
     sender.start(ws::TensorFormat::kEngine);
     for (size_t i = 0; i < elements.size(); ++i) {
       std::vector<int64_t> shape = {elements[i]};
       uint64_t bytes = static_cast<uint64_t>(elements[i]) * 2;
       sender.send(ws::TensorView{names[i], ws::Dtype::kBF16, shape, data[i], device, 0, bytes});
     }
+    sending.push_back(seconds_since(begun) * 1e3);
+    begun = Clock::now();
     sender.finish();
+    finishing.push_back(seconds_since(begun) * 1e3);
   }
+  std::sort(sending.begin(), sending.end());
+  std::sort(finishing.begin(), finishing.end());
+  std::fprintf(stderr, "- sender's ms (medians): start() and send() calls %.2f, finish() %.2f\n",
+               sending[sending.size() / 2], finishing[finishing.size() / 2]);
   return 0;
 }
 
@@ -179,6 +188,24 @@ struct Row {
   double seconds = 0;
 };
 
+/// The median of each phase of the receiver's updates, in milliseconds, as one line.
+std::string phase_text(const std::vector<ws::UpdatePhases>& runs) {
+  auto ms = [&](double ws::UpdatePhases::*phase) {
+    std::vector<double> values;
+    for (const ws::UpdatePhases& run : runs) values.push_back(run.*phase * 1e3);
+    std::sort(values.begin(), values.end());
+    return values[values.size() / 2];
+  };
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "waiting %.2f (first bucket %.2f), parsing %.2f, opening %.2f, checking %.2f, copying %.2f, "
+                "finishing %.2f, closing %.2f",
+                ms(&ws::UpdatePhases::waiting), ms(&ws::UpdatePhases::first_bucket), ms(&ws::UpdatePhases::parsing),
+                ms(&ws::UpdatePhases::opening), ms(&ws::UpdatePhases::checking), ms(&ws::UpdatePhases::copying),
+                ms(&ws::UpdatePhases::finishing), ms(&ws::UpdatePhases::closing));
+  return text;
+}
+
 int run_receiver(const Settings& settings, const char* self) {
   ws::Device device = ws::parse_device(settings.device);
   auto elements = tensor_elements(settings);
@@ -212,6 +239,7 @@ int run_receiver(const Settings& settings, const char* self) {
   }
 
   std::vector<Row> rows;
+  std::vector<std::string> phase_lines;  // per transport: where the receiver's time went
   {
     // Baselines over the same bytes.
     ws::Buffer source = pattern_on(device, total);
@@ -292,11 +320,13 @@ int run_receiver(const Settings& settings, const char* self) {
     (void)!::write(token_pipe[1], "bench-token\n", 12);
     ::close(token_pipe[1]);
     std::vector<double> runs;
+    std::vector<ws::UpdatePhases> phases;
     uint64_t buckets = 0, shared = 0;
     double connect = 0;
     for (int run = 0; run < settings.repeat; ++run) {
       ws::UpdateReport report = receiver.receive(std::chrono::minutes(5));
       runs.push_back(report.seconds);
+      phases.push_back(report.phases);
       buckets = report.buckets;
       shared = report.shared_bytes;
       connect += report.connect_seconds;  // the first update's only: one connection
@@ -327,6 +357,12 @@ int run_receiver(const Settings& settings, const char* self) {
     rows.push_back({"update via " + name + " (" + std::to_string(buckets) + " buckets" + how +
                         (wrong ? ", " + std::to_string(wrong) + " PARAMETERS WRONG" : "") + ")",
                     median(runs)});
+    // The first update of a connection opens the sender's regions; the later ones reuse them.
+    phase_lines.push_back("update via " + name + ", receiver's ms, first update: " + phase_text({phases.front()}));
+    if (phases.size() > 1) {
+      phase_lines.push_back("update via " + name + ", receiver's ms, later updates (medians): " +
+                            phase_text({phases.begin() + 1, phases.end()}));
+    }
   }
 
   std::printf("update_bench: %.2f GiB BF16 as %llu tensors, %s, buckets of %llu MiB, median of %d\n\n",
@@ -337,6 +373,8 @@ int run_receiver(const Settings& settings, const char* self) {
     std::printf("| %s | %.4f | %.2f | %.0f%% |\n", row.what.c_str(), row.seconds,
                 static_cast<double>(total) / row.seconds / 1e9, 100.0 * baseline / row.seconds);
   }
+  std::printf("\n");
+  for (const std::string& line : phase_lines) std::printf("- %s\n", line.c_str());
   return 0;
 }
 

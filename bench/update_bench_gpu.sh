@@ -7,6 +7,9 @@
 # Called by scripts/gpu.sh (stage `update`) or alone; results under $OUT (default out/gpu).
 #   WS_UPDATE_BENCH_BYTES  model size (default 16GiB)
 #   WS_UPDATE_BUCKET       bucket size (default 1GiB)
+#   WS_UPDATE_CONFIGS      sender memory, sharing and bucket of each row, ';'-separated
+#                          (default "arena on B;arena on 256MiB;arena off B;tensors on B", B the bucket)
+#   WS_UPDATE_REPEAT       updates a row (default 5)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -14,6 +17,8 @@ build=$root/build-gpu
 jobs=${WS_JOBS:-$(nproc)}
 bytes=${WS_UPDATE_BENCH_BYTES:-16GiB}
 bucket=${WS_UPDATE_BUCKET:-1GiB}
+configs=${WS_UPDATE_CONFIGS:-"arena on $bucket;arena on 256MiB;arena off $bucket;tensors on $bucket"}
+repeat=${WS_UPDATE_REPEAT:-5}
 mkdir -p "$out"
 deps_flag=()
 [ -d "$root/.deps/lib" ] && deps_flag=(-DWS_DEPS_DIR="$root/.deps") &&
@@ -34,15 +39,26 @@ grep "weightstream: NCCL" "$out/update_build.log" | tail -1
   grep -q '\[  PASSED  \] 1 test' || { echo "cuda-ipc audit did not pass"; status=1; }
 echo "update tests: $(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\]' "$out/update_tests.log" | head -3 | tr '\n' ' ')" >>"$out/summary.txt"
 
-# The benchmark: ~1,000 and ~10,000 tensors, three runs each, median; the sender's tensors
-# in one arena shared in place (the default for allocations of 256 MiB and more), the same
-# arena with sharing off, and one allocation per tensor (both through the bucket buffers).
+# The receiver's copy kernel alone, in several shapes, against one cudaMemcpy (decides the
+# parameters of src/device/copy_kernels.cu).
+if nvcc -O3 -std=c++17 -arch=native "$root/bench/gather_probe.cu" -o "$build/gather_probe" >>"$out/update_build.log" 2>&1; then
+  "$build/gather_probe" 16 7 >"$out/gather_probe.md" 2>&1 || status=1
+  cat "$out/gather_probe.md"
+else
+  echo "gather_probe: build FAILED" | tee -a "$out/summary.txt"
+fi
+
+# The benchmark: ~1,000 and ~10,000 tensors, `repeat` updates over one connection each,
+# median; the sender's tensors in one arena shared in place (the default for allocations of
+# 256 MiB and more), the same arena with sharing off, and one allocation per tensor (both
+# through the bucket buffers).
 : >"$out/update_bench.md"
 for tensors in 1000 10000; do
-  for memory in "arena on $bucket" "arena on 256MiB" "arena off $bucket" "tensors on $bucket"; do
+  IFS=';' read -ra rows <<<"$configs"
+  for memory in "${rows[@]}"; do
     set -- $memory
     "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$3" \
-      --transports cuda-ipc --repeat 5 --sender-memory "$1" --share "$2" 2>&1 | tee -a "$out/update_bench.md" || status=1
+      --transports cuda-ipc --repeat "$repeat" --sender-memory "$1" --share "$2" 2>&1 | tee -a "$out/update_bench.md" || status=1
     echo >>"$out/update_bench.md"
   done
 done

@@ -121,6 +121,20 @@ struct BucketManifest {
 };
 
 /// What an update did, reported by the receiver (and echoed to the sender).
+/// Where the receiver's time in one update went, in seconds; together they make up about
+/// UpdateReport::seconds. `waiting` large: the sender (or the link) is the bottleneck;
+/// `copying` large: the GPU's copies are; `checking` large: host work per tensor is.
+struct UpdatePhases {
+  double first_bucket = 0;  ///< from START until the first manifest had arrived and been decoded (counted in `waiting` and `parsing`)
+  double waiting = 0;       ///< for the sender: manifests and payload bytes in transit
+  double parsing = 0;       ///< decoding manifests
+  double opening = 0;       ///< opening the sender's shared regions (CUDA IPC)
+  double checking = 0;      ///< checking entries against the layout and issuing their copies
+  double copying = 0;       ///< waiting for copies to land (before a buffer is refilled, and at the end)
+  double finishing = 0;     ///< the session's finish(): completeness, layer processing, model hooks
+  double closing = 0;       ///< closing shared regions the update no longer needs
+};
+
 struct UpdateReport {
   TensorFormat format = TensorFormat::kCheckpoint;
   uint64_t buckets = 0;
@@ -133,6 +147,7 @@ struct UpdateReport {
   /// the first update of a connection; 0 for the updates after it.
   double connect_seconds = 0;
   LoadCounters counters;     ///< of the receiver's LoadSession
+  UpdatePhases phases;       ///< where the receiver's `seconds` went
   std::vector<int64_t> completed_layers;
   /// Tensor bytes moved (through buckets and in place) per second of the update.
   double gbps() const noexcept {

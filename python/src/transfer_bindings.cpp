@@ -147,6 +147,16 @@ class PySender {
     result["seconds"] = report.seconds;
     result["connect_seconds"] = report.connect_seconds;
     result["gbps"] = report.gbps();
+    nb::dict phases;
+    phases["first_bucket"] = report.phases.first_bucket;
+    phases["waiting"] = report.phases.waiting;
+    phases["parsing"] = report.phases.parsing;
+    phases["opening"] = report.phases.opening;
+    phases["checking"] = report.phases.checking;
+    phases["copying"] = report.phases.copying;
+    phases["finishing"] = report.phases.finishing;
+    phases["closing"] = report.phases.closing;
+    result["phases"] = phases;
     result["model_hook_runs"] = report.counters.model_hook_runs;
     result["parameters_completed"] = report.counters.parameters_completed;
     result["completed_layers"] = report.completed_layers;

@@ -10,13 +10,17 @@
 // opens it once and copies straight from it into its parameters: each byte is copied once,
 // where a bucket moves it twice. Only allocations of at least
 // SenderOptions::share_minimum_bytes are shared: opening one costs about as much as copying
-// a few hundred MB once.
+// a few hundred MB once. A trainer's flat buffer outlives its updates, so the receiver keeps
+// a region open for the next update of the connection: the same allocation comes with the
+// same handle (CUDA gives a new allocation a new one, even at the same address), and only
+// regions an update no longer announces are closed at its end.
 // Compiled only with CUDA; cuda_ipc_transport_cuda_fallback.cpp otherwise.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
 #include <cstring>
 #include <map>
+#include <memory>
 
 #include "transfer/transport.hpp"
 #include "weightstream/options.hpp"
@@ -37,6 +41,18 @@ void check(cudaError_t error, const Device& device, const std::string& operation
 
 Device cuda_device(const Device& device) { return device.is_cuda() ? device : Device{Device::Kind::kCuda, 0}; }
 
+/// cuMemGetAddressRange from the driver the runtime has loaded: the allocation that holds
+/// a device pointer (the runtime API has no equivalent). Null when the driver lacks it.
+using AddressRangeFunction = int (*)(unsigned long long* base, size_t* size, unsigned long long pointer);
+AddressRangeFunction address_range_function() {
+  static const AddressRangeFunction function = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (driver == nullptr) return AddressRangeFunction{nullptr};
+    return reinterpret_cast<AddressRangeFunction>(dlsym(driver, "cuMemGetAddressRange_v2"));
+  }();
+  return function;
+}
+
 class CudaIpcReceiver final : public ReceiverTransport {
  public:
   CudaIpcReceiver(uint64_t bucket_bytes, const Device& device) : device_(cuda_device(device)) {
@@ -54,13 +70,20 @@ class CudaIpcReceiver final : public ReceiverTransport {
   Device device() const override { return device_; }
   void open_region(const SharedRegion& region) override;
   std::span<const std::byte> region(uint32_t id) const override;
-  void close_regions() override { regions_.clear(); }
+  void end_update() override;
 
  private:
+  /// A region of the sender's mapped here, kept across the updates that announce it.
+  struct Mapping {
+    std::unique_ptr<class OpenedHandle> opened;
+    uint64_t bytes = 0;        ///< as announced (checked against the mapping's own size)
+    bool announced = false;    ///< by the current update
+  };
   Device device_;
   Buffer buffers_[2];
   std::vector<std::byte> blob_;
-  std::vector<class OpenedHandle> regions_;
+  std::map<std::vector<std::byte>, Mapping> mappings_;  // by handle bytes
+  std::vector<const Mapping*> regions_;                 // the current update's, by region id
 };
 
 /// A mapping of a peer's device buffer, closed on destruction.
@@ -92,32 +115,61 @@ class OpenedHandle {
 };
 
 void CudaIpcReceiver::open_region(const SharedRegion& region) {
+  const std::string what = "the sender's shared region " + std::to_string(region.id) + " (" + format_size(region.bytes) + ")";
   WS_EXPECT(region.handle.size() == kHandleBytes, ErrorCode::kProtocol,
             "shared region " + std::to_string(region.id) + " came with a " + std::to_string(region.handle.size()) +
                 "-byte handle, not a " + std::to_string(kHandleBytes) + "-byte cudaIpcMemHandle_t");
-  cudaIpcMemHandle_t handle;
-  std::memcpy(&handle, region.handle.data(), kHandleBytes);
-  // Opening must happen on the receiver's device (the handle maps into the current one).
-  require_device(device_);
-  regions_.emplace_back(handle, device_, region.bytes,
-                        "the sender's shared region " + std::to_string(region.id) + " (" + format_size(region.bytes) + ")");
+  Mapping& mapping = mappings_[region.handle];
+  WS_EXPECT(!mapping.announced, ErrorCode::kProtocol, what + " repeats the handle of a region shared before in this update");
+  if (!mapping.opened) {
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, region.handle.data(), kHandleBytes);
+    // Opening must happen on the receiver's device (the handle maps into the current one).
+    require_device(device_);
+    try {
+      mapping.opened = std::make_unique<OpenedHandle>(handle, device_, region.bytes, what);
+    } catch (...) {
+      mappings_.erase(region.handle);
+      throw;
+    }
+    // The sender's word for the size is checked against the mapping's own: copies are
+    // bounded by it.
+    if (AddressRangeFunction range = address_range_function()) {
+      unsigned long long base = 0;
+      size_t size = 0;
+      const auto pointer = reinterpret_cast<unsigned long long>(mapping.opened->data());
+      if (range(&base, &size, pointer) == 0) {
+        const uint64_t mapped = pointer >= base && pointer - base <= size ? base + size - pointer : 0;
+        if (mapped < region.bytes) {
+          mappings_.erase(region.handle);
+          WS_FAIL(ErrorCode::kProtocol, what + " claims " + std::to_string(region.bytes) +
+                                            " bytes but its allocation maps " + std::to_string(mapped) + " bytes here");
+        }
+      }
+    }
+    mapping.bytes = region.bytes;
+  }
+  WS_EXPECT(mapping.bytes == region.bytes, ErrorCode::kProtocol,
+            what + " has the handle of a region of " + std::to_string(mapping.bytes) + " bytes shared before");
+  mapping.announced = true;
+  regions_.push_back(&mapping);
 }
 
 std::span<const std::byte> CudaIpcReceiver::region(uint32_t id) const {
   if (id >= regions_.size()) return {};
-  return {regions_[id].data(), regions_[id].bytes()};
+  return {regions_[id]->opened->data(), regions_[id]->bytes};
 }
 
-/// cuMemGetAddressRange from the driver the runtime has loaded: the allocation that holds
-/// a device pointer (the runtime API has no equivalent). Null when the driver lacks it.
-using AddressRangeFunction = int (*)(unsigned long long* base, size_t* size, unsigned long long pointer);
-AddressRangeFunction address_range_function() {
-  static const AddressRangeFunction function = [] {
-    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (driver == nullptr) return AddressRangeFunction{nullptr};
-    return reinterpret_cast<AddressRangeFunction>(dlsym(driver, "cuMemGetAddressRange_v2"));
-  }();
-  return function;
+void CudaIpcReceiver::end_update() {
+  regions_.clear();
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (it->second.announced) {
+      it->second.announced = false;
+      ++it;
+    } else {
+      it = mappings_.erase(it);  // the sender no longer shares it (it may have freed it)
+    }
+  }
 }
 
 class CudaIpcSender final : public SenderTransport {

@@ -29,6 +29,17 @@ bool convertible(Dtype from, Dtype to) {
   return from == to || (is_float(from) && is_float(to));
 }
 
+/// Runs `step` and adds the seconds it took to `total` (also when it throws).
+template <typename Step>
+decltype(auto) timed(double& total, Step&& step) {
+  struct AddElapsed {
+    double& total;
+    Clock::time_point begun = Clock::now();
+    ~AddElapsed() { total += std::chrono::duration<double>(Clock::now() - begun).count(); }
+  } add{total};
+  return step();
+}
+
 /// Compares two strings in time independent of where they differ (token checks).
 bool same_secret(std::string_view a, std::string_view b) {
   unsigned char difference = a.size() == b.size() ? 0 : 1;
@@ -462,6 +473,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   uint64_t bytes = 0;
   uint64_t shared_bytes = 0;  // bytes read in place from shared regions
   uint32_t regions_open = 0;  // regions the sender shared in this update
+  UpdatePhases phases;
   std::optional<LayerGate> gate;
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
@@ -480,18 +492,28 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
 
     // ---- buckets, then finish ----
     for (;;) {
-      Received received = link.receive(timeout, "bucket " + std::to_string(buckets) + " or FINISH");
+      Received received = timed(phases.waiting, [&] {
+        return link.receive(timeout, "bucket " + std::to_string(buckets) + " or FINISH");
+      });
+      phases.waiting -= received.parse_seconds;
+      phases.parsing += received.parse_seconds;
+      if (buckets == 0) phases.first_bucket = std::chrono::duration<double>(Clock::now() - started).count();
       Message& message = received.message;
       if (message.type == MessageType::kFinish) {
         WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
                   "FINISH says " + std::to_string(message.buckets) + " buckets were sent but " +
                       std::to_string(buckets) + " arrived");
-        std::vector<TensorView> rest = gate->admit_rest();
-        if (!rest.empty()) session->load(rest);
+        timed(phases.checking, [&] {
+          std::vector<TensorView> rest = gate->admit_rest();
+          if (!rest.empty()) session->load(rest);
+        });
         gate->release_applied();
-        session->finish();
-        wait_for_copies(transport->device());
-        transport->close_regions();
+        timed(phases.copying, [&] {
+          session->settle();
+          wait_for_copies(transport->device());
+        });
+        timed(phases.finishing, [&] { session->finish(); });
+        timed(phases.closing, [&] { transport->end_update(); });
         UpdateReport report;
         report.format = format;
         report.buckets = buckets;
@@ -502,6 +524,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
         report.connect_seconds = updates == 0 ? connect_seconds : 0;
         report.counters = session->counters();
+        report.phases = phases;
         report.completed_layers = session->completed_layers();
         Message answer;
         answer.type = MessageType::kReport;
@@ -525,24 +548,30 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         WS_EXPECT(region.id == regions_open, ErrorCode::kProtocol,
                   "bucket " + std::to_string(manifest.index) + " shares region " + std::to_string(region.id) +
                       " where region " + std::to_string(regions_open) + " was due");
-        transport->open_region(region);
+        timed(phases.opening, [&] { transport->open_region(region); });
         ++regions_open;
       }
       if (manifest.bytes > 0) {
-        transport->receive(link, manifest.slot, manifest.bytes, timeout,
-                           "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
-                               std::to_string(manifest.index));
+        timed(phases.waiting, [&] {
+          transport->receive(link, manifest.slot, manifest.bytes, timeout,
+                             "the " + std::to_string(manifest.bytes) + "-byte payload of bucket " +
+                                 std::to_string(manifest.index));
+        });
       }
-      // Every entry is checked before any byte of the bucket is written (or held back).
-      auto checked = gate->check(manifest, transport->slot(manifest.slot), *transport);
-      std::vector<TensorView> views = gate->admit(manifest, checked);
-      // Copies within the GPU are only issued: the next bucket's checks overlap them.
-      if (!views.empty()) session->load(views, SourceLifetime::kSession);
+      timed(phases.checking, [&] {
+        // Every entry is checked before any byte of the bucket is written (or held back).
+        auto checked = gate->check(manifest, transport->slot(manifest.slot), *transport);
+        std::vector<TensorView> views = gate->admit(manifest, checked);
+        // Copies within the GPU are only issued: the next bucket's checks overlap them.
+        if (!views.empty()) session->load(views, SourceLifetime::kSession);
+      });
       if (manifest.bytes > 0 || gate->releases_copies()) {
         // The sender refills this slot once it hears APPLIED, and held copies are freed
         // now: on a GPU the copies out of them must be done by then, not merely issued.
-        session->settle();
-        wait_for_copies(transport->device());
+        timed(phases.copying, [&] {
+          session->settle();
+          wait_for_copies(transport->device());
+        });
       }
       gate->release_applied();
       current.reset();

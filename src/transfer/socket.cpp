@@ -213,7 +213,9 @@ Received Connection::receive(std::chrono::milliseconds timeout, const std::strin
   FrameHeader header = parse_header(header_bytes, peer_);
   std::vector<std::byte> body(header.length);
   read_exact(body, timeout, std::string(message_type_name(header.type)) + " message body", nullptr);
+  const auto parse_started = std::chrono::steady_clock::now();
   received.message = parse_body(header.type, body, peer_);
+  received.parse_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - parse_started).count();
   return received;
 }
 

@@ -39,6 +39,7 @@ class FileDescriptor {
 struct Received {
   Message message;
   FileDescriptor fd;
+  double parse_seconds = 0;  ///< of the time receive() took, decoding the body
 };
 
 /// One connected socket carrying framed messages and raw payload bytes.

@@ -38,14 +38,17 @@ class ReceiverTransport {
   virtual const std::byte* slot(uint32_t index) const = 0;
   /// Where the buffers live.
   virtual Device device() const = 0;
-  /// Opens a region the sender shares for reading in place (CUDA IPC), kept open until the
-  /// transport is destroyed. Transports without shared regions throw Error(kProtocol).
+  /// Opens a region the sender shares for reading in place (CUDA IPC) as region `id` of the
+  /// current update; a region an earlier update of the connection shared with the same
+  /// handle is still open and is reused. Transports without shared regions throw
+  /// Error(kProtocol).
   virtual void open_region(const SharedRegion& region);
-  /// The bytes of region `id` opened before; empty when there is none.
+  /// The bytes of the current update's region `id`; empty when there is none.
   virtual std::span<const std::byte> region(uint32_t id) const { return {}; }
-  /// Closes every region opened in this update (its copies have landed); the next update
-  /// numbers its regions from 0 again.
-  virtual void close_regions() {}
+  /// Ends the current update (its copies have landed): regions it did not announce are
+  /// closed, those it did stay open for the next update; the next update numbers its
+  /// regions from 0 again. All close with the transport.
+  virtual void end_update() {}
 };
 
 /// Where the receiver finds bytes of the sender's in place: shared region `region`, at

@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 2. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 3. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -21,7 +21,9 @@
 //                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
 //   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, regions u64, seconds,
-//                                 connect_seconds f64, six counters u64,
+//                                 connect_seconds f64, eight phases f64 (first_bucket,
+//                                 waiting, parsing, opening, checking, copying, finishing,
+//                                 closing), six counters u64,
 //                                 count u32, count x i64 completed layers
 //   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
 //
@@ -41,7 +43,7 @@
 namespace weightstream::transfer {
 
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
-inline constexpr uint16_t kProtocolVersion = 2;
+inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;

@@ -127,6 +127,15 @@ TEST_P(Transports, EngineFormatCopiesParametersInPlace) {
   UpdateReport report = receiver.receive(10s);
   sent.get();
   EXPECT_EQ(report.format, TensorFormat::kEngine);
+  // Where the time went: the phases are measured and make up the update's seconds.
+  const UpdatePhases& phases = report.phases;
+  EXPECT_GT(phases.checking, 0.0);
+  EXPECT_GT(phases.waiting, 0.0);
+  EXPECT_LE(phases.first_bucket, phases.waiting + phases.parsing);
+  const double accounted = phases.waiting + phases.parsing + phases.opening + phases.checking + phases.copying +
+                           phases.finishing + phases.closing;
+  EXPECT_LE(accounted, report.seconds * 1.01);
+  EXPECT_GT(accounted, report.seconds * 0.5);
   EXPECT_EQ(compare_layouts(model.layout, source).mismatched, 0u);
   EXPECT_EQ(storage_addresses(model.layout), model.addresses);
   EXPECT_EQ(model.hook_runs, 2);

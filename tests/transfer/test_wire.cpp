@@ -114,6 +114,8 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   report.report.shared_bytes = 1ull << 34;
   report.report.regions = 2;
   report.report.connect_seconds = 0.125;
+  report.report.phases.first_bucket = 0.5;
+  report.report.phases.closing = 0.0625;
   report.report.counters.model_hook_runs = 1;
   report.report.completed_layers = {-1, 0, 1};
   parsed = parse_body(MessageType::kReport, encode_body(report), "peer");
@@ -123,6 +125,8 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   EXPECT_EQ(parsed.report.shared_bytes, 1ull << 34);
   EXPECT_EQ(parsed.report.regions, 2u);
   EXPECT_EQ(parsed.report.connect_seconds, 0.125);
+  EXPECT_EQ(parsed.report.phases.first_bucket, 0.5);
+  EXPECT_EQ(parsed.report.phases.closing, 0.0625);
 }
 
 TEST(Wire, HeadersAreChecked) {
@@ -134,7 +138,7 @@ TEST(Wire, HeadersAreChecked) {
               HasSubstr("frame header from tcp peer 10.0.0.1:9: bad magic"));
   auto version = header;
   version[4] = std::byte{9};
-  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks 2"));
+  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks " + std::to_string(kProtocolVersion)));
   auto type = header;
   type[6] = std::byte{77};
   EXPECT_THAT(error_text([&] { parse_header(type, "peer"); }), HasSubstr("unknown message type 77"));
