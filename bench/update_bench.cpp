@@ -2,14 +2,15 @@
 //
 //   update_bench [--bytes 1GiB] [--tensors 1000] [--bucket 64MiB] [--device cpu|cuda:N]
 //                [--sender-device cuda:M] [--transports shm,tcp] [--repeat 3]
-//                [--sender-memory arena|tensors] [--share on|off]
+//                [--sender-memory arena|tensors] [--share on|off] [--share-minimum 256MiB]
 //
 // The receiver (this process) holds an engine-format layout of `tensors` BF16 parameters
 // of `bytes` in all on `device`; a sender process (this binary again, --role sender)
 // creates the same tensors (on the same device) and pushes them through each transport.
 // The sender's tensors live in one arena (a trainer's flat parameter buffer; over CUDA IPC
 // the receiver reads them in place, unless --share off) or in one allocation each
-// (--sender-memory tensors: too small to share, they are copied through the buckets).
+// (--sender-memory tensors: smaller than --share-minimum, they are copied through the
+// buckets; at or above it each allocation is shared, opened once per connection).
 // The sender connects once and pushes `repeat` updates over that connection; each update
 // is timed by the receiver from START to the end of finish() (the connection's set-up is
 // shown apart). Baselines, same bytes, same run: on the CPU, one memcpy and a loopback TCP socket copy;
@@ -55,6 +56,7 @@ struct Settings {
   int repeat = 3;
   std::string sender_memory = "arena";  // or "tensors": one allocation each
   std::string share = "on";
+  uint64_t share_minimum = ws::kDefaultShareMinimumBytes;
   // sender role
   std::string role = "receiver";
   std::string address;
@@ -122,6 +124,7 @@ int run_sender(const Settings& settings) {
   options.token = token;
   options.device = device;
   options.share_allocations = settings.share == "on";
+  options.share_minimum_bytes = settings.share_minimum;
   ws::UpdateSender sender(settings.address, options);
   std::vector<double> sending, finishing;  // the sender's own time: its send() calls, its finish()
   for (int run = 0; run < settings.repeat; ++run) {
@@ -304,7 +307,8 @@ int run_receiver(const Settings& settings, const char* self) {
                                           std::to_string(settings.tensors), "--bucket", std::to_string(settings.bucket),
                                           "--device", settings.sender_device.empty() ? settings.device : settings.sender_device,
                                           "--repeat", std::to_string(settings.repeat), "--sender-memory",
-                                          settings.sender_memory, "--share", settings.share};
+                                          settings.sender_memory, "--share", settings.share, "--share-minimum",
+                                          std::to_string(settings.share_minimum)};
     std::vector<char*> argv;
     for (auto& argument : arguments) argv.push_back(argument.data());
     argv.push_back(nullptr);
@@ -321,7 +325,7 @@ int run_receiver(const Settings& settings, const char* self) {
     ::close(token_pipe[1]);
     std::vector<double> runs;
     std::vector<ws::UpdatePhases> phases;
-    uint64_t buckets = 0, shared = 0;
+    uint64_t buckets = 0, shared = 0, regions = 0;
     double connect = 0;
     for (int run = 0; run < settings.repeat; ++run) {
       ws::UpdateReport report = receiver.receive(std::chrono::minutes(5));
@@ -329,6 +333,7 @@ int run_receiver(const Settings& settings, const char* self) {
       phases.push_back(report.phases);
       buckets = report.buckets;
       shared = report.shared_bytes;
+      regions = report.regions;
       connect += report.connect_seconds;  // the first update's only: one connection
     }
     int status = 0;
@@ -351,8 +356,9 @@ int run_receiver(const Settings& settings, const char* self) {
                 : ", one sender allocation per tensor";
     }
     char connect_text[64];
-    std::snprintf(connect_text, sizeof(connect_text), ", %.0f%% in place; connect once %.1f ms",
-                  100.0 * static_cast<double>(shared) / static_cast<double>(total), connect * 1e3);
+    std::snprintf(connect_text, sizeof(connect_text), ", %.0f%% in place in %llu regions; connect once %.1f ms",
+                  100.0 * static_cast<double>(shared) / static_cast<double>(total),
+                  static_cast<unsigned long long>(regions), connect * 1e3);
     how += connect_text;
     rows.push_back({"update via " + name + " (" + std::to_string(buckets) + " buckets" + how +
                         (wrong ? ", " + std::to_string(wrong) + " PARAMETERS WRONG" : "") + ")",
@@ -396,6 +402,7 @@ int main(int argc, char** argv) {
     else if (flag == "--transport") settings.transport = value;
     else if (flag == "--sender-memory" && (value == "arena" || value == "tensors")) settings.sender_memory = value;
     else if (flag == "--share" && (value == "on" || value == "off")) settings.share = value;
+    else if (flag == "--share-minimum") settings.share_minimum = ws::parse_size(value, "--share-minimum");
     else {
       std::fprintf(stderr, "update_bench: unknown flag %s\n", flag.c_str());
       return 2;

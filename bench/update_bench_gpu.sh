@@ -7,8 +7,9 @@
 # Called by scripts/gpu.sh (stage `update`) or alone; results under $OUT (default out/gpu).
 #   WS_UPDATE_BENCH_BYTES  model size (default 16GiB)
 #   WS_UPDATE_BUCKET       bucket size (default 1GiB)
-#   WS_UPDATE_CONFIGS      sender memory, sharing and bucket of each row, ';'-separated
-#                          (default "arena on B;arena on 256MiB;arena off B;tensors on B", B the bucket)
+#   WS_UPDATE_CONFIGS      sender memory, sharing, bucket and (optional) smallest allocation
+#                          shared of each row, ';'-separated (default
+#                          "arena on B;arena on 256MiB;arena off B;tensors on B", B the bucket)
 #   WS_UPDATE_REPEAT       updates a row (default 5)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +59,8 @@ for tensors in 1000 10000; do
   for memory in "${rows[@]}"; do
     set -- $memory
     "$build/bench/update_bench" --device cuda:0 --bytes "$bytes" --tensors "$tensors" --bucket "$3" \
-      --transports cuda-ipc --repeat "$repeat" --sender-memory "$1" --share "$2" 2>&1 | tee -a "$out/update_bench.md" || status=1
+      --transports cuda-ipc --repeat "$repeat" --sender-memory "$1" --share "$2" --share-minimum "${4:-256MiB}" 2>&1 |
+      tee -a "$out/update_bench.md" || status=1
     echo >>"$out/update_bench.md"
   done
 done
