@@ -201,9 +201,9 @@ std::string phase_text(const std::vector<ws::UpdatePhases>& runs) {
   };
   char text[512];
   std::snprintf(text, sizeof(text),
-                "waiting %.2f (first bucket %.2f), parsing %.2f, opening %.2f, checking %.2f, copying %.2f, "
+                "preparing %.2f, waiting %.2f (first bucket %.2f), parsing %.2f, opening %.2f, checking %.2f, copying %.2f, "
                 "finishing %.2f, closing %.2f",
-                ms(&ws::UpdatePhases::waiting), ms(&ws::UpdatePhases::first_bucket), ms(&ws::UpdatePhases::parsing),
+                ms(&ws::UpdatePhases::preparing), ms(&ws::UpdatePhases::waiting), ms(&ws::UpdatePhases::first_bucket), ms(&ws::UpdatePhases::parsing),
                 ms(&ws::UpdatePhases::opening), ms(&ws::UpdatePhases::checking), ms(&ws::UpdatePhases::copying),
                 ms(&ws::UpdatePhases::finishing), ms(&ws::UpdatePhases::closing));
   return text;

@@ -47,7 +47,7 @@ SEEDS = {
     "applied": frame(6, struct.pack("<QI", 3, 1)),
     "finish": frame(7, struct.pack("<Q", 4)),
     "report": frame(8, struct.pack("<QQQQQdd", 4, 10, 1 << 20, 1 << 30, 1, 0.5, 0.01)
-                    + struct.pack("<8d", 0.01, 0.1, 0.02, 0.001, 0.2, 0.15, 0.01, 0.001)
+                    + struct.pack("<9d", 0.001, 0.01, 0.1, 0.02, 0.001, 0.2, 0.15, 0.01, 0.001)
                     + struct.pack("<6Q", 10, 1 << 20, 0, 12, 0, 1)
                     + struct.pack("<I", 3) + struct.pack("<3q", -1, 0, 1)),
     "error": frame(9, struct.pack("<B", 8) + string("tensor x matches no parameter")),

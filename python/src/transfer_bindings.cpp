@@ -148,6 +148,7 @@ class PySender {
     result["connect_seconds"] = report.connect_seconds;
     result["gbps"] = report.gbps();
     nb::dict phases;
+    phases["preparing"] = report.phases.preparing;
     phases["first_bucket"] = report.phases.first_bucket;
     phases["waiting"] = report.phases.waiting;
     phases["parsing"] = report.phases.parsing;

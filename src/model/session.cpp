@@ -118,15 +118,27 @@ void LoadSession::begin(LoadMode mode, TensorFormat format) {
   }
   state.format = format;
   state.counters = {};
-  state.parameters.clear();
+  // Reset in place: a session reused for update after update (a receiver's) does this for
+  // every parameter before the first byte of each update can land.
   state.parameters.resize(layout_.parameters().size());
-  state.layers.clear();
+  for (auto& [layer, layer_state] : state.layers) layer_state = {};
+  auto layer_entry = state.layers.end();  // parameters come layer by layer: one lookup a layer
   for (size_t i = 0; i < layout_.parameters().size(); ++i) {
     const Parameter& parameter = layout_.parameters()[i];
-    state.parameters[i].parts.resize(parameter.parts.size());
+    State::ParameterState& parameter_state = state.parameters[i];
+    parameter_state.parts.assign(parameter.parts.size(), State::PartState{});
+    parameter_state.parts_complete = 0;
+    parameter_state.engine_received = 0;
+    parameter_state.touched = parameter_state.complete = parameter_state.processed = false;
+    parameter_state.staging = Buffer();
     bool filled = format == TensorFormat::kEngine || !parameter.parts.empty();
-    if (filled) ++state.layers[parameter.layer].parameters;
+    if (!filled) continue;
+    if (layer_entry == state.layers.end() || layer_entry->first != parameter.layer) {
+      layer_entry = state.layers.try_emplace(parameter.layer).first;
+    }
+    ++layer_entry->second.parameters;
   }
+  std::erase_if(state.layers, [](const auto& entry) { return entry.second.parameters == 0; });
   // Parts that hold no rows on this rank (a vocabulary slice wholly in padding) are complete
   // before any byte arrives.
   if (format == TensorFormat::kCheckpoint) {

@@ -67,9 +67,12 @@ class LayerGate {
       // Engine names are parameters: tracks by parameter index, found by the same lookup
       // that checks the entry (one hash lookup a tensor, not two).
       engine_tracks_.resize(layout.parameters().size());
+      auto layer_entry = layers_.end();  // parameters come layer by layer: one lookup a layer
       for (size_t i = 0; i < layout.parameters().size(); ++i) {
-        engine_tracks_[i].layer = layout.parameters()[i].layer;
-        ++layers_[engine_tracks_[i].layer].needed;
+        const int64_t layer = layout.parameters()[i].layer;
+        engine_tracks_[i].layer = layer;
+        if (layer_entry == layers_.end() || layer_entry->first != layer) layer_entry = layers_.try_emplace(layer).first;
+        ++layer_entry->second.needed;
       }
     } else {
       for (const std::string& tensor : layout.wanted_tensors()) {
@@ -486,9 +489,11 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     WS_EXPECT(start_message.type == MessageType::kStart, ErrorCode::kProtocol,
               "expected START, got " + std::string(message_type_name(start_message.type)));
     const TensorFormat format = start_message.format;
-    if (!session) session.emplace(layout);
-    session->begin(LoadMode::kUpdate, format);
-    gate.emplace(layout, format, transport->device());
+    timed(phases.preparing, [&] {
+      if (!session) session.emplace(layout);
+      session->begin(LoadMode::kUpdate, format);
+      gate.emplace(layout, format, transport->device());
+    });
 
     // ---- buckets, then finish ----
     for (;;) {

@@ -208,7 +208,7 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.seconds);
       out.put(report.connect_seconds);
       const UpdatePhases& phases = report.phases;
-      for (double value : {phases.first_bucket, phases.waiting, phases.parsing, phases.opening, phases.checking,
+      for (double value : {phases.preparing, phases.first_bucket, phases.waiting, phases.parsing, phases.opening, phases.checking,
                            phases.copying, phases.finishing, phases.closing}) {
         out.put(value);
       }
@@ -352,7 +352,7 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.seconds = in.get<double>("seconds");
       report.connect_seconds = in.get<double>("connect_seconds");
       UpdatePhases& phases = report.phases;
-      for (double* value : {&phases.first_bucket, &phases.waiting, &phases.parsing, &phases.opening, &phases.checking,
+      for (double* value : {&phases.preparing, &phases.first_bucket, &phases.waiting, &phases.parsing, &phases.opening, &phases.checking,
                             &phases.copying, &phases.finishing, &phases.closing}) {
         *value = in.get<double>("phases");
       }

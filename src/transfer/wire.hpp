@@ -21,9 +21,9 @@
 //                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
 //   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, regions u64, seconds,
-//                                 connect_seconds f64, eight phases f64 (first_bucket,
-//                                 waiting, parsing, opening, checking, copying, finishing,
-//                                 closing), six counters u64,
+//                                 connect_seconds f64, nine phases f64 (preparing,
+//                                 first_bucket, waiting, parsing, opening, checking, copying,
+//                                 finishing, closing), six counters u64,
 //                                 count u32, count x i64 completed layers
 //   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
 //

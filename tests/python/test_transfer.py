@@ -67,10 +67,10 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     assert echoed["bytes"] == reports[0]["bytes"] > 0
     # Where the receiver's time went: every phase is there, and they add up to the update.
     phases = echoed["phases"]
-    assert set(phases) == {"first_bucket", "waiting", "parsing", "opening", "checking", "copying", "finishing",
+    assert set(phases) == {"preparing", "first_bucket", "waiting", "parsing", "opening", "checking", "copying", "finishing",
                            "closing"}
     assert all(value >= 0 for value in phases.values())
-    assert phases["checking"] > 0 and phases["first_bucket"] <= phases["waiting"] + phases["parsing"]
+    assert phases["checking"] > 0 and phases["first_bucket"] <= phases["preparing"] + phases["waiting"] + phases["parsing"]
     accounted = sum(value for key, value in phases.items() if key != "first_bucket")
     assert 0.5 * echoed["seconds"] < accounted <= echoed["seconds"] * 1.01
 
