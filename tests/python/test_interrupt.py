@@ -53,7 +53,8 @@ def test_ctrl_c_interrupts_a_long_call(checkpoint, operation):
     start = time.monotonic()
     call()
     whole = time.monotonic() - start
-    if whole < 0.8:
+    # The signal lands at a tenth of the call, leaving 90% of it (0.36 s or more) to spare.
+    if whole < 0.4:
         pytest.skip(f"the whole {operation} took only {whole:.2f} s here: too fast to interrupt reliably")
     ran = interrupted_after(whole / 10, call)
     # Cancelled within a few progress ticks (100 ms each) of the signal, not at the end.
