@@ -144,8 +144,10 @@ TEST_P(Transports, EngineFormatCopiesParametersInPlace) {
 TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
   LoadedModel model(1);
   UpdateReceiver receiver(model.layout, receiver_options(GetParam()));
-  // A trainer connects once and pushes seed 2, then seed 3, then leaves; a second trainer
-  // connects and pushes seed 4.
+  // A trainer connects once and pushes seed 2, then seed 3, then seed 5 in engine format
+  // (the receiver prepared for another checkpoint-format update), then leaves; a second
+  // trainer connects and pushes seed 4.
+  ModelLayout engine_source = fresh_layout(5);
   auto first_trainer = std::async(std::launch::async, [&, address = receiver.address()] {
     UpdateSender sender(address, sender_options(GetParam()));
     std::vector<UpdateReport> reports;
@@ -154,6 +156,12 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
       for (const TensorView& view : checkpoint_of(seed).views()) sender.send(view);
       reports.push_back(sender.finish());
     }
+    sender.start(TensorFormat::kEngine);
+    for (const Parameter& parameter : engine_source.parameters()) {
+      std::vector<std::byte> bytes = parameter_bytes(parameter);
+      sender.send({parameter.name, parameter.dtype, parameter.shape, bytes.data(), Device{}, 0, bytes.size()});
+    }
+    reports.push_back(sender.finish());
     return reports;
   });
   UpdateReport second_seed = receiver.receive(10s);
@@ -162,8 +170,11 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
   UpdateReport third_seed = receiver.receive(10s);
   EXPECT_EQ(third_seed.connect_seconds, 0.0);  // the same connection: no set-up
   EXPECT_EQ(compare_layouts(model.layout, fresh_layout(3)).mismatched, 0u);
+  UpdateReport fifth_seed = receiver.receive(10s);
+  EXPECT_EQ(fifth_seed.format, TensorFormat::kEngine);
+  EXPECT_EQ(compare_layouts(model.layout, engine_source).mismatched, 0u);
   std::vector<UpdateReport> echoed = first_trainer.get();
-  ASSERT_EQ(echoed.size(), 2u);
+  ASSERT_EQ(echoed.size(), 3u);
   EXPECT_EQ(echoed[1].buckets, third_seed.buckets);
   EXPECT_EQ(third_seed.shared_bytes, 0u);  // host transports move every byte through buckets
   EXPECT_EQ(third_seed.regions, 0u);
@@ -174,7 +185,7 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
   EXPECT_GT(fourth_seed.connect_seconds, 0.0);
   EXPECT_EQ(compare_layouts(model.layout, fresh_layout(4)).mismatched, 0u);
   EXPECT_EQ(storage_addresses(model.layout), model.addresses);
-  EXPECT_EQ(model.hook_runs, 4);  // the cold load's and one per update
+  EXPECT_EQ(model.hook_runs, 5);  // the cold load's and one per update
 }
 
 INSTANTIATE_TEST_SUITE_P(ShmAndTcp, Transports, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
