@@ -31,7 +31,7 @@ def region(region_id, size, handle=b"\xab" * 64):
 
 BF16 = 6
 SEEDS = {
-    "hello": frame(1, string("token") + struct.pack("<BQ", 2, 1 << 20) + string("")),
+    "hello": frame(1, string("token") + struct.pack("<BQII", 2, 1 << 20, 2, 1) + string("")),
     "welcome": frame(2, struct.pack("<QI", 1 << 20, 2) + string("")),
     "refuse": frame(3, string("wrong or missing token")),
     "start_engine": frame(4, b"\x01"),

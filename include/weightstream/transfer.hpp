@@ -198,6 +198,14 @@ class UpdateSender {
   /// the NCCL communicator). Throws Error(kNetwork) when it cannot connect, Error(kProtocol)
   /// when the receiver refuses (its reason is in the message).
   UpdateSender(const std::string& address, SenderOptions options);
+  /// Feeds several receivers at once (the tensor-parallel ranks of one engine, every
+  /// replica): each update goes to all of them, over NCCL as one broadcast of each bucket
+  /// (one communicator of the sender and every receiver) or over TCP as one stream each.
+  /// A bucket buffer is refilled once every receiver has applied it; finish() returns the
+  /// report of the slowest receiver; a failure at any receiver fails the update. Throws
+  /// Error(kInvalidArgument) for no address or for shm and cuda-ipc (one receiver each),
+  /// and what the single-address constructor throws, naming the receiver.
+  UpdateSender(const std::vector<std::string>& addresses, SenderOptions options);
   ~UpdateSender();
   UpdateSender(const UpdateSender&) = delete;
   UpdateSender& operator=(const UpdateSender&) = delete;

@@ -10,12 +10,14 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "bindings.hpp"
@@ -69,8 +71,9 @@ Dtype dtype_of(const nb::ndarray<nb::ro>& array, const std::optional<std::string
 
 class PySender {
  public:
-  PySender(const std::string& address, const std::string& transport, const std::string& token, uint64_t bucket_bytes,
-           double timeout, const std::string& device, bool share_allocations, uint64_t share_minimum_bytes) {
+  PySender(const std::variant<std::string, std::vector<std::string>>& address, const std::string& transport,
+           const std::string& token, uint64_t bucket_bytes, double timeout, const std::string& device,
+           bool share_allocations, uint64_t share_minimum_bytes) {
     SenderOptions options;
     options.transport = parse_transport(transport);
     options.token = token;
@@ -79,8 +82,12 @@ class PySender {
     options.device = parse_device(device);
     options.share_allocations = share_allocations;
     options.share_minimum_bytes = share_minimum_bytes;
+    // One receiver, or several fed at once (tcp, nccl): the ranks of a tensor-parallel engine.
+    std::vector<std::string> addresses = std::holds_alternative<std::string>(address)
+                                             ? std::vector<std::string>{std::get<std::string>(address)}
+                                             : std::get<std::vector<std::string>>(address);
     nb::gil_scoped_release release;
-    sender_ = std::make_unique<UpdateSender>(address, options);
+    sender_ = std::make_unique<UpdateSender>(addresses, options);
   }
 
   void start(const std::string& format) {
@@ -207,8 +214,8 @@ void bind_transfer(nb::module_& m) {
   nb::class_<PySender>(m, "UpdateSender",
                        "Pushes tensors to an UpdateReceiver in buckets over one connection: for each update, "
                        "start(format), send(name, tensor)*, finish().")
-      .def(nb::init<const std::string&, const std::string&, const std::string&, uint64_t, double, const std::string&, bool,
-                    uint64_t>(),
+      .def(nb::init<const std::variant<std::string, std::vector<std::string>>&, const std::string&, const std::string&,
+                    uint64_t, double, const std::string&, bool, uint64_t>(),
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
            "timeout"_a = 30.0, "device"_a = "cpu", "share_allocations"_a = true,
            "share_minimum_bytes"_a = kDefaultShareMinimumBytes)

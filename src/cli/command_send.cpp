@@ -26,7 +26,7 @@ namespace {
 
 struct SendFlags {
   std::string uri;
-  std::string to;
+  std::vector<std::string> to;  // one receiver, or several (tcp, nccl)
   std::string via = "tcp";
   std::string bucket_size = "256MiB";
   std::string format = "checkpoint";
@@ -74,7 +74,9 @@ void add_send_command(CLI::App& app) {
   auto flags = std::make_shared<SendFlags>();
   auto* command = app.add_subcommand("send", "");  // hidden: an empty description keeps it out of --help
   command->add_option("uri", flags->uri, "Checkpoint to send")->required();
-  command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path")->required();
+  command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path; several, comma-separated or repeated, over tcp and nccl")
+      ->required()
+      ->delimiter(',');
   command->add_option("--via", flags->via, "Transport")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
   command->add_option("--bucket-size", flags->bucket_size, "Bucket size (default 256MiB)");
   command->add_option("--format", flags->format, "checkpoint or engine names")

@@ -1,6 +1,7 @@
-// The NCCL transport: the sender is rank 0 of a two-rank communicator and broadcasts each
-// bucket from its device buffer into the receiver's (rank 1); manifests and answers still
-// travel over the TCP control connection. The sender makes the NCCL unique id and sends it
+// The NCCL transport: the sender is rank 0 of a communicator with every receiver it feeds
+// (receiver i is rank i + 1) and broadcasts each bucket once from its device buffer into
+// all the receivers' buffers; manifests and answers still travel over each receiver's TCP
+// control connection. The sender makes the NCCL unique id and sends it
 // in HELLO, so no other rendezvous is needed. Compiled only where NCCL's header was found
 // (WS_HAVE_NCCL); nccl_transport_nccl_fallback.cpp otherwise.
 //
@@ -64,7 +65,6 @@ struct NcclApi {
 };
 
 constexpr int kSenderRank = 0;
-constexpr int kReceiverRank = 1;
 
 void check_cuda(cudaError_t error, const Device& device, const std::string& operation) {
   if (error == cudaSuccess) return;
@@ -81,10 +81,12 @@ void check_nccl(ncclResult_t result, const Device& device, const std::string& op
 
 Device cuda_device(const Device& device) { return device.is_cuda() ? device : Device{Device::Kind::kCuda, 0}; }
 
-/// A communicator of the two peers and a stream for its collectives, on one GPU.
+/// This process's place in the communicator of a sender and its receivers, and a stream
+/// for its collectives, on one GPU.
 class Peer {
  public:
-  Peer(const Device& device, std::span<const std::byte> id_bytes, int rank) : device_(device), rank_(rank) {
+  Peer(const Device& device, std::span<const std::byte> id_bytes, int ranks, int rank)
+      : device_(device), ranks_(ranks), rank_(rank) {
     WS_EXPECT(id_bytes.size() == sizeof(ncclUniqueId), ErrorCode::kProtocol,
               "the sender's HELLO for nccl carried " + std::to_string(id_bytes.size()) + " bytes of unique id, not " +
                   std::to_string(sizeof(ncclUniqueId)));
@@ -100,11 +102,11 @@ class Peer {
   Peer(const Peer&) = delete;
   Peer& operator=(const Peer&) = delete;
 
-  /// Blocks until both ranks have joined.
+  /// Blocks until every rank has joined.
   void join() {
     require_device(device_);
-    check_nccl(NcclApi::get().comm_init_rank(&communicator_, 2, id_, rank_), device_,
-               "ncclCommInitRank (rank " + std::to_string(rank_) + " of 2)");
+    check_nccl(NcclApi::get().comm_init_rank(&communicator_, ranks_, id_, rank_), device_,
+               "ncclCommInitRank (rank " + std::to_string(rank_) + " of " + std::to_string(ranks_) + ")");
   }
   void broadcast(std::byte* buffer, uint64_t bytes) {
     check_nccl(NcclApi::get().broadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_, stream_), device_,
@@ -115,6 +117,7 @@ class Peer {
 
  private:
   Device device_;
+  int ranks_;
   int rank_;
   ncclUniqueId id_{};
   ncclComm_t communicator_ = nullptr;
@@ -123,8 +126,8 @@ class Peer {
 
 class NcclReceiver final : public ReceiverTransport {
  public:
-  NcclReceiver(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id)
-      : device_(cuda_device(device)), peer_(device_, id, kReceiverRank) {
+  NcclReceiver(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id, int ranks, int rank)
+      : device_(cuda_device(device)), peer_(device_, id, ranks, rank) {
     for (auto& buffer : buffers_) buffer = Buffer(device_, bucket_bytes);
   }
   void join(std::chrono::milliseconds) override { peer_.join(); }
@@ -142,8 +145,8 @@ class NcclReceiver final : public ReceiverTransport {
 
 class NcclSender final : public SenderTransport {
  public:
-  NcclSender(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id)
-      : device_(cuda_device(device)), peer_(device_, id, kSenderRank) {
+  NcclSender(uint64_t bucket_bytes, const Device& device, std::span<const std::byte> id, int ranks)
+      : device_(cuda_device(device)), peer_(device_, id, ranks, kSenderRank) {
     for (auto& buffer : buffers_) buffer = Buffer(device_, bucket_bytes);
   }
   void join(std::chrono::milliseconds) override { peer_.join(); }
@@ -162,8 +165,8 @@ class NcclSender final : public SenderTransport {
     device_settled_ = false;
     check_cuda(cudaStreamSynchronize(peer_.stream()), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
   }
-  void push(Connection&, uint32_t slot, uint64_t bytes, std::chrono::milliseconds) override {
-    peer_.broadcast(buffers_[slot].data(), bytes);
+  void push(std::span<Connection* const>, uint32_t slot, uint64_t bytes, std::chrono::milliseconds) override {
+    peer_.broadcast(buffers_[slot].data(), bytes);  // once, to every receiver
   }
 
  private:
@@ -187,13 +190,13 @@ std::vector<std::byte> nccl_unique_id() {
 }
 
 std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t bucket_bytes, const Device& device,
-                                                      std::span<const std::byte> unique_id) {
-  return std::make_unique<NcclReceiver>(bucket_bytes, device, unique_id);
+                                                      std::span<const std::byte> unique_id, int ranks, int rank) {
+  return std::make_unique<NcclReceiver>(bucket_bytes, device, unique_id, ranks, rank);
 }
 
 std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t bucket_bytes, const Device& device,
-                                                  std::span<const std::byte> unique_id) {
-  return std::make_unique<NcclSender>(bucket_bytes, device, unique_id);
+                                                  std::span<const std::byte> unique_id, int ranks) {
+  return std::make_unique<NcclSender>(bucket_bytes, device, unique_id, ranks);
 }
 
 }  // namespace weightstream::transfer

@@ -11,7 +11,9 @@ namespace {
 
 bool nccl_compiled() noexcept { return false; }
 std::vector<std::byte> nccl_unique_id() { unsupported(); }
-std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t, const Device&, std::span<const std::byte>) { unsupported(); }
-std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t, const Device&, std::span<const std::byte>) { unsupported(); }
+std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t, const Device&, std::span<const std::byte>, int, int) {
+  unsupported();
+}
+std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t, const Device&, std::span<const std::byte>, int) { unsupported(); }
 
 }  // namespace weightstream::transfer

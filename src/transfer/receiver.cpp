@@ -460,7 +460,8 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
            std::to_string(options.max_bucket_bytes));
   }
   try {
-    auto made = make_receiver_transport(options.transport, hello.message.bucket_bytes, options.device, hello.message.blob);
+    auto made = make_receiver_transport(options.transport, hello.message.bucket_bytes, options.device, hello.message.blob,
+                                        hello.message.receivers, hello.message.receiver_index);
     Message welcome;
     welcome.type = MessageType::kWelcome;
     welcome.bucket_bytes = hello.message.bucket_bytes;

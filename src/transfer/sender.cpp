@@ -28,20 +28,33 @@ constexpr uint64_t kRampFloor = 1ull << 20;
 }  // namespace
 
 struct UpdateSender::State {
+  /// One receiver this sender feeds: its control connection and the bucket each buffer
+  /// holds there until it answers APPLIED.
+  struct Link {
+    std::string address;
+    Connection connection;
+    std::optional<uint64_t> in_flight[2];
+    std::string receiver() const { return "update receiver at " + address; }
+  };
+
   SenderOptions options;
-  std::string address;
-  std::optional<Connection> connection;
+  std::vector<Link> links;
+  std::vector<Connection*> connections;          // of every link, for the transport's push
   std::unique_ptr<SenderTransport> transport;
   bool open = false;    // an update is between start() and finish()
-  bool broken = false;  // an update failed: the connection is in an unknown state
+  bool broken = false;  // an update failed: the connections are in an unknown state
   uint32_t slot = 0;                             // the buffer the current bucket fills
   bool slot_claimed = false;                     // the current bucket has bytes in `slot`
-  std::optional<uint64_t> in_flight[2];          // bucket occupying each buffer, until APPLIED
   uint64_t next_index = 0;
   BucketManifest current;
   uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
 
-  std::string receiver() const { return "update receiver at " + address; }
+  std::string receivers() const {
+    if (links.size() == 1) return links.front().receiver();
+    std::string text = std::to_string(links.size()) + " update receivers (";
+    for (size_t i = 0; i < links.size(); ++i) text += (i ? ", " : "") + links[i].address;
+    return text + ")";
+  }
 
   /// The bytes the current bucket may hold (see kRampSteps).
   uint64_t bucket_limit() const {
@@ -50,11 +63,11 @@ struct UpdateSender::State {
     return std::max(full >> (kRampSteps - step), std::min(full, kRampFloor));
   }
 
-  /// Runs a step that talks to the receiver; a failure leaves the sender unusable.
+  /// Runs a step that talks to the receivers; a failure leaves the sender unusable.
   template <typename Step>
   auto on_connection(Step&& step) {
     WS_EXPECT(!broken, ErrorCode::kInvalidArgument,
-              "update sender: an earlier update to " + receiver() + " failed; connect a new sender");
+              "update sender: an earlier update to " + receivers() + " failed; connect a new sender");
     try {
       return step();
     } catch (...) {
@@ -64,43 +77,51 @@ struct UpdateSender::State {
     }
   }
 
-  /// Turns a message from the receiver that is not the expected one into an error.
-  [[noreturn]] void fail_with(const Message& message, const std::string& awaiting) {
+  /// Turns a message from a receiver that is not the expected one into an error.
+  [[noreturn]] static void fail_with(const Link& link, const Message& message, const std::string& awaiting) {
     if (message.type == MessageType::kError) {
-      WS_FAIL(message.code, receiver() + " failed the update: " + message.text);
+      WS_FAIL(message.code, link.receiver() + " failed the update: " + message.text);
     }
-    WS_FAIL(ErrorCode::kProtocol, receiver() + " sent " + std::string(message_type_name(message.type)) +
+    WS_FAIL(ErrorCode::kProtocol, link.receiver() + " sent " + std::string(message_type_name(message.type)) +
                                       " while this sender waited for " + awaiting);
   }
 
-  /// Handles one message from the receiver: an APPLIED frees the buffer its bucket held (a
-  /// bucket of shared regions only held none).
-  void take_applied(const std::string& awaiting) {
-    Received received = connection->receive(options.timeout, awaiting);
-    if (received.message.type != MessageType::kApplied) fail_with(received.message, awaiting);
+  /// Handles one message from a receiver: an APPLIED frees, at that receiver, the buffer its
+  /// bucket held (a bucket of shared regions only held none).
+  void take_applied(Link& link, const std::string& awaiting) {
+    Received received = link.connection.receive(options.timeout, awaiting);
+    if (received.message.type != MessageType::kApplied) fail_with(link, received.message, awaiting);
     const BucketManifest& applied = received.message.manifest;
     WS_EXPECT(applied.index < next_index, ErrorCode::kProtocol,
-              receiver() + " applied bucket " + std::to_string(applied.index) + ", which was not sent");
-    if (in_flight[applied.slot] == applied.index) in_flight[applied.slot].reset();
+              link.receiver() + " applied bucket " + std::to_string(applied.index) + ", which was not sent");
+    if (link.in_flight[applied.slot] == applied.index) link.in_flight[applied.slot].reset();
   }
 
-  /// Runs `step`; when it fails because the receiver went away, prefers the receiver's own
-  /// ERROR message (already in the socket) over "connection reset".
+  /// Runs `step`; when it fails because a receiver went away, prefers that receiver's own
+  /// ERROR message (already in its socket) over "connection reset".
   template <typename Step>
   void guarded(Step&& step) {
     try {
       step();
     } catch (const Error& error) {
-      if (error.code() != ErrorCode::kNetwork || !connection->readable()) throw;
-      Received received;
-      try {
-        received = connection->receive(std::chrono::milliseconds(100), "the receiver's error");
-      } catch (const Error&) {
-        throw error;
+      if (error.code() != ErrorCode::kNetwork) throw;
+      for (Link& link : links) {
+        if (!link.connection.readable()) continue;
+        Received received;
+        try {
+          received = link.connection.receive(std::chrono::milliseconds(100), "the receiver's error");
+        } catch (const Error&) {
+          continue;
+        }
+        if (received.message.type == MessageType::kError) fail_with(link, received.message, "");
       }
-      if (received.message.type == MessageType::kError) fail_with(received.message, "");
       throw;
     }
+  }
+
+  /// Sends `message` to every receiver.
+  void send_all(const Message& message) {
+    for (Link& link : links) link.connection.send(message, options.timeout);
   }
 
   void flush() {
@@ -111,11 +132,11 @@ struct UpdateSender::State {
     message.manifest = std::move(current);
     uint64_t bytes = message.manifest.bytes;
     guarded([&] {
-      connection->send(message, options.timeout);
-      if (bytes > 0) transport->push(*connection, slot, bytes, options.timeout);
+      send_all(message);
+      if (bytes > 0) transport->push(connections, slot, bytes, options.timeout);
     });
     if (slot_claimed) {
-      in_flight[slot] = next_index;
+      for (Link& link : links) link.in_flight[slot] = next_index;
       slot ^= 1u;
     }
     ++next_index;
@@ -123,9 +144,11 @@ struct UpdateSender::State {
     current = BucketManifest{};
     current_shared_bytes = 0;
     // Buckets of shared regions alone never wait for a buffer: read the APPLIED messages
-    // that are already here, so the receiver never blocks on a full socket.
+    // that are already here, so no receiver blocks on a full socket.
     guarded([&] {
-      while (connection->readable()) take_applied("APPLIED");
+      for (Link& link : links) {
+        while (link.connection.readable()) take_applied(link, "APPLIED");
+      }
     });
   }
 
@@ -139,42 +162,67 @@ struct UpdateSender::State {
   /// Queues one tensor (UpdateSender::send after its checks).
   void send(const TensorView& tensor);
 
-  /// The current bucket's buffer, once the receiver has released it.
+  /// The current bucket's buffer, once every receiver has released it.
   void claim_slot() {
     if (slot_claimed) return;
-    while (in_flight[slot]) take_applied("the release of bucket buffer " + std::to_string(slot));
+    guarded([&] {
+      for (Link& link : links) {
+        while (link.in_flight[slot]) take_applied(link, "the release of bucket buffer " + std::to_string(slot));
+      }
+    });
     current.slot = slot;
     slot_claimed = true;
   }
 };
 
 UpdateSender::UpdateSender(const std::string& address, SenderOptions options)
+    : UpdateSender(std::vector<std::string>{address}, std::move(options)) {}
+
+UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOptions options)
     : state_(std::make_unique<State>()) {
   State& state = *state_;
   state.options = options;
-  state.address = address;
+  WS_EXPECT(!addresses.empty(), ErrorCode::kInvalidArgument, "update sender: no receiver address given");
+  WS_EXPECT(addresses.size() <= kMaxReceivers, ErrorCode::kInvalidArgument,
+            "update sender: " + std::to_string(addresses.size()) + " receivers, at most " +
+                std::to_string(kMaxReceivers));
+  WS_EXPECT(addresses.size() == 1 || feeds_several(options.transport), ErrorCode::kInvalidArgument,
+            "update sender: " + std::to_string(addresses.size()) + " receivers over " +
+                std::string(transport_name(options.transport)) +
+                ", which carries one; feed several over tcp or nccl, or make one sender per receiver");
   WS_EXPECT(options.bucket_bytes >= 4096, ErrorCode::kInvalidArgument,
             "bucket size " + std::to_string(options.bucket_bytes) + " bytes is too small: at least 4KiB");
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
             "update sender: the " + std::string(transport_name(options.transport)) +
                 " transport is not compiled into this build");
-  state.connection.emplace(connect_to(address, options.timeout));
+  const auto receivers = static_cast<uint32_t>(addresses.size());
   Message hello;
   hello.type = MessageType::kHello;
   hello.token = options.token;
   hello.transport = options.transport;
   hello.bucket_bytes = options.bucket_bytes;
+  hello.receivers = receivers;
   hello.blob = sender_hello_blob(options.transport);
-  state.connection->send(hello, options.timeout);
-  Received welcome = state.connection->receive(options.timeout, "WELCOME");
-  if (welcome.message.type == MessageType::kRefuse) {
-    WS_FAIL(ErrorCode::kProtocol, state.receiver() + " refused this sender: " + welcome.message.text);
+  Received first_welcome;
+  // Every receiver is greeted before the transport joins them: NCCL's join waits for all.
+  for (uint32_t index = 0; index < receivers; ++index) {
+    State::Link link{addresses[index], connect_to(addresses[index], options.timeout), {}};
+    hello.receiver_index = index;
+    link.connection.send(hello, options.timeout);
+    Received welcome = link.connection.receive(options.timeout, "WELCOME");
+    if (welcome.message.type == MessageType::kRefuse) {
+      WS_FAIL(ErrorCode::kProtocol, link.receiver() + " refused this sender: " + welcome.message.text);
+    }
+    if (welcome.message.type != MessageType::kWelcome) State::fail_with(link, welcome.message, "WELCOME");
+    WS_EXPECT(welcome.message.bucket_bytes == options.bucket_bytes, ErrorCode::kProtocol,
+              link.receiver() + " agreed to buckets of " + std::to_string(welcome.message.bucket_bytes) +
+                  " bytes, not the " + std::to_string(options.bucket_bytes) + " asked for");
+    if (index == 0) first_welcome = std::move(welcome);
+    state.links.push_back(std::move(link));
   }
-  if (welcome.message.type != MessageType::kWelcome) state.fail_with(welcome.message, "WELCOME");
-  WS_EXPECT(welcome.message.bucket_bytes == options.bucket_bytes, ErrorCode::kProtocol,
-            state.receiver() + " agreed to buckets of " + std::to_string(welcome.message.bucket_bytes) +
-                " bytes, not the " + std::to_string(options.bucket_bytes) + " asked for");
-  state.transport = make_sender_transport(options, hello.blob, welcome.message.blob, std::move(welcome.fd));
+  for (State::Link& link : state.links) state.connections.push_back(&link.connection);
+  state.transport = make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
+                                          std::move(first_welcome.fd));
   state.transport->join(options.timeout);
 }
 
@@ -194,11 +242,10 @@ void UpdateSender::start(TensorFormat format) {
     state.next_index = 0;
     state.slot = 0;
     state.slot_claimed = false;
-    state.in_flight[0].reset();
-    state.in_flight[1].reset();
+    for (State::Link& link : state.links) link.in_flight[0].reset(), link.in_flight[1].reset();
     state.current = BucketManifest{};
     state.current_shared_bytes = 0;
-    state.guarded([&] { state.connection->send(message, state.options.timeout); });
+    state.guarded([&] { state.send_all(message); });
     state.open = true;
   });
 }
@@ -279,14 +326,20 @@ UpdateReport UpdateSender::finish() {
     Message message;
     message.type = MessageType::kFinish;
     message.buckets = state.next_index;
-    state.guarded([&] { state.connection->send(message, state.options.timeout); });
+    state.guarded([&] { state.send_all(message); });
     state.open = false;
-    for (;;) {
-      Received received = state.connection->receive(state.options.timeout, "the update's REPORT");
-      if (received.message.type == MessageType::kApplied) continue;
-      if (received.message.type != MessageType::kReport) state.fail_with(received.message, "the update's REPORT");
-      return received.message.report;
+    // Every receiver's report; the slowest one's is the update's.
+    std::optional<UpdateReport> slowest;
+    for (State::Link& link : state.links) {
+      for (;;) {
+        Received received = link.connection.receive(state.options.timeout, "the update's REPORT");
+        if (received.message.type == MessageType::kApplied) continue;
+        if (received.message.type != MessageType::kReport) State::fail_with(link, received.message, "the update's REPORT");
+        if (!slowest || received.message.report.seconds > slowest->seconds) slowest = received.message.report;
+        break;
+      }
     }
+    return *slowest;
   });
 }
 

@@ -139,9 +139,12 @@ class TcpSender final : public SenderTransport {
             uint64_t bytes) override {
     copy_to_host(buffers_[slot].data() + offset, source, source_device, bytes);
   }
-  void push(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout) override {
-    connection.send_bytes(std::span(buffers_[slot].data(), bytes), timeout,
-                          "bucket payload (" + std::to_string(bytes) + " bytes)");
+  void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
+            std::chrono::milliseconds timeout) override {
+    for (Connection* connection : connections) {
+      connection->send_bytes(std::span(buffers_[slot].data(), bytes), timeout,
+                             "bucket payload (" + std::to_string(bytes) + " bytes)");
+    }
   }
 
  private:
@@ -159,24 +162,34 @@ std::vector<std::byte> sender_hello_blob(TransportKind kind) {
   return kind == TransportKind::kNccl ? nccl_unique_id() : std::vector<std::byte>{};
 }
 
+bool feeds_several(TransportKind kind) noexcept { return kind == TransportKind::kTcp || kind == TransportKind::kNccl; }
+
 std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, uint64_t bucket_bytes,
-                                                           const Device& device, std::span<const std::byte> hello_blob) {
+                                                           const Device& device, std::span<const std::byte> hello_blob,
+                                                           uint32_t receivers, uint32_t receiver_index) {
+  WS_EXPECT(receivers == 1 || feeds_several(kind), ErrorCode::kProtocol,
+            "the sender feeds " + std::to_string(receivers) + " receivers at once over " +
+                std::string(transport_name(kind)) + ", which carries one (only tcp and nccl feed several)");
   switch (kind) {
     case TransportKind::kShm: return std::make_unique<ShmReceiver>(bucket_bytes);
     case TransportKind::kTcp: return std::make_unique<TcpReceiver>(bucket_bytes);
     case TransportKind::kCudaIpc: return make_cuda_ipc_receiver(bucket_bytes, device);
-    case TransportKind::kNccl: return make_nccl_receiver(bucket_bytes, device, hello_blob);
+    case TransportKind::kNccl:
+      return make_nccl_receiver(bucket_bytes, device, hello_blob, static_cast<int>(receivers) + 1,
+                                static_cast<int>(receiver_index) + 1);
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }
 
-std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, std::span<const std::byte> hello_blob,
+std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, uint32_t receivers,
+                                                       std::span<const std::byte> hello_blob,
                                                        std::span<const std::byte> welcome_blob, FileDescriptor passed_fd) {
   switch (options.transport) {
     case TransportKind::kShm: return std::make_unique<ShmSender>(options.bucket_bytes, std::move(passed_fd));
     case TransportKind::kTcp: return std::make_unique<TcpSender>(options.bucket_bytes);
     case TransportKind::kCudaIpc: return make_cuda_ipc_sender(options, welcome_blob);
-    case TransportKind::kNccl: return make_nccl_sender(options.bucket_bytes, options.device, hello_blob);
+    case TransportKind::kNccl:
+      return make_nccl_sender(options.bucket_bytes, options.device, hello_blob, static_cast<int>(receivers) + 1);
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }

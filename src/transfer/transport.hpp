@@ -84,18 +84,27 @@ class SenderTransport {
                                            std::vector<SharedRegion>& announce) {
     return std::nullopt;
   }
-  /// Moves the bucket's bytes after its BUCKET message (TCP writes them, NCCL broadcasts).
-  virtual void push(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout) {}
+  /// Moves the bucket's bytes to every receiver after its BUCKET message (TCP writes them on
+  /// each connection, NCCL broadcasts once to all).
+  virtual void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
+                    std::chrono::milliseconds timeout) {}
 };
 
 /// The HELLO blob a sender of `kind` offers (the NCCL unique id; empty otherwise).
 std::vector<std::byte> sender_hello_blob(TransportKind kind);
 
-/// The receiver's transport for a sender that asked for `bucket_bytes`.
+/// Whether one sender may feed several receivers at once over `kind` (TCP writes each its
+/// own stream, NCCL broadcasts to all; shared memory and CUDA IPC buffers are per receiver).
+bool feeds_several(TransportKind kind) noexcept;
+
+/// The receiver's transport for a sender that asked for `bucket_bytes` and feeds
+/// `receivers` receivers, this one at `receiver_index`.
 std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, uint64_t bucket_bytes,
-                                                           const Device& device, std::span<const std::byte> hello_blob);
-/// The sender's transport, given what the receiver sent with WELCOME.
-std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, std::span<const std::byte> hello_blob,
+                                                           const Device& device, std::span<const std::byte> hello_blob,
+                                                           uint32_t receivers, uint32_t receiver_index);
+/// The sender's transport for `receivers` receivers, given what the first one sent with WELCOME.
+std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& options, uint32_t receivers,
+                                                       std::span<const std::byte> hello_blob,
                                                        std::span<const std::byte> welcome_blob, FileDescriptor passed_fd);
 
 // CUDA IPC (cuda_ipc_transport_cuda.cpp, or its fallback).
@@ -105,9 +114,10 @@ std::unique_ptr<SenderTransport> make_cuda_ipc_sender(const SenderOptions& optio
 // NCCL (nccl_transport_nccl.cpp, or its fallback).
 bool nccl_compiled() noexcept;
 std::vector<std::byte> nccl_unique_id();
+// NCCL ranks: the sender is rank 0 of `ranks`, receiver i is rank i + 1.
 std::unique_ptr<ReceiverTransport> make_nccl_receiver(uint64_t bucket_bytes, const Device& device,
-                                                      std::span<const std::byte> unique_id);
+                                                      std::span<const std::byte> unique_id, int ranks, int rank);
 std::unique_ptr<SenderTransport> make_nccl_sender(uint64_t bucket_bytes, const Device& device,
-                                                  std::span<const std::byte> unique_id);
+                                                  std::span<const std::byte> unique_id, int ranks);
 
 }  // namespace weightstream::transfer

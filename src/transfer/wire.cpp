@@ -155,6 +155,8 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put_string(message.token);
       out.put(static_cast<uint8_t>(message.transport));
       out.put(message.bucket_bytes);
+      out.put(message.receivers);
+      out.put(message.receiver_index);
       out.put_bytes(message.blob);
       break;
     case MessageType::kWelcome:
@@ -241,6 +243,15 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       message.transport = static_cast<TransportKind>(transport);
       message.bucket_bytes = in.get<uint64_t>("bucket_bytes");
       if (message.bucket_bytes == 0) in.fail("bucket_bytes", "zero");
+      message.receivers = in.get<uint32_t>("receivers");
+      if (message.receivers == 0 || message.receivers > kMaxReceivers) {
+        in.fail("receivers", std::to_string(message.receivers) + " (1 to " + std::to_string(kMaxReceivers) + ")");
+      }
+      message.receiver_index = in.get<uint32_t>("receiver_index");
+      if (message.receiver_index >= message.receivers) {
+        in.fail("receiver_index", std::to_string(message.receiver_index) + " of " + std::to_string(message.receivers) +
+                                      " receivers");
+      }
       auto blob = in.get_bytes("blob", kMaxBlobBytes);
       message.blob.assign(blob.begin(), blob.end());
       break;

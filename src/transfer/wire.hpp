@@ -6,7 +6,9 @@
 //   string: u32 length, then that many bytes (no terminator)
 //   blob:   u32 length, then that many bytes
 //
-//   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, blob (NCCL unique id)
+//   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, receivers u32 (the
+//                                 receivers this sender feeds at once), receiver_index u32 (this
+//                                 one's, below receivers), blob (NCCL unique id)
 //   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles); shm passes
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes
@@ -56,6 +58,8 @@ inline constexpr uint32_t kMaxLayers = 1 << 20;
 /// Regions one update may share (a trainer's parameters live in a few large allocations).
 inline constexpr uint32_t kMaxRegions = 1 << 16;
 inline constexpr uint32_t kMaxHandleBytes = 256;
+/// Receivers one sender may feed at once (one NCCL communicator of them all plus the sender).
+inline constexpr uint32_t kMaxReceivers = 1024;
 
 enum class MessageType : uint16_t {
   kHello = 1,
@@ -84,6 +88,8 @@ struct Message {
   // HELLO
   std::string token;
   TransportKind transport = TransportKind::kTcp;
+  uint32_t receivers = 1;       ///< receivers the sender feeds at once (NCCL: one broadcast to all)
+  uint32_t receiver_index = 0;  ///< this receiver's place among them (NCCL rank - 1)
   // HELLO, WELCOME
   uint64_t bucket_bytes = 0;
   std::vector<std::byte> blob;

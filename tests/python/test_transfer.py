@@ -108,3 +108,28 @@ def test_a_sender_without_the_token_is_refused(tmp_path):
         sender.finish()
     thread.join(timeout=30)
     assert receiver.address.startswith("127.0.0.1:") or "127.0.0.1" in receiver.address
+
+
+def test_one_sender_feeds_several_receivers(tmp_path):
+    """The tensor-parallel ranks of an engine, each a receiver: one trainer-side sender feeds them all."""
+    old = synth(tmp_path / "old", 1)
+    new = synth(tmp_path / "new", 2)
+    ranks = [cold_layout(old), cold_layout(old)]
+    expected = parameter_bytes(cold_layout(new))
+    receivers = [weightstream.UpdateReceiver(live, transport="tcp", token="s3cret") for live in ranks]
+    reports = []
+    threads = [threading.Thread(target=lambda r=r: reports.append(r.receive(accept_timeout=60.0))) for r in receivers]
+    for thread in threads:
+        thread.start()
+    sender = weightstream.UpdateSender([r.address for r in receivers], transport="tcp", token="s3cret",
+                                       bucket_bytes=1 << 16)
+    sender.start("checkpoint")
+    for name, tensor in new.stream(framework="numpy"):
+        sender.send(name, tensor, new.dtypes[name])
+    echoed = sender.finish()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(reports) == 2 and echoed["buckets"] == reports[0]["buckets"] > 2
+    assert all(parameter_bytes(live) == expected for live in ranks)
+    with pytest.raises(weightstream.Error, match="2 receivers over shm, which carries one"):
+        weightstream.UpdateSender([r.address for r in receivers], transport="shm")

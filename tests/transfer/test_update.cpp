@@ -191,6 +191,74 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
 INSTANTIATE_TEST_SUITE_P(ShmAndTcp, Transports, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
                          [](const auto& info) { return std::string(transport_name(info.param)); });
 
+// ---- one sender, several receivers ---------------------------------------------------------
+
+TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) {
+  // The tensor-parallel ranks (or replicas) of an engine: each its own receiver and layout.
+  // Over TCP each gets its own stream; NCCL (two GPUs, issue 9) broadcasts once to all.
+  LoadedModel first(1), second(1);
+  UpdateReceiver first_receiver(first.layout, receiver_options(TransportKind::kTcp));
+  UpdateReceiver second_receiver(second.layout, receiver_options(TransportKind::kTcp));
+  const std::vector<std::string> addresses = {first_receiver.address(), second_receiver.address()};
+  auto trainer = std::async(std::launch::async, [&] {
+    UpdateSender sender(addresses, sender_options(TransportKind::kTcp, 16 << 10));  // many buckets
+    std::vector<UpdateReport> reports;
+    for (uint64_t seed : {2, 3}) {
+      sender.start(TensorFormat::kCheckpoint);
+      for (const TensorView& view : checkpoint_of(seed).views()) sender.send(view);
+      reports.push_back(sender.finish());
+    }
+    return reports;
+  });
+  auto receive_both = [](UpdateReceiver& receiver, LoadedModel& model) {
+    std::vector<uint64_t> mismatched;
+    for (uint64_t seed : {2, 3}) {
+      receiver.receive(10s);
+      mismatched.push_back(compare_layouts(model.layout, fresh_layout(seed)).mismatched);
+    }
+    return mismatched;
+  };
+  auto second_side = std::async(std::launch::async, [&] { return receive_both(second_receiver, second); });
+  EXPECT_EQ(receive_both(first_receiver, first), (std::vector<uint64_t>{0, 0}));
+  EXPECT_EQ(second_side.get(), (std::vector<uint64_t>{0, 0}));
+  std::vector<UpdateReport> reports = trainer.get();
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_GT(reports[0].buckets, 4u);
+  EXPECT_EQ(first.hook_runs, 3);  // the cold load's and one per update, at each receiver
+  EXPECT_EQ(second.hook_runs, 3);
+  EXPECT_EQ(storage_addresses(first.layout), first.addresses);
+  EXPECT_EQ(storage_addresses(second.layout), second.addresses);
+}
+
+TEST(SeveralReceivers, OnlyTcpAndNcclFeedSeveral) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kShm));
+  const std::vector<std::string> twice = {receiver.address(), receiver.address()};
+  EXPECT_THAT(error_text([&] { UpdateSender sender(twice, sender_options(TransportKind::kShm)); }),
+              HasSubstr("update sender: 2 receivers over shm, which carries one; feed several over tcp or nccl, or make "
+                        "one sender per receiver"));
+  EXPECT_THAT(error_text([&] { UpdateSender sender(std::vector<std::string>{}, sender_options(TransportKind::kTcp)); }),
+              HasSubstr("update sender: no receiver address given"));
+}
+
+TEST(SeveralReceivers, ARefusingReceiverIsNamed) {
+  LoadedModel first(1), second(1);
+  UpdateReceiver first_receiver(first.layout, receiver_options(TransportKind::kTcp));
+  ReceiverOptions other_token = receiver_options(TransportKind::kTcp);
+  other_token.token = "another-secret";
+  UpdateReceiver second_receiver(second.layout, other_token);
+  const std::vector<std::string> addresses = {first_receiver.address(), second_receiver.address()};
+  auto first_side = std::async(std::launch::async, [&] { return error_text([&] { first_receiver.receive(10s); }); });
+  auto second_side = std::async(std::launch::async, [&] { return error_text([&] { second_receiver.receive(10s); }); });
+  EXPECT_THAT(error_text([&] { UpdateSender sender(addresses, sender_options(TransportKind::kTcp)); }),
+              HasSubstr("update receiver at " + second_receiver.address() +
+                        " refused this sender: wrong or missing token"));
+  EXPECT_THAT(second_side.get(), HasSubstr("wrong or missing token"));
+  // The first receiver saw its sender go away before any update.
+  EXPECT_THAT(first_side.get(), HasSubstr("failed before it started"));
+  EXPECT_EQ(compare_layouts(first.layout, fresh_layout(1)).mismatched, 0u);
+}
+
 // ---- manifest validation ------------------------------------------------------------------
 
 /// Runs an update whose tensors are `before`, a flush, then `bad`; returns the receiver's error.

@@ -103,9 +103,21 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   hello.token = "secret";
   hello.transport = TransportKind::kShm;
   hello.bucket_bytes = 1 << 20;
+  hello.receivers = 3;
+  hello.receiver_index = 2;
   Message parsed = parse_body(MessageType::kHello, encode_body(hello), "peer");
   EXPECT_EQ(parsed.token, "secret");
   EXPECT_EQ(parsed.transport, TransportKind::kShm);
+  EXPECT_EQ(parsed.receivers, 3u);
+  EXPECT_EQ(parsed.receiver_index, 2u);
+  // A sender's place among its receivers is checked: NCCL ranks are made from it.
+  hello.receiver_index = 3;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kHello, encode_body(hello), "peer"); }),
+              HasSubstr("receiver_index: 3 of 3 receivers"));
+  hello.receivers = 0;
+  hello.receiver_index = 0;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kHello, encode_body(hello), "peer"); }),
+              HasSubstr("receivers: 0 (1 to 1024)"));
 
   Message report;
   report.type = MessageType::kReport;
