@@ -199,13 +199,12 @@ std::string phase_text(const std::vector<ws::UpdatePhases>& runs) {
     std::sort(values.begin(), values.end());
     return values[values.size() / 2];
   };
-  char text[512];
-  std::snprintf(text, sizeof(text),
-                "preparing %.2f, waiting %.2f (first bucket %.2f), parsing %.2f, opening %.2f, checking %.2f, copying %.2f, "
-                "finishing %.2f, closing %.2f",
-                ms(&ws::UpdatePhases::preparing), ms(&ws::UpdatePhases::waiting), ms(&ws::UpdatePhases::first_bucket), ms(&ws::UpdatePhases::parsing),
-                ms(&ws::UpdatePhases::opening), ms(&ws::UpdatePhases::checking), ms(&ws::UpdatePhases::copying),
-                ms(&ws::UpdatePhases::finishing), ms(&ws::UpdatePhases::closing));
+  std::string text;
+  char value[32];
+  for (const auto& [name, phase] : ws::kUpdatePhases) {
+    std::snprintf(value, sizeof(value), " %.2f", ms(phase));
+    text += (text.empty() ? "" : ", ") + std::string(name) + value;
+  }
   return text;
 }
 

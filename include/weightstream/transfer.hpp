@@ -14,12 +14,14 @@
 /// layers not completed keep their old values, and a plain reload restores a consistent
 /// model. Uses the model, device and format layers only.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "weightstream/device.hpp"
@@ -137,6 +139,20 @@ struct UpdatePhases {
   double finishing = 0;     ///< the session's finish(): completeness, layer processing, model hooks
   double closing = 0;       ///< closing shared regions the update no longer needs
 };
+
+/// Every phase and its name, in one order: the wire, the Python report and the benchmark
+/// list them from here.
+inline constexpr std::array<std::pair<const char*, double UpdatePhases::*>, 9> kUpdatePhases = {{
+    {"preparing", &UpdatePhases::preparing},
+    {"first_bucket", &UpdatePhases::first_bucket},
+    {"waiting", &UpdatePhases::waiting},
+    {"parsing", &UpdatePhases::parsing},
+    {"opening", &UpdatePhases::opening},
+    {"checking", &UpdatePhases::checking},
+    {"copying", &UpdatePhases::copying},
+    {"finishing", &UpdatePhases::finishing},
+    {"closing", &UpdatePhases::closing},
+}};
 
 struct UpdateReport {
   TensorFormat format = TensorFormat::kCheckpoint;

@@ -155,15 +155,7 @@ class PySender {
     result["connect_seconds"] = report.connect_seconds;
     result["gbps"] = report.gbps();
     nb::dict phases;
-    phases["preparing"] = report.phases.preparing;
-    phases["first_bucket"] = report.phases.first_bucket;
-    phases["waiting"] = report.phases.waiting;
-    phases["parsing"] = report.phases.parsing;
-    phases["opening"] = report.phases.opening;
-    phases["checking"] = report.phases.checking;
-    phases["copying"] = report.phases.copying;
-    phases["finishing"] = report.phases.finishing;
-    phases["closing"] = report.phases.closing;
+    for (const auto& [name, phase] : kUpdatePhases) phases[name] = report.phases.*phase;
     result["phases"] = phases;
     result["model_hook_runs"] = report.counters.model_hook_runs;
     result["parameters_completed"] = report.counters.parameters_completed;

@@ -209,11 +209,7 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.regions);
       out.put(report.seconds);
       out.put(report.connect_seconds);
-      const UpdatePhases& phases = report.phases;
-      for (double value : {phases.preparing, phases.first_bucket, phases.waiting, phases.parsing, phases.opening, phases.checking,
-                           phases.copying, phases.finishing, phases.closing}) {
-        out.put(value);
-      }
+      for (const auto& [name, phase] : kUpdatePhases) out.put(report.phases.*phase);
       const LoadCounters& counters = report.counters;
       for (uint64_t value : {counters.tensors_applied, counters.bytes_applied, counters.tensors_skipped,
                              counters.parameters_completed, counters.layer_processing_runs, counters.model_hook_runs}) {
@@ -362,11 +358,7 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.regions = in.get<uint64_t>("regions");
       report.seconds = in.get<double>("seconds");
       report.connect_seconds = in.get<double>("connect_seconds");
-      UpdatePhases& phases = report.phases;
-      for (double* value : {&phases.preparing, &phases.first_bucket, &phases.waiting, &phases.parsing, &phases.opening, &phases.checking,
-                            &phases.copying, &phases.finishing, &phases.closing}) {
-        *value = in.get<double>("phases");
-      }
+      for (const auto& [name, phase] : kUpdatePhases) report.phases.*phase = in.get<double>(name);
       LoadCounters& counters = report.counters;
       for (uint64_t* value : {&counters.tensors_applied, &counters.bytes_applied, &counters.tensors_skipped,
                               &counters.parameters_completed, &counters.layer_processing_runs,
