@@ -367,14 +367,18 @@ struct UpdateReceiver::State {
   std::optional<TensorFormat> prepared;
   std::optional<TensorFormat> last_format;
 
+  /// Forgets an update prepared ahead: its session was begun (nothing written), so the
+  /// next update makes a new one.
+  void discard_prepared() {
+    if (prepared) session.reset();
+    prepared.reset();
+    gate.reset();
+  }
+
   /// Begins the session and the layer gate of an update in `format`.
   void prepare(TensorFormat format) {
-    if (prepared) {
-      if (*prepared == format) return;
-      session.reset();  // begun for the other format: nothing was written, start over
-      prepared.reset();
-    }
-    gate.reset();
+    if (prepared == format) return;
+    discard_prepared();
     if (!session) session.emplace(layout);
     session->begin(LoadMode::kUpdate, format);
     gate.emplace(layout, format, transport->device());
@@ -388,9 +392,8 @@ struct UpdateReceiver::State {
     try {
       prepare(*last_format);
     } catch (const Error&) {
-      session.reset();
-      gate.reset();
-      prepared.reset();
+      session.reset();  // begun, perhaps, before the gate failed
+      discard_prepared();
     }
   }
 
@@ -399,10 +402,7 @@ struct UpdateReceiver::State {
   }
 
   void drop_connection() {
-    // What was prepared belongs to this connection's transport (its device, its regions).
-    if (prepared) session.reset();
-    prepared.reset();
-    gate.reset();
+    discard_prepared();  // prepared for this connection's transport (its device, its regions)
     transport.reset();
     connection.reset();
     updates = 0;
