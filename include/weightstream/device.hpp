@@ -74,6 +74,10 @@ class Buffer {
 void copy_bytes(void* destination, const Device& destination_device, const void* source,
                 const Device& source_device, size_t bytes);
 
+/// Writes `bytes` zero bytes at `destination`, in the memory of `device`, and waits until
+/// they landed (cudaMemset on a GPU). Throws Error(kDevice) with the CUDA error string.
+void fill_zero(void* destination, const Device& device, size_t bytes);
+
 /// One copy of a batch: `bytes` from `source` to `destination`, each in host memory or in
 /// the memory of the batch's device.
 struct CopyRange {
@@ -172,13 +176,21 @@ class DeviceCopier {
   DeviceCopier(const DeviceCopier&) = delete;
   DeviceCopier& operator=(const DeviceCopier&) = delete;
 
-  /// Enqueues a copy of `bytes` from host `source` to device `destination` on lane
-  /// `lane % lanes()` and returns at once; `keepalive` is dropped once the copy is done.
-  /// The source should be pinned or registered host memory: pageable memory is copied
-  /// synchronously by the driver. `what` (a tensor name) is used only in error messages.
-  /// Throws Error(kDevice) naming the device, `what`, the range and the CUDA error.
+  /// Enqueues a copy of `bytes` from `source` (host memory, or memory of the copier's
+  /// device) to device `destination` on lane `lane % lanes()` and returns at once;
+  /// `keepalive` is dropped once the copy is done. A host source should be pinned or
+  /// registered: pageable memory is staged by the driver before the call returns (so it
+  /// may change afterwards) and copies more slowly. `what` (a tensor name) is used only in
+  /// error messages. Throws Error(kDevice) naming the device, `what`, the range and the
+  /// CUDA error.
   void copy_to_device(void* destination, const void* source, size_t bytes, std::shared_ptr<const void> keepalive,
                       unsigned lane, std::string_view what = {});
+  /// Like copy_to_device() for a rectangle: `rows` rows of `width` bytes, source rows
+  /// `source_pitch` bytes apart, destination rows `destination_pitch` bytes apart
+  /// (cudaMemcpy2DAsync: one call for a column slice of a row-major tensor).
+  void copy_rows_to_device(void* destination, size_t destination_pitch, const void* source, size_t source_pitch,
+                           size_t width, size_t rows, std::shared_ptr<const void> keepalive, unsigned lane,
+                           std::string_view what = {});
   /// Copies `bytes` from device `source` to host `destination` on lane `lane % lanes()`
   /// and waits for that copy (for reading back what landed, e.g. to hash it).
   void copy_to_host(void* destination, const void* source, size_t bytes, unsigned lane, std::string_view what = {});

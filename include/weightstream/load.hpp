@@ -1,8 +1,10 @@
 #pragma once
 /// @file load.hpp
 /// Loading a checkpoint into a ModelLayout: the plan of which byte ranges each rank reads
-/// (a contiguous row slice is read as its own range; other slices read whole and copied
-/// strided by the session), and the glue that streams those ranges into a LoadSession.
+/// (a contiguous row slice is read as its own range; other slices read whole and written
+/// strided by the session), and the one path that streams those ranges into a LoadSession,
+/// which writes them through its device path. The plain "every tensor into memory" load is
+/// the same path with the identity layout (one parameter per checkpoint tensor).
 
 #include <cstdint>
 #include <span>
@@ -46,7 +48,10 @@ struct LoadPlan {
 LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoint);
 
 /// Streams the plan's reads into `session` (which must have begun), piece by piece as the
-/// reader pool completes them. Returns the stream's counters; throws the first error.
+/// reader pool completes them, by the source stream_tensors_for_device() picks for the
+/// layout's device (pinned staging or mapped windows for a GPU; reads straight into
+/// parameter storage on the host where the session allows). Returns the stream's
+/// counters; throws the first error.
 StreamStats stream_into_session(const Checkpoint& checkpoint, const LoadPlan& plan, LoadSession& session,
                                 const StreamOptions& options, const ProgressCallback& progress = {});
 
@@ -56,9 +61,45 @@ struct LayoutLoad {
   LoadCounters counters;
 };
 
-/// One whole load of `layout` from `checkpoint`: plan, begin(mode), stream, finish().
+/// One whole load of `layout` from `checkpoint`: plan, begin(mode, commit), stream,
+/// finish(). The stream's seconds cover all of it.
 LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
-                       const ProgressCallback& progress = {});
+                       const ProgressCallback& progress = {}, LayerCommit commit = LayerCommit::kAsArrived);
+
+/// The identity layout of `checkpoint`: one parameter per tensor, named, typed and shaped
+/// as the tensor (a tensor of a sub-byte dtype, F4 or F6, as U8 of its byte count), all
+/// global (layer -1), no storage yet. What an engine binds when its parameters carry the
+/// checkpoint's names, and what load_checkpoint() loads.
+ModelLayout identity_layout(const Checkpoint& checkpoint);
+
+/// One tensor loaded into memory.
+struct LoadedTensor {
+  size_t tensor = 0;          ///< index into Checkpoint::tensors()
+  std::byte* data = nullptr;  ///< host or device address
+  uint64_t bytes = 0;
+};
+
+/// The result of load_checkpoint: every tensor in one arena on the device, owned by the
+/// identity layout.
+struct LoadedCheckpoint {
+  ModelLayout layout;
+  std::vector<LoadedTensor> tensors;  ///< parallel to Checkpoint::tensors()
+  StreamStats stats;                  ///< seconds from allocation to the last byte landed
+};
+
+/// Loads every tensor of `checkpoint` into one arena on `device`: the identity layout,
+/// allocated there, loaded cold through a LoadSession. Throws Error naming the tensor, the
+/// source and the cause.
+LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
+                                 const ProgressCallback& progress = {});
+
+/// Hashes every tensor. On the host, over the bytes as streamed (digest_streamed); with a
+/// CUDA `device`, the checkpoint is loaded there (load_checkpoint) and hashed from what the
+/// device holds, read back in pieces within options.memory_limit of pinned memory.
+/// Digests are in the order of Checkpoint::tensors().
+std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
+                                            const StreamOptions& options, StreamStats* stats = nullptr,
+                                            const ProgressCallback& progress = {});
 
 /// The checkpoint's config.json, parsed. Throws Error(kNotFound) naming the checkpoint
 /// when it has none.

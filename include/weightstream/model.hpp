@@ -24,15 +24,6 @@
 
 namespace weightstream {
 
-namespace detail {
-/// Hash of std::string keys that also takes std::string_view (heterogeneous lookup): name
-/// lookups run per tensor on the update path, where std::map's string compares showed.
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view text) const noexcept { return std::hash<std::string_view>{}(text); }
-};
-}  // namespace detail
-
 /// Where this rank sits among tensor-parallel and expert-parallel ranks.
 struct Parallelism {
   int64_t tp_size = 1;  ///< tensor-parallel ranks
@@ -273,8 +264,9 @@ class ModelLayout {
   /// Every checkpoint tensor name that some part wants.
   std::vector<std::string> wanted_tensors() const;
 
-  /// Allocates zeroed storage for every parameter without storage on `device`, once; the
-  /// addresses never change afterwards. Throws Error(kDevice).
+  /// Allocates zeroed storage for every parameter without storage on `device`: one arena,
+  /// each parameter at a 256-byte boundary. The addresses never change afterwards. Throws
+  /// Error(kDevice).
   void allocate(const Device& device);
   /// Binds engine-owned storage of parameter.bytes() bytes to a parameter. Throws
   /// Error(kModel) once the layout has been loaded (storage never moves).
@@ -308,8 +300,9 @@ class ModelLayout {
  private:
   friend class LoadSession;
   std::string description_;
+  struct NameIndex;  // parameter index by name (hashed, string_view lookups)
   std::vector<Parameter> parameters_;
-  std::unordered_map<std::string, size_t, detail::StringHash, std::equal_to<>> by_name_;
+  std::unique_ptr<NameIndex> by_name_;
   std::multimap<std::string, std::pair<size_t, size_t>, std::less<>> by_tensor_;
   std::map<std::string, std::string, std::less<>> skipped_;
   std::vector<std::string> ignore_rules_;
@@ -394,8 +387,16 @@ enum class TensorFormat {
   kEngine,      ///< parameter names and kernel-format bytes, copied in place as they are
 };
 
+/// How long the bytes of a TensorView handed to LoadSession::load() stay valid and unchanged.
+enum class SourceLifetime {
+  kCall,    ///< until load() returns (the default); the session waits for its copies first
+  kSettle,  ///< until the next settle() or finish() returns: copies are only issued, so the
+            ///< caller's next batch overlaps them
+  kLoad,    ///< until finish() returns: a piece held back for its layer is kept by reference
+};
+
 /// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
-/// or on a device; they are read during load() only.
+/// or on a device.
 struct TensorView {
   std::string_view name;
   Dtype dtype = Dtype::kBF16;
@@ -404,6 +405,19 @@ struct TensorView {
   Device device;
   uint64_t offset = 0;  ///< where `data` starts within the tensor's bytes
   uint64_t bytes = 0;   ///< bytes at `data`
+  SourceLifetime lifetime = SourceLifetime::kCall;
+  /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
+  /// keeps it until its copies of these bytes have landed and returns without waiting.
+  std::shared_ptr<const void> keepalive;
+};
+
+/// When a session writes the parts of a layer.
+enum class LayerCommit {
+  kAsArrived,  ///< each part as it arrives (the fastest; a load that fails midway leaves
+               ///< the layers it was writing with a mix of old and new values)
+  kWholeLayer,  ///< a layer only once every one of its tensors has arrived: pieces of an
+                ///< unfinished layer are held (copied, or referenced when their lifetime is
+                ///< kLoad) and a load that fails midway leaves unfinished layers as they were
 };
 
 /// Counters of one load (reset by begin()).
@@ -414,13 +428,6 @@ struct LoadCounters {
   uint64_t parameters_completed = 0;
   uint64_t layer_processing_runs = 0;  ///< layers processed (quantized)
   uint64_t model_hook_runs = 0;
-};
-
-/// How long the bytes of a batch handed to LoadSession::load() stay valid and unchanged.
-enum class SourceLifetime {
-  kCall,     ///< until load() returns (the default): every copy has landed by then
-  kSession,  ///< until settle() or finish() returns: engine-format copies within the
-             ///< layout's GPU are only issued, so the caller's next batch overlaps them
 };
 
 /// One load of a layout: begin(mode), load(batch) any number of times, finish(). Parts of
@@ -436,20 +443,33 @@ class LoadSession {
   /// Starts a load. Throws Error(kModel), before touching any weight, when the layout has
   /// a parameter without storage, a reload or update comes before any load, or the layout
   /// has loaded before and a hook cannot run twice. A cold load zeroes padding.
-  void begin(LoadMode mode, TensorFormat format = TensorFormat::kCheckpoint);
+  void begin(LoadMode mode, TensorFormat format = TensorFormat::kCheckpoint,
+             LayerCommit commit = LayerCommit::kAsArrived);
   /// Applies a batch. Every tensor is checked (known name, dtype, shape, bounds, not
   /// delivered twice) before any byte of the batch is written; errors name the tensor, the
-  /// parameter, the part, the layer and the rule. A layer whose last part arrives is
-  /// processed (cold and reload).
-  void load(std::span<const TensorView> batch, SourceLifetime sources = SourceLifetime::kCall);
+  /// parameter, the part, the layer and the rule. A layer whose last part has landed is
+  /// processed (cold and reload). Copies onto a GPU are asynchronous: the call waits for
+  /// them only for views of lifetime kCall without a keepalive. Once a batch has failed,
+  /// later load() and finish() calls of this load throw, naming the first error.
+  void load(std::span<const TensorView> batch);
   void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
-  /// Waits until the copies of batches loaded with SourceLifetime::kSession have landed
-  /// (finish() does too, before model hooks run). Throws Error(kDevice).
+  /// Where bytes [offset, offset + bytes) of checkpoint tensor `tensor` belong, when a
+  /// source may read them straight into parameter storage (host storage; a tensor that
+  /// fills one part of one unprocessed parameter, in its dtype, whole rows; commit
+  /// kAsArrived); nullptr otherwise. The source still hands the piece to load(), with
+  /// `data` pointing there: it is checked and counted, and not copied.
+  std::byte* direct_destination(std::string_view tensor, Dtype dtype, std::span<const int64_t> shape,
+                                uint64_t offset, uint64_t bytes) const;
+  /// Waits until every copy issued so far has landed (finish() does too, before model
+  /// hooks run). Throws Error(kDevice).
   void settle();
-  /// Ends the load: completeness (cold: every parameter, naming every missing one by
-  /// layer), processing of layers still pending, then each model hook exactly once.
+  /// Ends the load: pieces still held are written, completeness is checked (cold: every
+  /// parameter, naming every missing one by layer), processing of layers still pending
+  /// runs, then each model hook exactly once.
   void finish();
 
+  /// The layout the session writes into.
+  const ModelLayout& layout() const noexcept { return layout_; }
   /// The mode of the current or last load.
   LoadMode mode() const noexcept { return mode_; }
   /// Counters of the current or last load.
@@ -459,8 +479,6 @@ class LoadSession {
 
  private:
   struct State;
-  /// Runs per-layer processing of `layer`'s complete, unprocessed parameters (lock held).
-  void process_layer(int64_t layer);
   ModelLayout& layout_;
   LoadMode mode_ = LoadMode::kCold;
   std::unique_ptr<State> state_;

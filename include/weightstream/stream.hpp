@@ -142,26 +142,21 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
                            TensorSink& sink, const StreamOptions& options,
                            const ProgressCallback& progress = {}, HostMemory staging = HostMemory::kPageable);
 
+/// Streams `requests` into `sink` for a consumer that writes into memory of `device`: for
+/// the host, as stream_tensors() does (pageable staging, direct reads where the sink offers
+/// them); for a GPU, by the path options.gpu_path names:
+///  - staged (kAuto): pinned staging buffers, which the copy engine reads directly;
+///  - mapped: local shards mapped read-only, windows of them registered with CUDA and
+///    handed to the sink in place (no read(2), no copy into staging); a piece's keepalive
+///    holds its window's registration, and registered windows stay within
+///    options.memory_limit. Throws Error(kUnsupported) for storage that is not local files.
+/// The sink keeps a piece's keepalive until its copy of the bytes has landed.
+StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& checkpoint,
+                                      std::span<const TensorRequest> requests, TensorSink& sink,
+                                      const StreamOptions& options, const ProgressCallback& progress = {});
+
 /// Requests for every tensor of the checkpoint, whole.
 std::vector<TensorRequest> all_tensors(const Checkpoint& checkpoint);
-
-/// One tensor loaded into memory.
-struct LoadedTensor {
-  size_t tensor = 0;      ///< index into Checkpoint::tensors()
-  std::byte* data = nullptr;  ///< host or device address
-  uint64_t bytes = 0;
-};
-
-/// The result of load_checkpoint: every tensor in one arena on `device`.
-struct LoadedCheckpoint {
-  Buffer arena;
-  std::vector<LoadedTensor> tensors;  ///< parallel to Checkpoint::tensors()
-  StreamStats stats;
-};
-
-/// Loads every tensor of `checkpoint` into one arena on `device`.
-LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device,
-                                 const StreamOptions& options, const ProgressCallback& progress = {});
 
 /// Hash functions for digests.
 enum class HashKind { kSha256, kXxh64 };
@@ -174,11 +169,11 @@ struct TensorDigest {
   std::string hex;
 };
 
-/// Hashes every tensor's bytes as streamed (host staging), in bounded memory.
-/// With a CUDA `device`, bytes are landed in device memory and hashed from there.
-std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
-                                            const StreamOptions& options, StreamStats* stats = nullptr,
-                                            const ProgressCallback& progress = {});
+/// Hashes every tensor's bytes as streamed (host staging), in bounded memory. Digests are
+/// in the order of Checkpoint::tensors(). (digest_checkpoint in load.hpp also hashes what a
+/// GPU holds after a load.)
+std::vector<TensorDigest> digest_streamed(const Checkpoint& checkpoint, HashKind kind, const StreamOptions& options,
+                                          StreamStats* stats = nullptr, const ProgressCallback& progress = {});
 
 /// Incremental hasher over one of the HashKinds.
 class Hasher {

@@ -17,7 +17,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
-#include "weightstream/stream.hpp"
+#include "weightstream/load.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "cli/command.hpp"
-#include "weightstream/stream.hpp"
+#include "weightstream/load.hpp"
 
 namespace weightstream::cli {
 

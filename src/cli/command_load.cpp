@@ -4,7 +4,7 @@
 #include "cli/command.hpp"
 #include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
-#include "weightstream/stream.hpp"
+#include "weightstream/load.hpp"
 
 namespace weightstream::cli {
 

@@ -151,6 +151,19 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
                 destination_device.name() + " failed: cudaMemcpy: " + cuda_error_text(error));
 }
 
+void fill_zero(void* destination, const Device& device, size_t bytes) {
+  if (bytes == 0) return;
+  if (!device.is_cuda()) {
+    std::memset(destination, 0, bytes);
+    return;
+  }
+  require_device(device);
+  cudaError_t error = cudaMemset(destination, 0, bytes);
+  if (error == cudaSuccess) error = cudaDeviceSynchronize();
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": zeroing " + std::to_string(bytes) + " bytes failed: cudaMemset: " + cuda_error_text(error));
+}
+
 namespace {
 
 /// A non-blocking stream of its own for one batch of copies (batches are not allowed on the
@@ -450,6 +463,30 @@ struct DeviceCopier::State {
     return event;
   }
 
+  /// Issues one copy on lane `lane` through `issue` (a cudaMemcpy*Async call on the stream
+  /// it is given) and records its completion; the copy's keepalive is dropped once done.
+  template <typename Issue>
+  void enqueue(size_t bytes, std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what, Issue&& issue) {
+    cudaStream_t stream = streams[lane % streams.size()];
+    std::unique_lock lock(mutex);
+    throw_if_failed_locked();
+    cudaEvent_t done = take_event_locked();
+    lock.unlock();
+    set_device(device);
+    cudaError_t status = issue(stream);
+    if (status == cudaSuccess) status = cudaEventRecord(done, stream);
+    lock.lock();
+    if (status != cudaSuccess) {
+      spare_events.push_back(done);
+      std::string message = device.name() + ": " + copy_text(what, bytes) + " to the device failed: " + cuda_error_text(status);
+      fail_locked(message);
+      WS_FAIL(ErrorCode::kDevice, message);
+    }
+    in_flight += bytes;
+    pending.push_back({done, std::move(keepalive), bytes, std::string(what)});
+    changed.notify_all();
+  }
+
   /// Waits for copies in order of enqueueing and drops their keepalives here, on a thread
   /// of our own: dropping may unpin a staging buffer or unregister a mapping,
   /// which a CUDA host callback (cudaLaunchHostFunc) must never do.
@@ -508,26 +545,20 @@ DeviceCopier::~DeviceCopier() {
 void DeviceCopier::copy_to_device(void* destination, const void* source, size_t bytes,
                                   std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what) {
   if (bytes == 0) return;
-  auto& state = *state_;
-  cudaStream_t stream = state.streams[lane % state.streams.size()];
-  std::unique_lock lock(state.mutex);
-  state.throw_if_failed_locked();
-  cudaEvent_t done = state.take_event_locked();
-  lock.unlock();
-  set_device(state.device);
-  cudaError_t status = cudaMemcpyAsync(destination, source, bytes, cudaMemcpyHostToDevice, stream);
-  if (status == cudaSuccess) status = cudaEventRecord(done, stream);
-  lock.lock();
-  if (status != cudaSuccess) {
-    state.spare_events.push_back(done);
-    std::string message = state.device.name() + ": " + copy_text(what, bytes) + " to the device failed: " +
-                          "cudaMemcpyAsync: " + cuda_error_text(status);
-    state.fail_locked(message);
-    WS_FAIL(ErrorCode::kDevice, message);
-  }
-  state.in_flight += bytes;
-  state.pending.push_back({done, std::move(keepalive), bytes, std::string(what)});
-  state.changed.notify_all();
+  state_->enqueue(bytes, std::move(keepalive), lane, what, [&](cudaStream_t stream) {
+    // cudaMemcpyDefault: the source may be host memory or this device's (unified addressing).
+    return cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, stream);
+  });
+}
+
+void DeviceCopier::copy_rows_to_device(void* destination, size_t destination_pitch, const void* source,
+                                       size_t source_pitch, size_t width, size_t rows,
+                                       std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what) {
+  if (width == 0 || rows == 0) return;
+  state_->enqueue(width * rows, std::move(keepalive), lane, what, [&](cudaStream_t stream) {
+    return cudaMemcpy2DAsync(destination, destination_pitch, source, source_pitch, width, rows, cudaMemcpyDefault,
+                             stream);
+  });
 }
 
 void DeviceCopier::copy_to_host(void* destination, const void* source, size_t bytes, unsigned lane,

@@ -45,6 +45,11 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
   if (bytes) std::memcpy(destination, source, bytes);
 }
 
+void fill_zero(void* destination, const Device& device, size_t bytes) {
+  require_device(device);
+  if (bytes) std::memset(destination, 0, bytes);
+}
+
 void copy_within_device(const Device& device, std::span<const CopyRange> ranges) { copy_batch(device, ranges); }
 
 void copy_batch(const Device& device, std::span<const CopyRange> ranges) {
@@ -82,6 +87,10 @@ struct DeviceCopier::State {
 DeviceCopier::DeviceCopier(const Device& device, unsigned) { fail_no_cuda(device); }
 DeviceCopier::~DeviceCopier() = default;
 void DeviceCopier::copy_to_device(void*, const void*, size_t, std::shared_ptr<const void>, unsigned, std::string_view) {
+  fail_no_cuda(state_->device);
+}
+void DeviceCopier::copy_rows_to_device(void*, size_t, const void*, size_t, size_t, size_t, std::shared_ptr<const void>,
+                                       unsigned, std::string_view) {
   fail_no_cuda(state_->device);
 }
 void DeviceCopier::copy_to_host(void*, const void*, size_t, unsigned, std::string_view) { fail_no_cuda(state_->device); }

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "model/parameter_copy.hpp"
+#include "model/parameter_writer.hpp"
 #include "weightstream/error.hpp"
 
 namespace weightstream::model {

@@ -1,11 +1,15 @@
-// LoadSession: the one path every load takes. A batch is checked whole before any byte
-// of it is written; parts are written as they arrive; a layer is processed when its last
-// part arrives; model hooks run once, in finish().
+// LoadSession: the one path every load takes, and its one set of checks. A batch is
+// checked whole before any byte of it is written; parts are written as they arrive (or,
+// with LayerCommit::kWholeLayer, once their layer is complete); a layer is processed when
+// its last part has landed; model hooks run once, in finish(). Every write goes through
+// the session's ParameterWriter: on a GPU, asynchronous copies that nothing waits for per
+// piece, issued outside the session's lock so that reader threads copy in parallel.
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <set>
 
-#include "model/parameter_copy.hpp"
+#include "model/parameter_writer.hpp"
 #include "model/processing.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
@@ -31,52 +35,219 @@ std::string join(const std::vector<std::string>& items, std::string_view separat
   return text;
 }
 
+/// One write of a checked batch: bytes [begin, end) of a tensor into one part of one
+/// parameter (checkpoint format) or into a parameter (engine format).
+struct PieceWrite {
+  size_t parameter = 0;
+  size_t part = 0;
+  uint64_t begin = 0, end = 0;        ///< bytes of the tensor, within the needed range
+  const std::byte* source = nullptr;  ///< the bytes of [begin, end)
+  Device device;
+  Dtype dtype = Dtype::kBF16;
+  SourceLifetime lifetime = SourceLifetime::kCall;
+  std::shared_ptr<const void> keepalive;
+  std::string_view name;
+};
+
+/// Writes the bytes of `write` (in the parameter's load dtype) into one part: a run of a
+/// row slice lands where it belongs; a column slice is written as the partial rows at the
+/// piece's ends and one 2-D copy of the whole rows between them.
+void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const ParameterPart& part, uint64_t element,
+                      const PieceWrite& write) {
+  const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
+  const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+  const uint64_t length = write.end - write.begin;
+  if (part.contiguous()) {
+    writer.copy(base + (write.begin - needed_begin), write.source, write.device, length, write.keepalive, write.name);
+    return;
+  }
+  const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
+  const uint64_t width = static_cast<uint64_t>(part.columns) * element;  // destination row pitch too
+  // Positions count from the needed range's first byte, rows from the part's first row.
+  const uint64_t first = write.begin - needed_begin;
+  const uint64_t last = write.end - needed_begin;
+  auto source_at = [&](uint64_t position) { return write.source + (position - first); };
+  auto write_partial_row = [&](uint64_t row, uint64_t from, uint64_t to) {
+    // The part's columns of `row` that lie in [from, to).
+    uint64_t columns_from = row * row_bytes + column_begin;
+    uint64_t lo = std::max(from, columns_from);
+    uint64_t hi = std::min(to, columns_from + width);
+    if (lo >= hi) return;
+    writer.copy(base + row * width + (lo - columns_from), source_at(lo), write.device, hi - lo, write.keepalive,
+                write.name);
+  };
+  uint64_t row = first / row_bytes;
+  uint64_t position = first;
+  if (position % row_bytes != 0 || last - position < row_bytes) {
+    uint64_t row_end = std::min(last, (row + 1) * row_bytes);
+    write_partial_row(row, position, row_end);
+    position = row_end;
+    ++row;
+  }
+  uint64_t whole_rows = (last - position) / row_bytes;
+  if (whole_rows > 0) {
+    writer.copy_rows(base + row * width, width, source_at(position + column_begin), write.device, row_bytes, width,
+                     whole_rows, write.keepalive, write.name);
+    position += whole_rows * row_bytes;
+    row += whole_rows;
+  }
+  if (position < last) write_partial_row(row, position, last);
+}
+
 }  // namespace
 
 struct LoadSession::State {
+  explicit State(ModelLayout& layout_) : layout(layout_) {}
+  ModelLayout& layout;
+
   struct PartState {
-    uint64_t received = 0;  ///< bytes of the needed source range received in this load
+    uint64_t received = 0;       ///< bytes of the needed source range accounted in this load
     std::optional<Dtype> dtype;  ///< dtype its pieces arrive in (one per load)
-    std::vector<std::byte> assembly;  ///< needed rows, gathered when pieces cannot be written directly
+    std::vector<std::byte> assembly;  ///< needed rows, gathered when pieces must be converted
+    uint64_t assembled = 0;           ///< bytes gathered into `assembly`
     bool complete = false;
   };
   struct ParameterState {
     std::vector<PartState> parts;
     size_t parts_complete = 0;
-    uint64_t engine_received = 0;  ///< engine format: bytes received
+    uint64_t engine_received = 0;  ///< engine format: bytes accounted
     bool touched = false;
     bool complete = false;
     bool processed = false;
     Buffer staging;  ///< checkpoint-format bytes of a processed parameter
   };
+
+  using Write = PieceWrite;
+  /// A piece of a layer not yet complete (LayerCommit::kWholeLayer), written with its layer.
+  struct Held {
+    Write write;
+    std::shared_ptr<const std::string> name;  ///< the write's name points here (not moved by a move)
+  };
   struct LayerState {
     size_t parameters = 0;  ///< parameters of the layer that parts fill
     size_t complete = 0;
+    unsigned writing = 0;   ///< writes of the layer issued by load() calls not yet returned
     bool processed = false;
-  };
-
-  /// One write that a checked batch will perform.
-  struct Write {
-    const TensorView* view = nullptr;
-    size_t parameter = 0;
-    size_t part = 0;
-    uint64_t begin = 0, end = 0;  ///< bytes of the tensor written, within the needed range
+    std::vector<Held> held;
+    bool complete_now() const { return parameters > 0 && complete == parameters; }
   };
 
   std::mutex mutex;
-  std::optional<CopyQueue> queue;  ///< engine-format copies of SourceLifetime::kSession batches
-  std::vector<size_t> batch_bytes_touched;  ///< parameters with engine bytes in the current batch
+  std::optional<model::ParameterWriter> writer;  ///< made for the layout's device, kept across loads
+  std::optional<CopyQueue> queue;  ///< engine-format copies within the GPU of kSettle/kLoad batches
+  std::vector<std::shared_ptr<const void>> queue_keepalives;  ///< sources of gathers not yet waited for
+  std::vector<size_t> batch_bytes_touched;   ///< parameters with engine bytes in the current batch
   std::vector<uint64_t> batch_engine_bytes;  ///< per parameter: engine bytes in the current batch
   bool active = false;
   TensorFormat format = TensorFormat::kCheckpoint;
+  LayerCommit commit = LayerCommit::kAsArrived;
   std::vector<ParameterState> parameters;
   std::map<int64_t, LayerState> layers;
   LoadCounters counters;
+  /// The first error of a batch in this load: later load() and finish() calls refuse.
+  std::optional<std::pair<ErrorCode, std::string>> failure;
+
+  /// Writes one checkpoint-format piece into its part (or the part's staging). A piece
+  /// in another dtype gathers on the host until its part is whole, then lands converted.
+  void write_checkpoint(const Write& write) {
+    Parameter& parameter = layout.mutable_parameter(write.parameter);
+    const ParameterPart& part = parameter.parts[write.part];
+    ParameterState& parameter_state = parameters[write.parameter];
+    std::byte* base = parameter.processing != Processing::kNone ? parameter_state.staging.data() : parameter.data;
+    base += part.element_offset * element_bytes(parameter.load_dtype);
+    if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
+    PartState& part_state = parameter_state.parts[write.part];
+    const uint64_t source_element = element_bytes(write.dtype);
+    const uint64_t tensor_columns = static_cast<uint64_t>(part.tensor_columns());
+    const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * tensor_columns * source_element;
+    const uint64_t needed_bytes = static_cast<uint64_t>(part.rows) * tensor_columns * source_element;
+    if (part_state.assembly.empty()) part_state.assembly.resize(needed_bytes);
+    copy_bytes(part_state.assembly.data() + (write.begin - needed_begin), kHost, write.source, write.device,
+               write.end - write.begin);
+    part_state.assembled += write.end - write.begin;
+    if (part_state.assembled < needed_bytes) return;
+    const uint64_t rows = static_cast<uint64_t>(part.rows);
+    const uint64_t columns = static_cast<uint64_t>(part.columns);
+    const uint64_t destination_element = element_bytes(parameter.load_dtype);
+    auto converted = std::make_shared<std::vector<std::byte>>(rows * columns * destination_element);
+    for (uint64_t row = 0; row < rows; ++row) {
+      convert_elements(converted->data() + row * columns * destination_element, parameter.load_dtype,
+                       part_state.assembly.data() + (row * tensor_columns + static_cast<uint64_t>(part.column_begin)) *
+                                                        source_element,
+                       write.dtype, columns);
+    }
+    std::vector<std::byte>().swap(part_state.assembly);
+    writer->copy(base, converted->data(), kHost, converted->size(), converted, write.name);
+  }
+
+  /// Writes engine-format pieces as they are: one batch of copies (on a GPU one driver call
+  /// or one gather launch, not one per tensor). Copies within the GPU are only issued when
+  /// `queued` (their sources stay valid until settle()), and waited for otherwise.
+  void write_engine(std::span<const Write> writes, bool queued) {
+    std::vector<CopyRange> host_copies;    // from host memory, or all on the host
+    std::vector<CopyRange> device_copies;  // from and to the layout's GPU
+    for (const Write& write : writes) {
+      const Parameter& parameter = layout.parameters()[write.parameter];
+      const uint64_t length = write.end - write.begin;
+      if (parameter.device == write.device && write.device.is_cuda()) {
+        device_copies.push_back({parameter.data + write.begin, write.source, length});
+        if (queued && write.keepalive) queue_keepalives.push_back(write.keepalive);
+      } else if (parameter.device == write.device || !write.device.is_cuda()) {
+        host_copies.push_back({parameter.data + write.begin, write.source, length});
+      } else {
+        copy_bytes(parameter.data + write.begin, parameter.device, write.source, write.device, length);
+      }
+    }
+    if (!host_copies.empty()) copy_batch(layout.device(), host_copies);
+    if (device_copies.empty()) return;
+    if (!queued) return copy_within_device(layout.device(), device_copies);
+    if (!queue) queue.emplace(layout.device());
+    queue->gather(device_copies);
+  }
+
+  /// Runs per-layer processing of `layer`'s complete, unprocessed parameters (lock held),
+  /// once the copies that fed them have landed.
+  void process_layer(int64_t layer) {
+    bool ran = false;
+    bool waited = false;
+    for (size_t index : layout.layer_parameters(layer)) {
+      const Parameter& parameter = layout.parameters()[index];
+      ParameterState& parameter_state = parameters[index];
+      if (parameter.processing == Processing::kNone || !parameter_state.complete || parameter_state.processed) continue;
+      if (!waited) {
+        writer->wait();
+        waited = true;
+      }
+      const Parameter* scale = nullptr;
+      if (auto scale_index = layout.find(parameter.scale)) scale = &layout.parameters()[*scale_index];
+      model::process_parameter(parameter, parameter_state.staging.data(), scale);
+      parameter_state.processed = true;
+      parameter_state.staging = Buffer();
+      ran = true;
+    }
+    layers[layer].processed = true;
+    if (ran) ++counters.layer_processing_runs;
+  }
+
+  /// Waits for every copy issued so far (lock held).
+  void settle() {
+    if (writer) writer->wait();
+    if (queue) queue->wait();
+    queue_keepalives.clear();
+  }
+
+  model::ParameterWriter& writer_for(const Device& device) {
+    if (!writer || writer->device() != device) {
+      if (writer) writer->wait();
+      writer.emplace(device);
+    }
+    return *writer;
+  }
 };
 
-LoadSession::LoadSession(ModelLayout& layout) : layout_(layout), state_(std::make_unique<State>()) {}
+LoadSession::LoadSession(ModelLayout& layout) : layout_(layout), state_(std::make_unique<State>(layout)) {}
 
-LoadSession::~LoadSession() = default;
+LoadSession::~LoadSession() = default;  // the writer and the queue wait for their copies
 
 LoadCounters LoadSession::counters() const {
   std::lock_guard lock(state_->mutex);
@@ -87,12 +258,12 @@ std::vector<int64_t> LoadSession::completed_layers() const {
   std::lock_guard lock(state_->mutex);
   std::vector<int64_t> result;
   for (const auto& [layer, state] : state_->layers) {
-    if (state.parameters > 0 && state.complete == state.parameters) result.push_back(layer);
+    if (state.complete_now()) result.push_back(layer);
   }
   return result;
 }
 
-void LoadSession::begin(LoadMode mode, TensorFormat format) {
+void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) {
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
   const std::string what = std::string(load_mode_name(mode)) + " load of " + layout_.description();
@@ -116,8 +287,11 @@ void LoadSession::begin(LoadMode mode, TensorFormat format) {
                     "rebuild the model instead of reloading it");
     }
   }
+  model::ParameterWriter& writer = state.writer_for(layout_.device());
   state.format = format;
+  state.commit = commit;
   state.counters = {};
+  state.failure.reset();
   // Reset in place: a session reused for update after update (a receiver's) does this for
   // every parameter before the first byte of each update can land.
   state.parameters.resize(layout_.parameters().size());
@@ -157,235 +331,362 @@ void LoadSession::begin(LoadMode mode, TensorFormat format) {
     }
   }
   if (mode == LoadMode::kCold) {
+    writer.wait();  // nothing of an earlier load may land on the zeroed padding
     for (const Parameter& parameter : layout_.parameters()) {
-      for (const auto& [begin, end] : parameter.padding) {
-        model::zero_bytes(parameter.data + begin, parameter.device, end - begin);
-      }
+      for (const auto& [begin, end] : parameter.padding) fill_zero(parameter.data + begin, parameter.device, end - begin);
     }
   }
   mode_ = mode;
   state.active = true;
 }
 
-void LoadSession::load(std::span<const TensorView> batch, SourceLifetime sources) {
+std::byte* LoadSession::direct_destination(std::string_view tensor, Dtype dtype, std::span<const int64_t> shape,
+                                           uint64_t offset, uint64_t bytes) const {
   std::lock_guard lock(state_->mutex);
+  const State& state = *state_;
+  if (!state.active || state.format != TensorFormat::kCheckpoint || state.commit != LayerCommit::kAsArrived) return nullptr;
+  TensorRoute route = layout_.route(tensor);
+  if (route.kind != TensorRoute::Kind::kParameter || route.targets.size() != 1) return nullptr;
+  const Parameter& parameter = layout_.parameters()[route.targets[0].first];
+  const ParameterPart& part = parameter.parts[route.targets[0].second];
+  if (parameter.device.is_cuda() || parameter.processing != Processing::kNone || dtype != parameter.dtype ||
+      !part.contiguous() || !std::ranges::equal(shape, part.shape)) {
+    return nullptr;
+  }
+  uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(dtype);
+  uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+  uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
+  if (offset < needed_begin || offset + bytes > needed_end) return nullptr;
+  return parameter.data + part.element_offset * element_bytes(dtype) + (offset - needed_begin);
+}
+
+void LoadSession::load(std::span<const TensorView> batch) {
+  std::unique_lock lock(state_->mutex);
   State& state = *state_;
   auto what = [&] { return std::string(load_mode_name(mode_)) + " load of " + layout_.description(); };
   WS_EXPECT(state.active, ErrorCode::kModel, "load() outside begin()/finish() on " + layout_.description());
-
-  // Pass 1: check every tensor of the batch; nothing is written until all pass.
-  std::vector<State::Write> writes;
-  writes.reserve(batch.size());
-  std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // checkpoint format, per (parameter, part)
-  // Engine format, per parameter: a flat array reset after the batch (an update brings
-  // thousands of tensors a batch; a tree of them cost more than the checks).
-  state.batch_engine_bytes.resize(layout_.parameters().size());
-  struct ResetEngineBytes {
-    State& state;
-    ~ResetEngineBytes() {
-      for (size_t index : state.batch_bytes_touched) state.batch_engine_bytes[index] = 0;
-      state.batch_bytes_touched.clear();
-    }
-  } reset_engine_bytes{state};
-  for (const TensorView& view : batch) {
-    const std::string_view tensor = view.name;
-    auto size = tensor_byte_size(view.dtype, view.shape);
-    WS_EXPECT(size.has_value(), ErrorCode::kModel,
-              "tensor " + std::string(tensor) + ": shape " + shape_text(view.shape) + " of " + std::string(dtype_name(view.dtype)) +
-                  " has no valid byte size");
-    WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
-              "tensor " + std::string(tensor) + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
-                  " lies outside its " + std::to_string(*size) + " bytes");
-    WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(tensor) + ": no data");
-
-    if (state.format == TensorFormat::kEngine) {
-      auto index = layout_.find(tensor);
-      WS_EXPECT(index.has_value(), ErrorCode::kModel,
-                "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout_.description());
-      const Parameter& parameter = layout_.parameters()[*index];
-      WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
-                "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) +
-                    " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
-                    std::string(dtype_name(parameter.dtype)));
-      WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
-                "engine-format tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but parameter " +
-                    parameter.name + " (" + layer_label(layout_, parameter.layer) + ") has shape " +
-                    shape_text(parameter.shape));
-      uint64_t& pending = state.batch_engine_bytes[*index];
-      WS_EXPECT(state.parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(), ErrorCode::kModel,
-                "tensor " + std::string(tensor) + " delivered twice in this " + what());
-      if (pending == 0) state.batch_bytes_touched.push_back(*index);
-      pending += view.bytes;
-      writes.push_back({&view, *index, 0, view.offset, view.offset + view.bytes});
-      continue;
-    }
-
-    TensorRoute route = layout_.route(tensor);
-    if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) {
-      if (view.offset == 0) ++state.counters.tensors_skipped;
-      continue;
-    }
-    WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
-              "tensor " + std::string(tensor) + " matches no parameter of " + layout_.description() +
-                  " and no ignore rule; add an ignore rule if the engine does not use it");
-    for (const auto& [index, part_index] : route.targets) {
-      const Parameter& parameter = layout_.parameters()[index];
-      const ParameterPart& part = parameter.parts[part_index];
-      // Built only for a message: this runs for every tensor of every load.
-      auto target_text = [&] {
-        return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
-               ", rule " + part.rule + ")";
+  if (state.failure) {
+    WS_FAIL(state.failure->first, "cannot go on with the " + what() + ": an earlier batch failed (" +
+                                      state.failure->second + "); begin() a new load");
+  }
+  model::ParameterWriter& writer = *state.writer;
+  try {
+    // Pass 1: check every tensor of the batch; nothing is written or counted until all pass.
+    std::vector<State::Write> writes;
+    writes.reserve(batch.size());
+    std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // checkpoint format, per (parameter, part)
+    // Engine format, per parameter: a flat array reset after the batch (an update brings
+    // thousands of tensors a batch; a tree of them cost more than the checks).
+    state.batch_engine_bytes.resize(layout_.parameters().size());
+    struct ResetEngineBytes {
+      State& state;
+      ~ResetEngineBytes() {
+        for (size_t index : state.batch_bytes_touched) state.batch_engine_bytes[index] = 0;
+        state.batch_bytes_touched.clear();
+      }
+    } reset_engine_bytes{state};
+    uint64_t skipped = 0;
+    bool waits = false;  // a view of lifetime kCall without a keepalive: wait before returning
+    for (const TensorView& view : batch) {
+      const std::string_view tensor = view.name;
+      auto size = tensor_byte_size(view.dtype, view.shape);
+      WS_EXPECT(size.has_value(), ErrorCode::kModel,
+                "tensor " + std::string(tensor) + ": shape " + shape_text(view.shape) + " of " +
+                    std::string(dtype_name(view.dtype)) + " has no valid byte size");
+      WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
+                "tensor " + std::string(tensor) + ": piece " + std::to_string(view.offset) + "+" +
+                    std::to_string(view.bytes) + " lies outside its " + std::to_string(*size) + " bytes");
+      WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(tensor) + ": no data");
+      auto add_write = [&](size_t parameter, size_t part, uint64_t begin, uint64_t end) {
+        writes.push_back({parameter, part, begin, end, view.data + (begin - view.offset), view.device, view.dtype,
+                          view.lifetime, view.keepalive, view.name});
+        waits = waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
       };
-      WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
-                "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
-                    shape_text(part.shape));
-      WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
-                "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
-                    " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
-                    " (only BF16, F16 and F32 convert on copy)");
-      const State::PartState& part_state = state.parameters[index].parts[part_index];
-      WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
-                "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
-                    " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
-      uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
-      uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
-      uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
-      uint64_t begin = std::max(view.offset, needed_begin);
-      uint64_t end = std::min(view.offset + view.bytes, needed_end);
-      if (begin >= end) continue;  // a piece of rows another rank holds
-      uint64_t& pending = batch_bytes[{index, part_index}];
-      WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
-                ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
-      pending += end - begin;
-      writes.push_back({&view, index, part_index, begin, end});
-    }
-  }
 
-  // Pass 2: write. Engine-format bytes land as they are: one batch of copies for the call
-  // (on a GPU one driver call, not one per tensor), issued after the loop.
-  std::vector<size_t> completed;  // each parameter completes once
-  std::vector<CopyRange> engine_copies;         // from host memory, or all on the host
-  std::vector<CopyRange> engine_device_copies;  // from and to the layout's GPU
-  for (const State::Write& write : writes) {
-    const TensorView& view = *write.view;
-    Parameter& parameter = layout_.mutable_parameter(write.parameter);
-    State::ParameterState& parameter_state = state.parameters[write.parameter];
-    parameter_state.touched = true;
-    const std::byte* source = view.data + (write.begin - view.offset);
-    uint64_t length = write.end - write.begin;
-    state.counters.bytes_applied += length;
-
-    if (state.format == TensorFormat::kEngine) {
-      if (parameter.device == view.device && view.device.is_cuda()) {
-        engine_device_copies.push_back({parameter.data + write.begin, source, length});
-      } else if (parameter.device == view.device || !view.device.is_cuda()) {
-        engine_copies.push_back({parameter.data + write.begin, source, length});
-      } else {
-        copy_bytes(parameter.data + write.begin, parameter.device, source, view.device, length);
+      if (state.format == TensorFormat::kEngine) {
+        auto index = layout_.find(tensor);
+        WS_EXPECT(index.has_value(), ErrorCode::kModel,
+                  "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout_.description());
+        const Parameter& parameter = layout_.parameters()[*index];
+        WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
+                  "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) +
+                      " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
+                      std::string(dtype_name(parameter.dtype)));
+        WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
+                  "engine-format tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) +
+                      " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) +
+                      ") has shape " + shape_text(parameter.shape));
+        uint64_t& pending = state.batch_engine_bytes[*index];
+        WS_EXPECT(state.parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(),
+                  ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what());
+        if (pending == 0) state.batch_bytes_touched.push_back(*index);
+        pending += view.bytes;
+        add_write(*index, 0, view.offset, view.offset + view.bytes);
+        continue;
       }
-      parameter_state.engine_received += length;
-      if (parameter_state.engine_received == parameter.bytes()) {
-        ++state.counters.tensors_applied;
-        completed.push_back(write.parameter);
+
+      TensorRoute route = layout_.route(tensor);
+      if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) {
+        if (view.offset == 0) ++skipped;
+        continue;
       }
-      continue;
+      WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
+                "tensor " + std::string(tensor) + " matches no parameter of " + layout_.description() +
+                    " and no ignore rule; add an ignore rule if the engine does not use it");
+      for (const auto& [index, part_index] : route.targets) {
+        const Parameter& parameter = layout_.parameters()[index];
+        const ParameterPart& part = parameter.parts[part_index];
+        // Built only for a message: this runs for every tensor of every load.
+        auto target_text = [&] {
+          return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
+                 ", rule " + part.rule + ")";
+        };
+        WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
+                  "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() +
+                      " expects " + shape_text(part.shape));
+        WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
+                  "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " +
+                      target_text() + " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
+                      " (only BF16, F16 and F32 convert on copy)");
+        const State::PartState& part_state = state.parameters[index].parts[part_index];
+        WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
+                  "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
+                      " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
+        uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
+        uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+        uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
+        uint64_t begin = std::max(view.offset, needed_begin);
+        uint64_t end = std::min(view.offset + view.bytes, needed_end);
+        if (begin >= end) continue;  // a piece of rows another rank holds
+        uint64_t& pending = batch_bytes[{index, part_index}];
+        WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
+                  ErrorCode::kModel,
+                  "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
+        pending += end - begin;
+        add_write(index, part_index, begin, end);
+      }
     }
 
-    const ParameterPart& part = parameter.parts[write.part];
-    State::PartState& part_state = parameter_state.parts[write.part];
-    part_state.dtype = view.dtype;
-    // Processed parameters take their checkpoint-format bytes in staging; the kernel-format
-    // storage is written only by processing, so a failed or partial load never leaves it half-new.
-    std::byte* base = parameter.data;
-    if (parameter.processing != Processing::kNone) {
-      if (parameter_state.staging.size() == 0) {
+    // Pass 2, under the lock: count the batch and find what it completes. Parts that need a
+    // conversion gather into host memory here (whole rows and elements are needed first).
+    state.counters.tensors_skipped += skipped;
+    std::vector<size_t> completed;  // parameters this batch completes
+    const bool checkpoint = state.format == TensorFormat::kCheckpoint;
+    bool unlocked_writes = checkpoint && state.commit == LayerCommit::kAsArrived;
+    for (State::Write& write : writes) {
+      const Parameter& parameter = layout_.parameters()[write.parameter];
+      State::ParameterState& parameter_state = state.parameters[write.parameter];
+      parameter_state.touched = true;
+      const uint64_t length = write.end - write.begin;
+      state.counters.bytes_applied += length;
+      if (state.format == TensorFormat::kEngine) {
+        parameter_state.engine_received += length;
+        if (parameter_state.engine_received == parameter.bytes()) {
+          ++state.counters.tensors_applied;
+          completed.push_back(write.parameter);
+        }
+        continue;
+      }
+      State::PartState& part_state = parameter_state.parts[write.part];
+      part_state.dtype = write.dtype;
+      if (parameter.processing != Processing::kNone && parameter_state.staging.size() == 0) {
+        // Processed parameters take their checkpoint-format bytes in staging; the kernel-format
+        // storage is written only by processing, so a failed or partial load never leaves it half-new.
         parameter_state.staging = Buffer(parameter.device, parameter.elements() * element_bytes(parameter.load_dtype));
-        model::zero_bytes(parameter_state.staging.data(), parameter.device, parameter_state.staging.size());
+        fill_zero(parameter_state.staging.data(), parameter.device, parameter_state.staging.size());
       }
-      base = parameter_state.staging.data();
+      if (write.dtype != parameter.load_dtype) unlocked_writes = false;
+      const ParameterPart& part = parameter.parts[write.part];
+      uint64_t needed = static_cast<uint64_t>(part.rows) * static_cast<uint64_t>(part.tensor_columns()) *
+                        element_bytes(write.dtype);
+      part_state.received += length;
+      if (part_state.received == needed) {
+        part_state.complete = true;
+        ++state.counters.tensors_applied;
+        if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
+      }
     }
-    base += part.element_offset * element_bytes(parameter.load_dtype);
-    uint64_t source_element = element_bytes(view.dtype);
-    uint64_t tensor_columns = static_cast<uint64_t>(part.tensor_columns());
-    uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * tensor_columns * source_element;
-    uint64_t needed_bytes = static_cast<uint64_t>(part.rows) * tensor_columns * source_element;
-    const std::byte* needed_source = nullptr;  // the whole needed range, when available at once
-    if (length == needed_bytes) {
-      needed_source = source;
-    } else if (part.contiguous() && view.dtype == parameter.load_dtype) {
-      // A run of a contiguous slice in the parameter's dtype lands where it belongs.
-      copy_bytes(base + (write.begin - needed_begin), parameter.device, source, view.device, length);
+    for (size_t index : completed) {
+      State::ParameterState& parameter_state = state.parameters[index];
+      parameter_state.complete = true;
+      ++state.counters.parameters_completed;
+      ++state.layers[layout_.parameters()[index].layer].complete;
+    }
+
+    // Which writes happen now. With whole-layer commits, a piece of a layer still
+    // incomplete is held, and a layer this batch completes takes its held pieces along.
+    std::vector<State::Write> now;
+    std::vector<State::Held> to_hold;
+    std::vector<std::shared_ptr<const std::string>> held_names;  // names of the held pieces in `now`
+    if (state.commit == LayerCommit::kWholeLayer) {
+      std::set<int64_t> flushed;
+      for (State::Write& write : writes) {
+        int64_t layer = layout_.parameters()[write.parameter].layer;
+        State::LayerState& layer_state = state.layers[layer];
+        if (!layer_state.complete_now()) {
+          to_hold.push_back({write, std::make_shared<const std::string>(write.name)});
+          continue;
+        }
+        now.push_back(write);
+        if (flushed.insert(layer).second) {
+          for (State::Held& held : layer_state.held) {
+            now.push_back(held.write);
+            held_names.push_back(held.name);
+          }
+        }
+      }
+      for (int64_t layer : flushed) {
+        // Moved into `now` above; the held bytes live on in the writes' keepalives.
+        state.layers[layer].held.clear();
+      }
     } else {
-      // Strided or converted slices need whole rows (and whole elements): gather first.
-      if (part_state.assembly.empty()) part_state.assembly.resize(needed_bytes);
-      copy_bytes(part_state.assembly.data() + (write.begin - needed_begin), kHost, source, view.device, length);
-      if (part_state.received + length == needed_bytes) needed_source = part_state.assembly.data();
+      now = std::move(writes);
     }
-    if (needed_source != nullptr) {
-      const Device& from = needed_source == source ? view.device : kHost;
-      model::copy_rows(base, parameter.device, parameter.load_dtype,
-                       needed_source + static_cast<uint64_t>(part.column_begin) * source_element, from, view.dtype,
-                       static_cast<uint64_t>(part.rows), static_cast<uint64_t>(part.columns), tensor_columns);
-      std::vector<std::byte>().swap(part_state.assembly);
+    std::vector<int64_t> now_layers;  // checkpoint format: the layer of each write of `now`
+    if (checkpoint) {
+      now_layers.reserve(now.size());
+      for (const State::Write& write : now) {
+        now_layers.push_back(layout_.parameters()[write.parameter].layer);
+        if (unlocked_writes) ++state.layers[now_layers.back()].writing;
+      }
     }
-    part_state.received += length;
-    if (part_state.received == needed_bytes) {
-      part_state.complete = true;
-      ++state.counters.tensors_applied;
-      if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
-    }
-  }
-  copy_batch(layout_.device(), engine_copies);
-  if (sources == SourceLifetime::kSession && !engine_device_copies.empty()) {
-    if (!state.queue) state.queue.emplace(layout_.device());
-    state.queue->gather(engine_device_copies);
-  } else {
-    copy_within_device(layout_.device(), engine_device_copies);
-  }
 
-  for (size_t index : completed) {
-    State::ParameterState& parameter_state = state.parameters[index];
-    parameter_state.complete = true;
-    ++state.counters.parameters_completed;
-    const Parameter& parameter = layout_.parameters()[index];
-    State::LayerState& layer = state.layers[parameter.layer];
-    ++layer.complete;
-    // An update may bring a layer in several buckets; its processing waits for finish().
-    if (mode_ != LoadMode::kUpdate && layer.complete == layer.parameters && state.format == TensorFormat::kCheckpoint) {
-      process_layer(parameter.layer);
+    // Pieces held back are copied out of the source, which may change after this call, or
+    // kept by reference when they stay valid for the whole load.
+    for (State::Held& held : to_hold) {
+      State::Write& write = held.write;
+      write.name = *held.name;
+      if (write.lifetime == SourceLifetime::kLoad) {
+        write.keepalive.reset();
+      } else if (!write.device.is_cuda()) {
+        auto copy = std::make_shared<std::vector<std::byte>>(write.source, write.source + (write.end - write.begin));
+        write.source = copy->data();
+        write.keepalive = std::move(copy);
+      } else {
+        auto copy = std::make_shared<Buffer>(write.device, std::max<uint64_t>(write.end - write.begin, 1));
+        copy_bytes(copy->data(), write.device, write.source, write.device, write.end - write.begin);
+        wait_for_copies(write.device);
+        write.source = copy->data();
+        write.keepalive = std::move(copy);
+      }
+      state.layers[layout_.parameters()[write.parameter].layer].held.push_back(std::move(held));
     }
-  }
-}
 
-void LoadSession::process_layer(int64_t layer) {
-  State& state = *state_;
-  bool ran = false;
-  for (size_t index : layout_.layer_parameters(layer)) {
-    const Parameter& parameter = layout_.parameters()[index];
-    State::ParameterState& parameter_state = state.parameters[index];
-    if (parameter.processing == Processing::kNone || !parameter_state.complete || parameter_state.processed) continue;
-    const Parameter* scale = nullptr;
-    if (auto scale_index = layout_.find(parameter.scale)) scale = &layout_.parameters()[*scale_index];
-    model::process_parameter(parameter, parameter_state.staging.data(), scale);
-    parameter_state.processed = true;
-    parameter_state.staging = Buffer();
-    ran = true;
+    // Pass 3: write. Checkpoint-format pieces in their parameter's dtype are copied outside
+    // the lock, so the reader threads of a stream copy in parallel; conversions, engine
+    // batches and whole-layer commits stay under it.
+    if (unlocked_writes) lock.unlock();
+    if (checkpoint) {
+      for (const State::Write& write : now) state.write_checkpoint(write);
+    } else {
+      state.write_engine(now, !waits);
+    }
+    if (waits && writer.asynchronous()) writer.wait();
+    if (!lock.owns_lock()) lock.lock();
+
+    // Layers whose last write has now been issued by every load() call: process them (cold
+    // and reload) once their copies have landed. An update may bring a layer in several
+    // buckets; its processing waits for finish().
+    if (checkpoint) {
+      if (unlocked_writes) {
+        for (int64_t layer : now_layers) --state.layers[layer].writing;
+      }
+      if (mode_ != LoadMode::kUpdate) {
+        std::sort(now_layers.begin(), now_layers.end());
+        now_layers.erase(std::unique(now_layers.begin(), now_layers.end()), now_layers.end());
+        for (int64_t layer : now_layers) {
+          State::LayerState& layer_state = state.layers[layer];
+          if (layer_state.complete_now() && layer_state.writing == 0 && !layer_state.processed) state.process_layer(layer);
+        }
+      }
+    }
+  } catch (const Error& error) {
+    if (!lock.owns_lock()) lock.lock();
+    if (!state.failure) state.failure.emplace(error.code(), error.what());
+    throw;
   }
-  state.layers[layer].processed = true;
-  if (ran) ++state.counters.layer_processing_runs;
 }
 
 void LoadSession::settle() {
   std::lock_guard lock(state_->mutex);
-  if (state_->queue) state_->queue->wait();
+  state_->settle();
 }
 
 void LoadSession::finish() {
-  std::lock_guard lock(state_->mutex);
+  std::unique_lock lock(state_->mutex);
   State& state = *state_;
-  if (state.queue) state.queue->wait();
   const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
   WS_EXPECT(state.active, ErrorCode::kModel, "finish() without begin() on " + layout_.description());
+  if (state.failure) {
+    state.active = false;
+    for (auto& [layer, layer_state] : state.layers) layer_state.held.clear();
+    try {
+      state.settle();
+    } catch (const Error&) {
+      // The batch's error is the one the caller sees.
+    }
+    WS_FAIL(state.failure->first,
+            "cannot finish the " + what + ": a batch failed (" + state.failure->second + "); " +
+                (state.commit == LayerCommit::kWholeLayer
+                     ? "layers not completed before the failure keep their old values"
+                     : "the layers it was writing may hold a mix of old and new values (begin with LayerCommit::kWholeLayer "
+                       "to keep unfinished layers as they were)"));
+  }
+  // A reload or update may leave out tensors, but not part of one: that is a sender's or a
+  // stream's fault, found before held pieces are written.
+  if (mode_ != LoadMode::kCold) {
+    std::vector<std::string> partial;
+    for (size_t i = 0; i < layout_.parameters().size(); ++i) {
+      const Parameter& parameter = layout_.parameters()[i];
+      const State::ParameterState& parameter_state = state.parameters[i];
+      if (state.format == TensorFormat::kEngine) {
+        if (parameter_state.engine_received > 0 && parameter_state.engine_received < parameter.bytes()) {
+          partial.push_back(parameter.name + " (" + std::to_string(parameter_state.engine_received) + " of " +
+                            std::to_string(parameter.bytes()) + " bytes)");
+        }
+        continue;
+      }
+      for (size_t p = 0; p < parameter.parts.size(); ++p) {
+        const State::PartState& part_state = parameter_state.parts[p];
+        if (part_state.received == 0 || part_state.complete) continue;
+        const ParameterPart& part = parameter.parts[p];
+        uint64_t needed = static_cast<uint64_t>(part.rows) * static_cast<uint64_t>(part.tensor_columns()) *
+                          element_bytes(part_state.dtype.value_or(parameter.load_dtype));
+        partial.push_back(part.tensor + " (" + std::to_string(part_state.received) + " of the " +
+                          std::to_string(needed) + " bytes " + parameter.name + " needs)");
+      }
+    }
+    if (!partial.empty()) {
+      state.active = false;
+      for (auto& [layer, layer_state] : state.layers) layer_state.held.clear();
+      size_t count = partial.size();
+      if (partial.size() > 10) partial.resize(10);
+      WS_FAIL(ErrorCode::kModel, what + ": " + std::to_string(count) + " tensor" + (count == 1 ? "" : "s") +
+                                     " arrived in part (a load may leave out a tensor, not part of one): " +
+                                     join(partial, ", "));
+    }
+  }
+  // Layers a load covers only in part (an update of some tensors) are written now.
+  std::vector<State::Held> rest;
+  for (auto& [layer, layer_state] : state.layers) {
+    for (State::Held& held : layer_state.held) rest.push_back(std::move(held));
+    layer_state.held.clear();
+  }
+  try {
+    std::vector<State::Write> writes;
+    for (State::Held& held : rest) writes.push_back(held.write);
+    if (state.format == TensorFormat::kCheckpoint) {
+      for (const State::Write& write : writes) state.write_checkpoint(write);
+    } else {
+      state.write_engine(writes, false);
+    }
+    writes.clear();
+    rest.clear();
+    state.settle();
+  } catch (const Error&) {
+    state.active = false;
+    throw;
+  }
 
   // Completeness: a cold load names every parameter still missing, grouped by layer.
   std::map<int64_t, std::vector<std::string>> missing;
@@ -418,8 +719,9 @@ void LoadSession::finish() {
   }
 
   for (auto& [layer, layer_state] : state.layers) {
-    if (state.format == TensorFormat::kCheckpoint) process_layer(layer);
+    if (state.format == TensorFormat::kCheckpoint && !layer_state.processed) state.process_layer(layer);
   }
+  state.writer->wait();
   for (const auto& hook : layout_.hooks()) {
     hook->run(layout_);
     ++state.counters.model_hook_runs;

@@ -4,7 +4,6 @@
 
 #include <cstdio>
 
-#include "stream/cuda_load.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
 
@@ -91,13 +90,8 @@ class DigestSink final : public TensorSink {
 
 }  // namespace
 
-std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
-                                            const StreamOptions& options, StreamStats* stats,
-                                            const ProgressCallback& progress) {
-  require_device(device);
-  // With a CUDA device the bytes land in device memory and are hashed from there, so the
-  // digest covers what the device holds.
-  if (device.is_cuda()) return digest_checkpoint_cuda(checkpoint, kind, device, options, stats, progress);
+std::vector<TensorDigest> digest_streamed(const Checkpoint& checkpoint, HashKind kind, const StreamOptions& options,
+                                          StreamStats* stats, const ProgressCallback& progress) {
   auto requests = all_tensors(checkpoint);
   DigestSink sink(requests.size(), kind);
   auto result = stream_tensors(checkpoint, requests, sink, options, progress);

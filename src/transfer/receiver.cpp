@@ -1,11 +1,7 @@
-// UpdateReceiver: accepts a sender, checks each bucket's manifest against the layout, and
-// applies the bytes through a LoadSession in update mode, one layer at a time.
-//
-// Why layers are gated: a LoadSession writes each tensor as it arrives. If a sender died
-// after half of a layer's tensors, that layer would hold a mix of old and new weights. So a
-// piece of a layer that is not yet complete is held back (copied out of the bucket, which
-// the sender will overwrite) and handed to the session together with the rest of its layer.
-// Layers the update covers only in part are applied at FINISH.
+// UpdateReceiver: accepts a sender, decodes each bucket's manifest into views of its bytes
+// and hands them to a LoadSession in update mode, which checks them against the layout and
+// writes each layer once all of it has arrived (LayerCommit::kWholeLayer). Layers the update
+// covers only in part are written at FINISH.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -23,11 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using namespace transfer;
-
-bool convertible(Dtype from, Dtype to) {
-  auto is_float = [](Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; };
-  return from == to || (is_float(from) && is_float(to));
-}
 
 /// Runs `step` and adds the seconds it took to `total` (also when it throws).
 template <typename Step>
@@ -57,277 +48,39 @@ std::string join_layers(const ModelLayout& layout, const std::vector<int64_t>& l
   return text;
 }
 
-/// The layer bookkeeping of one update: which tensors each layer needs, what has arrived,
-/// and the held-back pieces of layers not yet complete.
-class LayerGate {
- public:
-  LayerGate(const ModelLayout& layout, TensorFormat format, const Device& device)
-      : layout_(layout), format_(format), device_(device) {
-    if (format == TensorFormat::kEngine) {
-      // Engine names are parameters: tracks by parameter index, found by the same lookup
-      // that checks the entry (one hash lookup a tensor, not two).
-      engine_tracks_.resize(layout.parameters().size());
-      auto layer_entry = layers_.end();  // parameters come layer by layer: one lookup a layer
-      for (size_t i = 0; i < layout.parameters().size(); ++i) {
-        const int64_t layer = layout.parameters()[i].layer;
-        engine_tracks_[i].layer = layer;
-        if (layer_entry == layers_.end() || layer_entry->first != layer) layer_entry = layers_.try_emplace(layer).first;
-        ++layer_entry->second.needed;
-      }
+/// The views of a bucket's entries for the session: bytes in the bucket buffer stay valid
+/// until the receiver answers APPLIED (kSettle), bytes in a shared region until the update
+/// ends (kLoad). Only where the bytes are is checked here; names, shapes, dtypes, rules and
+/// what arrives twice are the session's checks. Throws Error(kProtocol) for bytes outside
+/// their region.
+std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::byte* slot,
+                                     const ReceiverTransport& transport) {
+  std::vector<TensorView> views;
+  views.reserve(manifest.entries.size());
+  for (const BucketEntry& entry : manifest.entries) {
+    TensorView view{entry.name, entry.dtype, entry.shape, nullptr, transport.device(), entry.tensor_offset, entry.bytes};
+    if (entry.source == 0) {
+      view.data = slot + entry.source_offset;
+      view.lifetime = SourceLifetime::kSettle;
     } else {
-      for (const std::string& tensor : layout.wanted_tensors()) {
-        TensorRoute route = layout.route(tensor);
-        if (route.kind != TensorRoute::Kind::kParameter || route.targets.empty()) continue;
-        add(tensor, layout.parameters()[route.targets.front().first].layer);
-      }
+      auto at_text = [&] {
+        return "tensor " + entry.name + " (entry of bucket " + std::to_string(manifest.index) + ")";
+      };
+      std::span<const std::byte> region = transport.region(entry.source - 1);
+      WS_EXPECT(!region.empty(), ErrorCode::kProtocol,
+                at_text() + " is in shared region " + std::to_string(entry.source - 1) + ", which was never shared");
+      WS_EXPECT(entry.source_offset <= region.size() && entry.bytes <= region.size() - entry.source_offset,
+                ErrorCode::kProtocol,
+                at_text() + ": bytes " + std::to_string(entry.source_offset) + "+" + std::to_string(entry.bytes) +
+                    " lie outside shared region " + std::to_string(entry.source - 1) + " of " +
+                    std::to_string(region.size()) + " bytes");
+      view.data = region.data() + entry.source_offset;
+      view.lifetime = SourceLifetime::kLoad;
     }
+    views.push_back(view);
   }
-
-  /// What has arrived of one gated tensor in this update.
-  struct Track {
-    int64_t layer = -1;
-    uint64_t received = 0;
-    std::optional<Dtype> dtype;
-    bool complete = false;
-    bool seen_whole_in_bucket = false;  ///< check(): delivered whole earlier in the bucket
-  };
-  /// One checked entry: where its bytes are and the track of its tensor (null: no layer
-  /// gates it, as for a checkpoint tensor the layout ignores).
-  struct Checked {
-    const std::byte* data = nullptr;
-    Track* track = nullptr;
-  };
-
-  /// Checks every entry of a manifest against the layout, the pieces received so far and
-  /// where its bytes are (`slot`: the bucket buffer; `transport`: the shared regions);
-  /// throws Error(kModel) naming the tensor, the parameter and the rule, Error(kProtocol)
-  /// for bytes outside their region. Changes nothing; returns what admit() takes.
-  std::vector<Checked> check(const BucketManifest& manifest, const std::byte* slot, const ReceiverTransport& transport) {
-    std::vector<Checked> checked(manifest.entries.size());
-    std::unordered_map<const Track*, uint64_t> pending;  // bytes of pieces earlier in this bucket
-    struct ClearMarks {
-      LayerGate& gate;
-      ~ClearMarks() { gate.clear_bucket_marks(); }
-    } clear_marks{*this};
-    for (size_t i = 0; i < manifest.entries.size(); ++i) {
-      const BucketEntry& entry = manifest.entries[i];
-      const std::string& tensor = entry.name;
-      // Built only for a message: this runs for every tensor of every update.
-      auto at_text = [&] { return "tensor " + tensor + " (entry of bucket " + std::to_string(manifest.index) + ")"; };
-      if (entry.source == 0) {
-        checked[i].data = slot + entry.source_offset;
-      } else {
-        std::span<const std::byte> region = transport.region(entry.source - 1);
-        WS_EXPECT(!region.empty(), ErrorCode::kProtocol,
-                  at_text() + " is in shared region " + std::to_string(entry.source - 1) + ", which was never shared");
-        WS_EXPECT(entry.source_offset <= region.size() && entry.bytes <= region.size() - entry.source_offset,
-                  ErrorCode::kProtocol,
-                  at_text() + ": bytes " + std::to_string(entry.source_offset) + "+" + std::to_string(entry.bytes) +
-                      " lie outside shared region " + std::to_string(entry.source - 1) + " of " +
-                      std::to_string(region.size()) + " bytes");
-        checked[i].data = region.data() + entry.source_offset;
-      }
-      Track* track_found = nullptr;
-      if (format_ == TensorFormat::kEngine) {
-        auto index = layout_.find(tensor);
-        WS_EXPECT(index.has_value(), ErrorCode::kModel,
-                  "engine-format " + at_text() + " names no parameter of " + layout_.description());
-        const Parameter& parameter = layout_.parameters()[*index];
-        track_found = &engine_tracks_[*index];
-        WS_EXPECT(entry.dtype == parameter.dtype, ErrorCode::kModel,
-                  "engine-format " + at_text() + " has dtype " + std::string(dtype_name(entry.dtype)) + " but parameter " +
-                      parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
-                      std::string(dtype_name(parameter.dtype)));
-        WS_EXPECT(std::ranges::equal(entry.shape, parameter.shape), ErrorCode::kModel,
-                  "engine-format " + at_text() + " has shape " + shape_text(entry.shape) + " but parameter " + parameter.name +
-                      " (" + layer_label(layout_, parameter.layer) + ") has shape " + shape_text(parameter.shape));
-      } else {
-        TensorRoute route = layout_.route(tensor);
-        if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) continue;
-        WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
-                  at_text() + " matches no parameter of " + layout_.description() + " and no ignore rule");
-        for (const auto& [index, part_index] : route.targets) {
-          const Parameter& parameter = layout_.parameters()[index];
-          const ParameterPart& part = parameter.parts[part_index];
-          auto target = [&] {
-            return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
-                   ", rule " + part.rule + ")";
-          };
-          WS_EXPECT(std::ranges::equal(entry.shape, part.shape), ErrorCode::kModel,
-                    at_text() + " has shape " + shape_text(entry.shape) + " but " + target() + " expects " + shape_text(part.shape));
-          WS_EXPECT(convertible(entry.dtype, parameter.load_dtype), ErrorCode::kModel,
-                    at_text() + " has dtype " + std::string(dtype_name(entry.dtype)) + " but " + target() + " is loaded as " +
-                        std::string(dtype_name(parameter.load_dtype)) + " (only BF16, F16 and F32 convert)");
-        }
-      }
-      if (track_found == nullptr) {
-        auto found = tensors_.find(tensor);
-        if (found == tensors_.end()) continue;
-        track_found = &found->second;
-      }
-      Track& track = *track_found;
-      checked[i].track = &track;
-      // Most tensors come whole, once: the map of pieces is consulted only for the rest.
-      const bool piece = entry.tensor_offset != 0 || entry.bytes != *tensor_byte_size(entry.dtype, entry.shape);
-      uint64_t expected = track.received;
-      if (!pending.empty()) {
-        if (auto earlier = pending.find(&track); earlier != pending.end()) expected += earlier->second;
-      }
-      WS_EXPECT(!track.complete && entry.tensor_offset == expected && !track.seen_whole_in_bucket, ErrorCode::kModel,
-                at_text() + (track.complete || track.seen_whole_in_bucket
-                                 ? " was already delivered whole in this update"
-                                 : ": piece at byte " + std::to_string(entry.tensor_offset) + ", expected byte " +
-                                       std::to_string(expected) + " (pieces of a tensor come in order, once)"));
-      WS_EXPECT(!track.dtype || *track.dtype == entry.dtype, ErrorCode::kModel,
-                at_text() + ": a piece arrived as " + std::string(dtype_name(entry.dtype)) + " after earlier pieces as " +
-                    std::string(dtype_name(*track.dtype)));
-      if (piece) {
-        pending[&track] += entry.bytes;
-      } else {
-        track.seen_whole_in_bucket = true;
-        whole_in_bucket_.push_back(&track);
-      }
-    }
-    return checked;
-  }
-
-  /// Accounts a checked bucket and returns the views to apply now: pieces of layers that are
-  /// complete with this bucket (held-back pieces included) and tensors no layer gates. The
-  /// pieces of other layers are copied out of `bucket` and held. Views stay valid until
-  /// release_applied().
-  ///
-  /// A piece in a shared region is held by reference: the sender keeps the region unchanged
-  /// until the update ends. Only bucket-buffer pieces are copied out.
-  std::vector<TensorView> admit(const BucketManifest& manifest, const std::vector<Checked>& checked) {
-    std::vector<size_t> gated;
-    std::vector<TensorView> now;
-    now.reserve(manifest.entries.size());
-    for (size_t i = 0; i < manifest.entries.size(); ++i) {
-      const BucketEntry& entry = manifest.entries[i];
-      Track* track = checked[i].track;
-      if (track == nullptr) {
-        now.push_back(view(entry, checked[i].data, device_));
-        continue;
-      }
-      track->dtype = entry.dtype;
-      track->received += entry.bytes;
-      if (track->received == *tensor_byte_size(entry.dtype, entry.shape) && !track->complete) {
-        track->complete = true;
-        ++layers_[track->layer].done;
-      }
-      gated.push_back(i);
-    }
-    std::vector<int64_t> completed_now;
-    for (size_t i : gated) {
-      const BucketEntry& entry = manifest.entries[i];
-      int64_t layer = checked[i].track->layer;
-      LayerState& state = layers_[layer];
-      if (state.done == state.needed) {
-        now.push_back(view(entry, checked[i].data, device_));
-        if (completed_now.empty() || completed_now.back() != layer) completed_now.push_back(layer);
-      } else if (entry.source != 0) {
-        state.held.push_back(Held{entry, Buffer(), checked[i].data});
-      } else {
-        Held piece{entry, Buffer(device_, std::max<uint64_t>(entry.bytes, 1)), nullptr};
-        copy_bytes(piece.bytes.data(), device_, checked[i].data, device_, entry.bytes);
-        piece.data = piece.bytes.data();
-        state.held.push_back(std::move(piece));
-        held_bytes_ += entry.bytes;
-      }
-    }
-    std::sort(completed_now.begin(), completed_now.end());
-    completed_now.erase(std::unique(completed_now.begin(), completed_now.end()), completed_now.end());
-    for (int64_t layer : completed_now) {
-      for (Held& piece : layers_[layer].held) now.push_back(view(piece.entry, piece.data, device_));
-      flushing_.push_back(layer);
-      completing_.push_back(layer);
-    }
-    return now;
-  }
-
-  /// True when the views of the last admit include held pieces copied out of a bucket,
-  /// which release_applied() frees: their copies must have landed first.
-  bool releases_copies() const {
-    for (int64_t layer : flushing_) {
-      for (const Held& piece : layers_.at(layer).held) {
-        if (piece.bytes.size() > 0) return true;
-      }
-    }
-    return false;
-  }
-
-  /// Every held piece (layers the update covers in part), for FINISH.
-  std::vector<TensorView> admit_rest() {
-    std::vector<TensorView> now;
-    for (auto& [layer, state] : layers_) {
-      if (state.held.empty()) continue;
-      for (Held& piece : state.held) now.push_back(view(piece.entry, piece.data, device_));
-      flushing_.push_back(layer);
-    }
-    return now;
-  }
-
-  /// Frees the held pieces of layers handed over by the last admit, once the session has
-  /// applied them (a batch the session rejects writes nothing, so nothing is released).
-  void release_applied() {
-    completed_.insert(completed_.end(), completing_.begin(), completing_.end());
-    completing_.clear();
-    for (int64_t layer : flushing_) {
-      for (const Held& piece : layers_[layer].held) held_bytes_ -= piece.bytes.size() > 0 ? piece.entry.bytes : 0;
-      layers_[layer].held.clear();
-    }
-    flushing_.clear();
-  }
-
-  /// Layers whose every tensor arrived, in the order they completed.
-  const std::vector<int64_t>& completed() const noexcept { return completed_; }
-  /// Tensors received whole.
-  uint64_t tensors_complete() const {
-    uint64_t count = 0;
-    for (const auto& [name, track] : tensors_) count += track.complete ? 1 : 0;
-    for (const Track& track : engine_tracks_) count += track.complete ? 1 : 0;
-    return count;
-  }
-
- private:
-  struct Held {
-    BucketEntry entry;
-    Buffer bytes;                       ///< a copy out of the bucket buffer (empty: in a region)
-    const std::byte* data = nullptr;    ///< the piece's bytes (in `bytes` or a shared region)
-  };
-
-  void clear_bucket_marks() {
-    for (Track* track : whole_in_bucket_) track->seen_whole_in_bucket = false;
-    whole_in_bucket_.clear();
-  }
-  struct LayerState {
-    size_t needed = 0;
-    size_t done = 0;
-    std::vector<Held> held;
-  };
-
-  void add(const std::string& tensor, int64_t layer) {
-    Track track;
-    track.layer = layer;
-    if (tensors_.emplace(tensor, track).second) ++layers_[layer].needed;
-  }
-
-  static TensorView view(const BucketEntry& entry, const std::byte* data, const Device& device) {
-    return TensorView{entry.name, entry.dtype, entry.shape, data, device, entry.tensor_offset, entry.bytes};
-  }
-
-  const ModelLayout& layout_;
-  TensorFormat format_;
-  Device device_;
-  std::unordered_map<std::string, Track, detail::StringHash, std::equal_to<>> tensors_;  // checkpoint format
-  std::vector<Track> engine_tracks_;  // engine format, by parameter index
-  std::vector<Track*> whole_in_bucket_;
-  std::map<int64_t, LayerState> layers_;
-  std::vector<int64_t> flushing_;
-  std::vector<int64_t> completing_;
-  std::vector<int64_t> completed_;
-  uint64_t held_bytes_ = 0;
-};
+  return views;
+}
 
 /// Sends `error` to the peer as an ERROR message, best effort: it may be the one that
 /// vanished.
@@ -357,13 +110,14 @@ struct UpdateReceiver::State {
   double connect_seconds = 0;  // set-up of the current connection, reported with its first update
   uint64_t updates = 0;        // updates finished on the current connection
   // One session for every update: begin() per update; its copy queue (and the arrays it
-  // has grown) stays. Made anew after a failed update, which leaves it mid-load.
+  // has grown) stays. Made anew after a failed update, which leaves it mid-load. It writes
+  // a layer only once all of it has arrived (LayerCommit::kWholeLayer): if a sender dies
+  // after half of a layer's tensors, that layer keeps its old values, not a mix.
   std::optional<LoadSession> session;
-  // The bookkeeping of the next update, begun before its START arrives (while the trainer
-  // computes it) in the format of the last update: with 10,000 tensors it is about half a
-  // millisecond that would otherwise come before the first copy. Used when START asks for
-  // that format, begun anew otherwise.
-  std::optional<LayerGate> gate;
+  // The next update, begun before its START arrives (while the trainer computes it) in the
+  // format of the last update: with 10,000 tensors it is about half a millisecond that
+  // would otherwise come before the first copy. Used when START asks for that format,
+  // begun anew otherwise.
   std::optional<TensorFormat> prepared;
   std::optional<TensorFormat> last_format;
 
@@ -372,16 +126,14 @@ struct UpdateReceiver::State {
   void discard_prepared() {
     if (prepared) session.reset();
     prepared.reset();
-    gate.reset();
   }
 
-  /// Begins the session and the layer gate of an update in `format`.
+  /// Begins the session of an update in `format`.
   void prepare(TensorFormat format) {
     if (prepared == format) return;
     discard_prepared();
     if (!session) session.emplace(layout);
-    session->begin(LoadMode::kUpdate, format);
-    gate.emplace(layout, format, transport->device());
+    session->begin(LoadMode::kUpdate, format, LayerCommit::kWholeLayer);
     prepared = format;
   }
 
@@ -392,7 +144,7 @@ struct UpdateReceiver::State {
     try {
       prepare(*last_format);
     } catch (const Error&) {
-      session.reset();  // begun, perhaps, before the gate failed
+      session.reset();
       discard_prepared();
     }
   }
@@ -545,11 +297,6 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
                   "FINISH says " + std::to_string(message.buckets) + " buckets were sent but " +
                       std::to_string(buckets) + " arrived");
-        timed(phases.checking, [&] {
-          std::vector<TensorView> rest = gate->admit_rest();
-          if (!rest.empty()) session->load(rest);
-        });
-        gate->release_applied();
         timed(phases.copying, [&] {
           session->settle();
           wait_for_copies(transport->device());
@@ -562,7 +309,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         report.bytes = bytes;
         report.shared_bytes = shared_bytes;
         report.regions = regions_open;
-        report.tensors = gate->tensors_complete();
+        report.tensors = session->counters().tensors_applied;
         report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
         report.connect_seconds = updates == 0 ? connect_seconds : 0;
         report.counters = session->counters();
@@ -601,21 +348,19 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         });
       }
       timed(phases.checking, [&] {
-        // Every entry is checked before any byte of the bucket is written (or held back).
-        auto checked = gate->check(manifest, transport->slot(manifest.slot), *transport);
-        std::vector<TensorView> views = gate->admit(manifest, checked);
-        // Copies within the GPU are only issued: the next bucket's checks overlap them.
-        if (!views.empty()) session->load(views, SourceLifetime::kSession);
+        // The session checks every entry before any byte of the bucket is written (or held
+        // back); copies within the GPU are only issued, so the next bucket's checks overlap them.
+        std::vector<TensorView> views = bucket_views(manifest, transport->slot(manifest.slot), *transport);
+        if (!views.empty()) session->load(views);
       });
-      if (manifest.bytes > 0 || gate->releases_copies()) {
-        // The sender refills this slot once it hears APPLIED, and held copies are freed
-        // now: on a GPU the copies out of them must be done by then, not merely issued.
+      if (manifest.bytes > 0) {
+        // The sender refills this slot once it hears APPLIED: on a GPU the copies out of it
+        // must be done by then, not merely issued.
         timed(phases.copying, [&] {
           session->settle();
           wait_for_copies(transport->device());
         });
       }
-      gate->release_applied();
       current.reset();
       ++buckets;
       bytes += manifest.bytes;
@@ -630,7 +375,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     // Tell the sender why, then drop the connection: after a failure neither side knows
     // where the other stands.
     tell_peer(link, error);
-    std::string applied = gate ? join_layers(layout, gate->completed()) : "none";
+    std::string applied = session ? join_layers(layout, session->completed_layers()) : "none";
     session.reset();  // waits for copies issued from the sender's regions before closing them
     drop_connection();  // closes the regions
     WS_FAIL(error.code(), "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +

@@ -217,7 +217,9 @@ TEST(LoadSession, WrongShapeOrDtypeIsRejectedBeforeAnyByteIsWritten) {
     EXPECT_THAT(error.what(), HasSubstr("expects " + shape_text(q.shape)));
   }
   EXPECT_EQ(bytes_of(layout, "model.norm.weight"), before) << "the good tensor of the batch was written";
+  EXPECT_THROW(session.finish(), Error);  // a session whose batch failed does not finish
 
+  session.begin(LoadMode::kUpdate);
   TensorView wrong_dtype{q.name, Dtype::kI16, q.shape, q.bytes.data(), Device{}, 0, q.bytes.size()};
   try {
     session.load(wrong_dtype);
@@ -227,7 +229,7 @@ TEST(LoadSession, WrongShapeOrDtypeIsRejectedBeforeAnyByteIsWritten) {
     EXPECT_THAT(error.what(), HasSubstr("qkv_proj.weight"));
     EXPECT_THAT(error.what(), HasSubstr("BF16"));
   }
-  session.finish();
+  EXPECT_THROW(session.finish(), Error);
   EXPECT_EQ(bytes_of(layout, "model.norm.weight"), before);
 }
 
@@ -355,6 +357,103 @@ TEST(LoadSession, EngineFormatCopiesParametersInPlace) {
   session.load(views);
   session.finish();
   EXPECT_EQ(compare_layouts(source, target).mismatched, 0u);
+}
+
+TEST(LoadSession, FinishAfterAFailedBatchRefusesWithTheFirstError) {
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = host_layout(checkpoint);
+  LoadSession session(layout);
+  session.begin(LoadMode::kCold);
+  const auto& norm = checkpoint.tensor("model.norm.weight");
+  std::vector<int64_t> wrong = {norm.shape[0] / 2};
+  TensorView half{norm.name, norm.dtype, wrong, norm.bytes.data(), Device{}, 0, norm.bytes.size() / 2};
+  EXPECT_THROW(session.load(half), Error);
+  try {
+    session.load(checkpoint.views());
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("cannot go on with the cold load of"));
+    EXPECT_THAT(error.what(), HasSubstr("an earlier batch failed (tensor model.norm.weight has shape"));
+  }
+  try {
+    session.finish();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    EXPECT_THAT(error.what(), HasSubstr("cannot finish the cold load of"));
+    EXPECT_THAT(error.what(), HasSubstr("a batch failed (tensor model.norm.weight has shape"));
+  }
+  // A new load begins afresh.
+  session.begin(LoadMode::kCold);
+  session.load(checkpoint.views());
+  session.finish();
+  EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(checkpoint)).mismatched, 0u);
+}
+
+TEST(LoadSession, WholeLayerCommitWritesALayerOnlyWhenAllOfItArrived) {
+  const MemoryCheckpoint& first = cached_checkpoint("qwen3", 1);
+  const MemoryCheckpoint& second = cached_checkpoint("qwen3", 2);
+  for (int64_t tp : {1, 2}) {
+    ModelLayout layout = cold_loaded_layout(first, tp, tp - 1);
+    ModelLayout old_values = cold_loaded_layout(first, tp, tp - 1);
+    ModelLayout new_values = cold_loaded_layout(second, tp, tp - 1);
+    std::vector<TensorView> layer0 = second.views_matching("model.layers.0.");
+    ASSERT_GT(layer0.size(), 2u);
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload, TensorFormat::kCheckpoint, LayerCommit::kWholeLayer);
+    // All of layer 0 but its last tensor, in pieces: nothing of the layer is written yet.
+    for (size_t i = 0; i + 1 < layer0.size(); ++i) {
+      const testing::MemoryTensor& tensor = second.tensor(layer0[i].name);
+      uint64_t half = tensor.bytes.size() / 2;
+      session.load(tensor.piece(0, half));
+      session.load(tensor.piece(half, tensor.bytes.size() - half));
+    }
+    for (size_t index : layout.layer_parameters(0)) {
+      const std::string& name = layout.parameters()[index].name;
+      EXPECT_EQ(testing::bytes_of(layout, name), testing::bytes_of(old_values, name)) << name;
+    }
+    EXPECT_TRUE(session.completed_layers().empty());
+    session.load(layer0.back());
+    for (size_t index : layout.layer_parameters(0)) {
+      const std::string& name = layout.parameters()[index].name;
+      EXPECT_EQ(testing::bytes_of(layout, name), testing::bytes_of(new_values, name)) << name;
+    }
+    EXPECT_EQ(session.completed_layers(), std::vector<int64_t>{0});
+    // Layer 1 in part, then a failure: layer 1 keeps its old values.
+    std::vector<TensorView> layer1 = second.views_matching("model.layers.1.");
+    session.load(layer1.front());
+    std::vector<std::byte> junk(8);
+    std::vector<int64_t> shape = {4};
+    EXPECT_THROW(session.load(TensorView{"model.layers.1.not_a_weight", Dtype::kBF16, shape, junk.data(), Device{}, 0, 8}),
+                 Error);
+    try {
+      session.finish();
+      FAIL() << "expected an error";
+    } catch (const Error& error) {
+      EXPECT_THAT(error.what(), HasSubstr("layers not completed before the failure keep their old values"));
+    }
+    for (size_t index : layout.layer_parameters(1)) {
+      const std::string& name = layout.parameters()[index].name;
+      EXPECT_EQ(testing::bytes_of(layout, name), testing::bytes_of(old_values, name)) << name;
+    }
+  }
+}
+
+TEST(LoadSession, AReloadThatLeavesPartOfATensorOutIsRefused) {
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = cold_loaded_layout(checkpoint);
+  const auto& tensor = checkpoint.tensor("model.layers.0.mlp.down_proj.weight");
+  LoadSession session(layout);
+  session.begin(LoadMode::kReload);
+  session.load(tensor.piece(0, 1024));
+  try {
+    session.finish();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("reload load of"));
+    EXPECT_THAT(error.what(), HasSubstr("1 tensor arrived in part (a load may leave out a tensor, not part of one): "
+                                        "model.layers.0.mlp.down_proj.weight (1024 of the "));
+  }
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ namespace {
 
 std::map<std::string, std::string> digest_map(const Checkpoint& checkpoint, const StreamOptions& options) {
   std::map<std::string, std::string> digests;
-  for (auto& digest : digest_checkpoint(checkpoint, HashKind::kSha256, parse_device("cpu"), options)) {
+  for (auto& digest : digest_streamed(checkpoint, HashKind::kSha256, options)) {
     digests[digest.name] = digest.hex;
   }
   return digests;

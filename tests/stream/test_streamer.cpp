@@ -10,6 +10,7 @@
 
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/load.hpp"  // Load.*: the plain load is the identity layout
 #include "weightstream/stream.hpp"
 
 namespace weightstream {
@@ -275,7 +276,7 @@ TEST(Digest, MatchesHashOfTheWholeTensor) {
   options.concurrency = 8;
   for (auto kind : {HashKind::kSha256, HashKind::kXxh64}) {
     StreamStats stats;
-    auto digests = digest_checkpoint(checkpoint, kind, Device{}, options, &stats);
+    auto digests = digest_streamed(checkpoint, kind, options, &stats);
     ASSERT_EQ(digests.size(), checkpoint.tensors().size());
     EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
     for (size_t i = 0; i < digests.size(); ++i) {
@@ -339,7 +340,7 @@ TEST(Load, EveryLocalIoModeReadsTheSameBytes) {
         return Checkpoint::open(directory.path().string(), Options{});
       }
     }();
-    auto digests = digest_checkpoint(checkpoint, HashKind::kXxh64, Device{}, options.stream);
+    auto digests = digest_streamed(checkpoint, HashKind::kXxh64, options.stream);
     std::vector<std::string> hexes;
     for (auto& digest : digests) hexes.push_back(digest.name + ":" + digest.hex);
     if (reference.empty()) reference = hexes;

@@ -291,8 +291,7 @@ TEST(Manifest, UnknownNameFailsAtItsBucketAndReportsCompletedLayers) {
   std::string sender_error;
   std::string text = failed_update(model, layer0, {unknown}, TensorFormat::kCheckpoint, &sender_error);
   EXPECT_THAT(text, StartsWith("model: update from tcp peer 127.0.0.1:"));
-  EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob (entry of bucket"));
-  EXPECT_THAT(text, HasSubstr("matches no parameter of"));
+  EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob matches no parameter of"));
   EXPECT_THAT(text, HasSubstr("failed at bucket"));
   EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
   EXPECT_THAT(sender_error, HasSubstr("failed the update: tensor model.layers.1.self_attn.rotary_blob"));
@@ -338,7 +337,7 @@ TEST(Manifest, WrongShapeAndDtypeAreNamed) {
   std::vector<int64_t> wrong_shape = {norm.shape[0] / 2};
   TensorView half{norm.name, norm.dtype, wrong_shape, norm.bytes.data(), Device{}, 0, norm.bytes.size() / 2};
   EXPECT_THAT(failed_update(model, {}, {half}),
-              HasSubstr("tensor model.layers.1.input_layernorm.weight (entry of bucket 0) has shape [128] but "
+              HasSubstr("tensor model.layers.1.input_layernorm.weight has shape [128] but "
                         "parameter model.layers.1.input_layernorm.weight"));
 
   TensorView as_int{norm.name, Dtype::kI16, norm.shape, norm.bytes.data(), Device{}, 0, norm.bytes.size()};
@@ -348,18 +347,28 @@ TEST(Manifest, WrongShapeAndDtypeAreNamed) {
   std::vector<std::byte> bytes(parameter.elements() * 4);
   TensorView engine_f32{parameter.name, Dtype::kF32, parameter.shape, bytes.data(), Device{}, 0, bytes.size()};
   EXPECT_THAT(failed_update(model, {}, {engine_f32}, TensorFormat::kEngine),
-              HasSubstr("engine-format tensor model.norm.weight (entry of bucket 0) has dtype F32 but parameter "
+              HasSubstr("engine-format tensor model.norm.weight has dtype F32 but parameter "
                         "model.norm.weight (global) holds BF16"));
   // Nothing was written: the model is still the cold load's.
   EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
 }
 
-TEST(Manifest, PiecesOutOfOrderAreRejected) {
+TEST(Manifest, ATensorSentInPartIsRejectedAndNothingIsWritten) {
   LoadedModel model(1);
   const auto& tensor = checkpoint_of(2).tensor("model.layers.0.mlp.down_proj.weight");
   TensorView second = tensor.piece(1024, 1024);
   EXPECT_THAT(failed_update(model, {}, {second}),
-              HasSubstr("piece at byte 1024, expected byte 0 (pieces of a tensor come in order, once)"));
+              HasSubstr("1 tensor arrived in part (a load may leave out a tensor, not part of one): "
+                        "model.layers.0.mlp.down_proj.weight (1024 of the "));
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
+}
+
+TEST(Manifest, ATensorDeliveredTwiceIsRejected) {
+  LoadedModel model(1);
+  const auto& tensor = checkpoint_of(2).tensor("model.layers.0.mlp.down_proj.weight");
+  EXPECT_THAT(failed_update(model, {}, {tensor.view(), tensor.view()}),
+              HasSubstr("tensor model.layers.0.mlp.down_proj.weight delivered twice in this update load"));
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
 }
 
 // ---- senders that die or stall --------------------------------------------------------------

@@ -1,5 +1,9 @@
-// The checkpoint loader: a rank reads only its byte ranges, pieces of any size reach the
-// session, and the result is bit-identical to a session fed from memory.
+// load.hpp: a rank reads only its byte ranges, pieces of any size reach the session, the
+// result is bit-identical to a session fed from memory, and a reload that fails midway with
+// whole-layer commits leaves every unfinished layer as it was.
+#include <filesystem>
+#include <set>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -176,6 +180,67 @@ TEST(CheckpointLoaderPlan, MissingConfigIsNamed) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kNotFound);
     EXPECT_THAT(error.what(), HasSubstr("has no config.json"));
+  }
+}
+
+TEST(LayerCommit, AReloadFromDiskThatFailsMidwayLeavesUnfinishedLayersAsTheyWere) {
+  // Four layers over two shards: some layers lie wholly in the first shard, one straddles
+  // both. The reload streams the first shard, then the second shard is cut short.
+  auto make = [](uint64_t seed) {
+    auto disk = std::make_unique<DiskCheckpoint>();
+    SynthOptions options = testing::synth_options("llama", seed);
+    options.layers = 4;
+    options.shards = 2;
+    synthesize_checkpoint(disk->directory.path(), options);
+    disk->checkpoint = Checkpoint::open(disk->directory.path().string(), Options{});
+    disk->memory.config = checkpoint_model_config(disk->checkpoint);
+    return disk;
+  };
+  auto first = make(1);
+  auto second = make(2);
+  for (LayerCommit commit : {LayerCommit::kWholeLayer, LayerCommit::kAsArrived}) {
+    ModelLayout layout = testing::host_layout(first->memory, 2, 1);
+    load_layout(layout, first->checkpoint, LoadMode::kCold, small_pieces());
+    ModelLayout old_values = testing::host_layout(first->memory, 2, 1);
+    load_layout(old_values, first->checkpoint, LoadMode::kCold, small_pieces());
+    ModelLayout new_values = testing::host_layout(second->memory, 2, 1);
+    load_layout(new_values, second->checkpoint, LoadMode::kCold, small_pieces());
+
+    LoadPlan plan = plan_layout_load(layout, second->checkpoint);
+    std::vector<size_t> in_first, in_second;
+    for (size_t i = 0; i < plan.reads.size(); ++i) {
+      const CheckpointTensor& tensor = second->checkpoint.tensors()[plan.reads[i].tensor];
+      (tensor.shard == 0 ? in_first : in_second).push_back(i);
+    }
+    ASSERT_FALSE(in_first.empty());
+    ASSERT_FALSE(in_second.empty());
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload, TensorFormat::kCheckpoint, commit);
+    stream_into_session(second->checkpoint, plan.subset(in_first), session, small_pieces());
+    std::filesystem::path cut = second->directory.path() / second->checkpoint.shards()[1].name;
+    std::filesystem::resize_file(cut, std::filesystem::file_size(cut) / 2);
+    EXPECT_THROW(stream_into_session(second->checkpoint, plan.subset(in_second), session, small_pieces()), Error);
+    EXPECT_THROW(session.finish(), Error);
+
+    // Layers completed before the failure hold the new values; with whole-layer commits
+    // every other layer holds its old values.
+    std::vector<int64_t> completed = session.completed_layers();
+    size_t unfinished = 0;
+    for (int64_t layer : layout.layers()) {
+      bool done = std::find(completed.begin(), completed.end(), layer) != completed.end();
+      unfinished += done ? 0 : 1;
+      if (!done && commit == LayerCommit::kAsArrived) continue;  // a mix, as documented
+      const ModelLayout& expected = done ? new_values : old_values;
+      for (size_t index : layout.layer_parameters(layer)) {
+        const std::string& name = layout.parameters()[index].name;
+        EXPECT_EQ(testing::bytes_of(layout, name), testing::bytes_of(expected, name))
+            << name << " (" << layer_label(layout, layer) << (done ? ", completed)" : ", unfinished)");
+      }
+    }
+    EXPECT_GT(unfinished, 0u);
+    EXPECT_GT(completed.size(), 0u);
+    // Restore the cut shard for the next round.
+    second = make(2);
   }
 }
 

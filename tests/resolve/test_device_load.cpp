@@ -11,7 +11,7 @@
 #include <mutex>
 #include <random>
 
-#include "stream/cuda_load.hpp"
+#include "weightstream/load.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
@@ -55,7 +55,7 @@ void write_checkpoint(const std::filesystem::path& directory, size_t count, size
 void expect_same_bytes(const Checkpoint& checkpoint, const LoadedCheckpoint& on_device, const LoadedCheckpoint& on_host) {
   ASSERT_EQ(on_device.tensors.size(), checkpoint.tensors().size());
   ASSERT_EQ(on_host.tensors.size(), checkpoint.tensors().size());
-  EXPECT_EQ(on_device.arena.device(), kCuda0);
+  EXPECT_EQ(on_device.layout.device(), kCuda0);
   for (size_t i = 0; i < on_device.tensors.size(); ++i) {
     const auto& tensor = on_device.tensors[i];
     ASSERT_EQ(tensor.bytes, checkpoint.tensors()[i].bytes);
@@ -116,13 +116,13 @@ TEST(CudaLoad, WithoutGpuSaysSo) {
   write_checkpoint(directory.path(), 4, 1, 1, 4096);
   auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
   try {
-    load_checkpoint_cuda(checkpoint, kCuda0, StreamOptions{}, {});
+    load_checkpoint(checkpoint, kCuda0, StreamOptions{}, {});
     FAIL() << "loading onto a missing GPU succeeded";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), cuda_compiled() ? ErrorCode::kDevice : ErrorCode::kUnsupported);
     EXPECT_THAT(error.what(), HasSubstr("cuda:0"));
   }
-  EXPECT_THROW(digest_checkpoint_cuda(checkpoint, HashKind::kXxh64, kCuda0, StreamOptions{}, nullptr, {}), Error);
+  EXPECT_THROW(digest_checkpoint(checkpoint, HashKind::kXxh64, kCuda0, StreamOptions{}, nullptr, {}), Error);
 }
 
 struct CudaLoadCase {
@@ -147,7 +147,7 @@ TEST_P(CudaLoadPaths, EveryByteAtItsOffsetInBoundedMemory) {
   options.concurrency = param.concurrency;
   uint64_t last_done = 0;
   bool monotonic = true;
-  auto on_device = load_checkpoint_cuda(checkpoint, kCuda0, options, [&](uint64_t done, uint64_t total) {
+  auto on_device = load_checkpoint(checkpoint, kCuda0, options, [&](uint64_t done, uint64_t total) {
     monotonic = monotonic && done >= last_done && done <= total;
     last_done = done;
   });
@@ -187,7 +187,7 @@ TEST(CudaLoad, DigestsEqualHostDigests) {
       options.memory_limit = 512 * kKiB;  // smaller than the largest tensor: readback in chunks
       options.chunk_bytes = 128 * kKiB;
       StreamStats stats;
-      auto on_device = digest_checkpoint_cuda(checkpoint, kind, kCuda0, options, &stats, {});
+      auto on_device = digest_checkpoint(checkpoint, kind, kCuda0, options, &stats, {});
       auto on_host = digest_checkpoint(checkpoint, kind, Device{}, StreamOptions{});
       ASSERT_EQ(on_device.size(), on_host.size());
       for (size_t i = 0; i < on_host.size(); ++i) {
@@ -208,7 +208,7 @@ TEST(CudaLoad, MappedPathNeedsLocalFiles) {
   StreamOptions options;
   options.gpu_path = GpuPath::kMapped;
   try {
-    load_checkpoint_cuda(checkpoint, kCuda0, options, {});
+    load_checkpoint(checkpoint, kCuda0, options, {});
     FAIL() << "the mapped path accepted storage without local files";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
@@ -217,7 +217,7 @@ TEST(CudaLoad, MappedPathNeedsLocalFiles) {
   }
   // Auto falls back to staging, which any storage can feed.
   options.gpu_path = GpuPath::kAuto;
-  auto on_device = load_checkpoint_cuda(checkpoint, kCuda0, options, {});
+  auto on_device = load_checkpoint(checkpoint, kCuda0, options, {});
   auto on_host = load_checkpoint(checkpoint, Device{}, StreamOptions{});
   expect_same_bytes(checkpoint, on_device, on_host);
 }
@@ -229,7 +229,7 @@ TEST(CudaLoad, MissingDeviceIsNamed) {
   auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
   Device missing{Device::Kind::kCuda, cuda_device_count()};
   try {
-    load_checkpoint_cuda(checkpoint, missing, StreamOptions{}, {});
+    load_checkpoint(checkpoint, missing, StreamOptions{}, {});
     FAIL() << "loading onto " << missing.name() << " succeeded";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kDevice);
@@ -249,7 +249,7 @@ TEST(CudaLoadBench, DISABLED_LoadCheckpointNamedByTheEnvironment) {
   auto options = options_from_environment(process_environment());
   auto checkpoint = Checkpoint::open(uri, options);
   require_device(kCuda0);  // the CUDA context, outside the timing as in the CLI
-  auto loaded = load_checkpoint_cuda(checkpoint, kCuda0, options.stream, {});
+  auto loaded = load_checkpoint(checkpoint, kCuda0, options.stream, {});
   const auto& stats = loaded.stats;
   std::printf("WS_GPU_LOAD_JSON {\"tensors\": %llu, \"bytes\": %llu, \"seconds\": %.6f, \"gbps\": %.4f, "
               "\"peak_staging_bytes\": %llu}\n",

@@ -1,15 +1,11 @@
-// Loading and digesting a checkpoint into CUDA memory. Two paths, chosen by
-// StreamOptions::gpu_path:
-//  - staged: the streamer reads into pinned staging buffers; each piece is copied
-//    asynchronously to its final offset on the device, and its buffer returns to the pool
-//    when the copy is done. Works for every storage.
-//  - mapped: local shard files are mmap'd read-only; windows of them are registered with
-//    CUDA (cudaHostRegisterReadOnly) and the copy engine reads the page cache directly: no
-//    read(2) and no memcpy into staging, which is what a CPU-bound reader pool cannot
-//    avoid. Registering a window faults its pages in, which reads the file when the cache
-//    is cold; several workers register windows in parallel, so those reads overlap.
-#include "stream/cuda_load.hpp"
-
+// The sources of stream_tensors_for_device(). For the host and for the staged GPU path
+// the streamer reads into staging (pinned for a GPU, so the copy engine reads it directly).
+// The mapped GPU path is a source of its own: local shard files are mmap'd read-only;
+// windows of them are registered with CUDA (cudaHostRegisterReadOnly) and handed to the
+// sink in place, so the copy engine reads the page cache directly: no read(2) and no
+// memcpy into staging, which is what a CPU-bound reader pool cannot avoid. Registering a
+// window faults its pages in, which reads the file when the cache is cold; several workers
+// register windows in parallel, so those reads overlap.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -21,24 +17,18 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <numeric>
 #include <thread>
 
 #include "weightstream/error.hpp"
+#include "weightstream/stream.hpp"
 
 namespace weightstream {
 namespace {
 
-// Tensors start on 256-byte boundaries in the arena, as in the host load: what CUDA
-// allocations guarantee and what vectorized kernels and DLPack consumers expect.
-constexpr uint64_t kTensorAlignment = 256;
-// Copy streams per load. One H2D stream already saturates PCIe from pinned memory; a few
-// let copies from different workers queue independently.
-constexpr unsigned kCopyLanes = 4;
 // Registered windows of a mapped file: large enough that the per-call cost of
 // cudaHostRegister (pinning, driver bookkeeping) is small next to the copy.
 constexpr uint64_t kMappedWindowBytes = 64 * kMiB;
-// Readback buffers of a digest, per hashing thread.
-constexpr uint64_t kReadbackBytes = 64 * kMiB;
 
 using Clock = std::chrono::steady_clock;
 
@@ -49,52 +39,9 @@ uint64_t page_size() {
   return page;
 }
 
-/// Offsets of every tensor in one arena, and the arena's size.
-std::vector<uint64_t> arena_offsets(const Checkpoint& checkpoint, uint64_t* total) {
-  const auto& tensors = checkpoint.tensors();
-  std::vector<uint64_t> offsets(tensors.size());
-  uint64_t size = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    offsets[i] = size;
-    size = (size + tensors[i].bytes + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment;
-  }
-  *total = size;
-  return offsets;
-}
-
 /// Rethrows `error` with `context` in front of its message, keeping its code.
 [[noreturn]] void rethrow_with_context(const Error& error, const std::string& context) {
   WS_FAIL(error.code(), context + ": " + error.what());
-}
-
-/// Streamed pieces copied asynchronously from pinned staging to their arena offsets.
-class DeviceArenaCopySink final : public TensorSink {
- public:
-  DeviceArenaCopySink(DeviceCopier& copier, std::byte* arena, const std::vector<uint64_t>& offsets)
-      : copier_(copier), arena_(arena), offsets_(offsets) {}
-
-  void consume(TensorPiece&& piece) override {
-    // Round-robin over the lanes: readers run concurrently, and no lane should hold them up.
-    unsigned lane = next_lane_.fetch_add(1, std::memory_order_relaxed);
-    copier_.copy_to_device(arena_ + offsets_[piece.request] + piece.offset, piece.bytes.data(), piece.bytes.size(),
-                           std::move(piece.keepalive), lane, piece.tensor->name);
-  }
-  void finish() override { copier_.synchronize(); }
-
- private:
-  DeviceCopier& copier_;
-  std::byte* arena_;
-  const std::vector<uint64_t>& offsets_;
-  std::atomic<unsigned> next_lane_{0};
-};
-
-StreamStats load_staged(const Checkpoint& checkpoint, const Device& device, std::byte* arena,
-                        const std::vector<uint64_t>& offsets, const StreamOptions& options,
-                        const ProgressCallback& progress) {
-  DeviceCopier copier(device, kCopyLanes);
-  DeviceArenaCopySink sink(copier, arena, offsets);
-  auto requests = all_tensors(checkpoint);
-  return stream_tensors(checkpoint, requests, sink, options, progress, HostMemory::kPinned);
 }
 
 /// A whole file mapped read-only. Unmapped on destruction.
@@ -142,14 +89,14 @@ class MappedFile {
   uint64_t size_ = 0;
 };
 
-/// Part of one tensor inside one window.
+/// Part of one request inside one window.
 struct WindowPiece {
-  size_t tensor;
+  size_t request;
   uint64_t file_offset;
   uint64_t length;
 };
 
-/// A page-aligned range of one shard file, registered and copied as a unit.
+/// A page-aligned range of one shard file, registered and handed out as a unit.
 struct Window {
   uint32_t shard;
   uint64_t begin;
@@ -157,39 +104,44 @@ struct Window {
   std::vector<WindowPiece> pieces;
 };
 
-std::vector<Window> plan_windows(const Checkpoint& checkpoint, uint64_t window_bytes) {
+/// Windows of at most `window_bytes` over the file ranges of `requests`, in file order:
+/// ranges close together share a window, and a gap of a window or more starts a new one,
+/// so a rank that reads a few slices registers only what it reads.
+std::vector<Window> plan_windows(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                                 uint64_t window_bytes) {
+  const auto& tensors = checkpoint.tensors();
+  auto file_begin = [&](size_t r) { return tensors[requests[r].tensor].offset + requests[r].range.offset; };
+  std::vector<size_t> order(requests.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    uint32_t shard_a = tensors[requests[a].tensor].shard, shard_b = tensors[requests[b].tensor].shard;
+    return shard_a != shard_b ? shard_a < shard_b : file_begin(a) < file_begin(b);
+  });
   std::vector<Window> windows;
-  const auto& tensors = checkpoint.tensors();  // file order: shard by shard, offset by offset
-  size_t first = 0;
-  while (first < tensors.size()) {
-    uint32_t shard = tensors[first].shard;
-    size_t last = first;
-    while (last < tensors.size() && tensors[last].shard == shard) ++last;
-    uint64_t region_begin = UINT64_MAX;
-    uint64_t region_end = 0;
-    for (size_t t = first; t < last; ++t) {
-      region_begin = std::min(region_begin, tensors[t].offset);
-      region_end = std::max(region_end, tensors[t].offset + tensors[t].bytes);
-    }
-    region_begin = region_begin / page_size() * page_size();
-    size_t shard_first_window = windows.size();
-    for (uint64_t begin = region_begin; begin < region_end; begin += window_bytes) {
-      windows.push_back({shard, begin, std::min(begin + window_bytes, region_end), {}});
-    }
-    for (size_t t = first; t < last; ++t) {
-      uint64_t begin = tensors[t].offset;
-      uint64_t end = begin + tensors[t].bytes;
-      for (uint64_t at = begin; at < end;) {
-        auto& window = windows[shard_first_window + (at - region_begin) / window_bytes];
-        uint64_t piece_end = std::min(end, window.end);
-        window.pieces.push_back({t, at, piece_end - at});
-        at = piece_end;
+  for (size_t r : order) {
+    const CheckpointTensor& tensor = tensors[requests[r].tensor];
+    uint64_t at = file_begin(r);
+    WS_EXPECT(requests[r].range.offset <= tensor.bytes &&
+                  requests[r].range.length <= tensor.bytes - requests[r].range.offset,
+              ErrorCode::kInvalidArgument,
+              "request for bytes " + std::to_string(requests[r].range.offset) + "+" +
+                  std::to_string(requests[r].range.length) + " of tensor " + tensor.name + " lies outside its " +
+                  std::to_string(tensor.bytes) + " bytes");
+    const uint64_t length = requests[r].range.length ? requests[r].range.length : tensor.bytes - requests[r].range.offset;
+    const uint64_t end = at + length;
+    while (at < end) {
+      Window* window = windows.empty() ? nullptr : &windows.back();
+      if (window == nullptr || window->shard != tensor.shard || at < window->begin || at >= window->begin + window_bytes) {
+        uint64_t begin = at / page_size() * page_size();
+        windows.push_back({tensor.shard, begin, begin, {}});
+        window = &windows.back();
       }
+      uint64_t piece_end = std::min(end, window->begin + window_bytes);
+      window->pieces.push_back({r, at, piece_end - at});
+      window->end = std::max(window->end, piece_end);
+      at = piece_end;
     }
-    first = last;
   }
-  // A shard of empty tensors leaves a window with nothing to copy.
-  std::erase_if(windows, [](const Window& window) { return window.pieces.empty(); });
   return windows;
 }
 
@@ -285,16 +237,15 @@ class WindowBudget {
   std::vector<Retired> retired_;
 };
 
-StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std::byte* arena,
-                        const std::vector<uint64_t>& offsets, const StreamOptions& options,
-                        const ProgressCallback& progress) {
+StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                          TensorSink& sink, const StreamOptions& options, const ProgressCallback& progress) {
   auto start = Clock::now();
   const auto& tensors = checkpoint.tensors();
   const auto& shards = checkpoint.shards();
   uint64_t limit = std::max(options.memory_limit, page_size());
   uint64_t window_bytes = std::min(std::max(options.chunk_bytes, kMappedWindowBytes), std::max(limit / 2, page_size()));
   window_bytes = std::max(window_bytes / page_size() * page_size(), page_size());
-  auto windows = plan_windows(checkpoint, window_bytes);
+  auto windows = plan_windows(checkpoint, requests, window_bytes);
 
   StreamStats stats;
   std::vector<bool> shard_used(shards.size(), false);
@@ -313,7 +264,10 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
   }
 
   auto budget = std::make_shared<WindowBudget>(limit, windows.size());
-  DeviceCopier copier(device, kCopyLanes);
+  std::vector<std::atomic<uint64_t>> remaining(requests.size());  // bytes of each request not yet consumed
+  for (const auto& window : windows) {
+    for (const auto& piece : window.pieces) remaining[piece.request].fetch_add(piece.length, std::memory_order_relaxed);
+  }
   std::atomic<size_t> next_window{0};
   std::atomic<uint64_t> enqueued{0};
   std::mutex mutex;
@@ -321,7 +275,7 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
   unsigned running = 0;
   std::exception_ptr first_error;
 
-  auto work = [&](unsigned lane) {
+  auto work = [&] {
     try {
       for (size_t index; (index = next_window.fetch_add(1)) < windows.size();) {
         const auto& window = windows[index];
@@ -335,8 +289,8 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
           // it in page by page (helps only a cold cache; free on a warm one).
           ::madvise(const_cast<std::byte*>(base), bytes, MADV_WILLNEED);
           auto* raw = new HostRegistration(device, base, bytes);
-          // The copier drops this when the window's last copy is done: the budget takes the
-          // registration back and a worker unregisters it.
+          // The sink drops the last copy of this when its copies out of the window are done:
+          // the budget takes the registration back and a worker unregisters it.
           registration = std::shared_ptr<const void>(raw, [budget, base, bytes](const void* pointer) {
             budget->retire(std::unique_ptr<HostRegistration>(static_cast<HostRegistration*>(const_cast<void*>(pointer))),
                            base, bytes);
@@ -347,10 +301,13 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
                                           std::to_string(bytes) + " of " + file.path());
         }
         for (const auto& piece : window.pieces) {
-          const auto& tensor = tensors[piece.tensor];
-          copier.copy_to_device(arena + offsets[piece.tensor] + (piece.file_offset - tensor.offset),
-                                file.data() + piece.file_offset, piece.length, registration, lane, tensor.name);
+          const TensorRequest& request = requests[piece.request];
+          const CheckpointTensor& tensor = tensors[request.tensor];
+          TensorPiece delivered{piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
+                                std::span<const std::byte>(file.data() + piece.file_offset, piece.length), registration};
+          sink.consume(std::move(delivered));
           enqueued.fetch_add(piece.length, std::memory_order_relaxed);
+          if (remaining[piece.request].fetch_sub(piece.length) == piece.length) sink.request_complete(piece.request);
         }
       }
     } catch (...) {
@@ -369,8 +326,8 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
         std::lock_guard lock(mutex);
         ++running;
       }
-      threads.emplace_back([&, i] {
-        work(i);
+      threads.emplace_back([&] {
+        work();
         std::lock_guard lock(mutex);
         --running;
         workers_done.notify_all();
@@ -393,19 +350,17 @@ StreamStats load_mapped(const Checkpoint& checkpoint, const Device& device, std:
       }
     }
   }
-  if (first_error) {
-    try {
-      copier.synchronize();
-    } catch (...) {
-      // The first error is the one the caller sees.
-    }
-    std::rethrow_exception(first_error);
+  // The sink's finish() waits for its copies, which releases every window's registration.
+  try {
+    sink.finish();
+  } catch (...) {
+    if (!first_error) first_error = std::current_exception();
   }
-  copier.synchronize();
   budget->drain();
+  if (first_error) std::rethrow_exception(first_error);
   if (progress) progress(total, total);
   stats.bytes = total;
-  stats.tensors = tensors.size();
+  stats.tensors = requests.size();
   stats.peak_staging_bytes = budget->peak();
   stats.seconds = seconds_since(start);
   return stats;
@@ -431,81 +386,16 @@ GpuPath choose_path(const Checkpoint& checkpoint, const StreamOptions& options) 
 
 }  // namespace
 
-LoadedCheckpoint load_checkpoint_cuda(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
-                                      const ProgressCallback& progress) {
-  WS_EXPECT(device.is_cuda(), ErrorCode::kInvalidArgument, "load_checkpoint_cuda needs a CUDA device, not " + device.name());
+StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& checkpoint,
+                                      std::span<const TensorRequest> requests, TensorSink& sink,
+                                      const StreamOptions& options, const ProgressCallback& progress) {
   require_device(device);
-  // Timed from here: allocating the arena is part of the load; creating the CUDA context
-  // (in require_device) is not, as a caller that loads onto a GPU has one already.
-  auto start = Clock::now();
-  uint64_t total = 0;
-  auto offsets = arena_offsets(checkpoint, &total);
-  LoadedCheckpoint loaded;
-  try {
-    loaded.arena = Buffer(device, std::max<uint64_t>(total, 1));
-  } catch (const Error& error) {
-    rethrow_with_context(error, "cannot load " + checkpoint.uri() + " (" + std::to_string(checkpoint.tensors().size()) +
-                                    " tensors) onto " + device.name());
+  if (!device.is_cuda()) return stream_tensors(checkpoint, requests, sink, options, progress);
+  // Ordered pieces (hashing) need the streamer: windows are handed out by several workers.
+  if (choose_path(checkpoint, options) == GpuPath::kMapped && !sink.wants_ordered_pieces()) {
+    return stream_mapped(device, checkpoint, requests, sink, options, progress);
   }
-  auto path = choose_path(checkpoint, options);
-  loaded.stats = path == GpuPath::kMapped ? load_mapped(checkpoint, device, loaded.arena.data(), offsets, options, progress)
-                                          : load_staged(checkpoint, device, loaded.arena.data(), offsets, options, progress);
-  const auto& tensors = checkpoint.tensors();
-  loaded.tensors.resize(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) loaded.tensors[i] = {i, loaded.arena.data() + offsets[i], tensors[i].bytes};
-  loaded.stats.seconds = seconds_since(start);
-  return loaded;
-}
-
-std::vector<TensorDigest> digest_checkpoint_cuda(const Checkpoint& checkpoint, HashKind kind, const Device& device,
-                                                 const StreamOptions& options, StreamStats* stats,
-                                                 const ProgressCallback& progress) {
-  auto start = Clock::now();
-  auto loaded = load_checkpoint_cuda(checkpoint, device, options, progress);
-  const auto& tensors = checkpoint.tensors();
-
-  // Hashing is the slow part (SHA-256 runs at a few GB/s a core): several threads, each
-  // with its own pinned readback buffer and copy stream, within the memory limit.
-  unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
-  unsigned threads = static_cast<unsigned>(
-      std::clamp<size_t>(std::min<size_t>(options.concurrency, hardware), 1, std::max<size_t>(tensors.size(), 1)));
-  uint64_t buffer_bytes = std::clamp<uint64_t>(options.memory_limit / threads, page_size(), kReadbackBytes);
-  DeviceCopier readback(device, threads);
-
-  std::vector<TensorDigest> digests(tensors.size());
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  std::exception_ptr first_error;
-  {
-    std::vector<std::jthread> workers;
-    for (unsigned lane = 0; lane < threads; ++lane) {
-      workers.emplace_back([&, lane] {
-        try {
-          Buffer host(Device{}, buffer_bytes, HostMemory::kPinned);
-          for (size_t i; (i = next.fetch_add(1)) < tensors.size();) {
-            Hasher hasher(kind);
-            for (uint64_t done = 0; done < tensors[i].bytes; done += buffer_bytes) {
-              uint64_t length = std::min(buffer_bytes, tensors[i].bytes - done);
-              readback.copy_to_host(host.data(), loaded.tensors[i].data + done, length, lane, tensors[i].name);
-              hasher.update(std::span<const std::byte>(host.data(), length));
-            }
-            digests[i] = {tensors[i].name, hasher.finish()};
-          }
-        } catch (...) {
-          std::lock_guard lock(mutex);
-          if (!first_error) first_error = std::current_exception();
-          next.store(tensors.size());
-        }
-      });
-    }
-  }
-  if (first_error) std::rethrow_exception(first_error);
-  if (stats) {
-    *stats = loaded.stats;
-    stats->peak_staging_bytes = std::max(stats->peak_staging_bytes, buffer_bytes * threads);
-    stats->seconds = seconds_since(start);
-  }
-  return digests;
+  return stream_tensors(checkpoint, requests, sink, options, progress, HostMemory::kPinned);
 }
 
 }  // namespace weightstream

@@ -1,0 +1,84 @@
+#include "model/parameter_writer.hpp"
+
+#include <cstring>
+#include <vector>
+
+#include "weightstream/model.hpp"
+
+namespace weightstream::model {
+namespace {
+
+const Device kHost{};
+
+// Copy streams of a writer. One host-to-device stream already saturates PCIe from pinned
+// memory; a few let copies issued by different reader threads queue independently.
+constexpr unsigned kCopyLanes = 4;
+
+uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
+
+}  // namespace
+
+ParameterWriter::ParameterWriter(const Device& device) : device_(device) {
+  if (device.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device, kCopyLanes);
+}
+
+ParameterWriter::~ParameterWriter() = default;  // the copier waits for its copies
+
+void ParameterWriter::copy(std::byte* destination, const std::byte* source, const Device& source_device,
+                           uint64_t bytes, std::shared_ptr<const void> keepalive, std::string_view what) {
+  if (bytes == 0 || destination == source) return;
+  if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
+    unsigned lane = next_lane_.fetch_add(1, std::memory_order_relaxed);
+    copier_->copy_to_device(destination, source, bytes, std::move(keepalive), lane, what);
+    return;
+  }
+  copy_bytes(destination, device_, source, source_device, bytes);
+}
+
+void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
+                                const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
+                                std::shared_ptr<const void> keepalive, std::string_view what) {
+  if (width == 0 || rows == 0) return;
+  if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
+    return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what);
+  }
+  if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
+    unsigned lane = next_lane_.fetch_add(1, std::memory_order_relaxed);
+    copier_->copy_rows_to_device(destination, destination_pitch, source, source_pitch, width, rows,
+                                 std::move(keepalive), lane, what);
+    return;
+  }
+  for (uint64_t row = 0; row < rows; ++row) {
+    copy_bytes(destination + row * destination_pitch, device_, source + row * source_pitch, source_device, width);
+  }
+}
+
+void ParameterWriter::wait() {
+  if (copier_) copier_->synchronize();
+}
+
+void copy_elements(std::byte* destination, const Device& destination_device, Dtype destination_dtype,
+                   const std::byte* source, const Device& source_device, Dtype source_dtype, uint64_t elements) {
+  if (elements == 0) return;
+  if (destination_dtype == source_dtype) {
+    copy_bytes(destination, destination_device, source, source_device, elements * element_bytes(source_dtype));
+    return;
+  }
+  // Conversion is host code: bring device bytes to the host first, land the result after.
+  std::vector<std::byte> host_source;
+  const std::byte* from = source;
+  if (source_device.is_cuda()) {
+    host_source.resize(elements * element_bytes(source_dtype));
+    copy_bytes(host_source.data(), kHost, source, source_device, host_source.size());
+    from = host_source.data();
+  }
+  if (!destination_device.is_cuda()) {
+    convert_elements(destination, destination_dtype, from, source_dtype, elements);
+    return;
+  }
+  std::vector<std::byte> host_destination(elements * element_bytes(destination_dtype));
+  convert_elements(host_destination.data(), destination_dtype, from, source_dtype, elements);
+  copy_bytes(destination, destination_device, host_destination.data(), kHost, host_destination.size());
+}
+
+}  // namespace weightstream::model

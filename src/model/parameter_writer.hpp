@@ -1,0 +1,60 @@
+#pragma once
+// The one device path of the model layer: every byte a LoadSession (and processing) writes
+// into parameter storage goes through a ParameterWriter. On the host it is a memcpy on the
+// calling thread; on a GPU, copies are asynchronous on the lanes (streams) of a
+// DeviceCopier: pinned or registered sources are read by the copy engine directly, a column
+// slice is one 2-D copy, and nothing waits per piece. wait() is the one synchronization:
+// the session calls it before per-layer processing, model hooks and the end of a load.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "weightstream/device.hpp"
+#include "weightstream/format.hpp"
+
+namespace weightstream::model {
+
+class ParameterWriter {
+ public:
+  /// A writer into memory of `device` (the layout's).
+  explicit ParameterWriter(const Device& device);
+  /// Waits for the copies in flight (never throws).
+  ~ParameterWriter();
+  ParameterWriter(const ParameterWriter&) = delete;
+  ParameterWriter& operator=(const ParameterWriter&) = delete;
+
+  const Device& device() const noexcept { return device_; }
+  /// True when copies may still be in flight after a call returns (a GPU writer).
+  bool asynchronous() const noexcept { return copier_ != nullptr; }
+
+  /// Copies `bytes` from `source` (host memory or memory of `source_device`) to
+  /// `destination` (memory of the writer's device). `keepalive`, when set, keeps the source
+  /// valid until the copy has landed; without one the source must stay valid until wait().
+  /// A source equal to the destination (bytes read there directly) copies nothing.
+  /// `what` names the tensor in errors. Throws Error(kDevice).
+  void copy(std::byte* destination, const std::byte* source, const Device& source_device, uint64_t bytes,
+            std::shared_ptr<const void> keepalive, std::string_view what);
+  /// Copies `rows` rows of `width` bytes, source rows `source_pitch` bytes apart,
+  /// destination rows `destination_pitch` bytes apart (one 2-D copy on a GPU).
+  void copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
+                 const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
+                 std::shared_ptr<const void> keepalive, std::string_view what);
+  /// Waits until every copy issued so far has landed; throws the first copy's error.
+  void wait();
+
+ private:
+  Device device_;
+  std::unique_ptr<DeviceCopier> copier_;
+  std::atomic<unsigned> next_lane_{0};
+};
+
+/// Copies `elements` values from `source` (dtype `source_dtype`, on `source_device`) into
+/// `destination` (dtype `destination_dtype`, on `destination_device`), synchronously,
+/// converting between BF16, F16 and F32 on the host when the dtypes differ.
+void copy_elements(std::byte* destination, const Device& destination_device, Dtype destination_dtype,
+                   const std::byte* source, const Device& source_device, Dtype source_dtype, uint64_t elements);
+
+}  // namespace weightstream::model

@@ -1,0 +1,281 @@
+// Implements load.hpp: feeds a Checkpoint's stream into a LoadSession (each rank reads only
+// the byte ranges it needs, and the session receives the pieces as the source completes
+// them), the identity layout, and the plain load and digest built on it.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "weightstream/error.hpp"
+#include "weightstream/load.hpp"
+
+namespace weightstream {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// The dtype and shape a session sees of a checkpoint tensor: its own, except that a tensor
+/// of a sub-byte dtype (F4, F6) is bytes (U8 of its byte count), as parameters hold whole bytes.
+struct TensorShape {
+  Dtype dtype;
+  std::span<const int64_t> shape;
+  std::vector<int64_t> bytes_shape;  ///< storage for the U8 shape
+};
+
+TensorShape session_shape(const CheckpointTensor& tensor) {
+  if (dtype_bits(tensor.dtype) % 8 == 0) return {tensor.dtype, tensor.shape, {}};
+  return {Dtype::kU8, {}, {static_cast<int64_t>(tensor.bytes)}};
+}
+
+/// Hands every piece of a stream to the session as a piece of its named tensor, with the
+/// piece's keepalive (its staging buffer or mapped window), so copies onto a GPU need not
+/// be waited for one by one. On the host, tensors the session can take in place are read
+/// straight into parameter storage.
+class SessionSink final : public TensorSink {
+ public:
+  SessionSink(const Checkpoint& checkpoint, const LoadPlan& plan, LoadSession& session)
+      : plan_(plan), session_(session) {
+    shapes_.reserve(plan.reads.size());
+    for (const PlannedTensor& read : plan.reads) shapes_.push_back(session_shape(checkpoint.tensors()[read.tensor]));
+    for (TensorShape& shape : shapes_) {
+      if (!shape.bytes_shape.empty()) shape.shape = shape.bytes_shape;
+    }
+  }
+
+  std::byte* direct_destination(size_t request) override {
+    const PlannedTensor& read = plan_.reads[request];
+    if (read.targets.size() != 1) return nullptr;
+    const TensorShape& shape = shapes_[request];
+    const Parameter& parameter = session_.layout().parameters()[read.targets[0].first];
+    return session_.direct_destination(parameter.parts[read.targets[0].second].tensor, shape.dtype, shape.shape,
+                                       read.range.offset, read.range.length);
+  }
+
+  void consume(TensorPiece&& piece) override {
+    const CheckpointTensor& tensor = *piece.tensor;
+    const TensorShape& shape = shapes_[piece.request];
+    TensorView view{tensor.name, shape.dtype, shape.shape, piece.bytes.data(), Device{},
+                    plan_.reads[piece.request].range.offset + piece.offset, piece.bytes.size()};
+    view.keepalive = std::move(piece.keepalive);
+    session_.load(view);
+  }
+
+  void finish() override { session_.settle(); }
+
+ private:
+  const LoadPlan& plan_;
+  LoadSession& session_;
+  std::vector<TensorShape> shapes_;  // parallel to plan_.reads
+};
+
+std::string join(const std::vector<std::string>& items, size_t limit) {
+  std::string text;
+  for (size_t i = 0; i < items.size() && i < limit; ++i) text += (i ? ", " : "") + items[i];
+  if (items.size() > limit) text += ", and " + std::to_string(items.size() - limit) + " more";
+  return text;
+}
+
+}  // namespace
+
+std::vector<TensorRequest> LoadPlan::requests() const {
+  std::vector<TensorRequest> result;
+  result.reserve(reads.size());
+  for (const PlannedTensor& read : reads) result.push_back({read.tensor, read.range});
+  return result;
+}
+
+LoadPlan LoadPlan::subset(std::span<const size_t> indices) const {
+  LoadPlan plan;
+  for (size_t index : indices) {
+    plan.reads.push_back(reads.at(index));
+    plan.bytes_to_read += reads[index].range.length;
+  }
+  return plan;
+}
+
+LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoint) {
+  LoadPlan plan;
+  std::vector<std::string> unmatched, misfits;
+  std::vector<bool> present(layout.parameters().size());
+  for (size_t index = 0; index < checkpoint.tensors().size(); ++index) {
+    const CheckpointTensor& tensor = checkpoint.tensors()[index];
+    TensorRoute route = layout.route(tensor.name);
+    if (route.kind == TensorRoute::Kind::kUnmatched) {
+      unmatched.push_back(tensor.name + " (" + checkpoint.shard_uri(tensor.shard) + ")");
+      continue;
+    }
+    if (route.kind != TensorRoute::Kind::kParameter) {
+      plan.unused.push_back({index, route.reason});
+      continue;
+    }
+    PlannedTensor read{index, {0, tensor.bytes}, false, route.targets};
+    TensorShape shape = session_shape(tensor);
+    if (!shape.bytes_shape.empty()) shape.shape = shape.bytes_shape;
+    for (const auto& [parameter_index, part_index] : route.targets) {
+      const Parameter& parameter = layout.parameters()[parameter_index];
+      const ParameterPart& part = parameter.parts[part_index];
+      if (!std::ranges::equal(shape.shape, part.shape)) {
+        misfits.push_back(tensor.name + " has shape " + shape_text(tensor.shape) + " but parameter " + parameter.name +
+                          " (part '" + part.id + "', rule " + part.rule + ") expects " + shape_text(part.shape));
+      }
+    }
+    if (route.targets.size() == 1) {
+      // A slice of whole rows is one contiguous byte range: read only that.
+      const ParameterPart& part = layout.parameters()[route.targets[0].first].parts[route.targets[0].second];
+      if (part.contiguous() && std::ranges::equal(shape.shape, part.shape)) {
+        uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * (dtype_bits(shape.dtype) / 8);
+        ByteRange slice{static_cast<uint64_t>(part.row_begin) * row_bytes, static_cast<uint64_t>(part.rows) * row_bytes};
+        if (slice.length == 0) {
+          plan.unused.push_back({index, "no rows on this rank"});
+          continue;
+        }
+        read.slice = slice.length < tensor.bytes;
+        read.range = slice;
+      }
+    }
+    if (read.range.length == 0) continue;  // an empty tensor: nothing to read
+    plan.bytes_to_read += read.range.length;
+    plan.reads.push_back(std::move(read));
+  }
+  WS_EXPECT(unmatched.empty(), ErrorCode::kModel,
+            std::to_string(unmatched.size()) + " tensors of " + checkpoint.uri() + " match no parameter of " +
+                layout.description() + " and no ignore rule: " + join(unmatched, 20));
+  WS_EXPECT(misfits.empty(), ErrorCode::kModel,
+            "tensors of " + checkpoint.uri() + " do not fit " + layout.description() + ": " + join(misfits, 20));
+  for (const std::string& name : layout.wanted_tensors()) {
+    if (!checkpoint.find(name)) plan.missing.push_back(name);
+  }
+  return plan;
+}
+
+StreamStats stream_into_session(const Checkpoint& checkpoint, const LoadPlan& plan, LoadSession& session,
+                                const StreamOptions& options, const ProgressCallback& progress) {
+  std::vector<TensorRequest> requests = plan.requests();
+  SessionSink sink(checkpoint, plan, session);
+  return stream_tensors_for_device(session.layout().device(), checkpoint, requests, sink, options, progress);
+}
+
+LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
+                       const ProgressCallback& progress, LayerCommit commit) {
+  auto start = Clock::now();
+  LoadPlan plan = plan_layout_load(layout, checkpoint);
+  LoadSession session(layout);
+  session.begin(mode, TensorFormat::kCheckpoint, commit);
+  LayoutLoad result;
+  result.stream = stream_into_session(checkpoint, plan, session, options, progress);
+  session.finish();
+  result.counters = session.counters();
+  result.stream.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return result;
+}
+
+ModelLayout identity_layout(const Checkpoint& checkpoint) {
+  ModelLayout layout;
+  layout.set_description("identity layout of " + checkpoint.uri());
+  for (const CheckpointTensor& tensor : checkpoint.tensors()) {
+    TensorShape shape = session_shape(tensor);
+    std::vector<int64_t> dimensions = shape.bytes_shape.empty() ? tensor.shape : shape.bytes_shape;
+    Parameter parameter;
+    parameter.name = tensor.name;
+    parameter.dtype = shape.dtype;
+    parameter.load_dtype = shape.dtype;
+    parameter.shape = dimensions;
+    ParameterPart part;
+    part.tensor = tensor.name;
+    part.shape = dimensions;
+    part.rows = part.tensor_rows();
+    part.columns = part.tensor_columns();
+    part.rule = "identity";
+    parameter.parts.push_back(std::move(part));
+    layout.add_parameter(std::move(parameter));
+  }
+  return layout;
+}
+
+LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
+                                 const ProgressCallback& progress) {
+  require_device(device);
+  // Timed from here: allocating the arena is part of the load; creating the CUDA context
+  // (in require_device) is not, as a caller that loads onto a GPU has one already.
+  auto start = Clock::now();
+  LoadedCheckpoint loaded;
+  loaded.layout = identity_layout(checkpoint);
+  try {
+    loaded.layout.allocate(device);
+  } catch (const Error& error) {
+    WS_FAIL(error.code(), "cannot load " + checkpoint.uri() + " (" + std::to_string(checkpoint.tensors().size()) +
+                              " tensors) onto " + device.name() + ": " + error.what());
+  }
+  loaded.stats = load_layout(loaded.layout, checkpoint, LoadMode::kCold, options, progress).stream;
+  const auto& tensors = checkpoint.tensors();
+  loaded.tensors.resize(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) loaded.tensors[i] = {i, loaded.layout.parameters()[i].data, tensors[i].bytes};
+  loaded.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return loaded;
+}
+
+std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
+                                            const StreamOptions& options, StreamStats* stats,
+                                            const ProgressCallback& progress) {
+  require_device(device);
+  if (!device.is_cuda()) return digest_streamed(checkpoint, kind, options, stats, progress);
+  // The bytes land on the device through the one load path and are hashed from there, so
+  // the digest covers what the device holds.
+  auto start = Clock::now();
+  LoadedCheckpoint loaded = load_checkpoint(checkpoint, device, options, progress);
+  const auto& tensors = checkpoint.tensors();
+  constexpr uint64_t kReadbackBytes = 64 * kMiB;  // per hashing thread
+  // Hashing is the slow part (SHA-256 runs at a few GB/s a core): several threads, each
+  // with its own pinned readback buffer and copy stream, within the memory limit.
+  unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+  unsigned threads = static_cast<unsigned>(
+      std::clamp<size_t>(std::min<size_t>(options.concurrency, hardware), 1, std::max<size_t>(tensors.size(), 1)));
+  uint64_t buffer_bytes = std::clamp<uint64_t>(options.memory_limit / threads, 4096, kReadbackBytes);
+  DeviceCopier readback(device, threads);
+
+  std::vector<TensorDigest> digests(tensors.size());
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  std::exception_ptr first_error;
+  {
+    std::vector<std::jthread> workers;
+    for (unsigned lane = 0; lane < threads; ++lane) {
+      workers.emplace_back([&, lane] {
+        try {
+          Buffer host(Device{}, buffer_bytes, HostMemory::kPinned);
+          for (size_t i; (i = next.fetch_add(1)) < tensors.size();) {
+            Hasher hasher(kind);
+            for (uint64_t done = 0; done < tensors[i].bytes; done += buffer_bytes) {
+              uint64_t length = std::min(buffer_bytes, tensors[i].bytes - done);
+              readback.copy_to_host(host.data(), loaded.tensors[i].data + done, length, lane, tensors[i].name);
+              hasher.update(std::span<const std::byte>(host.data(), length));
+            }
+            digests[i] = {tensors[i].name, hasher.finish()};
+          }
+        } catch (...) {
+          std::lock_guard lock(mutex);
+          if (!first_error) first_error = std::current_exception();
+          next.store(tensors.size());
+        }
+      });
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  if (stats) {
+    *stats = loaded.stats;
+    stats->peak_staging_bytes = std::max(stats->peak_staging_bytes, buffer_bytes * threads);
+    stats->seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return digests;
+}
+
+ModelConfig checkpoint_model_config(const Checkpoint& checkpoint) {
+  WS_EXPECT(checkpoint.config_json().has_value(), ErrorCode::kNotFound,
+            checkpoint.uri() + " has no config.json beside its shards: it is needed to build the model layout "
+                               "(use --raw for a plain tensor load)");
+  return parse_model_config(checkpoint.uri() + "/config.json", *checkpoint.config_json());
+}
+
+}  // namespace weightstream
