@@ -58,7 +58,9 @@ struct ReceiverOptions {
   TransportKind transport = TransportKind::kTcp;
   /// Where to listen. TCP and NCCL: "HOST:PORT" (default "127.0.0.1:0", a free loopback
   /// port; a non-loopback host must be given explicitly). shm and CUDA IPC: a Unix socket
-  /// path (default: a fresh one under $TMPDIR, created mode 0600, removed on destruction).
+  /// path (default: a fresh one in `socket_directory`), created mode 0600, removed on
+  /// destruction and when SIGTERM ends the process; a stale socket file nobody listens on
+  /// is replaced, a live one or another kind of file is Error(kNetwork).
   std::string listen;
   /// Shared token a sender must present; empty accepts any sender (then only the loopback
   /// or Unix-socket binding protects the receiver).

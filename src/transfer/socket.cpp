@@ -295,13 +295,14 @@ namespace {
 constexpr size_t kSocketSlots = 64;
 struct SocketSlot {
   std::atomic<int> state{0};  // 0 free, 1 being written or cleared, 2 holds a live path
+  pid_t owner = 0;            // the process that listens: a forked child's SIGTERM leaves it alone
   char path[sizeof(sockaddr_un::sun_path)] = {};
 };
 SocketSlot socket_slots[kSocketSlots];
 
 void remove_socket_files_and_end(int signal) {
   for (SocketSlot& slot : socket_slots) {
-    if (slot.state.load() == 2) ::unlink(slot.path);
+    if (slot.state.load() == 2 && slot.owner == ::getpid()) ::unlink(slot.path);
   }
   // SA_RESETHAND restored the default action: the signal, pending until this returns,
   // then ends the process with the status its sender expects.
@@ -328,6 +329,7 @@ int register_socket_file(const std::string& path) {
   for (size_t i = 0; i < kSocketSlots; ++i) {
     int expected = 0;
     if (socket_slots[i].state.compare_exchange_strong(expected, 1)) {
+      socket_slots[i].owner = ::getpid();
       std::memcpy(socket_slots[i].path, path.c_str(), std::min(path.size() + 1, sizeof(socket_slots[i].path)));
       socket_slots[i].state.store(2);
       return static_cast<int>(i);
@@ -378,7 +380,7 @@ void remove_stale_fresh_sockets(const std::string& directory) {
 
 Listener::SocketFile::~SocketFile() {
   unregister_socket_file(slot);
-  ::unlink(path.c_str());
+  if (owner == ::getpid()) ::unlink(path.c_str());  // not from a forked child unwinding
 }
 
 std::string Listener::fresh_unix_socket_path(const std::string& directory) {
@@ -418,6 +420,7 @@ Listener Listener::unix_socket(const std::string& path) {
   Listener listener;
   listener.socket_file_ = std::make_unique<SocketFile>();
   listener.socket_file_->path = path;
+  listener.socket_file_->owner = ::getpid();
   listener.socket_file_->slot = register_socket_file(path);
   ::chmod(path.c_str(), 0600);  // connecting needs write permission only; nobody needs execute
   WS_EXPECT(::listen(fd.get(), 64) == 0, ErrorCode::kNetwork,

@@ -103,6 +103,7 @@ class Listener {
   struct SocketFile {
     std::string path;
     int slot = -1;
+    int owner = 0;  ///< pid of the process that bound it
     SocketFile() = default;
     SocketFile(const SocketFile&) = delete;
     SocketFile& operator=(const SocketFile&) = delete;
