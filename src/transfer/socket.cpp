@@ -345,8 +345,8 @@ void unregister_socket_file(int slot) {
   socket_slots[slot].state.store(0);
 }
 
-/// What a Unix socket path is used for when nobody listens on it: true when a connect()
-/// is refused (a socket file left by a process that ended without removing it).
+/// True when a connect() to the Unix socket at `path` is refused: a socket file left by a
+/// process that ended without removing it.
 bool nobody_listens(const std::string& path) {
   sockaddr_un address = unix_address(path);
   FileDescriptor probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
