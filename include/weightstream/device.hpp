@@ -2,12 +2,15 @@
 /// @file device.hpp
 /// The device layer: host, pinned-host and CUDA memory, and copies between them. Built
 /// with CUDA where the toolkit is found; otherwise every CUDA request throws
-/// Error(kUnsupported) naming the device. Knows nothing of storage. Every CUDA call of
-/// weightstream is made in src/device/ (device_cuda.cpp); other layers use this API.
+/// Error(kUnsupported) naming the device. Knows nothing of storage. Every CUDA runtime and
+/// driver call of weightstream's layers is made in src/device/ (device_cuda.cpp), with one
+/// CUDA error text; other layers use this API (the update transports its streams and IPC).
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -209,6 +212,84 @@ class DeviceCopier {
  private:
   struct State;
   std::unique_ptr<State> state_;
+};
+
+/// A CUDA stream of one device (non-blocking: it does not wait for the legacy default
+/// stream) on which copies run in the order issued. Move-only; the destructor waits for
+/// what was issued and never throws.
+class DeviceStream {
+ public:
+  /// Creates the stream on `device`, a CUDA device. Throws Error(kUnsupported) without CUDA
+  /// in the build, Error(kDevice) for an unusable device or a failed cudaStreamCreate.
+  explicit DeviceStream(const Device& device);
+  ~DeviceStream();
+  DeviceStream(DeviceStream&& other) noexcept;
+  DeviceStream& operator=(DeviceStream&& other) noexcept;
+  DeviceStream(const DeviceStream&) = delete;
+  DeviceStream& operator=(const DeviceStream&) = delete;
+
+  /// Issues a copy of `bytes` between host memory and memory of the device (or memory
+  /// another process exported to it) and returns before it is done. `what` names the copy in
+  /// errors. Throws Error(kDevice) naming the device, `what` and the CUDA error.
+  void copy_async(void* destination, const void* source, size_t bytes, std::string_view what);
+  /// Waits for everything issued on the stream. Throws Error(kDevice) naming `what`.
+  void synchronize(std::string_view what);
+  /// The cudaStream_t, for a library that queues its own work on the stream (NCCL).
+  void* native() const noexcept { return stream_; }
+  const Device& device() const noexcept { return device_; }
+
+ private:
+  Device device_;
+  void* stream_ = nullptr;
+};
+
+/// Waits until every piece of work queued on `device` by any stream of this process is
+/// done (cudaDeviceSynchronize): what a caller computed before handing memory over. A no-op
+/// for the CPU. Throws Error(kDevice) naming the device, `what` and the CUDA error.
+void synchronize_device(const Device& device, std::string_view what);
+
+/// Bytes of a CUDA IPC memory handle (cudaIpcMemHandle_t).
+inline constexpr size_t kIpcHandleBytes = 64;
+/// A handle by which another process maps a device allocation of this one.
+using IpcHandle = std::array<std::byte, kIpcHandleBytes>;
+
+/// Exports the device allocation that starts at `data` on `device` to other processes
+/// (cudaIpcGetMemHandle). Throws Error(kUnsupported) without CUDA in the build,
+/// Error(kDevice) naming the device, `what` and the CUDA error.
+IpcHandle export_ipc_handle(const Device& device, const void* data, std::string_view what);
+/// As export_ipc_handle(), or std::nullopt when CUDA refuses to export the allocation
+/// (memory of cudaMallocAsync pools or of virtual-memory mappings), which is not an error.
+std::optional<IpcHandle> try_export_ipc_handle(const Device& device, const void* data);
+
+/// The allocation of device memory that holds a pointer: where it starts and its size.
+struct DeviceAllocation {
+  uintptr_t base = 0;
+  uint64_t bytes = 0;
+};
+/// The allocation holding `pointer` (the driver's cuMemGetAddressRange), or std::nullopt
+/// when the driver cannot tell: not device memory, a driver without the call, no CUDA.
+std::optional<DeviceAllocation> device_allocation_of(const void* pointer) noexcept;
+
+/// Another process's device allocation mapped into this one on `device`
+/// (cudaIpcOpenMemHandle, peer access enabled lazily), unmapped on destruction. Move-only.
+class IpcMapping {
+ public:
+  IpcMapping() = default;
+  /// Maps `handle` on `device`. Throws Error(kUnsupported) without CUDA in the build,
+  /// Error(kDevice) naming the device, `what` and the CUDA error.
+  IpcMapping(const Device& device, const IpcHandle& handle, std::string_view what);
+  ~IpcMapping();
+  IpcMapping(IpcMapping&& other) noexcept;
+  IpcMapping& operator=(IpcMapping&& other) noexcept;
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+
+  /// Where the allocation is mapped here (null for an empty mapping).
+  std::byte* data() const noexcept { return data_; }
+
+ private:
+  Device device_;
+  std::byte* data_ = nullptr;
 };
 
 }  // namespace weightstream

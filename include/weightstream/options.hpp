@@ -105,6 +105,9 @@ struct Options {
   /// Where model_uri came from, as messages and reports name it: the variable that set it
   /// ("WEIGHTSTREAM_MODEL_URI" or "MX_MODEL_URI"), or kModelUriOption when the caller did.
   std::string model_uri_origin = std::string(kModelUriOption);
+  /// Directory of temporary files and of the update receivers' fresh Unix sockets. TMPDIR;
+  /// default /tmp.
+  std::string temporary_directory = "/tmp";
 };
 
 /// A snapshot of environment variables (name to value).
@@ -117,6 +120,10 @@ Environment process_environment();
 /// An unknown WEIGHTSTREAM_* name, a malformed value, or aliases that disagree throw
 /// Error(kConfig) naming the variable.
 Options options_from_environment(const Environment& environment);
+
+/// The directory TMPDIR names in `environment`, or /tmp when it is unset or empty (what
+/// options_from_environment() puts in Options::temporary_directory).
+std::string temporary_directory(const Environment& environment);
 
 /// Parses a byte size such as "64MiB", "2GiB", "1.5GB", "4096" or "512k".
 /// Throws Error(kInvalidArgument) naming `what` on a malformed or overflowing value.

@@ -58,7 +58,9 @@ struct ReceiverOptions {
   TransportKind transport = TransportKind::kTcp;
   /// Where to listen. TCP and NCCL: "HOST:PORT" (default "127.0.0.1:0", a free loopback
   /// port; a non-loopback host must be given explicitly). shm and CUDA IPC: a Unix socket
-  /// path (default: a fresh one under $TMPDIR, created mode 0600, removed on destruction).
+  /// path (default: a fresh one in `socket_directory`), created mode 0600, removed on
+  /// destruction and when SIGTERM ends the process; a stale socket file nobody listens on
+  /// is replaced, a live one or another kind of file is Error(kNetwork).
   std::string listen;
   /// Shared token a sender must present; empty accepts any sender (then only the loopback
   /// or Unix-socket binding protects the receiver).
@@ -67,6 +69,12 @@ struct ReceiverOptions {
   uint64_t max_bucket_bytes = 4ull << 30;
   /// How long to wait for the next message of a connected sender before the update fails.
   std::chrono::milliseconds timeout{30'000};
+  /// How long a peer that connected has to send its HELLO. Peers are heard concurrently, so
+  /// one that connects and stays silent delays no other; it is dropped after this long.
+  std::chrono::milliseconds handshake_timeout{3'000};
+  /// shm and CUDA IPC with an empty `listen`: the directory of the fresh socket. Empty: the
+  /// one Options::temporary_directory names (TMPDIR, default /tmp).
+  std::string socket_directory;
   /// Where CUDA IPC and NCCL buckets live (the model's GPU); ignored by shm and TCP.
   Device device;
 };
@@ -90,38 +98,6 @@ struct SenderOptions {
   /// update; the default shares only large allocations (flat buffers, allocator segments).
   bool share_allocations = true;
   uint64_t share_minimum_bytes = kDefaultShareMinimumBytes;
-};
-
-/// One tensor (or one piece of it) in a bucket.
-struct BucketEntry {
-  std::string name;
-  Dtype dtype = Dtype::kBF16;
-  std::vector<int64_t> shape;
-  uint64_t tensor_offset = 0;  ///< where the piece starts within the tensor's bytes
-  /// Where the bytes are: 0, the bucket buffer; r + 1, shared region r (CUDA IPC only: the
-  /// receiver reads the sender's own allocation in place, so each byte is copied once).
-  uint32_t source = 0;
-  uint64_t source_offset = 0;  ///< where the piece starts within its source
-  uint64_t bytes = 0;          ///< bytes of the piece
-};
-
-/// A device allocation of the sender that the receiver may read in place (CUDA IPC): shared
-/// the first time a bucket refers to it, opened once by the receiver, closed at the end of
-/// the update.
-struct SharedRegion {
-  uint32_t id = 0;                  ///< 0, 1, 2... in the order they are shared
-  uint64_t bytes = 0;               ///< size of the allocation
-  std::vector<std::byte> handle;    ///< the transport's handle (a cudaIpcMemHandle_t)
-};
-
-/// What a bucket holds: its sequence number (from 0), the buffer it occupies, the regions
-/// it shares for the first time, its entries.
-struct BucketManifest {
-  uint64_t index = 0;
-  uint32_t slot = 0;          ///< which of the two bucket buffers (unused when `bytes` is 0)
-  uint64_t bytes = 0;         ///< bytes used in the buffer
-  std::vector<SharedRegion> regions;
-  std::vector<BucketEntry> entries;
 };
 
 /// What an update did, reported by the receiver (and echoed to the sender).
@@ -193,8 +169,10 @@ class UpdateReceiver {
   /// The address a sender connects to: "HOST:PORT" or a Unix socket path.
   const std::string& address() const noexcept;
   /// Runs the next update to its end, waiting at most `accept_timeout` for it to start (and
-  /// for a sender to connect, when none is). A sender with the wrong token or protocol
-  /// version is refused with a message and the call throws Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
+  /// for a sender to connect, when none is). Peers that connect are heard concurrently: one
+  /// silent for the options' handshake_timeout is dropped and delays no other. A sender with
+  /// the wrong token or protocol version is refused with a message and the call throws
+  /// Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,11 @@ Options resolve_options(const Options& base, nanobind::dict overrides);
 /// `data`, shaped and typed as `tensor`, kept alive by `owner`. Dtypes numpy lacks become
 /// uint8 of shape [*shape, itemsize], or flat bytes for sub-byte dtypes (F4, F6).
 nanobind::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nanobind::handle owner);
+
+/// The safetensors dtype of raw uint8 bytes at `data` (`bytes` long) that tensor_array()
+/// made for a dtype numpy lacks and that are still alive: LoadSession.load takes them
+/// without the caller naming the dtype. nullopt for any other memory.
+std::optional<Dtype> raw_array_dtype(const void* data, uint64_t bytes);
 
 /// What Python sees of one checkpoint tensor.
 struct TensorEntry {

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,9 @@ struct BatchTensor {
   std::vector<int64_t> shape;
   nb::ndarray<nb::ro> array;  // keeps the memory alive for the call
   TensorView view;
+  /// uint8 with a trailing axis of 1 or 2 and no dtype named: perhaps the raw bytes of a
+  /// BF16 or F8 tensor from elsewhere, which the error of a failed load then says.
+  bool maybe_raw = false;
 };
 
 /// Checks one (name, tensor[, dtype]) entry. `dtype` (a safetensors name) reinterprets the
@@ -107,6 +111,18 @@ BatchTensor batch_tensor(nb::handle entry) {
       tensor.shape.pop_back();  // raw bytes of [*shape, itemsize]
     }
     dtype = declared;
+  } else if (dtype == Dtype::kU8) {
+    // Raw bytes weightstream itself gave (stream(), load() or layout.tensor() of BF16 or F8
+    // without torch) carry their dtype here: no need to name it.
+    if (auto raw = raw_array_dtype(array.data(), array.nbytes())) {
+      unsigned bits = dtype_bits(*raw);
+      if (bits % 8 == 0 && !tensor.shape.empty() && tensor.shape.back() == static_cast<int64_t>(bits / 8)) {
+        tensor.shape.pop_back();
+        dtype = raw;
+      }
+    } else if (tensor.shape.size() >= 2 && (tensor.shape.back() == 1 || tensor.shape.back() == 2)) {
+      tensor.maybe_raw = true;
+    }
   }
   WS_EXPECT(dtype.has_value(), ErrorCode::kInvalidArgument,
             "tensor '" + tensor.name + "' has a dtype safetensors has no name for; pass (name, tensor, dtype)");
@@ -146,6 +162,14 @@ nb::dict counters_dict(const LoadCounters& counters) {
   return result;
 }
 
+struct LayoutHandle;
+
+/// Every live layout that holds Python hooks (touched only with the GIL).
+std::set<LayoutHandle*>& layouts_with_hooks() {
+  static auto* layouts = new std::set<LayoutHandle*>();  // never freed: used until the very end
+  return *layouts;
+}
+
 /// A ModelLayout owned by Python; sessions and parameter views keep it alive.
 struct LayoutHandle {
   ModelLayout layout;
@@ -153,7 +177,21 @@ struct LayoutHandle {
   /// are listed here so the garbage collector sees them (a hook closing over its own
   /// layout is a cycle that only tp_traverse/tp_clear can break).
   std::vector<std::shared_ptr<nb::object>> python_hooks;
+
+  ~LayoutHandle() { layouts_with_hooks().erase(this); }
+  /// Drops the Python callables; a cleared hook does nothing if it runs again.
+  void release_python_hooks() {
+    for (auto& hook : python_hooks) *hook = nb::none();
+  }
 };
+
+/// Drops the Python callables of every layout's hooks. Run at interpreter exit (atexit):
+/// a module-level layout whose hook refers to the module's globals is a cycle through the
+/// module, which nothing frees before nanobind counts what is still alive (and prints
+/// "leaked N instances"); without the hooks the module's teardown frees the layout.
+void release_all_python_hooks() {
+  for (LayoutHandle* layout : layouts_with_hooks()) layout->release_python_hooks();
+}
 
 int layout_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
@@ -164,8 +202,7 @@ int layout_traverse(PyObject* self, visitproc visit, void* arg) {
 
 int layout_clear(PyObject* self) {
   if (!nb::inst_ready(self)) return 0;
-  // A cleared hook does nothing if it runs again.
-  for (auto& hook : nb::inst_ptr<LayoutHandle>(self)->python_hooks) *hook = nb::none();
+  nb::inst_ptr<LayoutHandle>(self)->release_python_hooks();
   return 0;
 }
 
@@ -196,8 +233,21 @@ class SessionHandle {
       tensor.view.shape = tensor.shape;
       views.push_back(tensor.view);
     }
-    nb::gil_scoped_release release;
-    session_.load(views);
+    std::string raw_hint;
+    for (const auto& tensor : tensors) {
+      if (tensor.maybe_raw && raw_hint.empty()) {
+        raw_hint = "; tensor '" + tensor.name + "' came as uint8 " + shape_text(tensor.shape) +
+                   ": if that is the raw bytes of a BF16 or F8 tensor (its last axis the item size), "
+                   "name its dtype: (name, tensor, \"BF16\")";
+      }
+    }
+    try {
+      nb::gil_scoped_release release;
+      session_.load(views);
+    } catch (const Error& error) {
+      if (raw_hint.empty()) throw;
+      throw Error(error.code(), error.what() + raw_hint);
+    }
   }
 
   void finish() {
@@ -267,7 +317,7 @@ void bind_model(nb::module_& m) {
             else if (modules == "draft") options.modules = LayoutModules::kDraft;
             else WS_EXPECT(modules == "all", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of all, target, draft");
             auto config = parse_model_config("config.json", config_json);
-            return new LayoutHandle{build_model_layout(config, options)};
+            return new LayoutHandle{build_model_layout(config, options), {}};
           },
           "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
           "quantize"_a = "none", "modules"_a = "all", nb::rv_policy::take_ownership)
@@ -307,6 +357,7 @@ void bind_model(nb::module_& m) {
              // and its exception becomes a weightstream error with the Python message.
              auto function = std::make_shared<nb::object>(std::move(run));
              handle.python_hooks.push_back(function);
+             layouts_with_hooks().insert(&handle);
              handle.layout.add_hook(make_model_hook(
                  name,
                  [function, name](ModelLayout&) {
@@ -327,6 +378,9 @@ void bind_model(nb::module_& m) {
       .def_prop_ro("loads_finished", [](const LayoutHandle& handle) { return handle.layout.loads_finished(); })
       .def_prop_ro("model_hook_runs", [](const LayoutHandle& handle) { return handle.layout.model_hook_runs(); })
       .def_prop_ro("allocated_bytes", [](const LayoutHandle& handle) { return handle.layout.allocated_bytes(); });
+
+  m.def("_release_python_hooks", &release_all_python_hooks,
+        "Drops the Python callables of every layout's model hooks (registered with atexit).");
 
   nb::class_<SessionHandle>(m, "LoadSession")
       .def(nb::init<nb::object>(), "layout"_a)

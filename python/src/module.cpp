@@ -8,6 +8,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -140,7 +141,46 @@ std::optional<nb::dlpack::dtype> numpy_dtype(Dtype dtype) {
   }
 }
 
+/// Raw-byte arrays alive now, by address: their dtype and size. Touched only with the GIL.
+struct RawArray {
+  Dtype dtype;
+  uint64_t bytes = 0;
+  unsigned arrays = 0;  ///< arrays over this memory alive (views of one parameter, made twice)
+};
+std::map<const void*, RawArray>& raw_arrays() {
+  static auto* arrays = new std::map<const void*, RawArray>();  // never freed: outlives every array
+  return *arrays;
+}
+
+/// The owner of a raw-byte array: the real owner, and the registry entry it drops when the
+/// last view of it is gone (the capsule is freed with the GIL held).
+struct RawArrayOwner {
+  const void* data;
+  PyObject* owner;
+};
+
+nb::object raw_array_owner(const void* data, const CheckpointTensor& tensor, nb::handle owner) {
+  RawArray& entry = raw_arrays()[data];
+  if (entry.arrays == 0 || entry.dtype != tensor.dtype || entry.bytes != tensor.bytes) {
+    entry = RawArray{tensor.dtype, tensor.bytes, 0};
+  }
+  ++entry.arrays;
+  return nb::capsule(new RawArrayOwner{data, owner.inc_ref().ptr()}, [](void* pointer) noexcept {
+    auto* raw = static_cast<RawArrayOwner*>(pointer);
+    auto found = raw_arrays().find(raw->data);
+    if (found != raw_arrays().end() && --found->second.arrays == 0) raw_arrays().erase(found);
+    Py_XDECREF(raw->owner);
+    delete raw;
+  });
+}
+
 }  // namespace
+
+std::optional<Dtype> raw_array_dtype(const void* data, uint64_t bytes) {
+  auto found = raw_arrays().find(data);
+  if (found == raw_arrays().end() || found->second.bytes != bytes) return std::nullopt;
+  return found->second.dtype;
+}
 
 nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nb::handle owner) {
   // DLPack consumers dereference nothing for an empty tensor, but some reject a null pointer.
@@ -156,6 +196,12 @@ nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const D
     } else {
       shape.assign(1, tensor.bytes);
     }
+  }
+  nb::object raw_owner;
+  if (numpy_dtype(tensor.dtype) == std::nullopt && tensor.bytes > 0) {
+    // Remembered, so that LoadSession.load knows these bytes' dtype without being told.
+    raw_owner = raw_array_owner(data, tensor, owner);
+    owner = raw_owner;
   }
   int device_type = device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
   // array_api: an object with __dlpack__, __dlpack_device__ and the buffer protocol

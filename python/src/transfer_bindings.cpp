@@ -171,13 +171,14 @@ class PySender {
 class PyReceiver {
  public:
   PyReceiver(nb::object layout, const std::string& transport, const std::string& listen, const std::string& token,
-             double timeout, const std::string& device)
+             double timeout, const std::string& device, double handshake_timeout)
       : layout_object_(std::move(layout)) {
     ReceiverOptions options;
     options.transport = parse_transport(transport);
     options.listen = listen;
     options.token = token;
     options.timeout = milliseconds(timeout);
+    options.handshake_timeout = milliseconds(handshake_timeout);
     options.device = parse_device(device);
     receiver_ = std::make_unique<UpdateReceiver>(python_layout(layout_object_), options);
   }
@@ -217,8 +218,10 @@ void bind_transfer(nb::module_& m) {
       .def("finish", &PySender::finish);
   nb::class_<PyReceiver>(m, "UpdateReceiver",
                          "Listens (loopback by default) and applies pushed updates to a ModelLayout.")
-      .def(nb::init<nb::object, const std::string&, const std::string&, const std::string&, double, const std::string&>(),
-           "layout"_a, "transport"_a = "tcp", "listen"_a = "", "token"_a = "", "timeout"_a = 30.0, "device"_a = "cpu")
+      .def(nb::init<nb::object, const std::string&, const std::string&, const std::string&, double, const std::string&,
+                    double>(),
+           "layout"_a, "transport"_a = "tcp", "listen"_a = "", "token"_a = "", "timeout"_a = 30.0, "device"_a = "cpu",
+           "handshake_timeout"_a = 3.0)
       .def_prop_ro("address", &PyReceiver::address)
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0);
 }

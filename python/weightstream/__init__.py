@@ -11,6 +11,8 @@ The package carries the compiled C++ library (weightstream._core); it never runs
 library's message and a ``.code`` such as "not_found", "format" or "invalid_argument".
 """
 
+import atexit as _atexit
+
 from ._api import (
     Checkpoint,
     Error,
@@ -22,9 +24,13 @@ from ._api import (
     resolve_options,
     stream,
 )
+from . import _core
 from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count
 from ._model import LoadSession, ModelLayout, model_layout
 from ._weights_iterator import safetensors_weights_iterator
+
+# Hooks of module-level layouts refer to their module: freed at exit, not leaked.
+_atexit.register(_core._release_python_hooks)
 
 __version__ = "0.1.0"
 

@@ -14,29 +14,59 @@ from ._api import Checkpoint
 ModelLayout = _core.ModelLayout
 
 
+def _error(message: str, code: str) -> Exception:
+    """A weightstream.Error with ``.code``, as the compiled core raises them."""
+    error = _core.Error(message)
+    error.code = code
+    return error
+
+
+_OS_ERROR_CODES = {FileNotFoundError: "not_found", NotADirectoryError: "not_found", PermissionError: "permission"}
+
+
+def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) -> str:
+    """The config.json text that ``config`` gives, or weightstream.Error naming what is wrong."""
+    if isinstance(config, dict):
+        return json.dumps(config)
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        return config
+    if not isinstance(config, (Checkpoint, str, os.PathLike)):
+        raise TypeError(f"model_layout: config must be a dict, JSON text, a path, a URI or a Checkpoint, "
+                        f"not {type(config).__name__}")
+    if not isinstance(config, Checkpoint):
+        path = os.fspath(config)
+        if "://" not in path and not os.path.isdir(path):
+            try:
+                with open(path, encoding="utf-8") as file:
+                    return file.read()
+            except OSError as error:
+                code = next((c for kind, c in _OS_ERROR_CODES.items() if isinstance(error, kind)), "io")
+                raise _error(f"cannot read model config {path}: {error.strerror or error}", code) from None
+            except UnicodeDecodeError as error:
+                raise _error(f"model config {path} is not UTF-8 text: {error}", "format") from None
+        config = Checkpoint(path)  # a checkpoint directory or URI: its config.json
+    text = config._core.config_json
+    if text is None:
+        raise _error(f"{config.uri} has no config.json beside its shards (model_layout needs the model's config)",
+                     "not_found")
+    return text
+
+
 def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *, tp_size: int = 1, tp_rank: int = 0,
                  ep_size: int = 1, ep_rank: int = 0, dtype: Optional[str] = None, quantize: str = "none",
                  modules: str = "all", device: Optional[str] = None) -> ModelLayout:
-    """Builds the layout of a llama, qwen3 or deepseek_v3 model for one rank from its
-    Hugging Face config: a dict, JSON text, a path to config.json, or an open Checkpoint
-    (its config.json). ``dtype`` is the parameters' safetensors dtype (default: the config's
-    torch_dtype); ``quantize`` "fp8" quantizes linear weights per tensor once a layer is
-    complete; ``modules`` "all", "target" (without MTP layers) or "draft" (only them).
-    With ``device`` ("cpu", "cuda:N") storage is allocated at once; otherwise call
-    ``layout.allocate(device)``. ``layout.tensor(name)`` is a DLPack view of a parameter.
-    Raises weightstream.Error (code "model") for an unsupported model or a bad division.
+    """Builds the layout of a llama, qwen3, qwen3_next or deepseek_v3 model for one rank from
+    its Hugging Face config: a dict, JSON text, a path to config.json, a checkpoint directory
+    or URI (file://, s3://: its config.json), or an open Checkpoint. ``dtype`` is the
+    parameters' safetensors dtype (default: the config's torch_dtype); ``quantize`` "fp8"
+    quantizes linear weights per tensor once a layer is complete; ``modules`` "all",
+    "target" (without MTP layers) or "draft" (only them). With ``device`` ("cpu", "cuda:N")
+    storage is allocated at once; otherwise call ``layout.allocate(device)``.
+    ``layout.tensor(name)`` is a DLPack view of a parameter.
+    Raises weightstream.Error for anything bad: code "model" for an unsupported model or a
+    bad division, "not_found" for a missing file or config.json, "format" for malformed JSON.
     """
-    if isinstance(config, Checkpoint):
-        text = config._core.config_json
-        if text is None:
-            raise _core.Error(f"{config.uri} has no config.json")
-    elif isinstance(config, dict):
-        text = json.dumps(config)
-    elif isinstance(config, os.PathLike) or (isinstance(config, str) and not config.lstrip().startswith("{")):
-        with open(config) as file:
-            text = file.read()
-    else:
-        text = config
+    text = _config_text(config)
     layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
     if device is not None:
         layout.allocate(device)

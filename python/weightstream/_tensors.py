@@ -48,11 +48,11 @@ def torch_or_none():
     return _torch_module
 
 
-def require_torch():
-    """The torch module, or ImportError saying why it is needed."""
+def require_torch(needed_by: str = "framework='torch'"):
+    """The torch module, or ImportError saying what needs it (``needed_by``)."""
     torch = torch_or_none()
     if torch is None:
-        raise ImportError("weightstream: framework='torch' needs PyTorch, which cannot be imported here")
+        raise ImportError(f"weightstream: {needed_by} needs PyTorch, which cannot be imported here")
     return torch
 
 

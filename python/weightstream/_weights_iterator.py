@@ -42,7 +42,7 @@ def safetensors_weights_iterator(
     (concurrency, memory_limit, chunk_size, io, gpu_path). Needs torch; raises ImportError
     without it and weightstream.Error on a missing or malformed file.
     """
-    require_torch()
+    require_torch("safetensors_weights_iterator yields torch tensors (as vLLM's does) and so")
     sources = _sources(hf_weights_files)
     if use_tqdm_on_load:
         try:

@@ -80,8 +80,14 @@ Environment process_environment() {
   return environment;
 }
 
+std::string temporary_directory(const Environment& environment) {
+  std::string directory = first_of(environment, {"TMPDIR"});
+  return directory.empty() ? "/tmp" : directory;
+}
+
 Options options_from_environment(const Environment& environment) {
   Options options;
+  options.temporary_directory = temporary_directory(environment);
   for (const auto& [name, value] : environment) {
     if (name.starts_with("WEIGHTSTREAM_")) {
       WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,

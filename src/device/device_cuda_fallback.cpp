@@ -100,4 +100,26 @@ unsigned DeviceCopier::lanes() const noexcept { return 0; }
 const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }
 
+DeviceStream::DeviceStream(const Device& device) : device_(device) { fail_no_cuda(device); }
+DeviceStream::~DeviceStream() = default;
+DeviceStream::DeviceStream(DeviceStream&& other) noexcept = default;
+DeviceStream& DeviceStream::operator=(DeviceStream&& other) noexcept = default;
+void DeviceStream::copy_async(void*, const void*, size_t, std::string_view) { fail_no_cuda(device_); }
+void DeviceStream::synchronize(std::string_view) { fail_no_cuda(device_); }
+
+void synchronize_device(const Device& device, std::string_view) { require_device(device); }
+
+IpcHandle export_ipc_handle(const Device& device, const void*, std::string_view) {
+  fail_no_cuda(device.is_cuda() ? device : Device{Device::Kind::kCuda, 0});
+}
+std::optional<IpcHandle> try_export_ipc_handle(const Device&, const void*) { return std::nullopt; }
+std::optional<DeviceAllocation> device_allocation_of(const void*) noexcept { return std::nullopt; }
+
+IpcMapping::IpcMapping(const Device& device, const IpcHandle&, std::string_view) : device_(device) {
+  fail_no_cuda(device.is_cuda() ? device : Device{Device::Kind::kCuda, 0});
+}
+IpcMapping::~IpcMapping() = default;
+IpcMapping::IpcMapping(IpcMapping&& other) noexcept = default;
+IpcMapping& IpcMapping::operator=(IpcMapping&& other) noexcept = default;
+
 }  // namespace weightstream

@@ -70,7 +70,7 @@ Checkpoint Checkpoint::open(std::shared_ptr<Storage> storage, const std::string&
       checkpoint.index_ = parse_checkpoint_index(store.object_uri(kIndexFileName), text);
       for (const auto& shard : checkpoint.index_->shards) {
         auto it = sizes.find(shard);
-        WS_EXPECT(it != sizes.end(), ErrorCode::kFormat,
+        WS_EXPECT(it != sizes.end(), ErrorCode::kNotFound,
                   store.object_uri(kIndexFileName) + ": names shard '" + shard + "', which does not exist in " +
                       store.root_uri());
         shard_objects.push_back({shard, it->second});

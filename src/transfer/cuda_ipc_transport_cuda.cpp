@@ -14,44 +14,22 @@
 // a region open for the next update of the connection: the same allocation comes with the
 // same handle (CUDA gives a new allocation a new one, even at the same address), and only
 // regions an update no longer announces are closed at its end.
-// Compiled only with CUDA; cuda_ipc_transport_cuda_fallback.cpp otherwise.
-#include <cuda_runtime.h>
-#include <dlfcn.h>
-
+// Compiled only with CUDA; cuda_ipc_transport_cuda_fallback.cpp otherwise. Every CUDA call
+// (export, open, streams, address ranges) goes through the device layer (device.hpp).
 #include <cstring>
 #include <map>
 #include <memory>
 
 #include "transfer/transport.hpp"
+#include "weightstream/device.hpp"
 #include "weightstream/options.hpp"
 
 namespace weightstream::transfer {
 namespace {
 
-constexpr size_t kHandleBytes = sizeof(cudaIpcMemHandle_t);
-
-std::string cuda_text(cudaError_t error) {
-  cudaGetLastError();  // clear the sticky last error a failed call leaves
-  return std::string(cudaGetErrorString(error)) + " (" + cudaGetErrorName(error) + ")";
-}
-
-void check(cudaError_t error, const Device& device, const std::string& operation) {
-  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice, device.name() + ": " + operation + ": " + cuda_text(error));
-}
+constexpr size_t kHandleBytes = kIpcHandleBytes;
 
 Device cuda_device(const Device& device) { return device.is_cuda() ? device : Device{Device::Kind::kCuda, 0}; }
-
-/// cuMemGetAddressRange from the driver the runtime has loaded: the allocation that holds
-/// a device pointer (the runtime API has no equivalent). Null when the driver lacks it.
-using AddressRangeFunction = int (*)(unsigned long long* base, size_t* size, unsigned long long pointer);
-AddressRangeFunction address_range_function() {
-  static const AddressRangeFunction function = [] {
-    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (driver == nullptr) return AddressRangeFunction{nullptr};
-    return reinterpret_cast<AddressRangeFunction>(dlsym(driver, "cuMemGetAddressRange_v2"));
-  }();
-  return function;
-}
 
 class CudaIpcReceiver final : public ReceiverTransport {
  public:
@@ -60,9 +38,8 @@ class CudaIpcReceiver final : public ReceiverTransport {
     for (auto& buffer : buffers_) buffer = Buffer(device_, bucket_bytes);
     blob_.resize(2 * kHandleBytes);
     for (int i = 0; i < 2; ++i) {
-      cudaIpcMemHandle_t handle;
-      check(cudaIpcGetMemHandle(&handle, buffers_[i].data()), device_, "cudaIpcGetMemHandle of bucket buffer " + std::to_string(i));
-      std::memcpy(blob_.data() + i * kHandleBytes, &handle, kHandleBytes);
+      IpcHandle handle = export_ipc_handle(device_, buffers_[i].data(), "bucket buffer " + std::to_string(i));
+      std::memcpy(blob_.data() + i * kHandleBytes, handle.data(), kHandleBytes);
     }
   }
   std::vector<std::byte> welcome_blob() const override { return blob_; }
@@ -75,7 +52,7 @@ class CudaIpcReceiver final : public ReceiverTransport {
  private:
   /// A region of the sender's mapped here, kept across the updates that announce it.
   struct Mapping {
-    std::unique_ptr<class OpenedHandle> opened;
+    IpcMapping opened;
     uint64_t bytes = 0;        ///< as announced (checked against the mapping's own size)
     bool announced = false;    ///< by the current update
   };
@@ -86,34 +63,6 @@ class CudaIpcReceiver final : public ReceiverTransport {
   std::vector<const Mapping*> regions_;                 // the current update's, by region id
 };
 
-/// A mapping of a peer's device buffer, closed on destruction.
-class OpenedHandle {
- public:
-  OpenedHandle() = default;
-  OpenedHandle(const cudaIpcMemHandle_t& handle, const Device& device, uint64_t bytes, const std::string& what)
-      : bytes_(bytes) {
-    void* pointer = nullptr;
-    check(cudaIpcOpenMemHandle(&pointer, handle, cudaIpcMemLazyEnablePeerAccess), device, "cudaIpcOpenMemHandle of " + what);
-    data_ = static_cast<std::byte*>(pointer);
-  }
-  OpenedHandle(OpenedHandle&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  OpenedHandle& operator=(OpenedHandle&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~OpenedHandle() {
-    if (data_ != nullptr) cudaIpcCloseMemHandle(data_);
-  }
-  std::byte* data() const noexcept { return data_; }
-  uint64_t bytes() const noexcept { return bytes_; }
-
- private:
-  std::byte* data_ = nullptr;
-  uint64_t bytes_ = 0;
-};
-
 void CudaIpcReceiver::open_region(const SharedRegion& region) {
   const std::string what = "the sender's shared region " + std::to_string(region.id) + " (" + format_size(region.bytes) + ")";
   WS_EXPECT(region.handle.size() == kHandleBytes, ErrorCode::kProtocol,
@@ -121,24 +70,22 @@ void CudaIpcReceiver::open_region(const SharedRegion& region) {
                 "-byte handle, not a " + std::to_string(kHandleBytes) + "-byte cudaIpcMemHandle_t");
   Mapping& mapping = mappings_[region.handle];
   WS_EXPECT(!mapping.announced, ErrorCode::kProtocol, what + " repeats the handle of a region shared before in this update");
-  if (!mapping.opened) {
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, region.handle.data(), kHandleBytes);
-    // Opening must happen on the receiver's device (the handle maps into the current one).
-    require_device(device_);
+  if (!mapping.opened.data()) {
+    IpcHandle handle;
+    std::memcpy(handle.data(), region.handle.data(), kHandleBytes);
     try {
-      mapping.opened = std::make_unique<OpenedHandle>(handle, device_, region.bytes, what);
+      mapping.opened = IpcMapping(device_, handle, what);  // on the receiver's device
     } catch (...) {
       mappings_.erase(region.handle);
       throw;
     }
     // The sender's word for the size is checked against the mapping's own: copies are
     // bounded by it.
-    if (AddressRangeFunction range = address_range_function()) {
-      unsigned long long base = 0;
-      size_t size = 0;
-      const auto pointer = reinterpret_cast<unsigned long long>(mapping.opened->data());
-      if (range(&base, &size, pointer) == 0) {
+    {
+      const auto pointer = reinterpret_cast<uintptr_t>(mapping.opened.data());
+      if (std::optional<DeviceAllocation> allocation = device_allocation_of(mapping.opened.data())) {
+        const uintptr_t base = allocation->base;
+        const uint64_t size = allocation->bytes;
         const uint64_t mapped = pointer >= base && pointer - base <= size ? base + size - pointer : 0;
         if (mapped < region.bytes) {
           mappings_.erase(region.handle);
@@ -157,7 +104,7 @@ void CudaIpcReceiver::open_region(const SharedRegion& region) {
 
 std::span<const std::byte> CudaIpcReceiver::region(uint32_t id) const {
   if (id >= regions_.size()) return {};
-  return {regions_[id]->opened->data(), regions_[id]->bytes};
+  return {regions_[id]->opened.data(), regions_[id]->bytes};
 }
 
 void CudaIpcReceiver::end_update() {
@@ -183,15 +130,12 @@ class CudaIpcSender final : public SenderTransport {
                   std::to_string(2 * kHandleBytes));
     require_device(device_);
     for (int i = 0; i < 2; ++i) {
-      cudaIpcMemHandle_t handle;
-      std::memcpy(&handle, blob.data() + i * kHandleBytes, kHandleBytes);
-      buckets_[i] = OpenedHandle(handle, device_, bucket_bytes, "the receiver's bucket buffer " + std::to_string(i));
+      IpcHandle handle;
+      std::memcpy(handle.data(), blob.data() + i * kHandleBytes, kHandleBytes);
+      buckets_[i] = IpcMapping(device_, handle,
+                               "the receiver's bucket buffer " + std::to_string(i) + " (" + format_size(bucket_bytes) + ")");
     }
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), device_, "cudaStreamCreate");
-  }
-  ~CudaIpcSender() override {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    stream_.emplace(device_);
   }
   void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
             uint64_t bytes) override {
@@ -201,17 +145,16 @@ class CudaIpcSender final : public SenderTransport {
       return;
     }
     // From the host (or another GPU): async on one stream; seal() waits once per bucket.
-    check(cudaMemcpyAsync(buckets_[slot].data() + offset, source, bytes, cudaMemcpyDefault, stream_), device_,
-          "copy of " + std::to_string(bytes) + " bytes into bucket buffer " + std::to_string(slot));
+    stream_->copy_async(buckets_[slot].data() + offset, source, bytes, "copy into bucket buffer " + std::to_string(slot));
   }
   void seal(uint32_t slot, bool filled) override {
     // Work the caller queued on this GPU (on any stream) before the bucket is sealed is
     // done before its bytes are copied or its shared regions are read by the receiver.
-    check(cudaDeviceSynchronize(), device_, "waiting for the work queued before the bucket was sealed");
+    synchronize_device(device_, "waiting for the work queued before the bucket was sealed");
     if (!filled) return;
     copy_within_device(device_, pending_);
     pending_.clear();
-    check(cudaStreamSynchronize(stream_), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
+    stream_->synchronize("waiting for the copies into bucket buffer " + std::to_string(slot));
   }
 
   void begin_update() override {
@@ -231,8 +174,7 @@ class CudaIpcSender final : public SenderTransport {
       SharedRegion region;
       region.id = *allocation->region;
       region.bytes = allocation->bytes;
-      region.handle.resize(kHandleBytes);
-      std::memcpy(region.handle.data(), &allocation->handle, kHandleBytes);
+      region.handle.assign(allocation->handle.begin(), allocation->handle.end());
       announce.push_back(std::move(region));
       allocation->announced = true;
     }
@@ -245,7 +187,7 @@ class CudaIpcSender final : public SenderTransport {
     uintptr_t base = 0;
     uint64_t bytes = 0;
     std::optional<uint32_t> region;
-    cudaIpcMemHandle_t handle{};
+    IpcHandle handle{};
     mutable bool announced = false;
   };
 
@@ -268,17 +210,15 @@ class CudaIpcSender final : public SenderTransport {
     Allocation allocation;
     allocation.base = address;
     allocation.bytes = 1;
-    AddressRangeFunction range = address_range_function();
-    unsigned long long base = 0;
-    size_t size = 0;
-    if (range != nullptr && range(&base, &size, address) == 0 && size > 0) {
-      allocation.base = static_cast<uintptr_t>(base);
-      allocation.bytes = size;
-      if (size >= share_minimum_bytes_ &&
-          cudaIpcGetMemHandle(&allocation.handle, reinterpret_cast<void*>(allocation.base)) == cudaSuccess) {
-        allocation.region = next_region_++;
-      } else {
-        cudaGetLastError();  // a refused export is not an error: the tensor goes in a bucket
+    if (std::optional<DeviceAllocation> found = device_allocation_of(reinterpret_cast<const void*>(address))) {
+      allocation.base = found->base;
+      allocation.bytes = found->bytes;
+      if (found->bytes >= share_minimum_bytes_) {
+        // A refused export is not an error: the tensor goes in a bucket.
+        if (auto handle = try_export_ipc_handle(device_, reinterpret_cast<const void*>(allocation.base))) {
+          allocation.handle = *handle;
+          allocation.region = next_region_++;
+        }
       }
     }
     auto [it, inserted] = allocations_.insert_or_assign(allocation.base, allocation);
@@ -288,8 +228,8 @@ class CudaIpcSender final : public SenderTransport {
 
   Device device_;
   uint64_t share_minimum_bytes_;
-  OpenedHandle buckets_[2];
-  cudaStream_t stream_ = nullptr;
+  IpcMapping buckets_[2];
+  std::optional<DeviceStream> stream_;
   std::vector<CopyRange> pending_;  // copies from this GPU into the bucket being filled
   std::map<uintptr_t, Allocation> allocations_;  // by base address
   mutable const Allocation* last_ = nullptr;

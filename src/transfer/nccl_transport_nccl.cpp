@@ -8,13 +8,13 @@
 // libnccl is opened at first use (dlopen), not linked: a process that also holds torch
 // must use the one NCCL torch loaded. Linked, the toolkit's libnccl.so.2 came in with
 // `import weightstream` and torch, imported after, aborted in free() on the GPU machine.
-#include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
 
 #include <cstring>
 
 #include "transfer/transport.hpp"
+#include "weightstream/device.hpp"
 
 namespace weightstream::transfer {
 namespace {
@@ -66,13 +66,6 @@ struct NcclApi {
 
 constexpr int kSenderRank = 0;
 
-void check_cuda(cudaError_t error, const Device& device, const std::string& operation) {
-  if (error == cudaSuccess) return;
-  cudaGetLastError();
-  WS_FAIL(ErrorCode::kDevice, device.name() + ": " + operation + ": " + cudaGetErrorString(error) + " (" +
-                                  cudaGetErrorName(error) + ")");
-}
-
 void check_nccl(ncclResult_t result, const Device& device, const std::string& operation) {
   WS_EXPECT(result == ncclSuccess, ErrorCode::kDevice,
             device.name() + ": " + operation + ": " + NcclApi::get().error_string(result) + " (" +
@@ -86,18 +79,19 @@ Device cuda_device(const Device& device) { return device.is_cuda() ? device : De
 class Peer {
  public:
   Peer(const Device& device, std::span<const std::byte> id_bytes, int ranks, int rank)
-      : device_(device), ranks_(ranks), rank_(rank) {
+      : device_(device), ranks_(ranks), rank_(rank), stream_(device) {
     WS_EXPECT(id_bytes.size() == sizeof(ncclUniqueId), ErrorCode::kProtocol,
               "the sender's HELLO for nccl carried " + std::to_string(id_bytes.size()) + " bytes of unique id, not " +
                   std::to_string(sizeof(ncclUniqueId)));
     std::memcpy(&id_, id_bytes.data(), sizeof(id_));
-    require_device(device_);
-    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), device_, "cudaStreamCreate");
   }
   ~Peer() {
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    try {
+      stream_.synchronize("waiting for the last collective");
+    } catch (const Error&) {
+      // Destruction goes on: the communicator and the stream are freed either way.
+    }
     if (communicator_ != nullptr) NcclApi::get().comm_destroy(communicator_);
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
   Peer(const Peer&) = delete;
   Peer& operator=(const Peer&) = delete;
@@ -109,11 +103,12 @@ class Peer {
                "ncclCommInitRank (rank " + std::to_string(rank_) + " of " + std::to_string(ranks_) + ")");
   }
   void broadcast(std::byte* buffer, uint64_t bytes) {
-    check_nccl(NcclApi::get().broadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_, stream_), device_,
-               "ncclBroadcast of " + std::to_string(bytes) + " bytes");
-    check_cuda(cudaStreamSynchronize(stream_), device_, "waiting for ncclBroadcast");
+    check_nccl(NcclApi::get().broadcast(buffer, buffer, bytes, ncclUint8, kSenderRank, communicator_,
+                                        static_cast<cudaStream_t>(stream_.native())),
+               device_, "ncclBroadcast of " + std::to_string(bytes) + " bytes");
+    stream_.synchronize("waiting for ncclBroadcast");
   }
-  cudaStream_t stream() const noexcept { return stream_; }
+  DeviceStream& stream() noexcept { return stream_; }
 
  private:
   Device device_;
@@ -121,7 +116,7 @@ class Peer {
   int rank_;
   ncclUniqueId id_{};
   ncclComm_t communicator_ = nullptr;
-  cudaStream_t stream_ = nullptr;
+  DeviceStream stream_;
 };
 
 class NcclReceiver final : public ReceiverTransport {
@@ -155,15 +150,14 @@ class NcclSender final : public SenderTransport {
     if (source_device.is_cuda() && !device_settled_) {
       // The copy runs on the peer's stream: first let every kernel the caller queued (on
       // any stream) finish, so a tensor computed just before send() is copied complete.
-      check_cuda(cudaDeviceSynchronize(), device_, "waiting for the work queued before the bucket's first copy");
+      synchronize_device(device_, "waiting for the work queued before the bucket's first copy");
       device_settled_ = true;
     }
-    check_cuda(cudaMemcpyAsync(buffers_[slot].data() + offset, source, bytes, cudaMemcpyDefault, peer_.stream()),
-               device_, "copy of " + std::to_string(bytes) + " bytes into bucket buffer " + std::to_string(slot));
+    peer_.stream().copy_async(buffers_[slot].data() + offset, source, bytes, "copy into bucket buffer " + std::to_string(slot));
   }
   void seal(uint32_t slot, bool) override {
     device_settled_ = false;
-    check_cuda(cudaStreamSynchronize(peer_.stream()), device_, "waiting for the copies into bucket buffer " + std::to_string(slot));
+    peer_.stream().synchronize("waiting for the copies into bucket buffer " + std::to_string(slot));
   }
   void push(std::span<Connection* const>, uint32_t slot, uint64_t bytes, std::chrono::milliseconds) override {
     peer_.broadcast(buffers_[slot].data(), bytes);  // once, to every receiver

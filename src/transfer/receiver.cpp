@@ -2,8 +2,13 @@
 // and hands them to a LoadSession in update mode, which checks them against the layout and
 // writes each layer once all of it has arrived (LayerCommit::kWholeLayer). Layers the update
 // covers only in part are written at FINISH.
+
+#include <poll.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
@@ -12,6 +17,7 @@
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"
+#include "weightstream/options.hpp"
 #include "weightstream/transfer.hpp"
 
 namespace weightstream {
@@ -105,6 +111,13 @@ struct UpdateReceiver::State {
   Listener listener;
   // The connected sender, kept between its updates (one connection carries any number).
   std::optional<Connection> connection;
+  // Peers that connected and have not been heard yet, each with the time by which its HELLO
+  // must come. All are waited on at once: a silent one delays no other.
+  struct Handshaking {
+    Connection connection;
+    Clock::time_point deadline;
+  };
+  std::vector<Handshaking> handshaking;
   std::unique_ptr<ReceiverTransport> transport;
   uint64_t bucket_bytes = 0;
   double connect_seconds = 0;  // set-up of the current connection, reported with its first update
@@ -160,16 +173,38 @@ struct UpdateReceiver::State {
     updates = 0;
   }
 
-  /// Accepts one sender and sets up the transport: HELLO, token, WELCOME, join.
+  /// Accepts peers until one presents a HELLO, then sets up its transport: token,
+  /// WELCOME, join. Peers silent for the handshake timeout are dropped meanwhile.
   void connect(std::chrono::milliseconds accept_timeout);
+  /// Hears one peer's HELLO and sets up its transport. False when the peer left or stayed
+  /// silent before its HELLO was complete (it is dropped); throws when it is refused.
+  bool handshake(Connection accepted, Clock::time_point hello_deadline);
   /// Runs one update on the connection, from its START to its REPORT.
   UpdateReport run_update(const Message& start, Clock::time_point started);
 };
 
+namespace {
+
+/// Where a same-host receiver listens: the path asked for, or a fresh one in the socket
+/// directory (the caller's, or the TMPDIR of the environment).
+std::string unix_socket_path(const ReceiverOptions& options) {
+  if (!options.listen.empty()) return options.listen;
+  return Listener::fresh_unix_socket_path(options.socket_directory.empty() ? temporary_directory(process_environment())
+                                                                          : options.socket_directory);
+}
+
+std::string seconds_text(std::chrono::milliseconds duration) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g s", static_cast<double>(duration.count()) / 1000.0);
+  return text;
+}
+
+}  // namespace
+
 UpdateReceiver::UpdateReceiver(ModelLayout& layout, ReceiverOptions options)
     : state_(std::make_unique<State>(layout, options,
                                      options.transport == TransportKind::kShm || options.transport == TransportKind::kCudaIpc
-                                         ? Listener::unix_socket(options.listen)
+                                         ? Listener::unix_socket(unix_socket_path(options))
                                          : Listener::tcp(options.listen))) {
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
             "update receiver: the " + std::string(transport_name(options.transport)) +
@@ -181,8 +216,56 @@ UpdateReceiver::~UpdateReceiver() = default;
 const std::string& UpdateReceiver::address() const noexcept { return state_->listener.address(); }
 
 void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
+  const auto deadline = Clock::now() + accept_timeout;
+  uint64_t silent = 0;  // peers dropped for sending no HELLO in time
+  uint64_t left = 0;    // peers that disconnected before their HELLO
+  for (;;) {
+    auto now = Clock::now();
+    std::erase_if(handshaking, [&](Handshaking& peer) {
+      if (peer.deadline > now || peer.connection.readable()) return false;
+      ++silent;
+      return true;
+    });
+    std::vector<pollfd> waits;
+    waits.push_back(pollfd{listener.fd(), POLLIN, 0});
+    auto wake = deadline;
+    for (const Handshaking& peer : handshaking) {
+      waits.push_back(pollfd{peer.connection.fd(), POLLIN, 0});
+      wake = std::min(wake, peer.deadline);
+    }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
+    int ready = ::poll(waits.data(), waits.size(), static_cast<int>(std::clamp<long long>(wait, 0, 1 << 30)));
+    if (ready < 0 && errno == EINTR) continue;
+    WS_EXPECT(ready >= 0, ErrorCode::kNetwork, self() + ": poll failed: " + detail::errno_text(errno));
+    if (ready == 0) {
+      if (Clock::now() < deadline) continue;  // a peer's handshake deadline: dropped above
+      std::string dropped;
+      if (silent > 0) {
+        dropped += "; " + std::to_string(silent) + " peer(s) connected but sent no HELLO within the handshake timeout of " +
+                   seconds_text(options.handshake_timeout) + " and were dropped";
+      }
+      if (left > 0) dropped += "; " + std::to_string(left) + " peer(s) disconnected before their HELLO";
+      WS_FAIL(ErrorCode::kTimeout, "no sender connected to " + listener.address() + " within " +
+                                       seconds_text(accept_timeout) + dropped);
+    }
+    // Peers already waiting are heard first, in the order they connected.
+    for (size_t i = 0; i < handshaking.size(); ++i) {
+      if ((waits[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      Handshaking peer = std::move(handshaking[i]);
+      handshaking.erase(handshaking.begin() + static_cast<ptrdiff_t>(i));
+      if (handshake(std::move(peer.connection), peer.deadline)) return;
+      ++left;  // or silent in the middle of its HELLO
+      break;   // the indices of `waits` no longer match: poll again
+    }
+    if ((waits[0].revents & POLLIN) != 0) {
+      handshaking.push_back(Handshaking{listener.accept(std::chrono::milliseconds(0)),
+                                        Clock::now() + options.handshake_timeout});
+    }
+  }
+}
+
+bool UpdateReceiver::State::handshake(Connection accepted, Clock::time_point hello_deadline) {
   const auto timeout = options.timeout;
-  Connection accepted = listener.accept(accept_timeout);
   const auto started = Clock::now();
   const std::string peer = accepted.peer();
 
@@ -198,7 +281,18 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
     WS_FAIL(ErrorCode::kProtocol, self() + " refused " + peer + ": " + reason);
   };
 
-  Received hello = accepted.receive(timeout, "HELLO");
+  Received hello;
+  try {
+    // The HELLO is (at least in part) here already: the rest must come by the deadline.
+    const auto hello_left = std::max(std::chrono::milliseconds(100), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                        hello_deadline - Clock::now()));
+    hello = accepted.receive(hello_left, "HELLO");
+  } catch (const Error& error) {
+    // A peer that leaves or stalls before saying who it is was no sender: it is dropped,
+    // and the receiver goes on waiting for one.
+    if (error.code() == ErrorCode::kNetwork || error.code() == ErrorCode::kTimeout) return false;
+    throw;
+  }
   if (hello.message.type != MessageType::kHello) {
     refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
   }
@@ -230,6 +324,7 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
   connection.emplace(std::move(accepted));
   connect_seconds = std::chrono::duration<double>(Clock::now() - started).count();
   updates = 0;
+  return true;
 }
 
 UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {

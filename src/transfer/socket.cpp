@@ -14,13 +14,19 @@
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 
 namespace weightstream::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+/// Descriptors one received message has room for (the protocol passes at most one).
+constexpr size_t kMaxPassedDescriptors = 16;
 
 std::string seconds_text(std::chrono::milliseconds timeout) {
   char text[32];
@@ -172,22 +178,31 @@ void Connection::read_exact(std::span<std::byte> bytes, std::chrono::millisecond
     ssize_t got;
     if (received_fd != nullptr && done == 0) {
       iovec part{bytes.data(), bytes.size()};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      // Room for more descriptors than the protocol ever passes: each one that arrives is
+      // installed in this process and must be closed here unless kept (a peer may send any
+      // number, before its token is checked); those beyond the room the kernel drops itself.
+      alignas(cmsghdr) char control[CMSG_SPACE(kMaxPassedDescriptors * sizeof(int))] = {};
       msghdr envelope{};
       envelope.msg_iov = &part;
       envelope.msg_iovlen = 1;
       envelope.msg_control = control;
       envelope.msg_controllen = sizeof(control);
       got = ::recvmsg(fd(), &envelope, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-      if (got > 0) {
+      std::vector<FileDescriptor> passed;
+      if (got >= 0) {
         for (cmsghdr* item = CMSG_FIRSTHDR(&envelope); item != nullptr; item = CMSG_NXTHDR(&envelope, item)) {
-          if (item->cmsg_level == SOL_SOCKET && item->cmsg_type == SCM_RIGHTS && item->cmsg_len == CMSG_LEN(sizeof(int))) {
-            int passed;
-            std::memcpy(&passed, CMSG_DATA(item), sizeof(int));
-            *received_fd = FileDescriptor(passed);
+          if (item->cmsg_level != SOL_SOCKET || item->cmsg_type != SCM_RIGHTS || item->cmsg_len < CMSG_LEN(0)) continue;
+          const size_t count = (item->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t i = 0; i < count; ++i) {
+            int descriptor;
+            std::memcpy(&descriptor, CMSG_DATA(item) + i * sizeof(int), sizeof(int));
+            passed.emplace_back(descriptor);
           }
         }
       }
+      // The protocol passes one descriptor with a message; any other count keeps none (the
+      // message's reader then finds none where it needs one), and `passed` closes them all.
+      if (passed.size() == 1) *received_fd = std::move(passed.front());
     } else {
       got = ::recv(fd(), bytes.data() + done, bytes.size() - done, MSG_DONTWAIT);
     }
@@ -251,7 +266,7 @@ Listener Listener::tcp(const std::string& address) {
     }
     int one = 1;
     ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 || ::listen(fd.get(), 16) != 0) {
+    if (::bind(fd.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 || ::listen(fd.get(), 64) != 0) {
       last_errno = errno;
       continue;
     }
@@ -267,39 +282,157 @@ Listener Listener::tcp(const std::string& address) {
           "cannot listen on " + host + ":" + std::to_string(port) + ": " + detail::errno_text(last_errno));
 }
 
-Listener Listener::unix_socket(const std::string& path) {
-  std::string chosen = path;
-  if (chosen.empty()) {
-    static std::atomic<unsigned> counter{0};
-    const char* directory = std::getenv("TMPDIR");
-    chosen = std::string(directory != nullptr && *directory ? directory : "/tmp") + "/weightstream-update-" +
-             std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".sock";
+namespace {
+
+// ---- socket files removed at SIGTERM ---------------------------------------------------------
+//
+// A receiver's socket file is removed when its Listener is destroyed; a process ended by
+// SIGTERM runs no destructors, so the paths of live Unix listeners are also kept in a fixed
+// table that a SIGTERM handler (installed only where SIGTERM has its default action, so a
+// program's own handler is never replaced) unlinks before the signal ends the process as
+// it would have. Only async-signal-safe work happens in the handler: atomics and unlink().
+
+constexpr size_t kSocketSlots = 64;
+struct SocketSlot {
+  std::atomic<int> state{0};  // 0 free, 1 being written or cleared, 2 holds a live path
+  pid_t owner = 0;            // the process that listens: a forked child's SIGTERM leaves it alone
+  char path[sizeof(sockaddr_un::sun_path)] = {};
+};
+SocketSlot socket_slots[kSocketSlots];
+
+void remove_socket_files_and_end(int signal) {
+  for (SocketSlot& slot : socket_slots) {
+    if (slot.state.load() == 2 && slot.owner == ::getpid()) ::unlink(slot.path);
   }
-  sockaddr_un address = unix_address(chosen);
+  // SA_RESETHAND restored the default action: the signal, pending until this returns,
+  // then ends the process with the status its sender expects.
+  ::raise(signal);
+}
+
+void remove_at_sigterm_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current{};
+    if (::sigaction(SIGTERM, nullptr, &current) != 0) return;
+    if ((current.sa_flags & SA_SIGINFO) != 0 || current.sa_handler != SIG_DFL) return;
+    struct sigaction action{};
+    action.sa_handler = remove_socket_files_and_end;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND | SA_RESTART;
+    ::sigaction(SIGTERM, &action, nullptr);
+  });
+}
+
+/// Lists `path` for removal at SIGTERM; the slot index, or -1 when the table is full.
+int register_socket_file(const std::string& path) {
+  remove_at_sigterm_once();
+  for (size_t i = 0; i < kSocketSlots; ++i) {
+    int expected = 0;
+    if (socket_slots[i].state.compare_exchange_strong(expected, 1)) {
+      socket_slots[i].owner = ::getpid();
+      std::memcpy(socket_slots[i].path, path.c_str(), std::min(path.size() + 1, sizeof(socket_slots[i].path)));
+      socket_slots[i].state.store(2);
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+void unregister_socket_file(int slot) {
+  if (slot < 0) return;
+  socket_slots[slot].state.store(1);
+  socket_slots[slot].path[0] = '\0';
+  socket_slots[slot].state.store(0);
+}
+
+/// True when a connect() to the Unix socket at `path` is refused: a socket file left by a
+/// process that ended without removing it.
+bool nobody_listens(const std::string& path) {
+  sockaddr_un address = unix_address(path);
+  FileDescriptor probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!probe) return false;
+  return ::connect(probe.get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0 &&
+         errno == ECONNREFUSED;
+}
+
+constexpr std::string_view kFreshSocketPrefix = "weightstream-update-";
+
+/// Removes fresh receiver sockets ("weightstream-update-PID-N.sock") in `directory` that
+/// belong to this user, whose process has ended and on which nobody listens.
+void remove_stale_fresh_sockets(const std::string& directory) {
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(kFreshSocketPrefix) || !name.ends_with(".sock")) continue;
+    const std::string rest = name.substr(kFreshSocketPrefix.size());
+    const auto dash = rest.find('-');
+    if (dash == std::string::npos || dash == 0 || rest.find_first_not_of("0123456789") != dash) continue;
+    const long pid = std::strtol(rest.substr(0, dash).c_str(), nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    struct stat status{};
+    const std::string path = entry.path().string();
+    if (::lstat(path.c_str(), &status) != 0 || !S_ISSOCK(status.st_mode) || status.st_uid != ::geteuid()) continue;
+    if (path.size() < sizeof(sockaddr_un::sun_path) && nobody_listens(path)) ::unlink(path.c_str());
+  }
+}
+
+}  // namespace
+
+Listener::SocketFile::~SocketFile() {
+  unregister_socket_file(slot);
+  if (owner == ::getpid()) ::unlink(path.c_str());  // not from a forked child unwinding
+}
+
+std::string Listener::fresh_unix_socket_path(const std::string& directory) {
+  static std::atomic<unsigned> counter{0};
+  remove_stale_fresh_sockets(directory);
+  return directory + "/" + std::string(kFreshSocketPrefix) + std::to_string(::getpid()) + "-" +
+         std::to_string(counter++) + ".sock";
+}
+
+Listener Listener::unix_socket(const std::string& path) {
+  WS_EXPECT(!path.empty(), ErrorCode::kInvalidArgument, "a Unix socket listener needs a path");
+  sockaddr_un address = unix_address(path);
   FileDescriptor fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   WS_EXPECT(static_cast<bool>(fd), ErrorCode::kNetwork, "cannot create a Unix socket: " + detail::errno_text(errno));
-  // Create the socket file with no access for others: the path is the only door to the
-  // receiver, so the directory's permissions and this mode decide who may knock.
-  mode_t previous = ::umask(0077);
-  int bound = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address));
-  int bind_errno = errno;
-  ::umask(previous);
-  WS_EXPECT(bound == 0, ErrorCode::kNetwork, "cannot listen on Unix socket " + chosen + ": " + detail::errno_text(bind_errno));
-  ::chmod(chosen.c_str(), 0600);  // connecting needs write permission only; nobody needs execute
-  WS_EXPECT(::listen(fd.get(), 16) == 0, ErrorCode::kNetwork,
-            "cannot listen on Unix socket " + chosen + ": " + detail::errno_text(errno));
+  auto bind_private = [&] {
+    // Create the socket file with no access for others: the path is the only door to the
+    // receiver, so the directory's permissions and this mode decide who may knock.
+    mode_t previous = ::umask(0077);
+    int bound = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&address), sizeof(address));
+    int bind_errno = errno;
+    ::umask(previous);
+    return bound == 0 ? 0 : bind_errno;
+  };
+  int bind_errno = bind_private();
+  if (bind_errno == EADDRINUSE) {
+    // A socket file nobody listens on is what a receiver ended by a signal or a crash
+    // leaves: replace it. A live one, or a file of another kind, is not touched.
+    struct stat status{};
+    WS_EXPECT(::lstat(path.c_str(), &status) == 0 && S_ISSOCK(status.st_mode), ErrorCode::kNetwork,
+              "cannot listen on Unix socket " + path + ": the path exists and is not a socket (not replaced)");
+    WS_EXPECT(nobody_listens(path), ErrorCode::kNetwork,
+              "cannot listen on Unix socket " + path + ": another process is listening on it");
+    ::unlink(path.c_str());
+    bind_errno = bind_private();
+  }
+  WS_EXPECT(bind_errno == 0, ErrorCode::kNetwork, "cannot listen on Unix socket " + path + ": " + detail::errno_text(bind_errno));
   Listener listener;
+  listener.socket_file_ = std::make_unique<SocketFile>();
+  listener.socket_file_->path = path;
+  listener.socket_file_->owner = ::getpid();
+  listener.socket_file_->slot = register_socket_file(path);
+  ::chmod(path.c_str(), 0600);  // connecting needs write permission only; nobody needs execute
+  WS_EXPECT(::listen(fd.get(), 64) == 0, ErrorCode::kNetwork,
+            "cannot listen on Unix socket " + path + ": " + detail::errno_text(errno));
   listener.fd_ = std::move(fd);
-  listener.address_ = chosen;
+  listener.address_ = path;
   listener.host_ = "unix";
-  listener.unlink_path_ = chosen;
   listener.unix_ = true;
   return listener;
 }
 
-Listener::~Listener() {
-  if (fd_ && !unlink_path_.empty()) ::unlink(unlink_path_.c_str());
-}
+Listener::~Listener() = default;
 
 Connection Listener::accept(std::chrono::milliseconds timeout) {
   WS_EXPECT(wait_ready(fd_.get(), POLLIN, Clock::now() + timeout), ErrorCode::kTimeout,

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -76,9 +77,14 @@ class Listener {
  public:
   /// TCP on "HOST:PORT" (port 0 picks a free one); an empty `address` means "127.0.0.1:0".
   static Listener tcp(const std::string& address);
-  /// A Unix stream socket at `path` (mode 0600); an empty path picks a fresh one under
-  /// $TMPDIR. The file is removed on destruction.
+  /// A Unix stream socket at `path` (mode 0600). A socket file there that nobody listens on
+  /// (left by a process that ended without removing it) is replaced; a live one or a file
+  /// of another kind is Error(kNetwork). The file is removed on destruction and, where the
+  /// process leaves SIGTERM at its default action, when SIGTERM ends the process.
   static Listener unix_socket(const std::string& path);
+  /// A fresh socket path in `directory` ("weightstream-update-PID-N.sock"), after removing
+  /// the ones there that processes which have ended left behind.
+  static std::string fresh_unix_socket_path(const std::string& directory);
   Listener(Listener&&) noexcept = default;
   Listener& operator=(Listener&&) noexcept = default;
   ~Listener();
@@ -89,13 +95,25 @@ class Listener {
   const std::string& bound_host() const noexcept { return host_; }
   /// Waits for one peer. Throws Error(kTimeout) after `timeout`.
   Connection accept(std::chrono::milliseconds timeout);
+  /// The listening descriptor, to wait on it together with other sockets.
+  int fd() const noexcept { return fd_.get(); }
 
  private:
+  /// A Unix socket's file: unlinked (and no longer listed for SIGTERM) on destruction.
+  struct SocketFile {
+    std::string path;
+    int slot = -1;
+    int owner = 0;  ///< pid of the process that bound it
+    SocketFile() = default;
+    SocketFile(const SocketFile&) = delete;
+    SocketFile& operator=(const SocketFile&) = delete;
+    ~SocketFile();
+  };
   Listener() = default;
+  std::unique_ptr<SocketFile> socket_file_;  // declared first: the file goes after the socket closes
   FileDescriptor fd_;
   std::string address_;
   std::string host_;
-  std::string unlink_path_;
   bool unix_ = false;
 };
 

@@ -44,6 +44,38 @@
 
 namespace weightstream::transfer {
 
+/// One tensor (or one piece of it) in a bucket.
+struct BucketEntry {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;
+  std::vector<int64_t> shape;
+  uint64_t tensor_offset = 0;  ///< where the piece starts within the tensor's bytes
+  /// Where the bytes are: 0, the bucket buffer; r + 1, shared region r (CUDA IPC only: the
+  /// receiver reads the sender's own allocation in place, so each byte is copied once).
+  uint32_t source = 0;
+  uint64_t source_offset = 0;  ///< where the piece starts within its source
+  uint64_t bytes = 0;          ///< bytes of the piece
+};
+
+/// A device allocation of the sender that the receiver may read in place (CUDA IPC): shared
+/// the first time a bucket refers to it, opened once by the receiver, closed at the end of
+/// the update.
+struct SharedRegion {
+  uint32_t id = 0;                  ///< 0, 1, 2... in the order they are shared
+  uint64_t bytes = 0;               ///< size of the allocation
+  std::vector<std::byte> handle;    ///< the transport's handle (a cudaIpcMemHandle_t)
+};
+
+/// What a bucket holds: its sequence number (from 0), the buffer it occupies, the regions
+/// it shares for the first time, its entries.
+struct BucketManifest {
+  uint64_t index = 0;
+  uint32_t slot = 0;          ///< which of the two bucket buffers (unused when `bytes` is 0)
+  uint64_t bytes = 0;         ///< bytes used in the buffer
+  std::vector<SharedRegion> regions;
+  std::vector<BucketEntry> entries;
+};
+
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
 inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHeaderBytes = 16;

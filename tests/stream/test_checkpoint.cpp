@@ -75,6 +75,12 @@ TEST(Checkpoint, IndexNamingMissingShard) {
   auto message = open_error(directory.path());
   EXPECT_THAT(message, HasSubstr("model.safetensors.index.json"));
   EXPECT_THAT(message, HasSubstr("'gone.safetensors', which does not exist"));
+  try {
+    Checkpoint::open(directory.path().string(), Options{});
+    ADD_FAILURE() << "opened a checkpoint whose index names a missing shard";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotFound);  // missing, not malformed
+  }
 }
 
 TEST(Checkpoint, IndexAndShardDisagree) {
