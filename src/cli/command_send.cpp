@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -128,7 +129,7 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
 
   int token_pipe[2];
   WS_EXPECT(::pipe2(token_pipe, O_CLOEXEC) == 0, ErrorCode::kIo, "cannot create a pipe for the sender: " +
-                                                                      detail::errno_text(errno));
+                                                                      std::string(std::strerror(errno)));
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
@@ -139,7 +140,7 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   ::close(token_pipe[0]);
   if (spawned != 0) {
     ::close(token_pipe[1]);
-    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + detail::errno_text(spawned));
+    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + std::string(std::strerror(spawned)));
   }
   std::string line = options.token + "\n";
   (void)!::write(token_pipe[1], line.data(), line.size());

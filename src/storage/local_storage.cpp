@@ -14,6 +14,7 @@
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream {
 namespace local_io {

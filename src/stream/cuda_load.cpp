@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "weightstream/error.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream {
 namespace {
