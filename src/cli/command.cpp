@@ -55,22 +55,36 @@ double now_seconds() {
 }
 }  // namespace
 
+ProgressLine::ProgressLine(bool enabled) : enabled_(enabled), terminal_(enabled && isatty(STDERR_FILENO)) {}
+
 void ProgressLine::update(uint64_t done, uint64_t total) {
   if (!enabled_) return;
   double now = now_seconds();
   if (start_ < 0) start_ = now;
-  if (done < total && now - last_draw_ < 0.1) return;
+  // A terminal redraws one line in place; a pipe or a log file gets a line every few seconds
+  // (a \r frame ten times a second would pile up there as one endless line).
+  const double interval = terminal_ ? 0.1 : 3.0;
+  const bool finished = done >= total;
+  if (finished) {
+    if (finished_drawn_) return;
+    finished_drawn_ = true;
+  } else if (now - (last_draw_ < 0 ? start_ : last_draw_) < (drawn_ || !terminal_ ? interval : 0.0)) {
+    return;
+  }
   last_draw_ = now;
   double elapsed = now - start_;
   double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0;
-  double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0;
-  std::fprintf(stderr, "\r%s / %s  %.2f GB/s  ETA %.1f s   ", format_size(done).c_str(), format_size(total).c_str(),
-               rate / 1e9, eta);
+  char eta[48];
+  if (finished) std::snprintf(eta, sizeof(eta), "done in %.1f s", elapsed);
+  else if (rate > 0) std::snprintf(eta, sizeof(eta), "ETA %.1f s", static_cast<double>(total - done) / rate);
+  else std::snprintf(eta, sizeof(eta), "ETA --");  // nothing measured yet: no rate to predict from
+  std::fprintf(stderr, "%s%s / %s  %.2f GB/s  %s%s", terminal_ ? "\r" : "", format_size(done).c_str(),
+               format_size(total).c_str(), rate / 1e9, eta, terminal_ ? "   " : "\n");
   drawn_ = true;
 }
 
 ProgressLine::~ProgressLine() {
-  if (drawn_) std::fputc('\n', stderr);
+  if (drawn_ && terminal_) std::fputc('\n', stderr);
 }
 
 void print_json(const nlohmann::json& value) { std::cout << value.dump(2) << "\n"; }
