@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|update|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|smallload|update|all]...   (default: all)
 #   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
 #   WS_JOBS             build and test parallelism (default: the core count)
 set -uo pipefail
@@ -135,6 +135,13 @@ if wants bench; then
   grep -q load_checkpoint_cuda "$source_dir/src/stream/load.cpp" || driver="$build/tests/test_stream"
   PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+
+if wants smallload; then
+  # Issue 20's small-load floor on this machine's idle CPUs: 20 loads of a 30 MiB checkpoint,
+  # in-process time, how many stay under 20 ms (bench/RESULTS.md, "Small-load floor").
+  python3 bench/small_load_bench.py --cli "$build/weightstream" 2>&1 | tee "$out/small_load.md" | tee -a "$out/summary.txt" ||
+    status=1
 fi
 
 if wants pinned; then

@@ -41,10 +41,9 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-namespace detail {
+/// Throws Error(code, message). WS_EXPECT and WS_FAIL call it; it is out of line so that
+/// the checks stay small where they are inlined.
 [[noreturn]] void throw_error(ErrorCode code, std::string message);
-std::string errno_text(int error_number);
-}  // namespace detail
 
 }  // namespace weightstream
 
@@ -53,9 +52,9 @@ std::string errno_text(int error_number);
 #define WS_EXPECT(condition, code, message)                          \
   do {                                                               \
     if (!(condition)) [[unlikely]] {                                 \
-      ::weightstream::detail::throw_error((code), (message));        \
+      ::weightstream::throw_error((code), (message));        \
     }                                                                \
   } while (0)
 
 /// Throws weightstream::Error(code, message) unconditionally.
-#define WS_FAIL(code, message) ::weightstream::detail::throw_error((code), (message))
+#define WS_FAIL(code, message) ::weightstream::throw_error((code), (message))

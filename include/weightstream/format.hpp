@@ -163,6 +163,9 @@ bool natural_less(std::string_view a, std::string_view b) noexcept;
 /// The config.json fields weightstream uses (Hugging Face names).
 struct ModelConfig {
   std::string model_type;  ///< "llama", "qwen3", "deepseek_v3", ...
+  /// Where the config was read from (the `object` given to parse_model_config, such as
+  /// s3://bucket/model/config.json); empty for a config built in code. Named by errors.
+  std::string source;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -217,7 +220,8 @@ struct SynthOptions {
   Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
   /// When set, scale the model to about this many bytes (`layers` is then ignored): layers
   /// grow, and hidden doubles (up to 16384) while more than kSynthMaxScaledLayers layers
-  /// would be needed.
+  /// would be needed. A target below the one-layer model (at `hidden`) throws
+  /// Error(kInvalidArgument) naming the smallest size that can be met.
   std::optional<uint64_t> target_bytes;
   int64_t vocab = 4096;  ///< vocab_size
   bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight

@@ -17,6 +17,10 @@ inline constexpr uint64_t kKiB = 1024;
 inline constexpr uint64_t kMiB = 1024 * kKiB;
 inline constexpr uint64_t kGiB = 1024 * kMiB;
 
+/// Smallest staging memory limit and largest-read size: one page, the size of the smallest
+/// staging buffer (StreamOptions::memory_limit, StreamOptions::chunk_bytes).
+inline constexpr uint64_t kMinStagingBytes = 4 * kKiB;
+
 /// How local files are read.
 enum class LocalIo {
   kPread,   ///< buffered pread(2) through the page cache
@@ -35,16 +39,18 @@ enum class GpuPath {
 struct StreamOptions {
   /// Reads in flight at once. WEIGHTSTREAM_CONCURRENCY.
   unsigned concurrency = 16;
-  /// Hard cap on staging memory in bytes. WEIGHTSTREAM_MEMORY_LIMIT (e.g. "1GiB").
+  /// Hard cap on staging memory in bytes, at least kMinStagingBytes.
+  /// WEIGHTSTREAM_MEMORY_LIMIT (e.g. "1GiB").
   uint64_t memory_limit = 1 * kGiB;
-  /// Largest single read in bytes; large tensors are split into reads of this size,
-  /// neighbouring small ones merged up to it. WEIGHTSTREAM_CHUNK_SIZE.
+  /// Largest single read in bytes, at least kMinStagingBytes; large tensors are split into
+  /// reads of this size, neighbouring small ones merged up to it. WEIGHTSTREAM_CHUNK_SIZE.
   uint64_t chunk_bytes = 16 * kMiB;
   /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring.
   LocalIo local_io = LocalIo::kPread;
   /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped.
   GpuPath gpu_path = GpuPath::kAuto;
-  /// Print progress on stderr even when it is not a terminal. WEIGHTSTREAM_PROGRESS = 0|1.
+  /// Print progress on stderr even when it is not a terminal.
+  /// WEIGHTSTREAM_PROGRESS = 1|true|yes|on or 0|false|no|off.
   bool progress = false;
 };
 
@@ -73,7 +79,8 @@ struct S3Options {
   std::string ca_bundle;
   /// Bucket addressing. WEIGHTSTREAM_S3_ADDRESSING = auto | path | virtual.
   S3Addressing addressing = S3Addressing::kAuto;
-  /// Send unsigned requests (public buckets). WEIGHTSTREAM_S3_UNSIGNED = 0|1.
+  /// Send unsigned requests (public buckets).
+  /// WEIGHTSTREAM_S3_UNSIGNED = 1|true|yes|on or 0|false|no|off.
   bool unsigned_requests = false;
   /// Verify TLS certificates. Only an explicit option turns this off, with a warning.
   bool verify_tls = true;
@@ -84,9 +91,20 @@ struct S3Options {
   /// Attempts per request, first one included. WEIGHTSTREAM_S3_MAX_ATTEMPTS.
   unsigned max_attempts = 5;
   /// Deadline for one request across all its attempts, seconds. WEIGHTSTREAM_S3_DEADLINE.
+  /// Every time variable takes a duration: "300", "300s", "5m", "500ms" (parse_duration).
   double deadline_seconds = 300;
-  /// Stall timeout: a transfer slower than 1 byte/s for this long fails. WEIGHTSTREAM_S3_TIMEOUT.
+  /// Stall timeout: once a response has begun, a transfer with no byte moving for this long
+  /// fails. WEIGHTSTREAM_S3_TIMEOUT.
   double timeout_seconds = 30;
+  /// Connect timeout: a TCP (and TLS) connection not established within this long fails.
+  /// WEIGHTSTREAM_S3_CONNECT_TIMEOUT.
+  double connect_timeout_seconds = 3;
+  /// First-byte timeout: an attempt whose request was sent but which has no byte of a
+  /// response this long after fails. Two such attempts in a row (or two failed connects) end
+  /// the request there: the endpoint is treated as dead rather than waited on for every
+  /// attempt, so with the defaults a dead endpoint fails within about 8 s.
+  /// WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT.
+  double first_byte_timeout_seconds = 3;
   /// First retry's backoff ceiling in seconds; it doubles per attempt (capped at 10 s) and the
   /// actual sleep is drawn uniformly below it ("full jitter"). WEIGHTSTREAM_S3_RETRY_BASE.
   double retry_base_seconds = 0.1;
@@ -131,5 +149,32 @@ uint64_t parse_size(std::string_view text, std::string_view what = "size");
 
 /// Formats a byte count for people, e.g. "1.50 GiB".
 std::string format_size(uint64_t bytes);
+
+/// Parses a duration in seconds: a positive number with an optional unit, "ms", "s", "m"
+/// (minutes) or "h", e.g. "500ms", "1s", "2m", "1.5" (seconds). Throws
+/// Error(kInvalidArgument) naming `what` on anything else.
+double parse_duration(std::string_view text, std::string_view what = "duration");
+
+/// Parses "pread", "direct" or "uring". Throws Error(kInvalidArgument) naming `what`.
+LocalIo parse_local_io(std::string_view text, std::string_view what = "io");
+/// "pread", "direct" or "uring".
+std::string_view local_io_name(LocalIo io) noexcept;
+/// Parses "auto", "staged" or "mapped". Throws Error(kInvalidArgument) naming `what`.
+GpuPath parse_gpu_path(std::string_view text, std::string_view what = "gpu_path");
+/// "auto", "staged" or "mapped".
+std::string_view gpu_path_name(GpuPath path) noexcept;
+
+/// How check_stream_options names the fields in its messages (a flag, a variable, a keyword).
+struct StreamOptionNames {
+  std::string_view concurrency = "concurrency";
+  std::string_view memory_limit = "memory_limit";
+  std::string_view chunk_bytes = "chunk_bytes";
+};
+
+/// Checks the limits of `options`: concurrency at least 1, memory_limit and chunk_bytes at
+/// least kMinStagingBytes. Throws Error(kInvalidArgument) naming the field as `names` say.
+/// stream_tensors calls it; the environment, the CLI and the Python bindings call it so
+/// that each names its own spelling of the field.
+void check_stream_options(const StreamOptions& options, const StreamOptionNames& names = {});
 
 }  // namespace weightstream

@@ -52,7 +52,6 @@ class Checkpoint {
 
   const std::string& uri() const noexcept { return uri_; }
   Storage& storage() const noexcept { return *storage_; }
-  const std::shared_ptr<Storage>& shared_storage() const noexcept { return storage_; }
   const std::vector<ShardInfo>& shards() const noexcept { return shards_; }
   /// Tensors in file order (shard by shard, offset by offset).
   const std::vector<CheckpointTensor>& tensors() const noexcept { return tensors_; }

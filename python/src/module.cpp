@@ -79,25 +79,14 @@ Options resolve_options(const Options& base, nb::dict overrides) {
     } else if (name == "chunk_size") {
       stream.chunk_bytes = size_argument(value, "chunk_size");
     } else if (name == "io") {
-      auto io = text_argument(value, "io");
-      if (io == "pread") stream.local_io = LocalIo::kPread;
-      else if (io == "direct") stream.local_io = LocalIo::kDirect;
-      else if (io == "uring") stream.local_io = LocalIo::kUring;
-      else WS_FAIL(ErrorCode::kInvalidArgument, "io '" + io + "' is not one of pread, direct, uring");
+      stream.local_io = parse_local_io(text_argument(value, "io"), "io");
     } else if (name == "gpu_path") {
-      auto path = text_argument(value, "gpu_path");
-      if (path == "auto") stream.gpu_path = GpuPath::kAuto;
-      else if (path == "staged") stream.gpu_path = GpuPath::kStaged;
-      else if (path == "mapped") stream.gpu_path = GpuPath::kMapped;
-      else WS_FAIL(ErrorCode::kInvalidArgument, "gpu_path '" + path + "' is not one of auto, staged, mapped");
+      stream.gpu_path = parse_gpu_path(text_argument(value, "gpu_path"), "gpu_path");
     } else {
       throw nb::type_error(("unknown option '" + name + "' (options are " + kOptionNames + ")").c_str());
     }
   }
-  WS_EXPECT(stream.memory_limit >= 4096, ErrorCode::kInvalidArgument,
-            "memory_limit " + std::to_string(stream.memory_limit) + " bytes is too small: at least 4KiB");
-  WS_EXPECT(stream.chunk_bytes >= 4096, ErrorCode::kInvalidArgument,
-            "chunk_size " + std::to_string(stream.chunk_bytes) + " bytes is too small: at least 4KiB");
+  check_stream_options(stream, {"concurrency", "memory_limit", "chunk_size"});
   return options;
 }
 
@@ -111,8 +100,8 @@ nb::dict options_dict(const Options& options) {
   result["concurrency"] = stream.concurrency;
   result["memory_limit"] = stream.memory_limit;
   result["chunk_size"] = stream.chunk_bytes;
-  result["io"] = stream.local_io == LocalIo::kDirect ? "direct" : stream.local_io == LocalIo::kUring ? "uring" : "pread";
-  result["gpu_path"] = stream.gpu_path == GpuPath::kStaged ? "staged" : stream.gpu_path == GpuPath::kMapped ? "mapped" : "auto";
+  result["io"] = std::string(local_io_name(stream.local_io));
+  result["gpu_path"] = std::string(gpu_path_name(stream.gpu_path));
   return result;
 }
 

@@ -18,7 +18,7 @@ const std::set<std::string, std::less<>> kKnownVariables = {
     "WEIGHTSTREAM_LOCAL_IO",        "WEIGHTSTREAM_PROGRESS",       "WEIGHTSTREAM_S3_ADDRESSING",
     "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
     "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
-    "WEIGHTSTREAM_S3_RETRY_BASE",
+    "WEIGHTSTREAM_S3_RETRY_BASE",   "WEIGHTSTREAM_S3_CONNECT_TIMEOUT", "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT",
     "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",
 };
 
@@ -44,27 +44,33 @@ uint64_t parse_unsigned(std::string_view name, std::string_view text, uint64_t m
   return value;
 }
 
-double parse_seconds(std::string_view name, std::string_view text) {
-  double value = 0;
-  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  WS_EXPECT(error == std::errc() && end == text.data() + text.size() && value > 0 && std::isfinite(value),
-            ErrorCode::kConfig,
-            std::string(name) + "='" + std::string(text) + "': expected a positive number of seconds");
-  return value;
-}
-
 bool parse_flag(std::string_view name, std::string_view text) {
   if (text == "1" || text == "true" || text == "yes" || text == "on") return true;
   if (text == "0" || text == "false" || text == "no" || text == "off") return false;
-  WS_FAIL(ErrorCode::kConfig, std::string(name) + "='" + std::string(text) + "': expected 0 or 1");
+  WS_FAIL(ErrorCode::kConfig, std::string(name) + "='" + std::string(text) +
+                                  "': expected 1, true, yes or on, or 0, false, no or off");
 }
 
-uint64_t parse_size_variable(std::string_view name, std::string_view text) {
+/// Runs one of the public parsers on a variable's value; its error becomes a config error.
+template <typename Parse>
+auto parse_variable(Parse parse) {
   try {
-    return parse_size(text, name);
+    return parse();
   } catch (const Error& error) {
     throw Error(ErrorCode::kConfig, error.what());
   }
+}
+
+uint64_t parse_size_variable(std::string_view name, std::string_view text) {
+  return parse_variable([&] { return parse_size(text, name); });
+}
+
+double parse_seconds(std::string_view name, std::string_view text) {
+  return parse_variable([&] { return parse_duration(text, name); });
+}
+
+std::string quoted(std::string_view what, std::string_view text) {
+  return std::string(what) + "='" + std::string(text) + "'";
 }
 
 }  // namespace
@@ -103,18 +109,14 @@ Options options_from_environment(const Environment& environment) {
     stream.memory_limit = parse_size_variable("WEIGHTSTREAM_MEMORY_LIMIT", *v);
   if (auto* v = find(environment, "WEIGHTSTREAM_CHUNK_SIZE"))
     stream.chunk_bytes = parse_size_variable("WEIGHTSTREAM_CHUNK_SIZE", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_LOCAL_IO")) {
-    if (*v == "pread") stream.local_io = LocalIo::kPread;
-    else if (*v == "direct") stream.local_io = LocalIo::kDirect;
-    else if (*v == "uring") stream.local_io = LocalIo::kUring;
-    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_LOCAL_IO='" + *v + "': expected pread, direct or uring");
-  }
-  if (auto* v = find(environment, "WEIGHTSTREAM_GPU_PATH")) {
-    if (*v == "auto") stream.gpu_path = GpuPath::kAuto;
-    else if (*v == "staged") stream.gpu_path = GpuPath::kStaged;
-    else if (*v == "mapped") stream.gpu_path = GpuPath::kMapped;
-    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_GPU_PATH='" + *v + "': expected auto, staged or mapped");
-  }
+  if (auto* v = find(environment, "WEIGHTSTREAM_LOCAL_IO"))
+    stream.local_io = parse_variable([&] { return parse_local_io(*v, "WEIGHTSTREAM_LOCAL_IO"); });
+  if (auto* v = find(environment, "WEIGHTSTREAM_GPU_PATH"))
+    stream.gpu_path = parse_variable([&] { return parse_gpu_path(*v, "WEIGHTSTREAM_GPU_PATH"); });
+  parse_variable([&] {
+    check_stream_options(stream, {"WEIGHTSTREAM_CONCURRENCY", "WEIGHTSTREAM_MEMORY_LIMIT", "WEIGHTSTREAM_CHUNK_SIZE"});
+    return 0;
+  });
   if (auto* v = find(environment, "WEIGHTSTREAM_PROGRESS")) stream.progress = parse_flag("WEIGHTSTREAM_PROGRESS", *v);
 
   auto& s3 = options.s3;
@@ -150,6 +152,10 @@ Options options_from_environment(const Environment& environment) {
     s3.timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_TIMEOUT", *v);
   if (auto* v = find(environment, "WEIGHTSTREAM_S3_RETRY_BASE"))
     s3.retry_base_seconds = parse_seconds("WEIGHTSTREAM_S3_RETRY_BASE", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_CONNECT_TIMEOUT"))
+    s3.connect_timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_CONNECT_TIMEOUT", *v);
+  if (auto* v = find(environment, "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT"))
+    s3.first_byte_timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", *v);
 
   const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
   const auto* alias = find(environment, "MX_MODEL_URI");
@@ -196,6 +202,71 @@ uint64_t parse_size(std::string_view text, std::string_view what) {
   WS_EXPECT(bytes < 1.8e19, ErrorCode::kInvalidArgument, invalid("too large"));
   WS_EXPECT(bytes == std::floor(bytes), ErrorCode::kInvalidArgument, invalid("not a whole number of bytes"));
   return static_cast<uint64_t>(bytes);
+}
+
+double parse_duration(std::string_view text, std::string_view what) {
+  auto invalid = [&] {
+    return quoted(what, text) + ": expected a positive duration such as 500ms, 1s, 2m or 1.5 (seconds)";
+  };
+  size_t split = 0;
+  while (split < text.size() && (std::isdigit(static_cast<unsigned char>(text[split])) || text[split] == '.')) ++split;
+  double number = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + split, number);
+  WS_EXPECT(split > 0 && error == std::errc() && end == text.data() + split, ErrorCode::kInvalidArgument, invalid());
+  std::string_view unit = text.substr(split);
+  double scale = 0;
+  if (unit.empty() || unit == "s") scale = 1;
+  else if (unit == "ms") scale = 1e-3;
+  else if (unit == "m" || unit == "min") scale = 60;
+  else if (unit == "h") scale = 3600;
+  WS_EXPECT(scale > 0, ErrorCode::kInvalidArgument, invalid());
+  double seconds = number * scale;
+  WS_EXPECT(seconds > 0 && std::isfinite(seconds), ErrorCode::kInvalidArgument, invalid());
+  return seconds;
+}
+
+LocalIo parse_local_io(std::string_view text, std::string_view what) {
+  if (text == "pread") return LocalIo::kPread;
+  if (text == "direct") return LocalIo::kDirect;
+  if (text == "uring") return LocalIo::kUring;
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected pread, direct or uring");
+}
+
+std::string_view local_io_name(LocalIo io) noexcept {
+  switch (io) {
+    case LocalIo::kPread: return "pread";
+    case LocalIo::kDirect: return "direct";
+    case LocalIo::kUring: return "uring";
+  }
+  return "pread";
+}
+
+GpuPath parse_gpu_path(std::string_view text, std::string_view what) {
+  if (text == "auto") return GpuPath::kAuto;
+  if (text == "staged") return GpuPath::kStaged;
+  if (text == "mapped") return GpuPath::kMapped;
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, staged or mapped");
+}
+
+std::string_view gpu_path_name(GpuPath path) noexcept {
+  switch (path) {
+    case GpuPath::kAuto: return "auto";
+    case GpuPath::kStaged: return "staged";
+    case GpuPath::kMapped: return "mapped";
+  }
+  return "auto";
+}
+
+void check_stream_options(const StreamOptions& options, const StreamOptionNames& names) {
+  WS_EXPECT(options.concurrency >= 1, ErrorCode::kInvalidArgument,
+            std::string(names.concurrency) + " must be at least 1");
+  // The staging pool's smallest buffer is one page: a lower limit could not be honoured.
+  WS_EXPECT(options.memory_limit >= kMinStagingBytes, ErrorCode::kInvalidArgument,
+            std::string(names.memory_limit) + " " + std::to_string(options.memory_limit) +
+                " bytes is too small: at least 4KiB (one page-sized staging buffer)");
+  WS_EXPECT(options.chunk_bytes >= kMinStagingBytes, ErrorCode::kInvalidArgument,
+            std::string(names.chunk_bytes) + " " + std::to_string(options.chunk_bytes) +
+                " bytes is too small: at least 4KiB");
 }
 
 std::string format_size(uint64_t bytes) {

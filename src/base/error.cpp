@@ -1,5 +1,7 @@
 #include "weightstream/error.hpp"
 
+#include "base/errno_text.hpp"
+
 #include <cstring>
 
 namespace weightstream {
@@ -24,9 +26,9 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   return "unknown";
 }
 
-namespace detail {
-
 void throw_error(ErrorCode code, std::string message) { throw Error(code, message); }
+
+namespace detail {
 
 std::string errno_text(int error_number) {
   char buffer[256];

@@ -21,13 +21,14 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
   command.add_option("--memory-limit", flags.memory_limit,
                      "Staging memory cap, e.g. 256MiB (default 1GiB; WEIGHTSTREAM_MEMORY_LIMIT)");
   command.add_option("--chunk-size", flags.chunk_size, "Largest single read (default 16MiB; WEIGHTSTREAM_CHUNK_SIZE)");
-  command.add_option("--io", flags.io, "Local read method: pread, direct (O_DIRECT) or uring (default pread)")
-      ->check(CLI::IsMember({"pread", "direct", "uring"}));
+  command.add_option("--io", flags.io,
+                     "Local read method: pread, direct (O_DIRECT) or uring (default pread; WEIGHTSTREAM_LOCAL_IO)");
   command.add_option("--gpu-path", flags.gpu_path,
                      "How bytes reach a CUDA device: auto, staged (pinned buffers) or mapped (registered mmap of "
-                     "local files) (default auto; WEIGHTSTREAM_GPU_PATH)")
-      ->check(CLI::IsMember({"auto", "staged", "mapped"}));
-  command.add_flag("--progress", flags.progress, "Print progress on stderr even when it is not a terminal");
+                     "local files) (default auto; WEIGHTSTREAM_GPU_PATH)");
+  command.add_flag("--progress", flags.progress,
+                   "Print progress on stderr even when it is not a terminal, one line every few seconds "
+                   "(WEIGHTSTREAM_PROGRESS=1)");
   command.add_flag("--no-progress", flags.no_progress, "Never print progress");
 }
 
@@ -37,16 +38,9 @@ Options resolve_options(const StreamFlags& flags) {
   if (flags.concurrency) stream.concurrency = *flags.concurrency;
   if (!flags.memory_limit.empty()) stream.memory_limit = parse_size(flags.memory_limit, "--memory-limit");
   if (!flags.chunk_size.empty()) stream.chunk_bytes = parse_size(flags.chunk_size, "--chunk-size");
-  if (flags.io == "pread") stream.local_io = LocalIo::kPread;
-  else if (flags.io == "direct") stream.local_io = LocalIo::kDirect;
-  else if (flags.io == "uring") stream.local_io = LocalIo::kUring;
-  if (flags.gpu_path == "auto") stream.gpu_path = GpuPath::kAuto;
-  else if (flags.gpu_path == "staged") stream.gpu_path = GpuPath::kStaged;
-  else if (flags.gpu_path == "mapped") stream.gpu_path = GpuPath::kMapped;
-  WS_EXPECT(stream.memory_limit >= 4096, ErrorCode::kInvalidArgument,
-            "--memory-limit " + std::to_string(stream.memory_limit) + " bytes is too small: at least 4KiB");
-  WS_EXPECT(stream.chunk_bytes >= 4096, ErrorCode::kInvalidArgument,
-            "--chunk-size " + std::to_string(stream.chunk_bytes) + " bytes is too small: at least 4KiB");
+  if (!flags.io.empty()) stream.local_io = parse_local_io(flags.io, "--io");
+  if (!flags.gpu_path.empty()) stream.gpu_path = parse_gpu_path(flags.gpu_path, "--gpu-path");
+  check_stream_options(stream, {"--concurrency", "--memory-limit", "--chunk-size"});
   return options;
 }
 
@@ -61,22 +55,36 @@ double now_seconds() {
 }
 }  // namespace
 
+ProgressLine::ProgressLine(bool enabled) : enabled_(enabled), terminal_(enabled && isatty(STDERR_FILENO)) {}
+
 void ProgressLine::update(uint64_t done, uint64_t total) {
   if (!enabled_) return;
   double now = now_seconds();
   if (start_ < 0) start_ = now;
-  if (done < total && now - last_draw_ < 0.1) return;
+  // A terminal redraws one line in place; a pipe or a log file gets a line every few seconds
+  // (a \r frame ten times a second would pile up there as one endless line).
+  const double interval = terminal_ ? 0.1 : 3.0;
+  const bool finished = done >= total;
+  if (finished) {
+    if (finished_drawn_) return;
+    finished_drawn_ = true;
+  } else if (now - (last_draw_ < 0 ? start_ : last_draw_) < (drawn_ || !terminal_ ? interval : 0.0)) {
+    return;
+  }
   last_draw_ = now;
   double elapsed = now - start_;
   double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0;
-  double eta = rate > 0 ? static_cast<double>(total - done) / rate : 0;
-  std::fprintf(stderr, "\r%s / %s  %.2f GB/s  ETA %.1f s   ", format_size(done).c_str(), format_size(total).c_str(),
-               rate / 1e9, eta);
+  char eta[48];
+  if (finished) std::snprintf(eta, sizeof(eta), "done in %.1f s", elapsed);
+  else if (rate > 0) std::snprintf(eta, sizeof(eta), "ETA %.1f s", static_cast<double>(total - done) / rate);
+  else std::snprintf(eta, sizeof(eta), "ETA --");  // nothing measured yet: no rate to predict from
+  std::fprintf(stderr, "%s%s / %s  %.2f GB/s  %s%s", terminal_ ? "\r" : "", format_size(done).c_str(),
+               format_size(total).c_str(), rate / 1e9, eta, terminal_ ? "   " : "\n");
   drawn_ = true;
 }
 
 ProgressLine::~ProgressLine() {
-  if (drawn_) std::fputc('\n', stderr);
+  if (drawn_ && terminal_) std::fputc('\n', stderr);
 }
 
 void print_json(const nlohmann::json& value) { std::cout << value.dump(2) << "\n"; }

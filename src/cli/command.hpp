@@ -35,16 +35,20 @@ Options resolve_options(const StreamFlags& flags);
 /// Whether progress goes to stderr: --progress, WEIGHTSTREAM_PROGRESS=1, or a terminal.
 bool progress_enabled(const StreamFlags& flags, const Options& options);
 
-/// A progress printer for stderr (bytes, GB/s, ETA), redrawn at most 10 times a second.
+/// A progress printer for stderr (bytes, GB/s, ETA). On a terminal one line is redrawn in
+/// place at most 10 times a second; elsewhere (a pipe, a log) a plain line is written every
+/// 3 seconds and once at the end. The first frame, before any rate is measured, shows "ETA --".
 class ProgressLine {
  public:
-  explicit ProgressLine(bool enabled) : enabled_(enabled) {}
+  explicit ProgressLine(bool enabled);
   ~ProgressLine();
   void update(uint64_t done, uint64_t total);
 
  private:
   bool enabled_;
+  bool terminal_;
   bool drawn_ = false;
+  bool finished_drawn_ = false;
   double start_ = -1;
   double last_draw_ = -1;
 };

@@ -1,4 +1,5 @@
-// weightstream s3 presign s3://BUCKET/KEY [--expires SECONDS] [--region R] [--date YYYYMMDDTHHMMSSZ]
+// weightstream s3 presign s3://BUCKET/KEY [--expires DURATION] [--region R] [--date YYYYMMDDTHHMMSSZ]
+#include <cmath>
 #include <iostream>
 
 #include "cli/command.hpp"
@@ -10,7 +11,7 @@ namespace weightstream::cli {
 namespace {
 struct PresignFlags {
   std::string uri;
-  uint64_t expires = 3600;
+  std::string expires = "3600";
   std::string region;
   std::string endpoint;
   std::string date;
@@ -24,8 +25,9 @@ void add_s3_command(CLI::App& app) {
   auto flags = std::make_shared<PresignFlags>();
   auto* presign = s3->add_subcommand("presign", "Print a presigned GET URL (SigV4 query authentication) for one object");
   presign->add_option("uri", flags->uri, "Object: s3://BUCKET/KEY")->required();
-  presign->add_option("--expires", flags->expires, "Seconds the URL stays valid, 1 to 604800 (default 3600)")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{604800}));
+  presign->add_option("--expires", flags->expires,
+                      "How long the URL stays valid: a duration such as 3600, 90s, 15m or 2h; whole seconds, "
+                      "1 s to 7 days (default 1h)");
   presign->add_option("--region", flags->region, "Region to sign for (default AWS_REGION, else us-east-1)");
   presign->add_option("--endpoint", flags->endpoint, "Endpoint URL (default AWS_ENDPOINT_URL_S3, else AWS)");
   presign->add_option("--date", flags->date,
@@ -37,7 +39,10 @@ void add_s3_command(CLI::App& app) {
     S3Options options = environment_options().s3;
     if (!flags->region.empty()) options.region = flags->region;
     if (!flags->endpoint.empty()) options.endpoint = flags->endpoint;
-    std::cout << presign_s3_url(uri.bucket, uri.path, options, flags->expires, flags->date) << "\n";
+    const double seconds = parse_duration(flags->expires, "--expires");
+    WS_EXPECT(seconds == std::floor(seconds) && seconds >= 1 && seconds <= 604800, ErrorCode::kInvalidArgument,
+              "--expires='" + flags->expires + "': expected whole seconds from 1 s to 7 days (604800 s), as S3 allows");
+    std::cout << presign_s3_url(uri.bucket, uri.path, options, static_cast<uint64_t>(seconds), flags->date) << "\n";
   });
 }
 

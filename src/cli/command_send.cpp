@@ -1,6 +1,6 @@
 // weightstream send URI --to ADDRESS --via shm|tcp|cuda-ipc|nccl [--bucket-size SIZE]
 //                       [--format checkpoint|engine] [--token-stdin] [--device cuda:N]
-// Hidden: streams every tensor of a checkpoint into an update receiver, the way a trainer
+// Streams every tensor of a checkpoint into an update receiver, the way a trainer
 // would push its weights; `audit --via` spawns it. The token is read from stdin, never
 // from the command line, where other users could read it in the process list.
 #include <fcntl.h>
@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -72,14 +73,16 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
 
 void add_send_command(CLI::App& app) {
   auto flags = std::make_shared<SendFlags>();
-  auto* command = app.add_subcommand("send", "");  // hidden: an empty description keeps it out of --help
+  auto* command = app.add_subcommand(
+      "send", "Push every tensor of a checkpoint to a running update receiver in buckets, as a trainer would "
+              "(audit --via spawns it)");
   command->add_option("uri", flags->uri, "Checkpoint to send")->required();
   command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path; several, comma-separated or repeated, over tcp and nccl")
       ->required()
       ->delimiter(',');
-  command->add_option("--via", flags->via, "Transport")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
+  command->add_option("--via", flags->via, "Transport: shm, tcp, cuda-ipc or nccl (default tcp)")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
   command->add_option("--bucket-size", flags->bucket_size, "Bucket size (default 256MiB)");
-  command->add_option("--format", flags->format, "checkpoint or engine names")
+  command->add_option("--format", flags->format, "Tensor names as in the checkpoint, or engine names (default checkpoint)")
       ->check(CLI::IsMember({"checkpoint", "engine"}));
   command->add_option("--device", flags->device, "GPU of the bucket staging for cuda-ipc and nccl");
   command->add_flag("--token-stdin", flags->token_stdin, "Read the shared token from the first line of stdin");
@@ -128,7 +131,7 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
 
   int token_pipe[2];
   WS_EXPECT(::pipe2(token_pipe, O_CLOEXEC) == 0, ErrorCode::kIo, "cannot create a pipe for the sender: " +
-                                                                      detail::errno_text(errno));
+                                                                      std::string(std::strerror(errno)));
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
@@ -139,7 +142,7 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   ::close(token_pipe[0]);
   if (spawned != 0) {
     ::close(token_pipe[1]);
-    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + detail::errno_text(spawned));
+    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + std::string(std::strerror(spawned)));
   }
   std::string line = options.token + "\n";
   (void)!::write(token_pipe[1], line.data(), line.size());

@@ -25,11 +25,14 @@ void add_synth_command(CLI::App& app) {
                       "llama, qwen3, deepseek_v3 or qwen3_next (default llama); the last two with MTP layers")
       ->check(CLI::IsMember({"llama", "qwen3", "deepseek_v3", "qwen3_next"}));
   command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
-  command->add_option("--hidden", flags->options.hidden, "Hidden size (default 256, a multiple of 64)")->check(CLI::Range(64, 65536));
+  // Checked by synthesize_checkpoint alone, so that the help, the rule and the message agree.
+  command->add_option("--hidden", flags->options.hidden, "Hidden size: a multiple of 32 from 64 to 65536 (default 256)");
   command->add_option("--shards", flags->options.shards, "Shard files (default 2)")->check(CLI::Range(1, 10000));
   command->add_option("--seed", flags->options.seed, "Random seed (default 0)");
   command->add_option("--dtype", flags->dtype, "bf16, f16 or f32 (default bf16)")->check(CLI::IsMember({"bf16", "f16", "f32"}));
-  command->add_option("--size", flags->size, "Scale the model to about this many bytes, e.g. 2GiB");
+  command->add_option("--size", flags->size,
+                      "Scale the model to about this many bytes, e.g. 2GiB (more layers, then wider); a size below "
+                      "the one-layer model is refused");
   command->add_flag("--json", flags->json, "Print JSON");
   command->callback([flags] {
     auto options = flags->options;

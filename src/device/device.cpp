@@ -10,6 +10,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream {
 

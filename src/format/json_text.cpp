@@ -1,5 +1,6 @@
 #include "format/json_text.hpp"
 
+#include <cstdio>
 #include <set>
 #include <vector>
 
@@ -117,6 +118,19 @@ nlohmann::json parse_json_strictly(std::string_view object, std::string_view tex
   } catch (const nlohmann::json::exception& error) {
     WS_FAIL(ErrorCode::kFormat, std::string(object) + ": not valid JSON: " + json_error_text(error));
   }
+}
+
+std::optional<std::string> tensor_name_fault(std::string_view name) {
+  if (name.empty()) return "is empty";
+  for (size_t i = 0; i < name.size(); ++i) {
+    auto byte = static_cast<unsigned char>(name[i]);
+    if (byte < 0x20 || byte == 0x7f) {
+      char code[8];
+      std::snprintf(code, sizeof(code), "U+%04X", byte);
+      return "has the control character " + std::string(code) + " at byte " + std::to_string(i);
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace weightstream::detail

@@ -20,6 +20,15 @@ std::string quoted_name(std::string_view text);
 /// surrogates and code points above U+10FFFF included), or nullopt.
 std::optional<size_t> invalid_utf8_offset(std::string_view text);
 
+/// The rule for tensor names, as errors state it: the header parser and the writer both hold it.
+inline constexpr std::string_view kTensorNameRule =
+    "tensor names must be non-empty and hold no control characters (U+0000 to U+001F, U+007F)";
+
+/// Why `name` breaks kTensorNameRule ("is empty", "has the control character U+000A at byte
+/// 3"), or nullopt when it keeps it. A NUL is cut short by C APIs and control characters
+/// rewrite what a terminal shows, so a header that holds them is hostile input.
+std::optional<std::string> tensor_name_fault(std::string_view name);
+
 /// nlohmann's message without its "[json.exception.parse_error.101] " prefix.
 std::string json_error_text(const nlohmann::json::exception& error);
 

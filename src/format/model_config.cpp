@@ -103,6 +103,7 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
                 ", not a JSON object");
   ConfigFields fields(object, document);
   ModelConfig config;
+  config.source = std::string(object);
   config.model_type = fields.text("model_type");
   config.hidden_size = fields.integer("hidden_size", 1, kMaxDimension, std::nullopt);
   config.num_hidden_layers = fields.integer("num_hidden_layers", 1, kMaxCount, std::nullopt);

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "weightstream/error.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream::detail {
 

@@ -7,6 +7,7 @@
 // TensorInfo directly and checks types as it goes, rather than through a JSON tree that
 // could take several times the header's size.
 
+#include <cstdio>
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -93,6 +94,7 @@ class HeaderReader {
         return true;
       }
       expect_metadata_ = false;
+      check_tensor_name(key);
       if (!names_.insert(key).second) fail("tensor " + quoted_name(key) + " appears twice in the header");
       entry_ = TensorInfo{};
       entry_.name = std::move(key);
@@ -178,6 +180,13 @@ class HeaderReader {
   [[noreturn]] void fail(const std::string& rule) const {
     WS_FAIL(ErrorCode::kFormat, std::string(object_) + ": " + rule);
   }
+  void check_tensor_name(std::string_view key) const {
+    if (auto fault = detail::tensor_name_fault(key)) {
+      fail((key.empty() ? std::string("a tensor name") : "tensor " + quoted_name(key)) + " " + *fault +
+           (key.empty() ? "" : " of its name") + "; " + std::string(detail::kTensorNameRule));
+    }
+  }
+
   [[noreturn]] void fail_tensor(const std::string& rule) const { fail("tensor " + quoted_name(entry_.name) + ": " + rule); }
 
   // A value that arrived where the format does not allow its type.

@@ -42,6 +42,11 @@ std::string safetensors_header_bytes(std::span<const TensorSpec> specs,
     WS_EXPECT(spec.name != "__metadata__", ErrorCode::kInvalidArgument,
               "tensor name '__metadata__' is reserved by the safetensors format");
     expect_utf8(spec.name, "tensor name");
+    if (auto fault = detail::tensor_name_fault(spec.name)) {
+      WS_FAIL(ErrorCode::kInvalidArgument, (spec.name.empty() ? std::string("a tensor name") : "tensor " +
+                                            detail::quoted_name(spec.name)) + " " + *fault + "; " +
+                                               std::string(detail::kTensorNameRule));
+    }
     WS_EXPECT(names.insert(spec.name).second, ErrorCode::kInvalidArgument,
               "tensor " + detail::quoted_name(spec.name) + " is added twice");
     WS_EXPECT(spec.shape.size() <= kMaxTensorRank, ErrorCode::kInvalidArgument,

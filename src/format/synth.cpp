@@ -15,6 +15,7 @@
 #include "format/output_file.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
+#include "weightstream/options.hpp"
 
 namespace weightstream {
 namespace {
@@ -505,6 +506,13 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   int64_t layers = options.layers;
   int64_t hidden = options.hidden;
   if (options.target_bytes) {
+    // Scaling only adds layers and width: a target below one layer cannot be met, and
+    // writing the one-layer model instead would pass for what was asked.
+    uint64_t smallest = total_bytes(checkpoint_tensor_specs(synth_config(options, 1, hidden), options.dtype));
+    invalid(*options.target_bytes >= smallest,
+            "size " + format_size(*options.target_bytes) + " is below the smallest " + options.arch +
+                " checkpoint of hidden size " + std::to_string(hidden) + ": one layer is " + std::to_string(smallest) +
+                " bytes (" + format_size(smallest) + "); ask for at least that, or a smaller hidden size");
     // Bytes grow linearly with layers: fit the line through 1 and 2 layers, and widen the
     // model instead when the target would take an unrealistic number of thin layers.
     for (;;) {

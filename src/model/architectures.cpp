@@ -693,7 +693,7 @@ std::vector<MappingRule> mapping_rules(const ModelConfig& config) {
     return rules;
   }
   WS_EXPECT(is_deepseek(config), ErrorCode::kModel,
-            "model_type '" + config.model_type +
+            (config.source.empty() ? std::string() : config.source + ": ") + "model_type '" + config.model_type +
                 "' has no mapping table (supported: llama, qwen3, deepseek_v3, qwen3_next); " +
                 "build a ModelLayout through the API instead");
   append(rules, kLlamaGlobalRules);

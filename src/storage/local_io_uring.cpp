@@ -6,6 +6,7 @@
 
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream::local_io {
 namespace {

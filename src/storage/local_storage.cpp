@@ -14,6 +14,7 @@
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
+#include "base/errno_text.hpp"
 
 namespace weightstream {
 namespace local_io {
@@ -159,7 +160,7 @@ class LocalStorage final : public Storage {
       int error = errno;
       WS_FAIL(error == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(error));
     }
-    WS_EXPECT(S_ISREG(info.st_mode), ErrorCode::kFormat, path + " is not a regular file");
+    check_regular(path, info);
     return {std::string(name), static_cast<uint64_t>(info.st_size)};
   }
 
@@ -184,6 +185,17 @@ class LocalStorage final : public Storage {
     uint64_t size = 0;
   };
 
+  static void check_regular(const std::string& path, const struct stat& info) {
+    if (S_ISREG(info.st_mode)) return;
+    const char* what = S_ISDIR(info.st_mode)    ? "a directory"
+                       : S_ISFIFO(info.st_mode) ? "a FIFO (named pipe)"
+                       : S_ISSOCK(info.st_mode) ? "a socket"
+                       : S_ISCHR(info.st_mode)  ? "a character device"
+                       : S_ISBLK(info.st_mode)  ? "a block device"
+                                                : "not a regular file";
+    WS_FAIL(ErrorCode::kFormat, path + " is " + what + ", not a regular file (a shard must be a safetensors file)");
+  }
+
   void check_name(std::string_view name) const {
     WS_EXPECT(!name.empty() && name.find('/') == std::string_view::npos && name != "." && name != "..",
               ErrorCode::kInvalidArgument, "'" + std::string(name) + "' is not a plain file name in " + directory_);
@@ -199,7 +211,9 @@ class LocalStorage final : public Storage {
     check_name(name);
     auto path = object_uri(name);
     OpenFile file;
-    file.buffered = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; it changes
+    // nothing for a regular file, and anything else is refused after the fstat below.
+    file.buffered = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (!file.buffered) {
       int error = errno;
       WS_FAIL(error == ENOENT ? ErrorCode::kNotFound : (error == EACCES ? ErrorCode::kPermission : ErrorCode::kIo),
@@ -207,6 +221,7 @@ class LocalStorage final : public Storage {
     }
     struct stat info {};
     WS_EXPECT(::fstat(file.buffered.get(), &info) == 0, ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(errno));
+    check_regular(path, info);
     file.size = static_cast<uint64_t>(info.st_size);
     if (io_ == LocalIo::kDirect) {
       file.direct = FileDescriptor(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));

@@ -12,6 +12,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <initializer_list>
 #include <random>
 #include <thread>
 
@@ -52,11 +53,6 @@ std::optional<uint64_t> parse_u64(std::string_view text) {
   return value;
 }
 
-std::string request_id_of(const HttpResponse& response, const ErrorBody& body) {
-  std::string id = response.header("x-amz-request-id");
-  if (id.empty()) id = body.request_id;
-  return id.substr(0, 100);
-}
 
 bool retryable_transport(int code) {
   switch (static_cast<CURLcode>(code)) {
@@ -81,6 +77,27 @@ std::string describe_range(uint64_t offset, uint64_t size) {
 
 std::string s3_uri(std::string_view bucket, std::string_view key) {
   return "s3://" + std::string(bucket) + "/" + std::string(key);
+}
+
+std::string redact_userinfo(std::string_view url) {
+  auto scheme_end = url.find("://");
+  size_t authority_start = scheme_end == std::string_view::npos ? 0 : scheme_end + 3;
+  size_t authority_end = url.find_first_of("/?#", authority_start);
+  if (authority_end == std::string_view::npos) authority_end = url.size();
+  auto at = url.substr(authority_start, authority_end - authority_start).rfind('@');
+  if (at == std::string_view::npos) return std::string(url);
+  return std::string(url.substr(0, authority_start)) + "<redacted>" + std::string(url.substr(authority_start + at));
+}
+
+std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets) {
+  for (std::string_view secret : secrets) {
+    if (secret.empty()) continue;
+    for (size_t at = 0; (at = text.find(secret, at)) != std::string::npos;) {
+      text.replace(at, secret.size(), "<redacted>");
+      at += std::string_view("<redacted>").size();
+    }
+  }
+  return text;
 }
 
 std::optional<ContentRange> parse_content_range(std::string_view value) {
@@ -120,7 +137,7 @@ Endpoint Endpoint::from_options(const S3Options& options) {
     endpoint.scheme = "http";
     text.remove_prefix(7);
   } else {
-    WS_FAIL(ErrorCode::kConfig, "S3 endpoint '" + options.endpoint +
+    WS_FAIL(ErrorCode::kConfig, "S3 endpoint '" + redact_userinfo(options.endpoint) +
                                     "' must start with http:// or https:// (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL)");
   }
   auto slash = text.find('/');
@@ -131,7 +148,11 @@ Endpoint Endpoint::from_options(const S3Options& options) {
     endpoint.base_path = std::string(path);
   }
   WS_EXPECT(!endpoint.authority.empty() && endpoint.authority.find_first_of("?#@ ") == std::string::npos,
-            ErrorCode::kConfig, "S3 endpoint '" + options.endpoint + "' has no usable host");
+            ErrorCode::kConfig,
+            "S3 endpoint '" + redact_userinfo(options.endpoint) + "' has no usable host" +
+                (endpoint.authority.find('@') != std::string::npos
+                     ? std::string(" (credentials in the URL are not used: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)")
+                     : std::string()));
   return endpoint;
 }
 
@@ -152,6 +173,7 @@ S3Client::S3Client(S3Options options)
       endpoint_(Endpoint::from_options(options_)),
       signer_(resolve_credentials(options_), options_.region.empty() ? "us-east-1" : options_.region),
       http_(HttpSettings{options_.verify_tls, options_.ca_bundle, options_.timeout_seconds,
+                         options_.connect_timeout_seconds, options_.first_byte_timeout_seconds,
                          std::max(1u, options_.max_connections)}) {
   if (options_.max_attempts == 0) options_.max_attempts = 1;
   if (!options_.verify_tls) {
@@ -200,10 +222,29 @@ S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::stri
   Failure failure;
   if (response.transport_error != 0) {
     failure.retryable = response.timed_out || retryable_transport(response.transport_error);
+    using Timeout = HttpResponse::Timeout;
+    switch (response.timeout) {
+      case Timeout::kConnect:
+        failure.kind = "connect timeout (WEIGHTSTREAM_S3_CONNECT_TIMEOUT)";
+        failure.silent = true;
+        break;
+      case Timeout::kFirstByte:
+        failure.kind = "first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT)";
+        failure.silent = true;
+        break;
+      case Timeout::kStall:
+        failure.kind = "stall timeout (WEIGHTSTREAM_S3_TIMEOUT)";
+        break;
+      case Timeout::kAttemptCap:
+        failure.kind = "timed out";
+        break;
+      case Timeout::kNone:
+        failure.kind = "curl error " + std::to_string(response.transport_error);
+        break;
+    }
     if (response.timed_out) {
       failure.code = ErrorCode::kTimeout;
-      failure.cause = "timed out or stalled (no progress for " + std::to_string(std::lround(options_.timeout_seconds)) +
-                      " s, WEIGHTSTREAM_S3_TIMEOUT): " + response.transport_message;
+      failure.cause = failure.kind + ": " + response.transport_message;
     } else {
       failure.cause = "transfer failed (curl error " + std::to_string(response.transport_error) + ": " +
                       response.transport_message + ")";
@@ -214,10 +255,13 @@ S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::stri
     }
     return failure;
   }
-  ErrorBody body = parse_error_body(response.body);
-  const std::string request_id = request_id_of(response, body);
+  // Masked before parse_error_body cuts its fields, so that no prefix of a secret is left.
+  ErrorBody body = parse_error_body(server_text(response.body));
+  std::string request_id = server_text(response.header("x-amz-request-id"), 100);
+  if (request_id.empty()) request_id = body.request_id.substr(0, 100);
   failure.cause = "HTTP " + std::to_string(response.status);
   if (!body.code.empty()) failure.cause += " " + body.code;
+  failure.kind = failure.cause;
   if (!body.message.empty()) failure.cause += ": " + body.message;
   if (!request_id.empty()) failure.cause += " (request id " + request_id + ")";
   const long status = response.status;
@@ -247,7 +291,7 @@ S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::stri
     }
   } else if (status == 301 || status == 307 || body.code == "PermanentRedirect") {
     failure.code = ErrorCode::kConfig;
-    std::string other = response.header("x-amz-bucket-region");
+    std::string other = server_text(response.header("x-amz-bucket-region"), 64);
     if (other.empty()) other = body.region;
     failure.advice = "the bucket lives in another region" + (other.empty() ? std::string() : " (" + other + ")") +
                      ": set AWS_REGION (now " + region + ") or the endpoint";
@@ -258,13 +302,24 @@ S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::stri
   return failure;
 }
 
+std::string S3Client::server_text(std::string_view text, size_t limit) const {
+  const Credentials& credentials = signer_.credentials();
+  std::string masked = mask_secrets(std::string(text), {credentials.secret_access_key, credentials.session_token,
+                                                        options_.secret_access_key, options_.session_token});
+  return limit < masked.size() ? masked.substr(0, limit) : masked;
+}
+
 void S3Client::with_retries(const std::string& operation,
                             const std::function<std::optional<Failure>(double)>& attempt) {
+  // Two unanswered attempts in a row: the endpoint is taken for dead (S3Options).
+  constexpr unsigned kSilentAttemptsToGiveUp = 2;
   const auto start = Clock::now();
   const double deadline = options_.deadline_seconds;
   Failure last;
   unsigned attempts = 0;
+  unsigned silent_in_a_row = 0;
   bool deadline_passed = false;
+  std::vector<std::pair<std::string, unsigned>> kinds;  // in order of first occurrence
   while (attempts < options_.max_attempts) {
     const double remaining = deadline - seconds_since(start);
     if (remaining <= 0) {
@@ -275,7 +330,14 @@ void S3Client::with_retries(const std::string& operation,
     auto failure = attempt(remaining);
     if (!failure) return;
     last = std::move(*failure);
+    std::string kind = last.kind;
+    if (kind.empty()) kind = last.cause.substr(0, last.cause.find(" (request id"));
+    auto counted = std::find_if(kinds.begin(), kinds.end(), [&](const auto& entry) { return entry.first == kind; });
+    if (counted == kinds.end()) kinds.emplace_back(kind, 1);
+    else ++counted->second;
+    silent_in_a_row = last.silent ? silent_in_a_row + 1 : 0;
     if (!last.retryable || attempts == options_.max_attempts) break;
+    if (silent_in_a_row >= kSilentAttemptsToGiveUp) break;
     ++retries_;
     const double delay = jittered_backoff(options_.retry_base_seconds, attempts);
     if (seconds_since(start) + delay >= deadline) {
@@ -286,7 +348,21 @@ void S3Client::with_retries(const std::string& operation,
   }
   std::string message = operation + ": " + (last.cause.empty() ? std::string("no attempt made") : last.cause) +
                         ", after " + std::to_string(attempts) + (attempts == 1 ? " attempt" : " attempts");
+  if (attempts > 1) {
+    // Every distinct cause, with how often it occurred: the last one alone can mislead.
+    message += " (";
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      message += (i ? "; " : "") + kinds[i].first + ": " + std::to_string(kinds[i].second) +
+                 (kinds[i].second == 1 ? " time" : " times");
+    }
+    message += ")";
+  }
   ErrorCode code = last.code;
+  if (last.silent && silent_in_a_row >= kSilentAttemptsToGiveUp && attempts < options_.max_attempts) {
+    message += "; the endpoint answered none of the last " + std::to_string(silent_in_a_row) +
+               " attempts, so it was not tried again: check that " + endpoint_.scheme + "://" + endpoint_.authority +
+               " is an S3 endpoint that is up";
+  }
   if (deadline_passed) {
     char seconds[32];
     std::snprintf(seconds, sizeof(seconds), "%g", deadline);
@@ -294,7 +370,7 @@ void S3Client::with_retries(const std::string& operation,
     code = ErrorCode::kTimeout;
   }
   if (!last.advice.empty()) message += "; " + last.advice;
-  WS_FAIL(code, message);
+  WS_FAIL(code, server_text(message));
 }
 
 ObjectHead S3Client::head_object(std::string_view bucket, std::string_view key, bool checksums) {
@@ -402,8 +478,8 @@ uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint
       return Failure{"over-long body: more than the " + std::to_string(size) + " bytes asked for", true};
     }
     if (response.transport_error != 0 || !success_status) return http_failure(response, bucket, key);
-    const std::string request_id = response.header("x-amz-request-id");
-    const std::string id_note = request_id.empty() ? "" : " (request id " + request_id.substr(0, 100) + ")";
+    const std::string request_id = server_text(response.header("x-amz-request-id"), 100);
+    const std::string id_note = request_id.empty() ? "" : " (request id " + request_id + ")";
     if (whole || response.status == 200) {
       if (response.status != 200 || (!whole && offset != 0)) {
         return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};

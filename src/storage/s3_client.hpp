@@ -117,6 +117,13 @@ class S3Client {
     bool retryable = true;
     ErrorCode code = ErrorCode::kNetwork;
     std::string advice;  ///< what to check, for errors that are not retried
+    /// The kind of cause, without what differs per attempt (request id, byte counts), e.g.
+    /// "HTTP 503 SlowDown": the final error counts attempts by it. Empty: `cause` up to
+    /// any " (request id".
+    std::string kind;
+    /// No answer at all (connect or first-byte timeout): a request ends after two of these
+    /// in a row rather than waiting out every attempt on a dead endpoint.
+    bool silent = false;
   };
   /// Runs `attempt` (given the seconds left before the deadline) until it succeeds, fails
   /// for good, runs out of attempts or passes the deadline; then throws one Error that
@@ -127,6 +134,9 @@ class S3Client {
   HttpResponse send(HttpRequest request, std::string_view bucket, std::string_view key,
                     const std::vector<Field>& query, std::string_view payload_hash = kEmptyPayloadSha256);
   Failure http_failure(const HttpResponse& response, std::string_view bucket, std::string_view key) const;
+  /// Text from a server (an error document, a header) with every occurrence of the secret
+  /// key or session token masked, then cut to `limit` characters.
+  std::string server_text(std::string_view text, size_t limit = std::string::npos) const;
 
   S3Options options_;
   Endpoint endpoint_;
@@ -138,6 +148,12 @@ class S3Client {
 
 /// "s3://bucket/key".
 std::string s3_uri(std::string_view bucket, std::string_view key);
+
+/// `url` with any userinfo ("user:password@") replaced by "<redacted>@", for messages.
+std::string redact_userinfo(std::string_view url);
+
+/// `text` with every occurrence of each non-empty secret replaced by "<redacted>".
+std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets);
 
 /// Parses a Content-Range value "bytes FIRST-LAST/TOTAL"; nullopt when malformed.
 struct ContentRange {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "weightstream/error.hpp"
@@ -32,10 +33,15 @@ struct Transfer {
   HttpResponse* response = nullptr;
   size_t upload_offset = 0;
   double stall_seconds = 30;
-  // Progress watch for stall detection (see on_progress).
+  double first_byte_seconds = 3;
+  // Progress watch for stall and first-byte detection (see on_progress).
   curl_off_t last_bytes = -1;
+  curl_off_t uploaded = 0;
   std::chrono::steady_clock::time_point last_progress = std::chrono::steady_clock::now();
-  bool stalled = false;
+  bool request_started = false;  // connected: the request is being sent (on_prerequest)
+  std::chrono::steady_clock::time_point request_start;
+  bool answered = false;  // a byte of the response (its status line) has arrived
+  HttpResponse::Timeout timeout = HttpResponse::Timeout::kNone;
 
   bool body_to_destination() const {
     return request->into_destination && response->status >= 200 && response->status < 300;
@@ -47,6 +53,7 @@ size_t on_header(char* data, size_t size, size_t count, void* user) {
   const size_t length = size * count;
   std::string_view line(data, length);
   while (!line.empty() && (line.back() == '\r' || line.back() == '\n')) line.remove_suffix(1);
+  transfer.answered = true;
   if (line.starts_with("HTTP/")) {
     // A new status line (after a 100 Continue, say) starts a new set of headers.
     transfer.response->headers.clear();
@@ -97,22 +104,50 @@ size_t on_upload(char* buffer, size_t size, size_t count, void* user) {
   return length;
 }
 
+// Called once the connection is made, just before the request goes out: the first-byte
+// clock starts here, so a slow connect is the connect timeout's alone.
+int on_prerequest(void* user, char*, char*, int, int) {
+  auto& transfer = *static_cast<Transfer*>(user);
+  transfer.request_started = true;
+  transfer.request_start = std::chrono::steady_clock::now();
+  return CURL_PREREQFUNC_OK;
+}
+
 // libcurl's own low-speed check averages over several seconds, so a body that arrives fast
 // and then stops is noticed late. This watch fails the transfer once no byte has moved in
-// either direction for stall_seconds; libcurl calls it at least once a second.
+// either direction for stall_seconds, and, before any byte of the response, once the request
+// has been sent whole and first_byte_seconds pass without an answer. libcurl calls it at
+// least once a second, so either fires within a second of its time.
 int on_progress(void* user, curl_off_t, curl_off_t downloaded, curl_off_t, curl_off_t uploaded) {
   auto& transfer = *static_cast<Transfer*>(user);
   const auto now = std::chrono::steady_clock::now();
+  transfer.uploaded = uploaded;
   if (downloaded + uploaded != transfer.last_bytes) {
     transfer.last_bytes = downloaded + uploaded;
     transfer.last_progress = now;
     return 0;
   }
+  if (!transfer.request_started) return 0;  // still connecting: CURLOPT_CONNECTTIMEOUT_MS
+  const bool sent = static_cast<size_t>(uploaded) >= transfer.request->upload.size();
+  if (!transfer.answered && sent) {
+    const auto since = std::max(transfer.request_start, transfer.last_progress);
+    if (std::chrono::duration<double>(now - since).count() > transfer.first_byte_seconds) {
+      transfer.timeout = HttpResponse::Timeout::kFirstByte;
+      return 1;
+    }
+    return 0;
+  }
   if (std::chrono::duration<double>(now - transfer.last_progress).count() > transfer.stall_seconds) {
-    transfer.stalled = true;
+    transfer.timeout = HttpResponse::Timeout::kStall;
     return 1;
   }
   return 0;
+}
+
+std::string format_seconds(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", seconds);
+  return text;
 }
 
 }  // namespace
@@ -196,6 +231,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
 
   Transfer transfer{&request, &response};
   transfer.stall_seconds = settings_.stall_seconds;
+  transfer.first_byte_seconds = settings_.first_byte_seconds;
   char error_text[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
@@ -210,15 +246,18 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
   curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
   curl_easy_setopt(curl, CURLOPT_TCP_KEEPALIVE, 1L);
-  // A stalled transfer (under 1 byte/s for stall_seconds) fails with CURLE_OPERATION_TIMEDOUT
-  // and is retried by the caller.
-  const long stall = std::max(1L, static_cast<long>(std::lround(settings_.stall_seconds)));
+  // A stalled transfer fails in on_progress, which can say what had moved; libcurl's own
+  // low-speed check (under 1 byte/s) is set 2 s later, only as a backstop. Either way the
+  // caller retries it.
+  const long stall = std::max(1L, static_cast<long>(std::lround(settings_.stall_seconds))) + 2;
   curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
   curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, on_progress);
   curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, stall);
-  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(settings_.stall_seconds, 30.0) * 1000));
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, std::max(1L, static_cast<long>(settings_.connect_seconds * 1000)));
+  curl_easy_setopt(curl, CURLOPT_PREREQFUNCTION, on_prerequest);
+  curl_easy_setopt(curl, CURLOPT_PREREQDATA, &transfer);
   if (request.timeout_seconds > 0) {
     curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(request.timeout_seconds * 1000)));
   }
@@ -240,12 +279,42 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   long status = 0;
   curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
   if (status != 0) response.status = status;
+  response.uploaded_bytes = static_cast<uint64_t>(std::max<curl_off_t>(0, transfer.uploaded));
   if (code != CURLE_OK) {
     response.transport_error = static_cast<int>(code);
     response.transport_message = error_text[0] ? error_text : curl_easy_strerror(code);
-    response.timed_out = code == CURLE_OPERATION_TIMEDOUT || transfer.stalled;
-    if (transfer.stalled) {
-      response.transport_message = "no bytes moved in either direction";
+    response.timeout = transfer.timeout;
+    if (response.timeout == HttpResponse::Timeout::kNone && code == CURLE_OPERATION_TIMEDOUT) {
+      response.timeout = transfer.request_started ? HttpResponse::Timeout::kAttemptCap : HttpResponse::Timeout::kConnect;
+    }
+    response.timed_out = response.timeout != HttpResponse::Timeout::kNone;
+    const std::string upload_total = std::to_string(request.upload.size());
+    const std::string body_total = response.header("content-length");
+    switch (response.timeout) {
+      case HttpResponse::Timeout::kConnect:
+        response.transport_message = "no connection within " + format_seconds(settings_.connect_seconds) + " s";
+        break;
+      case HttpResponse::Timeout::kFirstByte:
+        response.transport_message = "no response within " + format_seconds(settings_.first_byte_seconds) +
+                                     " s of sending the request" +
+                                     (request.upload.empty() ? "" : " (its " + upload_total + "-byte body sent whole)");
+        break;
+      case HttpResponse::Timeout::kStall:
+        // Say what had moved: the request body sent, the status, the body bytes received.
+        response.transport_message = "no byte moved for " + format_seconds(settings_.stall_seconds) + " s after ";
+        if (!request.upload.empty() && static_cast<size_t>(transfer.uploaded) < request.upload.size()) {
+          response.transport_message += std::to_string(transfer.uploaded) + " of " + upload_total +
+                                        " request body bytes were sent";
+        } else {
+          response.transport_message += "HTTP " + std::to_string(response.status) + " and " +
+                                        std::to_string(response.body_bytes) + " of " +
+                                        (body_total.empty() ? std::string("?") : body_total.substr(0, 20)) +
+                                        " body bytes arrived";
+        }
+        break;
+      case HttpResponse::Timeout::kAttemptCap:
+      case HttpResponse::Timeout::kNone:
+        break;
     }
     // A failed transfer may leave its connection half-read; libcurl closes such connections
     // itself, so the handle stays reusable.

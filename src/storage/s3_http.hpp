@@ -23,6 +23,8 @@ struct HttpSettings {
   bool verify_tls = true;
   std::string ca_bundle;           ///< CA file; empty uses libcurl's default
   double stall_seconds = 30;       ///< a transfer under 1 byte/s for this long fails
+  double connect_seconds = 3;      ///< a connection not made within this long fails
+  double first_byte_seconds = 3;   ///< no response byte this long after the request was sent fails
   unsigned max_connections = 32;   ///< requests in flight at once (and pooled handles)
 };
 
@@ -49,7 +51,11 @@ struct HttpRequest {
 struct HttpResponse {
   int transport_error = 0;        ///< libcurl's CURLcode, 0 on success
   std::string transport_message;  ///< libcurl's description of it
-  bool timed_out = false;         ///< the stall timeout or the attempt's cap fired
+  bool timed_out = false;         ///< one of the timeouts below, or the attempt's cap, fired
+  /// Which timeout ended the transfer, when one did.
+  enum class Timeout { kNone, kConnect, kFirstByte, kStall, kAttemptCap };
+  Timeout timeout = Timeout::kNone;
+  uint64_t uploaded_bytes = 0;    ///< request body bytes sent
   long status = 0;
   std::vector<Field> headers;     ///< names lowercased
   std::string body;               ///< body, when not written to the destination

@@ -70,10 +70,20 @@ Checkpoint Checkpoint::open(std::shared_ptr<Storage> storage, const std::string&
       checkpoint.index_ = parse_checkpoint_index(store.object_uri(kIndexFileName), text);
       for (const auto& shard : checkpoint.index_->shards) {
         auto it = sizes.find(shard);
-        WS_EXPECT(it != sizes.end(), ErrorCode::kNotFound,
-                  store.object_uri(kIndexFileName) + ": names shard '" + shard + "', which does not exist in " +
-                      store.root_uri());
-        shard_objects.push_back({shard, it->second});
+        if (it != sizes.end()) {
+          shard_objects.push_back({shard, it->second});
+          continue;
+        }
+        // A listing shows regular files only: a shard that is there but is a directory or a
+        // FIFO, say, gets its own error from stat, naming what it is.
+        try {
+          shard_objects.push_back(store.stat(shard));
+          continue;
+        } catch (const Error& error) {
+          if (error.code() != ErrorCode::kNotFound) throw;
+        }
+        WS_FAIL(ErrorCode::kNotFound, store.object_uri(kIndexFileName) + ": names shard '" + shard +
+                                        "', which does not exist in " + store.root_uri());
       }
     } else {
       for (const auto& object : objects) {

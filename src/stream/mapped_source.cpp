@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "weightstream/error.hpp"
+#include "base/errno_text.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {

@@ -97,11 +97,15 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
 class StreamRun {
  public:
   StreamRun(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
-            std::vector<PlannedRead> reads, std::shared_ptr<StagingPool> pool)
+            std::vector<PlannedRead> reads, std::shared_ptr<StagingPool> pool, unsigned workers)
       : checkpoint_(checkpoint), requests_(requests), sink_(sink), reads_(std::move(reads)), pool_(std::move(pool)),
-        ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0) {
+        ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0),
+        workers_running_(workers) {
     for (const auto& read : reads_) {
-      for (const auto& delivery : read.deliveries) remaining_[delivery.request] += delivery.length;
+      for (const auto& delivery : read.deliveries) {
+        remaining_[delivery.request] += delivery.length;
+        total_ += delivery.length;
+      }
     }
     // The callback holds the wake-up state by shared_ptr: a sink may drop a lease after this
     // run is gone. Taking the lock orders the wake-up after a waiter's failed try_acquire.
@@ -147,6 +151,26 @@ class StreamRun {
       if (!error_) error_ = error;
     }
     wakeup_.notify_all();
+    wake_progress();
+  }
+
+  /// Called by each reader thread as it returns, whatever the reason.
+  void worker_exited() {
+    if (workers_running_.fetch_sub(1) == 1) wake_progress();
+  }
+
+  /// Calls `progress` about every `interval` until every byte is delivered, a reader fails
+  /// or every reader has returned; wakes as soon as one of those happens, so a small load
+  /// does not wait out the interval.
+  void report_progress(const ProgressCallback& progress, uint64_t total, std::chrono::milliseconds interval) {
+    auto finished = [&] {
+      return delivered() >= total || workers_running_.load() == 0 || error();
+    };
+    while (!finished()) {
+      progress(delivered(), total);
+      std::unique_lock lock(progress_mutex_);
+      progress_wakeup_.wait_for(lock, interval, finished);
+    }
   }
 
   std::exception_ptr error() {
@@ -192,12 +216,18 @@ class StreamRun {
         }
         wakeup_.notify_all();
       }
-      delivered_.fetch_add(delivery.length, std::memory_order_relaxed);
+      if (delivered_.fetch_add(delivery.length, std::memory_order_relaxed) + delivery.length == total_) wake_progress();
       if (remaining_[delivery.request].fetch_sub(delivery.length) == delivery.length) {
         sink_.request_complete(delivery.request);
         completed_.fetch_add(1, std::memory_order_relaxed);
       }
     }
+  }
+
+  void wake_progress() {
+    // Taking the lock orders the notification after a waiter's check of its predicate.
+    { std::lock_guard lock(progress_mutex_); }
+    progress_wakeup_.notify_all();
   }
 
   struct WakeState {
@@ -220,6 +250,10 @@ class StreamRun {
   std::exception_ptr error_;
   std::atomic<uint64_t> delivered_{0};
   std::atomic<uint64_t> completed_{0};
+  uint64_t total_ = 0;
+  std::atomic<unsigned> workers_running_{0};
+  std::mutex progress_mutex_;
+  std::condition_variable progress_wakeup_;
 };
 
 }  // namespace
@@ -233,7 +267,7 @@ std::vector<TensorRequest> all_tensors(const Checkpoint& checkpoint) {
 StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
                            const StreamOptions& options, const ProgressCallback& progress, HostMemory staging) {
   auto start = std::chrono::steady_clock::now();
-  WS_EXPECT(options.concurrency >= 1, ErrorCode::kInvalidArgument, "concurrency must be at least 1");
+  check_stream_options(options);
   uint64_t chunk = effective_chunk(options);
   auto reads = plan_reads(checkpoint, requests, sink, chunk);
 
@@ -256,7 +290,7 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
   auto pool = StagingPool::create(chunk, max_buffers, staging);
   unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
   {
-    StreamRun run(checkpoint, requests, sink, std::move(reads), pool);
+    StreamRun run(checkpoint, requests, sink, std::move(reads), pool, thread_count);
     run.complete_empty_requests();
     {
       std::vector<std::jthread> threads;
@@ -268,14 +302,12 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
           } catch (...) {
             run.fail(std::current_exception());
           }
+          run.worker_exited();
         });
       }
       if (progress) {
         try {
-          while (run.delivered() < total && !run.error()) {
-            progress(run.delivered(), total);
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-          }
+          run.report_progress(progress, total, std::chrono::milliseconds(100));
         } catch (...) {
           // A progress callback that throws cancels the stream (how a caller interrupts
           // a load, e.g. Python's Ctrl-C); its exception is the one thrown.

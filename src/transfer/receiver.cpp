@@ -14,6 +14,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "base/errno_text.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"

@@ -1,5 +1,6 @@
 // Sockets with deadlines and framed messages for the update protocol.
 #include "transfer/socket.hpp"
+#include "base/errno_text.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

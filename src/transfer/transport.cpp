@@ -1,6 +1,7 @@
 // Host transports (shared memory and TCP), the transport names, and the factory that
 // picks a transport by kind.
 #include "transfer/transport.hpp"
+#include "base/errno_text.hpp"
 
 #include <sys/mman.h>
 #include <sys/stat.h>

@@ -46,7 +46,89 @@ TEST(Options, MalformedValuesNameTheVariable) {
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_CONCURRENCY", "four"}}), HasSubstr("expected a whole number"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_MEMORY_LIMIT", "lots"}}), HasSubstr("WEIGHTSTREAM_MEMORY_LIMIT='lots'"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_LOCAL_IO", "mmap"}}), HasSubstr("expected pread, direct or uring"));
-  EXPECT_THAT(config_error({{"WEIGHTSTREAM_PROGRESS", "maybe"}}), HasSubstr("expected 0 or 1"));
+  // The message lists every spelling the parser takes (it once said "0 or 1" and took yes/no/on/off).
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_PROGRESS", "maybe"}}),
+              HasSubstr("WEIGHTSTREAM_PROGRESS='maybe': expected 1, true, yes or on, or 0, false, no or off"));
+  for (const char* yes : {"1", "true", "yes", "on"}) {
+    EXPECT_TRUE(options_from_environment({{"WEIGHTSTREAM_PROGRESS", yes}}).stream.progress) << yes;
+  }
+  for (const char* no : {"0", "false", "no", "off"}) {
+    EXPECT_FALSE(options_from_environment({{"WEIGHTSTREAM_PROGRESS", no}}).stream.progress) << no;
+  }
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_GPU_PATH", "pinned"}}),
+              HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged or mapped"));
+}
+
+TEST(Options, StagingLimitsBelowOnePageAreRefusedNamingTheVariable) {
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_MEMORY_LIMIT", "1KiB"}}),
+              HasSubstr("WEIGHTSTREAM_MEMORY_LIMIT 1024 bytes is too small: at least 4KiB"));
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_CHUNK_SIZE", "100"}}),
+              HasSubstr("WEIGHTSTREAM_CHUNK_SIZE 100 bytes is too small: at least 4KiB"));
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_MEMORY_LIMIT", "4KiB"}}).stream.memory_limit, kMinStagingBytes);
+}
+
+TEST(Options, OneParserForTheReadMethodAndTheGpuPath) {
+  EXPECT_EQ(parse_local_io("pread"), LocalIo::kPread);
+  EXPECT_EQ(parse_local_io("direct"), LocalIo::kDirect);
+  EXPECT_EQ(parse_local_io("uring"), LocalIo::kUring);
+  EXPECT_EQ(parse_gpu_path("auto"), GpuPath::kAuto);
+  EXPECT_EQ(parse_gpu_path("staged"), GpuPath::kStaged);
+  EXPECT_EQ(parse_gpu_path("mapped"), GpuPath::kMapped);
+  for (LocalIo io : {LocalIo::kPread, LocalIo::kDirect, LocalIo::kUring}) EXPECT_EQ(parse_local_io(local_io_name(io)), io);
+  for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged, GpuPath::kMapped})
+    EXPECT_EQ(parse_gpu_path(gpu_path_name(path)), path);
+  try {
+    parse_local_io("mmap", "--io");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_THAT(error.what(), HasSubstr("--io='mmap': expected pread, direct or uring"));
+  }
+  try {
+    StreamOptions options;
+    options.memory_limit = 1000;
+    check_stream_options(options, {"concurrency", "--memory-limit", "--chunk-size"});
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_THAT(error.what(), HasSubstr("--memory-limit 1000 bytes is too small: at least 4KiB"));
+  }
+}
+
+TEST(Duration, TakesUnitsAndPlainSeconds) {
+  EXPECT_DOUBLE_EQ(parse_duration("1s"), 1.0);
+  EXPECT_DOUBLE_EQ(parse_duration("500ms"), 0.5);
+  EXPECT_DOUBLE_EQ(parse_duration("2m"), 120.0);
+  EXPECT_DOUBLE_EQ(parse_duration("1h"), 3600.0);
+  EXPECT_DOUBLE_EQ(parse_duration("1.5"), 1.5);
+  EXPECT_DOUBLE_EQ(parse_duration("30"), 30.0);
+  for (const char* bad : {"", "s", "0", "0s", "-1s", "1 s", "1sec", "fast", "1e400"}) {
+    try {
+      parse_duration(bad, "--expires");
+      ADD_FAILURE() << "expected an error for '" << bad << "'";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      EXPECT_THAT(error.what(), HasSubstr("--expires='" + std::string(bad) + "': expected a positive duration"));
+    }
+  }
+}
+
+TEST(Duration, EveryTimeVariableTakesADuration) {
+  auto options = options_from_environment({{"WEIGHTSTREAM_S3_TIMEOUT", "1s"},
+                                           {"WEIGHTSTREAM_S3_DEADLINE", "2m"},
+                                           {"WEIGHTSTREAM_S3_RETRY_BASE", "250ms"},
+                                           {"WEIGHTSTREAM_S3_CONNECT_TIMEOUT", "1500ms"},
+                                           {"WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", "4"}});
+  EXPECT_DOUBLE_EQ(options.s3.timeout_seconds, 1.0);
+  EXPECT_DOUBLE_EQ(options.s3.deadline_seconds, 120.0);
+  EXPECT_DOUBLE_EQ(options.s3.retry_base_seconds, 0.25);
+  EXPECT_DOUBLE_EQ(options.s3.connect_timeout_seconds, 1.5);
+  EXPECT_DOUBLE_EQ(options.s3.first_byte_timeout_seconds, 4.0);
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", "soon"}}),
+              HasSubstr("WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT='soon': expected a positive duration such as 500ms, 1s, 2m"));
+  // A dead endpoint must fail within 10 s by default: two unanswered attempts of 3 s.
+  S3Options defaults;
+  EXPECT_LE(2 * (defaults.first_byte_timeout_seconds + 1), 10.0);
 }
 
 TEST(Options, UnknownVariableIsAnError) {

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <filesystem>
 #include <sstream>
 
 #include "support/test_support.hpp"
@@ -11,7 +13,9 @@
 namespace weightstream {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 using testing::run_cli;
 using testing::TempDir;
@@ -132,6 +136,106 @@ TEST(Cli, UnknownEnvironmentVariableIsAnError) {
   TempDir directory;
   testing::ScopedEnv env("WEIGHTSTREAM_CONCURENCY", "4");
   expect_one_line_error(run_cli({"inspect", directory.path().string()}), "unknown environment variable WEIGHTSTREAM_CONCURENCY");
+}
+
+// ---- usage errors, help and the progress line --------------------------------------------
+
+TEST(Cli, ParseErrorsAreOneLineWithTheUsageExitCode) {
+  TempDir directory;
+  for (std::vector<std::string> arguments :
+       {std::vector<std::string>{"load", directory.path().string(), "--concurrency", "abc"},
+        std::vector<std::string>{"load", directory.path().string(), "--no-such-flag"},
+        std::vector<std::string>{"inspect"}, std::vector<std::string>{}}) {
+    auto result = run_cli(arguments);
+    EXPECT_EQ(result.exit_code, 2) << result.err;
+    expect_one_line_error(result, "(see weightstream --help)");
+  }
+  EXPECT_THAT(run_cli({"load", directory.path().string(), "--concurrency", "abc"}).err, HasSubstr("--concurrency"));
+  // A failure of the work itself keeps exit code 1.
+  EXPECT_EQ(run_cli({"load", (directory.path() / "absent").string()}).exit_code, 1);
+}
+
+TEST(Cli, AnUnknownCommandIsNamedWithTheListOfCommands) {
+  auto result = run_cli({"bogus", "x"});
+  EXPECT_EQ(result.exit_code, 2);
+  expect_one_line_error(result, "unknown command 'bogus' (commands: inspect, load, digest, synth, plan, export, audit");
+  EXPECT_THAT(result.err, AllOf(HasSubstr("send"), HasSubstr("s3"), HasSubstr("resolve")));
+}
+
+TEST(Cli, HelpDescribesEveryCommandAndNamesTheVariables) {
+  auto help = run_cli({"--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.out, HasSubstr("Push every tensor of a checkpoint to a running update receiver"));
+  auto load = run_cli({"load", "--help"});
+  EXPECT_EQ(load.exit_code, 0);
+  EXPECT_THAT(load.out, AllOf(HasSubstr("WEIGHTSTREAM_LOCAL_IO"), HasSubstr("WEIGHTSTREAM_PROGRESS"),
+                              HasSubstr("WEIGHTSTREAM_GPU_PATH"), HasSubstr("WEIGHTSTREAM_CONCURRENCY")));
+  // --io takes one parser's words, and says so in one message.
+  expect_one_line_error(run_cli({"load", "x", "--io", "mmap"}), "--io='mmap': expected pread, direct or uring");
+}
+
+TEST(Cli, SynthHiddenHasOneRuleInHelpAndInItsError) {
+  TempDir directory;
+  auto help = run_cli({"synth", "--help"});
+  EXPECT_THAT(help.out, HasSubstr("a multiple of 32 from 64 to 65536"));
+  auto ok = run_cli({"synth", (directory.path() / "h96").string(), "--hidden", "96", "--layers", "1"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  for (std::string hidden : {"100", "32", "70000"}) {
+    auto result = run_cli({"synth", (directory.path() / ("h" + hidden)).string(), "--hidden", hidden});
+    expect_one_line_error(result, "synth: hidden " + hidden + " must be a multiple of 32 from 64 to 65536");
+  }
+}
+
+TEST(Cli, SynthRefusesASizeBelowTheSmallestModel) {
+  TempDir directory;
+  auto out = directory.path() / "tiny";
+  auto result = run_cli({"synth", out.string(), "--size", "1KiB"});
+  expect_one_line_error(result, "synth: size 1.00 KiB is below the smallest llama checkpoint of hidden size 256: one layer is ");
+  EXPECT_THAT(result.err, HasSubstr("ask for at least that, or a smaller hidden size"));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  // The size it names is one that works.
+  const std::string lead = "one layer is ";
+  auto at = result.err.find(lead) + lead.size();
+  std::string smallest = result.err.substr(at, result.err.find(" bytes", at) - at);
+  auto retry = run_cli({"synth", out.string(), "--size", smallest, "--json"});
+  ASSERT_EQ(retry.exit_code, 0) << retry.err;
+  EXPECT_EQ(nlohmann::json::parse(retry.out)["layers"], 1);
+}
+
+TEST_F(CliCheckpoint, ProgressIntoAPipeIsPlainLinesWithoutCarriageReturns) {
+  auto result = run_cli({"load", model(), "--progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_EQ(result.err.find('\r'), std::string::npos) << result.err;
+  auto lines = lines_of(result.err);
+  // A load this short: no frame every few seconds, only the line at the end.
+  ASSERT_EQ(lines.size(), 1u) << result.err;
+  EXPECT_THAT(lines[0], AllOf(HasSubstr(" / "), HasSubstr("GB/s"), HasSubstr("done in")));
+  EXPECT_THAT(result.err, Not(HasSubstr("ETA 0.0")));
+  // Without --progress, a pipe gets nothing.
+  EXPECT_EQ(run_cli({"load", model()}).err, "");
+}
+
+TEST_F(CliCheckpoint, AnUnknownModelTypeNamesTheConfigItRead) {
+  TempDir directory;
+  auto copy = directory.path() / "gpt";
+  std::filesystem::copy(model(), copy);
+  std::string config = testing::read_file(copy / "config.json");
+  auto at = config.find("\"llama\"");
+  ASSERT_NE(at, std::string::npos);
+  config.replace(at, 7, "\"gpt2\"");
+  testing::write_file(copy / "config.json", config);
+  auto result = run_cli({"load", copy.string(), "--tp-size", "1", "--tp-rank", "0"});
+  expect_one_line_error(result, (copy / "config.json").string() + ": model_type 'gpt2' has no mapping table");
+}
+
+TEST(Cli, AnEndpointWithCredentialsInItIsNeverPrinted) {
+  testing::ScopedEnv endpoint("AWS_ENDPOINT_URL", "http://alice:HUNTER2SECRET@127.0.0.1:9");
+  testing::ScopedEnv key("AWS_ACCESS_KEY_ID", "AKIDTEST");
+  testing::ScopedEnv secret("AWS_SECRET_ACCESS_KEY", "wsCliSecretDoNotPrint");
+  auto result = run_cli({"inspect", "s3://bucket/model"});
+  expect_one_line_error(result, "S3 endpoint 'http://<redacted>@127.0.0.1:9' has no usable host");
+  EXPECT_THAT(result.out + result.err, AllOf(Not(HasSubstr("HUNTER2SECRET")), Not(HasSubstr("alice")),
+                                             Not(HasSubstr("wsCliSecretDoNotPrint"))));
 }
 
 }  // namespace

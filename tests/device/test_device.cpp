@@ -78,9 +78,16 @@ TEST(Device, RejectsMalformedNames) {
 
 TEST(Device, CpuIsAlwaysUsable) { EXPECT_NO_THROW(require_device(kCpu)); }
 
-TEST(Device, CountIsZeroWithoutCudaSupport) {
-  if (!cuda_compiled()) EXPECT_EQ(cuda_device_count(), 0);
-  EXPECT_GE(cuda_device_count(), 0);
+TEST(Device, CountAgreesWithTheDevicesThatCanBeUsed) {
+  const int count = cuda_device_count();
+  if (!cuda_compiled()) EXPECT_EQ(count, 0);
+  // Every index below the count is usable, and the first one past it is refused by name.
+  for (int index = 0; index < count; ++index) {
+    EXPECT_NO_THROW(require_device(Device{Device::Kind::kCuda, index})) << "cuda:" << index;
+  }
+  const Device past{Device::Kind::kCuda, count};
+  auto error = thrown_by([&] { require_device(past); });
+  EXPECT_THAT(error.what(), HasSubstr(past.name()));
 }
 
 TEST(Device, MissingGpuIsReportedNotCrashed) {

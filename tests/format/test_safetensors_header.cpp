@@ -104,6 +104,27 @@ TEST(SafetensorsHeader, RejectsADuplicateTensorName) {
   EXPECT_THAT(header_error(json, 4), HasSubstr("/m/model.safetensors: tensor 'w' appears twice in the header"));
 }
 
+TEST(SafetensorsHeader, RejectsAnEmptyTensorName) {
+  std::string json = "{" + entry("", "U8", "[2]", 0, 2) + "}";
+  EXPECT_THAT(header_error(json, 2),
+              HasSubstr("/m/model.safetensors: a tensor name is empty; tensor names must be non-empty and hold no "
+                        "control characters (U+0000 to U+001F, U+007F)"));
+}
+
+TEST(SafetensorsHeader, RejectsNulAndControlCharactersInTensorNames) {
+  // JSON escapes decode to the raw characters: "a\u0000b" is the name a, NUL, b.
+  EXPECT_THAT(header_error("{" + entry("a\\u0000b", "U8", "[2]", 0, 2) + "}", 2),
+              HasSubstr("/m/model.safetensors: tensor 'a\\x00b' has the control character U+0000 at byte 1 of its name; "
+                        "tensor names must be non-empty and hold no control characters"));
+  EXPECT_THAT(header_error("{" + entry("w\\u001b[2J", "U8", "[2]", 0, 2) + "}", 2),
+              HasSubstr("tensor 'w\\x1b[2J' has the control character U+001B at byte 1"));
+  EXPECT_THAT(header_error("{" + entry("w\\t", "U8", "[2]", 0, 2) + "}", 2), HasSubstr("U+0009 at byte 1"));
+  EXPECT_THAT(header_error("{" + entry("w\\u007f", "U8", "[2]", 0, 2) + "}", 2), HasSubstr("U+007F at byte 1"));
+  // Other non-ASCII text is a legal name.
+  EXPECT_EQ(parse_header("{" + entry("gewicht\\u00e4", "U8", "[2]", 0, 2) + "}", 2).tensors.at(0).name,
+            "gewicht\xc3\xa4");
+}
+
 TEST(SafetensorsHeader, RejectsAnEntryThatIsNotAnObject) {
   EXPECT_THAT(header_error("{\"w\":[1]}"),
               HasSubstr("/m/model.safetensors: tensor 'w': entry is an array, not an object with dtype, shape and "

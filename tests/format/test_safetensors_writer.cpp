@@ -72,10 +72,20 @@ TEST(SafetensorsWriter, WritesAnEmptyCheckpoint) {
 
 TEST(SafetensorsWriter, EscapesNames) {
   SafetensorsWriter writer;
-  writer.add("quote\"and\\slash\n", Dtype::kU8, {1}, pattern(1, 0));
+  writer.add("quote\"and\\slash", Dtype::kU8, {1}, pattern(1, 0));
   std::string file = writer.header_bytes() + "x";
   auto parsed = parse_safetensors_bytes("f", as_bytes(file));
-  EXPECT_EQ(parsed.tensors.at(0).name, "quote\"and\\slash\n");
+  EXPECT_EQ(parsed.tensors.at(0).name, "quote\"and\\slash");
+}
+
+TEST(SafetensorsWriter, RefusesNamesTheReaderWouldRefuse) {
+  // One rule for both sides: the writer never writes a header its own parser rejects.
+  for (std::string name : {std::string("line\nbreak"), std::string("a\0b", 3), std::string()}) {
+    SafetensorsWriter writer;
+    writer.add(name, Dtype::kU8, {1}, pattern(1, 0));
+    EXPECT_THAT(error_text([&] { writer.header_bytes(); }, ErrorCode::kInvalidArgument),
+                HasSubstr("tensor names must be non-empty and hold no control characters"));
+  }
 }
 
 TEST(SafetensorsWriter, RejectsDataOfTheWrongSize) {

@@ -409,7 +409,20 @@ TEST_F(SourceResolutionTest, WhenEveryStrategyFailsOneErrorListsEachWithItsReaso
                     HasSubstr("model_weights: not set"), HasSubstr("model " + snapshot() + ": no *.safetensors files"),
                     HasSubstr("WEIGHTSTREAM_MODEL_URI " + weights() + ": chosen"),
                     HasSubstr("live peer: peer 10.0.0.7:5555 refused the connection"),
-                    HasSubstr("object storage: " + weights() + " is not an s3:// or http(s):// URI")));
+                    HasSubstr("object storage: " + weights() + " is not an s3:// URI")));
+}
+
+TEST(ObjectStorageStrategy, RefusesHttpUrlsUpFrontNamingTheFix) {
+  auto strategy = make_object_storage_strategy();
+  LoadContext context;
+  context.uri = "https://models.example.com/llama";
+  StrategyAvailability availability = strategy->available(context);
+  EXPECT_FALSE(availability.available);
+  EXPECT_THAT(availability.reason, AllOf(HasSubstr("https://models.example.com/llama"),
+                                         HasSubstr("http(s) checkpoints are not supported yet"),
+                                         HasSubstr("use s3:// with an endpoint")));
+  context.uri = "s3://bucket/llama";
+  EXPECT_TRUE(strategy->available(context).available);
 }
 
 TEST_F(SourceResolutionTest, AShardBrokenAfterResolutionFailsBeforeAnyWrite) {

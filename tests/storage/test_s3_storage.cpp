@@ -4,6 +4,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -234,7 +240,11 @@ TEST_F(S3Faults, StallsPastTheTimeoutAreTimeouts) {
     FAIL() << "expected an error";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kTimeout);
-    EXPECT_THAT(error.what(), AllOf(HasSubstr("timed out or stalled"), HasSubstr("after 2 attempts")));
+    // The message says what had moved: the status and half of the body, not "nothing".
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("stall timeout (WEIGHTSTREAM_S3_TIMEOUT): no byte moved for 1 s after "
+                                              "HTTP 206 and 50000 of 100000 body bytes arrived"),
+                                    HasSubstr("after 2 attempts (stall timeout (WEIGHTSTREAM_S3_TIMEOUT): 2 times)")));
+    EXPECT_THAT(error.what(), Not(HasSubstr("no bytes moved in either direction")));
   }
   // Two stalls of about the 1 s timeout each (noticed within a second of it), not the
   // proxy's 10 s hold.
@@ -322,6 +332,217 @@ TEST_F(S3Faults, SplitReadsRecoverAndFailAsOne) {
   }
   // 404 is not retried, and the first failure stops the other workers.
   EXPECT_LE(proxy_->requests("GET"), static_cast<int>(options.max_connections));
+}
+
+/// A loopback HTTP server for endpoints no real server plays: one that accepts connections
+/// and never answers, or one that answers every request with one canned response.
+class LoopbackServer {
+ public:
+  /// `response` empty: accept and read, never answer (a dead endpoint).
+  explicit LoopbackServer(std::string response) : response_(std::move(response)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    EXPECT_EQ(::listen(listener_, 16), 0);
+    socklen_t length = sizeof(address);
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::jthread([this](std::stop_token stop) { serve(stop); });
+  }
+  ~LoopbackServer() {
+    thread_.request_stop();
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_ = {};
+    ::close(listener_);
+    for (int fd : held_) ::close(fd);
+  }
+  std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
+  int connections() const { return connections_.load(); }
+
+ private:
+  void serve(std::stop_token stop) {
+    while (!stop.stop_requested()) {
+      int fd = ::accept(listener_, nullptr, nullptr);
+      if (fd < 0) return;
+      ++connections_;
+      if (response_.empty()) {
+        held_.push_back(fd);  // accepted, read by nobody, never answered
+        continue;
+      }
+      std::string request;
+      char buffer[4096];
+      while (request.find("\r\n\r\n") == std::string::npos) {
+        ssize_t got = ::recv(fd, buffer, sizeof(buffer), 0);
+        if (got <= 0) break;
+        request.append(buffer, static_cast<size_t>(got));
+      }
+      ::send(fd, response_.data(), response_.size(), MSG_NOSIGNAL);
+      ::close(fd);
+    }
+  }
+
+  std::string response_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::vector<int> held_;
+  std::atomic<int> connections_{0};
+  std::jthread thread_;
+};
+
+S3Options loopback_options(const std::string& endpoint) {
+  S3Options options;  // the defaults, but for where to go and who signs
+  options.endpoint = endpoint;
+  options.region = "us-east-1";
+  options.access_key_id = "AKIDLOOPBACKTEST";
+  options.secret_access_key = testing::kTestSecret;
+  options.credentials_file = "";
+  options.addressing = S3Addressing::kPath;
+  return options;
+}
+
+TEST(S3DeadEndpoint, AnEndpointThatAcceptsAndNeverAnswersFailsWithinTenSecondsByDefault) {
+  LoopbackServer dead("");
+  S3Options options = loopback_options(dead.endpoint());
+  auto storage = open_s3_storage("bucket", "ckpt", options);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    storage->stat("model.safetensors");
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+    EXPECT_THAT(error.what(),
+                AllOf(HasSubstr("cannot stat s3://bucket/ckpt/model.safetensors"),
+                      HasSubstr("first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT): no response within 3 s of "
+                                "sending the request"),
+                      HasSubstr("after 2 attempts (first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT): 2 times)"),
+                      HasSubstr("the endpoint answered none of the last 2 attempts"), HasSubstr(dead.endpoint())));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LE(seconds, 10.0);
+  EXPECT_GE(seconds, 6.0);  // two full first-byte timeouts: it did wait for an answer
+  EXPECT_EQ(dead.connections(), 2);
+}
+
+TEST(S3DeadEndpoint, TheFirstByteTimeoutIsItsOwnSetting) {
+  LoopbackServer dead("");
+  S3Options options = loopback_options(dead.endpoint());
+  options.first_byte_timeout_seconds = 0.5;
+  options.timeout_seconds = 60;  // the stall timeout plays no part before the first byte
+  auto storage = open_s3_storage("bucket", "ckpt", options);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(storage->stat("model.safetensors"), Error);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
+
+std::string error_response(int status, const std::string& code, const std::string& message, const std::string& request_id,
+                           const std::string& region, const std::string& header_region) {
+  std::string body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>" + code + "</Code><Message>" + message +
+                     "</Message><RequestId>" + request_id + "</RequestId><Region>" + region + "</Region></Error>";
+  return "HTTP/1.1 " + std::to_string(status) + " Whatever\r\nContent-Type: application/xml\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\nx-amz-request-id: " + request_id + "\r\nx-amz-bucket-region: " +
+         header_region + "\r\nConnection: close\r\n\r\n" + body;
+}
+
+TEST(S3Secrets, ServerTextThatEchoesTheSecretKeyOrTokenIsMasked) {
+  const std::string token = "wsSessionToken-DoNotPrint-9876543210";
+  const std::string secret = testing::kTestSecret;
+  // A hostile or broken server echoes the credentials in every field it controls.
+  for (int status : {403, 301, 503}) {
+    SCOPED_TRACE(status);
+    LoopbackServer echo(error_response(status, status == 301 ? "PermanentRedirect" : "AccessDenied",
+                                       "key " + secret + " token " + token, "RID-" + secret, "eu-" + token,
+                                       "hdr-" + secret));
+    S3Options options = loopback_options(echo.endpoint());
+    options.session_token = token;
+    options.max_attempts = 2;
+    options.retry_base_seconds = 0.01;
+    std::vector<std::string> outputs;
+    for (int operation = 0; operation < 3; ++operation) {
+      try {
+        s3::S3Client client(options);
+        std::string bytes(16, '\0');
+        if (operation == 0) client.head_object("bucket", "k");
+        if (operation == 1) client.get_range("bucket", "k", 0, writable(bytes));
+        if (operation == 2) client.list_objects("bucket", "p/", "/");
+        ADD_FAILURE() << "expected an error";
+      } catch (const Error& error) {
+        outputs.push_back(error.what());
+      }
+    }
+    for (const std::string& output : outputs) {
+      EXPECT_THAT(output, Not(HasSubstr(secret)));
+      EXPECT_THAT(output, Not(HasSubstr(token)));
+      // Not even the start of one: masking comes before any field is cut short.
+      EXPECT_THAT(output, Not(HasSubstr(secret.substr(0, 12))));
+      EXPECT_THAT(output, Not(HasSubstr(token.substr(0, 12))));
+    }
+    // The rest of the server's text is still there to read.
+    EXPECT_THAT(outputs[1], AllOf(HasSubstr("HTTP " + std::to_string(status)), HasSubstr("<redacted>")));
+    if (status != 301) EXPECT_THAT(outputs[1], HasSubstr("(request id RID-<redacted>)"));
+  }
+}
+
+TEST(S3Retries, AfterSeveralAttemptsEachDistinctCauseIsNamedWithItsCount) {
+  S3Options options = loopback_options("http://127.0.0.1:9");
+  options.retry_base_seconds = 0.001;
+  s3::S3Client client(options);
+  int attempt = 0;
+  try {
+    client.with_retries("cannot read 0+10 bytes of s3://b/k", [&](double) -> std::optional<s3::S3Client::Failure> {
+      ++attempt;
+      s3::S3Client::Failure failure("HTTP 503 SlowDown (request id R" + std::to_string(attempt) + ")", true);
+      if (attempt == 2 || attempt == 4) failure = s3::S3Client::Failure("short body: 5 of 10 bytes", true);
+      if (attempt == 5) failure = s3::S3Client::Failure("reset by peer", true);
+      return failure;
+    });
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("cannot read 0+10 bytes of s3://b/k: reset by peer, after 5 attempts "
+                                        "(HTTP 503 SlowDown: 2 times; short body: 5 of 10 bytes: 2 times; "
+                                        "reset by peer: 1 time)"));
+  }
+  EXPECT_EQ(attempt, 5);
+}
+
+TEST(S3Retries, TwoUnansweredAttemptsInARowEndTheRequest) {
+  S3Options options = loopback_options("http://127.0.0.1:9");
+  options.retry_base_seconds = 0.001;
+  s3::S3Client client(options);
+  int attempt = 0;
+  try {
+    client.with_retries("cannot stat s3://b/k", [&](double) -> std::optional<s3::S3Client::Failure> {
+      s3::S3Client::Failure failure("no response", true, ErrorCode::kTimeout);
+      failure.kind = "first-byte timeout";
+      // An answered failure between two silent ones restarts the count.
+      failure.silent = ++attempt != 2;
+      return failure;
+    });
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("after 4 attempts (first-byte timeout: 4 times)"),
+                                    HasSubstr("the endpoint answered none of the last 2 attempts")));
+  }
+  EXPECT_EQ(attempt, 4);
+}
+
+TEST(S3Secrets, UserinfoInTheEndpointUrlIsRedactedFromMessages) {
+  for (std::string endpoint : {"http://user:SECRETPW@127.0.0.1:9/", "ftp://user:SECRETPW@127.0.0.1:9"}) {
+    S3Options options = loopback_options(endpoint);
+    try {
+      s3::S3Client client(options);
+      FAIL() << "expected an error";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kConfig);
+      EXPECT_THAT(error.what(), Not(HasSubstr("SECRETPW")));
+      EXPECT_THAT(error.what(), Not(HasSubstr("user:")));
+      EXPECT_THAT(error.what(), HasSubstr("<redacted>@127.0.0.1:9"));
+    }
+  }
+  EXPECT_EQ(s3::redact_userinfo("https://a:b@host:9000/base?x=y@z"), "https://<redacted>@host:9000/base?x=y@z");
+  EXPECT_EQ(s3::redact_userinfo("https://host:9000/p@q"), "https://host:9000/p@q");
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Opening checkpoints: shard discovery, index agreement, and the errors for bad layouts.
 #include <gmock/gmock.h>
+#include <sys/stat.h>
 #include <gtest/gtest.h>
 
 #include "support/test_support.hpp"
@@ -81,6 +82,25 @@ TEST(Checkpoint, IndexNamingMissingShard) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kNotFound);  // missing, not malformed
   }
+}
+
+TEST(Checkpoint, AShardThatIsADirectoryOrAFifoIsReportedAsWhatItIs) {
+  TempDir directory;
+  write_shard(directory / "a.safetensors", {"w1"});
+  write_file(directory / "model.safetensors.index.json", R"({"weight_map": {"w1": "a.safetensors", "w2": "b.safetensors"}})");
+  std::filesystem::create_directory(directory / "b.safetensors");
+  auto message = open_error(directory.path());
+  EXPECT_THAT(message, HasSubstr((directory / "b.safetensors").string() + " is a directory, not a regular file"));
+  EXPECT_THAT(message, ::testing::Not(HasSubstr("does not exist")));
+
+  std::filesystem::remove(directory / "b.safetensors");
+  ASSERT_EQ(::mkfifo((directory / "b.safetensors").c_str(), 0600), 0);
+  // Opening a FIFO for reading would wait for a writer: the error must come at once.
+  message = open_error(directory.path());
+  EXPECT_THAT(message, HasSubstr((directory / "b.safetensors").string() + " is a FIFO (named pipe), not a regular file"));
+  // Named directly, as a single-file checkpoint, too.
+  message = open_error(directory / "b.safetensors");
+  EXPECT_THAT(message, HasSubstr("is a FIFO (named pipe), not a regular file"));
 }
 
 TEST(Checkpoint, IndexAndShardDisagree) {

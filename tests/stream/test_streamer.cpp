@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <random>
 #include <set>
@@ -185,6 +186,84 @@ TEST(Streamer, RequestOutsideTensorIsRejected) {
     EXPECT_THAT(error.what(), HasSubstr("lies outside"));
     EXPECT_THAT(error.what(), HasSubstr("t00000"));
   }
+}
+
+TEST(Streamer, MemoryLimitBelowOnePageIsRefused) {
+  // A staging buffer is at least one page: a smaller limit cannot be honoured, so a library
+  // caller who asks for one gets an error, not a pool above its limit.
+  TempDir directory;
+  write_checkpoint(directory.path(), 5, 1, 1);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  auto requests = all_tensors(checkpoint);
+  RecordingSink sink(checkpoint, requests, false, false);
+  StreamOptions options;
+  options.memory_limit = 1024;
+  try {
+    stream_tensors(checkpoint, requests, sink, options);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_THAT(error.what(), HasSubstr("memory_limit 1024 bytes is too small: at least 4KiB"));
+  }
+  options.memory_limit = kMinStagingBytes;
+  auto stats = stream_tensors(checkpoint, requests, sink, options);
+  sink.expect_exactly_once();
+  EXPECT_LE(stats.peak_staging_bytes, kMinStagingBytes);
+}
+
+/// A storage whose reads wait until the test opens the gate.
+class GatedStorage : public Storage {
+ public:
+  explicit GatedStorage(std::unique_ptr<Storage> inner) : inner_(std::move(inner)) {}
+  std::string root_uri() const override { return inner_->root_uri(); }
+  std::string object_uri(std::string_view name) const override { return inner_->object_uri(name); }
+  std::vector<ObjectInfo> list() override { return inner_->list(); }
+  ObjectInfo stat(std::string_view name) override { return inner_->stat(name); }
+  void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
+    {
+      std::unique_lock lock(mutex_);
+      opened_.wait(lock, [&] { return open_; });
+    }
+    inner_->read(name, offset, destination);
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    opened_.notify_all();
+  }
+  void close() {
+    std::lock_guard lock(mutex_);
+    open_ = false;
+  }
+
+ private:
+  std::unique_ptr<Storage> inner_;
+  std::mutex mutex_;
+  std::condition_variable opened_;
+  bool open_ = true;
+};
+
+TEST(Streamer, ProgressKeepsComingWhileReadsWaitAndEndsWithTheTotal) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 8, 1, 2);
+  auto gated = std::make_shared<GatedStorage>(open_local_storage(directory.path().string(), LocalIo::kPread));
+  auto checkpoint = Checkpoint::open(gated, "");
+  gated->close();
+  auto requests = all_tensors(checkpoint);
+  RecordingSink sink(checkpoint, requests, false, false);
+  std::vector<std::pair<uint64_t, uint64_t>> calls;
+  // The gate opens from the progress callback after a few calls, so the stream can end only
+  // if the callback goes on being called while every read waits.
+  auto stats = stream_tensors(checkpoint, requests, sink, StreamOptions{}, [&](uint64_t done, uint64_t total) {
+    calls.emplace_back(done, total);
+    if (calls.size() == 3) gated->open();
+  });
+  sink.expect_exactly_once();
+  ASSERT_GE(calls.size(), 4u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(calls[i].first, 0u);
+  EXPECT_EQ(calls.back(), std::make_pair(stats.bytes, stats.bytes));
 }
 
 /// A storage that fails every read at or past `fail_from` bytes of `fail_object`.
