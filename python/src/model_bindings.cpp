@@ -298,6 +298,39 @@ void bind_model(nb::module_& m) {
              handle.layout.allocate(parsed);
            },
            "device"_a = "cpu")
+      .def("route",
+           [](const LayoutHandle& handle, const std::string& tensor) {
+             TensorRoute route = handle.layout.route(tensor);
+             const char* kind = "unmatched";
+             switch (route.kind) {
+               case TensorRoute::Kind::kParameter: kind = "parameter"; break;
+               case TensorRoute::Kind::kIgnored: kind = "ignored"; break;
+               case TensorRoute::Kind::kSkipped: kind = "skipped"; break;
+               case TensorRoute::Kind::kUnmatched: break;
+             }
+             std::vector<std::string> parameters;
+             for (const auto& [parameter, part] : route.targets) {
+               const std::string& name = handle.layout.parameters()[parameter].name;
+               if (parameters.empty() || parameters.back() != name) parameters.push_back(name);
+             }
+             return nb::make_tuple(kind, parameters, route.reason);
+           },
+           "tensor"_a,
+           "Where a checkpoint tensor goes: (kind, parameter names, reason), kind one of parameter, ignored, "
+           "skipped, unmatched.")
+      .def("add_skipped_tensor",
+           [](LayoutHandle& handle, const std::string& tensor, const std::string& reason) {
+             handle.layout.add_skipped_tensor(tensor, reason);
+           },
+           "tensor"_a, "reason"_a,
+           "Declares a checkpoint tensor this layout never reads (loads leave it to the caller).")
+      .def("share_storage",
+           [](LayoutHandle& handle, const std::string& name, const std::string& owner, const std::string& reason) {
+             handle.layout.share_storage(name, handle.layout.parameter(owner), reason);
+           },
+           "name"_a, "owner"_a, "reason"_a,
+           "Makes parameter `name` a reference to parameter `owner`'s storage (a tied lm_head bound to the "
+           "engine's embedding): loads no longer fill it or check it.")
       .def("tensor", &parameter_array, "name"_a,
            "A DLPack view of a parameter's storage (valid while the layout lives).")
       .def("add_tied_lm_head_hook", [](LayoutHandle& handle) { handle.layout.add_hook(make_tied_lm_head_hook()); })
