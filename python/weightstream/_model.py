@@ -22,9 +22,14 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
     (its config.json). ``dtype`` is the parameters' safetensors dtype (default: the config's
     torch_dtype); ``quantize`` "fp8" quantizes linear weights per tensor once a layer is
     complete; ``modules`` "all", "target" (without MTP layers) or "draft" (only them).
-    With ``device`` ("cpu", "cuda:N") storage is allocated at once; otherwise call
-    ``layout.allocate(device)``. ``layout.tensor(name)`` is a DLPack view of a parameter.
-    Raises weightstream.Error (code "model") for an unsupported model or a bad division.
+
+    Storage: bind the engine's own tensors with ``layout.bind(name, tensor)`` or
+    ``layout.bind_module(module)``; loads then write into them in place. With ``device``
+    ("cpu", "cuda:N") the parameters left unbound are allocated on it at the first load (or
+    the first ``layout.tensor()``), and binds must be on it; without, call
+    ``layout.allocate(device)`` after binding. ``layout.tensor(name)`` is a DLPack view of a
+    parameter's storage. Raises weightstream.Error (code "model") for an unsupported model
+    or a bad division.
     """
     if isinstance(config, Checkpoint):
         text = config._core.config_json
@@ -39,7 +44,7 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
         text = config
     layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
     if device is not None:
-        layout.allocate(device)
+        layout.allocate_at_first_load(device)
     return layout
 
 

@@ -250,7 +250,7 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype:
         if not tensor.is_contiguous():
             unbound[layout_name] = f"{target} is not contiguous"
             continue
-        layout.bind(layout_name, tensor.data)
+        layout.bind(layout_name, tensor)
         bound[layout_name] = target
         owners[key] = layout_name
         device = device_name(tensor)
