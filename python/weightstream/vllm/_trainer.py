@@ -6,21 +6,24 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightTransferInitInfo
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from ._transfer import _check_transport, _make_senders, _send, free_addresses
 
 
 @dataclass
-class WeightstreamTrainerInitInfo(WeightTransferInitInfo):
+class WeightstreamTrainerInitInfo(TrainerInitInfo):
     """The trainer's choices: the transport, the engine's tensor-parallel size, the
     workers' listen addresses (free loopback ports or fresh Unix sockets when empty; give
     "HOST:PORT" of the engine's host for tcp or nccl across hosts), the shared token, the
     wire format ("checkpoint": Hugging Face names; "engine": the layout's parameter names)
-    and the sender's options."""
+    and the sender's options. ``rank`` (keyword-only, from vLLM's TrainerInitInfo) is this
+    trainer process's rank: rank 0 sends, the others only iterate the source."""
+
+    backend: ClassVar[str] = "weightstream"
 
     transport: str = "tcp"
     tp_size: int = 1
@@ -31,31 +34,30 @@ class WeightstreamTrainerInitInfo(WeightTransferInitInfo):
     bucket_bytes: Optional[int] = None
     timeout: float = 30.0
     accept_timeout: float = 600.0
-    #: This trainer process's rank; rank 0 sends, the others only iterate the source.
-    rank: int = 0
 
 
 class WeightstreamTrainerEngine(TrainerWeightTransferEngine):
-    """Pushes ``source`` (a WeightSource, a module, or an iterable of (name, tensor)) to
-    the engine on every send_weights()."""
+    """Pushes ``source`` (vLLM's WeightSource, such as ModuleSource; a torch module; or a
+    list of (name, tensor)) to the engine on every send_weights()."""
 
     init_info_cls = WeightstreamTrainerInitInfo
 
     def __init__(self, init_info: WeightstreamTrainerInitInfo, *, client: Any, source: Any = None) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
         self.init_info = init_info
-        self.client = client
-        self.source = source
-        self.is_sender = init_info.rank == 0
         self._senders: Optional[List[Any]] = None
         self.last_reports: List[Dict[str, Any]] = []
 
     @classmethod
-    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None, **_: Any) -> "WeightstreamTrainerEngine":
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> "WeightstreamTrainerEngine":
         """Picks the workers' addresses when none were given and has every worker open its
-        receiver there (``client.init_weight_transfer_engine``). ``init_info`` is a
-        WeightstreamTrainerInitInfo or a dict of its fields."""
+        receiver there (``client.init_weight_transfer_engine``, on the sender only).
+        ``init_info`` is a WeightstreamTrainerInitInfo or a dict of its fields (``rank``
+        defaults to 0 there)."""
         if isinstance(init_info, dict):
-            init_info = WeightstreamTrainerInitInfo(**init_info)
+            fields = dict(init_info)
+            fields.setdefault("rank", 0)
+            init_info = WeightstreamTrainerInitInfo(**fields)
         _check_transport(init_info.transport)
         if not init_info.addresses:
             init_info.addresses = free_addresses(init_info.transport, init_info.tp_size)
@@ -72,13 +74,16 @@ class WeightstreamTrainerEngine(TrainerWeightTransferEngine):
             raise ValueError("weightstream trainer engine: no source to send (pass source= to trainer_init)")
         if isinstance(source, torch.nn.Module):
             return list(source.named_parameters())
+        if hasattr(source, "iter_full"):
+            return list(source.iter_full())  # vLLM's WeightSource: full tensors (FSDP gathers here)
         return list(iter(source))
 
     def send_weights(self) -> None:
         """One update: start_weight_update, then update_weights on a thread of its own (each
         worker blocks receiving) while the senders push every tensor, then
-        finish_weight_update. Raises the first failure of either side."""
-        tensors = self._tensors()  # every rank iterates: FSDP gathers are collectives
+        finish_weight_update. Every rank iterates the source; only rank 0 sends. Raises the
+        first failure of either side."""
+        tensors = self._tensors()
         if not self.is_sender:
             return
         info = self.init_info
@@ -106,6 +111,9 @@ class WeightstreamTrainerEngine(TrainerWeightTransferEngine):
         if failure:
             raise failure[0]
         self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self._senders = None
 
 
 def register_trainer_engine() -> None:
