@@ -351,3 +351,77 @@ def test_an_architecture_without_a_table_loads_through_load_weights_and_says_so_
     # vLLM serves "mistral" with its Llama code; weightstream has no table for it.
     write_checkpoint(str(tmp_path), dict(CONFIG, model_type="mistral", architectures=["MistralForCausalLM"]), 1)
     run_ranks(_no_table, 1, str(tmp_path))
+
+
+# ---- the MTP draft -----------------------------------------------------------------------
+
+def _module_of(shapes):
+    """A torch module with a parameter of each name and shape (nested as the dots say)."""
+    root = torch.nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+    return root
+
+
+def _draft_from_the_checkpoint_uri(tp_size, rank, port, checkpoint, snapshot):
+    """vLLM's draft ModelConfig (its own MTP config override) of a folder of config files only;
+    the draft's weights come from WEIGHTSTREAM_MODEL_URI, into the draft module as built."""
+    os.environ["WEIGHTSTREAM_MODEL_URI"] = checkpoint
+    with distributed(tp_size, rank, port):
+        ws_vllm.register()
+        from vllm.config import LoadConfig, ModelConfig
+        from vllm.config.speculative import SpeculativeConfig
+        from vllm.model_executor.model_loader import get_model_loader
+        from weightstream.vllm._model import model_parameter_name
+
+        draft_config = ModelConfig(model=snapshot, dtype="float32", skip_tokenizer_init=True,
+                                   hf_overrides=SpeculativeConfig.hf_config_override)
+        assert draft_config.hf_config.model_type == "deepseek_mtp"
+        layout = weightstream.model_layout(os.path.join(snapshot, "config.json"), dtype="F32", modules="draft",
+                                           device="cpu")
+        shapes = {model_parameter_name(n, "draft", "deepseek_v3"): tuple(layout.parameter_info(n)["shape"])
+                  for n in layout.parameter_names}
+        assert any(".mtp_block." in name for name in shapes) and "model.embed_tokens.weight" in shapes
+        draft = _module_of(shapes)
+        addresses = {name: p.data_ptr() for name, p in draft.named_parameters()}
+        loader = get_model_loader(LoadConfig(load_format="weightstream"))
+        loader.load_weights(draft, draft_config)
+        assert loader.last_load["role"] == "draft" and loader.last_load["path"] == "layout"
+        assert loader.last_load["source"] == checkpoint and loader.last_load["field"] == "WEIGHTSTREAM_MODEL_URI"
+        assert loader.last_load["passed_over"] == ["model_weights: not set",
+                                                   f"model {snapshot}: no *.safetensors files"]
+        # The bytes of weightstream's own load of the draft layout, in the module vLLM built.
+        session = weightstream.LoadSession(layout)
+        session.begin("cold")
+        session.load_checkpoint(checkpoint)
+        session.finish()
+        for name in layout.parameter_names:
+            expected = torch.from_dlpack(layout.tensor(name))
+            got = draft.get_parameter(model_parameter_name(name, "draft", "deepseek_v3"))
+            assert torch.equal(got, expected), name
+        assert {name: p.data_ptr() for name, p in draft.named_parameters()} == addresses
+        return "ok"
+
+
+def test_the_mtp_draft_loads_from_the_checkpoint_uri_into_the_existing_module(tmp_path):
+    import shutil
+    import subprocess
+
+    from conftest import CLI
+
+    if not os.path.exists(CLI):
+        pytest.skip(f"the weightstream CLI is not built at {CLI} (it writes the deepseek_v3 checkpoint)")
+    checkpoint = tmp_path / "checkpoint"
+    result = subprocess.run([CLI, "synth", str(checkpoint), "--arch", "deepseek_v3", "--layers", "2", "--hidden", "64",
+                             "--shards", "3", "--dtype", "f32", "--seed", "3"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    shutil.copy(checkpoint / "config.json", snapshot / "config.json")
+    run_ranks(_draft_from_the_checkpoint_uri, 1, str(checkpoint), str(snapshot))
