@@ -249,7 +249,9 @@ def _trainer_engine(tp_size, rank, port, paths):
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
         from vllm.model_executor.model_loader import get_model_loader
-        from weightstream.vllm._trainer import WeightstreamTrainerEngine
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from weightstream.vllm import WeightstreamTrainerEngine, WeightstreamTrainerInitInfo
 
         model = TinyLlama(CONFIG)
         get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(paths[1]))
@@ -275,13 +277,16 @@ def _trainer_engine(tp_size, rank, port, paths):
                 calls.append("finish")
                 engine.finish_weight_update()
 
+        # vLLM's own trainer factory and ModuleSource over a trainer module with the checkpoint's names.
         reference, tensors = _reference(paths[3])
-        trainer = WeightstreamTrainerEngine.trainer_init({"transport": "tcp", "tp_size": 1, "token": "t"},
-                                                         client=Client(), source=sorted(tensors.items()))
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t"), client=Client(),
+            source=ModuleSource(_module_of(tensors)))
+        assert isinstance(trainer, WeightstreamTrainerEngine)
         trainer.send_weights()
         _assert_same(model, reference, "trainer update")
         reference, tensors = _reference(paths[2])
-        trainer.source = sorted(tensors.items())
+        trainer.source = sorted(tensors.items())  # a plain list of (name, tensor) serves too
         trainer.send_weights()  # the second update reuses the connection
         _assert_same(model, reference, "second trainer update")
         assert calls == ["init", "start", "update", "finish", "start", "update", "finish"]
@@ -355,17 +360,17 @@ def test_an_architecture_without_a_table_loads_through_load_weights_and_says_so_
 
 # ---- the MTP draft -----------------------------------------------------------------------
 
-def _module_of(shapes):
-    """A torch module with a parameter of each name and shape (nested as the dots say)."""
+def _module_of(tensors):
+    """A torch module with a parameter of each name, holding the tensor (nested as the dots say)."""
     root = torch.nn.Module()
-    for name, shape in shapes.items():
+    for name, tensor in tensors.items():
         *path, leaf = name.split(".")
         module = root
         for part in path:
             if not hasattr(module, part):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     return root
 
 
@@ -388,7 +393,7 @@ def _draft_from_the_checkpoint_uri(tp_size, rank, port, checkpoint, snapshot):
         shapes = {model_parameter_name(n, "draft", "deepseek_v3"): tuple(layout.parameter_info(n)["shape"])
                   for n in layout.parameter_names}
         assert any(".mtp_block." in name for name in shapes) and "model.embed_tokens.weight" in shapes
-        draft = _module_of(shapes)
+        draft = _module_of({name: torch.zeros(shape) for name, shape in shapes.items()})
         addresses = {name: p.data_ptr() for name, p in draft.named_parameters()}
         loader = get_model_loader(LoadConfig(load_format="weightstream"))
         loader.load_weights(draft, draft_config)

@@ -4,7 +4,6 @@ sharing storage, and source resolution as `weightstream resolve` does it. The vL
 itself is tests/python/test_vllm.py (scripts/vllm-test.sh)."""
 
 import json
-import os
 
 import pytest
 

@@ -75,4 +75,23 @@ def register() -> bool:
     return True
 
 
-__all__ = ["NAME", "SUPPORTED_VLLM_VERSIONS", "register", "supported", "vllm_version"]
+# The classes, imported (with vLLM) only when asked for: weightstream.vllm.WeightstreamTrainerEngine.
+_LAZY = {
+    "WeightstreamModelLoader": "._loader",
+    "WeightstreamWeightTransferEngine": "._transfer",
+    "WeightstreamInitInfo": "._transfer",
+    "WeightstreamUpdateInfo": "._transfer",
+    "WeightstreamTrainerEngine": "._trainer",
+    "WeightstreamTrainerInitInfo": "._trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib  # noqa: PLC0415
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["NAME", "SUPPORTED_VLLM_VERSIONS", "register", "supported", "vllm_version", *_LAZY]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -77,6 +76,9 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
 
     init_info_cls = WeightstreamInitInfo
     update_info_cls = WeightstreamUpdateInfo
+    # The trainer addresses one receiver per rank, the target's; a draft reloads from the
+    # checkpoint (--load-format weightstream) instead.
+    supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -92,9 +94,9 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         load_config = getattr(self.vllm_config, "load_config", None)
         sources = ModelSources.of(model_config, load_config)
         tp_size, tp_rank = parallel_ranks()
-        role = "draft" if model is not getattr(self, "_default_model", model) else "target"
         try:
-            bound = bind_model(model, config_dict(sources, model_config), role, model_config.dtype, tp_size, tp_rank)
+            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype, tp_size,
+                               tp_rank)
         except NoMappingTable as reason:
             raise _core.Error(f"the weightstream weight-transfer backend needs a model weightstream has a layout "
                               f"for (llama, qwen3, deepseek_v3, qwen3_next); {type(model).__name__} has none ({reason})"
@@ -121,8 +123,6 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         bound = self._binding(model)
         _, tp_rank = parallel_ranks()
         listen = info.addresses[tp_rank] if info.addresses else ""
-        if model is not getattr(self, "_default_model", model) and listen and info.transport in ("tcp", "nccl"):
-            listen = ""  # a draft's receiver listens on a port of its own
         receiver = _core.UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device)
         self._receivers[id(model)] = receiver
         logger.info("weightstream: rank %d receives updates of %s over %s at %s", tp_rank, bound.description,
