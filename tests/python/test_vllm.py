@@ -136,6 +136,14 @@ def test_an_unsupported_vllm_release_is_refused():
     assert not ws_vllm.supported("0.35.0") and not ws_vllm.supported("0.3") and not ws_vllm.supported(None)
 
 
+def test_hub_ids_are_told_from_paths_and_uris(tmp_path):
+    from weightstream.vllm._model import is_hub_id
+
+    assert is_hub_id("meta-llama/Llama-3.1-8B") and is_hub_id("gpt2")
+    assert not is_hub_id("s3://bucket/model") and not is_hub_id(str(tmp_path)) and not is_hub_id("/models/x")
+    assert not is_hub_id("") and not is_hub_id("./model")
+
+
 # ---- the model loader against vLLM's layers ---------------------------------------------
 
 def _state(model):
@@ -377,7 +385,8 @@ def _module_of(tensors):
 def _draft_from_the_checkpoint_uri(tp_size, rank, port, checkpoint, snapshot):
     """vLLM's draft ModelConfig (its own MTP config override) of a folder of config files only;
     the draft's weights come from WEIGHTSTREAM_MODEL_URI, into the draft module as built."""
-    os.environ["WEIGHTSTREAM_MODEL_URI"] = checkpoint
+    os.environ.pop("WEIGHTSTREAM_MODEL_URI", None)
+    os.environ.pop("MX_MODEL_URI", None)
     with distributed(tp_size, rank, port):
         ws_vllm.register()
         from vllm.config import LoadConfig, ModelConfig
@@ -396,6 +405,11 @@ def _draft_from_the_checkpoint_uri(tp_size, rank, port, checkpoint, snapshot):
         draft = _module_of({name: torch.zeros(shape) for name, shape in shapes.items()})
         addresses = {name: p.data_ptr() for name, p in draft.named_parameters()}
         loader = get_model_loader(LoadConfig(load_format="weightstream"))
+        with pytest.raises(weightstream.Error) as raised:  # no checkpoint URI: one error naming every source
+            loader.load_weights(draft, draft_config)
+        assert (f"Cannot find any safetensors model weights for the draft: model_weights: not set; model {snapshot}: "
+                f"no *.safetensors files; WEIGHTSTREAM_MODEL_URI: not set") in str(raised.value)
+        os.environ["WEIGHTSTREAM_MODEL_URI"] = checkpoint
         loader.load_weights(draft, draft_config)
         assert loader.last_load["role"] == "draft" and loader.last_load["path"] == "layout"
         assert loader.last_load["source"] == checkpoint and loader.last_load["field"] == "WEIGHTSTREAM_MODEL_URI"
