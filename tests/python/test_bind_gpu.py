@@ -151,7 +151,7 @@ def test_transformers_llama_bound_through_the_identity_layout_gives_from_pretrai
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       tie_word_embeddings=False, attn_implementation="eager")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama", safe_serialization=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")  # safetensors
     reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama", attn_implementation="eager")
     reference = reference.to("cuda:0").eval()
 
