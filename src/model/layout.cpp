@@ -241,7 +241,7 @@ void ModelLayout::bind(std::span<const TensorView> tensors) {
   };
   std::vector<Range> ranges;
   std::vector<size_t> indices;
-  std::unordered_map<size_t, size_t> seen;  // parameter index -> position in `tensors`
+  std::vector<bool> seen(parameters_.size());  // by parameter index
   std::optional<Device> device = device_fixed_ ? std::optional(device_) : std::nullopt;
   for (const TensorView& tensor : tensors) {
     const std::string name(tensor.name);
@@ -253,8 +253,8 @@ void ModelLayout::bind(std::span<const TensorView> tensors) {
     WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
               what + "the layout has been loaded, and storage never moves after the first load "
                      "(captured CUDA graphs would read freed memory)");
-    WS_EXPECT(!seen.contains(*index), ErrorCode::kModel, what + "two tensors are given for it");
-    seen.emplace(*index, indices.size());
+    WS_EXPECT(!seen[*index], ErrorCode::kModel, what + "two tensors are given for it");
+    seen[*index] = true;
     WS_EXPECT(parameter.data == nullptr, ErrorCode::kModel,
               what + (bound(*index) ? "it is already bound (to memory at " + address_text(parameter.data) + ")"
                                     : std::string("it already has storage (allocated by the layout, or shared); "
@@ -284,7 +284,9 @@ void ModelLayout::bind(std::span<const TensorView> tensors) {
     indices.push_back(*index);
     if (tensor.bytes > 0) ranges.push_back({address, address + tensor.bytes, tensor.device, *index});
   }
-  // Two parameters in one memory would overwrite each other's bytes on every load.
+  // Two parameters in one memory would overwrite each other's bytes on every load. Bound
+  // memory never overlaps (this check keeps it so), so sorted by address, an overlap shows
+  // between neighbours.
   for (size_t i = 0; i < parameters_.size(); ++i) {
     const Parameter& parameter = parameters_[i];
     if (bound(i) && parameter.bytes() > 0) {

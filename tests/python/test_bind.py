@@ -371,3 +371,38 @@ def test_the_layout_keeps_bound_tensors_alive(checkpoint):
     del session, layout
     gc.collect()
     assert alive() is None, "and lets go of it with the layout"
+
+
+class RequiresGrad:
+    """Behaves as a torch Parameter that requires grad: it refuses to export itself through
+    DLPack, and its detach() is the same memory."""
+
+    def __init__(self, array):
+        self._array = array
+        self.requires_grad = True
+
+    def __dlpack__(self, **kwargs):
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def detach(self):
+        return self._array
+
+
+def test_a_tensor_that_requires_grad_is_bound_through_detach(checkpoint):
+    layout, shape = layout_and_shape(checkpoint)
+    array = np.zeros(shape, dtype=np.float32)
+    parameter = RequiresGrad(array)
+    alive = weakref.ref(parameter)
+    layout.bind_module(Module([(NAME, parameter)]))
+    del parameter
+    gc.collect()
+    assert alive() is not None, "the layout holds the object it was given"
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    session.finish()
+    assert array.any() and array.tobytes() == np.from_dlpack(layout.tensor(NAME)).tobytes()
+    assert np.from_dlpack(layout.tensor(NAME)).ctypes.data == array.ctypes.data
