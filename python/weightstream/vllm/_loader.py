@@ -91,9 +91,8 @@ class WeightstreamModelLoader(BaseModelLoader):
                 self._load_through_model(model, model_config, sources, role, started)
                 return
             store_binding(model, bound)
-            mode = "cold"
-        else:
-            mode = "reload"
+        # A reload once a load finished; a load that failed before (no source, say) is retried cold.
+        mode = "reload" if bound.layout.loads_finished else "cold"
         self._load_layout(model, model_config, sources, bound, mode, started)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
