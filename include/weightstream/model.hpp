@@ -168,6 +168,30 @@ struct DerivedBuffer {
   uint64_t bytes = 0;
 };
 
+/// How long the bytes of a TensorView handed to LoadSession::load() stay valid and unchanged.
+enum class SourceLifetime {
+  kCall,    ///< until load() returns (the default); the session waits for its copies first
+  kSettle,  ///< until the next settle() or finish() returns: copies are only issued, so the
+            ///< caller's next batch overlaps them
+  kLoad,    ///< until finish() returns: a piece held back for its layer is kept by reference
+};
+
+/// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
+/// or on a device.
+struct TensorView {
+  std::string_view name;
+  Dtype dtype = Dtype::kBF16;
+  std::span<const int64_t> shape;
+  const std::byte* data = nullptr;
+  Device device;
+  uint64_t offset = 0;  ///< where `data` starts within the tensor's bytes
+  uint64_t bytes = 0;   ///< bytes at `data`
+  SourceLifetime lifetime = SourceLifetime::kCall;
+  /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
+  /// keeps it until its copies of these bytes have landed and returns without waiting.
+  std::shared_ptr<const void> keepalive;
+};
+
 class ModelLayout;
 
 /// A model-level hook, registered by the engine on a layout: runs exactly once at the end
@@ -264,20 +288,46 @@ class ModelLayout {
   /// Every checkpoint tensor name that some part wants.
   std::vector<std::string> wanted_tensors() const;
 
-  /// Allocates zeroed storage for every parameter without storage on `device`: one arena,
-  /// each parameter at a 256-byte boundary. The addresses never change afterwards. Throws
-  /// Error(kDevice).
+  /// Allocates zeroed storage for every parameter that has none (not bound, not yet
+  /// allocated) on `device`: one arena, each parameter at a 256-byte boundary. The
+  /// addresses never change afterwards. Throws Error(kDevice) when storage already lives
+  /// on another device (a bind, an earlier allocate or set_device), or when the
+  /// allocation fails.
   void allocate(const Device& device);
-  /// Binds engine-owned storage of parameter.bytes() bytes to a parameter. Throws
-  /// Error(kModel) once the layout has been loaded (storage never moves).
-  void bind(std::string_view parameter, std::byte* data, const Device& device);
+  /// Declares the device the layout's storage lives on before any exists: binds must then
+  /// be on it, and allocate() must use it. Throws Error(kDevice) when storage already lives
+  /// on another device.
+  void set_device(const Device& device);
+  /// Binds engine-owned memory (an engine's own parameter tensor) to parameter `name`:
+  /// loads, reloads and updates write into it in place; the layout never frees, moves or
+  /// reallocates it, and the caller keeps it alive as long as the layout. Checked before
+  /// anything changes; each check throws Error(kModel) naming the parameter, what was
+  /// expected and what was given: dtype, shape, size (`tensor.bytes` equal to
+  /// Parameter::bytes(), `tensor.offset` 0), device (the layout's, once set_device,
+  /// allocate or an earlier bind fixed it), alignment (the address a multiple of the dtype's
+  /// element size), no overlap with memory bound to another parameter, and the parameter
+  /// not yet bound or allocated and the layout never loaded (storage never moves).
+  /// `tensor.name` is ignored. A TensorView is contiguous row-major by construction.
+  /// Throws Error(kNotFound) when the layout has no such parameter.
+  void bind(std::string_view name, const TensorView& tensor);
+  /// Binds each tensor to the parameter named by its `name`, as bind(name, tensor) does;
+  /// every tensor is checked (and two naming one parameter refused) before any is bound.
+  void bind(std::span<const TensorView> tensors);
+  /// Names of the parameters bound to engine memory by bind(), in layout order.
+  std::vector<std::string> bound_names() const;
+  /// Names of the other parameters, in layout order: those whose storage the layout
+  /// allocates (or has allocated), and those sharing another layout's (share_storage).
+  std::vector<std::string> unbound_names() const;
+  /// True when parameter `index` is bound to engine memory.
+  bool bound(size_t index) const noexcept { return index < bound_.size() && bound_[index]; }
   /// Makes parameter `name` a reference to `owner`'s storage (a draft's embedding or head
   /// that is the target's, bound by reference): its checkpoint tensors become skipped with
   /// `reason`, loads no longer fill it or check it for completeness, and its data points
   /// at owner.data (the owner's layout must outlive this one). Throws Error(kModel) when
   /// dtype or shape differ, the owner has no storage, or this layout has been loaded.
   void share_storage(std::string_view name, const Parameter& owner, const std::string& reason);
-  /// The device storage was allocated on (CPU before allocate()).
+  /// The device the layout's storage lives on: set by set_device, allocate or the first
+  /// bind (CPU before any of them).
   const Device& device() const noexcept { return device_; }
   /// Bytes of storage this layout and its hooks own.
   uint64_t allocated_bytes() const noexcept;
@@ -309,7 +359,9 @@ class ModelLayout {
   std::map<int64_t, LayerKind> layer_kinds_;
   std::vector<Buffer> storage_;
   std::vector<std::unique_ptr<ModelHook>> hooks_;
+  std::vector<bool> bound_;  ///< per parameter: storage bound by bind() (engine memory)
   Device device_;
+  bool device_fixed_ = false;  ///< device_ set by set_device, allocate or a bind
   uint64_t loads_finished_ = 0;
   uint64_t model_hook_runs_ = 0;
 };
@@ -385,30 +437,6 @@ std::string_view load_mode_name(LoadMode mode) noexcept;
 enum class TensorFormat {
   kCheckpoint,  ///< checkpoint tensors: mapped, sharded, converted and processed
   kEngine,      ///< parameter names and kernel-format bytes, copied in place as they are
-};
-
-/// How long the bytes of a TensorView handed to LoadSession::load() stay valid and unchanged.
-enum class SourceLifetime {
-  kCall,    ///< until load() returns (the default); the session waits for its copies first
-  kSettle,  ///< until the next settle() or finish() returns: copies are only issued, so the
-            ///< caller's next batch overlaps them
-  kLoad,    ///< until finish() returns: a piece held back for its layer is kept by reference
-};
-
-/// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
-/// or on a device.
-struct TensorView {
-  std::string_view name;
-  Dtype dtype = Dtype::kBF16;
-  std::span<const int64_t> shape;
-  const std::byte* data = nullptr;
-  Device device;
-  uint64_t offset = 0;  ///< where `data` starts within the tensor's bytes
-  uint64_t bytes = 0;   ///< bytes at `data`
-  SourceLifetime lifetime = SourceLifetime::kCall;
-  /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
-  /// keeps it until its copies of these bytes have landed and returns without waiting.
-  std::shared_ptr<const void> keepalive;
 };
 
 /// When a session writes the parts of a layer.

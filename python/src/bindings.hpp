@@ -76,6 +76,9 @@ ModelLayout& python_layout(nanobind::handle layout);
 /// Adds UpdateSender and UpdateReceiver (transfer_bindings.cpp).
 void bind_transfer(nanobind::module_& m);
 
+/// Adds resolve_source (resolve_bindings.cpp).
+void bind_resolve(nanobind::module_& m);
+
 /// Thrown by interruptible_progress() once Python's signal handlers raised (Ctrl-C); the
 /// Python error stays set on the calling thread until the binding raises it.
 struct InterruptRequested {};

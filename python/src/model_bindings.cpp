@@ -177,11 +177,26 @@ struct LayoutHandle {
   /// are listed here so the garbage collector sees them (a hook closing over its own
   /// layout is a cycle that only tp_traverse/tp_clear can break).
   std::vector<std::shared_ptr<nb::object>> python_hooks;
+  /// The Python tensors bound to parameters, held so they outlive the layout, and the
+  /// DLPack imports of them: those hold the memory itself, even if the engine later points
+  /// its tensor elsewhere (torch's `param.data = ...`).
+  std::vector<nb::object> bound_objects;
+  std::vector<nb::ndarray<>> bound_arrays;
+  /// Set by model_layout(device=...): what is left unbound is allocated on the layout's
+  /// device at the first load (or the first tensor() view), so binds may come first.
+  bool allocate_at_first_load = false;
 
   ~LayoutHandle() { layouts_with_hooks().erase(this); }
   /// Drops the Python callables; a cleared hook does nothing if it runs again.
   void release_python_hooks() {
     for (auto& hook : python_hooks) *hook = nb::none();
+  }
+
+  /// Allocates what is left unbound when a device was given and that has not happened yet.
+  void ensure_storage() {
+    if (!allocate_at_first_load) return;
+    layout.allocate(layout.device());
+    allocate_at_first_load = false;
   }
 };
 
@@ -196,14 +211,156 @@ void release_all_python_hooks() {
 int layout_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(self));
   if (!nb::inst_ready(self)) return 0;
-  for (const auto& hook : nb::inst_ptr<LayoutHandle>(self)->python_hooks) Py_VISIT(hook->ptr());
+  auto* handle = nb::inst_ptr<LayoutHandle>(self);
+  for (const auto& hook : handle->python_hooks) Py_VISIT(hook->ptr());
+  for (const auto& object : handle->bound_objects) Py_VISIT(object.ptr());
   return 0;
 }
 
 int layout_clear(PyObject* self) {
   if (!nb::inst_ready(self)) return 0;
-  nb::inst_ptr<LayoutHandle>(self)->release_python_hooks();
+  auto* handle = nb::inst_ptr<LayoutHandle>(self);
+  handle->release_python_hooks();
+  // The DLPack imports in bound_arrays still hold the bound memory.
+  handle->bound_objects.clear();
   return 0;
+}
+
+/// One tensor to bind, after its DLPack import was checked.
+struct BindingTensor {
+  std::string name;  ///< the parameter
+  nb::object object;  ///< what the caller passed (a torch Parameter, a numpy array, ...)
+  nb::ndarray<> array;
+  std::vector<int64_t> shape;
+  TensorView view;
+};
+
+/// Imports `object` (any DLPack tensor, or a buffer-protocol object) for binding to
+/// parameter `name`, with the checks only the Python side can make: a writable tensor,
+/// contiguous, on a device weightstream writes, of a dtype safetensors names. A uint8 array
+/// of shape [*shape, itemsize] stands for the raw bytes of a BF16 or F8 parameter (numpy
+/// has no such dtype; layout.tensor() gives the same). The layout checks the rest.
+BindingTensor binding_tensor(const ModelLayout& layout, const std::string& name, nb::handle object) {
+  auto index = layout.find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "cannot bind parameter " + name + ": it is not in " + layout.description());
+  const Parameter& parameter = layout.parameters()[*index];
+  const std::string what = "cannot bind parameter " + name + " of " + layout.description() + ": ";
+  BindingTensor tensor;
+  tensor.name = name;
+  tensor.object = nb::borrow(object);
+  nb::object source = tensor.object;
+  // torch refuses to export a tensor that requires grad; its detached view is the same memory.
+  if (nb::hasattr(source, "requires_grad") && nb::hasattr(source, "detach") &&
+      nb::cast<bool>(source.attr("requires_grad"))) {
+    source = source.attr("detach")();
+  }
+  if (!nb::try_cast(source, tensor.array, false)) {
+    nb::ndarray<nb::ro> read_only;
+    WS_EXPECT(!nb::try_cast(source, read_only, false), ErrorCode::kModel,
+              what + "expected a writable tensor (every load writes into it), given a read-only " +
+                  std::string(nb::type_name(source.type()).c_str()));
+    WS_FAIL(ErrorCode::kModel, what + "expected a DLPack tensor (torch, numpy, cupy), given " +
+                                   std::string(nb::type_name(source.type()).c_str()));
+  }
+  const auto& array = tensor.array;
+  for (size_t i = 0; i < array.ndim(); ++i) tensor.shape.push_back(static_cast<int64_t>(array.shape(i)));
+  int device_type = array.device_type();
+  WS_EXPECT(device_type == nb::device::cpu::value || device_type == nb::device::cuda::value ||
+                device_type == nb::device::cuda_host::value,
+            ErrorCode::kModel,
+            what + "expected memory on the host or a CUDA device, given memory on DLPack device type " +
+                std::to_string(device_type));
+  // Loads write row-major bytes: a transposed or sliced view would receive them scrambled.
+  int64_t expected_stride = 1;
+  for (size_t i = array.ndim(); i-- > 0;) {
+    if (array.shape(i) > 1 && array.stride(i) != expected_stride) {
+      std::vector<int64_t> strides;
+      for (size_t j = 0; j < array.ndim(); ++j) strides.push_back(array.stride(j));
+      WS_FAIL(ErrorCode::kModel, what + "expected a contiguous (row-major) tensor, given shape " +
+                                     shape_text(tensor.shape) + " with strides " + shape_text(strides) +
+                                     " (in elements); bind the tensor itself, not a transposed or sliced view");
+    }
+    expected_stride *= static_cast<int64_t>(array.shape(i));
+  }
+  auto dtype = dtype_of(array.dtype());
+  uint64_t itemsize = dtype_bits(parameter.dtype) / 8;
+  if (dtype == Dtype::kU8 && parameter.dtype != Dtype::kU8 && tensor.shape.size() == parameter.shape.size() + 1 &&
+      tensor.shape.back() == static_cast<int64_t>(itemsize)) {
+    tensor.shape.pop_back();  // raw bytes of [*shape, itemsize]
+    dtype = parameter.dtype;
+  }
+  WS_EXPECT(dtype.has_value(), ErrorCode::kModel,
+            what + "expected dtype " + std::string(dtype_name(parameter.dtype)) +
+                ", given a DLPack dtype safetensors has no name for (code " + std::to_string(array.dtype().code) +
+                ", " + std::to_string(array.dtype().bits) + " bits, " + std::to_string(array.dtype().lanes) +
+                " lanes)");
+  tensor.view.dtype = *dtype;
+  tensor.view.data = static_cast<const std::byte*>(array.data());
+  tensor.view.device = device_of(device_type, array.device_id());
+  tensor.view.offset = 0;
+  tensor.view.bytes = array.nbytes();
+  return tensor;
+}
+
+/// Binds the tensors (checked all together first), then holds them for the layout.
+void bind_tensors(LayoutHandle& handle, std::vector<BindingTensor>& tensors) {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (auto& tensor : tensors) {
+    tensor.view.name = tensor.name;
+    tensor.view.shape = tensor.shape;
+    views.push_back(tensor.view);
+  }
+  handle.layout.bind(views);
+  for (auto& tensor : tensors) {
+    handle.bound_objects.push_back(std::move(tensor.object));
+    handle.bound_arrays.push_back(std::move(tensor.array));
+  }
+}
+
+/// "a, b, c, d, e (and 12 more)".
+std::string first_names(const std::vector<std::string>& names, size_t count = 5) {
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < count; ++i) text += (i ? ", " : "") + names[i];
+  if (names.empty()) text = "(none)";
+  if (names.size() > count) text += " (and " + std::to_string(names.size() - count) + " more)";
+  return text;
+}
+
+/// layout.bind_module: binds every parameter and buffer of `module` whose prefixed name is
+/// a layout parameter; returns their names, in the module's order.
+std::vector<std::string> bind_module(LayoutHandle& handle, nb::handle module, std::string prefix) {
+  const ModelLayout& layout = handle.layout;
+  std::string type = nb::type_name(module.type()).c_str();
+  WS_EXPECT(nb::hasattr(module, "named_parameters") && nb::hasattr(module, "named_buffers"),
+            ErrorCode::kInvalidArgument,
+            "bind_module: expected a module with named_parameters() and named_buffers() (a torch.nn.Module), given " +
+                type);
+  if (!prefix.empty() && prefix.back() != '.') prefix += '.';  // as torch joins names
+  std::vector<std::string> module_names;
+  std::vector<BindingTensor> tensors;
+  for (const char* method : {"named_parameters", "named_buffers"}) {
+    for (nb::handle item : module.attr(method)()) {
+      nb::tuple pair = nb::cast<nb::tuple>(item);
+      std::string name = prefix + nb::cast<std::string>(pair[0]);
+      module_names.push_back(name);
+      if (layout.find(name)) tensors.push_back(binding_tensor(layout, name, pair[1]));
+    }
+  }
+  if (tensors.empty()) {
+    std::vector<std::string> layout_names;
+    for (const Parameter& parameter : layout.parameters()) layout_names.push_back(parameter.name);
+    WS_FAIL(ErrorCode::kModel, "bind_module: none of the " + std::to_string(module_names.size()) +
+                                   " parameters and buffers of " + type + " (with prefix '" + prefix +
+                                   "') is one of the " + std::to_string(layout_names.size()) + " parameters of " +
+                                   layout.description() + ": the module has " + first_names(module_names) +
+                                   "; the layout has " + first_names(layout_names));
+  }
+  bind_tensors(handle, tensors);
+  std::vector<std::string> names;
+  for (const auto& tensor : tensors) names.push_back(tensor.name);
+  return names;
 }
 
 PyType_Slot layout_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(layout_traverse)},
@@ -219,7 +376,9 @@ class SessionHandle {
   void begin(const std::string& mode, const std::string& format) {
     auto parsed_mode = parse_mode(mode);
     auto parsed_format = parse_format(format);
+    auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     nb::gil_scoped_release release;
+    handle.ensure_storage();
     session_.begin(parsed_mode, parsed_format);
   }
 
@@ -281,8 +440,10 @@ class SessionHandle {
 };
 
 nb::object parameter_array(nb::handle layout_object, const std::string& name) {
-  auto& layout = nb::cast<LayoutHandle&>(layout_object).layout;
+  auto& handle = nb::cast<LayoutHandle&>(layout_object);
+  auto& layout = handle.layout;
   const auto& parameter = layout.parameter(name);
+  if (parameter.data == nullptr) handle.ensure_storage();
   WS_EXPECT(parameter.data != nullptr, ErrorCode::kModel,
             "parameter '" + name + "' of " + layout.description() + " has no storage yet: call allocate() or bind()");
   CheckpointTensor shape_only;
@@ -317,7 +478,9 @@ void bind_model(nb::module_& m) {
             else if (modules == "draft") options.modules = LayoutModules::kDraft;
             else WS_EXPECT(modules == "all", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of all, target, draft");
             auto config = parse_model_config("config.json", config_json);
-            return new LayoutHandle{build_model_layout(config, options), {}};
+            auto* handle = new LayoutHandle();
+            handle->layout = build_model_layout(config, options);
+            return handle;
           },
           "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
           "quantize"_a = "none", "modules"_a = "all", nb::rv_policy::take_ownership)
@@ -348,6 +511,63 @@ void bind_model(nb::module_& m) {
              handle.layout.allocate(parsed);
            },
            "device"_a = "cpu")
+      .def("route",
+           [](const LayoutHandle& handle, const std::string& tensor) {
+             TensorRoute route = handle.layout.route(tensor);
+             const char* kind = "unmatched";
+             switch (route.kind) {
+               case TensorRoute::Kind::kParameter: kind = "parameter"; break;
+               case TensorRoute::Kind::kIgnored: kind = "ignored"; break;
+               case TensorRoute::Kind::kSkipped: kind = "skipped"; break;
+               case TensorRoute::Kind::kUnmatched: break;
+             }
+             std::vector<std::string> parameters;
+             for (const auto& [parameter, part] : route.targets) {
+               const std::string& name = handle.layout.parameters()[parameter].name;
+               if (parameters.empty() || parameters.back() != name) parameters.push_back(name);
+             }
+             return nb::make_tuple(kind, parameters, route.reason);
+           },
+           "tensor"_a,
+           "Where a checkpoint tensor goes: (kind, parameter names, reason), kind one of parameter, ignored, "
+           "skipped, unmatched.")
+      .def("add_skipped_tensor",
+           [](LayoutHandle& handle, const std::string& tensor, const std::string& reason) {
+             handle.layout.add_skipped_tensor(tensor, reason);
+           },
+           "tensor"_a, "reason"_a,
+           "Declares a checkpoint tensor this layout never reads (loads leave it to the caller).")
+      .def("share_storage",
+           [](LayoutHandle& handle, const std::string& name, const std::string& owner, const std::string& reason) {
+             handle.layout.share_storage(name, handle.layout.parameter(owner), reason);
+           },
+           "name"_a, "owner"_a, "reason"_a,
+           "Makes parameter `name` a reference to parameter `owner`'s storage (a tied lm_head bound to the "
+           "engine's embedding): loads no longer fill it or check it.")
+      .def("allocate_at_first_load",
+           [](LayoutHandle& handle, const std::string& device) {
+             auto parsed = parse_device(device);
+             require_device(parsed);
+             handle.layout.set_device(parsed);
+             handle.allocate_at_first_load = true;
+           },
+           "device"_a,
+           "Fixes the layout's device; what is left unbound is allocated there at the first load "
+           "(model_layout(device=...) calls this).")
+      .def("bind",
+           [](LayoutHandle& handle, const std::string& name, nb::handle tensor) {
+             std::vector<BindingTensor> tensors;
+             tensors.push_back(binding_tensor(handle.layout, name, tensor));
+             bind_tensors(handle, tensors);
+           },
+           "name"_a, "tensor"_a,
+           "Binds an engine's tensor (any writable, contiguous DLPack tensor: torch, numpy, cupy; host or "
+           "CUDA) to parameter `name`: every load writes into it in place.")
+      .def("bind_module", &bind_module, "module"_a, "prefix"_a = "",
+           "Binds every parameter and buffer of `module` (named_parameters(), named_buffers()) whose "
+           "prefixed name is a parameter of the layout; returns the names bound.")
+      .def_prop_ro("bound_names", [](const LayoutHandle& handle) { return handle.layout.bound_names(); })
+      .def_prop_ro("unbound_names", [](const LayoutHandle& handle) { return handle.layout.unbound_names(); })
       .def("tensor", &parameter_array, "name"_a,
            "A DLPack view of a parameter's storage (valid while the layout lives).")
       .def("add_tied_lm_head_hook", [](LayoutHandle& handle) { handle.layout.add_hook(make_tied_lm_head_hook()); })

@@ -214,11 +214,12 @@ namespace {
 /// Python face of TensorStream: an iterator of (tensor index, array).
 class StreamIterator {
  public:
-  StreamIterator(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides) {
+  StreamIterator(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides,
+                 std::vector<size_t> selection) {
     auto options = checkpoint.options(overrides);
     auto parsed = parse_device(device);
     nb::gil_scoped_release release;
-    stream_ = std::make_unique<TensorStream>(checkpoint.shared(), parsed, options.stream);
+    stream_ = std::make_unique<TensorStream>(checkpoint.shared(), parsed, options.stream, std::move(selection));
   }
 
   nb::tuple next() {
@@ -306,6 +307,7 @@ NB_MODULE(_core, m) {
         "overrides"_a, "The environment's options with `overrides` applied and checked.");
   bind_model(m);
   bind_transfer(m);
+  bind_resolve(m);
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
   m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
 
@@ -345,7 +347,8 @@ NB_MODULE(_core, m) {
       .def("digest", &digest, "hash"_a, "device"_a, "options"_a);
 
   nb::class_<StreamIterator>(m, "TensorStream")
-      .def(nb::init<const CheckpointHandle&, const std::string&, nb::dict>(), "checkpoint"_a, "device"_a, "options"_a)
+      .def(nb::init<const CheckpointHandle&, const std::string&, nb::dict, std::vector<size_t>>(), "checkpoint"_a,
+           "device"_a, "options"_a, "selection"_a = std::vector<size_t>{})
       .def("__iter__", [](nb::handle self) { return self; })
       .def("__next__", &StreamIterator::next)
       .def("close", &StreamIterator::close, "Stops the stream and waits for its reader thread.")

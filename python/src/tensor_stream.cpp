@@ -18,13 +18,31 @@ uint64_t align_up(uint64_t value) { return (value + kLandingAlignment - 1) / kLa
 /// Half the limit per batch, so that one batch is read while the one before it is consumed.
 uint64_t batch_target_for(const StreamOptions& options) { return std::max<uint64_t>(options.memory_limit / 2, 1); }
 
-/// End of the batch that starts at `first`: tensors in file order up to `target` bytes,
-/// and always at least one tensor.
-size_t batch_end(const std::vector<CheckpointTensor>& tensors, size_t first, uint64_t target) {
+/// End of the batch that starts at position `first` of `order`: tensors in file order up to
+/// `target` bytes, and always at least one tensor.
+size_t batch_end(const std::vector<CheckpointTensor>& tensors, const std::vector<size_t>& order, size_t first,
+                 uint64_t target) {
   size_t last = first;
   uint64_t bytes = 0;
-  while (last < tensors.size() && (last == first || bytes + tensors[last].bytes <= target)) bytes += tensors[last++].bytes;
+  while (last < order.size() && (last == first || bytes + tensors[order[last]].bytes <= target)) {
+    bytes += tensors[order[last++]].bytes;
+  }
   return last;
+}
+
+/// Every tensor index when `selection` is empty, else the selected ones in file order.
+std::vector<size_t> stream_order(const Checkpoint& checkpoint, std::vector<size_t> selection) {
+  if (selection.empty()) {
+    selection.resize(checkpoint.tensors().size());
+    for (size_t i = 0; i < selection.size(); ++i) selection[i] = i;
+    return selection;
+  }
+  std::sort(selection.begin(), selection.end());
+  selection.erase(std::unique(selection.begin(), selection.end()), selection.end());
+  WS_EXPECT(selection.back() < checkpoint.tensors().size(), ErrorCode::kInvalidArgument,
+            "tensor index " + std::to_string(selection.back()) + " is outside the " +
+                std::to_string(checkpoint.tensors().size()) + " tensors of " + checkpoint.uri());
+  return selection;
 }
 
 }  // namespace
@@ -49,15 +67,15 @@ class TensorStream::BatchSink final : public TensorSink {
   }
 
   void request_complete(size_t request) override {
-    size_t tensor = first_ + request;
-    uint64_t bytes = stream_.checkpoint_->tensors()[tensor].bytes;
+    size_t position = first_ + request;
+    uint64_t bytes = stream_.checkpoint_->tensors()[stream_.order_[position]].bytes;
     if (stream_.device_.is_cuda() && bytes > 0) {
       copy_bytes(destinations_[request], stream_.device_, stream_.landing_->data() + landing_offsets_[request], Device{},
                  bytes);
     }
     {
       std::lock_guard lock(stream_.mutex_);
-      stream_.slots_[tensor - stream_.next_].complete = true;
+      stream_.slots_[position - stream_.next_].complete = true;
     }
     stream_.changed_.notify_all();
   }
@@ -69,17 +87,22 @@ class TensorStream::BatchSink final : public TensorSink {
   std::vector<uint64_t> landing_offsets_;
 };
 
-TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options)
-    : checkpoint_(std::move(checkpoint)), device_(device), options_(options), batch_target_(batch_target_for(options)) {
+TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options,
+                           std::vector<size_t> selection)
+    : checkpoint_(std::move(checkpoint)),
+      device_(device),
+      options_(options),
+      batch_target_(batch_target_for(options)),
+      order_(stream_order(*checkpoint_, std::move(selection))) {
   require_device(device_);
   if (device_.is_cuda()) {
     // One landing buffer serves every batch in turn: batches run one after another.
     const auto& tensors = checkpoint_->tensors();
     uint64_t largest_batch = 0;
-    for (size_t first = 0; first < tensors.size();) {
-      size_t last = batch_end(tensors, first, batch_target_);
+    for (size_t first = 0; first < order_.size();) {
+      size_t last = batch_end(tensors, order_, first, batch_target_);
       uint64_t bytes = 0;
-      for (size_t i = first; i < last; ++i) bytes = align_up(bytes + tensors[i].bytes);
+      for (size_t i = first; i < last; ++i) bytes = align_up(bytes + tensors[order_[i]].bytes);
       largest_batch = std::max(largest_batch, bytes);
       first = last;
     }
@@ -104,10 +127,10 @@ void TensorStream::cancel() noexcept {
 void TensorStream::run() noexcept {
   try {
     const auto& tensors = checkpoint_->tensors();
-    for (size_t first = 0; first < tensors.size();) {
-      size_t last = batch_end(tensors, first, batch_target_);
+    for (size_t first = 0; first < order_.size();) {
+      size_t last = batch_end(tensors, order_, first, batch_target_);
       uint64_t bytes = 0;
-      for (size_t i = first; i < last; ++i) bytes += tensors[i].bytes;
+      for (size_t i = first; i < last; ++i) bytes += tensors[order_[i]].bytes;
       {
         std::unique_lock lock(mutex_);
         changed_.wait(lock, [&] { return cancelled_ || queued_ == 0 || queued_ + bytes <= options_.memory_limit; });
@@ -136,8 +159,9 @@ void TensorStream::stream_batch(size_t first, size_t last) {
   std::vector<TensorRequest> requests(last - first);
   uint64_t bytes = 0;
   uint64_t landing_end = 0;
-  for (size_t i = first; i < last; ++i) {
-    size_t request = i - first;
+  for (size_t position = first; position < last; ++position) {
+    size_t request = position - first;
+    size_t i = order_[position];
     slots[request].tensor.tensor = i;
     if (tensors[i].bytes > 0) {
       slots[request].tensor.buffer = std::make_unique<Buffer>(device_, tensors[i].bytes);

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "weightstream/device.hpp"
 #include "weightstream/stream.hpp"
@@ -37,8 +38,11 @@ struct StreamedTensor {
 /// readers at their next piece and joins the thread.
 class TensorStream {
  public:
-  /// Starts streaming. Throws Error when `device` cannot be used.
-  TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options);
+  /// Starts streaming every tensor, or only the tensors whose indices `selection` holds
+  /// (still in file order). Throws Error when `device` cannot be used or an index is outside
+  /// the checkpoint.
+  TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options,
+               std::vector<size_t> selection = {});
   /// Cancels the stream and waits for its thread; never throws.
   ~TensorStream();
   TensorStream(const TensorStream&) = delete;
@@ -73,12 +77,13 @@ class TensorStream {
   Device device_;
   StreamOptions options_;
   uint64_t batch_target_;
+  std::vector<size_t> order_;        // indices of the tensors streamed, in file order
   std::unique_ptr<Buffer> landing_;  // pinned host memory the CUDA path reads into
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<Slot> slots_;   // tensors next_ .. next_ + slots_.size(), in file order
-  size_t next_ = 0;          // index of the next tensor next() returns
+  std::deque<Slot> slots_;   // tensors at positions next_ .. next_ + slots_.size() of order_
+  size_t next_ = 0;          // position in order_ of the next tensor next() returns
   uint64_t queued_ = 0;
   uint64_t peak_queued_ = 0;
   bool cancelled_ = false;

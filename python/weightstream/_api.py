@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from . import _core
 from ._tensors import check_framework, present
@@ -110,10 +110,23 @@ class Checkpoint:
     def __repr__(self) -> str:
         return f"weightstream.Checkpoint({self.uri!r}, {len(self)} tensors, {self.nbytes} bytes, {len(self.shards)} shard(s))"
 
-    def stream(self, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> "TensorIterator":
-        """Streams every tensor in file order; see weightstream.stream()."""
+    def stream(self, device: str = "cpu", framework: Optional[str] = None, names: Optional[Iterable[str]] = None,
+               **options: Any) -> "TensorIterator":
+        """Streams every tensor in file order, or only those ``names`` lists (still in file
+        order; reading no byte of the others); see weightstream.stream(). Raises KeyError
+        for a name the checkpoint lacks."""
         check_framework(framework)
-        return TensorIterator(self, _core.TensorStream(self._core, device, options), framework)
+        selection: List[int] = []
+        if names is not None:
+            for name in names:
+                index = self._core.find(name)
+                if index is None:
+                    raise KeyError(f"no tensor '{name}' in {self.uri}")
+                selection.append(index)
+            if not selection:
+                return TensorIterator(self, _EmptyStream(), framework, 0)
+        count = len(set(selection)) if names is not None else len(self)
+        return TensorIterator(self, _core.TensorStream(self._core, device, options, selection), framework, count)
 
     def load(self, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> Dict[str, Any]:
         """Loads every tensor into one arena on ``device``; see weightstream.load()."""
@@ -127,6 +140,19 @@ class Checkpoint:
         return dict(self._core.digest(hash, device, options))
 
 
+class _EmptyStream:
+    """The stream of an empty selection: nothing to read, no reader thread."""
+
+    queued_bytes = 0
+    peak_queued_bytes = 0
+
+    def __next__(self) -> Tuple[int, Any]:
+        raise StopIteration
+
+    def close(self) -> None:
+        pass
+
+
 class TensorIterator:
     """Iterator of ``(name, tensor)`` over a streaming checkpoint, in file order.
 
@@ -137,10 +163,11 @@ class TensorIterator:
     block or garbage collection stops the readers and frees what was not taken.
     """
 
-    def __init__(self, checkpoint: Checkpoint, stream: Any, framework: Optional[str]) -> None:
+    def __init__(self, checkpoint: Checkpoint, stream: Any, framework: Optional[str], count: int) -> None:
         self._checkpoint = checkpoint
         self._stream = stream
         self._framework = framework
+        self._count = count
         self._closed = False
 
     def __iter__(self) -> "TensorIterator":
@@ -175,7 +202,8 @@ class TensorIterator:
             self.close()
 
     def __len__(self) -> int:
-        return len(self._checkpoint)
+        """Tensors this iterator yields in all."""
+        return self._count
 
     @property
     def checkpoint(self) -> Checkpoint:

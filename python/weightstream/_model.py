@@ -60,16 +60,21 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
     or URI (file://, s3://: its config.json), or an open Checkpoint. ``dtype`` is the
     parameters' safetensors dtype (default: the config's torch_dtype); ``quantize`` "fp8"
     quantizes linear weights per tensor once a layer is complete; ``modules`` "all",
-    "target" (without MTP layers) or "draft" (only them). With ``device`` ("cpu", "cuda:N")
-    storage is allocated at once; otherwise call ``layout.allocate(device)``.
-    ``layout.tensor(name)`` is a DLPack view of a parameter.
+    "target" (without MTP layers) or "draft" (only them).
+
+    Storage: bind the engine's own tensors with ``layout.bind(name, tensor)`` or
+    ``layout.bind_module(module)``; loads then write into them in place. With ``device``
+    ("cpu", "cuda:N") the parameters left unbound are allocated on it at the first load (or
+    the first ``layout.tensor()``), and binds must be on it; without, call
+    ``layout.allocate(device)`` after binding. ``layout.tensor(name)`` is a DLPack view of a
+    parameter's storage.
     Raises weightstream.Error for anything bad: code "model" for an unsupported model or a
     bad division, "not_found" for a missing file or config.json, "format" for malformed JSON.
     """
     text = _config_text(config)
     layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
     if device is not None:
-        layout.allocate(device)
+        layout.allocate_at_first_load(device)
     return layout
 
 

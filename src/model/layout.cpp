@@ -1,9 +1,10 @@
 // Parameter and ModelLayout: the parameters of one rank, their storage, routes from
 // checkpoint tensor names, and the audit helpers that read them back.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <tuple>
 #include <unordered_map>
-
 
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
@@ -129,6 +130,7 @@ size_t ModelLayout::add_parameter(Parameter parameter) {
   }
   by_name_->map.emplace(name, index);
   parameters_.push_back(std::move(parameter));
+  bound_.push_back(false);
   return index;
 }
 
@@ -207,8 +209,16 @@ std::vector<std::string> ModelLayout::wanted_tensors() const {
   return names;
 }
 
-void ModelLayout::allocate(const Device& device) {
+void ModelLayout::set_device(const Device& device) {
+  WS_EXPECT(!device_fixed_ || device == device_, ErrorCode::kDevice,
+            "cannot place the storage of " + description_ + " on " + device.name() + ": it already lives on " +
+                device_.name() + " (set_device, allocate or bind)");
   device_ = device;
+  device_fixed_ = true;
+}
+
+void ModelLayout::allocate(const Device& device) {
+  set_device(device);
   std::vector<size_t> unbound;
   uint64_t total = 0;
   for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -233,17 +243,128 @@ void ModelLayout::allocate(const Device& device) {
   storage_.push_back(std::move(arena));
 }
 
-void ModelLayout::bind(std::string_view name, std::byte* data, const Device& device) {
-  WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
-            "cannot bind new storage to parameter " + std::string(name) + " of " + description_ +
-                " after it has been loaded: storage never moves (captured CUDA graphs would read freed memory)");
-  WS_EXPECT(data != nullptr, ErrorCode::kModel, "cannot bind null storage to parameter " + std::string(name));
-  auto index = find(name);
-  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
-            "cannot bind parameter " + std::string(name) + ": it is not in " + description_);
-  parameters_[*index].data = data;
-  parameters_[*index].device = device;
-  device_ = device;
+namespace {
+
+std::string address_text(const void* address) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%p", address);
+  return text;
+}
+
+}  // namespace
+
+void ModelLayout::bind(std::string_view name, const TensorView& tensor) {
+  TensorView named = tensor;
+  named.name = name;
+  bind(std::span<const TensorView>(&named, 1));
+}
+
+void ModelLayout::bind(std::span<const TensorView> tensors) {
+  // Every check runs before anything changes: a failed bind leaves the layout as it was.
+  struct Range {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+    Device device;
+    size_t index = 0;
+    bool incoming = true;  ///< being bound now (false: bound before)
+  };
+  std::vector<Range> ranges;
+  std::vector<size_t> indices;
+  std::vector<bool> seen(parameters_.size());  // by parameter index
+  std::optional<Device> device = device_fixed_ ? std::optional(device_) : std::nullopt;
+  for (const TensorView& tensor : tensors) {
+    const std::string name(tensor.name);
+    auto index = find(name);
+    WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+              "cannot bind parameter " + name + ": it is not in " + description_);
+    const Parameter& parameter = parameters_[*index];
+    const std::string what = "cannot bind parameter " + name + " of " + description_ + ": ";
+    WS_EXPECT(loads_finished_ == 0, ErrorCode::kModel,
+              what + "the layout has been loaded, and storage never moves after the first load "
+                     "(captured CUDA graphs would read freed memory)");
+    WS_EXPECT(!seen[*index], ErrorCode::kModel, what + "two tensors are given for it");
+    seen[*index] = true;
+    WS_EXPECT(parameter.data == nullptr, ErrorCode::kModel,
+              what + (bound(*index) ? "it is already bound (to memory at " + address_text(parameter.data) + ")"
+                                    : std::string("it already has storage (allocated by the layout, or shared); "
+                                                  "bind before allocate() and before the first load")));
+    WS_EXPECT(tensor.dtype == parameter.dtype, ErrorCode::kModel,
+              what + "expected dtype " + std::string(dtype_name(parameter.dtype)) + ", given " +
+                  std::string(dtype_name(tensor.dtype)));
+    WS_EXPECT(std::equal(tensor.shape.begin(), tensor.shape.end(), parameter.shape.begin(), parameter.shape.end()),
+              ErrorCode::kModel,
+              what + "expected shape " + shape_text(parameter.shape) + ", given " +
+                  shape_text(tensor.shape));
+    WS_EXPECT(tensor.offset == 0 && tensor.bytes == parameter.bytes(), ErrorCode::kModel,
+              what + "expected " + std::to_string(parameter.bytes()) + " bytes from offset 0, given " +
+                  std::to_string(tensor.bytes) + " bytes from offset " + std::to_string(tensor.offset));
+    WS_EXPECT(tensor.data != nullptr, ErrorCode::kModel, what + "expected memory, given a null address");
+    if (!device) device = tensor.device;
+    WS_EXPECT(tensor.device == *device, ErrorCode::kModel,
+              what + "expected memory on " + device->name() + " (where the layout's storage lives), given memory on " +
+                  tensor.device.name());
+    // The element size is the least alignment typed access needs (a CUDA kernel reading a
+    // BF16 at an odd address faults); engine allocations are far more aligned than that.
+    uint64_t alignment = std::max<uint64_t>(dtype_bits(parameter.dtype) / 8, 1);
+    auto address = reinterpret_cast<uintptr_t>(tensor.data);
+    WS_EXPECT(address % alignment == 0, ErrorCode::kModel,
+              what + "expected an address aligned to " + std::to_string(alignment) + " bytes (" +
+                  std::string(dtype_name(parameter.dtype)) + " elements), given " + address_text(tensor.data));
+    indices.push_back(*index);
+    if (tensor.bytes > 0) ranges.push_back({address, address + tensor.bytes, tensor.device, *index});
+  }
+  // Two parameters in one memory would overwrite each other's bytes on every load. Bound
+  // memory never overlaps (this check keeps it so), so sorted by address, an overlap shows
+  // between neighbours.
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    const Parameter& parameter = parameters_[i];
+    if (bound(i) && parameter.bytes() > 0) {
+      auto address = reinterpret_cast<uintptr_t>(parameter.data);
+      ranges.push_back({address, address + parameter.bytes(), parameter.device, i, false});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return std::tie(a.device.kind, a.device.index, a.begin) < std::tie(b.device.kind, b.device.index, b.begin);
+  });
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i - 1].device != ranges[i].device || ranges[i].begin >= ranges[i - 1].end) continue;
+    // Name the parameter being bound; the other may be one bound before.
+    const Range& given = ranges[i].incoming ? ranges[i] : ranges[i - 1];
+    const Range& owner = ranges[i].incoming ? ranges[i - 1] : ranges[i];
+    WS_FAIL(ErrorCode::kModel, "cannot bind parameter " + parameters_[given.index].name + " of " + description_ +
+                                   ": expected memory of its own, given memory at " +
+                                   address_text(reinterpret_cast<void*>(given.begin)) + " that overlaps parameter " +
+                                   parameters_[owner.index].name + "'s (" +
+                                   address_text(reinterpret_cast<void*>(owner.begin)) + "+" +
+                                   std::to_string(owner.end - owner.begin) + " bytes)");
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    Parameter& parameter = parameters_[indices[i]];
+    // Written by every load: the view's const is the session's promise, not the memory's.
+    parameter.data = const_cast<std::byte*>(tensors[i].data);
+    parameter.device = tensors[i].device;
+    bound_[indices[i]] = true;
+  }
+  if (device && !tensors.empty()) {
+    device_ = *device;
+    device_fixed_ = true;
+  }
+}
+
+std::vector<std::string> ModelLayout::bound_names() const {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (bound(i)) names.push_back(parameters_[i].name);
+  }
+  return names;
+}
+
+std::vector<std::string> ModelLayout::unbound_names() const {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!bound(i)) names.push_back(parameters_[i].name);
+  }
+  return names;
 }
 
 void ModelLayout::share_storage(std::string_view name, const Parameter& owner, const std::string& reason) {
@@ -267,6 +388,7 @@ void ModelLayout::share_storage(std::string_view name, const Parameter& owner, c
   for (const ParameterPart& part : parameter.parts) skipped_.insert_or_assign(part.tensor, reason);
   parameter.parts.clear();
   parameter.padding.clear();
+  bound_[*index] = false;
   parameter.data = owner.data;
   parameter.device = owner.device;
 }

@@ -1,5 +1,6 @@
 // Layouts built from config.json: fused parameters, tensor-parallel shapes, vocabulary
-// padding, K/V head replication, MLA, stacked experts, MTP layers, expert parallelism.
+// padding, K/V head replication, MLA, stacked experts, MTP layers, expert parallelism;
+// engine memory bound to parameters (the checks of bind, and loads writing into it in place).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +11,11 @@ namespace weightstream {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::bytes_of;
+using testing::cached_checkpoint;
+using testing::cold_loaded_layout;
+using testing::MemoryCheckpoint;
+using testing::run_load;
 using testing::synth_in_memory;
 using testing::synth_options;
 
@@ -208,6 +214,150 @@ TEST(ModelLayout, CustomLayoutThroughTheApi) {
   layout.add_parameter(parameter);
   EXPECT_THROW(layout.add_parameter(parameter), Error);
   EXPECT_EQ(layout.route("b").targets, (std::vector<std::pair<size_t, size_t>>{{0, 1}}));
+}
+
+/// The message of the Error that `bind` throws, or "" when it throws none.
+template <typename Call>
+std::string bind_error(Call&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+/// Engine-owned host memory for parameter `name`: a view of `memory`, resized to fit.
+TensorView engine_view(const ModelLayout& layout, std::string_view name, std::vector<std::byte>& memory) {
+  const Parameter& parameter = layout.parameter(name);
+  memory.assign(parameter.bytes(), std::byte{0x5A});
+  TensorView view;
+  view.name = name;
+  view.dtype = parameter.dtype;
+  view.shape = parameter.shape;
+  view.data = memory.data();
+  view.bytes = memory.size();
+  return view;
+}
+
+TEST(ModelLayout, BindChecksDtypeShapeSizeDeviceAlignmentAndOverlap) {
+  ModelLayout layout = build_model_layout(llama_config(8, 2));
+  const std::string name = "model.layers.0.mlp.down_proj.weight";
+  const std::string other = "model.layers.1.mlp.down_proj.weight";
+  const std::string prefix = "cannot bind parameter " + name + " of llama tp 1 rank 0: ";
+  std::vector<std::byte> memory;
+  TensorView good = engine_view(layout, name, memory);  // BF16 [512, 256]
+
+  TensorView wrong = good;
+  wrong.dtype = Dtype::kF16;
+  EXPECT_THAT(bind_error([&] { layout.bind(name, wrong); }), HasSubstr(prefix + "expected dtype BF16, given F16"));
+  std::vector<int64_t> transposed{256, 512};
+  wrong = good;
+  wrong.shape = transposed;
+  EXPECT_THAT(bind_error([&] { layout.bind(name, wrong); }),
+              HasSubstr(prefix + "expected shape [512, 256], given [256, 512]"));
+  wrong = good;
+  wrong.bytes -= 2;
+  EXPECT_THAT(bind_error([&] { layout.bind(name, wrong); }),
+              HasSubstr(prefix + "expected 262144 bytes from offset 0, given 262142 bytes from offset 0"));
+  wrong = good;
+  wrong.data = nullptr;
+  EXPECT_THAT(bind_error([&] { layout.bind(name, wrong); }), HasSubstr(prefix + "expected memory, given a null address"));
+  wrong = good;
+  wrong.data = memory.data() + 1;
+  EXPECT_THAT(bind_error([&] { layout.bind(name, wrong); }),
+              HasSubstr(prefix + "expected an address aligned to 2 bytes (BF16 elements), given 0x"));
+  EXPECT_THAT(bind_error([&] { layout.bind("model.nope", good); }),
+              HasSubstr("cannot bind parameter model.nope: it is not in llama tp 1 rank 0"));
+  EXPECT_TRUE(layout.bound_names().empty());
+
+  // The first bind fixes the device: a CUDA address is refused without touching it.
+  layout.bind(name, good);
+  EXPECT_EQ(layout.bound_names(), (std::vector<std::string>{name}));
+  EXPECT_EQ(layout.parameter(name).data, memory.data());
+  std::vector<std::byte> more;
+  TensorView on_gpu = engine_view(layout, other, more);
+  on_gpu.device = Device{Device::Kind::kCuda, 0};
+  EXPECT_THAT(bind_error([&] { layout.bind(other, on_gpu); }),
+              HasSubstr("cannot bind parameter " + other +
+                        " of llama tp 1 rank 0: expected memory on cpu (where the layout's storage lives), given "
+                        "memory on cuda:0"));
+  EXPECT_THAT(bind_error([&] { layout.allocate(Device{Device::Kind::kCuda, 0}); }),
+              HasSubstr("cannot place the storage of llama tp 1 rank 0 on cuda:0: it already lives on cpu"));
+  EXPECT_THAT(bind_error([&] { layout.bind(name, good); }), HasSubstr(prefix + "it is already bound"));
+  TensorView overlapping = engine_view(layout, other, more);
+  overlapping.data = memory.data() + 1024;
+  // other has name's shape: its bytes from 1 KiB into name's memory overlap it (never touched).
+  EXPECT_THAT(bind_error([&] { layout.bind(other, overlapping); }),
+              HasSubstr("cannot bind parameter " + other + " of llama tp 1 rank 0: expected memory of its own, given "
+                        "memory at 0x"));
+  EXPECT_THAT(bind_error([&] { layout.bind(other, overlapping); }), HasSubstr("overlaps parameter " + name + "'s"));
+  EXPECT_EQ(layout.bound_names(), (std::vector<std::string>{name}));
+}
+
+TEST(ModelLayout, BindOfSeveralTensorsChecksThemAllFirst) {
+  ModelLayout layout = build_model_layout(llama_config(8, 2));
+  std::vector<std::byte> a, b;
+  std::vector<TensorView> views{engine_view(layout, "model.norm.weight", a),
+                                engine_view(layout, "model.layers.0.mlp.down_proj.weight", b)};
+  std::vector<int64_t> wrong{1, 2};
+  views[1].shape = wrong;
+  EXPECT_THAT(bind_error([&] { layout.bind(views); }), HasSubstr("expected shape [512, 256], given [1, 2]"));
+  EXPECT_TRUE(layout.bound_names().empty()) << "a failed bind binds nothing";
+  views[1] = views[0];
+  EXPECT_THAT(bind_error([&] { layout.bind(views); }),
+              HasSubstr("cannot bind parameter model.norm.weight of llama tp 1 rank 0: two tensors are given for it"));
+  views.pop_back();
+  layout.bind(views);
+  EXPECT_EQ(layout.bound_names(), (std::vector<std::string>{"model.norm.weight"}));
+  EXPECT_EQ(layout.unbound_names().size(), layout.parameters().size() - 1);
+}
+
+TEST(ModelLayout, AllocateFillsOnlyWhatIsUnboundAndBindComesBeforeIt) {
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = build_model_layout(checkpoint.config);
+  std::vector<std::byte> memory;
+  const std::string name = "model.layers.0.self_attn.qkv_proj.weight";
+  layout.bind(name, engine_view(layout, name, memory));
+  layout.allocate(Device{});
+  EXPECT_EQ(layout.parameter(name).data, memory.data());
+  uint64_t expected = 0;
+  for (const Parameter& parameter : layout.parameters()) expected += parameter.name == name ? 0 : parameter.bytes();
+  EXPECT_EQ(layout.allocated_bytes(), expected) << "bound memory is the engine's: never allocated";
+  const std::string other = "model.layers.1.self_attn.qkv_proj.weight";
+  std::vector<std::byte> more;
+  EXPECT_THAT(bind_error([&] { layout.bind(other, engine_view(layout, other, more)); }),
+              HasSubstr("it already has storage (allocated by the layout, or shared); bind before allocate()"));
+}
+
+TEST(ModelLayout, BoundMemoryReceivesEveryLoadInPlace) {
+  const MemoryCheckpoint& first = cached_checkpoint("llama", 1);
+  const MemoryCheckpoint& second = cached_checkpoint("llama", 2);
+  LayoutOptions options;
+  options.parallel = {2, 1};
+  ModelLayout layout = build_model_layout(first.config, options);
+  std::map<std::string, std::vector<std::byte>> memory;
+  std::vector<TensorView> views;
+  for (const Parameter& parameter : layout.parameters()) views.push_back(engine_view(layout, parameter.name, memory[parameter.name]));
+  layout.bind(views);
+  EXPECT_EQ(layout.unbound_names(), std::vector<std::string>{});
+  auto addresses = storage_addresses(layout);
+
+  run_load(layout, LoadMode::kCold, {first.views()});
+  ModelLayout reference = cold_loaded_layout(first, 2, 1);
+  for (const Parameter& parameter : reference.parameters()) {
+    EXPECT_EQ(memory.at(parameter.name), bytes_of(reference, parameter.name)) << parameter.name;
+  }
+  run_load(layout, LoadMode::kReload, {second.views()});
+  ModelLayout reloaded = cold_loaded_layout(second, 2, 1);
+  for (const Parameter& parameter : reloaded.parameters()) {
+    EXPECT_EQ(memory.at(parameter.name), bytes_of(reloaded, parameter.name)) << parameter.name;
+  }
+  EXPECT_EQ(storage_addresses(layout), addresses);
+  EXPECT_EQ(layout.allocated_bytes(), 0u);
+  std::vector<std::byte> late;
+  EXPECT_THAT(bind_error([&] { layout.bind("model.norm.weight", engine_view(layout, "model.norm.weight", late)); }),
+              HasSubstr("the layout has been loaded, and storage never moves after the first load"));
 }
 
 }  // namespace

@@ -499,24 +499,6 @@ def test_abandoning_the_iterator_stops_the_stream(synth_256mib):
     assert task_count() <= threads_before
 
 
-# ---- the vLLM loader example -----------------------------------------------------------------
-
-
-def test_vllm_loader_example_imports_without_vllm(synth_f32):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("vllm_loader_plugin", ROOT / "examples" / "vllm_loader_plugin.py")
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        assert plugin.register() is False
-    # The shard list it streams is the index's, in the order weightstream reads it.
-    assert plugin.checkpoint_source(str(synth_f32)) == [str(p) for p in shard_files(synth_f32)]
-    assert plugin.checkpoint_source("s3://bucket/model") == "s3://bucket/model"
-
-
 # ---- LoadSession --------------------------------------------------------------------------------
 
 

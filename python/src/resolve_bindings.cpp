@@ -1,0 +1,78 @@
+// weightstream._core: source resolution for engines' loaders in Python (the vLLM model
+// loader resolves its draft's weights exactly as `weightstream resolve` does).
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/resolve.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace weightstream::python {
+namespace {
+
+ModuleRole parse_role(const std::string& text) {
+  if (text == "target") return ModuleRole::kTarget;
+  if (text == "draft") return ModuleRole::kDraft;
+  WS_FAIL(ErrorCode::kInvalidArgument, "module role '" + text + "' is not one of target, draft");
+}
+
+/// Resolves one module's source; raises weightstream.Error (not_found) naming every
+/// candidate passed over when none holds a tensor the layout wants.
+nb::dict resolve_module_source(const std::string& model, const std::string& model_weights, const std::string& role,
+                               nb::handle layout, const std::string& method, const std::string& model_uri,
+                               nb::dict overrides) {
+  Options options = resolve_options(environment_options(), overrides);
+  if (!model_uri.empty()) {
+    options.model_uri = model_uri;
+    options.model_uri_origin = std::string(kModelUriOption);
+  }
+  ModuleRole parsed = parse_role(role);
+  const ModelLayout& module_layout = python_layout(layout);
+  SourceResolution resolution;
+  {
+    nb::gil_scoped_release release;
+    resolution = resolve_source({model, model_weights}, parsed, module_layout, options, method);
+  }
+  const SourceCandidate& chosen = resolution.chosen();  // throws the error naming every source
+  std::vector<std::string> passed_over;
+  for (const SourceCandidate& candidate : resolution.candidates) {
+    if (&candidate != &chosen) passed_over.push_back(candidate.text());
+  }
+  nb::dict result;
+  result["module"] = resolution.module_text();
+  result["field"] = chosen.field;
+  result["uri"] = chosen.uri;
+  result["shards"] = chosen.shards;
+  result["passed_over"] = passed_over;
+  return result;
+}
+
+/// The checkpoint URI and how messages name it: `model_uri` when given ("model_uri option"),
+/// else WEIGHTSTREAM_MODEL_URI or MX_MODEL_URI; ("", "WEIGHTSTREAM_MODEL_URI") when unset.
+nb::tuple checkpoint_uri(const std::string& model_uri) {
+  Options options = environment_options();
+  if (!model_uri.empty()) {
+    options.model_uri = model_uri;
+    options.model_uri_origin = std::string(kModelUriOption);
+  }
+  return nb::make_tuple(options.model_uri, checkpoint_uri_field(options));
+}
+
+}  // namespace
+
+void bind_resolve(nb::module_& m) {
+  m.def("resolve_source", &resolve_module_source, "model"_a, "model_weights"_a, "role"_a, "layout"_a,
+        "method"_a = "", "model_uri"_a = "", "options"_a = nb::dict(),
+        "Where a module's weights come from: model_weights, then model, then the checkpoint URI "
+        "(model_uri, else WEIGHTSTREAM_MODEL_URI or MX_MODEL_URI).");
+  m.def("checkpoint_uri", &checkpoint_uri, "model_uri"_a = "",
+        "(uri, label): the checkpoint URI a module falls back to and how messages name it.");
+}
+
+}  // namespace weightstream::python

@@ -1,0 +1,220 @@
+"""The ``weightstream`` weight-transfer backend: vLLM's WeightTransferEngine on each
+worker, receiving pushed updates with weightstream.UpdateReceiver straight into the
+parameters the layout is bound to (in place: addresses never change), and the trainer's
+TrainerWeightTransferEngine that pushes them with weightstream.UpdateSender.
+
+One update, as vLLM drives it: the trainer calls ``start_weight_update`` on the engine, then
+``update_weights`` (each worker's receive_weights blocks in UpdateReceiver.receive while the
+trainer sends, on a thread of its own), then ``finish_weight_update``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from .. import _core
+from ._model import (
+    BoundModel,
+    ModelSources,
+    NoMappingTable,
+    bind_model,
+    config_dict,
+    logger,
+    parallel_ranks,
+    store_binding,
+    stored_binding,
+)
+
+TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nccl")
+
+
+@dataclass
+class WeightstreamInitInfo(WeightTransferInitInfo):
+    """What each worker needs to receive: the transport, one listen address per
+    tensor-parallel rank ("HOST:PORT" for tcp and nccl, a Unix socket path for shm and
+    cuda-ipc; the trainer picks them), the shared token and the per-message timeout."""
+
+    addresses: List[str] = field(default_factory=list)
+    transport: str = "tcp"
+    token: str = ""
+    timeout: float = 30.0
+
+
+@dataclass
+class WeightstreamUpdateInfo(WeightTransferUpdateInfo):
+    """One update: how long a worker waits for the trainer to start sending."""
+
+    accept_timeout: float = 600.0
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weightstream weight transfer: transport '{transport}' is not one of {', '.join(TRANSPORTS)}")
+
+
+class WeightstreamWeightTransferEngine(WeightTransferEngine):
+    """Worker side: receives pushed updates into the model's bound parameters.
+
+    The model's binding is the one its load made (``--load-format weightstream``); a model
+    loaded otherwise is bound here, from its config.json. Updates are received in the
+    trainer's chosen format ("checkpoint": Hugging Face names, mapped, sliced for this rank
+    and fused as a load does; "engine": the layout's parameter names). Model hooks run once
+    per update, at its end. process_weights_after_loading is not rerun: the parameters
+    receive their final bytes in place.
+    """
+
+    init_info_cls = WeightstreamInitInfo
+    update_info_cls = WeightstreamUpdateInfo
+    # The trainer addresses one receiver per rank, the target's; a draft reloads from the
+    # checkpoint (--load-format weightstream) instead.
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._receivers: Dict[int, Any] = {}  # id(model) -> UpdateReceiver
+        self._init_info: Optional[WeightstreamInitInfo] = None
+        self.last_report: Optional[Dict[str, Any]] = None
+
+    def _binding(self, model: torch.nn.Module) -> BoundModel:
+        bound = stored_binding(model)
+        if bound is not None:
+            return bound
+        model_config = self.model_config
+        load_config = getattr(self.vllm_config, "load_config", None)
+        sources = ModelSources.of(model_config, load_config)
+        tp_size, tp_rank = parallel_ranks()
+        try:
+            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype, tp_size,
+                               tp_rank)
+        except NoMappingTable as reason:
+            raise _core.Error(f"the weightstream weight-transfer backend needs a model weightstream has a layout "
+                              f"for (llama, qwen3, deepseek_v3, qwen3_next); {type(model).__name__} has none ({reason})"
+                              ) from None
+        store_binding(model, bound)
+        return bound
+
+    def init_transfer_engine(self, init_info: WeightstreamInitInfo) -> None:
+        _check_transport(init_info.transport)
+        tp_size, tp_rank = parallel_ranks()
+        if init_info.addresses and len(init_info.addresses) != tp_size:
+            raise ValueError(f"weightstream weight transfer: {len(init_info.addresses)} addresses for {tp_size} "
+                             f"tensor-parallel ranks (one each)")
+        self._init_info = init_info
+        self._receiver(self.model)
+
+    def _receiver(self, model: torch.nn.Module) -> Any:
+        receiver = self._receivers.get(id(model))
+        if receiver is not None:
+            return receiver
+        if self._init_info is None:
+            raise RuntimeError("weightstream weight transfer: init_transfer_engine was not called")
+        info = self._init_info
+        bound = self._binding(model)
+        _, tp_rank = parallel_ranks()
+        listen = info.addresses[tp_rank] if info.addresses else ""
+        receiver = _core.UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device)
+        self._receivers[id(model)] = receiver
+        logger.info("weightstream: rank %d receives updates of %s over %s at %s", tp_rank, bound.description,
+                    info.transport, receiver.address)
+        return receiver
+
+    @property
+    def address(self) -> str:
+        """The address this worker's receiver of the current target listens at."""
+        return self._receiver(self.model).address
+
+    def start_weight_update(self) -> None:
+        # Bytes land in place in the bound parameters: no layerwise reload to set up.
+        pass
+
+    def receive_weights(self, update_info: WeightstreamUpdateInfo) -> None:
+        self.last_report = self._receiver(self.model).receive(accept_timeout=update_info.accept_timeout)
+
+    def finish_weight_update(self) -> None:
+        # The receiver's session ran the model hooks once, at the end of the update.
+        pass
+
+    def shutdown(self) -> None:
+        self._receivers.clear()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Iterable[Tuple[str, torch.Tensor]], trainer_args: Any) -> None:
+        """Sends one update from the trainer without the control plane: ``trainer_args`` is
+        a dict with ``addresses`` (or ``address``), and optionally ``transport``, ``token``,
+        ``format``, ``bucket_bytes``, ``device``."""
+        args = dict(trainer_args or {})
+        addresses = args.get("addresses") or [args["address"]]
+        transport = args.get("transport", "tcp")
+        _check_transport(transport)
+        senders = _make_senders(addresses, transport, args.get("token", ""), args.get("device", "cpu"),
+                                args.get("bucket_bytes"))
+        tensors = list(iterator)
+        for sender in senders:
+            _send(sender, tensors, args.get("format", "checkpoint"))
+
+
+def _make_senders(addresses: List[str], transport: str, token: str, device: str,
+                  bucket_bytes: Optional[int]) -> List[Any]:
+    options: Dict[str, Any] = {"transport": transport, "token": token, "device": device}
+    if bucket_bytes:
+        options["bucket_bytes"] = int(bucket_bytes)
+    if transport in ("shm", "cuda-ipc"):
+        # shm and CUDA IPC take one receiver per sender.
+        return [_core.UpdateSender(address, **options) for address in addresses]
+    return [_core.UpdateSender(list(addresses) if len(addresses) > 1 else addresses[0], **options)]
+
+
+def _send(sender: Any, tensors: Iterable[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
+    sender.start(format)
+    for name, tensor in tensors:
+        tensor = tensor.detach()
+        full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
+        if callable(full):
+            tensor = full()
+        sender.send(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+    return sender.finish()
+
+
+def free_addresses(transport: str, count: int, host: str = "127.0.0.1") -> List[str]:
+    """``count`` listen addresses the trainer can hand to the workers: free loopback ports
+    for tcp and nccl (the host given for a remote engine), fresh Unix socket paths for shm
+    and cuda-ipc."""
+    _check_transport(transport)
+    if transport in ("shm", "cuda-ipc"):
+        folder = tempfile.mkdtemp(prefix="weightstream-vllm-")
+        return [os.path.join(folder, f"rank-{rank}.sock") for rank in range(count)]
+    addresses = []
+    sockets = []
+    for _ in range(count):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.bind((host, 0))
+        sockets.append(probe)
+        addresses.append(f"{host}:{probe.getsockname()[1]}")
+    for probe in sockets:
+        probe.close()
+    return addresses
+
+
+def register_transfer_engines() -> None:
+    """Registers the worker engine with vLLM's WeightTransferEngineFactory (and the trainer
+    engine with its trainer factory where the release has one); harmless when done already."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
+
+    from . import NAME  # noqa: PLC0415
+
+    if NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(NAME, WeightstreamWeightTransferEngine)
+    from . import _trainer  # noqa: PLC0415
+
+    _trainer.register_trainer_engine()

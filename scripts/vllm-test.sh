@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The vLLM stage (issue 17): the vLLM loader, weight-transfer backend and MTP draft load of
+# weightstream.vllm, tested against the real vLLM 0.33.0 on the CPU (tests/python/test_vllm.py;
+# nothing of vLLM is mocked). Not part of scripts/test.sh or CI: the install is about 9.5 GB
+# and takes longer than CI allows (docs/VLLM.md has the times measured). Run it before an
+# issue touching python/weightstream/vllm/ is resolved.
+#
+# Usage: scripts/vllm-test.sh [pytest arguments]
+#   WS_VLLM_VENV     the virtual environment holding vLLM (default build/venv-vllm; made and
+#                    filled with vllm==$WS_VLLM_VERSION and pytest when it lacks them)
+#   WS_VLLM_VERSION  the vLLM release to install (default 0.33.0; 0.34.0 pins a flashinfer
+#                    release some registries lack)
+# The package is built from this checkout with the system python3 into build/python-site
+# (as scripts/test.sh does), which the environment's python (the same Python version) imports.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${WS_BUILD_DIR:-$root/build}
+venv=${WS_VLLM_VENV:-$build/venv-vllm}
+version=${WS_VLLM_VERSION:-0.33.0}
+
+if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$version')" 2>/dev/null; then
+  echo "installing vllm==$version into $venv (about 9.5 GB)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --disable-pip-version-check -q "vllm==$version"
+fi
+"$venv/bin/python" -c "import pytest" 2>/dev/null || "$venv/bin/pip" install --disable-pip-version-check -q pytest
+
+system_python=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+venv_python=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$system_python" != "$venv_python" ]; then
+  echo "python3 is $system_python but $venv has Python $venv_python: the package built here would not import there" >&2
+  exit 1
+fi
+python_site="$build/python-site"
+CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-build-isolation --no-deps \
+  --disable-pip-version-check --root-user-action=ignore -q --upgrade --target "$python_site" "$root"
+
+export WS_CLI="$build/weightstream"
+PYTHONPATH="$python_site" "$venv/bin/python" -m pytest -q "$root/tests/python/test_vllm.py" "$@"
