@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/test_support.hpp"
+#include "weightstream/model.hpp"
 #include "weightstream/format.hpp"
 
 namespace weightstream {

@@ -173,8 +173,12 @@ TEST(ModelLayout, DraftModuleIsALayoutOfItsOwn) {
   options.modules = LayoutModules::kTarget;
   ModelLayout target = build_model_layout(checkpoint.config, options);
   EXPECT_EQ(target.route("model.layers.2.eh_proj.weight").kind, TensorRoute::Kind::kSkipped);
-  EXPECT_EQ(draft.parameters().size() + target.parameters().size(),
-            build_model_layout(checkpoint.config).parameters().size());
+  // The default layout is the target: layers 0 to num_hidden_layers - 1 only.
+  ModelLayout plain = build_model_layout(checkpoint.config);
+  EXPECT_EQ(target.parameters().size(), plain.parameters().size());
+  for (const Parameter& parameter : plain.parameters()) {
+    EXPECT_NE(plain.layer_kind(parameter.layer), LayerKind::kMtp) << parameter.name;
+  }
 }
 
 TEST(ModelLayout, QuantizedLayoutStoresFp8WithScales) {

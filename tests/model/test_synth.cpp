@@ -7,6 +7,7 @@
 
 #include "format/format_test_files.hpp"
 #include "support/test_support.hpp"
+#include "weightstream/model.hpp"
 
 namespace weightstream {
 namespace {
