@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <set>
 
 #include "model/model_fixtures.hpp"
 #include "weightstream/error.hpp"
@@ -381,11 +383,9 @@ TEST(Fp8Block, WeightAndScaleInDifferentBatchesLoadReloadAndUpdateAlike) {
   EXPECT_EQ(compare_layouts(reference, split).mismatched, 0u);
   for (LoadMode mode : {LoadMode::kReload, LoadMode::kUpdate}) {
     SCOPED_TRACE(std::string(load_mode_name(mode)));
-    auto other = fp8_checkpoint("llama", 512);
-    (void)other;
     LoadCounters counters = testing::run_load(
         split, mode, {checkpoint.views_except("_scale_inv"), checkpoint.views_matching("_scale_inv")});
-    EXPECT_EQ(counters.model_hook_runs, 0u);
+    EXPECT_EQ(counters.tensors_applied, reference.wanted_tensors().size());
     EXPECT_EQ(compare_layouts(reference, split).mismatched, 0u);
   }
   // A weight without its scale leaves the parameter incomplete, named.
