@@ -102,7 +102,7 @@ TEST(FamiliesCommands, SynthWritesEveryFamilyAndFp8BlockCheckpointsAuditClean) {
   auto cut = run_cli({"export", fp8, (directory / "x.safetensors").string(), "--tp-size", "8", "--no-progress"});
   EXPECT_NE(cut.exit_code, 0);
   EXPECT_THAT(cut.err, HasSubstr("does not fall on the weight_block_size [128, 128] boundaries of its FP8 block scales"));
-  auto online = run_cli({"load", fp8, "--quantize", "fp8", "--no-progress"});
+  auto online = run_cli({"load", fp8, "--tp-size", "1", "--quantize", "fp8", "--no-progress"});
   EXPECT_NE(online.exit_code, 0);
   EXPECT_THAT(online.err, HasSubstr("FP8 block-quantized already"));
   auto bad = run_cli({"synth", (directory / "bad").string(), "--quantize", "fp4"});

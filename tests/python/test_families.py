@@ -243,7 +243,7 @@ def test_fp8_block_audit_with_weight_and_scale_in_different_batches(family, tmp_
         report = json.loads(run("audit", tmp_path, "--device", device, "--tp-size", 2, "--order", order,
                                 "--batches", 9, "--json"))
         assert report["clean"] is True, report
-    result = subprocess.run([CLI, "export", str(tmp_path), str(tmp_path / "x.safetensors"), "--tp-size", 8],
+    result = subprocess.run([CLI, "export", str(tmp_path), str(tmp_path / "x.safetensors"), "--tp-size", "8"],
                             capture_output=True, text=True)
     assert result.returncode != 0
     assert "does not fall on the weight_block_size [128, 128] boundaries" in result.stderr or \
