@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|smallload|update|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|layout|smallload|update|families|all]...   (default: all)
 #   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
 #   WS_JOBS             build and test parallelism (default: the core count)
 set -uo pipefail
@@ -108,7 +108,7 @@ if wants test; then
   grep -A200 "The following tests FAILED" "$out/ctest.log" | head -40
   # The CUDA tests must have run, not skipped.
   "$build/tests/test_device" --gtest_filter='Cuda.*' --gtest_brief=1 >"$out/cuda_tests.log" 2>&1 || status=1
-  "$build/tests/test_stream" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
+  "$build/tests/test_resolve" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
   summary "cuda tests ($((SECONDS - start)) s for all tests):" \
     "$(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/cuda_tests.log" | tr '\n' ' ')"
 fi
@@ -129,12 +129,17 @@ if wants digest; then
 fi
 
 if wants bench; then
-  # Until load_checkpoint() hands CUDA destinations to load_checkpoint_cuda(), the CLI
-  # does not reach the GPU paths: then the library is driven through test_stream.
-  driver=cli
-  grep -q load_checkpoint_cuda "$source_dir/src/stream/load.cpp" || driver="$build/tests/test_stream"
-  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" --load-driver "$driver" \
+  PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" \
     --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+
+if wants layout; then
+  # Issue 16: engine-layout loads (tp 1, 2, 8), a shuffled reload and the Python session path
+  # against the raw load, on a checkpoint written by the safetensors package.
+  site=$build/python-site
+  PYTHONUNBUFFERED=1 python3 bench/layout_bench.py --cli "$build/weightstream" --out "$out" \
+    $([ -d "$site/weightstream" ] && echo --python-site "$site") 2>&1 | tee "$out/layout.log" || status=1
+  summary "layout bench: $(grep -c 'met' "$out/layout_bench.md" 2>/dev/null) targets met, $(grep -c 'MISSED' "$out/layout_bench.md" 2>/dev/null) missed"
 fi
 
 if wants smallload; then
@@ -172,6 +177,27 @@ if wants python; then
     summary "python: pip install FAILED (see python.log)"
     status=1
   fi
+fi
+
+# ---- families (issue 18): transformers save_pretrained checkpoints of every family, exports at
+# tp 1, 2, 4, 8 against vLLM-style hand slicing, FP8 block audits, audit on cuda:0 at tp 2 ----
+if wants families; then
+  start=$SECONDS
+  {
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    WS_CLI="$build/weightstream" python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_families.py"
+  } >"$out/families.log" 2>&1 || status=1
+  dir=$(mktemp -d)
+  for arch in llama deepseek_v3 glm4_moe qwen3_moe mixtral kimi_k2; do
+    for quantize in none fp8-block; do
+      "$build/weightstream" synth "$dir/$arch-$quantize" --arch "$arch" --hidden 512 --vocab 1000 --quantize "$quantize" \
+        >>"$out/families.log" 2>&1 &&
+        "$build/weightstream" audit "$dir/$arch-$quantize" --device cuda:0 --tp-size 2 --order reversed --batches 9 \
+          >>"$out/families.log" 2>&1 || { echo "audit $arch $quantize FAILED" >>"$out/families.log"; status=1; }
+    done
+  done
+  rm -rf "$dir"
+  summary "families ($((SECONDS - start)) s): pytest: $(grep -E '[0-9]+ (passed|failed|skipped)' "$out/families.log" | tail -1); audits failed: $(grep -c 'FAILED$' "$out/families.log")"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------

@@ -204,60 +204,26 @@ struct ModelConfig {
   int64_t shared_expert_intermediate_size = 0;
   int64_t decoder_sparse_step = 1;      ///< layer i has experts when (i + 1) % decoder_sparse_step == 0
   std::vector<int64_t> mlp_only_layers;  ///< layers with a dense MLP instead of experts
+  int64_t num_local_experts = 0;  ///< Mixtral's routed experts (each of intermediate_size)
+  bool attention_bias = false;    ///< GLM-4.5: q_proj, k_proj and v_proj have biases
+  bool use_qk_norm = false;       ///< GLM-4.5: per-head q_norm and k_norm
+  /// quantization_config, as checkpoints that ship quantized weights declare it.
+  struct Quantization {
+    std::string quant_method;       ///< "fp8", ...; empty when config.json has no quantization_config
+    std::string fmt;                ///< "e4m3" (DeepSeek-V3 writes it; absent means e4m3)
+    std::string activation_scheme;  ///< "dynamic" or "static"
+    /// [block_n, block_k]: rows (output features) and columns (input features) of one scale
+    /// block; empty for one scale per tensor.
+    std::vector<int64_t> weight_block_size;
+    /// Modules left unquantized (modules_to_not_convert, or vLLM's ignored_layers), e.g.
+    /// "lm_head" or "model.layers.0.mlp.gate".
+    std::vector<std::string> modules_to_not_convert;
+  } quantization;
 };
 
 /// Parses config.json. Sizes are validated (positive where required, at most 2^20 for
 /// dimensions and 2^16 for layer and head counts). Throws Error(kFormat) naming the field.
 ModelConfig parse_model_config(std::string_view object, std::string_view json);
 
-/// Options of the synthetic checkpoint generator (`weightstream synth`).
-struct SynthOptions {
-  std::string arch = "llama";  ///< llama | qwen3 | deepseek_v3 | qwen3_next
-  int64_t layers = 2;   ///< decoder layers (num_hidden_layers), 1 to 65536
-  int64_t hidden = 256; ///< hidden_size, a multiple of 32 from 64 to 65536
-  int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
-  uint64_t seed = 0;
-  Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
-  /// When set, scale the model to about this many bytes (`layers` is then ignored): layers
-  /// grow, and hidden doubles (up to 16384) while more than kSynthMaxScaledLayers layers
-  /// would be needed. A target below the one-layer model (at `hidden`) throws
-  /// Error(kInvalidArgument) naming the smallest size that can be met.
-  std::optional<uint64_t> target_bytes;
-  int64_t vocab = 4096;  ///< vocab_size
-  bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight
-  // deepseek_v3 (and, where noted, qwen3_next) only.
-  int64_t experts = 8;             ///< n_routed_experts (qwen3_next: num_experts)
-  int64_t shared_experts = 1;      ///< n_shared_experts (qwen3_next has one shared expert)
-  int64_t experts_per_token = 2;   ///< num_experts_per_tok (qwen3_next too)
-  int64_t first_dense_layers = 1;  ///< first_k_dense_replace (capped at layers)
-  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers (qwen3_next too)
-};
-
-/// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
-inline constexpr int64_t kSynthMaxScaledLayers = 256;
-
-/// Summary of a synthesized checkpoint.
-struct SynthResult {
-  uint64_t tensors = 0;  ///< tensors written
-  uint64_t bytes = 0;    ///< tensor bytes written (metadata.total_size of the index)
-  /// Paths of the files written: config.json, the index, then the shards in order.
-  std::vector<std::string> files;
-  ModelConfig config;  ///< the config written, as parse_model_config() reads it back
-};
-
-/// Names, dtypes and shapes of the tensors of a Hugging Face checkpoint of `config`
-/// (model_type llama, qwen3, deepseek_v3 or qwen3_next) with weights in `dtype`, in file order.
-/// Throws Error(kInvalidArgument) for another model_type.
-std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype);
-
-/// Writes config.json, model.safetensors.index.json and shards named and shaped like the
-/// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.
-/// deepseek_v3 includes routed and shared MoE experts and num_nextn_predict_layers MTP
-/// layers named model.layers.{num_hidden_layers+i}.*; qwen3_next has Gated DeltaNet layers
-/// with a full-attention layer every full_attention_interval (4, or the layer count when
-/// smaller), MoE layers with one shared expert, and its MTP module under mtp.* (mtp.fc,
-/// mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.{i}.*, mtp.norm) after
-/// every other tensor.
-SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options);
 
 }  // namespace weightstream

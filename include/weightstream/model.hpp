@@ -80,17 +80,63 @@ struct MappingRule {
   std::optional<Dtype> dtype;
 };
 
+/// Where a family's checkpoints put their multi-token-prediction (draft) layers.
+enum class MtpPlacement {
+  kNone,           ///< the family has no MTP layers
+  kDecoderLayers,  ///< model.layers.{num_hidden_layers + i}.* (DeepSeek-V3, Kimi-K2, GLM-4.5)
+  kMtpModule,      ///< mtp.layers.{i}.* and mtp.* (Qwen3-Next)
+};
+
+/// Which decoder layers of a family have routed experts (the others a dense MLP).
+enum class ExpertLayers {
+  kNone,         ///< a dense model
+  kFirstKDense,  ///< layer >= first_k_dense_replace and layer % moe_layer_freq == 0 (DeepSeek-V3, GLM-4.5)
+  kSparseStep,   ///< not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0 (Qwen3-MoE, Qwen3-Next)
+  kEveryLayer,   ///< every layer (Mixtral)
+};
+
+/// One supported architecture: its model_type, its mapping table and the facts about its
+/// layers that build_model_layout and synth read. Adding a family means adding one of these.
+struct Architecture {
+  std::string_view model_type;  ///< config.json model_type, e.g. "qwen3_moe"
+  std::string_view hf_class;    ///< config.json "architectures" entry, e.g. "Qwen3MoeForCausalLM"
+  ExpertLayers experts = ExpertLayers::kNone;
+  MtpPlacement mtp = MtpPlacement::kNone;
+  bool linear_attention = false;  ///< Gated DeltaNet layers between full-attention layers (Qwen3-Next)
+  bool mla = false;               ///< multi-head latent attention (DeepSeek-V3, Kimi-K2)
+  /// The mapping table for one config of the family (rows depend on it: a q LoRA, shared
+  /// experts, attention biases, q/k norms).
+  std::vector<MappingRule> (*rules)(const ModelConfig& config) = nullptr;
+};
+
+/// Every supported architecture, in the order messages list them.
+std::span<const Architecture> architectures() noexcept;
+/// The architecture of `model_type`, or null.
+const Architecture* find_architecture(std::string_view model_type) noexcept;
+/// The architecture of a config. Throws Error(kModel) naming the model_type and the supported ones.
+const Architecture& architecture_of(const ModelConfig& config);
+/// "llama, qwen3, ..." (every supported model_type).
+std::string supported_model_types();
+
+/// True when config.json's quantization_config declares FP8 block-scaled weights (as
+/// DeepSeek-V3, Kimi-K2, Qwen3-*-FP8 and GLM-4.5-FP8 ship): quant_method "fp8" with a
+/// weight_block_size. Linear weights are then F8_E4M3 and each has an F32
+/// X.weight_scale_inv of [ceil(out / block_n), ceil(in / block_k)] (dequantized weight =
+/// code x scale). Throws Error(kModel) for a quantization_config that weightstream does not
+/// load (another quant_method or fmt, FP8 without weight_block_size, static activations).
+bool fp8_block_quantized(const ModelConfig& config);
+
 /// The named dimensions that MappingRule::shape refers to, computed from a config
 /// ("hidden", "vocab", "q_rows", "kv_rows", "intermediate", "moe_intermediate", ...).
 std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& config);
 
-/// The mapping table of the config's architecture (llama, qwen3, deepseek_v3, qwen3_next).
+/// The mapping table of the config's architecture (architecture_of(config).rules).
 /// Throws Error(kModel) naming the model_type when it is not supported.
 std::vector<MappingRule> mapping_rules(const ModelConfig& config);
 
-/// MTP layers the config's checkpoint ships (num_nextn_predict_layers) for the
-/// architectures that have them (deepseek_v3: model.layers.{num_hidden_layers + i};
-/// qwen3_next: mtp.layers.{i}); 0 for the others. Layout layers num_hidden_layers and up.
+/// MTP layers the config declares (num_nextn_predict_layers) for the architectures that
+/// have them (MtpPlacement other than kNone); 0 for the others. Layout layers
+/// num_hidden_layers and up; they belong to the draft layout only.
 int64_t mtp_layer_count(const ModelConfig& config);
 
 /// Checkpoint tensors that no parameter uses and that are not errors (glob patterns, '*'
@@ -366,10 +412,11 @@ class ModelLayout {
   uint64_t model_hook_runs_ = 0;
 };
 
-/// Which part of a checkpoint a layout covers (a draft is a layout of its own).
+/// Which module of a checkpoint a layout covers. The target holds layers 0 to
+/// num_hidden_layers - 1 only, as vLLM's target models do; the MTP layers are the draft's,
+/// a layout of its own ("all" in the CLI and Python is the two layouts, two modules).
 enum class LayoutModules {
-  kAll,     ///< the target model and its MTP layers
-  kTarget,  ///< without MTP layers (their tensors are skipped)
+  kTarget,  ///< without MTP layers (their tensors are skipped and never read)
   kDraft,   ///< only the MTP layers (the target's tensors are skipped)
 };
 
@@ -380,7 +427,7 @@ struct LayoutOptions {
   std::optional<Dtype> dtype;
   /// Per-layer processing of linear weights.
   Processing quantize = Processing::kNone;
-  LayoutModules modules = LayoutModules::kAll;
+  LayoutModules modules = LayoutModules::kTarget;
   /// The most checkpoint tensors the config may map (an upper bound counted from its layers,
   /// experts and rules before anything is built); 0: kMaxLayoutTensors. Set it from the
   /// checkpoint a layout is built for, so an absurd config.json fails in bounded memory.
@@ -396,9 +443,16 @@ constexpr uint64_t kMaxLayoutTensors = uint64_t{1} << 22;
 /// of every kind, so it is generous.
 constexpr uint64_t layout_tensor_bound(uint64_t tensors) { return 4 * tensors + 1024; }
 
-/// Builds the layout of a llama, qwen3, deepseek_v3 or qwen3_next config for one rank from
-/// the architecture's mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for
-/// MLA), stacked experts w13/w2 of this rank, vocabulary padding, K/V head replication.
+/// Builds the layout of a config of a supported architecture (architectures()) for one rank
+/// from its mapping table: fused qkv_proj and gate_up_proj (fused_qkv_a_proj for MLA),
+/// stacked experts w13/w2 of this rank, vocabulary padding, K/V head replication.
+/// For an FP8 block-quantized checkpoint (fp8_block_quantized) each quantized linear
+/// weight is held as vLLM's Fp8LinearMethod holds it: X.weight F8_E4M3 (this rank's rows or
+/// columns) and X.weight_scale_inv F32 (this rank's scale blocks; fused parameters
+/// concatenate their parts' block-rows in part order, experts stack them as
+/// w13_weight_scale_inv / w2_weight_scale_inv); a split that does not fall on a block
+/// boundary is refused, naming the parameter, the part and the block size. Embeddings,
+/// norms, routers, lm_head and modules_to_not_convert stay unquantized.
 /// Qwen3-Next's MTP layers keep their checkpoint names (mtp.layers.{i}.*, parameters fused
 /// as in decoder layers). Throws Error(kModel) naming the model_type, the rule and the
 /// dimension that does not divide among the ranks; for qwen3_next with tp_size above 1
@@ -540,5 +594,64 @@ float e4m3_to_float(uint8_t code) noexcept;
 /// for any other pair of distinct dtypes.
 void convert_elements(std::byte* destination, Dtype destination_dtype, const std::byte* source, Dtype source_dtype,
                       uint64_t elements);
+
+// Synthetic checkpoints (weightstream synth), expanded from the same mapping tables.
+
+/// Options of the synthetic checkpoint generator (`weightstream synth`).
+struct SynthOptions {
+  std::string arch = "llama";  ///< a supported model_type (architectures()): llama, qwen3, qwen3_moe, mixtral, ...
+  int64_t layers = 2;   ///< decoder layers (num_hidden_layers), 1 to 65536
+  int64_t hidden = 256; ///< hidden_size, a multiple of 32 from 64 to 65536
+  int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
+  uint64_t seed = 0;
+  Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
+  /// When set, scale the model to about this many bytes (`layers` is then ignored): layers
+  /// grow, and hidden doubles (up to 16384) while more than kSynthMaxScaledLayers layers
+  /// would be needed. A target below the one-layer model (at `hidden`) throws
+  /// Error(kInvalidArgument) naming the smallest size that can be met.
+  std::optional<uint64_t> target_bytes;
+  int64_t vocab = 4096;  ///< vocab_size
+  bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight
+  /// Quantized weights as checkpoints ship them: kFp8Block writes every quantized linear
+  /// weight as F8_E4M3 codes of its random BF16 values with an F32 X.weight_scale_inv per
+  /// 128 x 128 block (amax / 448), and quantization_config {"quant_method": "fp8", "fmt":
+  /// "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
+  enum class Quantization { kNone, kFp8Block } quantize = Quantization::kNone;
+  // MoE families only (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen3_next, mixtral).
+  int64_t experts = 8;             ///< routed experts (n_routed_experts, num_experts or num_local_experts)
+  int64_t shared_experts = 1;      ///< n_shared_experts (qwen3_next: one shared expert when above 0; qwen3_moe, mixtral: none)
+  int64_t experts_per_token = 2;   ///< num_experts_per_tok (qwen3_next too)
+  int64_t first_dense_layers = 1;  ///< first_k_dense_replace (qwen3_moe: mlp_only_layers 0..n-1; capped at layers)
+  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers (deepseek_v3, kimi_k2, glm4_moe, qwen3_next)
+};
+
+/// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
+inline constexpr int64_t kSynthMaxScaledLayers = 256;
+
+/// Summary of a synthesized checkpoint.
+struct SynthResult {
+  uint64_t tensors = 0;  ///< tensors written
+  uint64_t bytes = 0;    ///< tensor bytes written (metadata.total_size of the index)
+  /// Paths of the files written: config.json, the index, then the shards in order.
+  std::vector<std::string> files;
+  ModelConfig config;  ///< the config written, as parse_model_config() reads it back
+};
+
+/// Names, dtypes and shapes of the tensors of a Hugging Face checkpoint of `config` (a
+/// supported model_type), expanded from the architecture's mapping table, with weights in
+/// `dtype` (F8_E4M3 plus F32 X.weight_scale_inv for quantized linear weights when the
+/// config is FP8 block-quantized), in file order: the embedding, the decoder layers, the
+/// final norm and lm_head, then the MTP layers. Throws Error(kInvalidArgument) for another model_type.
+std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype);
+
+/// Writes config.json, model.safetensors.index.json and shards named and shaped like the
+/// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.
+/// deepseek_v3 includes routed and shared MoE experts and num_nextn_predict_layers MTP
+/// layers named model.layers.{num_hidden_layers+i}.*; qwen3_next has Gated DeltaNet layers
+/// with a full-attention layer every full_attention_interval (4, or the layer count when
+/// smaller), MoE layers with one shared expert, and its MTP module under mtp.* (mtp.fc,
+/// mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.{i}.*, mtp.norm) after
+/// every other tensor.
+SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options);
 
 }  // namespace weightstream

@@ -474,16 +474,16 @@ void bind_model(nb::module_& m) {
             }
             if (quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
             else WS_EXPECT(quantize == "none", ErrorCode::kInvalidArgument, "quantize '" + quantize + "' is not one of none, fp8");
-            if (modules == "target") options.modules = LayoutModules::kTarget;
-            else if (modules == "draft") options.modules = LayoutModules::kDraft;
-            else WS_EXPECT(modules == "all", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of all, target, draft");
+            // "all" is two modules, two layouts: python/weightstream/_model.py builds both.
+            if (modules == "draft") options.modules = LayoutModules::kDraft;
+            else WS_EXPECT(modules == "target", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of target, draft");
             auto config = parse_model_config("config.json", config_json);
             auto* handle = new LayoutHandle();
             handle->layout = build_model_layout(config, options);
             return handle;
           },
           "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
-          "quantize"_a = "none", "modules"_a = "all", nb::rv_policy::take_ownership)
+          "quantize"_a = "none", "modules"_a = "target", nb::rv_policy::take_ownership)
       .def_prop_ro("description", [](const LayoutHandle& handle) { return handle.layout.description(); })
       .def_prop_ro("parameter_names",
                    [](const LayoutHandle& handle) {

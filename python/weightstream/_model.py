@@ -54,13 +54,17 @@ def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) ->
 
 def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *, tp_size: int = 1, tp_rank: int = 0,
                  ep_size: int = 1, ep_rank: int = 0, dtype: Optional[str] = None, quantize: str = "none",
-                 modules: str = "all", device: Optional[str] = None) -> ModelLayout:
-    """Builds the layout of a llama, qwen3, qwen3_next or deepseek_v3 model for one rank from
-    its Hugging Face config: a dict, JSON text, a path to config.json, a checkpoint directory
-    or URI (file://, s3://: its config.json), or an open Checkpoint. ``dtype`` is the
-    parameters' safetensors dtype (default: the config's torch_dtype); ``quantize`` "fp8"
-    quantizes linear weights per tensor once a layer is complete; ``modules`` "all",
-    "target" (without MTP layers) or "draft" (only them).
+                 modules: str = "target",
+                 device: Optional[str] = None) -> Union[ModelLayout, Tuple[ModelLayout, ModelLayout]]:
+    """Builds the layout of a model of a supported architecture (llama, qwen3, qwen3_moe,
+    mixtral, deepseek_v3, kimi_k2, glm4_moe, qwen3_next) for one rank from its Hugging Face
+    config: a dict, JSON text, a path to config.json, a checkpoint directory or URI
+    (file://, s3://: its config.json), or an open Checkpoint. ``dtype`` is the parameters'
+    safetensors dtype (default: the config's torch_dtype); ``quantize`` "fp8" quantizes
+    linear weights per tensor once a layer is complete (an FP8 block-quantized checkpoint's
+    weights are held as shipped, with their ``weight_scale_inv`` blocks); ``modules``
+    "target" (layers 0 to num_hidden_layers - 1, as vLLM's target models), "draft" (only the
+    MTP layers) or "all": the two modules, a ``(target, draft)`` tuple of layouts.
 
     Storage: bind the engine's own tensors with ``layout.bind(name, tensor)`` or
     ``layout.bind_module(module)``; loads then write into them in place. With ``device``
@@ -72,6 +76,10 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
     bad division, "not_found" for a missing file or config.json, "format" for malformed JSON.
     """
     text = _config_text(config)
+    if modules == "all":
+        return tuple(model_layout(text, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
+                                  dtype=dtype, quantize=quantize, modules=module, device=device)
+                     for module in ("target", "draft"))
     layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
     if device is not None:
         layout.allocate_at_first_load(device)

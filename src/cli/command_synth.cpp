@@ -1,9 +1,9 @@
-// weightstream synth OUTDIR --arch llama|qwen3|deepseek_v3|qwen3_next [...]
+// weightstream synth OUTDIR --arch MODEL_TYPE [--quantize none|fp8-block] [...]
 #include <cstdio>
 
 #include "cli/command.hpp"
 #include "weightstream/error.hpp"
-#include "weightstream/format.hpp"
+#include "weightstream/model.hpp"
 
 namespace weightstream::cli {
 
@@ -13,6 +13,7 @@ struct SynthFlags {
   SynthOptions options;
   std::string dtype = "bf16";
   std::string size;
+  std::string quantize = "none";
   bool json = false;
 };
 }  // namespace
@@ -21,9 +22,22 @@ void add_synth_command(CLI::App& app) {
   auto flags = std::make_shared<SynthFlags>();
   auto* command = app.add_subcommand("synth", "Write a synthetic checkpoint shaped like a Hugging Face model, from a seed");
   command->add_option("outdir", flags->directory, "Directory to write (created if missing)")->required();
+  std::vector<std::string> arches;
+  for (const Architecture& architecture : architectures()) arches.emplace_back(architecture.model_type);
   command->add_option("--arch", flags->options.arch,
-                      "llama, qwen3, deepseek_v3 or qwen3_next (default llama); the last two with MTP layers")
-      ->check(CLI::IsMember({"llama", "qwen3", "deepseek_v3", "qwen3_next"}));
+                      supported_model_types() + " (default llama); deepseek_v3, kimi_k2, glm4_moe and qwen3_next "
+                      "with MTP layers (--mtp-layers)")
+      ->check(CLI::IsMember(arches));
+  command->add_option("--quantize", flags->quantize,
+                      "none, or fp8-block: F8_E4M3 linear weights with F32 weight_scale_inv per 128x128 block, "
+                      "as DeepSeek-V3 ships them (default none)")
+      ->check(CLI::IsMember({"none", "fp8-block"}));
+  command->add_option("--vocab", flags->options.vocab, "Vocabulary size (default 4096)")->check(CLI::Range(1, 1 << 20));
+  command->add_option("--experts", flags->options.experts, "Routed experts of MoE families (default 8)")
+      ->check(CLI::Range(1, 65536));
+  command->add_option("--mtp-layers", flags->options.mtp_layers,
+                      "MTP layers of families that have them (default 1; 0: a checkpoint without them)")
+      ->check(CLI::Range(0, 16));
   command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
   // Checked by synthesize_checkpoint alone, so that the help, the rule and the message agree.
   command->add_option("--hidden", flags->options.hidden, "Hidden size: a multiple of 32 from 64 to 65536 (default 256)");
@@ -38,6 +52,7 @@ void add_synth_command(CLI::App& app) {
     auto options = flags->options;
     options.dtype = flags->dtype == "f16" ? Dtype::kF16 : flags->dtype == "f32" ? Dtype::kF32 : Dtype::kBF16;
     if (!flags->size.empty()) options.target_bytes = parse_size(flags->size, "--size");
+    if (flags->quantize == "fp8-block") options.quantize = SynthOptions::Quantization::kFp8Block;
     auto result = synthesize_checkpoint(flags->directory, options);
     if (flags->json) {
       print_json({{"directory", flags->directory},

@@ -161,12 +161,45 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
     return item.get<int64_t>();
   });
   config.num_experts = fields.integer("num_experts", 0, kMaxCount, 0);
+  config.num_local_experts = fields.integer("num_local_experts", 0, kMaxCount, 0);
   config.num_experts_per_tok = fields.integer("num_experts_per_tok", 0, kMaxCount, 0);
   // Mixtral and others name their expert count differently, so only the counts read here bound it.
-  if (int64_t routed = std::max(config.n_routed_experts, config.num_experts);
+  if (int64_t routed = std::max(config.n_routed_experts, std::max(config.num_experts, config.num_local_experts));
       routed > 0 && config.num_experts_per_tok > routed) {
     fields.fail("num_experts_per_tok", "= " + std::to_string(config.num_experts_per_tok) +
                                            ": must be at most the " + std::to_string(routed) + " routed experts");
+  }
+
+  config.attention_bias = fields.flag("attention_bias", false);
+  config.use_qk_norm = fields.flag("use_qk_norm", false);
+  if (const Json* quantization = fields.find("quantization_config")) {
+    WS_EXPECT(quantization->is_object(), ErrorCode::kFormat,
+              std::string(object) + ": quantization_config must be an object, not " +
+                  std::string(detail::json_type_text(quantization->type())));
+    std::string quantization_object = std::string(object) + " quantization_config";
+    ConfigFields quant(quantization_object, *quantization);
+    ModelConfig::Quantization& q = config.quantization;
+    q.quant_method = quant.text("quant_method");
+    q.fmt = quant.text("fmt");
+    q.activation_scheme = quant.text("activation_scheme");
+    q.weight_block_size = quant.list<int64_t>("weight_block_size", [&](const Json& item) {
+      if (!item.is_number_integer() || item.get<int64_t>() < 1 || item.get<int64_t>() > kMaxDimension) {
+        quant.fail_value("weight_block_size", item, "elements must be integers from 1 to " + std::to_string(kMaxDimension));
+      }
+      return item.get<int64_t>();
+    });
+    if (!q.weight_block_size.empty() && q.weight_block_size.size() != 2) {
+      quant.fail("weight_block_size", "has " + std::to_string(q.weight_block_size.size()) +
+                                          " elements: it must be [block_n, block_k]");
+    }
+    auto names = [&](std::string_view field) {
+      return quant.list<std::string>(field, [&](const Json& item) {
+        if (!item.is_string()) quant.fail_value(field, item, "elements must be strings");
+        return item.get<std::string>();
+      });
+    };
+    q.modules_to_not_convert = names("modules_to_not_convert");
+    for (std::string& name : names("ignored_layers")) q.modules_to_not_convert.push_back(std::move(name));
   }
 
   bool mla = config.kv_lora_rank > 0;

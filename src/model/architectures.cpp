@@ -3,6 +3,8 @@
 // adding a table, not code.
 #include <algorithm>
 
+#include "format/json_text.hpp"
+#include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
 
@@ -199,13 +201,133 @@ const std::vector<MappingRule> kQwen3NextMtpModuleRules = {
     rule("mtp.norm.weight", "mtp.norm.weight", "", {"hidden"}, Split::kReplicated, LayerScope::kMtpModule),
 };
 
+
+// GLM-4.5 (Glm4MoeForCausalLM): llama attention with q/k/v biases (attention_bias) and,
+// with use_qk_norm, per-head q_norm and k_norm; vLLM fuses the biases as qkv_proj.bias.
+const std::vector<MappingRule> kAttentionBiasRules = {
+    rule("model.layers.{layer}.self_attn.q_proj.bias", "model.layers.{layer}.self_attn.qkv_proj.bias", "q", {"q_rows"},
+     Split::kColumn),
+    rule("model.layers.{layer}.self_attn.k_proj.bias", "model.layers.{layer}.self_attn.qkv_proj.bias", "k", {"kv_rows"},
+     Split::kKvHeads),
+    rule("model.layers.{layer}.self_attn.v_proj.bias", "model.layers.{layer}.self_attn.qkv_proj.bias", "v", {"kv_rows"},
+     Split::kKvHeads),
+};
+
+// Mixtral, as its Hugging Face checkpoint names it (block_sparse_moe, experts w1 = gate,
+// w3 = up, w2 = down, each of intermediate_size) and vLLM's mixtral.py holds it
+// (block_sparse_moe.gate, FusedMoE block_sparse_moe.experts.w13_weight / w2_weight).
+const std::vector<MappingRule> kMixtralMoeRules = {
+    rule("model.layers.{layer}.block_sparse_moe.gate.weight", "model.layers.{layer}.block_sparse_moe.gate.weight", "",
+     {"routed_experts", "hidden"}, Split::kReplicated, LayerScope::kMoe),
+    rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+     "model.layers.{layer}.block_sparse_moe.experts.w13_weight", "0", {"intermediate", "hidden"}, Split::kColumn,
+     LayerScope::kExpert, true),
+    rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+     "model.layers.{layer}.block_sparse_moe.experts.w13_weight", "1", {"intermediate", "hidden"}, Split::kColumn,
+     LayerScope::kExpert, true),
+    rule("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
+     "model.layers.{layer}.block_sparse_moe.experts.w2_weight", "", {"hidden", "intermediate"}, Split::kRow,
+     LayerScope::kExpert, true),
+};
+
 void append(std::vector<MappingRule>& rules, const std::vector<MappingRule>& more) {
   rules.insert(rules.end(), more.begin(), more.end());
 }
 
-bool is_deepseek(const ModelConfig& config) { return config.model_type == "deepseek_v3"; }
+void append_scope(std::vector<MappingRule>& rules, const std::vector<MappingRule>& more, LayerScope scope) {
+  for (const MappingRule& rule : more) {
+    if (rule.scope == scope) rules.push_back(rule);
+  }
+}
 
-bool is_qwen3_next(const ModelConfig& config) { return config.model_type == "qwen3_next"; }
+void append_llama_attention(std::vector<MappingRule>& rules) {
+  for (const MappingRule& rule : kLlamaLayerRules) {
+    if (rule.scope != LayerScope::kDenseMlp) rules.push_back(rule);
+  }
+}
+
+std::vector<MappingRule> llama_rules(const ModelConfig&) {
+  std::vector<MappingRule> rules = kLlamaGlobalRules;
+  append(rules, kLlamaLayerRules);
+  return rules;
+}
+
+std::vector<MappingRule> qwen3_rules(const ModelConfig& config) {
+  std::vector<MappingRule> rules = llama_rules(config);
+  append(rules, kQwen3LayerRules);
+  return rules;
+}
+
+// Qwen3-MoE: Qwen3's attention, routed experts without a shared one, dense MLP in the layers
+// of mlp_only_layers (vLLM's qwen3_moe.py).
+std::vector<MappingRule> qwen3_moe_rules(const ModelConfig& config) {
+  std::vector<MappingRule> rules = qwen3_rules(config);
+  append(rules, kMoeRules);
+  return rules;
+}
+
+std::vector<MappingRule> mixtral_rules(const ModelConfig&) {
+  std::vector<MappingRule> rules = kLlamaGlobalRules;
+  append_llama_attention(rules);
+  append(rules, kMixtralMoeRules);
+  return rules;
+}
+
+std::vector<MappingRule> deepseek_rules(const ModelConfig& config) {
+  std::vector<MappingRule> rules = kLlamaGlobalRules;
+  append(rules, config.q_lora_rank > 0 ? kMlaQLoraRules : kMlaQRules);
+  append(rules, kMlaRules);
+  append_scope(rules, kLlamaLayerRules, LayerScope::kDenseMlp);  // layers before first_k_dense_replace
+  append(rules, kMoeRules);
+  rules.push_back(kMoeScoreBiasRule);
+  if (config.n_shared_experts > 0) append(rules, kSharedExpertRules);
+  append(rules, kMtpRules);
+  return rules;
+}
+
+// GLM-4.5: llama attention (with biases, optional q/k norms), DeepSeek-V3's MoE (router
+// bias, shared experts, first_k_dense_replace dense layers) and MTP layers (vLLM's
+// glm4_moe.py and glm4_moe_mtp.py).
+std::vector<MappingRule> glm4_moe_rules(const ModelConfig& config) {
+  std::vector<MappingRule> rules = kLlamaGlobalRules;
+  append(rules, kLlamaLayerRules);
+  if (config.attention_bias) append(rules, kAttentionBiasRules);
+  if (config.use_qk_norm) append(rules, kQwen3LayerRules);
+  append(rules, kMoeRules);
+  rules.push_back(kMoeScoreBiasRule);
+  if (config.n_shared_experts > 0) append(rules, kSharedExpertRules);
+  append(rules, kMtpRules);
+  return rules;
+}
+
+std::vector<MappingRule> qwen3_next_rules(const ModelConfig& config) {
+  std::vector<MappingRule> rules = kLlamaGlobalRules;
+  append(rules, kDecoderNormRules);
+  append(rules, kGatedAttentionRules);
+  append(rules, kGatedDeltaNetRules);
+  append_scope(rules, kLlamaLayerRules, LayerScope::kDenseMlp);  // layers of mlp_only_layers
+  append(rules, kMoeRules);
+  if (config.shared_expert_intermediate_size > 0) append(rules, kGatedSharedExpertRules);
+  append(rules, kQwen3NextMtpModuleRules);
+  return rules;
+}
+
+// The four first supported come first, so that messages listing them read as they did.
+const Architecture kArchitectures[] = {
+    {"llama", "LlamaForCausalLM", ExpertLayers::kNone, MtpPlacement::kNone, false, false, llama_rules},
+    {"qwen3", "Qwen3ForCausalLM", ExpertLayers::kNone, MtpPlacement::kNone, false, false, qwen3_rules},
+    {"deepseek_v3", "DeepseekV3ForCausalLM", ExpertLayers::kFirstKDense, MtpPlacement::kDecoderLayers, false, true,
+     deepseek_rules},
+    {"qwen3_next", "Qwen3NextForCausalLM", ExpertLayers::kSparseStep, MtpPlacement::kMtpModule, true, false,
+     qwen3_next_rules},
+    {"qwen3_moe", "Qwen3MoeForCausalLM", ExpertLayers::kSparseStep, MtpPlacement::kNone, false, false, qwen3_moe_rules},
+    {"mixtral", "MixtralForCausalLM", ExpertLayers::kEveryLayer, MtpPlacement::kNone, false, false, mixtral_rules},
+    // Kimi-K2 ships DeepSeek-V3's architecture and names under its own model_type.
+    {"kimi_k2", "DeepseekV3ForCausalLM", ExpertLayers::kFirstKDense, MtpPlacement::kDecoderLayers, false, true,
+     deepseek_rules},
+    {"glm4_moe", "Glm4MoeForCausalLM", ExpertLayers::kFirstKDense, MtpPlacement::kDecoderLayers, false, false,
+     glm4_moe_rules},
+};
 
 /// The checkpoint prefix of a decoder layer's tensors, which Qwen3-Next's MTP layers swap
 /// for kQwen3NextMtpLayerPrefix (counted from 0 there).
@@ -213,13 +335,7 @@ constexpr std::string_view kDecoderLayerPrefix = "model.layers.{layer}.";
 constexpr std::string_view kQwen3NextMtpLayerPrefix = "mtp.layers.{layer}.";
 
 int64_t routed_experts(const ModelConfig& config) {
-  return config.n_routed_experts > 0 ? config.n_routed_experts : config.num_experts;
-}
-
-bool is_moe_layer(const ModelConfig& config, int64_t layer) {
-  if (routed_experts(config) == 0) return false;
-  int64_t frequency = std::max<int64_t>(config.moe_layer_freq, 1);
-  return layer >= config.first_k_dense_replace && layer % frequency == 0;
+  return std::max({config.n_routed_experts, config.num_experts, config.num_local_experts});
 }
 
 std::string expand(std::string_view pattern, int64_t layer, int64_t expert) {
@@ -240,6 +356,125 @@ std::string scale_name(const std::string& parameter) {
   return parameter + "_scale";
 }
 
+/// The name of a block-quantized weight's scale, as checkpoints and vLLM name it:
+/// X.weight -> X.weight_scale_inv, experts.w13_weight -> experts.w13_weight_scale_inv.
+std::string block_scale_name(const std::string& weight) { return weight + "_scale_inv"; }
+
+int64_t ceil_div(int64_t value, int64_t divisor) { return (value + divisor - 1) / divisor; }
+
+/// Whether a checkpoint tensor's module (its name without ".weight") is one that
+/// modules_to_not_convert leaves unquantized: an entry matches whole dot-separated
+/// components of the module name ("lm_head", "mlp.gate", "model.layers.0.self_attn.q_proj").
+bool left_unquantized(const ModelConfig& config, std::string_view tensor) {
+  std::string module(tensor);
+  if (module.ends_with(".weight")) module.resize(module.size() - 7);
+  std::string dotted = "." + module + ".";
+  for (const std::string& entry : config.quantization.modules_to_not_convert) {
+    if (!entry.empty() && dotted.find("." + entry + ".") != std::string::npos) return true;
+  }
+  return false;
+}
+
+/// Where the rules of an architecture apply: which layers have experts, full attention,
+/// and how MTP layers are named.
+class LayerScopes {
+ public:
+  LayerScopes(const Architecture& architecture, const ModelConfig& config)
+      : architecture_(architecture), config_(config) {}
+
+  int64_t total_layers() const { return config_.num_hidden_layers + mtp_layer_count(config_); }
+  bool mtp(int64_t layer) const { return layer >= config_.num_hidden_layers; }
+
+  /// Whether `layer` has routed experts. vLLM decides Qwen3-Next's from the layer's index in
+  /// its own name, so an MTP layer mtp.layers.{i} counts as layer i there.
+  bool has_experts(int64_t layer) const {
+    if (routed_experts(config_) == 0) return false;
+    int64_t index = architecture_.mtp == MtpPlacement::kMtpModule && mtp(layer) ? layer - config_.num_hidden_layers : layer;
+    switch (architecture_.experts) {
+      case ExpertLayers::kNone: return false;
+      case ExpertLayers::kEveryLayer: return true;
+      case ExpertLayers::kFirstKDense:
+        return index >= config_.first_k_dense_replace && index % std::max<int64_t>(config_.moe_layer_freq, 1) == 0;
+      case ExpertLayers::kSparseStep: {
+        bool dense = std::find(config_.mlp_only_layers.begin(), config_.mlp_only_layers.end(), index) !=
+                     config_.mlp_only_layers.end();
+        return !dense && (index + 1) % std::max<int64_t>(config_.decoder_sparse_step, 1) == 0;
+      }
+    }
+    return false;
+  }
+
+  /// Whether `layer` has full attention (else Gated DeltaNet): every layer of the other
+  /// architectures and every MTP layer; for Qwen3-Next layer_types, or every
+  /// full_attention_interval-th layer (4 when absent, as transformers' Qwen3NextConfig).
+  bool has_full_attention(int64_t layer) const {
+    if (!architecture_.linear_attention || mtp(layer)) return true;
+    if (!config_.layer_types.empty()) return config_.layer_types[static_cast<size_t>(layer)] == "full_attention";
+    int64_t interval = config_.full_attention_interval > 0 ? config_.full_attention_interval : 4;
+    return (layer + 1) % interval == 0;
+  }
+
+  /// A rule's pattern expanded for `layer`: Qwen3-Next names its MTP layers mtp.layers.{i}
+  /// from 0 where DeepSeek-V3 continues model.layers.{num_hidden_layers + i}.
+  std::string expand_name(std::string_view pattern, int64_t layer, int64_t expert) const {
+    if (architecture_.mtp == MtpPlacement::kMtpModule && mtp(layer) && pattern.starts_with(kDecoderLayerPrefix)) {
+      std::string renamed = std::string(kQwen3NextMtpLayerPrefix) + std::string(pattern.substr(kDecoderLayerPrefix.size()));
+      return expand(renamed, layer - config_.num_hidden_layers, expert);
+    }
+    return expand(pattern, layer, expert);
+  }
+
+  /// Calls visit(rule, layer, expert) for every rule of every layer that it applies to:
+  /// global rules first (layer -1), then layer by layer in rule order (expert -1 outside
+  /// experts, else every routed expert).
+  template <typename Visit>
+  void for_each(const std::vector<MappingRule>& rules, int64_t experts, Visit&& visit) const {
+    bool tied = config_.tie_word_embeddings;
+    for (const MappingRule& rule : rules) {
+      if (rule.scope != LayerScope::kGlobal) continue;
+      if (tied && rule.tensor == "lm_head.weight") continue;
+      visit(rule, -1, -1);
+    }
+    for (int64_t layer = 0; layer < total_layers(); ++layer) {
+      bool moe = has_experts(layer);
+      bool full_attention = has_full_attention(layer);
+      for (const MappingRule& rule : rules) {
+        switch (rule.scope) {
+          case LayerScope::kGlobal: break;
+          case LayerScope::kLayer: visit(rule, layer, -1); break;
+          case LayerScope::kFullAttention:
+            if (full_attention) visit(rule, layer, -1);
+            break;
+          case LayerScope::kLinearAttention:
+            if (!full_attention) visit(rule, layer, -1);
+            break;
+          case LayerScope::kMtpModule:
+            if (layer == config_.num_hidden_layers) visit(rule, layer, -1);
+            break;
+          case LayerScope::kDenseMlp:
+            if (!moe) visit(rule, layer, -1);
+            break;
+          case LayerScope::kMoe:
+            if (moe) visit(rule, layer, -1);
+            break;
+          case LayerScope::kExpert:
+            if (moe) {
+              for (int64_t expert = 0; expert < experts; ++expert) visit(rule, layer, expert);
+            }
+            break;
+          case LayerScope::kMtp:
+            if (mtp(layer)) visit(rule, layer, -1);
+            break;
+        }
+      }
+    }
+  }
+
+ private:
+  const Architecture& architecture_;
+  const ModelConfig& config_;
+};
+
 /// The slice of one tensor a rank takes, and the rows it occupies in its parameter (more
 /// than the slice's rows for vocabulary padding).
 struct Slice {
@@ -252,7 +487,6 @@ int64_t divide_exactly(int64_t extent, int64_t parts, const std::string& what) {
                 " tensor-parallel ranks");
   return extent / parts;
 }
-
 Slice slice_for_rank(const MappingRule& rule, Split split, const std::vector<int64_t>& shape,
                      const Dimensions& dimensions, const Parallelism& parallel, const std::string& tensor) {
   int64_t rows = shape.empty() ? 1 : shape[0];
@@ -310,6 +544,8 @@ struct PendingParameter {
   Parameter parameter;
   bool stacked = false;
   bool linear = false;
+  /// FP8 block quantization: the parts are F8_E4M3 codes with block scales (null: not quantized).
+  std::optional<bool> block_quantized;
   std::map<int64_t, int64_t> next_row;  ///< per stack index (local expert), rows filled so far
   std::vector<std::pair<int64_t, int64_t>> placement;  ///< per part: stack index, first row
   int64_t columns = -1;
@@ -318,8 +554,12 @@ struct PendingParameter {
 
 class LayoutBuilder {
  public:
-  LayoutBuilder(const ModelConfig& config, const LayoutOptions& options)
-      : config_(config), options_(options), dimensions_(model_dimensions(config)) {
+  LayoutBuilder(const Architecture& architecture, const ModelConfig& config, const LayoutOptions& options)
+      : architecture_(architecture),
+        config_(config),
+        options_(options),
+        scopes_(architecture, config),
+        dimensions_(model_dimensions(config)) {
     const Parallelism& parallel = options.parallel;
     WS_EXPECT(parallel.tp_size >= 1 && parallel.tp_rank >= 0 && parallel.tp_rank < parallel.tp_size,
               ErrorCode::kModel,
@@ -333,6 +573,14 @@ class LayoutBuilder {
     dtype_ = options.dtype.value_or(config.torch_dtype == "float16"   ? Dtype::kF16
                                     : config.torch_dtype == "float32" ? Dtype::kF32
                                                                       : Dtype::kBF16);
+    block_quantized_ = fp8_block_quantized(config);
+    if (block_quantized_) {
+      WS_EXPECT(options.quantize == Processing::kNone, ErrorCode::kModel,
+                config.model_type + ": the checkpoint's weights are FP8 block-quantized already " +
+                    "(quantization_config); online quantization (fp8, per tensor) does not apply to them");
+      block_n_ = config.quantization.weight_block_size[0];
+      block_k_ = config.quantization.weight_block_size[1];
+    }
     experts_ = routed_experts(config);
     if (experts_ > 0 && parallel.ep_size > 1) {
       WS_EXPECT(experts_ % parallel.ep_size == 0, ErrorCode::kModel,
@@ -343,14 +591,14 @@ class LayoutBuilder {
     } else {
       experts_per_rank_ = experts_;
     }
-    if (is_qwen3_next(config) && !config.layer_types.empty()) {
+    if (architecture.linear_attention && !config.layer_types.empty()) {
       WS_EXPECT(static_cast<int64_t>(config.layer_types.size()) == config.num_hidden_layers, ErrorCode::kModel,
-                "qwen3_next: layer_types has " + std::to_string(config.layer_types.size()) +
+                config.model_type + ": layer_types has " + std::to_string(config.layer_types.size()) +
                     " entries for num_hidden_layers = " + std::to_string(config.num_hidden_layers));
       for (size_t layer = 0; layer < config.layer_types.size(); ++layer) {
         const std::string& type = config.layer_types[layer];
         WS_EXPECT(type == "full_attention" || type == "linear_attention", ErrorCode::kModel,
-                  "qwen3_next: layer_types[" + std::to_string(layer) + "] = '" + type +
+                  config.model_type + ": layer_types[" + std::to_string(layer) + "] = '" + type +
                       "': expected full_attention or linear_attention");
       }
     }
@@ -358,52 +606,16 @@ class LayoutBuilder {
   }
 
   ModelLayout build(const std::vector<MappingRule>& rules) {
-    int64_t total_layers = config_.num_hidden_layers + mtp_layer_count(config_);
-    expect_bounded_size(rules, total_layers);
+    expect_bounded_size(rules, scopes_.total_layers());
     expect_linear_attention_on_one_rank();
-    bool tied = config_.tie_word_embeddings;
-    for (const MappingRule& rule : rules) {
-      if (rule.scope != LayerScope::kGlobal) continue;
-      if (tied && rule.tensor == "lm_head.weight") continue;
-      apply(rule, -1, -1);
+    for (int64_t layer = 0; layer < scopes_.total_layers(); ++layer) {
+      layout_.set_layer_kind(layer, scopes_.mtp(layer) ? LayerKind::kMtp : LayerKind::kDecoder);
     }
-    for (int64_t layer = 0; layer < total_layers; ++layer) {
-      bool mtp = layer >= config_.num_hidden_layers;
-      layout_.set_layer_kind(layer, mtp ? LayerKind::kMtp : LayerKind::kDecoder);
-      bool moe = has_experts(layer);
-      bool full_attention = has_full_attention(layer);
-      for (const MappingRule& rule : rules) {
-        switch (rule.scope) {
-          case LayerScope::kGlobal: break;
-          case LayerScope::kLayer: apply(rule, layer, -1); break;
-          case LayerScope::kFullAttention:
-            if (full_attention) apply(rule, layer, -1);
-            break;
-          case LayerScope::kLinearAttention:
-            if (!full_attention) apply(rule, layer, -1);
-            break;
-          case LayerScope::kMtpModule:
-            if (layer == config_.num_hidden_layers) apply(rule, layer, -1);
-            break;
-          case LayerScope::kDenseMlp:
-            if (!moe) apply(rule, layer, -1);
-            break;
-          case LayerScope::kMoe:
-            if (moe) apply(rule, layer, -1);
-            break;
-          case LayerScope::kExpert:
-            if (moe) {
-              for (int64_t expert = 0; expert < experts_; ++expert) apply(rule, layer, expert);
-            }
-            break;
-          case LayerScope::kMtp:
-            if (mtp) apply(rule, layer, -1);
-            break;
-        }
-      }
-    }
+    scopes_.for_each(rules, experts_, [this](const MappingRule& rule, int64_t layer, int64_t expert) {
+      apply(rule, layer, expert);
+    });
     for (PendingParameter& pending : pending_) finish(pending);
-    if (tied && layout_.find("model.embed_tokens.weight")) add_tied_lm_head();
+    if (config_.tie_word_embeddings && layout_.find("model.embed_tokens.weight")) add_tied_lm_head();
     for (const std::string& rule : ignore_rules(config_)) layout_.add_ignore_rule(rule);
     return std::move(layout_);
   }
@@ -420,6 +632,7 @@ class LayoutBuilder {
     }
     long double bound = global + static_cast<long double>(std::max<int64_t>(total_layers, 0)) *
                                      (per_layer + static_cast<long double>(std::max<int64_t>(experts_, 0)) * per_expert);
+    if (block_quantized_) bound *= 2;  // a scale per quantized weight
     uint64_t limit = options_.max_tensors > 0 ? options_.max_tensors : kMaxLayoutTensors;
     if (bound <= static_cast<long double>(limit)) return;
     WS_FAIL(ErrorCode::kModel,
@@ -440,34 +653,17 @@ class LayoutBuilder {
       text += " ep " + std::to_string(parallel.ep_size) + " rank " + std::to_string(parallel.ep_rank);
     }
     if (options_.modules == LayoutModules::kDraft) text += " (draft)";
-    if (options_.modules == LayoutModules::kTarget) text += " (target)";
     return text;
   }
 
-  /// Whether `layer` has routed experts. vLLM decides Qwen3-Next's from the layer's index in
-  /// its own name, so an MTP layer mtp.layers.{i} counts as layer i there.
-  bool has_experts(int64_t layer) const {
-    if (!is_qwen3_next(config_)) return is_moe_layer(config_, layer);
-    int64_t index = layer >= config_.num_hidden_layers ? layer - config_.num_hidden_layers : layer;
-    bool dense = std::find(config_.mlp_only_layers.begin(), config_.mlp_only_layers.end(), index) !=
-                 config_.mlp_only_layers.end();
-    return !dense && routed_experts(config_) > 0 && (index + 1) % config_.decoder_sparse_step == 0;
-  }
-
-  /// Whether `layer` has full attention (else Gated DeltaNet): every layer of the other
-  /// architectures and every MTP layer; for Qwen3-Next layer_types, or every
-  /// full_attention_interval-th layer (4 when absent, as transformers' Qwen3NextConfig).
-  bool has_full_attention(int64_t layer) const {
-    if (!is_qwen3_next(config_) || layer >= config_.num_hidden_layers) return true;
-    if (!config_.layer_types.empty()) return config_.layer_types[static_cast<size_t>(layer)] == "full_attention";
-    int64_t interval = config_.full_attention_interval > 0 ? config_.full_attention_interval : 4;
-    return (layer + 1) % interval == 0;
+  std::string rank_text() const {
+    return "tp " + std::to_string(options_.parallel.tp_size) + " rank " + std::to_string(options_.parallel.tp_rank);
   }
 
   void expect_linear_attention_on_one_rank() const {
     if (options_.parallel.tp_size == 1 || options_.modules == LayoutModules::kDraft) return;
     for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
-      WS_EXPECT(has_full_attention(layer), ErrorCode::kModel,
+      WS_EXPECT(scopes_.has_full_attention(layer), ErrorCode::kModel,
                 config_.model_type + " tp " + std::to_string(options_.parallel.tp_size) + ": layer " +
                     std::to_string(layer) +
                     " is a Gated DeltaNet layer, whose tensor-parallel split (linear_attn.conv1d's q, k and v "
@@ -476,40 +672,28 @@ class LayoutBuilder {
     }
   }
 
-  /// A rule's pattern expanded for `layer`: Qwen3-Next names its MTP layers mtp.layers.{i}
-  /// from 0 where DeepSeek-V3 continues model.layers.{num_hidden_layers + i}.
-  std::string expand_name(std::string_view pattern, int64_t layer, int64_t expert) const {
-    if (is_qwen3_next(config_) && layer >= config_.num_hidden_layers && pattern.starts_with(kDecoderLayerPrefix)) {
-      std::string renamed = std::string(kQwen3NextMtpLayerPrefix) + std::string(pattern.substr(kDecoderLayerPrefix.size()));
-      return expand(renamed, layer - config_.num_hidden_layers, expert);
-    }
-    return expand(pattern, layer, expert);
-  }
-
   bool module_wants(int64_t layer) const {
-    bool mtp = layer >= config_.num_hidden_layers;
-    switch (options_.modules) {
-      case LayoutModules::kAll: return true;
-      case LayoutModules::kTarget: return !mtp;
-      case LayoutModules::kDraft: return layer >= 0 && mtp;
-    }
-    return true;
+    bool mtp = scopes_.mtp(layer);
+    return options_.modules == LayoutModules::kDraft ? layer >= 0 && mtp : !mtp;
   }
 
   void apply(const MappingRule& rule, int64_t layer, int64_t expert) {
-    std::string tensor = expand_name(rule.tensor, layer, expert);
+    std::string tensor = scopes_.expand_name(rule.tensor, layer, expert);
+    bool quantized = block_quantized_ && rule.linear && !left_unquantized(config_, tensor);
+    auto skip = [&](const std::string& reason) {
+      layout_.add_skipped_tensor(tensor, reason);
+      if (quantized) layout_.add_skipped_tensor(block_scale_name(tensor), reason);
+    };
     if (!module_wants(layer)) {
-      layout_.add_skipped_tensor(tensor, options_.modules == LayoutModules::kDraft
-                                             ? "the target module (this layout is the draft)"
-                                             : "the draft module (MTP layer " + std::to_string(layer) + ")");
+      skip(options_.modules == LayoutModules::kDraft ? "the target module (this layout is the draft)"
+                                                     : "the draft module (MTP layer " + std::to_string(layer) + ")");
       return;
     }
     int64_t local_expert = 0;
     Split split = rule.split;
     if (expert >= 0 && options_.parallel.ep_size > 1) {
       if (expert < first_expert_ || expert >= first_expert_ + experts_per_rank_) {
-        layout_.add_skipped_tensor(tensor, "expert " + std::to_string(expert) + " of expert-parallel rank " +
-                                               std::to_string(expert / experts_per_rank_));
+        skip("expert " + std::to_string(expert) + " of expert-parallel rank " + std::to_string(expert / experts_per_rank_));
         return;
       }
       // Expert parallelism keeps each expert whole on its rank.
@@ -528,7 +712,7 @@ class LayoutBuilder {
     }
     Slice slice = slice_for_rank(rule, split, shape, dimensions_, options_.parallel, tensor);
 
-    std::string name = expand_name(rule.parameter, layer, expert);
+    std::string name = scopes_.expand_name(rule.parameter, layer, expert);
     auto [it, inserted] = pending_index_.try_emplace(name, pending_.size());
     if (inserted) {
       PendingParameter pending;
@@ -546,6 +730,13 @@ class LayoutBuilder {
               "parameter " + name + ": part '" + rule.part + "' from " + tensor + " has " +
                   std::to_string(slice.columns) + " columns per rank, earlier parts " +
                   std::to_string(pending.columns));
+    // vLLM refuses a fused layer whose shards are quantized in part ("Detected some but not
+    // all shards of ... are quantized"): one scale layout holds for a whole parameter.
+    WS_EXPECT(!pending.block_quantized || *pending.block_quantized == quantized, ErrorCode::kModel,
+              "parameter " + name + ": part '" + rule.part + "' from " + tensor + " is " +
+                  (quantized ? "FP8 block-quantized" : "left unquantized (modules_to_not_convert)") +
+                  " but earlier parts are not: a fused parameter is quantized whole or not at all");
+    pending.block_quantized = quantized;
     pending.columns = slice.columns;
     int64_t& row = pending.next_row[local_expert];
     ParameterPart part;
@@ -561,6 +752,76 @@ class LayoutBuilder {
     pending.placement.emplace_back(local_expert, row);
     pending.parameter.parts.push_back(std::move(part));
     row += slice.slot_rows;
+  }
+
+  /// The F32 block scales of a block-quantized parameter, as vLLM's Fp8LinearMethod and
+  /// FusedMoE hold them for weight_block_size [block_n, block_k]: each part's rank slice
+  /// in blocks, parts' block-rows concatenated in part order (per expert when stacked).
+  /// A slice that does not start on a block boundary, or whose extent is not whole blocks
+  /// (except the last part of a parameter that takes the tensor's full rows, whose last
+  /// block may be partial), is refused as vLLM's validate_fp8_block_shape refuses it.
+  Parameter block_scale(const PendingParameter& pending) const {
+    const Parameter& weight = pending.parameter;
+    Parameter scale;
+    scale.name = block_scale_name(weight.name);
+    scale.dtype = Dtype::kF32;
+    scale.load_dtype = Dtype::kF32;
+    scale.layer = weight.layer;
+    std::string block = "[" + std::to_string(block_n_) + ", " + std::to_string(block_k_) + "]";
+    auto refuse = [&](const ParameterPart& part, const std::string& what) {
+      WS_FAIL(ErrorCode::kModel,
+              "parameter " + weight.name + " on " + rank_text() + ": part " +
+                  (part.id.empty() ? std::string() : "'" + part.id + "' ") + "from " + part.tensor + " takes " + what +
+                  ", which does not fall on the weight_block_size " + block +
+                  " boundaries of its FP8 block scales (vLLM refuses this split too); use a tp size that divides " +
+                  "the tensor in whole blocks");
+    };
+    // The last part of each stack (expert) may end in a partial block.
+    std::map<int64_t, size_t> last_part;
+    for (size_t i = 0; i < weight.parts.size(); ++i) last_part[pending.placement[i].first] = i;
+    std::map<int64_t, int64_t> next_block_row;
+    std::vector<std::pair<int64_t, int64_t>> placement;
+    int64_t block_columns = -1;
+    for (size_t i = 0; i < weight.parts.size(); ++i) {
+      const ParameterPart& part = weight.parts[i];
+      int64_t tensor_rows = part.tensor_rows(), tensor_columns = part.tensor_columns();
+      bool whole_rows = part.row_begin == 0 && part.rows == tensor_rows;
+      bool partial_rows_allowed = whole_rows && last_part[pending.placement[i].first] == i;
+      if (part.row_begin % block_n_ != 0 || (part.rows % block_n_ != 0 && !partial_rows_allowed)) {
+        refuse(part, "rows " + std::to_string(part.row_begin) + "+" + std::to_string(part.rows) + " of " +
+                         std::to_string(tensor_rows));
+      }
+      bool whole_columns = part.column_begin == 0 && part.columns == tensor_columns;
+      if (part.column_begin % block_k_ != 0 || (part.columns % block_k_ != 0 && !whole_columns)) {
+        refuse(part, "columns " + std::to_string(part.column_begin) + "+" + std::to_string(part.columns) + " of " +
+                         std::to_string(tensor_columns));
+      }
+      ParameterPart blocks;
+      blocks.tensor = block_scale_name(part.tensor);
+      blocks.id = part.id;
+      blocks.shape = {ceil_div(tensor_rows, block_n_), ceil_div(tensor_columns, block_k_)};
+      blocks.row_begin = part.row_begin / block_n_;
+      blocks.rows = ceil_div(part.rows, block_n_);
+      blocks.column_begin = part.column_begin / block_k_;
+      blocks.columns = ceil_div(part.columns, block_k_);
+      blocks.rule = part.rule + ", " + block + " block scales";
+      block_columns = blocks.columns;
+      int64_t stack = pending.placement[i].first;
+      int64_t& row = next_block_row[stack];
+      placement.emplace_back(stack, row);
+      row += blocks.rows;
+      scale.parts.push_back(std::move(blocks));
+    }
+    int64_t block_rows = 0;
+    for (const auto& [stack, rows] : next_block_row) block_rows = std::max(block_rows, rows);
+    scale.shape = pending.stacked ? std::vector<int64_t>{experts_per_rank_, block_rows, block_columns}
+                                  : std::vector<int64_t>{block_rows, block_columns};
+    for (size_t i = 0; i < scale.parts.size(); ++i) {
+      auto [stack, row] = placement[i];
+      scale.parts[i].element_offset =
+          static_cast<uint64_t>(stack * block_rows + row) * static_cast<uint64_t>(block_columns);
+    }
+    return scale;
   }
 
   void finish(PendingParameter& pending) {
@@ -579,6 +840,15 @@ class LayoutBuilder {
       auto [stack, row] = pending.placement[i];
       parameter.parts[i].element_offset =
           static_cast<uint64_t>(stack * block_rows + row) * static_cast<uint64_t>(columns);
+    }
+    if (pending.block_quantized.value_or(false)) {
+      // Held as the checkpoint ships it: E4M3 codes, and the block scales beside them.
+      Parameter scale = block_scale(pending);
+      parameter.dtype = Dtype::kF8E4M3;
+      parameter.load_dtype = Dtype::kF8E4M3;
+      layout_.add_parameter(std::move(parameter));
+      layout_.add_parameter(std::move(scale));
+      return;
     }
     bool quantize = pending.linear && options_.quantize == Processing::kFp8PerTensor;
     if (quantize) {
@@ -614,10 +884,14 @@ class LayoutBuilder {
     layout_.add_ignore_rule("lm_head.weight");
   }
 
+  const Architecture& architecture_;
   const ModelConfig& config_;
   const LayoutOptions& options_;
+  LayerScopes scopes_;
   Dimensions dimensions_;
   Dtype dtype_ = Dtype::kBF16;
+  bool block_quantized_ = false;
+  int64_t block_n_ = 0, block_k_ = 0;
   int64_t experts_ = 0;
   int64_t experts_per_rank_ = 0;
   int64_t first_expert_ = 0;
@@ -671,47 +945,55 @@ std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& 
   };
 }
 
-std::vector<MappingRule> mapping_rules(const ModelConfig& config) {
-  std::vector<MappingRule> rules;
-  if (config.model_type == "llama" || config.model_type == "qwen3") {
-    append(rules, kLlamaGlobalRules);
-    append(rules, kLlamaLayerRules);
-    if (config.model_type == "qwen3") append(rules, kQwen3LayerRules);
-    return rules;
+std::span<const Architecture> architectures() noexcept { return kArchitectures; }
+
+const Architecture* find_architecture(std::string_view model_type) noexcept {
+  for (const Architecture& architecture : kArchitectures) {
+    if (architecture.model_type == model_type) return &architecture;
   }
-  if (is_qwen3_next(config)) {
-    append(rules, kLlamaGlobalRules);
-    append(rules, kDecoderNormRules);
-    append(rules, kGatedAttentionRules);
-    append(rules, kGatedDeltaNetRules);
-    for (const MappingRule& rule : kLlamaLayerRules) {
-      if (rule.scope == LayerScope::kDenseMlp) rules.push_back(rule);  // layers of mlp_only_layers
-    }
-    append(rules, kMoeRules);
-    if (config.shared_expert_intermediate_size > 0) append(rules, kGatedSharedExpertRules);
-    append(rules, kQwen3NextMtpModuleRules);
-    return rules;
-  }
-  WS_EXPECT(is_deepseek(config), ErrorCode::kModel,
-            (config.source.empty() ? std::string() : config.source + ": ") + "model_type '" + config.model_type +
-                "' has no mapping table (supported: llama, qwen3, deepseek_v3, qwen3_next); " +
-                "build a ModelLayout through the API instead");
-  append(rules, kLlamaGlobalRules);
-  append(rules, config.q_lora_rank > 0 ? kMlaQLoraRules : kMlaQRules);
-  append(rules, kMlaRules);
-  // Dense MLP layers (before first_k_dense_replace) are llama's MLP.
-  for (const MappingRule& rule : kLlamaLayerRules) {
-    if (rule.scope == LayerScope::kDenseMlp) rules.push_back(rule);
-  }
-  append(rules, kMoeRules);
-  rules.push_back(kMoeScoreBiasRule);
-  if (config.n_shared_experts > 0) append(rules, kSharedExpertRules);
-  append(rules, kMtpRules);
-  return rules;
+  return nullptr;
 }
 
+std::string supported_model_types() {
+  std::string text;
+  for (const Architecture& architecture : kArchitectures) {
+    text += (text.empty() ? "" : ", ") + std::string(architecture.model_type);
+  }
+  return text;
+}
+
+const Architecture& architecture_of(const ModelConfig& config) {
+  const Architecture* architecture = find_architecture(config.model_type);
+  WS_EXPECT(architecture != nullptr, ErrorCode::kModel,
+            (config.source.empty() ? std::string() : config.source + ": ") + "model_type '" + config.model_type +
+                "' has no mapping table (supported: " + supported_model_types() +
+                "); build a ModelLayout through the API instead");
+  return *architecture;
+}
+
+bool fp8_block_quantized(const ModelConfig& config) {
+  const ModelConfig::Quantization& q = config.quantization;
+  if (q.quant_method.empty()) return false;
+  std::string what = config.model_type + ": quantization_config quant_method '" + q.quant_method + "'";
+  WS_EXPECT(q.quant_method == "fp8", ErrorCode::kModel,
+            what + " is not supported (weightstream loads FP8 block-scaled checkpoints: quant_method fp8 with "
+                   "weight_block_size)");
+  WS_EXPECT(!q.weight_block_size.empty(), ErrorCode::kModel,
+            what + " without weight_block_size (one scale per tensor) is not supported; FP8 block-scaled "
+                   "checkpoints give weight_block_size [block_n, block_k]");
+  WS_EXPECT(q.fmt.empty() || q.fmt == "e4m3", ErrorCode::kModel,
+            what + " with fmt '" + q.fmt + "' is not supported: only e4m3 (F8_E4M3 weights)");
+  WS_EXPECT(q.activation_scheme.empty() || q.activation_scheme == "dynamic", ErrorCode::kModel,
+            what + " with activation_scheme '" + q.activation_scheme +
+                "' is not supported with weight_block_size: block-scaled checkpoints quantize activations dynamically");
+  return true;
+}
+
+std::vector<MappingRule> mapping_rules(const ModelConfig& config) { return architecture_of(config).rules(config); }
+
 int64_t mtp_layer_count(const ModelConfig& config) {
-  return is_deepseek(config) || is_qwen3_next(config) ? config.num_nextn_predict_layers : 0;
+  const Architecture* architecture = find_architecture(config.model_type);
+  return architecture != nullptr && architecture->mtp != MtpPlacement::kNone ? config.num_nextn_predict_layers : 0;
 }
 
 std::vector<std::string> ignore_rules(const ModelConfig& /*config*/) {
@@ -720,8 +1002,69 @@ std::vector<std::string> ignore_rules(const ModelConfig& /*config*/) {
 }
 
 ModelLayout build_model_layout(const ModelConfig& config, const LayoutOptions& options) {
-  std::vector<MappingRule> rules = mapping_rules(config);
-  return LayoutBuilder(config, options).build(rules);
+  const Architecture& architecture = architecture_of(config);
+  std::vector<MappingRule> rules = architecture.rules(config);
+  return LayoutBuilder(architecture, config, options).build(rules);
+}
+
+namespace detail {
+
+std::vector<CheckpointTensor> checkpoint_tensors(const ModelConfig& config, Dtype dtype) {
+  const Architecture* architecture = find_architecture(config.model_type);
+  WS_EXPECT(architecture != nullptr, ErrorCode::kInvalidArgument,
+            "no tensor list for model_type " + detail::quoted_name(config.model_type) + ": " + supported_model_types());
+  bool quantized = fp8_block_quantized(config);
+  Dimensions dimensions = model_dimensions(config);
+  LayerScopes scopes(*architecture, config);
+  // File order as the releases write it: the embedding, the decoder layers, the final norm
+  // and lm_head, then the MTP layers.
+  std::vector<CheckpointTensor> first, layers, globals, mtp;
+  scopes.for_each(architecture->rules(config), routed_experts(config),
+                  [&](const MappingRule& rule, int64_t layer, int64_t expert) {
+    std::vector<CheckpointTensor>& list = layer < 0 ? (rule.tensor == "model.embed_tokens.weight" ? first : globals)
+                                          : scopes.mtp(layer) ? mtp
+                                                              : layers;
+    CheckpointTensor tensor;
+    tensor.spec.name = scopes.expand_name(rule.tensor, layer, expert);
+    tensor.spec.dtype = rule.dtype.value_or(dtype);
+    for (const std::string& dimension : rule.shape) {
+      auto it = dimensions.find(dimension);
+      WS_EXPECT(it != dimensions.end() && it->second > 0, ErrorCode::kInvalidArgument,
+                config.model_type + " rule " + rule.tensor + ": dimension '" + dimension + "' is missing or zero");
+      tensor.spec.shape.push_back(it->second);
+    }
+    if (!quantized || !rule.linear || left_unquantized(config, tensor.spec.name)) {
+      list.push_back(std::move(tensor));
+      return;
+    }
+    tensor.values = CheckpointTensor::Values::kFp8Codes;
+    tensor.spec.dtype = Dtype::kF8E4M3;
+    tensor.source = tensor.spec.name;
+    tensor.rows = tensor.spec.shape[0];
+    tensor.columns = 1;
+    for (size_t i = 1; i < tensor.spec.shape.size(); ++i) tensor.columns *= tensor.spec.shape[i];
+    tensor.block_n = config.quantization.weight_block_size[0];
+    tensor.block_k = config.quantization.weight_block_size[1];
+    CheckpointTensor scale = tensor;
+    scale.values = CheckpointTensor::Values::kFp8Scales;
+    scale.spec.name = block_scale_name(tensor.spec.name);
+    scale.spec.dtype = Dtype::kF32;
+    scale.spec.shape = {ceil_div(tensor.rows, tensor.block_n), ceil_div(tensor.columns, tensor.block_k)};
+    list.push_back(std::move(tensor));
+    list.push_back(std::move(scale));
+  });
+  for (auto* more : {&layers, &globals, &mtp}) {
+    for (CheckpointTensor& tensor : *more) first.push_back(std::move(tensor));
+  }
+  return first;
+}
+
+}  // namespace detail
+
+std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype) {
+  std::vector<TensorSpec> specs;
+  for (detail::CheckpointTensor& tensor : detail::checkpoint_tensors(config, dtype)) specs.push_back(std::move(tensor.spec));
+  return specs;
 }
 
 }  // namespace weightstream

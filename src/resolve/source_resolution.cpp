@@ -200,12 +200,19 @@ ModelConfigSource find_model_config(const ModelSource& source, const Options& op
 ModelLayout build_module_layout(const ModelConfig& config, ModuleRole role, LayoutOptions options) {
   options.modules = role == ModuleRole::kDraft ? LayoutModules::kDraft : LayoutModules::kTarget;
   if (role == ModuleRole::kDraft) {
-    bool mtp_architecture = config.model_type == "deepseek_v3" || config.model_type == "qwen3_next";
+    const Architecture* architecture = find_architecture(config.model_type);
+    bool mtp_architecture = architecture != nullptr && architecture->mtp != MtpPlacement::kNone;
+    std::string mtp_families;
+    for (const Architecture& family : architectures()) {
+      if (family.mtp != MtpPlacement::kNone) mtp_families += (mtp_families.empty() ? "" : ", ") + std::string(family.model_type);
+    }
     WS_EXPECT(mtp_layer_count(config) > 0, ErrorCode::kModel,
               "speculative method mtp: the " + config.model_type + " config declares no MTP layers (" +
                   (mtp_architecture ? std::string("num_nextn_predict_layers is 0") +
-                                          (config.model_type == "qwen3_next" ? " or absent, mtp_num_hidden_layers too" : "")
-                                    : "only deepseek_v3 and qwen3_next MTP layers are supported") +
+                                          (architecture->mtp == MtpPlacement::kMtpModule
+                                               ? " or absent, mtp_num_hidden_layers too"
+                                               : "")
+                                    : "MTP layers are supported for " + mtp_families) +
                   ")");
   }
   return build_model_layout(config, options);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "support/test_support.hpp"
+#include "weightstream/model.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/options.hpp"
 

@@ -131,9 +131,17 @@ TEST(ModelLayout, DeepSeekMlaExpertsAndMtp) {
   LayoutOptions options;
   options.parallel = {2, 1};
   ModelLayout layout = build_model_layout(config, options);
-  // Every checkpoint tensor has a home.
+  LayoutOptions draft_options = options;
+  draft_options.modules = LayoutModules::kDraft;
+  ModelLayout draft = build_model_layout(config, draft_options);
+  // Every checkpoint tensor has a home: the target's layers, or the draft's MTP layers.
+  int64_t mtp = config.num_hidden_layers;
+  std::string mtp_prefix = "model.layers." + std::to_string(mtp) + ".";
   for (const auto& tensor : checkpoint.tensors) {
-    EXPECT_EQ(layout.route(tensor.name).kind, TensorRoute::Kind::kParameter) << tensor.name;
+    bool draft_tensor = tensor.name.starts_with(mtp_prefix);
+    EXPECT_EQ(layout.route(tensor.name).kind, draft_tensor ? TensorRoute::Kind::kSkipped : TensorRoute::Kind::kParameter)
+        << tensor.name;
+    if (draft_tensor) EXPECT_EQ(draft.route(tensor.name).kind, TensorRoute::Kind::kParameter) << tensor.name;
   }
   const Parameter& fused = layout.parameter("model.layers.0.self_attn.fused_qkv_a_proj.weight");
   EXPECT_EQ(fused.shape[0], config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim);
@@ -145,10 +153,10 @@ TEST(ModelLayout, DeepSeekMlaExpertsAndMtp) {
   EXPECT_EQ(w2.shape, (std::vector<int64_t>{config.n_routed_experts, config.hidden_size,
                                             config.moe_intermediate_size / 2}));
   EXPECT_EQ(layout.parameter("model.layers.1.mlp.gate.e_score_correction_bias").dtype, Dtype::kF32);
-  int64_t mtp = config.num_hidden_layers;
-  EXPECT_EQ(layout.layer_kind(mtp), LayerKind::kMtp);
-  EXPECT_EQ(layer_label(layout, mtp), "MTP layer " + std::to_string(mtp));
-  EXPECT_TRUE(layout.find("model.layers." + std::to_string(mtp) + ".eh_proj.weight"));
+  EXPECT_EQ(draft.layer_kind(mtp), LayerKind::kMtp);
+  EXPECT_EQ(layer_label(draft, mtp), "MTP layer " + std::to_string(mtp));
+  EXPECT_TRUE(draft.find("model.layers." + std::to_string(mtp) + ".eh_proj.weight"));
+  EXPECT_FALSE(layout.find("model.layers." + std::to_string(mtp) + ".eh_proj.weight"));
   EXPECT_TRUE(layout.find("model.layers.0.mlp.gate_up_proj.weight"));  // first_k_dense_replace
 }
 
@@ -179,8 +187,12 @@ TEST(ModelLayout, DraftModuleIsALayoutOfItsOwn) {
   options.modules = LayoutModules::kTarget;
   ModelLayout target = build_model_layout(checkpoint.config, options);
   EXPECT_EQ(target.route("model.layers.2.eh_proj.weight").kind, TensorRoute::Kind::kSkipped);
-  EXPECT_EQ(draft.parameters().size() + target.parameters().size(),
-            build_model_layout(checkpoint.config).parameters().size());
+  // The default layout is the target: layers 0 to num_hidden_layers - 1 only.
+  ModelLayout plain = build_model_layout(checkpoint.config);
+  EXPECT_EQ(target.parameters().size(), plain.parameters().size());
+  for (const Parameter& parameter : plain.parameters()) {
+    EXPECT_NE(plain.layer_kind(parameter.layer), LayerKind::kMtp) << parameter.name;
+  }
 }
 
 TEST(ModelLayout, QuantizedLayoutStoresFp8WithScales) {

@@ -573,3 +573,16 @@ def test_load_session_errors_name_the_tensor_and_the_parameter(synth_llama_bf16)
     session.load_checkpoint(checkpoint)
     with pytest.raises(weightstream.Error, match="model hook 'failing' raised RuntimeError: derived buffer exploded"):
         session.finish()
+
+
+def test_modules_all_is_the_target_and_the_draft_as_two_layouts(synth_deepseek_f16):
+    # Issue 18: the target holds layers 0 to num_hidden_layers - 1, the draft the MTP layers.
+    checkpoint = weightstream.open(str(synth_deepseek_f16))
+    target, draft = weightstream.model_layout(checkpoint, modules="all", device="cpu")
+    layers = json.loads(checkpoint._core.config_json)["num_hidden_layers"]
+    mtp = f"model.layers.{layers}."
+    assert not [name for name in target.parameter_names if name.startswith(mtp)]
+    assert draft.parameter_names and all(name.startswith(mtp) for name in draft.parameter_names)
+    assert sorted(weightstream.model_layout(checkpoint).parameter_names) == sorted(target.parameter_names)
+    with pytest.raises(weightstream.Error, match="modules 'both' is not one of target, draft"):
+        weightstream.model_layout(checkpoint, modules="both")

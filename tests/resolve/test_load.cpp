@@ -101,13 +101,18 @@ TEST(CheckpointLoaderPlan, ExpertsOfOtherRanksAreNeverRead) {
   layout.allocate(Device{});
   LoadPlan plan = plan_layout_load(layout, disk->checkpoint);
   size_t skipped_experts = 0;
+  std::string mtp = "model.layers." + std::to_string(disk->memory.config.num_hidden_layers) + ".";
   for (const UnusedTensor& unused : plan.unused) {
-    EXPECT_THAT(disk->checkpoint.tensors()[unused.tensor].name, HasSubstr(".mlp.experts."));
+    const std::string& name = disk->checkpoint.tensors()[unused.tensor].name;
+    if (name.starts_with(mtp)) {  // the draft's MTP layer (issue 18), whatever its expert
+      EXPECT_THAT(unused.reason, HasSubstr("the draft module (MTP layer"));
+      continue;
+    }
+    EXPECT_THAT(name, HasSubstr(".mlp.experts."));
     EXPECT_THAT(unused.reason, HasSubstr("expert-parallel rank 1"));
     ++skipped_experts;
   }
-  int64_t moe_layers = disk->memory.config.num_hidden_layers + disk->memory.config.num_nextn_predict_layers -
-                       disk->memory.config.first_k_dense_replace;
+  int64_t moe_layers = disk->memory.config.num_hidden_layers - disk->memory.config.first_k_dense_replace;
   EXPECT_EQ(skipped_experts, static_cast<size_t>(moe_layers * disk->memory.config.n_routed_experts / 2 * 3));
   LayoutLoad load = load_layout(layout, disk->checkpoint, LoadMode::kCold, small_pieces());
   EXPECT_EQ(load.stream.bytes, plan.bytes_to_read);

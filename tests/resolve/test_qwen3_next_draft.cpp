@@ -81,9 +81,12 @@ TEST_F(Qwen3NextDraft, LayerTypesAndDenseLayersFollowTheConfig) {
   EXPECT_TRUE(layout.find("model.layers.0.mlp.gate_up_proj.weight").has_value()) << "a dense layer";
   EXPECT_FALSE(layout.find("model.layers.0.mlp.experts.w13_weight").has_value());
   EXPECT_TRUE(layout.find("model.layers.1.mlp.experts.w13_weight").has_value());
-  // vLLM numbers an MTP layer by its own index: mtp.layers.0 is dense like layer 0.
-  EXPECT_TRUE(layout.find("mtp.layers.0.mlp.gate_up_proj.weight").has_value());
-  EXPECT_TRUE(layout.find("mtp.layers.0.self_attn.qkv_proj.weight").has_value()) << "MTP layers have full attention";
+  // vLLM numbers an MTP layer by its own index: mtp.layers.0 is dense like layer 0. MTP
+  // layers are the draft's (issue 18): the target holds none.
+  EXPECT_FALSE(layout.find("mtp.layers.0.self_attn.qkv_proj.weight").has_value());
+  ModelLayout draft = build_module_layout(c, ModuleRole::kDraft);
+  EXPECT_TRUE(draft.find("mtp.layers.0.mlp.gate_up_proj.weight").has_value());
+  EXPECT_TRUE(draft.find("mtp.layers.0.self_attn.qkv_proj.weight").has_value()) << "MTP layers have full attention";
 
   c.layer_types[2] = "sliding_attention";
   EXPECT_THAT(error_of([&] { build_model_layout(c); }),

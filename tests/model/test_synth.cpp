@@ -7,6 +7,7 @@
 
 #include "format/format_test_files.hpp"
 #include "support/test_support.hpp"
+#include "weightstream/model.hpp"
 
 namespace weightstream {
 namespace {
@@ -123,7 +124,9 @@ TEST_P(SynthArch, IsDeterministicForASeed) {
   EXPECT_EQ(testing::read_file(first / "config.json"), testing::read_file(other / "config.json"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, SynthArch, ::testing::Values("llama", "qwen3", "deepseek_v3", "qwen3_next"));
+INSTANTIATE_TEST_SUITE_P(Archs, SynthArch,
+                         ::testing::Values("llama", "qwen3", "deepseek_v3", "qwen3_next", "qwen3_moe", "mixtral", "kimi_k2",
+                                           "glm4_moe"));
 
 TEST(Synth, NamesAndShapesLlamaLikeHuggingFace) {
   testing::TempDir dir;

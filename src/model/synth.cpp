@@ -1,11 +1,13 @@
-// Synthetic checkpoints shaped like the Hugging Face releases of llama, qwen3, deepseek_v3
-// and qwen3_next, for tests and benchmarks. Weights are a pure function of (seed, tensor
+// Synthetic checkpoints shaped like the Hugging Face releases of the supported
+// architectures, for tests and benchmarks. The tensors are those of the architecture's
+// mapping table (checkpoint_tensors), so synth and the layout builder read one table. Weights are a pure function of (seed, tensor
 // name, byte offset), so a tensor's bytes do not depend on the shard layout, any range
 // can be generated independently, and multi-GB shards stream to disk without being held.
 
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -13,8 +15,9 @@
 
 #include "format/json_text.hpp"
 #include "format/output_file.hpp"
+#include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
-#include "weightstream/format.hpp"
+#include "weightstream/model.hpp"
 #include "weightstream/options.hpp"
 
 namespace weightstream {
@@ -121,6 +124,10 @@ int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1
 
 bool is_norm(std::string_view name) { return name.ends_with("norm.weight"); }
 
+/// Rounds intermediate sizes up to this when weights are FP8 block-quantized, so the
+/// synthetic model divides among up to 4 ranks in whole 128-row blocks, as real ones do.
+constexpr int64_t kBlockAlignedSize = 512;
+
 std::string_view torch_dtype_name(Dtype dtype) {
   switch (dtype) {
     case Dtype::kBF16: return "bfloat16";
@@ -137,39 +144,72 @@ std::string_view torch_dtype_name(Dtype dtype) {
 
 // The config of a synthetic model of `layers` layers and width `hidden`.
 ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hidden) {
+  const Architecture& architecture = *find_architecture(options.arch);
+  bool fp8 = options.quantize == SynthOptions::Quantization::kFp8Block;
+  auto inner = [&](int64_t size, int64_t multiple) { return round_up(size, fp8 ? kBlockAlignedSize : multiple); };
   ModelConfig config;
   config.model_type = options.arch;
   config.hidden_size = hidden;
   config.num_hidden_layers = layers;
   config.vocab_size = options.vocab;
   config.torch_dtype = std::string(torch_dtype_name(options.dtype));
-  // Heads of 64 like the real models where the width allows, else two heads.
-  config.num_attention_heads = hidden >= 128 && hidden % 64 == 0 ? hidden / 64 : 2;
+  // Heads of 64 like the real models where the width allows, else two heads; FP8 models
+  // have heads of 128 as the released ones, so that a K/V head is whole scale blocks.
+  int64_t head = fp8 && hidden % 128 == 0 ? 128 : 64;
+  config.num_attention_heads = hidden >= 2 * head && hidden % head == 0 ? hidden / head : 2;
   config.head_dim = hidden / config.num_attention_heads;
   // Grouped-query attention: the largest divisor of the head count not above a quarter of it.
   config.num_key_value_heads = std::max<int64_t>(1, config.num_attention_heads / 4);
   while (config.num_attention_heads % config.num_key_value_heads != 0) --config.num_key_value_heads;
-  config.intermediate_size = round_up(hidden * 11 / 4, 64);
+  config.intermediate_size = inner(hidden * 11 / 4, 64);
   config.tie_word_embeddings = options.tie_word_embeddings;
-  if (options.arch == "deepseek_v3") {
+  if (architecture.mla) {
     config.tie_word_embeddings = false;
+    config.num_attention_heads = hidden >= 128 && hidden % 64 == 0 ? hidden / 64 : 2;
     config.num_key_value_heads = config.num_attention_heads;  // MLA has no grouped heads
     config.q_lora_rank = hidden / 2;
     config.kv_lora_rank = hidden / 4;
-    config.qk_nope_head_dim = 32;
-    config.qk_rope_head_dim = 16;
-    config.v_head_dim = 32;
+    // The release's head dims with FP8 (a head's rows are then whole blocks on a rank).
+    config.qk_nope_head_dim = fp8 ? 128 : 32;
+    config.qk_rope_head_dim = fp8 ? 64 : 16;
+    config.v_head_dim = fp8 ? 128 : 32;
     config.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim;
-    config.n_routed_experts = options.experts;
-    config.n_shared_experts = options.shared_experts;
-    config.num_experts_per_tok = options.experts_per_token;
-    config.moe_intermediate_size = round_up(hidden / 2, 32);
-    config.first_k_dense_replace = std::min(options.first_dense_layers, layers);
-    config.moe_layer_freq = 1;
-    config.num_nextn_predict_layers = options.mtp_layers;
   }
-  if (options.arch == "qwen3_next") {
-    config.tie_word_embeddings = false;
+  int64_t moe_inner = inner(hidden / 2, 32);
+  switch (architecture.experts) {
+    case ExpertLayers::kNone: break;
+    case ExpertLayers::kFirstKDense:  // deepseek_v3, kimi_k2, glm4_moe
+      config.tie_word_embeddings = false;
+      config.n_routed_experts = options.experts;
+      config.n_shared_experts = options.shared_experts;
+      config.moe_intermediate_size = moe_inner;
+      config.first_k_dense_replace = std::min(options.first_dense_layers, layers);
+      config.moe_layer_freq = 1;
+      break;
+    case ExpertLayers::kSparseStep:  // qwen3_moe, qwen3_next
+      config.tie_word_embeddings = false;
+      config.num_experts = options.experts;
+      config.moe_intermediate_size = moe_inner;
+      config.decoder_sparse_step = 1;
+      if (!architecture.linear_attention) {
+        for (int64_t layer = 0; layer < std::min(options.first_dense_layers, layers); ++layer) {
+          config.mlp_only_layers.push_back(layer);
+        }
+      }
+      break;
+    case ExpertLayers::kEveryLayer:  // mixtral: experts of intermediate_size
+      config.tie_word_embeddings = false;
+      config.num_local_experts = options.experts;
+      config.intermediate_size = moe_inner;
+      break;
+  }
+  if (architecture.experts != ExpertLayers::kNone) config.num_experts_per_tok = options.experts_per_token;
+  if (architecture.mtp != MtpPlacement::kNone) config.num_nextn_predict_layers = options.mtp_layers;
+  if (options.arch == "glm4_moe") {
+    config.attention_bias = true;  // as GLM-4.5 ships
+    config.use_qk_norm = false;
+  }
+  if (architecture.linear_attention) {
     // Gated DeltaNet heads as in the release (16 key and 32 value heads of half the
     // attention head size), scaled to the width.
     config.linear_num_key_heads = config.num_attention_heads;
@@ -179,173 +219,141 @@ ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hi
     config.linear_conv_kernel_dim = 4;
     // Full attention every fourth layer as released, and at least once in a small model.
     config.full_attention_interval = std::min<int64_t>(4, layers);
-    config.num_experts = options.experts;
-    config.num_experts_per_tok = options.experts_per_token;
-    config.moe_intermediate_size = round_up(hidden / 2, 32);
     config.shared_expert_intermediate_size = options.shared_experts > 0 ? config.moe_intermediate_size : 0;
-    config.decoder_sparse_step = 1;
-    config.num_nextn_predict_layers = options.mtp_layers;
+  }
+  if (fp8) {
+    config.quantization.quant_method = "fp8";
+    config.quantization.fmt = "e4m3";
+    config.quantization.activation_scheme = "dynamic";
+    config.quantization.weight_block_size = {128, 128};
   }
   return config;
 }
 
-bool is_full_attention_layer(const ModelConfig& c, int64_t layer) {
-  return c.model_type != "qwen3_next" || (layer + 1) % c.full_attention_interval == 0;
-}
-
-bool has_qwen_experts(const ModelConfig& c, int64_t layer) {
-  return c.num_experts > 0 && (layer + 1) % c.decoder_sparse_step == 0;
-}
-
 OrderedJson config_json(const ModelConfig& config) {
+  const Architecture& architecture = *find_architecture(config.model_type);
   OrderedJson json;
-  if (config.model_type == "llama") {
-    json["architectures"] = {"LlamaForCausalLM"};
-  } else if (config.model_type == "qwen3") {
-    json["architectures"] = {"Qwen3ForCausalLM"};
-  } else if (config.model_type == "qwen3_next") {
-    json["architectures"] = {"Qwen3NextForCausalLM"};
-  } else {
-    json["architectures"] = {"DeepseekV3ForCausalLM"};
-  }
+  json["architectures"] = {std::string(architecture.hf_class)};
   json["model_type"] = config.model_type;
   json["hidden_size"] = config.hidden_size;
   json["intermediate_size"] = config.intermediate_size;
   json["num_hidden_layers"] = config.num_hidden_layers;
   json["num_attention_heads"] = config.num_attention_heads;
   json["num_key_value_heads"] = config.num_key_value_heads;
-  if (config.model_type == "qwen3" || config.model_type == "qwen3_next") json["head_dim"] = config.head_dim;
+  if (!architecture.mla && config.model_type != "llama" && config.model_type != "mixtral") {
+    json["head_dim"] = config.head_dim;
+  }
   json["vocab_size"] = config.vocab_size;
   json["hidden_act"] = "silu";
   json["max_position_embeddings"] = 4096;
   json["rms_norm_eps"] = 1e-6;
-  json["rope_theta"] = config.model_type == "llama"        ? 500000.0
-                       : config.model_type == "qwen3"      ? 1000000.0
-                       : config.model_type == "qwen3_next" ? 10000000.0
-                                                           : 10000.0;
+  json["rope_theta"] = config.model_type == "llama"                                    ? 500000.0
+                       : config.model_type == "qwen3" || config.model_type == "qwen3_moe" ? 1000000.0
+                       : config.model_type == "qwen3_next"                            ? 10000000.0
+                       : config.model_type == "mixtral"                               ? 1000000.0
+                                                                                      : 10000.0;
   json["tie_word_embeddings"] = config.tie_word_embeddings;
   json["torch_dtype"] = config.torch_dtype;
-  if (config.model_type == "deepseek_v3") {
+  if (architecture.mla) {
     json["q_lora_rank"] = config.q_lora_rank;
     json["kv_lora_rank"] = config.kv_lora_rank;
     json["qk_nope_head_dim"] = config.qk_nope_head_dim;
     json["qk_rope_head_dim"] = config.qk_rope_head_dim;
     json["v_head_dim"] = config.v_head_dim;
-    json["n_routed_experts"] = config.n_routed_experts;
-    json["n_shared_experts"] = config.n_shared_experts;
-    json["num_experts_per_tok"] = config.num_experts_per_tok;
-    json["moe_intermediate_size"] = config.moe_intermediate_size;
-    json["first_k_dense_replace"] = config.first_k_dense_replace;
-    json["moe_layer_freq"] = config.moe_layer_freq;
-    json["num_nextn_predict_layers"] = config.num_nextn_predict_layers;
-    json["n_group"] = 1;
-    json["topk_group"] = 1;
     json["topk_method"] = "noaux_tc";
     json["scoring_func"] = "sigmoid";
-    json["norm_topk_prob"] = true;
-    json["routed_scaling_factor"] = 2.5;
   }
-  if (config.model_type == "qwen3_next") {
+  switch (architecture.experts) {
+    case ExpertLayers::kNone: break;
+    case ExpertLayers::kFirstKDense:
+      json["n_routed_experts"] = config.n_routed_experts;
+      json["n_shared_experts"] = config.n_shared_experts;
+      json["num_experts_per_tok"] = config.num_experts_per_tok;
+      json["moe_intermediate_size"] = config.moe_intermediate_size;
+      json["first_k_dense_replace"] = config.first_k_dense_replace;
+      if (architecture.mla) json["moe_layer_freq"] = config.moe_layer_freq;
+      json["n_group"] = 1;
+      json["topk_group"] = 1;
+      json["norm_topk_prob"] = true;
+      json["routed_scaling_factor"] = 2.5;
+      break;
+    case ExpertLayers::kSparseStep:
+      json["num_experts"] = config.num_experts;
+      json["num_experts_per_tok"] = config.num_experts_per_tok;
+      json["moe_intermediate_size"] = config.moe_intermediate_size;
+      json["decoder_sparse_step"] = config.decoder_sparse_step;
+      json["mlp_only_layers"] = config.mlp_only_layers;
+      json["norm_topk_prob"] = true;
+      break;
+    case ExpertLayers::kEveryLayer:
+      json["num_local_experts"] = config.num_local_experts;
+      json["num_experts_per_tok"] = config.num_experts_per_tok;
+      break;
+  }
+  if (config.model_type == "glm4_moe") {
+    json["attention_bias"] = config.attention_bias;
+    json["use_qk_norm"] = config.use_qk_norm;
+    json["partial_rotary_factor"] = 0.5;
+  }
+  if (architecture.linear_attention) {
     json["full_attention_interval"] = config.full_attention_interval;
     json["linear_num_key_heads"] = config.linear_num_key_heads;
     json["linear_num_value_heads"] = config.linear_num_value_heads;
     json["linear_key_head_dim"] = config.linear_key_head_dim;
     json["linear_value_head_dim"] = config.linear_value_head_dim;
     json["linear_conv_kernel_dim"] = config.linear_conv_kernel_dim;
-    json["num_experts"] = config.num_experts;
-    json["num_experts_per_tok"] = config.num_experts_per_tok;
-    json["moe_intermediate_size"] = config.moe_intermediate_size;
     json["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size;
-    json["decoder_sparse_step"] = config.decoder_sparse_step;
-    json["mlp_only_layers"] = OrderedJson::array();
-    json["norm_topk_prob"] = true;
     json["partial_rotary_factor"] = 0.25;
-    // The MTP layer count under the name vLLM's Qwen3NextMTP reads.
-    json["num_nextn_predict_layers"] = config.num_nextn_predict_layers;
+  }
+  // The MTP layer count, under the name vLLM's DeepSeek, GLM and Qwen3-Next MTP models read.
+  if (architecture.mtp != MtpPlacement::kNone) json["num_nextn_predict_layers"] = config.num_nextn_predict_layers;
+  const ModelConfig::Quantization& quantization = config.quantization;
+  if (!quantization.quant_method.empty()) {
+    json["quantization_config"] = {{"quant_method", quantization.quant_method},
+                                   {"fmt", quantization.fmt},
+                                   {"activation_scheme", quantization.activation_scheme},
+                                   {"weight_block_size", quantization.weight_block_size}};
   }
   return json;
 }
 
-void add_dense_mlp(std::vector<TensorSpec>& specs, const std::string& prefix, int64_t hidden, int64_t inner,
-                   Dtype dtype) {
-  specs.push_back({prefix + "gate_proj.weight", dtype, {inner, hidden}});
-  specs.push_back({prefix + "up_proj.weight", dtype, {inner, hidden}});
-  specs.push_back({prefix + "down_proj.weight", dtype, {hidden, inner}});
-}
-
-// One DeepSeek decoder layer: MLA attention, then a dense MLP or routed plus shared experts.
-void add_deepseek_layer(std::vector<TensorSpec>& specs, const ModelConfig& c, const std::string& p, bool moe,
-                        Dtype dtype) {
-  int64_t h = c.hidden_size;
-  int64_t heads = c.num_attention_heads;
-  int64_t qk_head = c.qk_nope_head_dim + c.qk_rope_head_dim;
-  specs.push_back({p + "input_layernorm.weight", dtype, {h}});
-  if (c.q_lora_rank > 0) {
-    specs.push_back({p + "self_attn.q_a_proj.weight", dtype, {c.q_lora_rank, h}});
-    specs.push_back({p + "self_attn.q_a_layernorm.weight", dtype, {c.q_lora_rank}});
-    specs.push_back({p + "self_attn.q_b_proj.weight", dtype, {heads * qk_head, c.q_lora_rank}});
-  } else {
-    specs.push_back({p + "self_attn.q_proj.weight", dtype, {heads * qk_head, h}});
-  }
-  specs.push_back({p + "self_attn.kv_a_proj_with_mqa.weight", dtype, {c.kv_lora_rank + c.qk_rope_head_dim, h}});
-  specs.push_back({p + "self_attn.kv_a_layernorm.weight", dtype, {c.kv_lora_rank}});
-  specs.push_back(
-      {p + "self_attn.kv_b_proj.weight", dtype, {heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}});
-  specs.push_back({p + "self_attn.o_proj.weight", dtype, {h, heads * c.v_head_dim}});
-  specs.push_back({p + "post_attention_layernorm.weight", dtype, {h}});
-  if (!moe) {
-    add_dense_mlp(specs, p + "mlp.", h, c.intermediate_size, dtype);
-    return;
-  }
-  specs.push_back({p + "mlp.gate.weight", dtype, {c.n_routed_experts, h}});
-  // The router's bias stays F32 in the released checkpoint, whatever the weights' dtype.
-  specs.push_back({p + "mlp.gate.e_score_correction_bias", Dtype::kF32, {c.n_routed_experts}});
-  for (int64_t e = 0; e < c.n_routed_experts; ++e) {
-    add_dense_mlp(specs, p + "mlp.experts." + std::to_string(e) + ".", h, c.moe_intermediate_size, dtype);
-  }
-  if (c.n_shared_experts > 0) {
-    add_dense_mlp(specs, p + "mlp.shared_experts.", h, c.moe_intermediate_size * c.n_shared_experts, dtype);
-  }
-}
-
-// One Qwen3-Next layer: gated full attention or Gated DeltaNet, then routed experts with one
-// gated shared expert, or a dense MLP. Shapes as in the Hugging Face release.
-void add_qwen3_next_layer(std::vector<TensorSpec>& specs, const ModelConfig& c, const std::string& p,
-                          bool full_attention, bool moe, Dtype dtype) {
-  int64_t h = c.hidden_size;
-  specs.push_back({p + "input_layernorm.weight", dtype, {h}});
-  if (full_attention) {
-    int64_t q_width = c.num_attention_heads * c.head_dim;
-    int64_t kv_width = c.num_key_value_heads * c.head_dim;
-    specs.push_back({p + "self_attn.q_proj.weight", dtype, {2 * q_width, h}});  // query and output gate
-    specs.push_back({p + "self_attn.k_proj.weight", dtype, {kv_width, h}});
-    specs.push_back({p + "self_attn.v_proj.weight", dtype, {kv_width, h}});
-    specs.push_back({p + "self_attn.o_proj.weight", dtype, {h, q_width}});
-    specs.push_back({p + "self_attn.q_norm.weight", dtype, {c.head_dim}});
-    specs.push_back({p + "self_attn.k_norm.weight", dtype, {c.head_dim}});
-  } else {
-    int64_t key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
-    int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim;
-    specs.push_back({p + "linear_attn.in_proj_qkvz.weight", dtype, {2 * key_dim + 2 * value_dim, h}});
-    specs.push_back({p + "linear_attn.in_proj_ba.weight", dtype, {2 * c.linear_num_value_heads, h}});
-    specs.push_back({p + "linear_attn.conv1d.weight", dtype, {2 * key_dim + value_dim, 1, c.linear_conv_kernel_dim}});
-    specs.push_back({p + "linear_attn.dt_bias", dtype, {c.linear_num_value_heads}});
-    specs.push_back({p + "linear_attn.A_log", dtype, {c.linear_num_value_heads}});
-    specs.push_back({p + "linear_attn.norm.weight", dtype, {c.linear_value_head_dim}});
-    specs.push_back({p + "linear_attn.out_proj.weight", dtype, {h, value_dim}});
-  }
-  specs.push_back({p + "post_attention_layernorm.weight", dtype, {h}});
-  if (!moe) {
-    add_dense_mlp(specs, p + "mlp.", h, c.intermediate_size, dtype);
-    return;
-  }
-  specs.push_back({p + "mlp.gate.weight", dtype, {c.num_experts, h}});
-  for (int64_t e = 0; e < c.num_experts; ++e) {
-    add_dense_mlp(specs, p + "mlp.experts." + std::to_string(e) + ".", h, c.moe_intermediate_size, dtype);
-  }
-  if (c.shared_expert_intermediate_size > 0) {
-    add_dense_mlp(specs, p + "mlp.shared_expert.", h, c.shared_expert_intermediate_size, dtype);
-    specs.push_back({p + "mlp.shared_expert_gate.weight", dtype, {1, h}});
+// Quantizes rows [row_begin, row_end) (whole block-rows) of the random BF16 values of an
+// FP8 block-quantized weight, block by block as DeepSeek-V3's release does: scale =
+// amax / 448 (E4M3's largest value), code = E4M3(value / scale). Writes the codes of
+// those rows to `codes` and the rows' block scales to `scales` (either may be null).
+void quantize_block_rows(uint64_t key, const detail::CheckpointTensor& tensor, int64_t row_begin, int64_t row_end,
+                         std::byte* codes, float* scales) {
+  const LaneTransform transform = lane_transform(Dtype::kBF16, ValueKind::kWeight);
+  int64_t columns = tensor.columns;
+  int64_t block_columns = (columns + tensor.block_k - 1) / tensor.block_k;
+  std::vector<std::byte> bf16;
+  std::vector<float> values;
+  for (int64_t row = row_begin; row < row_end; row += tensor.block_n) {
+    int64_t rows = std::min(tensor.block_n, row_end - row);
+    bf16.resize(static_cast<size_t>(rows * columns) * 2);
+    fill_values(key, transform, static_cast<uint64_t>(row * columns) * 2, bf16);
+    values.resize(static_cast<size_t>(rows * columns));
+    for (size_t i = 0; i < values.size(); ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, bf16.data() + 2 * i, 2);
+      values[i] = std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+    }
+    for (int64_t block = 0; block < block_columns; ++block) {
+      int64_t begin = block * tensor.block_k, end = std::min(columns, begin + tensor.block_k);
+      float amax = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = begin; c < end; ++c) amax = std::max(amax, std::fabs(values[static_cast<size_t>(r * columns + c)]));
+      }
+      float scale = amax > 0 ? amax / 448.0f : 1.0f;
+      if (scales != nullptr) scales[((row - row_begin) / tensor.block_n) * block_columns + block] = scale;
+      if (codes == nullptr) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = begin; c < end; ++c) {
+          auto at = static_cast<size_t>(r * columns + c);
+          codes[static_cast<size_t>((row - row_begin) * columns + c)] = std::byte{float_to_e4m3(values[at] / scale)};
+        }
+      }
+    }
   }
 }
 
@@ -418,75 +426,11 @@ struct Chunk {
 
 }  // namespace
 
-std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& c, Dtype dtype) {
-  WS_EXPECT(c.model_type == "llama" || c.model_type == "qwen3" || c.model_type == "deepseek_v3" ||
-                c.model_type == "qwen3_next",
-            ErrorCode::kInvalidArgument,
-            "no tensor list for model_type " + detail::quoted_name(c.model_type) +
-                ": llama, qwen3, deepseek_v3 or qwen3_next");
-  std::vector<TensorSpec> specs;
-  int64_t h = c.hidden_size;
-  specs.push_back({"model.embed_tokens.weight", dtype, {c.vocab_size, h}});
-  if (c.model_type == "deepseek_v3") {
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      bool moe = c.n_routed_experts > 0 && i >= c.first_k_dense_replace && i % c.moe_layer_freq == 0;
-      add_deepseek_layer(specs, c, "model.layers." + std::to_string(i) + ".", moe, dtype);
-    }
-    // Multi-token prediction layers follow the decoder layers, as in DeepSeek-V3's release.
-    for (int64_t i = 0; i < c.num_nextn_predict_layers; ++i) {
-      std::string p = "model.layers." + std::to_string(c.num_hidden_layers + i) + ".";
-      specs.push_back({p + "embed_tokens.weight", dtype, {c.vocab_size, h}});
-      specs.push_back({p + "enorm.weight", dtype, {h}});
-      specs.push_back({p + "hnorm.weight", dtype, {h}});
-      specs.push_back({p + "eh_proj.weight", dtype, {h, 2 * h}});
-      add_deepseek_layer(specs, c, p, c.n_routed_experts > 0, dtype);
-      specs.push_back({p + "shared_head.norm.weight", dtype, {h}});
-      specs.push_back({p + "shared_head.head.weight", dtype, {c.vocab_size, h}});
-    }
-  } else if (c.model_type == "qwen3_next") {
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      add_qwen3_next_layer(specs, c, "model.layers." + std::to_string(i) + ".", is_full_attention_layer(c, i),
-                           has_qwen_experts(c, i), dtype);
-    }
-  } else {
-    int64_t q_width = c.num_attention_heads * c.head_dim;
-    int64_t kv_width = c.num_key_value_heads * c.head_dim;
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      std::string p = "model.layers." + std::to_string(i) + ".";
-      specs.push_back({p + "input_layernorm.weight", dtype, {h}});
-      specs.push_back({p + "self_attn.q_proj.weight", dtype, {q_width, h}});
-      specs.push_back({p + "self_attn.k_proj.weight", dtype, {kv_width, h}});
-      specs.push_back({p + "self_attn.v_proj.weight", dtype, {kv_width, h}});
-      specs.push_back({p + "self_attn.o_proj.weight", dtype, {h, q_width}});
-      if (c.model_type == "qwen3") {
-        specs.push_back({p + "self_attn.q_norm.weight", dtype, {c.head_dim}});
-        specs.push_back({p + "self_attn.k_norm.weight", dtype, {c.head_dim}});
-      }
-      specs.push_back({p + "post_attention_layernorm.weight", dtype, {h}});
-      add_dense_mlp(specs, p + "mlp.", h, c.intermediate_size, dtype);
-    }
-  }
-  specs.push_back({"model.norm.weight", dtype, {h}});
-  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", dtype, {c.vocab_size, h}});
-  if (c.model_type == "qwen3_next") {
-    // The MTP module last, as mtp.* sorts after the target's names in the release's index.
-    // Its layers have full attention and, as vLLM numbers them, experts by their own index.
-    specs.push_back({"mtp.fc.weight", dtype, {h, 2 * h}});
-    specs.push_back({"mtp.pre_fc_norm_embedding.weight", dtype, {h}});
-    specs.push_back({"mtp.pre_fc_norm_hidden.weight", dtype, {h}});
-    for (int64_t i = 0; i < c.num_nextn_predict_layers; ++i) {
-      add_qwen3_next_layer(specs, c, "mtp.layers." + std::to_string(i) + ".", true, has_qwen_experts(c, i), dtype);
-    }
-    specs.push_back({"mtp.norm.weight", dtype, {h}});
-  }
-  return specs;
-}
-
 SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options) {
   auto invalid = [](bool ok, const std::string& rule) { WS_EXPECT(ok, ErrorCode::kInvalidArgument, "synth: " + rule); };
-  invalid(options.arch == "llama" || options.arch == "qwen3" || options.arch == "deepseek_v3" ||
-              options.arch == "qwen3_next",
-          "arch " + detail::quoted_name(options.arch) + " is not one of llama, qwen3, deepseek_v3, qwen3_next");
+  const Architecture* architecture = find_architecture(options.arch);
+  invalid(architecture != nullptr,
+          "arch " + detail::quoted_name(options.arch) + " is not one of " + supported_model_types());
   invalid(options.layers >= 1 && options.layers <= 65536, "layers must be from 1 to 65536");
   invalid(options.hidden >= 64 && options.hidden <= 65536 && options.hidden % 32 == 0,
           "hidden " + std::to_string(options.hidden) + " must be a multiple of 32 from 64 to 65536");
@@ -494,12 +438,16 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   invalid(options.shards >= 1 && options.shards <= 99999, "shards must be from 1 to 99999");
   invalid(!torch_dtype_name(options.dtype).empty(),
           "dtype " + std::string(dtype_name(options.dtype)) + " is not a floating-point weight dtype");
-  if (options.arch == "deepseek_v3" || options.arch == "qwen3_next") {
+  invalid(options.quantize == SynthOptions::Quantization::kNone || options.dtype == Dtype::kBF16,
+          "quantize fp8-block quantizes BF16 weights: dtype must be BF16, not " + std::string(dtype_name(options.dtype)));
+  if (architecture->experts != ExpertLayers::kNone) {
     invalid(options.experts >= 1 && options.experts <= 65536, "experts must be from 1 to 65536");
     invalid(options.shared_experts >= 0 && options.shared_experts <= 64, "shared_experts must be from 0 to 64");
     invalid(options.experts_per_token >= 1 && options.experts_per_token <= options.experts,
             "experts_per_token must be from 1 to experts");
     invalid(options.first_dense_layers >= 0, "first_dense_layers must not be negative");
+  }
+  if (architecture->mtp != MtpPlacement::kNone) {
     invalid(options.mtp_layers >= 0 && options.mtp_layers <= 16, "mtp_layers must be from 0 to 16");
   }
 
@@ -527,17 +475,19 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   }
 
   ModelConfig config = synth_config(options, layers, hidden);
-  std::vector<TensorSpec> specs = checkpoint_tensor_specs(config, options.dtype);
+  std::vector<detail::CheckpointTensor> tensors = detail::checkpoint_tensors(config, options.dtype);
   auto shards = static_cast<size_t>(options.shards);
-  invalid(shards <= specs.size(), std::to_string(shards) + " shards for " + std::to_string(specs.size()) +
-                                      " tensors: every shard must hold a tensor");
+  invalid(shards <= tensors.size(), std::to_string(shards) + " shards for " + std::to_string(tensors.size()) +
+                                        " tensors: every shard must hold a tensor");
 
   std::error_code error;
   std::filesystem::create_directories(directory, error);
   WS_EXPECT(!error, ErrorCode::kIo, "cannot create directory " + directory.string() + ": " + error.message());
 
   std::vector<uint64_t> sizes;
-  for (const TensorSpec& spec : specs) sizes.push_back(*tensor_byte_size(spec.dtype, spec.shape));
+  for (const detail::CheckpointTensor& tensor : tensors) {
+    sizes.push_back(*tensor_byte_size(tensor.spec.dtype, tensor.spec.shape));
+  }
   std::vector<size_t> shard_of = assign_shards(sizes, shards);
 
   SynthResult result;
@@ -547,14 +497,16 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   result.files.push_back((directory / "config.json").string());
 
   CheckpointIndex index;
-  std::vector<std::vector<TensorSpec>> shard_specs(shards);
+  std::vector<std::vector<detail::CheckpointTensor>> shard_tensors(shards);
   std::vector<std::vector<uint64_t>> shard_keys(shards);
   uint64_t seed_key = mix64(options.seed + kGolden);
-  for (size_t i = 0; i < specs.size(); ++i) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
     std::string name = shard_name(shard_of[i], shards);
-    index.weight_map[specs[i].name] = name;
-    shard_keys[shard_of[i]].push_back(mix64(seed_key ^ name_hash(specs[i].name)));
-    shard_specs[shard_of[i]].push_back(std::move(specs[i]));
+    index.weight_map[tensors[i].spec.name] = name;
+    // Codes and scales of a quantized weight both come from the random BF16 values of the weight's name.
+    const std::string& source = tensors[i].source.empty() ? tensors[i].spec.name : tensors[i].source;
+    shard_keys[shard_of[i]].push_back(mix64(seed_key ^ name_hash(source)));
+    shard_tensors[shard_of[i]].push_back(std::move(tensors[i]));
   }
   for (size_t s = 0; s < shards; ++s) index.shards.push_back(shard_name(s, shards));
   uint64_t bytes = 0;
@@ -571,17 +523,29 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   files.reserve(shards);
   std::vector<Chunk> chunks;
   std::vector<std::vector<LaneTransform>> transforms(shards);
+  using Values = detail::CheckpointTensor::Values;
   for (size_t s = 0; s < shards; ++s) {
-    std::string header = safetensors_header_bytes(shard_specs[s], metadata);
+    std::vector<TensorSpec> specs;
+    for (const detail::CheckpointTensor& tensor : shard_tensors[s]) specs.push_back(tensor.spec);
+    std::string header = safetensors_header_bytes(specs, metadata);
     files.emplace_back(directory / index.shards[s]);
     files.back().write(header.data(), header.size());
     uint64_t file_offset = header.size();
-    for (size_t t = 0; t < shard_specs[s].size(); ++t) {
-      const TensorSpec& spec = shard_specs[s][t];
+    for (size_t t = 0; t < specs.size(); ++t) {
+      const TensorSpec& spec = specs[t];
+      const detail::CheckpointTensor& tensor = shard_tensors[s][t];
       transforms[s].push_back(lane_transform(spec.dtype, is_norm(spec.name) ? ValueKind::kNorm : ValueKind::kWeight));
       uint64_t size = *tensor_byte_size(spec.dtype, spec.shape);
-      for (uint64_t offset = 0; offset < size; offset += SafetensorsWriter::kStreamChunkBytes) {
-        uint64_t length = std::min<uint64_t>(SafetensorsWriter::kStreamChunkBytes, size - offset);
+      // FP8 codes are made whole block-rows at a time, scales all at once (they are small).
+      uint64_t step = SafetensorsWriter::kStreamChunkBytes;
+      if (tensor.values == Values::kFp8Codes) {
+        uint64_t block_row = static_cast<uint64_t>(tensor.block_n * tensor.columns);
+        step = std::max<uint64_t>(1, SafetensorsWriter::kStreamChunkBytes / block_row) * block_row;
+      } else if (tensor.values == Values::kFp8Scales) {
+        step = std::max<uint64_t>(size, 1);
+      }
+      for (uint64_t offset = 0; offset < size; offset += step) {
+        uint64_t length = std::min<uint64_t>(step, size - offset);
         chunks.push_back(Chunk{s, t, offset, length, file_offset + offset});
       }
       file_offset += size;
@@ -591,10 +555,28 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   std::vector<std::vector<std::byte>> buffers(std::min(workers, std::max<size_t>(chunks.size(), 1)));
   run_parallel(chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
     const Chunk& chunk = chunks[item];
+    const detail::CheckpointTensor& tensor = shard_tensors[chunk.shard][chunk.tensor];
+    uint64_t key = shard_keys[chunk.shard][chunk.tensor];
     std::vector<std::byte>& buffer = buffers[worker];
-    buffer.resize(SafetensorsWriter::kStreamChunkBytes);
+    buffer.resize(std::max<size_t>(buffer.size(), static_cast<size_t>(chunk.length)));
     std::span<std::byte> out(buffer.data(), static_cast<size_t>(chunk.length));
-    fill_values(shard_keys[chunk.shard][chunk.tensor], transforms[chunk.shard][chunk.tensor], chunk.offset, out);
+    switch (tensor.values) {
+      case Values::kRandom:
+        fill_values(key, transforms[chunk.shard][chunk.tensor], chunk.offset, out);
+        break;
+      case Values::kFp8Codes: {
+        auto row_begin = static_cast<int64_t>(chunk.offset / static_cast<uint64_t>(tensor.columns));
+        auto row_end = row_begin + static_cast<int64_t>(chunk.length / static_cast<uint64_t>(tensor.columns));
+        quantize_block_rows(key, tensor, row_begin, row_end, out.data(), nullptr);
+        break;
+      }
+      case Values::kFp8Scales: {
+        std::vector<float> scales(out.size() / sizeof(float));
+        quantize_block_rows(key, tensor, 0, tensor.rows, nullptr, scales.data());
+        std::memcpy(out.data(), scales.data(), out.size());
+        break;
+      }
+    }
     files[chunk.shard].write_at(chunk.file_offset, out.data(), out.size());
   });
   for (detail::OutputFile& file : files) file.close();
