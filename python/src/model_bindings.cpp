@@ -373,13 +373,17 @@ class SessionHandle {
   explicit SessionHandle(nb::object layout)
       : layout_object_(std::move(layout)), session_(nb::cast<LayoutHandle&>(layout_object_).layout) {}
 
-  void begin(const std::string& mode, const std::string& format) {
+  void begin(const std::string& mode, const std::string& format, const std::string& commit) {
     auto parsed_mode = parse_mode(mode);
     auto parsed_format = parse_format(format);
+    WS_EXPECT(commit == "arrival" || commit == "layer", ErrorCode::kInvalidArgument,
+              "commit '" + commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a layer "
+              "once all of it has arrived)");
+    LayerCommit parsed_commit = commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
     auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     nb::gil_scoped_release release;
     handle.ensure_storage();
-    session_.begin(parsed_mode, parsed_format);
+    session_.begin(parsed_mode, parsed_format, parsed_commit);
   }
 
   void load(nb::iterable batch) {
@@ -604,7 +608,7 @@ void bind_model(nb::module_& m) {
 
   nb::class_<SessionHandle>(m, "LoadSession")
       .def(nb::init<nb::object>(), "layout"_a)
-      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint")
+      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a = "arrival")
       .def("load", &SessionHandle::load, "batch"_a)
       .def("finish", &SessionHandle::finish)
       .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)

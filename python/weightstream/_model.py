@@ -102,9 +102,12 @@ class LoadSession:
         self._core = _core.LoadSession(layout)
         self.layout = layout
 
-    def begin(self, mode: str = "cold", format: str = "checkpoint") -> None:
-        """Starts a load; ``format`` "engine" takes parameter names and kernel-format bytes."""
-        self._core.begin(mode, format)
+    def begin(self, mode: str = "cold", format: str = "checkpoint", commit: str = "arrival") -> None:
+        """Starts a load; ``format`` "engine" takes parameter names and kernel-format bytes.
+        ``commit`` "layer" writes a layer only once all of its tensors have arrived, so a load
+        that fails midway leaves unfinished layers as they were ("arrival", the default and
+        the fastest, writes each tensor as it arrives)."""
+        self._core.begin(mode, format, commit)
 
     def load(self, batch: Iterable[Tuple[Any, ...]]) -> None:
         """Applies one batch of named tensors."""

@@ -145,7 +145,12 @@ struct LoadSession::State {
   std::map<int64_t, LayerState> layers;
   LoadCounters counters;
   /// The first error of a batch in this load: later load() and finish() calls refuse.
-  std::optional<std::pair<ErrorCode, std::string>> failure;
+  struct Failure {
+    ErrorCode code;
+    std::string message;
+    bool wrote = false;  ///< the batch had begun writing (its checks had passed)
+  };
+  std::optional<Failure> failure;
 
   /// Writes one checkpoint-format piece into its part (or the part's staging). A piece
   /// in another dtype gathers on the host until its part is whole, then lands converted.
@@ -366,10 +371,11 @@ void LoadSession::load(std::span<const TensorView> batch) {
   auto what = [&] { return std::string(load_mode_name(mode_)) + " load of " + layout_.description(); };
   WS_EXPECT(state.active, ErrorCode::kModel, "load() outside begin()/finish() on " + layout_.description());
   if (state.failure) {
-    WS_FAIL(state.failure->first, "cannot go on with the " + what() + ": an earlier batch failed (" +
-                                      state.failure->second + "); begin() a new load");
+    WS_FAIL(state.failure->code, "cannot go on with the " + what() + ": an earlier batch failed (" +
+                                     state.failure->message + "); begin() a new load");
   }
   model::ParameterWriter& writer = *state.writer;
+  bool wrote = false;
   try {
     // Pass 1: check every tensor of the batch; nothing is written or counted until all pass.
     std::vector<State::Write> writes;
@@ -575,6 +581,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
     // Pass 3: write. Checkpoint-format pieces in their parameter's dtype are copied outside
     // the lock, so the reader threads of a stream copy in parallel; conversions, engine
     // batches and whole-layer commits stay under it.
+    wrote = true;
     if (unlocked_writes) lock.unlock();
     if (checkpoint) {
       for (const State::Write& write : now) state.write_checkpoint(write);
@@ -602,7 +609,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
     }
   } catch (const Error& error) {
     if (!lock.owns_lock()) lock.lock();
-    if (!state.failure) state.failure.emplace(error.code(), error.what());
+    if (!state.failure) state.failure = State::Failure{error.code(), error.what(), wrote};
     throw;
   }
 }
@@ -625,12 +632,17 @@ void LoadSession::finish() {
     } catch (const Error&) {
       // The batch's error is the one the caller sees.
     }
-    WS_FAIL(state.failure->first,
-            "cannot finish the " + what + ": a batch failed (" + state.failure->second + "); " +
-                (state.commit == LayerCommit::kWholeLayer
-                     ? "layers not completed before the failure keep their old values"
-                     : "the layers it was writing may hold a mix of old and new values (begin with LayerCommit::kWholeLayer "
-                       "to keep unfinished layers as they were)"));
+    std::string state_text = state.failure->wrote ? "" : "nothing of that batch was written; ";
+    if (state.commit == LayerCommit::kWholeLayer) {
+      state_text += "layers not completed before the failure keep their old values";
+    } else if (state.failure->wrote) {
+      state_text += "the layers it was writing may hold a mix of old and new values (commit per layer, "
+                    "LayerCommit::kWholeLayer, keeps unfinished layers as they were)";
+    } else {
+      state_text += "tensors of earlier batches were written";
+    }
+    WS_FAIL(state.failure->code, "cannot finish the " + what + ": a batch failed (" + state.failure->message + "); " +
+                                     state_text + "; begin() a new load");
   }
   // A reload or update may leave out tensors, but not part of one: that is a sender's or a
   // stream's fault, found before held pieces are written.

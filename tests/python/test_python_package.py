@@ -556,8 +556,17 @@ def test_load_session_errors_name_the_tensor_and_the_parameter(synth_llama_bf16)
     with pytest.raises(weightstream.Error, match=r"model.layers.0.self_attn.q_proj.weight.*shape \[3, 3\]") as error:
         session.load([("model.layers.0.self_attn.q_proj.weight", wrong)])
     assert error.value.code == "model"
-    with pytest.raises(weightstream.Error, match="missing") as error:
+    # A session whose batch failed refuses to finish, with the first error.
+    with pytest.raises(weightstream.Error, match=r"cannot finish the cold load of .*a batch failed \(tensor "
+                                                 r"model.layers.0.self_attn.q_proj.weight has shape \[3, 3\].*"
+                                                 r"nothing of that batch was written") as error:
         session.finish()
+    session.begin("cold")
+    with pytest.raises(weightstream.Error, match="missing"):
+        session.finish()
+    session.begin("cold")
+    with pytest.raises(weightstream.Error, match="commit 'sometimes' is not one of arrival"):
+        session.begin("reload", commit="sometimes")
     with pytest.raises(weightstream.Error, match="not contiguous"):
         session.load([("model.norm.weight", np.zeros((4, 4), dtype=np.float32).T)])
     with pytest.raises(weightstream.Error, match="load mode 'warm'"):

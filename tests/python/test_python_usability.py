@@ -149,6 +149,7 @@ def test_raw_looking_bytes_from_elsewhere_get_the_fix_in_the_error(llama_bf16):
     message = str(error.value)
     assert f"tensor '{name}' came as uint8 [" in message
     assert 'name its dtype: (name, tensor, "BF16")' in message
+    session.begin("cold")  # a session whose batch failed begins anew
     session.load([(name, copied, "BF16")])  # the fix works
 
 
