@@ -115,7 +115,7 @@ def run_json(command, env=None):
     process = subprocess.run(command, capture_output=True, text=True, env=env)
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}): {process.stderr.strip()[-2000:]}")
-    return json.loads(process.stdout.strip().splitlines()[-1])
+    return json.loads(process.stdout[process.stdout.index("{"):])  # one JSON object, perhaps over several lines
 
 
 PYTHON_LOAD = r"""

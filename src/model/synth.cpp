@@ -350,7 +350,7 @@ void quantize_block_rows(uint64_t key, const detail::CheckpointTensor& tensor, i
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = begin; c < end; ++c) {
           auto at = static_cast<size_t>(r * columns + c);
-          codes[static_cast<size_t>((row - row_begin) * columns + c)] = std::byte{float_to_e4m3(values[at] / scale)};
+          codes[static_cast<size_t>((row - row_begin + r) * columns + c)] = std::byte{float_to_e4m3(values[at] / scale)};
         }
       }
     }
