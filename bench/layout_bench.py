@@ -129,7 +129,7 @@ session.begin("cold")
 stats = session.load_checkpoint(checkpoint)
 session.finish()
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "bytes": stats["bytes"], "bytes_read": stats["bytes_read"]}))
+print(json.dumps({"seconds": seconds, "bytes": stats["bytes"], "bytes_read": stats.get("bytes_read", stats["bytes"])}))
 """
 
 

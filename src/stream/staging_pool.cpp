@@ -1,8 +1,44 @@
 #include "stream/staging_pool.hpp"
 
+#include <mutex>
+#include <optional>
+
 #include "weightstream/error.hpp"
 
 namespace weightstream {
+namespace {
+
+/// Pinned buffers kept between streams. Never destroyed (a leaked singleton): unpinning at
+/// static destruction could run after the CUDA runtime has shut down.
+struct PinnedCache {
+  std::mutex mutex;
+  std::vector<Buffer> buffers;
+  uint64_t bytes = 0;
+
+  static PinnedCache& instance() {
+    static auto* cache = new PinnedCache;
+    return *cache;
+  }
+  std::optional<Buffer> take(size_t size) {
+    std::lock_guard lock(mutex);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (buffers[i].size() != size) continue;
+      Buffer buffer = std::move(buffers[i]);
+      buffers.erase(buffers.begin() + static_cast<ptrdiff_t>(i));
+      bytes -= size;
+      return buffer;
+    }
+    return std::nullopt;
+  }
+  void give(Buffer&& buffer) {
+    std::lock_guard lock(mutex);
+    if (!buffer.pinned() || bytes + buffer.size() > kPinnedCacheBytes) return;  // freed by the caller
+    bytes += buffer.size();
+    buffers.push_back(std::move(buffer));
+  }
+};
+
+}  // namespace
 
 std::shared_ptr<StagingPool> StagingPool::create(size_t buffer_bytes, size_t max_buffers, HostMemory memory) {
   WS_EXPECT(buffer_bytes > 0 && max_buffers > 0, ErrorCode::kInvalidArgument, "staging pool needs at least one non-empty buffer");
@@ -41,7 +77,9 @@ bool StagingPool::try_reserve() {
 StagingPool::Lease StagingPool::allocate_reserved() {
   Buffer buffer;
   try {
-    buffer = Buffer(Device{}, buffer_bytes_, memory_);
+    std::optional<Buffer> cached;
+    if (memory_ == HostMemory::kPinned) cached = PinnedCache::instance().take(buffer_bytes_);
+    buffer = cached ? std::move(*cached) : Buffer(Device{}, buffer_bytes_, memory_);
   } catch (...) {
     std::lock_guard lock(mutex_);
     --reserved_;
@@ -54,6 +92,11 @@ StagingPool::Lease StagingPool::allocate_reserved() {
     buffers_.push_back(std::move(buffer));
   }
   return lease(data);
+}
+
+StagingPool::~StagingPool() {
+  if (memory_ != HostMemory::kPinned) return;
+  for (Buffer& buffer : buffers_) PinnedCache::instance().give(std::move(buffer));
 }
 
 void StagingPool::give_back(std::byte* data) {

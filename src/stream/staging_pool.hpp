@@ -14,6 +14,9 @@
 
 namespace weightstream {
 
+/// The most pinned staging memory kept between streams for the next one.
+inline constexpr uint64_t kPinnedCacheBytes = uint64_t{1} << 30;
+
 class StagingPool : public std::enable_shared_from_this<StagingPool> {
  public:
   /// A pool of at most `max_buffers` buffers of `buffer_bytes` each, allocated on demand.
@@ -34,6 +37,10 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   /// allocations are slow (about 0.6 s per GiB on the GPU machines), so this runs outside
   /// every lock and several readers can allocate at once.
   Lease allocate_reserved();
+  /// Pinned buffers go back to a process-wide cache (at most kPinnedCacheBytes), so the
+  /// next stream takes them instead of pinning anew: a reload in 8 batches streams 8 times,
+  /// and pinning costs 0.3 to 0.6 s per GiB on the GPU machines.
+  ~StagingPool();
 
   size_t buffer_bytes() const noexcept { return buffer_bytes_; }
   size_t max_buffers() const noexcept { return max_buffers_; }

@@ -106,17 +106,16 @@ def test_bound_torch_module_on_the_gpu_receives_cold_load_reload_and_cuda_ipc_up
     torch.cuda.synchronize()
     assert seen.view(torch.uint8).cpu().numpy().tobytes() == expected_second["model.layers.1.mlp.down_proj.weight"]
 
-    # A trainer pushes the first checkpoint back over CUDA IPC, from tensors on the GPU.
+    # A trainer pushes the first checkpoint back over CUDA IPC. CUDA IPC joins two processes
+    # (a process cannot open its own handles), so the trainer is `weightstream send`.
     receiver = weightstream.UpdateReceiver(layout, transport="cuda-ipc", token="t0ken", device="cuda:0")
     reports = []
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
-    sender = weightstream.UpdateSender(receiver.address, transport="cuda-ipc", token="t0ken", device="cuda:0",
-                                       bucket_bytes=1 << 20)
-    sender.start("checkpoint")
-    for name, tensor in first.stream(device="cuda:0", framework="torch"):
-        sender.send(name, tensor)
-    sender.finish()
+    sent = subprocess.run([CLI, "send", first.uri, "--to", receiver.address, "--via", "cuda-ipc", "--bucket-size", "1MiB",
+                           "--device", "cuda:0", "--token-stdin"], input="t0ken\n", capture_output=True, text=True,
+                          timeout=120)
+    assert sent.returncode == 0, sent.stderr
     thread.join(timeout=60)
     assert not thread.is_alive() and reports
     assert module_bytes(model) == expected_first
