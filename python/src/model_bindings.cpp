@@ -488,6 +488,14 @@ void bind_model(nb::module_& m) {
           },
           "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
           "quantize"_a = "none", "modules"_a = "target", nb::rv_policy::take_ownership)
+      .def_static(
+          "identity",
+          [](const CheckpointHandle& checkpoint) {
+            auto* handle = new LayoutHandle();
+            handle->layout = identity_layout(checkpoint.checkpoint());
+            return handle;
+          },
+          "checkpoint"_a, nb::rv_policy::take_ownership)
       .def_prop_ro("description", [](const LayoutHandle& handle) { return handle.layout.description(); })
       .def_prop_ro("parameter_names",
                    [](const LayoutHandle& handle) {

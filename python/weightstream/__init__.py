@@ -26,7 +26,7 @@ from ._api import (
 )
 from . import _core
 from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count
-from ._model import LoadSession, ModelLayout, model_layout
+from ._model import LoadSession, ModelLayout, identity_layout, model_layout
 from ._weights_iterator import safetensors_weights_iterator
 
 # Hooks of module-level layouts refer to their module: freed at exit, not leaked.
@@ -48,6 +48,7 @@ __all__ = [
     "digest",
     "load",
     "model_layout",
+    "identity_layout",
     "open",
     "resolve_options",
     "safetensors_weights_iterator",

@@ -52,6 +52,19 @@ def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) ->
     return text
 
 
+def identity_layout(checkpoint: Union[str, os.PathLike, Checkpoint], *, device: Optional[str] = None) -> ModelLayout:
+    """The identity layout of a checkpoint: one parameter per tensor, with the tensor's name,
+    dtype and shape (what an engine whose parameters carry the checkpoint's names binds, a
+    transformers model for instance, and what ``weightstream.load`` loads). With ``device``
+    the parameters left unbound are allocated on it at the first load."""
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint(os.fspath(checkpoint))
+    layout = _core.ModelLayout.identity(checkpoint._core)
+    if device is not None:
+        layout.allocate_at_first_load(device)
+    return layout
+
+
 def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *, tp_size: int = 1, tp_rank: int = 0,
                  ep_size: int = 1, ep_rank: int = 0, dtype: Optional[str] = None, quantize: str = "none",
                  modules: str = "target",

@@ -406,3 +406,25 @@ def test_a_tensor_that_requires_grad_is_bound_through_detach(checkpoint):
     session.finish()
     assert array.any() and array.tobytes() == np.from_dlpack(layout.tensor(NAME)).tobytes()
     assert np.from_dlpack(layout.tensor(NAME)).ctypes.data == array.ctypes.data
+
+
+def test_identity_layout_binds_arrays_named_as_the_checkpoint_and_loads_them_in_place(tmp_path):
+    import subprocess
+    from conftest import CLI
+    subprocess.run([CLI, "synth", str(tmp_path / "ckpt"), "--arch", "llama", "--layers", "1", "--seed", "4"], check=True,
+                   capture_output=True)
+    checkpoint = weightstream.open(str(tmp_path / "ckpt"))
+    layout = weightstream.identity_layout(checkpoint, device="cpu")
+    assert sorted(layout.parameter_names) == sorted(t.name for t in checkpoint.tensors)
+    name = "model.norm.weight"
+    info = next(t for t in checkpoint.tensors if t.name == name)
+    array = np.zeros(list(info.shape) + [2], dtype=np.uint8)  # BF16 as raw bytes
+    address = array.ctypes.data
+    layout.bind(name, array)
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    session.finish()
+    assert array.ctypes.data == address
+    expected = next(np.from_dlpack(t) for n, t in checkpoint.stream() if n == name)
+    assert array.tobytes() == np.asarray(expected).tobytes()
