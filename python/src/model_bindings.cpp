@@ -428,6 +428,8 @@ class SessionHandle {
     nb::dict result;
     result["tensors"] = stats.tensors;
     result["bytes"] = stats.bytes;
+    result["bytes_read"] = stats.bytes_read;
+    result["shards_read"] = stats.shards_read;
     result["seconds"] = stats.seconds;
     result["peak_staging_bytes"] = stats.peak_staging_bytes;
     return result;
