@@ -532,7 +532,8 @@ class LoadSession {
   /// parameter, the part, the layer and the rule. A layer whose last part has landed is
   /// processed (cold and reload). Copies onto a GPU are asynchronous: the call waits for
   /// them only for views of lifetime kCall without a keepalive. Once a batch has failed,
-  /// later load() and finish() calls of this load throw, naming the first error.
+  /// later load() and finish() calls of this load throw, naming the first error; begin()
+  /// abandons such a load and starts a new one.
   void load(std::span<const TensorView> batch);
   void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
   /// Where bytes [offset, offset + bytes) of checkpoint tensor `tensor` belong, when a

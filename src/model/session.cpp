@@ -272,7 +272,9 @@ void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) 
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
   const std::string what = std::string(load_mode_name(mode)) + " load of " + layout_.description();
-  WS_EXPECT(!state.active, ErrorCode::kModel, "cannot begin a " + what + ": the previous load has not finished");
+  // A load whose batch failed may be abandoned: begin() starts afresh (finish() would refuse).
+  WS_EXPECT(!state.active || state.failure, ErrorCode::kModel,
+            "cannot begin a " + what + ": the previous load has not finished");
   std::vector<std::string> unbound;
   for (const Parameter& parameter : layout_.parameters()) {
     if (parameter.data == nullptr) unbound.push_back(parameter.name);
