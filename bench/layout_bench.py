@@ -90,25 +90,12 @@ def warm(directory):
                 pass
 
 
-def pinned_copy_rate(size=4 << 30, repeats=5):
+def pinned_copy_rate():
+    """The pinned host-to-device rate, measured as gpu_bench.py measures it."""
     import torch
+    from gpu_bench import pinned_copy_rate as copy_rates  # bench/ is this script's folder
 
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    host.fill_(7)
-    device = torch.empty(size, dtype=torch.uint8, device="cuda:0")
-    device.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        device.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    del host, device
-    torch.cuda.empty_cache()
-    return size / statistics.median(times) / GB
+    return copy_rates(torch)["pinned"]
 
 
 def run_json(command, env=None):
