@@ -20,7 +20,7 @@ tsan_build=${WS_TSAN_BUILD_DIR:-$root/build-tsan}
 # exit of every test process. abort_on_error is left off so gtest's output is kept.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/tsan-suppressions.txt}
 
 # -O1 with line tables only: what the sanitizers' documentation recommends for readable
 # stacks, and about half the compile time of -O2 -g on the 2-core CI machine.

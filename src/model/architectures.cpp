@@ -555,8 +555,7 @@ struct PendingParameter {
 class LayoutBuilder {
  public:
   LayoutBuilder(const Architecture& architecture, const ModelConfig& config, const LayoutOptions& options)
-      : architecture_(architecture),
-        config_(config),
+      : config_(config),
         options_(options),
         scopes_(architecture, config),
         dimensions_(model_dimensions(config)) {
@@ -884,7 +883,6 @@ class LayoutBuilder {
     layout_.add_ignore_rule("lm_head.weight");
   }
 
-  const Architecture& architecture_;
   const ModelConfig& config_;
   const LayoutOptions& options_;
   LayerScopes scopes_;

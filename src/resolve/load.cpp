@@ -56,9 +56,13 @@ class SessionSink final : public TensorSink {
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = *piece.tensor;
     const TensorShape& shape = shapes_[piece.request];
-    TensorView view{tensor.name, shape.dtype, shape.shape, piece.bytes.data(), Device{},
-                    plan_.reads[piece.request].range.offset + piece.offset, piece.bytes.size()};
-    view.keepalive = std::move(piece.keepalive);
+    TensorView view{.name = tensor.name,
+                    .dtype = shape.dtype,
+                    .shape = shape.shape,
+                    .data = piece.bytes.data(),
+                    .offset = plan_.reads[piece.request].range.offset + piece.offset,
+                    .bytes = piece.bytes.size(),
+                    .keepalive = std::move(piece.keepalive)};
     session_.load(view);
   }
 

@@ -78,8 +78,12 @@ class RoutingSink final : public TensorSink {
 
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = *piece.tensor;
-    TensorView view{tensor.name,        tensor.dtype, tensor.shape, piece.bytes.data(), Device{},
-                    requests_[piece.request].range.offset + piece.offset, piece.bytes.size()};
+    TensorView view{.name = tensor.name,
+                    .dtype = tensor.dtype,
+                    .shape = tensor.shape,
+                    .data = piece.bytes.data(),
+                    .offset = requests_[piece.request].range.offset + piece.offset,
+                    .bytes = piece.bytes.size()};
     for (const Delivery& delivery : routes_[piece.request]) {
       ModuleRun& module = modules_[delivery.module];
       module.session->load(view);

@@ -229,7 +229,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
     headers.reset(appended);
   }
 
-  Transfer transfer{&request, &response};
+  Transfer transfer{.request = &request, .response = &response};
   transfer.stall_seconds = settings_.stall_seconds;
   transfer.first_byte_seconds = settings_.first_byte_seconds;
   char error_text[CURL_ERROR_SIZE] = {0};

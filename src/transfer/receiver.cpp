@@ -65,7 +65,12 @@ std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::
   std::vector<TensorView> views;
   views.reserve(manifest.entries.size());
   for (const BucketEntry& entry : manifest.entries) {
-    TensorView view{entry.name, entry.dtype, entry.shape, nullptr, transport.device(), entry.tensor_offset, entry.bytes};
+    TensorView view{.name = entry.name,
+                    .dtype = entry.dtype,
+                    .shape = entry.shape,
+                    .device = transport.device(),
+                    .offset = entry.tensor_offset,
+                    .bytes = entry.bytes};
     if (entry.source == 0) {
       view.data = slot + entry.source_offset;
       view.lifetime = SourceLifetime::kSettle;
