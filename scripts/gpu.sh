@@ -163,8 +163,8 @@ if wants probe; then
   "$build/weightstream" synth "$probe_dir/ckpt" --arch llama --size 8GiB --shards 4 >/dev/null 2>&1
   cat "$probe_dir"/ckpt/*.safetensors >/dev/null
   for path in staged mapped; do
-    for concurrency in 8 16 24; do
-      for run in 1 2; do
+    for concurrency in 16 24; do
+      for run in 1; do
         "$build/weightstream" load "$probe_dir/ckpt" --raw --device cuda:0 --gpu-path $path --concurrency $concurrency \
           --no-progress --json 2>&1 | python3 -c "import json,sys; r=json.load(sys.stdin); print('load: $path c=$concurrency run $run', round(r['seconds'],3), 's', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
           2>&1 | tee -a "$out/probe.txt"
