@@ -33,6 +33,7 @@ enum class GpuPath {
   kAuto,    ///< kStaged: 1.7x kMapped warm and on a par cold on an H200 (bench/RESULTS.md)
   kStaged,  ///< read into pinned staging buffers, async copies to the device
   kMapped,  ///< mmap local files, register windows with CUDA (read-only), the copy engine reads them
+  kBoth,    ///< staged and mapped at once on disjoint tensors (StreamOptions::mapped_share of the bytes mapped)
 };
 
 /// Options of the stream layer (planning, reader pool, staging pool).
@@ -47,8 +48,11 @@ struct StreamOptions {
   uint64_t chunk_bytes = 16 * kMiB;
   /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring.
   LocalIo local_io = LocalIo::kPread;
-  /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped.
+  /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped | both.
   GpuPath gpu_path = GpuPath::kAuto;
+  /// With GpuPath::kBoth: the fraction of the bytes the mapped source carries, the rest
+  /// staged. WEIGHTSTREAM_MAPPED_SHARE, a number from 0 to 1.
+  double mapped_share = 0.4;
   /// Print progress on stderr even when it is not a terminal.
   /// WEIGHTSTREAM_PROGRESS = 1|true|yes|on or 0|false|no|off.
   bool progress = false;
@@ -159,10 +163,13 @@ double parse_duration(std::string_view text, std::string_view what = "duration")
 LocalIo parse_local_io(std::string_view text, std::string_view what = "io");
 /// "pread", "direct" or "uring".
 std::string_view local_io_name(LocalIo io) noexcept;
-/// Parses "auto", "staged" or "mapped". Throws Error(kInvalidArgument) naming `what`.
+/// Parses "auto", "staged", "mapped" or "both". Throws Error(kInvalidArgument) naming `what`.
 GpuPath parse_gpu_path(std::string_view text, std::string_view what = "gpu_path");
-/// "auto", "staged" or "mapped".
+/// "auto", "staged", "mapped" or "both".
 std::string_view gpu_path_name(GpuPath path) noexcept;
+/// Parses a fraction from 0 to 1 (StreamOptions::mapped_share). Throws
+/// Error(kInvalidArgument) naming `what`.
+double parse_share(std::string_view text, std::string_view what = "mapped_share");
 
 /// How check_stream_options names the fields in its messages (a flag, a variable, a keyword).
 struct StreamOptionNames {

@@ -149,6 +149,9 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
 ///    handed to the sink in place (no read(2), no copy into staging); a piece's keepalive
 ///    holds its window's registration, and registered windows stay within
 ///    options.memory_limit. Throws Error(kUnsupported) for storage that is not local files.
+///  - both: the two at once on disjoint tensors, options.mapped_share of the bytes mapped (a
+///    quarter of the workers register windows, the rest read into staging; each side gets
+///    its share of options.memory_limit). Local files only, as mapped.
 /// The sink keeps a piece's keepalive until its copy of the bytes has landed.
 StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& checkpoint,
                                       std::span<const TensorRequest> requests, TensorSink& sink,

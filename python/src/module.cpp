@@ -40,7 +40,7 @@ void raise_python_error(const Error& error) {
 
 // ---- options ----------------------------------------------------------------------------
 
-constexpr const char* kOptionNames = "concurrency, memory_limit, chunk_size, io, gpu_path";
+constexpr const char* kOptionNames = "concurrency, memory_limit, chunk_size, io, gpu_path, mapped_share";
 
 /// A byte size given as an int or as text such as "64MiB".
 uint64_t size_argument(nb::handle value, const char* name) {
@@ -82,6 +82,10 @@ Options resolve_options(const Options& base, nb::dict overrides) {
       stream.local_io = parse_local_io(text_argument(value, "io"), "io");
     } else if (name == "gpu_path") {
       stream.gpu_path = parse_gpu_path(text_argument(value, "gpu_path"), "gpu_path");
+    } else if (name == "mapped_share") {
+      if (nb::isinstance<nb::bool_>(value) || !(nb::isinstance<nb::float_>(value) || nb::isinstance<nb::int_>(value)))
+        throw nb::type_error("mapped_share must be a number from 0 to 1");
+      stream.mapped_share = parse_share(std::to_string(nb::cast<double>(value)), "mapped_share");
     } else {
       throw nb::type_error(("unknown option '" + name + "' (options are " + kOptionNames + ")").c_str());
     }
@@ -102,6 +106,7 @@ nb::dict options_dict(const Options& options) {
   result["chunk_size"] = stream.chunk_bytes;
   result["io"] = std::string(local_io_name(stream.local_io));
   result["gpu_path"] = std::string(gpu_path_name(stream.gpu_path));
+  result["mapped_share"] = stream.mapped_share;
   return result;
 }
 

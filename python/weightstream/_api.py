@@ -20,14 +20,16 @@ _OPTIONS_DOC = """
                  (default "1GiB"; at least 4KiB)
     chunk_size   largest single read, int or string (default "16MiB"; at least 4KiB)
     io           how local files are read: "pread" (default), "direct" (O_DIRECT) or "uring"
-    gpu_path     how bytes reach a GPU: "auto" (default), "staged" or "mapped"
+    gpu_path     how bytes reach a GPU: "auto" (default), "staged", "mapped" or "both"
+                 (staged and mapped at once, on disjoint tensors)
+    mapped_share with gpu_path="both": the fraction of the bytes mapped (default 0.4)
 """
 
 
 def resolve_options(**options: Any) -> Dict[str, Any]:
     """The options a call with these keyword arguments would use, after the environment
-    and the defaults: a dict of concurrency, memory_limit and chunk_size (in bytes), io and
-    gpu_path. Raises weightstream.Error for a malformed value (for example
+    and the defaults: a dict of concurrency, memory_limit and chunk_size (in bytes), io,
+    gpu_path and mapped_share. Raises weightstream.Error for a malformed value (for example
     memory_limit="12XB") and TypeError for an unknown option name.
     """
     return _core.resolve_options(options)

@@ -19,7 +19,7 @@ const std::set<std::string, std::less<>> kKnownVariables = {
     "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
     "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
     "WEIGHTSTREAM_S3_RETRY_BASE",   "WEIGHTSTREAM_S3_CONNECT_TIMEOUT", "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT",
-    "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",
+    "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",       "WEIGHTSTREAM_MAPPED_SHARE",
 };
 
 const std::string* find(const Environment& environment, std::string_view name) {
@@ -99,6 +99,7 @@ Options options_from_environment(const Environment& environment) {
       WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,
                 "unknown environment variable " + name + " (known: WEIGHTSTREAM_CONCURRENCY, "
                 "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, WEIGHTSTREAM_GPU_PATH, "
+                "WEIGHTSTREAM_MAPPED_SHARE, "
                 "WEIGHTSTREAM_PROGRESS, WEIGHTSTREAM_S3_*, WEIGHTSTREAM_MODEL_URI)");
     }
   }
@@ -113,6 +114,8 @@ Options options_from_environment(const Environment& environment) {
     stream.local_io = parse_variable([&] { return parse_local_io(*v, "WEIGHTSTREAM_LOCAL_IO"); });
   if (auto* v = find(environment, "WEIGHTSTREAM_GPU_PATH"))
     stream.gpu_path = parse_variable([&] { return parse_gpu_path(*v, "WEIGHTSTREAM_GPU_PATH"); });
+  if (auto* v = find(environment, "WEIGHTSTREAM_MAPPED_SHARE"))
+    stream.mapped_share = parse_variable([&] { return parse_share(*v, "WEIGHTSTREAM_MAPPED_SHARE"); });
   parse_variable([&] {
     check_stream_options(stream, {"WEIGHTSTREAM_CONCURRENCY", "WEIGHTSTREAM_MEMORY_LIMIT", "WEIGHTSTREAM_CHUNK_SIZE"});
     return 0;
@@ -245,7 +248,16 @@ GpuPath parse_gpu_path(std::string_view text, std::string_view what) {
   if (text == "auto") return GpuPath::kAuto;
   if (text == "staged") return GpuPath::kStaged;
   if (text == "mapped") return GpuPath::kMapped;
-  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, staged or mapped");
+  if (text == "both") return GpuPath::kBoth;
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, staged, mapped or both");
+}
+
+double parse_share(std::string_view text, std::string_view what) {
+  double value = -1;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  WS_EXPECT(error == std::errc() && end == text.data() + text.size() && value >= 0 && value <= 1,
+            ErrorCode::kInvalidArgument, quoted(what, text) + ": expected a fraction from 0 to 1, such as 0.4");
+  return value;
 }
 
 std::string_view gpu_path_name(GpuPath path) noexcept {
@@ -253,6 +265,7 @@ std::string_view gpu_path_name(GpuPath path) noexcept {
     case GpuPath::kAuto: return "auto";
     case GpuPath::kStaged: return "staged";
     case GpuPath::kMapped: return "mapped";
+    case GpuPath::kBoth: return "both";
   }
   return "auto";
 }

@@ -24,8 +24,11 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
   command.add_option("--io", flags.io,
                      "Local read method: pread, direct (O_DIRECT) or uring (default pread; WEIGHTSTREAM_LOCAL_IO)");
   command.add_option("--gpu-path", flags.gpu_path,
-                     "How bytes reach a CUDA device: auto, staged (pinned buffers) or mapped (registered mmap of "
-                     "local files) (default auto; WEIGHTSTREAM_GPU_PATH)");
+                     "How bytes reach a CUDA device: auto, staged (pinned buffers), mapped (registered mmap of "
+                     "local files) or both at once on disjoint tensors (default auto; WEIGHTSTREAM_GPU_PATH)");
+  command.add_option("--mapped-share", flags.mapped_share,
+                     "With --gpu-path both: the fraction of the bytes mapped, the rest staged (default 0.4; "
+                     "WEIGHTSTREAM_MAPPED_SHARE)");
   command.add_flag("--progress", flags.progress,
                    "Print progress on stderr even when it is not a terminal, one line every few seconds "
                    "(WEIGHTSTREAM_PROGRESS=1)");
@@ -40,6 +43,7 @@ Options resolve_options(const StreamFlags& flags) {
   if (!flags.chunk_size.empty()) stream.chunk_bytes = parse_size(flags.chunk_size, "--chunk-size");
   if (!flags.io.empty()) stream.local_io = parse_local_io(flags.io, "--io");
   if (!flags.gpu_path.empty()) stream.gpu_path = parse_gpu_path(flags.gpu_path, "--gpu-path");
+  if (!flags.mapped_share.empty()) stream.mapped_share = parse_share(flags.mapped_share, "--mapped-share");
   check_stream_options(stream, {"--concurrency", "--memory-limit", "--chunk-size"});
   return options;
 }

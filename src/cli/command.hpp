@@ -22,6 +22,7 @@ struct StreamFlags {
   std::string chunk_size;
   std::string io;
   std::string gpu_path;
+  std::string mapped_share;
   bool progress = false;
   bool no_progress = false;
 };

@@ -22,6 +22,7 @@
 
 #include "weightstream/error.hpp"
 #include "base/errno_text.hpp"
+#include "stream/split_stream.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {
@@ -373,10 +374,11 @@ GpuPath choose_path(const Checkpoint& checkpoint, const StreamOptions& options) 
   switch (options.gpu_path) {
     case GpuPath::kStaged: return GpuPath::kStaged;
     case GpuPath::kMapped:
+    case GpuPath::kBoth:
       WS_EXPECT(local, ErrorCode::kUnsupported,
-                "the mapped GPU path reads local files, and " + checkpoint.uri() + " is not on the local file system " +
-                    "(use --gpu-path staged or auto)");
-      return GpuPath::kMapped;
+                "the " + std::string(gpu_path_name(options.gpu_path)) + " GPU path maps local files, and " +
+                    checkpoint.uri() + " is not on the local file system (use --gpu-path staged or auto)");
+      return options.gpu_path;
     case GpuPath::kAuto:
       // Staged: measured on an H200 at 27-30 GB/s warm against 15-16 for mapped, and on a
       // par cold (bench/RESULTS.md); it also serves every storage and O_DIRECT.
@@ -392,11 +394,25 @@ StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& ch
                                       const StreamOptions& options, const ProgressCallback& progress) {
   require_device(device);
   if (!device.is_cuda()) return stream_tensors(checkpoint, requests, sink, options, progress);
+  auto staged = [&](std::span<const TensorRequest> subset, TensorSink& subset_sink, const StreamOptions& subset_options,
+                    const ProgressCallback& subset_progress) {
+    return stream_tensors(checkpoint, subset, subset_sink, subset_options, subset_progress, HostMemory::kPinned);
+  };
+  auto mapped = [&](std::span<const TensorRequest> subset, TensorSink& subset_sink, const StreamOptions& subset_options,
+                    const ProgressCallback& subset_progress) {
+    return stream_mapped(device, checkpoint, subset, subset_sink, subset_options, subset_progress);
+  };
   // Ordered pieces (hashing) need the streamer: windows are handed out by several workers.
-  if (choose_path(checkpoint, options) == GpuPath::kMapped && !sink.wants_ordered_pieces()) {
-    return stream_mapped(device, checkpoint, requests, sink, options, progress);
+  GpuPath path = sink.wants_ordered_pieces() ? GpuPath::kStaged : choose_path(checkpoint, options);
+  switch (path) {
+    case GpuPath::kMapped: return mapped(requests, sink, options, progress);
+    case GpuPath::kBoth: {
+      // A quarter of the workers register windows; the rest read into staging.
+      SplitPlan plan{options.mapped_share, std::max(2u, options.concurrency / 4)};
+      return split_stream(checkpoint, requests, sink, options, progress, plan, staged, mapped);
+    }
+    default: return staged(requests, sink, options, progress);
   }
-  return stream_tensors(checkpoint, requests, sink, options, progress, HostMemory::kPinned);
 }
 
 }  // namespace weightstream

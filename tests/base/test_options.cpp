@@ -56,7 +56,12 @@ TEST(Options, MalformedValuesNameTheVariable) {
     EXPECT_FALSE(options_from_environment({{"WEIGHTSTREAM_PROGRESS", no}}).stream.progress) << no;
   }
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_GPU_PATH", "pinned"}}),
-              HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged or mapped"));
+              HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged, mapped or both"));
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_MAPPED_SHARE", "1.5"}}),
+              HasSubstr("WEIGHTSTREAM_MAPPED_SHARE='1.5': expected a fraction from 0 to 1, such as 0.4"));
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_MAPPED_SHARE", "half"}}),
+              HasSubstr("WEIGHTSTREAM_MAPPED_SHARE='half': expected a fraction from 0 to 1"));
+  EXPECT_DOUBLE_EQ(options_from_environment({{"WEIGHTSTREAM_MAPPED_SHARE", "0.25"}}).stream.mapped_share, 0.25);
 }
 
 TEST(Options, StagingLimitsBelowOnePageAreRefusedNamingTheVariable) {
@@ -74,8 +79,9 @@ TEST(Options, OneParserForTheReadMethodAndTheGpuPath) {
   EXPECT_EQ(parse_gpu_path("auto"), GpuPath::kAuto);
   EXPECT_EQ(parse_gpu_path("staged"), GpuPath::kStaged);
   EXPECT_EQ(parse_gpu_path("mapped"), GpuPath::kMapped);
+  EXPECT_EQ(parse_gpu_path("both"), GpuPath::kBoth);
   for (LocalIo io : {LocalIo::kPread, LocalIo::kDirect, LocalIo::kUring}) EXPECT_EQ(parse_local_io(local_io_name(io)), io);
-  for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged, GpuPath::kMapped})
+  for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged, GpuPath::kMapped, GpuPath::kBoth})
     EXPECT_EQ(parse_gpu_path(gpu_path_name(path)), path);
   try {
     parse_local_io("mmap", "--io");

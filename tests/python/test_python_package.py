@@ -338,7 +338,8 @@ def test_options_have_the_command_defaults_and_accept_sizes(monkeypatch):
     for variable in [v for v in os.environ if v.startswith("WEIGHTSTREAM_")]:
         monkeypatch.delenv(variable)
     assert weightstream.resolve_options() == {
-        "concurrency": 16, "memory_limit": 1 << 30, "chunk_size": 16 << 20, "io": "pread", "gpu_path": "auto"}
+        "concurrency": 16, "memory_limit": 1 << 30, "chunk_size": 16 << 20, "io": "pread", "gpu_path": "auto",
+        "mapped_share": 0.4}
     resolved = weightstream.resolve_options(memory_limit="64MiB", chunk_size=1 << 20, concurrency=3, io="direct")
     assert resolved["memory_limit"] == 64 << 20 and resolved["chunk_size"] == 1 << 20
     assert resolved["concurrency"] == 3 and resolved["io"] == "direct"
@@ -357,6 +358,11 @@ def test_bad_options_raise_with_the_library_messages(mixed_file, monkeypatch):
         weightstream.open(str(mixed_file), concurrency=0)
     with pytest.raises(weightstream.Error, match="io='mmap': expected pread, direct or uring"):
         weightstream.open(str(mixed_file), io="mmap")
+    with pytest.raises(weightstream.Error, match=r"mapped_share='1.5\d*': expected a fraction from 0 to 1"):
+        weightstream.open(str(mixed_file), mapped_share=1.5)
+    with pytest.raises(TypeError, match="mapped_share must be a number from 0 to 1"):
+        weightstream.open(str(mixed_file), mapped_share="0.4")
+    assert weightstream.resolve_options(gpu_path="both", mapped_share=0.25)["mapped_share"] == 0.25
     with pytest.raises(TypeError, match="unknown option 'memory'"):
         weightstream.open(str(mixed_file), memory="1GiB")
     with pytest.raises(TypeError, match="memory_limit must be an int"):

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -168,9 +169,13 @@ INSTANTIATE_TEST_SUITE_P(
                       CudaLoadCase{GpuPath::kMapped, 1 * kGiB, 16 * kMiB, 16},
                       CudaLoadCase{GpuPath::kMapped, 256 * kKiB, 64 * kKiB, 4},
                       CudaLoadCase{GpuPath::kMapped, 64 * kKiB, 16 * kKiB, 1},
+                      CudaLoadCase{GpuPath::kBoth, 1 * kGiB, 16 * kMiB, 16},
+                      CudaLoadCase{GpuPath::kBoth, 256 * kKiB, 64 * kKiB, 4},
+                      CudaLoadCase{GpuPath::kBoth, 64 * kKiB, 16 * kKiB, 2},
                       CudaLoadCase{GpuPath::kAuto, 1 * kMiB, 1 * kMiB, 8}),
     [](const auto& info) {
-      const char* path = info.param.path == GpuPath::kStaged ? "Staged" : info.param.path == GpuPath::kMapped ? "Mapped" : "Auto";
+      std::string path(gpu_path_name(info.param.path));
+      path[0] = static_cast<char>(std::toupper(path[0]));
       return std::string(path) + "Limit" + std::to_string(info.param.memory_limit / kKiB) + "KiB" +
              std::to_string(info.param.concurrency) + "Readers";
     });
@@ -180,7 +185,7 @@ TEST(CudaLoad, DigestsEqualHostDigests) {
   TempDir directory;
   write_checkpoint(directory.path(), 40, 2, 9, 2 * kMiB);
   auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
-  for (auto path : {GpuPath::kStaged, GpuPath::kMapped}) {
+  for (auto path : {GpuPath::kStaged, GpuPath::kMapped, GpuPath::kBoth}) {
     for (auto kind : {HashKind::kSha256, HashKind::kXxh64}) {
       StreamOptions options;
       options.gpu_path = path;
@@ -206,14 +211,17 @@ TEST(CudaLoad, MappedPathNeedsLocalFiles) {
   write_checkpoint(directory.path(), 10, 2, 5, 64 * kKiB);
   auto checkpoint = Checkpoint::open(std::make_shared<MemoryStorage>(directory.path()));
   StreamOptions options;
-  options.gpu_path = GpuPath::kMapped;
-  try {
-    load_checkpoint(checkpoint, kCuda0, options, {});
-    FAIL() << "the mapped path accepted storage without local files";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
-    EXPECT_THAT(error.what(), HasSubstr("memory://test"));
-    EXPECT_THAT(error.what(), HasSubstr("--gpu-path staged"));
+  for (GpuPath path : {GpuPath::kMapped, GpuPath::kBoth}) {
+    options.gpu_path = path;
+    try {
+      load_checkpoint(checkpoint, kCuda0, options, {});
+      FAIL() << "the " << gpu_path_name(path) << " path accepted storage without local files";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+      EXPECT_THAT(error.what(), HasSubstr("the " + std::string(gpu_path_name(path)) + " GPU path maps local files"));
+      EXPECT_THAT(error.what(), HasSubstr("memory://test"));
+      EXPECT_THAT(error.what(), HasSubstr("--gpu-path staged"));
+    }
   }
   // Auto falls back to staging, which any storage can feed.
   options.gpu_path = GpuPath::kAuto;
