@@ -798,6 +798,9 @@ def markdown(state):
         lines.append(f"| {row['contender']} | {setting} | {row['cache']} | {row['seconds']:.3f} | "
                      f"{', '.join(f'{s:.3f}' for s in row['runs'])} | {row['wall_seconds']:.1f} | "
                      f"{row['bytes'] / GB:.2f} | {row['bytes_read'] / GB:.2f} | {r / GB:.2f} | {versus} | {ratio} |")
+    if any(k.startswith("peer_fastsafetensors") for k in rows):
+        lines += ["", "fastsafetensors' other copier types need what this machine lacks: `gds` (cuFile; without it "
+                  "the loader falls back to `nogds`), `fgds` (libfgds), `3fs` (a 3FS mount), `dstorage` (Windows)."]
     not_run = [k for k in ROW_ORDER if k not in rows]
     if not_run:
         lines += ["", f"Not run yet: {', '.join(not_run)}."]
