@@ -474,21 +474,25 @@ class Bench:
         with open(os.path.join(self.args.out, "gpu_bench.md"), "w") as f:
             f.write(markdown(self.state))
 
-    def record(self, key, row):
+    def record(self, key, row, started=False):
+        """Keeps a row and prints it (the rest of its line, where measure() has begun it)."""
         self.state["rows"][key] = row
         self.save()
+        if not started:
+            print(f"  {row['contender']:44s} {row['setting'][:40]:40s} {row['cache']:4s}", end="")
         if "error" in row:
-            log(f"  {row['contender']:44s} {row['setting'][:40]:40s} {row['cache']:4s} failed: {row['error']}")
+            log(f" failed: {row['error']}")
         else:
             gbps = row["bytes"] / row["seconds"] / GB if row["seconds"] else 0
-            log(f"  {row['contender']:44s} {row['setting'][:40]:40s} {row['cache']:4s} {row['seconds']:8.3f} s "
-                f"{gbps:6.2f} GB/s  (runs {', '.join(f'{s:.3f}' for s in row['runs'])}; "
-                f"wall {row['wall_seconds']:.1f} s){'  ' + row['note'] if row.get('note') else ''}")
+            log(f" -> median {row['seconds']:.3f} s, {gbps:.2f} GB/s (wall {row['wall_seconds']:.1f} s)"
+                f"{'  ' + row['note'] if row.get('note') else ''}")
 
     def measure(self, key, contender, setting, cache, run, repeats, expect=None, before=None):
-        """Runs `run` `repeats` times (each a fresh process), records the median row."""
+        """Runs `run` `repeats` times (each a fresh process), records the median row. Each run's
+        seconds are printed as it ends, so a time limit loses no more than the run it cut."""
         runs = []
         row = {"contender": contender, "setting": setting, "cache": cache}
+        print(f"  {contender:44s} {setting[:40]:40s} {cache:4s} runs", end="", flush=True)
         try:
             for _ in range(repeats):
                 if before:
@@ -497,11 +501,12 @@ class Bench:
                 if expect:
                     expect(result)
                 runs.append(result)
+                print(f" {result['seconds']:.3f}", end="", flush=True)
         except Failed as error:
             row["error"] = str(error)
             if runs:
                 row["error"] += f" (after {len(runs)} good runs)"
-            self.record(key, row)
+            self.record(key, row, started=True)
             return None
         seconds = statistics.median(r["seconds"] for r in runs)
         row.update(seconds=seconds, runs=[r["seconds"] for r in runs],
@@ -510,7 +515,7 @@ class Bench:
         notes = [f"{k} {runs[0][k]}" for k in ("backend", "copier", "version") if runs[0].get(k)]
         if notes:
             row["note"] = ", ".join(notes)
-        self.record(key, row)
+        self.record(key, row, started=True)
         return row
 
     def expect_whole(self, result):
@@ -930,7 +935,8 @@ def main():
         if not args.keep:
             shutil.rmtree(bench.dir, ignore_errors=True)
     bench.save()
-    print(markdown(bench.state), flush=True)
+    log(f"\nAll rows so far: {os.path.join(args.out, 'gpu_bench.md')} (and gpu_bench.json).\n")
+    log("\n".join(targets(bench.state)))
     return 0
 
 
