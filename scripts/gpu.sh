@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|python|bench|layout|smallload|update|families|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|smallload|update|families|audits|all]...   (default: all)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
@@ -175,6 +175,27 @@ if wants pinned; then
   python3 bench/pinned_probe.py 2>&1 | tee -a "$out/summary.txt" || status=1
 fi
 
+if wants probe; then
+  # Issue 19: what bounds a warm load (pread, memcpy, registration, DMA, staged and mapped
+  # pipelines alone and together), on 8 GiB of files in the page cache.
+  probe_dir=$(mktemp -d)
+  "$build/bench/host_path_probe" --dir "$probe_dir" --files 8 --file-gib 1 2>&1 | tee "$out/probe.txt" || status=1
+  # The loader itself on an 8 GiB synth checkpoint, by path and reader count, beside the probe.
+  "$build/weightstream" synth "$probe_dir/ckpt" --arch llama --size 8GiB --shards 4 >/dev/null 2>&1
+  cat "$probe_dir"/ckpt/*.safetensors >/dev/null
+  for path in staged mapped; do
+    for concurrency in 16 24; do
+      for run in 1; do
+        "$build/weightstream" load "$probe_dir/ckpt" --raw --device cuda:0 --gpu-path $path --concurrency $concurrency \
+          --no-progress --json 2>&1 | python3 -c "import json,sys; r=json.load(sys.stdin); print('load: $path c=$concurrency run $run', round(r['seconds'],3), 's', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
+          2>&1 | tee -a "$out/probe.txt"
+      done
+    done
+  done
+  rm -rf "$probe_dir"
+  summary "probe: $(grep -c '^probe:' "$out/probe.txt") probe lines, $(grep -c '^load:' "$out/probe.txt") load lines in probe.txt"
+fi
+
 if wants python; then
   # The Python package (issue 6) built here against this machine's torch-bearing Python,
   # then its tests with torch and a GPU present, and both import orders of torch and us.
@@ -190,7 +211,7 @@ if wants python; then
       PYTHONPATH="$site" python3 -c "import $order; torch.ones(1, device='cuda:0'); print('ok')" >>"$out/python.log" 2>&1 &&
         imports+=" [$order: ok]" || { imports+=" [$order: FAILED rc $?]"; status=1; }
     done
-    WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -p no:cacheprovider "$source_dir/tests/python" \
+    WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -rs -p no:cacheprovider "$source_dir/tests/python" \
       >>"$out/python.log" 2>&1 || status=1
     summary "python ($((SECONDS - start)) s): imports$imports; pytest: $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1)"
   else
@@ -219,6 +240,29 @@ if wants families; then
   done
   rm -rf "$dir"
   summary "families ($((SECONDS - start)) s): pytest: $(grep -E '[0-9]+ (passed|failed|skipped)' "$out/families.log" | tail -1); audits failed: $(grep -c 'FAILED$' "$out/families.log")"
+fi
+
+# ---- audits (issue 16's no-regression list): cold load, shuffled reload in 8 batches and a
+# comparison of every parameter on cuda:0, for four families at tp 1, 2 and 8 (one rank each) ----
+if wants audits; then
+  start=$SECONDS
+  dir=$(mktemp -d)
+  : >"$out/audits.log"
+  failed=0 ran=0
+  for arch in llama qwen3 deepseek_v3 qwen3_next; do
+    "$build/weightstream" synth "$dir/$arch" --arch "$arch" --hidden 512 --vocab 1024 >>"$out/audits.log" 2>&1 ||
+      { echo "synth $arch FAILED" >>"$out/audits.log"; failed=$((failed + 1)); continue; }
+    for tp in 1 2 8; do
+      rank=$((tp - 1))
+      ran=$((ran + 1))
+      echo "== $arch tp $tp rank $rank" >>"$out/audits.log"
+      "$build/weightstream" audit "$dir/$arch" --device cuda:0 --tp-size $tp --tp-rank $rank --batches 8 --order shuffled \
+        --no-progress >>"$out/audits.log" 2>&1 || { echo "audit $arch tp $tp FAILED" >>"$out/audits.log"; failed=$((failed + 1)); }
+    done
+  done
+  rm -rf "$dir"
+  [ $failed -eq 0 ] || status=1
+  summary "audits ($((SECONDS - start)) s): $ran run on cuda:0, $failed failed"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------
