@@ -2,14 +2,16 @@
 # Everything weightstream checks on a GPU machine, in one run from the repository root:
 # build with CUDA, run the whole test suite (the CUDA tests run here instead of skipping),
 # check that digests of bytes landed on the GPU equal the host digests, and run the GPU
-# load benchmark (bench/gpu_bench.py). Logs and results go under $OUT (default out/gpu).
+# load benchmark (bench/gpu_bench.py, below). Logs and results go under $OUT (default out/gpu).
 #
 # The GPU machine has the CUDA toolkit, CMake, ninja and PyTorch but none of our -dev
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
 # Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|smallload|update|families|audits|all]...   (default: all)
-#   WS_GPU_BENCH_SIZE   checkpoint size of the benchmark (default 16GiB)
+#   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
+#   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
+#   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
 #   WS_JOBS             build and test parallelism (default: the core count)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -128,18 +130,37 @@ if wants digest; then
   rm -rf "$scratch"
 fi
 
-if wants bench; then
+# ---- the GPU load benchmark (issues 4, 16 and 19): bench/gpu_bench.py ----------------------
+# One run of every contender on a 16.06 GB Llama-3-8B-shaped checkpoint written by the
+# safetensors package, in sections: WS_GPU_BENCH_SECTIONS (default all = write, baselines,
+# warm, layout, python, peers, cold). The checkpoint and the results so far stay in
+# WS_GPU_BENCH_DIR (default /tmp/ws-gpu-bench) between calls on the same machine, so the
+# sections can run as several calls, each under its own time limit; every call rewrites
+# $out/gpu_bench.md and gpu_bench.json with all rows so far. The `layout` stage is the issue 16
+# subset (baselines, warm, layout, python). The peers come as wheels in .whl/ (installed into
+# /tmp/peer-site, on the peers' PYTHONPATH only). WS_GPU_BENCH_ARGS adds flags (e.g.
+# "--peers runai,instanttensor --repeats 5").
+run_gpu_bench() {  # sections
+  local site=$build/python-site peer_site=/tmp/peer-site
+  if compgen -G "$root/.whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$peer_site" \
+      "$root"/.whl/*.whl >>"$out/bench.log" 2>&1 || echo "installing the wheels in .whl/ failed (see bench.log)"
+  else
+    echo "no .whl/ folder of peer wheels: the Run:ai, fastsafetensors and InstantTensor rows will fail"
+  fi
+  # shellcheck disable=SC2086  # WS_GPU_BENCH_ARGS is a list of flags
   PYTHONUNBUFFERED=1 python3 bench/gpu_bench.py --cli "$build/weightstream" --out "$out" \
-    --size "${WS_GPU_BENCH_SIZE:-16GiB}" 2>&1 | tee "$out/bench.log" || status=1
-fi
-
-if wants layout; then
-  # Issue 16: engine-layout loads (tp 1, 2, 8), a shuffled reload and the Python session path
-  # against the raw load, on a checkpoint written by the safetensors package.
-  site=$build/python-site
-  PYTHONUNBUFFERED=1 python3 bench/layout_bench.py --cli "$build/weightstream" --out "$out" \
-    $([ -d "$site/weightstream" ] && echo --python-site "$site") 2>&1 | tee "$out/layout.log" || status=1
-  summary "layout bench: $(grep -c 'met' "$out/layout_bench.md" 2>/dev/null) targets met, $(grep -c 'MISSED' "$out/layout_bench.md" 2>/dev/null) missed"
+    --dir "${WS_GPU_BENCH_DIR:-/tmp/ws-gpu-bench}" --keep --sections "$1" --peer-site "$peer_site" \
+    $([ -d "$site/weightstream" ] && echo --python-site "$site") ${WS_GPU_BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" ||
+    status=1
+  summary "gpu bench ($1): $(grep -c '\*\*met\*\*' "$out/gpu_bench.md" 2>/dev/null) targets met," \
+    "$(grep -c '\*\*MISSED\*\*' "$out/gpu_bench.md" 2>/dev/null) missed," \
+    "$(grep -c ': not measured' "$out/gpu_bench.md" 2>/dev/null) not measured (gpu_bench.md)"
+}
+if wants bench; then
+  run_gpu_bench "${WS_GPU_BENCH_SECTIONS:-all}"
+elif wants layout; then
+  run_gpu_bench baselines,warm,layout,python
 fi
 
 if wants smallload; then
