@@ -14,7 +14,8 @@ Sections (--sections, comma-separated, default all; run them as separate invocat
 in --dir and DIR.results.json between invocations):
   write      write the checkpoint (starts a new set of results)
   baselines  pinned (and pageable) host-to-device copy rate (torch, CUDA events), checkpoint bytes
-  warm       `weightstream load --raw --json` by the default path (auto), --gpu-path staged, mapped
+  warm       `weightstream load --raw --json` by the default path (auto), --gpu-path staged, mapped,
+             and both (staged and mapped at once) with 0.3, 0.4 and 0.5 of the bytes mapped
   layout     engine layout tp 1, tp 2 rank 1, tp 8 rank 3; reload (`audit --batches 8 --order shuffled`)
   python     `LoadSession.load_checkpoint` tp 1, tp 2 rank 1, tp 8 rank 3; `weightstream.load`;
              `Checkpoint.stream()` onto the device, every tensor taken
@@ -577,7 +578,9 @@ class Bench:
     def section_warm(self):
         for key, setting, flags in (("ws_raw", "default (--gpu-path auto)", ()),
                                     ("ws_raw_staged", "--gpu-path staged", ("--gpu-path", "staged")),
-                                    ("ws_raw_mapped", "--gpu-path mapped", ("--gpu-path", "mapped"))):
+                                    ("ws_raw_mapped", "--gpu-path mapped", ("--gpu-path", "mapped")),
+                                    *((f"ws_raw_both_{share}", f"--gpu-path both --mapped-share {share}",
+                                       ("--gpu-path", "both", "--mapped-share", str(share))) for share in (0.3, 0.4, 0.5))):
             command = self.cli_load("--raw", *flags)
             self.measure(key, "weightstream load --raw (CLI)", setting, "warm",
                          lambda: run_cli(command, self.args.run_timeout), self.args.repeats, self.expect_cli_whole)

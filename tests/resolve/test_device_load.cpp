@@ -245,26 +245,5 @@ TEST(CudaLoad, MissingDeviceIsNamed) {
   }
 }
 
-// Not a unit test: the library half of bench/gpu_bench.py, which runs it with
-// --gtest_also_run_disabled_tests where `weightstream load` does not reach these paths.
-// Loads WS_TEST_GPU_CHECKPOINT onto cuda:0 with the options of the environment
-// (WEIGHTSTREAM_GPU_PATH, _CONCURRENCY, _MEMORY_LIMIT, _LOCAL_IO) and prints the stats as
-// one JSON line, as `weightstream load --json` would.
-TEST(CudaLoadBench, DISABLED_LoadCheckpointNamedByTheEnvironment) {
-  WS_SKIP_WITHOUT_GPU();
-  const char* uri = std::getenv("WS_TEST_GPU_CHECKPOINT");
-  if (!uri) GTEST_SKIP() << "WS_TEST_GPU_CHECKPOINT names no checkpoint";
-  auto options = options_from_environment(process_environment());
-  auto checkpoint = Checkpoint::open(uri, options);
-  require_device(kCuda0);  // the CUDA context, outside the timing as in the CLI
-  auto loaded = load_checkpoint(checkpoint, kCuda0, options.stream, {});
-  const auto& stats = loaded.stats;
-  std::printf("WS_GPU_LOAD_JSON {\"tensors\": %llu, \"bytes\": %llu, \"seconds\": %.6f, \"gbps\": %.4f, "
-              "\"peak_staging_bytes\": %llu}\n",
-              static_cast<unsigned long long>(stats.tensors), static_cast<unsigned long long>(stats.bytes), stats.seconds,
-              stats.gbps(), static_cast<unsigned long long>(stats.peak_staging_bytes));
-  EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
-}
-
 }  // namespace
 }  // namespace weightstream
