@@ -18,6 +18,7 @@
 
 #include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
+#include "transfer/transfer_fixtures.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/wire.hpp"
 #include "weightstream/error.hpp"
@@ -31,28 +32,13 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
+using testing::error_text;
+using testing::receiver_options;
 using testing::TempDir;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 const testing::MemoryCheckpoint& checkpoint_of(uint64_t seed) { return cached_checkpoint("llama", seed); }
-
-std::string error_text(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return std::string(error_code_name(error.code())) + ": " + error.what();
-  }
-  return "no error";
-}
-
-ReceiverOptions receiver_options(TransportKind kind) {
-  ReceiverOptions options;
-  options.transport = kind;
-  options.token = "shared-secret";
-  options.timeout = 10s;
-  return options;
-}
 
 /// A real update of the seed-2 checkpoint from a thread; the future holds the sender's report.
 std::future<UpdateReport> send_async(const std::string& address, TransportKind kind) {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "model/model_fixtures.hpp"
+#include "transfer/transfer_fixtures.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
 
@@ -23,9 +24,12 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
+using testing::error_text;
 using testing::host_layout;
 using testing::MemoryCheckpoint;
+using testing::receiver_options;
 using testing::run_load;
+using testing::sender_options;
 using namespace std::chrono_literals;
 
 // Every checkpoint here is llama's; the seed tells the weights apart.
@@ -45,32 +49,6 @@ struct LoadedModel {
 };
 
 ModelLayout fresh_layout(uint64_t seed) { return cold_loaded_layout(checkpoint_of(seed)); }
-
-std::string error_text(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return std::string(error_code_name(error.code())) + ": " + error.what();
-  }
-  return "no error";
-}
-
-ReceiverOptions receiver_options(TransportKind kind) {
-  ReceiverOptions options;
-  options.transport = kind;
-  options.token = "shared-secret";
-  options.timeout = 10s;
-  return options;
-}
-
-SenderOptions sender_options(TransportKind kind, uint64_t bucket_bytes = 64 << 10) {
-  SenderOptions options;
-  options.transport = kind;
-  options.token = "shared-secret";
-  options.bucket_bytes = bucket_bytes;
-  options.timeout = 10s;
-  return options;
-}
 
 /// Sends `views` in `format` from a thread; the future holds the sender's report or error.
 std::future<UpdateReport> send_async(std::string address, SenderOptions options, std::vector<TensorView> views,
