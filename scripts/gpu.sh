@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|smallload|update|families|audits|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|smallload|update|families|audits|gdn|all]...   (default: all)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
@@ -263,6 +263,16 @@ if wants audits; then
   rm -rf "$dir"
   [ $failed -eq 0 ] || status=1
   summary "audits ($((SECONDS - start)) s): $ran run on cuda:0, $failed failed"
+fi
+
+# ---- gdn: Qwen3-Next's Gated DeltaNet layers across ranks: transformers save_pretrained
+# checkpoint exported at tp 1, 2, 4 against hand slicing and vLLM's weight loaders (where vLLM
+# is installed), audited on cuda:0 at tp 2 and 4, every rank --------------------------------
+if wants gdn; then
+  start=$SECONDS
+  WS_CLI="$build/weightstream" python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_qwen3_next_tp.py" \
+    >"$out/gdn.log" 2>&1 || status=1
+  summary "gdn ($((SECONDS - start)) s): pytest: $(grep -E '[0-9]+ (passed|failed|skipped)' "$out/gdn.log" | tail -1)"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------

@@ -44,9 +44,13 @@ enum class Split {
   kRow,         ///< dim 1 (input features) divided: each rank's slice is strided
   kVocab,       ///< dim 0 padded to a multiple of kVocabPadding, then divided; padding rows zero
   kKvHeads,     ///< dim 0 divided by K/V heads; heads replicated when tp_size exceeds their count
+  /// dim 0 is a run of sections (MappingRule::sections), each divided among ranks: a rank
+  /// takes its share of every section, concatenated in section order, one part per section
+  /// (vLLM's mamba_v2_sharded_weight_loader, as Qwen3-Next's conv1d over q, k and v).
+  kColumnSections,
 };
 
-/// "replicated", "column", "row", "vocab", "kv_heads".
+/// "replicated", "column", "row", "vocab", "kv_heads", "column_sections".
 std::string_view split_name(Split split) noexcept;
 
 /// Which layers a mapping rule applies to.
@@ -66,6 +70,12 @@ enum class LayerScope {
   kMtpModule,
 };
 
+/// One section of dim 0 of a tensor divided by Split::kColumnSections.
+struct RowSection {
+  std::string part;  ///< the part id its slice fills ("q", "k", "v"), unique within the parameter
+  std::string rows;  ///< its rows, as the name of a dimension (see model_dimensions)
+};
+
 /// One row of a declarative mapping table: which checkpoint tensor fills which part of
 /// which parameter, how it is divided among ranks, and its full (unsharded) shape.
 struct MappingRule {
@@ -78,6 +88,9 @@ struct MappingRule {
   bool linear = false;    ///< a linear layer's weight: quantized when the layout quantizes
   /// Parameter dtype when it is not the model's (DeepSeek's router bias stays F32).
   std::optional<Dtype> dtype;
+  /// For Split::kColumnSections: dim 0's sections in order, whose rows add up to shape[0].
+  /// The rule then fills one part per section (its `part` is unused).
+  std::vector<RowSection> sections;
 };
 
 /// Where a family's checkpoints put their multi-token-prediction (draft) layers.

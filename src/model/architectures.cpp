@@ -2,6 +2,7 @@
 // table, a config and this rank's place into a ModelLayout. Adding an architecture means
 // adding a table, not code.
 #include <algorithm>
+#include <numeric>
 
 #include "format/json_text.hpp"
 #include "model/checkpoint_tensors.hpp"
@@ -18,6 +19,14 @@ MappingRule rule(std::string tensor, std::string parameter, std::string part, st
                  std::optional<Dtype> dtype = std::nullopt) {
   return MappingRule{std::move(tensor), std::move(parameter), std::move(part), std::move(shape), split, scope, linear,
                      dtype};
+}
+
+/// A rule of Split::kColumnSections: `tensor`'s dim 0 is `sections` in order, each divided among ranks.
+MappingRule sectioned_rule(std::string tensor, std::string parameter, std::vector<std::string> shape,
+                           std::vector<RowSection> sections, LayerScope scope) {
+  MappingRule made = rule(std::move(tensor), std::move(parameter), "", std::move(shape), Split::kColumnSections, scope);
+  made.sections = std::move(sections);
+  return made;
 }
 
 // Names and shapes follow the Hugging Face checkpoints; parameter names follow vLLM's
@@ -160,19 +169,28 @@ const std::vector<MappingRule> kGatedAttentionRules = {
      Split::kReplicated, LayerScope::kFullAttention),
 };
 
-// Splits as vLLM's are for one rank only: build() refuses tp_size above 1 with these layers
-// (conv1d's q, k and v sections are each divided among ranks, which no single split says).
+// Gated DeltaNet, divided among ranks as vLLM's QwenGatedDeltaNetAttention divides it for
+// Qwen3-Next (gqa_interleaved_layout): the checkpoint's in_proj_qkvz and in_proj_ba are laid
+// out by key-head group ([q, k, v, z] and [b, a] of each key head), and vLLM loads each as
+// one output shard of a MergedColumnParallelLinear, so a contiguous column split gives a
+// rank whole groups; conv1d runs over q, k and v laid flat, and its weight_loader
+// (mamba_v2_sharded_weight_loader) divides each of the three sections; A_log and dt_bias
+// are divided by value heads (sharded_weight_loader(0)), A_log held in F32 as vLLM holds it
+// (a BF16 checkpoint's converts on copy), the gated norm (one value head wide) is
+// replicated and out_proj is row parallel. build() refuses a tp_size that does
+// not divide the key and the value heads.
 const std::vector<MappingRule> kGatedDeltaNetRules = {
     rule("model.layers.{layer}.linear_attn.in_proj_qkvz.weight", "model.layers.{layer}.linear_attn.in_proj_qkvz.weight",
      "", {"linear_qkvz_rows", "hidden"}, Split::kColumn, LayerScope::kLinearAttention, true),
     rule("model.layers.{layer}.linear_attn.in_proj_ba.weight", "model.layers.{layer}.linear_attn.in_proj_ba.weight", "",
      {"linear_ba_rows", "hidden"}, Split::kColumn, LayerScope::kLinearAttention, true),
-    rule("model.layers.{layer}.linear_attn.conv1d.weight", "model.layers.{layer}.linear_attn.conv1d.weight", "",
-     {"linear_conv_rows", "one", "linear_conv_kernel"}, Split::kColumn, LayerScope::kLinearAttention),
+    sectioned_rule("model.layers.{layer}.linear_attn.conv1d.weight", "model.layers.{layer}.linear_attn.conv1d.weight",
+     {"linear_conv_rows", "one", "linear_conv_kernel"},
+     {{"q", "linear_key_dim"}, {"k", "linear_key_dim"}, {"v", "linear_value_dim"}}, LayerScope::kLinearAttention),
     rule("model.layers.{layer}.linear_attn.dt_bias", "model.layers.{layer}.linear_attn.dt_bias", "", {"linear_v_heads"},
      Split::kColumn, LayerScope::kLinearAttention),
     rule("model.layers.{layer}.linear_attn.A_log", "model.layers.{layer}.linear_attn.A_log", "", {"linear_v_heads"},
-     Split::kColumn, LayerScope::kLinearAttention),
+     Split::kColumn, LayerScope::kLinearAttention, false, Dtype::kF32),
     rule("model.layers.{layer}.linear_attn.norm.weight", "model.layers.{layer}.linear_attn.norm.weight", "",
      {"linear_v_head_dim"}, Split::kReplicated, LayerScope::kLinearAttention),
     rule("model.layers.{layer}.linear_attn.out_proj.weight", "model.layers.{layer}.linear_attn.out_proj.weight", "",
@@ -535,8 +553,42 @@ Slice slice_for_rank(const MappingRule& rule, Split split, const std::vector<int
       }
       break;
     }
+    case Split::kColumnSections:
+      WS_FAIL(ErrorCode::kModel, what + ": a sectioned tensor takes one slice per section (section_slices)");
   }
   return slice;
+}
+
+/// The slices of a Split::kColumnSections tensor a rank takes, one per section in order,
+/// each with its part id: the rank's share of every section (vLLM's
+/// mamba_v2_sharded_weight_loader, without its duplicated groups, which Qwen3-Next does not use).
+std::vector<std::pair<std::string, Slice>> section_slices(const MappingRule& rule, const std::vector<int64_t>& shape,
+                                                          const Dimensions& dimensions, const Parallelism& parallel,
+                                                          const std::string& tensor) {
+  int64_t rows = shape.empty() ? 1 : shape[0];
+  int64_t columns = 1;
+  for (size_t i = 1; i < shape.size(); ++i) columns *= shape[i];
+  std::string what = "tensor " + tensor + " (rule " + rule.tensor + ", column_sections split)";
+  WS_EXPECT(!rule.sections.empty(), ErrorCode::kModel, what + ": the rule names no sections");
+  std::vector<std::pair<std::string, Slice>> slices;
+  int64_t begin = 0;
+  for (const RowSection& section : rule.sections) {
+    auto it = dimensions.find(section.rows);
+    WS_EXPECT(it != dimensions.end() && it->second > 0, ErrorCode::kModel,
+              what + ": section '" + section.part + "' has dimension '" + section.rows +
+                  "', which is missing or zero in config.json");
+    int64_t extent = it->second;
+    WS_EXPECT(extent <= rows - begin, ErrorCode::kModel,
+              what + ": section '" + section.part + "' (" + section.rows + " = " + std::to_string(extent) +
+                  " rows from row " + std::to_string(begin) + ") runs past the tensor's " + std::to_string(rows) +
+                  " rows");
+    int64_t share = divide_exactly(extent, parallel.tp_size, what + " section '" + section.part + "' (" + section.rows + ")");
+    slices.emplace_back(section.part, Slice{begin + parallel.tp_rank * share, share, 0, columns, share});
+    begin += extent;
+  }
+  WS_EXPECT(begin == rows, ErrorCode::kModel,
+            what + ": its sections cover " + std::to_string(begin) + " of the tensor's " + std::to_string(rows) + " rows");
+  return slices;
 }
 
 /// A parameter being assembled from its parts.
@@ -549,7 +601,10 @@ struct PendingParameter {
   std::map<int64_t, int64_t> next_row;  ///< per stack index (local expert), rows filled so far
   std::vector<std::pair<int64_t, int64_t>> placement;  ///< per part: stack index, first row
   int64_t columns = -1;
-  int64_t rank = 0;  ///< dimensions of the checkpoint tensors (1 or 2)
+  int64_t rank = 0;  ///< dimensions of the checkpoint tensors
+  /// The checkpoint tensors' dimensions after the first ([1, kernel] for conv1d): kept in
+  /// the parameter's shape when its parts take whole rows, as vLLM's conv1d [rows, 1, kernel].
+  std::vector<int64_t> trailing;
 };
 
 class LayoutBuilder {
@@ -606,7 +661,7 @@ class LayoutBuilder {
 
   ModelLayout build(const std::vector<MappingRule>& rules) {
     expect_bounded_size(rules, scopes_.total_layers());
-    expect_linear_attention_on_one_rank();
+    expect_linear_attention_heads_divide();
     for (int64_t layer = 0; layer < scopes_.total_layers(); ++layer) {
       layout_.set_layer_kind(layer, scopes_.mtp(layer) ? LayerKind::kMtp : LayerKind::kDecoder);
     }
@@ -625,9 +680,10 @@ class LayoutBuilder {
   void expect_bounded_size(const std::vector<MappingRule>& rules, int64_t total_layers) const {
     long double global = 0, per_layer = 0, per_expert = 0;
     for (const MappingRule& rule : rules) {
-      if (rule.scope == LayerScope::kGlobal) global += 1;
-      else if (rule.scope == LayerScope::kExpert) per_expert += 1;
-      else per_layer += 1;
+      long double parts = static_cast<long double>(std::max<size_t>(rule.sections.size(), 1));
+      if (rule.scope == LayerScope::kGlobal) global += parts;
+      else if (rule.scope == LayerScope::kExpert) per_expert += parts;
+      else per_layer += parts;
     }
     long double bound = global + static_cast<long double>(std::max<int64_t>(total_layers, 0)) *
                                      (per_layer + static_cast<long double>(std::max<int64_t>(experts_, 0)) * per_expert);
@@ -659,15 +715,25 @@ class LayoutBuilder {
     return "tp " + std::to_string(options_.parallel.tp_size) + " rank " + std::to_string(options_.parallel.tp_rank);
   }
 
-  void expect_linear_attention_on_one_rank() const {
-    if (options_.parallel.tp_size == 1 || options_.modules == LayoutModules::kDraft) return;
+  /// vLLM gives each rank whole key heads of a Gated DeltaNet layer (in_proj_qkvz and
+  /// in_proj_ba by key-head group, conv1d's q and k sections) and whole value heads (conv1d's
+  /// v section, A_log, dt_bias, out_proj's columns); it floors a share that does not divide,
+  /// so such a tp_size is refused here.
+  void expect_linear_attention_heads_divide() const {
+    int64_t size = options_.parallel.tp_size;
+    if (size == 1 || options_.modules == LayoutModules::kDraft) return;
     for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
-      WS_EXPECT(scopes_.has_full_attention(layer), ErrorCode::kModel,
-                config_.model_type + " tp " + std::to_string(options_.parallel.tp_size) + ": layer " +
-                    std::to_string(layer) +
-                    " is a Gated DeltaNet layer, whose tensor-parallel split (linear_attn.conv1d's q, k and v "
-                    "sections divided each) is not supported yet; use tp_size 1, or a draft layout (its MTP "
-                    "layers have full attention)");
+      if (scopes_.has_full_attention(layer)) continue;
+      int64_t keys = config_.linear_num_key_heads, values = config_.linear_num_value_heads;
+      WS_EXPECT(keys % size == 0 && values % size == 0, ErrorCode::kModel,
+                config_.model_type + " tp " + std::to_string(size) + ": the Gated DeltaNet layers (layer " +
+                    std::to_string(layer) + " first) have " + std::to_string(keys) +
+                    " key heads (linear_num_key_heads) and " + std::to_string(values) +
+                    " value heads (linear_num_value_heads), which do not both divide among tp_size " +
+                    std::to_string(size) + ": each rank holds whole key and value heads of linear_attn.in_proj_qkvz, "
+                    "in_proj_ba, conv1d, A_log, dt_bias and out_proj; use a tp_size that divides " +
+                    std::to_string(std::gcd(keys, values)));
+      return;
     }
   }
 
@@ -709,7 +775,10 @@ class LayoutBuilder {
                     "' is missing or zero in config.json");
       shape.push_back(it->second);
     }
-    Slice slice = slice_for_rank(rule, split, shape, dimensions_, options_.parallel, tensor);
+    std::vector<std::pair<std::string, Slice>> slices = split == Split::kColumnSections
+        ? section_slices(rule, shape, dimensions_, options_.parallel, tensor)
+        : std::vector<std::pair<std::string, Slice>>{{rule.part, slice_for_rank(rule, split, shape, dimensions_,
+                                                                                  options_.parallel, tensor)}};
 
     std::string name = scopes_.expand_name(rule.parameter, layer, expert);
     auto [it, inserted] = pending_index_.try_emplace(name, pending_.size());
@@ -722,35 +791,37 @@ class LayoutBuilder {
       pending.stacked = expert >= 0;
       pending.linear = rule.linear;
       pending.rank = static_cast<int64_t>(shape.size());
+      if (shape.size() > 1) pending.trailing.assign(shape.begin() + 1, shape.end());
       pending_.push_back(std::move(pending));
     }
     PendingParameter& pending = pending_[it->second];
-    WS_EXPECT(pending.columns < 0 || pending.columns == slice.columns, ErrorCode::kModel,
-              "parameter " + name + ": part '" + rule.part + "' from " + tensor + " has " +
-                  std::to_string(slice.columns) + " columns per rank, earlier parts " +
-                  std::to_string(pending.columns));
-    // vLLM refuses a fused layer whose shards are quantized in part ("Detected some but not
-    // all shards of ... are quantized"): one scale layout holds for a whole parameter.
-    WS_EXPECT(!pending.block_quantized || *pending.block_quantized == quantized, ErrorCode::kModel,
-              "parameter " + name + ": part '" + rule.part + "' from " + tensor + " is " +
-                  (quantized ? "FP8 block-quantized" : "left unquantized (modules_to_not_convert)") +
-                  " but earlier parts are not: a fused parameter is quantized whole or not at all");
-    pending.block_quantized = quantized;
-    pending.columns = slice.columns;
-    int64_t& row = pending.next_row[local_expert];
-    ParameterPart part;
-    part.tensor = tensor;
-    part.id = rule.part;
-    part.shape = shape;
-    part.row_begin = slice.row_begin;
-    part.rows = slice.rows;
-    part.column_begin = slice.column_begin;
-    part.columns = slice.columns;
-    part.rule = rule.tensor + " -> " + rule.parameter + (rule.part.empty() ? "" : "[" + rule.part + "]") + ", " +
-                std::string(split_name(split));
-    pending.placement.emplace_back(local_expert, row);
-    pending.parameter.parts.push_back(std::move(part));
-    row += slice.slot_rows;
+    for (const auto& [id, slice] : slices) {
+      WS_EXPECT(pending.columns < 0 || pending.columns == slice.columns, ErrorCode::kModel,
+                "parameter " + name + ": part '" + id + "' from " + tensor + " has " + std::to_string(slice.columns) +
+                    " columns per rank, earlier parts " + std::to_string(pending.columns));
+      // vLLM refuses a fused layer whose shards are quantized in part ("Detected some but not
+      // all shards of ... are quantized"): one scale layout holds for a whole parameter.
+      WS_EXPECT(!pending.block_quantized || *pending.block_quantized == quantized, ErrorCode::kModel,
+                "parameter " + name + ": part '" + id + "' from " + tensor + " is " +
+                    (quantized ? "FP8 block-quantized" : "left unquantized (modules_to_not_convert)") +
+                    " but earlier parts are not: a fused parameter is quantized whole or not at all");
+      pending.block_quantized = quantized;
+      pending.columns = slice.columns;
+      int64_t& row = pending.next_row[local_expert];
+      ParameterPart part;
+      part.tensor = tensor;
+      part.id = id;
+      part.shape = shape;
+      part.row_begin = slice.row_begin;
+      part.rows = slice.rows;
+      part.column_begin = slice.column_begin;
+      part.columns = slice.columns;
+      part.rule = rule.tensor + " -> " + rule.parameter + (id.empty() ? "" : "[" + id + "]") + ", " +
+                  std::string(split_name(split));
+      pending.placement.emplace_back(local_expert, row);
+      pending.parameter.parts.push_back(std::move(part));
+      row += slice.slot_rows;
+    }
   }
 
   /// The F32 block scales of a block-quantized parameter, as vLLM's Fp8LinearMethod and
@@ -832,6 +903,10 @@ class LayoutBuilder {
       parameter.shape = {experts_per_rank_, block_rows, columns};
     } else if (pending.rank <= 1) {
       parameter.shape = {block_rows};
+    } else if (pending.rank > 2 && columns == std::accumulate(pending.trailing.begin(), pending.trailing.end(),
+                                                               int64_t{1}, std::multiplies<>())) {
+      parameter.shape = {block_rows};
+      parameter.shape.insert(parameter.shape.end(), pending.trailing.begin(), pending.trailing.end());
     } else {
       parameter.shape = {block_rows, columns};
     }
@@ -936,6 +1011,7 @@ std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& 
       {"linear_ba_rows", 2 * config.linear_num_value_heads},
       {"linear_conv_rows", 2 * linear_key_dim + linear_value_dim},
       {"linear_conv_kernel", config.linear_conv_kernel_dim},
+      {"linear_key_dim", linear_key_dim},
       {"linear_v_heads", config.linear_num_value_heads},
       {"linear_v_head_dim", config.linear_value_head_dim},
       {"linear_value_dim", linear_value_dim},

@@ -105,6 +105,7 @@ std::string_view split_name(Split split) noexcept {
     case Split::kRow: return "row";
     case Split::kVocab: return "vocab";
     case Split::kKvHeads: return "kv_heads";
+    case Split::kColumnSections: return "column_sections";
   }
   return "unknown";
 }

@@ -152,6 +152,14 @@ struct LoadSession::State {
   };
   std::optional<Failure> failure;
 
+  /// Whether every part that `tensor` fills is complete in this load.
+  bool tensor_complete(const std::string& tensor) const {
+    for (const auto& [parameter, part] : layout.route(tensor).targets) {
+      if (!parameters[parameter].parts[part].complete) return false;
+    }
+    return true;
+  }
+
   /// Writes one checkpoint-format piece into its part (or the part's staging). A piece
   /// in another dtype gathers on the host until its part is whole, then lands converted.
   void write_checkpoint(const Write& write) {
@@ -510,7 +518,8 @@ void LoadSession::load(std::span<const TensorView> batch) {
       part_state.received += length;
       if (part_state.received == needed) {
         part_state.complete = true;
-        ++state.counters.tensors_applied;
+        // A tensor may fill several parts (a sectioned split): it counts once, with its last.
+        if (state.tensor_complete(parameter.parts[write.part].tensor)) ++state.counters.tensors_applied;
         if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
       }
     }

@@ -15,6 +15,7 @@
 namespace weightstream {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::MemoryCheckpoint;
 using testing::MemoryTensor;
@@ -211,6 +212,109 @@ TEST(Families, ExpertParallelDividesEveryMoeFamily) {
       EXPECT_EQ(other.kind, TensorRoute::Kind::kSkipped);
     }
   }
+}
+
+// ---- Qwen3-Next's Gated DeltaNet layers across tensor-parallel ranks -------------------
+
+// As vLLM 0.33.0's QwenGatedDeltaNetAttention (gqa_interleaved_layout) loads a rank:
+// in_proj_qkvz and in_proj_ba contiguous rows (whole key-head groups), conv1d the rank's
+// share of each of its q, k and v sections (mamba_v2_sharded_weight_loader), A_log and
+// dt_bias their value heads, norm whole, out_proj its columns.
+TEST(GatedDeltaNet, EveryRankHoldsWhatVllmsWeightLoadersSliceAtTp248) {
+  auto checkpoint = synth_in_memory(synth_options("qwen3_next", 1, 512));
+  const ModelConfig& c = checkpoint.config;
+  const int64_t h = c.hidden_size, key_dim = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t value_dim = c.linear_num_value_heads * c.linear_value_head_dim, v_heads = c.linear_num_value_heads;
+  const int64_t kernel = c.linear_conv_kernel_dim;
+  ASSERT_EQ(c.linear_num_key_heads, 8);
+  ASSERT_EQ(v_heads, 16);
+  const std::string p = "model.layers.0.linear_attn.";
+  for (int64_t tp : {1, 2, 4, 8}) {
+    for (int64_t rank = 0; rank < tp; ++rank) {
+      SCOPED_TRACE("tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+      ModelLayout layout = build_model_layout(c, rank_options(tp, rank));
+      layout.allocate(Device{});
+      LoadCounters counters = testing::run_load(layout, LoadMode::kCold, {checkpoint.views()});
+      EXPECT_EQ(counters.tensors_applied, layout.wanted_tensors().size()) << "conv1d counts once, not per section";
+      auto rows = [&](const std::string& tensor, int64_t begin, int64_t count) {
+        const MemoryTensor& t = checkpoint.tensor(p + tensor);
+        int64_t width = 1;
+        for (size_t i = 1; i < t.shape.size(); ++i) width *= t.shape[i];
+        return slice_of(t, begin, count, 0, width);
+      };
+      int64_t qkvz = 2 * key_dim + 2 * value_dim;
+      EXPECT_TRUE(testing::bytes_of(layout, p + "in_proj_qkvz.weight") ==
+                  rows("in_proj_qkvz.weight", rank * qkvz / tp, qkvz / tp));
+      EXPECT_TRUE(testing::bytes_of(layout, p + "in_proj_ba.weight") ==
+                  rows("in_proj_ba.weight", rank * 2 * v_heads / tp, 2 * v_heads / tp));
+      const Parameter& conv = layout.parameter(p + "conv1d.weight");
+      EXPECT_EQ(conv.shape, (std::vector<int64_t>{(2 * key_dim + value_dim) / tp, 1, kernel}));
+      ASSERT_EQ(conv.parts.size(), 3u);
+      EXPECT_EQ(conv.parts[0].id, "q");
+      EXPECT_EQ(conv.parts[2].id, "v");
+      EXPECT_THAT(conv.parts[1].rule, HasSubstr("column_sections"));
+      EXPECT_TRUE(testing::bytes_of(layout, p + "conv1d.weight") ==
+                  concat({rows("conv1d.weight", rank * key_dim / tp, key_dim / tp),
+                          rows("conv1d.weight", key_dim + rank * key_dim / tp, key_dim / tp),
+                          rows("conv1d.weight", 2 * key_dim + rank * value_dim / tp, value_dim / tp)}));
+      EXPECT_EQ(layout.parameter(p + "A_log").dtype, Dtype::kF32) << "vLLM holds A_log in F32";
+      EXPECT_TRUE(testing::bytes_of(layout, p + "A_log") == rows("A_log", rank * v_heads / tp, v_heads / tp));
+      EXPECT_TRUE(testing::bytes_of(layout, p + "dt_bias") == rows("dt_bias", rank * v_heads / tp, v_heads / tp));
+      EXPECT_TRUE(testing::bytes_of(layout, p + "norm.weight") == checkpoint.tensor(p + "norm.weight").bytes);
+      EXPECT_TRUE(testing::bytes_of(layout, p + "out_proj.weight") ==
+                  slice_of(checkpoint.tensor(p + "out_proj.weight"), 0, h, rank * value_dim / tp, value_dim / tp));
+    }
+  }
+}
+
+TEST(GatedDeltaNet, Conv1dInPiecesAcrossBatchesLoadsReloadsAndUpdatesAsWhole) {
+  auto checkpoint = synth_in_memory(synth_options("qwen3_next", 2, 512));
+  LayoutOptions options = rank_options(4, 2);
+  ModelLayout reference = loaded(checkpoint, options, {checkpoint.views()});
+  // conv1d in three pieces whose bounds fall inside sections, each in its own batch.
+  std::string conv = "model.layers.0.linear_attn.conv1d.weight";
+  std::vector<std::vector<TensorView>> batches{checkpoint.views_except(conv)};
+  TensorView whole = checkpoint.views_matching(conv).at(0);
+  uint64_t cuts[] = {0, whole.bytes / 6 * 2 + 6, whole.bytes - 10, whole.bytes};  // inside rows
+  for (int i = 0; i < 3; ++i) {
+    TensorView piece = whole;
+    piece.offset = cuts[i];
+    piece.bytes = cuts[i + 1] - cuts[i];
+    piece.data = whole.data + cuts[i];
+    batches.insert(batches.begin() + i, {piece});
+  }
+  ModelLayout pieces = loaded(checkpoint, options, batches);
+  EXPECT_EQ(compare_layouts(reference, pieces).mismatched, 0u);
+  for (LoadMode mode : {LoadMode::kReload, LoadMode::kUpdate}) {
+    SCOPED_TRACE(std::string(load_mode_name(mode)));
+    LoadCounters counters = testing::run_load(pieces, mode, batches);
+    EXPECT_EQ(counters.tensors_applied, reference.wanted_tensors().size());
+    EXPECT_EQ(compare_layouts(reference, pieces).mismatched, 0u);
+  }
+  // Delivered twice, it is refused naming the tensor.
+  ModelLayout twice = build_model_layout(checkpoint.config, options);
+  twice.allocate(Device{});
+  batches.push_back(checkpoint.views_matching(conv));
+  EXPECT_THAT(error_of([&] { testing::run_load(twice, LoadMode::kCold, batches); }),
+              AllOf(HasSubstr(conv + " delivered twice"), HasSubstr("part 'q'")));
+}
+
+TEST(GatedDeltaNet, RefusesATpSizeThatDoesNotDivideTheLinearAttentionHeads) {
+  auto checkpoint = synth_in_memory(synth_options("qwen3_next", 1, 512));
+  ModelConfig c = checkpoint.config;
+  c.linear_num_key_heads = 6;  // 8 attention heads divide by 4; 6 key heads do not
+  c.linear_num_value_heads = 12;
+  EXPECT_THAT(error_of([&] { build_model_layout(c, rank_options(4, 1)); }),
+              AllOf(HasSubstr("qwen3_next tp 4: the Gated DeltaNet layers (layer 0 first) have 6 key heads "
+                              "(linear_num_key_heads) and 12 value heads (linear_num_value_heads), which do not both "
+                              "divide among tp_size 4"),
+                    HasSubstr("use a tp_size that divides 6")));
+  c.linear_num_key_heads = 8;  // key heads divide, value heads do not
+  c.linear_num_value_heads = 20;
+  EXPECT_THAT(error_of([&] { build_model_layout(c, rank_options(8, 0)); }),
+              AllOf(HasSubstr("8 key heads (linear_num_key_heads) and 20 value heads"),
+                    HasSubstr("tp_size 8"), HasSubstr("use a tp_size that divides 4")));
+  EXPECT_NO_THROW(build_model_layout(c, rank_options(4, 3)));
 }
 
 // ---- FP8 block quantization ----------------------------------------------------------

@@ -96,14 +96,30 @@ TEST_F(Qwen3NextDraft, LayerTypesAndDenseLayersFollowTheConfig) {
               HasSubstr("qwen3_next: layer_types has 3 entries for num_hidden_layers = 4"));
 }
 
-TEST_F(Qwen3NextDraft, GatedDeltaNetLayersRefuseTensorParallelismTheDraftDoesNot) {
+TEST_F(Qwen3NextDraft, TargetAndDraftDivideAmongTensorParallelRanks) {
   LayoutOptions options;
   options.parallel = {2, 1, 1, 0};
-  EXPECT_THAT(error_of([&] { build_module_layout(config(), ModuleRole::kTarget, options); }),
-              AllOf(HasSubstr("qwen3_next tp 2: layer 0 is a Gated DeltaNet layer"), HasSubstr("use tp_size 1")));
+  // The target's Gated DeltaNet layers divide as vLLM divides them: conv1d's q, k and v each.
+  ModelLayout target = build_module_layout(config(), ModuleRole::kTarget, options);
+  const Parameter& conv = target.parameter("model.layers.0.linear_attn.conv1d.weight");
+  int64_t key_dim = config().linear_num_key_heads * config().linear_key_head_dim;
+  int64_t value_dim = config().linear_num_value_heads * config().linear_value_head_dim;
+  ASSERT_EQ(conv.parts.size(), 3u);
+  EXPECT_EQ(conv.parts[0].row_begin, key_dim / 2);
+  EXPECT_EQ(conv.parts[1].row_begin, key_dim + key_dim / 2);
+  EXPECT_EQ(conv.parts[2].row_begin, 2 * key_dim + value_dim / 2);
   ModelLayout draft = build_module_layout(config(), ModuleRole::kDraft, options);
   EXPECT_EQ(draft.parameter("mtp.fc.weight").shape,
             (std::vector<int64_t>{config().hidden_size / 2, 2 * config().hidden_size}));
+  // A tp size that cuts a linear-attention head is refused for the target, not for the
+  // draft (its MTP layers have full attention).
+  ModelConfig odd = config();
+  odd.linear_num_key_heads = 3;
+  odd.linear_num_value_heads = 6;
+  EXPECT_THAT(error_of([&] { build_module_layout(odd, ModuleRole::kTarget, options); }),
+              AllOf(HasSubstr("qwen3_next tp 2: the Gated DeltaNet layers (layer 0 first) have 3 key heads"),
+                    HasSubstr("use a tp_size that divides 3")));
+  EXPECT_NO_THROW(build_module_layout(odd, ModuleRole::kDraft, options));
 }
 
 TEST_F(Qwen3NextDraft, ADraftOfAConfigWithoutMtpLayersIsAnError) {
