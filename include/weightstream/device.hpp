@@ -46,7 +46,8 @@ enum class HostMemory {
   kPinned,    ///< page-locked (huge-page backed, cudaHostRegister) where CUDA is available, else page-aligned
 };
 
-/// An owning, move-only block of memory on a device. Host memory is page-aligned.
+/// An owning, move-only block of memory on a device. Host memory is page-aligned and
+/// zero-filled; device memory is not initialized.
 class Buffer {
  public:
   Buffer() = default;

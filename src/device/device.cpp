@@ -2,6 +2,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdint>
+
 #include <charconv>
 #include <cstdlib>
 #include <utility>
@@ -73,26 +76,52 @@ HostRegistration::~HostRegistration() { release(); }
 
 namespace detail {
 
-// Large host buffers (arenas, staging) are aligned to 2 MiB and asked to be backed by
-// transparent huge pages: a load touches every page of a fresh arena once, and with 4 KiB
-// pages the page faults, not the copies, set the pace (measured on a 2-core VM: 2.1 GB/s
-// into 4 KiB pages against 4-5 GB/s for numpy's huge-page arrays in the same run).
+// Host buffers are anonymous mappings: page-aligned (2 MiB aligned from 2 MiB up) and
+// zero-filled by the kernel as each page is first touched, so an arena needs no zeroing pass
+// of its own (that pass was a whole extra first touch of every page before the load wrote
+// them: on a 2-core VM, first touch runs at about 1 GB/s).
+//
+// They are not advised to use transparent huge pages. MADV_HUGEPAGE made first touch about
+// 2x cheaper on an idle 2-core VM (session 2), but where memory is fragmented the kernel
+// compacts it on every madvised fault (THP defrag "madvise", the common default): on the same
+// VM later, with 14 GiB free, reading 1 GiB into madvised memory ran at 0.04-0.10 GB/s against
+// about 1 GB/s into 4 KiB pages, and `weightstream load` of a just-written 1 GiB checkpoint took
+// 20-26 s. Timing a first huge-page fault did not predict the later ones (one load in three
+// still took 18 s). Where THP is enabled for every mapping, the 2 MiB alignment still lets the
+// kernel use huge pages where it has them, without compacting for them.
 constexpr size_t kHugePageBytes = 2 * 1024 * 1024;
+
+namespace {
+
+size_t page_size() {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+}  // namespace
 
 std::byte* allocate_host(size_t bytes) {
   if (bytes == 0) return nullptr;
-  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  size_t alignment = bytes >= kHugePageBytes ? kHugePageBytes : page;
-  void* data = nullptr;
-  int rc = posix_memalign(&data, alignment, bytes);
-  WS_EXPECT(rc == 0, ErrorCode::kDevice,
-            "cpu: cannot allocate " + format_size(bytes) + " of host memory: " + errno_text(rc));
-  // Advice only: where transparent huge pages are off this is a no-op.
-  if (alignment == kHugePageBytes) madvise(data, bytes - bytes % kHugePageBytes, MADV_HUGEPAGE);
-  return static_cast<std::byte*>(data);
+  const size_t length = round_up(bytes, page_size());
+  const size_t alignment = bytes >= kHugePageBytes ? kHugePageBytes : page_size();
+  const size_t reserved = length + alignment - page_size();
+  void* base = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  WS_EXPECT(base != MAP_FAILED, ErrorCode::kDevice,
+            "cpu: cannot allocate " + format_size(bytes) + " of host memory: " + errno_text(errno));
+  // Keep the aligned part of the reservation; give back what lies before and after it.
+  auto* start = static_cast<std::byte*>(base);
+  auto* aligned = reinterpret_cast<std::byte*>(round_up(reinterpret_cast<uintptr_t>(start), alignment));
+  if (aligned > start) ::munmap(start, static_cast<size_t>(aligned - start));
+  std::byte* end = start + reserved;
+  if (aligned + length < end) ::munmap(aligned + length, static_cast<size_t>(end - (aligned + length)));
+  return aligned;
 }
 
-void free_host(std::byte* data) noexcept { std::free(data); }
+void free_host(std::byte* data, size_t bytes) noexcept {
+  if (data) ::munmap(data, round_up(bytes, page_size()));
+}
 
 }  // namespace detail
 }  // namespace weightstream

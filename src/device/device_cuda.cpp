@@ -101,14 +101,14 @@ Buffer::Buffer(Device device, size_t bytes, HostMemory host) : device_(device) {
                   cuda_error_text(error));
     data_ = static_cast<std::byte*>(data);
   } else if (host == HostMemory::kPinned && cuda_device_count() > 0) {
-    // Pinned memory is the host allocator's (2 MiB aligned, transparent huge pages) then
+    // Pinned memory is the host allocator's (2 MiB aligned) then
     // registered, rather than cudaHostAlloc'd: on the GPU machines cudaHostAlloc of 1 GiB
     // took 0.59 s (it faults and pins 4 KiB pages one by one), and a load allocates its
     // staging buffers inside the timed part. Portable: pinned for every device.
     std::byte* data = detail::allocate_host(bytes);
     cudaError_t error = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
     if (error != cudaSuccess) {
-      detail::free_host(data);
+      detail::free_host(data, bytes);
       WS_FAIL(ErrorCode::kDevice, "cpu: cannot pin " + format_size(bytes) +
                                       " of host memory: cudaHostRegister failed: " + cuda_error_text(error));
     }
@@ -128,9 +128,9 @@ void Buffer::release() noexcept {
     cudaFree(data_);
   } else if (pinned_) {
     cudaHostUnregister(data_);
-    detail::free_host(data_);
+    detail::free_host(data_, size_);
   } else {
-    detail::free_host(data_);
+    detail::free_host(data_, size_);
   }
   data_ = nullptr;
   size_ = 0;

@@ -33,7 +33,7 @@ Buffer::Buffer(Device device, size_t bytes, HostMemory /*host: nothing can pin w
 }
 
 void Buffer::release() noexcept {
-  detail::free_host(data_);
+  detail::free_host(data_, size_);
   data_ = nullptr;
   size_ = 0;
 }

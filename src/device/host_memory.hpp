@@ -6,10 +6,11 @@
 
 namespace weightstream::detail {
 
-/// Page-aligned host memory of `bytes` (nullptr for 0). Throws Error(kDevice) naming the
-/// size when the allocation fails.
+/// Zero-filled, page-aligned host memory of `bytes` (nullptr for 0), 2 MiB aligned from
+/// 2 MiB up: an anonymous mapping, whose pages the kernel zeroes at first touch. Throws
+/// Error(kDevice) naming the size when the allocation fails.
 std::byte* allocate_host(size_t bytes);
-/// Frees what allocate_host returned.
-void free_host(std::byte* data) noexcept;
+/// Frees what allocate_host(bytes) returned.
+void free_host(std::byte* data, size_t bytes) noexcept;
 
 }  // namespace weightstream::detail

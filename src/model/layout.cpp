@@ -232,7 +232,9 @@ void ModelLayout::allocate(const Device& device) {
   // a cudaMalloc each cost 10,000 driver calls for a layout of 10,000 tensors. A
   // zero-sized parameter still gets a distinct, stable address.
   Buffer arena(device, total);
-  fill_zero(arena.data(), device, arena.size());
+  // Host memory comes zero-filled (page by page, as the load first touches it); device
+  // memory does not.
+  if (device.is_cuda()) fill_zero(arena.data(), device, arena.size());
   uint64_t offset = 0;
   for (size_t i : unbound) {
     Parameter& parameter = parameters_[i];
@@ -401,7 +403,7 @@ uint64_t ModelLayout::allocated_bytes() const noexcept {
 
 std::byte* ModelLayout::allocate_derived(uint64_t bytes) {
   Buffer buffer(device_, std::max<uint64_t>(bytes, 1));
-  fill_zero(buffer.data(), device_, buffer.size());
+  if (device_.is_cuda()) fill_zero(buffer.data(), device_, buffer.size());
   std::byte* data = buffer.data();
   storage_.push_back(std::move(buffer));
   return data;

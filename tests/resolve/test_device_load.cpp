@@ -102,12 +102,13 @@ TEST(GpuPathOption, FromEnvironment) {
   EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "staged"}}).stream.gpu_path, GpuPath::kStaged);
   EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "mapped"}}).stream.gpu_path, GpuPath::kMapped);
   EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "auto"}}).stream.gpu_path, GpuPath::kAuto);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "both"}}).stream.gpu_path, GpuPath::kBoth);
   try {
     options_from_environment({{"WEIGHTSTREAM_GPU_PATH", "pinned"}});
     FAIL() << "a malformed WEIGHTSTREAM_GPU_PATH was accepted";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kConfig);
-    EXPECT_THAT(error.what(), HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged or mapped"));
+    EXPECT_THAT(error.what(), HasSubstr("WEIGHTSTREAM_GPU_PATH='pinned': expected auto, staged, mapped or both"));
   }
 }
 
