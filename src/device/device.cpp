@@ -81,14 +81,16 @@ namespace detail {
 // of its own (that pass was a whole extra first touch of every page before the load wrote
 // them: on a 2-core VM, first touch runs at about 1 GB/s).
 //
-// They are not advised to use transparent huge pages. MADV_HUGEPAGE made first touch about
-// 2x cheaper on an idle 2-core VM (session 2), but where memory is fragmented the kernel
-// compacts it on every madvised fault (THP defrag "madvise", the common default): on the same
-// VM later, with 14 GiB free, reading 1 GiB into madvised memory ran at 0.04-0.10 GB/s against
-// about 1 GB/s into 4 KiB pages, and `weightstream load` of a just-written 1 GiB checkpoint took
-// 20-26 s. Timing a first huge-page fault did not predict the later ones (one load in three
-// still took 18 s). Where THP is enabled for every mapping, the 2 MiB alignment still lets the
-// kernel use huge pages where it has them, without compacting for them.
+// Transparent huge pages are asked for (MADV_HUGEPAGE) only up to kLargestHugePageAdvice.
+// On a 2-core VM they make first touch cheaper when the kernel has them at hand (a 30 MiB
+// load's median 9.5 ms with them, 18 ms without), but where it must compact memory or the
+// hypervisor back fresh memory for them, every madvised fault stalls: with 14 GiB free,
+// reading 1 GiB into madvised memory ran at 0.04-0.10 GB/s against about 1 GB/s into 4 KiB
+// pages, and `weightstream load` of a just-written 1 GiB checkpoint took 20-26 s (0.44-0.56 s
+// without the advice). Timing a first huge-page fault did not predict the later ones. So
+// large arenas take 4 KiB pages (or whatever the system gives unadvised), and a small buffer
+// risks at most a fraction of a second.
+constexpr size_t kLargestHugePageAdvice = 64 * 1024 * 1024;
 constexpr size_t kHugePageBytes = 2 * 1024 * 1024;
 
 namespace {
@@ -116,6 +118,10 @@ std::byte* allocate_host(size_t bytes) {
   if (aligned > start) ::munmap(start, static_cast<size_t>(aligned - start));
   std::byte* end = start + reserved;
   if (aligned + length < end) ::munmap(aligned + length, static_cast<size_t>(end - (aligned + length)));
+  // Advice only: where transparent huge pages are off it changes nothing.
+  if (alignment == kHugePageBytes && length <= kLargestHugePageAdvice) {
+    ::madvise(aligned, length / kHugePageBytes * kHugePageBytes, MADV_HUGEPAGE);
+  }
   return aligned;
 }
 
