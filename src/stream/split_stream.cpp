@@ -85,7 +85,10 @@ StreamStats split_stream(const Checkpoint& checkpoint, std::span<const TensorReq
                          const StreamOptions& options, const ProgressCallback& progress, const SplitPlan& plan,
                          const SplitSource& first, const SplitSource& second) {
   auto start = std::chrono::steady_clock::now();
-  auto [first_subset, second_subset] = deal(checkpoint, requests, std::clamp(plan.second_share, 0.0, 1.0));
+  // Named references, not a structured binding: the lambdas below capture them.
+  std::pair<Subset, Subset> subsets = deal(checkpoint, requests, std::clamp(plan.second_share, 0.0, 1.0));
+  Subset& first_subset = subsets.first;
+  Subset& second_subset = subsets.second;
   const uint64_t total = first_subset.bytes + second_subset.bytes;
 
   StreamOptions first_options = options, second_options = options;
