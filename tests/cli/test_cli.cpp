@@ -172,6 +172,11 @@ TEST(Cli, HelpDescribesEveryCommandAndNamesTheVariables) {
                               HasSubstr("WEIGHTSTREAM_GPU_PATH"), HasSubstr("WEIGHTSTREAM_CONCURRENCY")));
   // --io takes one parser's words, and says so in one message.
   expect_one_line_error(run_cli({"load", "x", "--io", "mmap"}), "--io='mmap': expected pread, direct or uring");
+  EXPECT_THAT(load.out, HasSubstr("WEIGHTSTREAM_MAPPED_SHARE"));
+  expect_one_line_error(run_cli({"load", "x", "--gpu-path", "both", "--mapped-share", "2"}),
+                        "--mapped-share='2': expected a fraction from 0 to 1, such as 0.4");
+  expect_one_line_error(run_cli({"load", "x", "--gpu-path", "pinned"}),
+                        "--gpu-path='pinned': expected auto, staged, mapped or both");
 }
 
 TEST(Cli, SynthHiddenHasOneRuleInHelpAndInItsError) {
