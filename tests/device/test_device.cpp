@@ -123,6 +123,23 @@ TEST(Buffer, HostMemoryIsPageAligned) {
   }
 }
 
+TEST(Buffer, HostMemoryIsZeroFilledAndLargeBuffersAre2MiBAligned) {
+  // A layout's host arena relies on this: it is not zeroed again (session 6).
+  constexpr size_t kMiB = 1 << 20;
+  for (size_t bytes : {size_t{1}, size_t{4097}, 3 * kMiB + 5, 80 * kMiB + 3}) {
+    for (int round = 0; round < 2; ++round) {  // the second round gets memory the first freed
+      Buffer buffer(kCpu, bytes);
+      ASSERT_NE(buffer.data(), nullptr);
+      if (bytes >= 2 * kMiB) EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer.data()) % (2 * kMiB), 0u) << bytes;
+      size_t nonzero = 0;
+      for (size_t i = 0; i < bytes; i += (i % 4096 == 0 ? 1 : 4093)) nonzero += buffer.data()[i] != std::byte{0};
+      nonzero += buffer.data()[bytes - 1] != std::byte{0};
+      EXPECT_EQ(nonzero, 0u) << bytes << " bytes, round " << round;
+      std::memset(buffer.data(), 0xcd, bytes);
+    }
+  }
+}
+
 TEST(Buffer, EmptyAndMoved) {
   Buffer empty(kCpu, 0);
   EXPECT_EQ(empty.data(), nullptr);
