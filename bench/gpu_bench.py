@@ -350,13 +350,16 @@ def worker_ws_session(p):
     start = time.perf_counter()
     session.begin("cold")
     stats = session.load_checkpoint(checkpoint)
+    streamed = time.perf_counter()
     session.finish()
     _sync(torch, p["device"])
     seconds = time.perf_counter() - start
     # The rank's parameters (computed after the clock stops), as `weightstream load --json` reports them.
     parameter_bytes = sum(layout.parameter_info(name)["bytes"] for name in layout.parameter_names)
+    # Where the time went: the stream as the library timed it, the call around it, finish().
     return {"seconds": seconds, "bytes": parameter_bytes, "bytes_read": stats.get("bytes_read", stats["bytes"]),
-            "tensors": stats.get("tensors")}
+            "tensors": stats.get("tensors"), "stream_seconds": stats.get("seconds"),
+            "call_seconds": streamed - start, "finish_seconds": time.perf_counter() - streamed}
 
 
 def worker_ws_load(p):
@@ -514,6 +517,9 @@ class Bench:
                    wall_seconds=statistics.median(r["wall_seconds"] for r in runs),
                    bytes=runs[0].get("bytes") or 0, bytes_read=runs[0].get("bytes_read") or runs[0].get("bytes") or 0)
         notes = [f"{k} {runs[0][k]}" for k in ("backend", "copier", "version") if runs[0].get(k)]
+        # A breakdown a worker reports (the Python session's stream, call and finish), as medians.
+        notes += [f"{k} {statistics.median(r[k] for r in runs):.3f}"
+                  for k in ("stream_seconds", "call_seconds", "finish_seconds") if runs[0].get(k) is not None]
         if notes:
             row["note"] = ", ".join(notes)
         self.record(key, row, started=True)

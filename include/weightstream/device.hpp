@@ -172,9 +172,13 @@ class HostRegistration {
 /// and is the error synchronize() throws.
 class DeviceCopier {
  public:
+  /// Lanes of a copier made without a count. One host-to-device stream already saturates
+  /// PCIe from pinned memory; a few let copies issued by different reader threads queue
+  /// independently.
+  static constexpr unsigned kDefaultLanes = 4;
   /// Creates `lanes` (at least 1) non-blocking streams on `device`. Throws
   /// Error(kUnsupported) without CUDA in the build, Error(kDevice) for an unusable device.
-  DeviceCopier(const Device& device, unsigned lanes);
+  explicit DeviceCopier(const Device& device, unsigned lanes = kDefaultLanes);
   /// Waits for the copies in flight (the sources must outlive them); never throws.
   ~DeviceCopier();
   DeviceCopier(const DeviceCopier&) = delete;
@@ -204,6 +208,10 @@ class DeviceCopier {
   /// Waits for every copy enqueued so far and releases their keepalives. Throws the first
   /// CUDA error of any copy, naming the device and the copy.
   void synchronize();
+  /// Throws the first CUDA error of a copy seen so far, without waiting. A copy's error is
+  /// recorded before its keepalive is dropped, so a caller told of a landed copy by its
+  /// keepalive's destruction learns here whether it landed intact.
+  void throw_if_failed() const;
 
   unsigned lanes() const noexcept;
   const Device& device() const noexcept;

@@ -2,18 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "weightstream/error.hpp"
 
 namespace weightstream::python {
 namespace {
-
-// Tensors start on 256-byte boundaries in the CUDA landing buffer, as in load_checkpoint's
-// arena: aligned direct reads stay aligned.
-constexpr uint64_t kLandingAlignment = 256;
-
-uint64_t align_up(uint64_t value) { return (value + kLandingAlignment - 1) / kLandingAlignment * kLandingAlignment; }
 
 /// Half the limit per batch, so that one batch is read while the one before it is consumed.
 uint64_t batch_target_for(const StreamOptions& options) { return std::max<uint64_t>(options.memory_limit / 2, 1); }
@@ -47,44 +42,90 @@ std::vector<size_t> stream_order(const Checkpoint& checkpoint, std::vector<size_
 
 }  // namespace
 
-/// Receives the pieces of one batch. Host tensors are read straight into their own
-/// buffers; CUDA tensors land in the pinned landing buffer and are copied to their device
-/// buffer when complete. Marks each tensor's slot complete so the iterator can pop it.
+/// What is still outstanding of each tensor of one batch: one count for "pieces still to
+/// come" (dropped by request_complete) plus one per piece whose copy to the device has not
+/// landed. The last one to go marks the tensor complete. Shared with the copies' keepalives,
+/// which the copier may drop after the batch's sink is gone.
+struct TensorStream::BatchLandings {
+  BatchLandings(TensorStream& stream, size_t first, size_t count) : stream(stream), first(first), outstanding(count) {
+    for (auto& count_left : outstanding) count_left.store(1, std::memory_order_relaxed);
+  }
+  void release(size_t request) {
+    if (outstanding[request].fetch_sub(1, std::memory_order_acq_rel) == 1) stream.mark_complete(first + request);
+  }
+  TensorStream& stream;
+  size_t first;
+  std::vector<std::atomic<uint32_t>> outstanding;
+};
+
+namespace {
+
+/// The keepalive of one piece's copy to the device: holds the piece's source (a staging
+/// lease or a registered window) and, once the copier drops it after the copy landed, counts
+/// the piece off its tensor.
+class PieceLanding {
+ public:
+  PieceLanding(std::shared_ptr<TensorStream::BatchLandings> landings, size_t request,
+               std::shared_ptr<const void> source)
+      : landings_(std::move(landings)), request_(request), source_(std::move(source)) {}
+  ~PieceLanding() {
+    source_.reset();  // the staging buffer goes back to its pool first
+    landings_->release(request_);
+  }
+  PieceLanding(const PieceLanding&) = delete;
+  PieceLanding& operator=(const PieceLanding&) = delete;
+
+ private:
+  std::shared_ptr<TensorStream::BatchLandings> landings_;
+  size_t request_;
+  std::shared_ptr<const void> source_;
+};
+
+}  // namespace
+
+/// Receives the pieces of one batch. Host tensors are read straight into their own buffers;
+/// for a GPU, each piece is copied asynchronously into its tensor's device buffer by the
+/// stream's DeviceCopier, from wherever the device path put it (pinned staging or a
+/// registered window of a mapped shard), and the tensor is complete once its last copy
+/// landed: nothing waits per piece or per tensor.
 class TensorStream::BatchSink final : public TensorSink {
  public:
-  BatchSink(TensorStream& stream, size_t first, std::vector<std::byte*> destinations, std::vector<uint64_t> landing_offsets)
-      : stream_(stream), first_(first), destinations_(std::move(destinations)), landing_offsets_(std::move(landing_offsets)) {}
+  BatchSink(TensorStream& stream, std::shared_ptr<BatchLandings> landings, std::vector<std::byte*> destinations)
+      : stream_(stream), landings_(std::move(landings)), destinations_(std::move(destinations)) {}
 
   std::byte* direct_destination(size_t request) override {
-    if (stream_.device_.is_cuda()) return stream_.landing_->data() + landing_offsets_[request];
-    return destinations_[request];
+    return stream_.copier_ ? nullptr : destinations_[request];
   }
 
   void consume(TensorPiece&& piece) override {
+    const CheckpointTensor& tensor = *piece.tensor;
     // Throwing is how a sink stops stream_tensors: it cancels the other readers at once.
     WS_EXPECT(!stream_.stopping_.load(std::memory_order_relaxed), ErrorCode::kCancelled,
-              "stream of " + stream_.checkpoint_->uri() + " cancelled while reading '" + piece.tensor->name + "'");
+              "stream of " + stream_.checkpoint_->uri() + " cancelled while reading '" + tensor.name + "'");
+    std::byte* destination = destinations_[piece.request] + piece.offset;
+    if (!stream_.copier_) {
+      // Read straight into the buffer, except where the storage had to stage the bytes.
+      if (piece.bytes.data() != destination) std::memcpy(destination, piece.bytes.data(), piece.bytes.size());
+      return;
+    }
+    landings_->outstanding[piece.request].fetch_add(1, std::memory_order_relaxed);
+    auto landing = std::make_shared<PieceLanding>(landings_, piece.request, std::move(piece.keepalive));
+    stream_.copier_->copy_to_device(destination, piece.bytes.data(), piece.bytes.size(), std::move(landing),
+                                    static_cast<unsigned>(piece.request), tensor.name);
   }
 
-  void request_complete(size_t request) override {
-    size_t position = first_ + request;
-    uint64_t bytes = stream_.checkpoint_->tensors()[stream_.order_[position]].bytes;
-    if (stream_.device_.is_cuda() && bytes > 0) {
-      copy_bytes(destinations_[request], stream_.device_, stream_.landing_->data() + landing_offsets_[request], Device{},
-                 bytes);
-    }
-    {
-      std::lock_guard lock(stream_.mutex_);
-      stream_.slots_[position - stream_.next_].complete = true;
-    }
-    stream_.changed_.notify_all();
+  void request_complete(size_t request) override { landings_->release(request); }
+
+  /// The batch's copies land before the next batch starts: its staging goes back first, so
+  /// staging never exceeds one batch's limit.
+  void finish() override {
+    if (stream_.copier_) stream_.copier_->synchronize();
   }
 
  private:
   TensorStream& stream_;
-  size_t first_;
+  std::shared_ptr<BatchLandings> landings_;
   std::vector<std::byte*> destinations_;
-  std::vector<uint64_t> landing_offsets_;
 };
 
 TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options,
@@ -95,19 +136,7 @@ TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const D
       batch_target_(batch_target_for(options)),
       order_(stream_order(*checkpoint_, std::move(selection))) {
   require_device(device_);
-  if (device_.is_cuda()) {
-    // One landing buffer serves every batch in turn: batches run one after another.
-    const auto& tensors = checkpoint_->tensors();
-    uint64_t largest_batch = 0;
-    for (size_t first = 0; first < order_.size();) {
-      size_t last = batch_end(tensors, order_, first, batch_target_);
-      uint64_t bytes = 0;
-      for (size_t i = first; i < last; ++i) bytes = align_up(bytes + tensors[order_[i]].bytes);
-      largest_batch = std::max(largest_batch, bytes);
-      first = last;
-    }
-    landing_ = std::make_unique<Buffer>(Device{}, std::max<uint64_t>(largest_batch, 1), HostMemory::kPinned);
-  }
+  if (device_.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device_);
   producer_ = std::thread([this] { run(); });
 }
 
@@ -155,10 +184,8 @@ void TensorStream::stream_batch(size_t first, size_t last) {
   const auto& tensors = checkpoint_->tensors();
   std::vector<Slot> slots(last - first);
   std::vector<std::byte*> destinations(last - first, nullptr);
-  std::vector<uint64_t> landing_offsets(last - first, 0);
   std::vector<TensorRequest> requests(last - first);
   uint64_t bytes = 0;
-  uint64_t landing_end = 0;
   for (size_t position = first; position < last; ++position) {
     size_t request = position - first;
     size_t i = order_[position];
@@ -167,8 +194,6 @@ void TensorStream::stream_batch(size_t first, size_t last) {
       slots[request].tensor.buffer = std::make_unique<Buffer>(device_, tensors[i].bytes);
       destinations[request] = slots[request].tensor.buffer->data();
     }
-    landing_offsets[request] = landing_end;
-    landing_end = align_up(landing_end + tensors[i].bytes);
     requests[request] = {i, {0, tensors[i].bytes}};
     bytes += tensors[i].bytes;
   }
@@ -178,8 +203,16 @@ void TensorStream::stream_batch(size_t first, size_t last) {
     queued_ += bytes;
     peak_queued_ = std::max(peak_queued_, queued_);
   }
-  BatchSink sink(*this, first, std::move(destinations), std::move(landing_offsets));
-  stream_tensors(*checkpoint_, requests, sink, options_, {}, HostMemory::kPinned);
+  BatchSink sink(*this, std::make_shared<BatchLandings>(*this, first, last - first), std::move(destinations));
+  stream_tensors_for_device(device_, *checkpoint_, requests, sink, options_);
+}
+
+void TensorStream::mark_complete(size_t position) {
+  {
+    std::lock_guard lock(mutex_);
+    slots_[position - next_].complete = true;
+  }
+  changed_.notify_all();
 }
 
 std::optional<StreamedTensor> TensorStream::next() {
@@ -190,6 +223,8 @@ std::optional<StreamedTensor> TensorStream::next() {
   if (error_) std::rethrow_exception(error_);
   WS_EXPECT(!cancelled_, ErrorCode::kCancelled, "stream of " + checkpoint_->uri() + " was closed");
   if (slots_.empty()) return std::nullopt;
+  // A copy that failed still counts its piece off: hand out no tensor after a failed copy.
+  if (copier_) copier_->throw_if_failed();
   StreamedTensor tensor = std::move(slots_.front().tensor);
   slots_.pop_front();
   ++next_;

@@ -29,13 +29,15 @@ struct StreamedTensor {
 
 /// Streams every tensor of a checkpoint in file order on a thread of its own.
 ///
-/// Bounded memory: tensors are read in batches straight into buffers of their own (no
-/// staging on the host path), and a new batch starts only when the bytes completed but not
-/// yet popped plus the batch fit in `memory_limit`, or when nothing is queued at all (so a
-/// single tensor larger than the limit still streams). Tensor buffers therefore never hold
-/// more than max(memory_limit, largest tensor) at once; a CUDA stream adds a pinned host
-/// landing buffer of at most the same size. Dropping or cancelling the stream stops the
-/// readers at their next piece and joins the thread.
+/// Bounded memory: tensors are read in batches into buffers of their own, and a new batch
+/// starts only when the bytes completed but not yet popped plus the batch fit in
+/// `memory_limit`, or when nothing is queued at all (so a single tensor larger than the
+/// limit still streams). Tensor buffers therefore never hold more than max(memory_limit,
+/// largest tensor) at once. The host path reads straight into them; a GPU stream reads by
+/// the device path of stream_tensors_for_device() (options.gpu_path: pinned staging within
+/// the limit, or registered windows of mapped shards) and copies each piece asynchronously,
+/// as a load does. Dropping or cancelling the stream stops the readers at their next piece
+/// and joins the thread.
 class TensorStream {
  public:
   /// Starts streaming every tensor, or only the tensors whose indices `selection` holds
@@ -70,15 +72,20 @@ class TensorStream {
   };
   class BatchSink;
 
+ public:
+  struct BatchLandings;  // per-tensor counts of a batch's copies still in flight
+
+ private:
   void run() noexcept;
   void stream_batch(size_t first, size_t last);
+  /// The tensor at position `position` of order_ has landed whole.
+  void mark_complete(size_t position);
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   Device device_;
   StreamOptions options_;
   uint64_t batch_target_;
-  std::vector<size_t> order_;        // indices of the tensors streamed, in file order
-  std::unique_ptr<Buffer> landing_;  // pinned host memory the CUDA path reads into
+  std::vector<size_t> order_;  // indices of the tensors streamed, in file order
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
@@ -91,6 +98,9 @@ class TensorStream {
   bool producer_done_ = false;
   std::exception_ptr error_;
   std::mutex join_mutex_;  // cancel() may run on two threads (close() and the destructor)
+  // Declared after the state its copies' keepalives update, so it is destroyed (waiting for
+  // those copies) first. Null on the host.
+  std::unique_ptr<DeviceCopier> copier_;
   std::thread producer_;
 };
 

@@ -593,6 +593,11 @@ void DeviceCopier::synchronize() {
   state.throw_if_failed_locked();
 }
 
+void DeviceCopier::throw_if_failed() const {
+  std::lock_guard lock(state_->mutex);
+  state_->throw_if_failed_locked();
+}
+
 unsigned DeviceCopier::lanes() const noexcept { return static_cast<unsigned>(state_->streams.size()); }
 
 const Device& DeviceCopier::device() const noexcept { return state_->device; }

@@ -96,6 +96,7 @@ void DeviceCopier::copy_rows_to_device(void*, size_t, const void*, size_t, size_
 void DeviceCopier::copy_to_host(void*, const void*, size_t, unsigned, std::string_view) { fail_no_cuda(state_->device); }
 void DeviceCopier::wait_until_in_flight_at_most(uint64_t) {}
 void DeviceCopier::synchronize() {}
+void DeviceCopier::throw_if_failed() const {}
 unsigned DeviceCopier::lanes() const noexcept { return 0; }
 const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }

@@ -10,16 +10,12 @@ namespace {
 
 const Device kHost{};
 
-// Copy streams of a writer. One host-to-device stream already saturates PCIe from pinned
-// memory; a few let copies issued by different reader threads queue independently.
-constexpr unsigned kCopyLanes = 4;
-
 uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
 
 }  // namespace
 
 ParameterWriter::ParameterWriter(const Device& device) : device_(device) {
-  if (device.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device, kCopyLanes);
+  if (device.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device);
 }
 
 ParameterWriter::~ParameterWriter() = default;  // the copier waits for its copies

@@ -321,6 +321,14 @@ def test_stream_and_load_to_cuda(synth_bf16):
     for name, tensor in weightstream.stream(str(synth_bf16), device="cuda:0", framework="torch", memory_limit="1MiB"):
         assert tensor.device.type == "cuda", name
         assert tensor_bytes(tensor) == reference[name], name
+    # Every device path of the stream, every tensor held until the end: a tensor handed out
+    # before all its pieces' copies landed would differ here.
+    for path in ("staged", "mapped", "both"):
+        held = list(weightstream.stream(str(synth_bf16), device="cuda:0", framework="torch", gpu_path=path,
+                                        memory_limit="256KiB", chunk_size="64KiB"))
+        assert sorted(name for name, _ in held) == sorted(reference), path
+        for name, tensor in held:
+            assert tensor_bytes(tensor) == reference[name], (path, name)
     for name, tensor in weightstream.load(str(synth_bf16), device="cuda:0", framework="torch").items():
         assert tensor.device.type == "cuda" and tensor_bytes(tensor) == reference[name], name
 
