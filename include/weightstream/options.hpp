@@ -26,6 +26,7 @@ enum class LocalIo {
   kPread,   ///< buffered pread(2) through the page cache
   kDirect,  ///< O_DIRECT with aligned buffers, bypassing the page cache
   kUring,   ///< io_uring (liburing) submissions of buffered reads
+  kMmap,    ///< memcpy out of a read-only mapping of the file (page cache, no read(2) per chunk)
 };
 
 /// How bytes reach a CUDA device.
@@ -159,9 +160,9 @@ std::string format_size(uint64_t bytes);
 /// Error(kInvalidArgument) naming `what` on anything else.
 double parse_duration(std::string_view text, std::string_view what = "duration");
 
-/// Parses "pread", "direct" or "uring". Throws Error(kInvalidArgument) naming `what`.
+/// Parses "pread", "direct", "uring" or "mmap". Throws Error(kInvalidArgument) naming `what`.
 LocalIo parse_local_io(std::string_view text, std::string_view what = "io");
-/// "pread", "direct" or "uring".
+/// "pread", "direct", "uring" or "mmap".
 std::string_view local_io_name(LocalIo io) noexcept;
 /// Parses "auto", "staged", "mapped" or "both". Throws Error(kInvalidArgument) naming `what`.
 GpuPath parse_gpu_path(std::string_view text, std::string_view what = "gpu_path");

@@ -19,7 +19,7 @@ _OPTIONS_DOC = """
     memory_limit staging memory cap in bytes, an int or a string such as "64MiB"
                  (default "1GiB"; at least 4KiB)
     chunk_size   largest single read, int or string (default "16MiB"; at least 4KiB)
-    io           how local files are read: "pread" (default), "direct" (O_DIRECT) or "uring"
+    io           how local files are read: "pread" (default), "direct" (O_DIRECT), "uring" or "mmap"
     gpu_path     how bytes reach a GPU: "auto" (default), "staged", "mapped" or "both"
                  (staged and mapped at once, on disjoint tensors)
     mapped_share with gpu_path="both": the fraction of the bytes mapped (default 0.4)

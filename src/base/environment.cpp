@@ -232,7 +232,8 @@ LocalIo parse_local_io(std::string_view text, std::string_view what) {
   if (text == "pread") return LocalIo::kPread;
   if (text == "direct") return LocalIo::kDirect;
   if (text == "uring") return LocalIo::kUring;
-  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected pread, direct or uring");
+  if (text == "mmap") return LocalIo::kMmap;
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected pread, direct, uring or mmap");
 }
 
 std::string_view local_io_name(LocalIo io) noexcept {
@@ -240,6 +241,7 @@ std::string_view local_io_name(LocalIo io) noexcept {
     case LocalIo::kPread: return "pread";
     case LocalIo::kDirect: return "direct";
     case LocalIo::kUring: return "uring";
+    case LocalIo::kMmap: return "mmap";
   }
   return "pread";
 }

@@ -36,6 +36,14 @@ void pread_exact(int fd, const std::string& uri, uint64_t offset, std::span<std:
 /// when it is aligned, the rest through a thread-local aligned bounce buffer.
 void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t offset, std::span<std::byte> destination);
 
+/// Copies `destination.size()` bytes at `offset` out of `mapping`, a read-only shared
+/// mapping of the whole file behind `fd` (`file_size` bytes when it was mapped). First
+/// asks the kernel to read the range ahead (a cold page cache is read in large requests,
+/// not a page per fault) and checks that the file still holds the range: touching a page
+/// past the end of a file that shrank would raise SIGBUS instead of an error.
+void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
+                 std::span<std::byte> destination);
+
 /// True when this build can read with io_uring.
 bool uring_available() noexcept;
 

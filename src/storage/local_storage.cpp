@@ -1,5 +1,6 @@
-// The local-file backend of Storage: pread, O_DIRECT or io_uring.
+// The local-file backend of Storage: pread, O_DIRECT, io_uring or copies out of a mapping.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
@@ -117,6 +119,20 @@ void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t of
   }
 }
 
+void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
+                 std::span<std::byte> destination) {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  struct stat info {};
+  WS_EXPECT(::fstat(fd, &info) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
+  WS_EXPECT(offset + destination.size() <= static_cast<uint64_t>(info.st_size), ErrorCode::kIo,
+            "cannot read " + range_text(offset, destination.size()) + " bytes of " + uri + ": the file is now " +
+                std::to_string(info.st_size) + " bytes (truncated while loading?)");
+  uint64_t begin = offset / page * page;
+  // Advice only: a kernel that refuses it still reads the pages on the faults below.
+  ::madvise(const_cast<std::byte*>(mapping + begin), offset + destination.size() - begin, MADV_WILLNEED);
+  std::memcpy(destination.data(), mapping + offset, destination.size());
+}
+
 }  // namespace local_io
 
 namespace {
@@ -175,13 +191,46 @@ class LocalStorage final : public Storage {
       case LocalIo::kPread: local_io::pread_exact(file.buffered.get(), uri, offset, destination); break;
       case LocalIo::kDirect: local_io::direct_read(file.direct.get(), uri, file.size, offset, destination); break;
       case LocalIo::kUring: local_io::uring_read(file.buffered.get(), uri, offset, destination); break;
+      case LocalIo::kMmap: local_io::mapped_read(file.mapping.data(), file.buffered.get(), uri, offset, destination); break;
     }
   }
 
  private:
+  /// A read-only shared mapping of a whole file, unmapped on destruction.
+  class FileMapping {
+   public:
+    FileMapping() = default;
+    FileMapping(int fd, uint64_t size, const std::string& path) : size_(size) {
+      if (size == 0) return;
+      void* data = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+      WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
+                "cannot map " + std::to_string(size) + " bytes of " + path + ": " + detail::errno_text(errno) +
+                    " (use --io pread)");
+      data_ = static_cast<const std::byte*>(data);
+    }
+    FileMapping(FileMapping&& other) noexcept
+        : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    FileMapping& operator=(FileMapping&& other) noexcept {
+      std::swap(data_, other.data_);
+      std::swap(size_, other.size_);
+      return *this;
+    }
+    FileMapping(const FileMapping&) = delete;
+    FileMapping& operator=(const FileMapping&) = delete;
+    ~FileMapping() {
+      if (data_) ::munmap(const_cast<std::byte*>(data_), size_);
+    }
+    const std::byte* data() const noexcept { return data_; }
+
+   private:
+    const std::byte* data_ = nullptr;
+    uint64_t size_ = 0;
+  };
+
   struct OpenFile {
     FileDescriptor buffered;
     FileDescriptor direct;
+    FileMapping mapping;  // --io mmap
     uint64_t size = 0;
   };
 
@@ -229,6 +278,7 @@ class LocalStorage final : public Storage {
                 "cannot open " + path + " with O_DIRECT: " + detail::errno_text(errno) +
                     " (the file system may not support it; use --io pread)");
     }
+    if (io_ == LocalIo::kMmap) file.mapping = FileMapping(file.buffered.get(), file.size, path);
     std::unique_lock lock(mutex_);
     return files_.try_emplace(std::string(name), std::move(file)).first->second;
   }

@@ -45,7 +45,7 @@ TEST(Options, MalformedValuesNameTheVariable) {
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_CONCURRENCY", "0"}}), HasSubstr("WEIGHTSTREAM_CONCURRENCY='0'"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_CONCURRENCY", "four"}}), HasSubstr("expected a whole number"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_MEMORY_LIMIT", "lots"}}), HasSubstr("WEIGHTSTREAM_MEMORY_LIMIT='lots'"));
-  EXPECT_THAT(config_error({{"WEIGHTSTREAM_LOCAL_IO", "mmap"}}), HasSubstr("expected pread, direct or uring"));
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_LOCAL_IO", "splice"}}), HasSubstr("expected pread, direct, uring or mmap"));
   // The message lists every spelling the parser takes (it once said "0 or 1" and took yes/no/on/off).
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_PROGRESS", "maybe"}}),
               HasSubstr("WEIGHTSTREAM_PROGRESS='maybe': expected 1, true, yes or on, or 0, false, no or off"));
@@ -76,19 +76,20 @@ TEST(Options, OneParserForTheReadMethodAndTheGpuPath) {
   EXPECT_EQ(parse_local_io("pread"), LocalIo::kPread);
   EXPECT_EQ(parse_local_io("direct"), LocalIo::kDirect);
   EXPECT_EQ(parse_local_io("uring"), LocalIo::kUring);
+  EXPECT_EQ(parse_local_io("mmap"), LocalIo::kMmap);
   EXPECT_EQ(parse_gpu_path("auto"), GpuPath::kAuto);
   EXPECT_EQ(parse_gpu_path("staged"), GpuPath::kStaged);
   EXPECT_EQ(parse_gpu_path("mapped"), GpuPath::kMapped);
   EXPECT_EQ(parse_gpu_path("both"), GpuPath::kBoth);
-  for (LocalIo io : {LocalIo::kPread, LocalIo::kDirect, LocalIo::kUring}) EXPECT_EQ(parse_local_io(local_io_name(io)), io);
+  for (LocalIo io : {LocalIo::kPread, LocalIo::kDirect, LocalIo::kUring, LocalIo::kMmap}) EXPECT_EQ(parse_local_io(local_io_name(io)), io);
   for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged, GpuPath::kMapped, GpuPath::kBoth})
     EXPECT_EQ(parse_gpu_path(gpu_path_name(path)), path);
   try {
-    parse_local_io("mmap", "--io");
+    parse_local_io("splice", "--io");
     FAIL() << "expected an error";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_THAT(error.what(), HasSubstr("--io='mmap': expected pread, direct or uring"));
+    EXPECT_THAT(error.what(), HasSubstr("--io='splice': expected pread, direct, uring or mmap"));
   }
   try {
     StreamOptions options;

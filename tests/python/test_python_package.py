@@ -364,8 +364,8 @@ def test_bad_options_raise_with_the_library_messages(mixed_file, monkeypatch):
         weightstream.open(str(mixed_file), memory_limit=100)
     with pytest.raises(weightstream.Error, match="concurrency 0 is out of range"):
         weightstream.open(str(mixed_file), concurrency=0)
-    with pytest.raises(weightstream.Error, match="io='mmap': expected pread, direct or uring"):
-        weightstream.open(str(mixed_file), io="mmap")
+    with pytest.raises(weightstream.Error, match="io='splice': expected pread, direct, uring or mmap"):
+        weightstream.open(str(mixed_file), io="splice")
     with pytest.raises(weightstream.Error, match=r"mapped_share='1.5\d*': expected a fraction from 0 to 1"):
         weightstream.open(str(mixed_file), mapped_share=1.5)
     with pytest.raises(TypeError, match="mapped_share must be a number from 0 to 1"):

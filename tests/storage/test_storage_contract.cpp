@@ -33,14 +33,16 @@ class Backend {
 
 class LocalBackend final : public Backend {
  public:
+  explicit LocalBackend(LocalIo io) : io_(io) {}
   void put(const std::string& name, const std::string& bytes) override { testing::write_file(directory_ / name, bytes); }
   void put_below(const std::string& directory, const std::string& name, const std::string& bytes) override {
     std::filesystem::create_directories(directory_ / directory);
     testing::write_file(directory_ / directory / name, bytes);
   }
-  std::unique_ptr<Storage> open() override { return open_local_storage(directory_.path().string(), LocalIo::kPread); }
+  std::unique_ptr<Storage> open() override { return open_local_storage(directory_.path().string(), io_); }
 
  private:
+  LocalIo io_;
   testing::TempDir directory_;
 };
 
@@ -73,7 +75,9 @@ class StorageContract : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (GetParam() == "local") {
-      backend_ = std::make_unique<LocalBackend>();
+      backend_ = std::make_unique<LocalBackend>(LocalIo::kPread);
+    } else if (GetParam() == "local_mmap") {
+      backend_ = std::make_unique<LocalBackend>(LocalIo::kMmap);
     } else {
       WS_REQUIRE_S3_SERVER();
       backend_ = std::make_unique<S3Backend>(*testing::s3_test_endpoint());
@@ -211,7 +215,28 @@ TEST_P(StorageContract, ReadObjectReadsSmallFilesAndRefusesLargeOnes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "s3"),
+// --io mmap copies out of a mapping: a file that shrinks after it was mapped must fail the
+// read with an error naming the file, not kill the process with SIGBUS.
+TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
+  testing::TempDir directory;
+  auto bytes = testing::pattern_bytes(3 * 65536, 7);
+  testing::write_file(directory / "shard.safetensors", bytes);
+  auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
+  std::string first(4096, '\0');
+  storage->read("shard.safetensors", 65536, std::as_writable_bytes(std::span(first.data(), first.size())));
+  EXPECT_EQ(first, bytes.substr(65536, 4096));
+  std::filesystem::resize_file(directory / "shard.safetensors", 65536);
+  std::string second(4096, '\0');
+  try {
+    storage->read("shard.safetensors", 2 * 65536, std::as_writable_bytes(std::span(second.data(), second.size())));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "local_mmap", "s3"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -315,7 +315,7 @@ TEST(Load, HostArenaHoldsEveryTensor) {
 TEST(Load, EveryLocalIoModeReadsTheSameBytes) {
   TempDir directory;
   write_checkpoint(directory.path(), 30, 2, 17);
-  std::vector<LocalIo> modes = {LocalIo::kPread, LocalIo::kDirect};
+  std::vector<LocalIo> modes = {LocalIo::kPread, LocalIo::kDirect, LocalIo::kMmap};
 #ifdef WS_HAVE_URING
   modes.push_back(LocalIo::kUring);
 #endif
