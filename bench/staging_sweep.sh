@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# Staged GPU loads of one warm checkpoint across staging settings (memory limit, read size,
-# readers), against the pinned host-to-device copy rate of the same run: which defaults
-# the staged path should have. For the GPU machine, after scripts/gpu.sh build.
-# Usage: bench/staging_sweep.sh [SIZE]   (default 16GiB); results on stdout.
+# Staged GPU loads of one warm checkpoint across the staged path's shapes (read method,
+# readers, read size, staging limit), against the pinned host-to-device copy rate of the same
+# run: which shape GpuPath::kAuto should take for a warm page cache (bench/RESULTS.md,
+# session 7). For the GPU machine, after scripts/gpu.sh build.
+# Usage: bench/staging_sweep.sh [CHECKPOINT_DIR | SIZE]
+#   a directory: that checkpoint (e.g. gpu_bench.py's kept /tmp/ws-gpu-bench), read once to warm it;
+#   else a synth llama checkpoint of SIZE (default 16GiB). Results on stdout, 3 runs a row.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cli=$root/build-gpu/weightstream
-checkpoint=/tmp/ws-staging-sweep
-rm -rf "$checkpoint"
-"$cli" synth "$checkpoint" --arch llama --size "${1:-16GiB}" --shards 8 >/dev/null || exit 1
+if [ -d "${1:-}" ]; then
+  checkpoint=$1
+else
+  checkpoint=/tmp/ws-staging-sweep
+  rm -rf "$checkpoint"
+  "$cli" synth "$checkpoint" --arch llama --size "${1:-16GiB}" --shards 8 >/dev/null || exit 1
+fi
 cat "$checkpoint"/*.safetensors >/dev/null  # warm
 python3 -c "import sys; sys.path.insert(0, '$root/bench'); import gpu_bench, torch; print('pinned host-to-device copy: %.2f GB/s (median of 3, 4 GiB)' % gpu_bench.pinned_copy_rate(torch, repeats=3)['pinned'])"
-echo "| memory limit | chunk | readers | GB/s (best of 2) | peak staging MiB |"
-echo "| --- | --- | ---: | ---: | ---: |"
-for setting in "1GiB 16MiB 16" "256MiB 16MiB 16" "128MiB 8MiB 16" "256MiB 8MiB 16" "256MiB 4MiB 16" \
-               "256MiB 8MiB 32" "512MiB 8MiB 16" "128MiB 4MiB 32"; do
+echo "| io | readers | chunk | memory limit | GB/s (3 runs) |"
+echo "| --- | ---: | ---: | ---: | --- |"
+for setting in "pread 16 16MiB 1GiB" "mmap 16 16MiB 1GiB" "pread 16 4MiB 512MiB" "mmap 16 4MiB 512MiB" \
+               "pread 8 2MiB 64MiB" "mmap 8 2MiB 64MiB" "pread 8 4MiB 128MiB" "mmap 8 4MiB 128MiB" \
+               "pread 6 4MiB 96MiB" "mmap 6 4MiB 96MiB" "mmap 12 2MiB 128MiB" "uring 8 4MiB 128MiB"; do
   set -- $setting
-  best=0 staging=0
-  for run in 1 2; do
-    json=$("$cli" load "$checkpoint" --device cuda:0 --gpu-path staged --memory-limit "$1" --chunk-size "$2" \
-      --concurrency "$3" --json --no-progress) || continue
-    read -r gbps peak < <(python3 -c "import json,sys; d=json.loads(sys.argv[1]); print(d['gbps'], d['peak_staging_bytes'] >> 20)" "$json")
-    if python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)" "$gbps" "$best"; then
-      best=$gbps staging=$peak
-    fi
+  runs=""
+  for run in 1 2 3; do
+    json=$("$cli" load "$checkpoint" --raw --device cuda:0 --gpu-path staged --io "$1" --concurrency "$2" \
+      --chunk-size "$3" --memory-limit "$4" --json --no-progress) || { runs+=" failed"; continue; }
+    runs+=" $(python3 -c "import json,sys; d=json.loads(sys.argv[1]); print('%.2f' % d['gbps'])" "$json")"
   done
-  printf '| %s | %s | %s | %.2f | %s |\n' "$1" "$2" "$3" "$best" "$staging"
+  echo "| $1 | $2 | $3 | $4 |$runs |"
 done
-rm -rf "$checkpoint"
+# The default (auto), which takes the warm shape when the page cache holds the checkpoint.
+runs=""
+for run in 1 2 3; do
+  json=$("$cli" load "$checkpoint" --raw --device cuda:0 --json --no-progress) || { runs+=" failed"; continue; }
+  runs+=" $(python3 -c "import json,sys; d=json.loads(sys.argv[1]); print('%.2f' % d['gbps'])" "$json")"
+done
+echo "| auto (default flags) | | | |$runs |"
+[ -d "${1:-}" ] || rm -rf "$checkpoint"
