@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|smallload|update|families|audits|gdn|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|all]...   (default: all)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
@@ -161,6 +161,15 @@ if wants bench; then
   run_gpu_bench "${WS_GPU_BENCH_SECTIONS:-all}"
 elif wants layout; then
   run_gpu_bench baselines,warm,layout,python
+fi
+
+if wants sweep; then
+  # Issue 19: the staged path by its shape (read method, readers, read size, staging) and the
+  # default auto, on the benchmark's kept checkpoint where there is one (bench/staging_sweep.sh).
+  checkpoint=${WS_GPU_BENCH_DIR:-/tmp/ws-gpu-bench}
+  [ -d "$checkpoint" ] || checkpoint=16GiB
+  bench/staging_sweep.sh "$checkpoint" 2>&1 | tee "$out/sweep.md" || status=1
+  summary "sweep: $(grep -c '^| [a-z]' "$out/sweep.md") rows in sweep.md"
 fi
 
 if wants smallload; then
