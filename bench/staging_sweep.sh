@@ -32,7 +32,7 @@ for setting in "pread 16 16MiB 1GiB" "mmap 16 16MiB 1GiB" "pread 16 4MiB 512MiB"
   done
   echo "| $1 | $2 | $3 | $4 |$runs |"
 done
-# The default (auto), which takes the warm shape when the page cache holds the checkpoint.
+# The default (auto), in the same run.
 runs=""
 for run in 1 2 3; do
   json=$("$cli" load "$checkpoint" --raw --device cuda:0 --json --no-progress) || { runs+=" failed"; continue; }
