@@ -9,34 +9,33 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cli=$root/build-gpu/weightstream
+synthesized=0
 if [ -d "${1:-}" ]; then
   checkpoint=$1
 else
+  synthesized=1
   checkpoint=/tmp/ws-staging-sweep
   rm -rf "$checkpoint"
   "$cli" synth "$checkpoint" --arch llama --size "${1:-16GiB}" --shards 8 >/dev/null || exit 1
 fi
 cat "$checkpoint"/*.safetensors >/dev/null  # warm
 python3 -c "import sys; sys.path.insert(0, '$root/bench'); import gpu_bench, torch; print('pinned host-to-device copy: %.2f GB/s (median of 3, 4 GiB)' % gpu_bench.pinned_copy_rate(torch, repeats=3)['pinned'])"
+# Three `load --raw` runs onto cuda:0 with the flags given: their GB/s, space-separated.
+three_runs() {
+  local runs="" json
+  for run in 1 2 3; do
+    json=$("$cli" load "$checkpoint" --raw --device cuda:0 --json --no-progress "$@") || { runs+=" failed"; continue; }
+    runs+=" $(python3 -c "import json,sys; print('%.2f' % json.loads(sys.argv[1])['gbps'])" "$json")"
+  done
+  echo "$runs"
+}
 echo "| io | readers | chunk | memory limit | GB/s (3 runs) |"
 echo "| --- | ---: | ---: | ---: | --- |"
 for setting in "pread 16 16MiB 1GiB" "mmap 16 16MiB 1GiB" "pread 16 4MiB 512MiB" "mmap 16 4MiB 512MiB" \
                "pread 8 2MiB 64MiB" "mmap 8 2MiB 64MiB" "pread 8 4MiB 128MiB" "mmap 8 4MiB 128MiB" \
                "pread 6 4MiB 96MiB" "mmap 6 4MiB 96MiB" "mmap 12 2MiB 128MiB" "uring 8 4MiB 128MiB"; do
   set -- $setting
-  runs=""
-  for run in 1 2 3; do
-    json=$("$cli" load "$checkpoint" --raw --device cuda:0 --gpu-path staged --io "$1" --concurrency "$2" \
-      --chunk-size "$3" --memory-limit "$4" --json --no-progress) || { runs+=" failed"; continue; }
-    runs+=" $(python3 -c "import json,sys; d=json.loads(sys.argv[1]); print('%.2f' % d['gbps'])" "$json")"
-  done
-  echo "| $1 | $2 | $3 | $4 |$runs |"
+  echo "| $1 | $2 | $3 | $4 |$(three_runs --gpu-path staged --io "$1" --concurrency "$2" --chunk-size "$3" --memory-limit "$4") |"
 done
-# The default (auto), in the same run.
-runs=""
-for run in 1 2 3; do
-  json=$("$cli" load "$checkpoint" --raw --device cuda:0 --json --no-progress) || { runs+=" failed"; continue; }
-  runs+=" $(python3 -c "import json,sys; d=json.loads(sys.argv[1]); print('%.2f' % d['gbps'])" "$json")"
-done
-echo "| auto (default flags) | | | |$runs |"
-[ -d "${1:-}" ] || rm -rf "$checkpoint"
+echo "| auto (default flags) | | | |$(three_runs) |"
+[ $synthesized = 0 ] || rm -rf "$checkpoint"  # a kept checkpoint stays
