@@ -144,7 +144,10 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
 /// Streams `requests` into `sink` for a consumer that writes into memory of `device`: for
 /// the host, as stream_tensors() does (pageable staging, direct reads where the sink offers
 /// them); for a GPU, by the path options.gpu_path names:
-///  - staged (kAuto): pinned staging buffers, which the copy engine reads directly;
+///  - staged: pinned staging buffers, which the copy engine reads directly;
+///  - auto: staged; for local shards the page cache holds (probed with RWF_NOWAIT reads of a
+///    few pages each) and buffered reads, in the warm shape: at most 8 readers, reads of at
+///    most 4 MiB and at most 128 MiB of staging, so staging stays in the CPU's cache;
 ///  - mapped: local shards mapped read-only, windows of them registered with CUDA and
 ///    handed to the sink in place (no read(2), no copy into staging); a piece's keepalive
 ///    holds its window's registration, and registered windows stay within

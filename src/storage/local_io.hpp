@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -43,6 +44,12 @@ void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t of
 /// past the end of a file that shrank would raise SIGBUS instead of an error.
 void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
                  std::span<std::byte> destination);
+
+/// The fraction of `samples` pages, spread evenly over the `file_size` bytes of `fd`, that
+/// the page cache holds: each is probed with a one-byte preadv2(RWF_NOWAIT), which fails
+/// rather than wait for the disk. Unlike mincore(2) it needs no mapping and no write
+/// permission. nullopt where the file system cannot answer (no RWF_NOWAIT for it).
+std::optional<double> cached_fraction(int fd, uint64_t file_size, unsigned samples);
 
 /// True when this build can read with io_uring.
 bool uring_available() noexcept;

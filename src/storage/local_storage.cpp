@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -131,6 +132,25 @@ void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint6
   // Advice only: a kernel that refuses it still reads the pages on the faults below.
   ::madvise(const_cast<std::byte*>(mapping + begin), offset + destination.size() - begin, MADV_WILLNEED);
   std::memcpy(destination.data(), mapping + offset, destination.size());
+}
+
+std::optional<double> cached_fraction(int fd, uint64_t file_size, unsigned samples) {
+  if (file_size == 0 || samples == 0) return 1.0;
+  unsigned cached = 0;
+  // From the end backwards: a probe that misses may start readahead after its page, which
+  // must not make the next probe look cached.
+  for (unsigned i = samples; i-- > 0;) {
+    uint64_t offset = samples == 1 ? 0 : (file_size - 1) / (samples - 1) * i;
+    std::byte probe{};
+    iovec vector{&probe, 1};
+    ssize_t got = ::preadv2(fd, &vector, 1, static_cast<off_t>(offset), RWF_NOWAIT);
+    if (got == 1) {
+      ++cached;
+    } else if (got < 0 && errno != EAGAIN) {
+      return std::nullopt;  // EOPNOTSUPP and the like: this file system cannot tell
+    }
+  }
+  return static_cast<double>(cached) / samples;
 }
 
 }  // namespace local_io

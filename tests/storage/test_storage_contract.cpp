@@ -2,14 +2,17 @@
 // same cases run against local files and against S3 (moto's server). A backend passes
 // when it lists, stats and reads as the interface in weightstream/storage.hpp promises,
 // and fails with errors that name the object.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <map>
 #include <thread>
 
+#include "storage/local_io.hpp"
 #include "storage/test_s3_fixture.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
@@ -234,6 +237,28 @@ TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
     EXPECT_EQ(error.code(), ErrorCode::kIo);
     EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
   }
+}
+
+// The probe behind the GPU's warm shape (GpuPath::kAuto): a file just read is in the page
+// cache, one whose pages were dropped is not.
+TEST(LocalCacheProbe, TellsAReadFileFromADroppedOne) {
+  testing::TempDir directory;
+  auto path = (directory / "shard.safetensors").string();
+  testing::write_file(path, testing::pattern_bytes(4 << 20, 3));
+  local_io::FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(static_cast<bool>(file));
+  std::string bytes(4 << 20, '\0');
+  local_io::pread_exact(file.get(), path, 0, std::as_writable_bytes(std::span(bytes.data(), bytes.size())));
+  auto warm = local_io::cached_fraction(file.get(), bytes.size(), 32);
+  if (!warm) GTEST_SKIP() << "this file system does not answer RWF_NOWAIT reads";
+  EXPECT_EQ(*warm, 1.0);
+  ASSERT_EQ(::fdatasync(file.get()), 0);
+  ASSERT_EQ(::posix_fadvise(file.get(), 0, 0, POSIX_FADV_DONTNEED), 0);
+  auto cold = local_io::cached_fraction(file.get(), bytes.size(), 32);
+  ASSERT_TRUE(cold.has_value());
+  if (*cold == 1.0) GTEST_SKIP() << "this file system keeps dropped pages (tmpfs)";
+  EXPECT_LT(*cold, 0.5);
+  EXPECT_EQ(local_io::cached_fraction(file.get(), 0, 32), 1.0);  // nothing to read: nothing missing
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "local_mmap", "s3"),
