@@ -126,6 +126,13 @@ struct StreamStats {
   uint64_t peak_staging_bytes = 0;  ///< most staging memory held at once
   uint64_t shards_read = 0;         ///< distinct shards touched
   double seconds = 0;
+  /// Where the readers' time went, summed over the reader threads of the staged path: in
+  /// storage reads, handing pieces to the sink (for a GPU: issuing their copies), and
+  /// waiting for a free staging buffer. Against readers x seconds, they show what bounds a
+  /// load (bench/staging_sweep.sh prints them).
+  double read_seconds = 0;
+  double deliver_seconds = 0;
+  double staging_wait_seconds = 0;
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
 

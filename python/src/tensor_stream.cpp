@@ -10,6 +10,11 @@
 namespace weightstream::python {
 namespace {
 
+/// Bytes of one batch's copies to the device that may still be landing when the next batch
+/// starts reading: the staging they hold is the most by which staging exceeds the limit
+/// (the stream contract allows 64 MiB).
+constexpr uint64_t kCopiesInFlightBetweenBatches = 64 * kMiB;
+
 /// Half the limit per batch, so that one batch is read while the one before it is consumed.
 uint64_t batch_target_for(const StreamOptions& options) { return std::max<uint64_t>(options.memory_limit / 2, 1); }
 
@@ -58,15 +63,12 @@ struct TensorStream::BatchLandings {
   std::vector<std::atomic<uint32_t>> outstanding;
 };
 
-namespace {
-
 /// The keepalive of one piece's copy to the device: holds the piece's source (a staging
 /// lease or a registered window) and, once the copier drops it after the copy landed, counts
 /// the piece off its tensor.
-class PieceLanding {
+class TensorStream::PieceLanding {
  public:
-  PieceLanding(std::shared_ptr<TensorStream::BatchLandings> landings, size_t request,
-               std::shared_ptr<const void> source)
+  PieceLanding(std::shared_ptr<BatchLandings> landings, size_t request, std::shared_ptr<const void> source)
       : landings_(std::move(landings)), request_(request), source_(std::move(source)) {}
   ~PieceLanding() {
     source_.reset();  // the staging buffer goes back to its pool first
@@ -76,12 +78,10 @@ class PieceLanding {
   PieceLanding& operator=(const PieceLanding&) = delete;
 
  private:
-  std::shared_ptr<TensorStream::BatchLandings> landings_;
+  std::shared_ptr<BatchLandings> landings_;
   size_t request_;
   std::shared_ptr<const void> source_;
 };
-
-}  // namespace
 
 /// Receives the pieces of one batch. Host tensors are read straight into their own buffers;
 /// for a GPU, each piece is copied asynchronously into its tensor's device buffer by the
@@ -116,10 +116,12 @@ class TensorStream::BatchSink final : public TensorSink {
 
   void request_complete(size_t request) override { landings_->release(request); }
 
-  /// The batch's copies land before the next batch starts: its staging goes back first, so
-  /// staging never exceeds one batch's limit.
+  /// The next batch starts while the last copies of this one are still landing, so the copy
+  /// engine never waits for a batch's reads to start: this returns once at most
+  /// kCopiesInFlightBetweenBatches are left (their staging is all that outlives the batch).
+  /// Synchronizing here instead cost a drain and refill of the whole pipeline per batch.
   void finish() override {
-    if (stream_.copier_) stream_.copier_->synchronize();
+    if (stream_.copier_) stream_.copier_->wait_until_in_flight_at_most(kCopiesInFlightBetweenBatches);
   }
 
  private:

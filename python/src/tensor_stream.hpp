@@ -36,7 +36,8 @@ struct StreamedTensor {
 /// largest tensor) at once. The host path reads straight into them; a GPU stream reads by
 /// the device path of stream_tensors_for_device() (options.gpu_path: pinned staging within
 /// the limit, or registered windows of mapped shards) and copies each piece asynchronously,
-/// as a load does. Dropping or cancelling the stream stops the readers at their next piece
+/// as a load does; a batch starts reading while the previous one's last copies (at most
+/// 64 MiB) are still landing. Dropping or cancelling the stream stops the readers at their next piece
 /// and joins the thread.
 class TensorStream {
  public:
@@ -70,12 +71,10 @@ class TensorStream {
     StreamedTensor tensor;
     bool complete = false;
   };
+  struct BatchLandings;  // per-tensor counts of a batch's copies still in flight
+  class PieceLanding;    // one piece's copy: counts it off its tensor once landed
   class BatchSink;
 
- public:
-  struct BatchLandings;  // per-tensor counts of a batch's copies still in flight
-
- private:
   void run() noexcept;
   void stream_batch(size_t first, size_t last);
   /// The tensor at position `position` of order_ has landed whole.

@@ -25,7 +25,10 @@ nlohmann::json stream_stats_json(const StreamStats& stats) {
           {"shards_read", stats.shards_read},
           {"seconds", stats.seconds},
           {"gbps", stats.gbps()},
-          {"peak_staging_bytes", stats.peak_staging_bytes}};
+          {"peak_staging_bytes", stats.peak_staging_bytes},
+          {"read_seconds", stats.read_seconds},
+          {"deliver_seconds", stats.deliver_seconds},
+          {"staging_wait_seconds", stats.staging_wait_seconds}};
 }
 
 void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device) {

@@ -177,6 +177,9 @@ StreamStats split_stream(const Checkpoint& checkpoint, std::span<const TensorReq
     stats.bytes_read += part->bytes_read;
     stats.reads += part->reads;
     stats.peak_staging_bytes += part->peak_staging_bytes;
+    stats.read_seconds += part->read_seconds;
+    stats.deliver_seconds += part->deliver_seconds;
+    stats.staging_wait_seconds += part->staging_wait_seconds;
   }
   std::set<uint32_t> shards;
   for (const TensorRequest& request : requests) shards.insert(checkpoint.tensors()[request.tensor].shard);

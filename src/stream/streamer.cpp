@@ -16,6 +16,9 @@
 namespace weightstream {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+
 /// Part of a read that belongs to one request.
 struct Delivery {
   size_t request;
@@ -131,7 +134,9 @@ class StreamRun {
           if (lease.data) break;
           reserved = pool_->try_reserve();
           if (reserved) break;
+          auto waited_from = Clock::now();
           wakeup_.wait(lock);
+          staging_wait_.add_since(waited_from);
         }
         read_index = next_read_++;
       }
@@ -178,6 +183,10 @@ class StreamRun {
     return error_;
   }
 
+  double read_seconds() const { return reading_.seconds(); }
+  double deliver_seconds() const { return delivering_.seconds(); }
+  double staging_wait_seconds() const { return staging_wait_.seconds(); }
+
   uint64_t delivered() const { return delivered_.load(std::memory_order_relaxed); }
   uint64_t completed() const { return completed_.load(std::memory_order_relaxed); }
 
@@ -195,7 +204,11 @@ class StreamRun {
   void execute(const PlannedRead& read, const StagingPool::Lease& lease) {
     std::byte* target = read.direct ? read.direct : lease.data;
     const auto& shard = checkpoint_.shards()[read.shard];
+    auto read_from = Clock::now();
     checkpoint_.storage().read(shard.name, read.offset, std::span(target, read.length));
+    reading_.add_since(read_from);
+    auto deliver_from = Clock::now();
+    ReaderTime::AddOnExit delivering{delivering_, deliver_from};
     for (const auto& delivery : read.deliveries) {
       TensorPiece piece;
       piece.request = delivery.request;
@@ -230,6 +243,25 @@ class StreamRun {
     progress_wakeup_.notify_all();
   }
 
+  /// Time summed over the reader threads, for StreamStats.
+  class ReaderTime {
+   public:
+    void add_since(Clock::time_point from) {
+      nanoseconds_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - from).count(),
+                             std::memory_order_relaxed);
+    }
+    double seconds() const { return static_cast<double>(nanoseconds_.load(std::memory_order_relaxed)) * 1e-9; }
+    /// Adds the time from `from` to its destruction (however the scope is left).
+    struct AddOnExit {
+      ReaderTime& time;
+      Clock::time_point from;
+      ~AddOnExit() { time.add_since(from); }
+    };
+
+   private:
+    std::atomic<int64_t> nanoseconds_{0};
+  };
+
   struct WakeState {
     std::mutex mutex;
     std::condition_variable condition;
@@ -248,6 +280,9 @@ class StreamRun {
   std::condition_variable& wakeup_ = wake_->condition;
   size_t next_read_ = 0;
   std::exception_ptr error_;
+  ReaderTime reading_;
+  ReaderTime delivering_;
+  ReaderTime staging_wait_;
   std::atomic<uint64_t> delivered_{0};
   std::atomic<uint64_t> completed_{0};
   uint64_t total_ = 0;
@@ -328,6 +363,9 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
               "stream delivered " + std::to_string(run.delivered()) + " of " + std::to_string(total) + " bytes");
     stats.tensors = run.completed();
     stats.bytes = run.delivered();
+    stats.read_seconds = run.read_seconds();
+    stats.deliver_seconds = run.deliver_seconds();
+    stats.staging_wait_seconds = run.staging_wait_seconds();
   }
   sink.finish();
   if (progress) progress(total, total);

@@ -71,7 +71,12 @@ TEST_F(CliCheckpoint, LoadReportsTheDocumentedFields) {
     auto result = run_cli({"load", model(), "--json", "--io", io, "--memory-limit", "1MiB", "--concurrency", "4"});
     ASSERT_EQ(result.exit_code, 0) << result.err;
     auto json = nlohmann::json::parse(result.out);
-    for (auto field : {"tensors", "bytes", "seconds", "gbps", "peak_staging_bytes"}) EXPECT_TRUE(json.contains(field)) << field;
+    for (auto field : {"tensors", "bytes", "seconds", "gbps", "peak_staging_bytes", "read_seconds", "deliver_seconds",
+                       "staging_wait_seconds"}) {
+      EXPECT_TRUE(json.contains(field)) << field;
+    }
+    EXPECT_GT(json["read_seconds"].get<double>(), 0.0);
+    EXPECT_LE(json["staging_wait_seconds"].get<double>(), 4 * json["seconds"].get<double>() + 1e-3);
     auto inspect = nlohmann::json::parse(run_cli({"inspect", model(), "--json"}).out);
     EXPECT_EQ(json["tensors"], inspect["tensor_count"]);
     EXPECT_EQ(json["bytes"], inspect["bytes"]);

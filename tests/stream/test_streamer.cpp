@@ -52,6 +52,12 @@ TEST_P(StreamExactlyOnce, EveryByteOnceInBoundedMemory) {
   EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
   EXPECT_LE(stats.peak_staging_bytes, param.memory_limit);
   if (param.direct) EXPECT_EQ(stats.peak_staging_bytes, 0u);
+  // The readers' time: some in reads, and no more in all three than the readers had.
+  EXPECT_GT(stats.read_seconds, 0.0);
+  EXPECT_GE(stats.deliver_seconds, 0.0);
+  EXPECT_GE(stats.staging_wait_seconds, 0.0);
+  EXPECT_LE(stats.read_seconds + stats.deliver_seconds + stats.staging_wait_seconds,
+            param.concurrency * stats.seconds * 1.01 + 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configurations, StreamExactlyOnce,
