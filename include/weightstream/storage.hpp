@@ -57,6 +57,9 @@ class Storage {
   virtual unsigned preferred_concurrency() const { return 16; }
   /// Local path of an object when the backend is the local file system, else empty.
   virtual std::string local_path(std::string_view /*name*/) const { return {}; }
+  /// The same objects read by the local read method `io` (a storage of its own, with its
+  /// own descriptors and mappings), or null where reads are not local (S3).
+  virtual std::unique_ptr<Storage> with_local_io(LocalIo /*io*/) const { return nullptr; }
 };
 
 /// Opens the storage root that `uri` names. For a URI that names a single object the

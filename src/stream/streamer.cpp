@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "stream/staging_pool.hpp"
+#include "stream/streamer.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
 
@@ -99,9 +100,9 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
 /// State shared by the reader threads of one stream.
 class StreamRun {
  public:
-  StreamRun(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
+  StreamRun(Storage& storage, const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
             std::vector<PlannedRead> reads, std::shared_ptr<StagingPool> pool, unsigned workers)
-      : checkpoint_(checkpoint), requests_(requests), sink_(sink), reads_(std::move(reads)), pool_(std::move(pool)),
+      : storage_(storage), checkpoint_(checkpoint), requests_(requests), sink_(sink), reads_(std::move(reads)), pool_(std::move(pool)),
         ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0),
         workers_running_(workers) {
     for (const auto& read : reads_) {
@@ -205,7 +206,7 @@ class StreamRun {
     std::byte* target = read.direct ? read.direct : lease.data;
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
-    checkpoint_.storage().read(shard.name, read.offset, std::span(target, read.length));
+    storage_.read(shard.name, read.offset, std::span(target, read.length));
     reading_.add_since(read_from);
     auto deliver_from = Clock::now();
     ReaderTime::AddOnExit delivering{delivering_, deliver_from};
@@ -267,6 +268,7 @@ class StreamRun {
     std::condition_variable condition;
   };
 
+  Storage& storage_;
   const Checkpoint& checkpoint_;
   std::span<const TensorRequest> requests_;
   TensorSink& sink_;
@@ -301,6 +303,13 @@ std::vector<TensorRequest> all_tensors(const Checkpoint& checkpoint) {
 
 StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
                            const StreamOptions& options, const ProgressCallback& progress, HostMemory staging) {
+  return stream_tensors_through(checkpoint.storage(), checkpoint, requests, sink, options, progress, staging);
+}
+
+StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoint,
+                                   std::span<const TensorRequest> requests, TensorSink& sink,
+                                   const StreamOptions& options, const ProgressCallback& progress,
+                                   HostMemory staging) {
   auto start = std::chrono::steady_clock::now();
   check_stream_options(options);
   uint64_t chunk = effective_chunk(options);
@@ -325,7 +334,7 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
   auto pool = StagingPool::create(chunk, max_buffers, staging);
   unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
   {
-    StreamRun run(checkpoint, requests, sink, std::move(reads), pool, thread_count);
+    StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
     run.complete_empty_requests();
     {
       std::vector<std::jthread> threads;

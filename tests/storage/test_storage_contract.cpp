@@ -220,6 +220,21 @@ TEST_P(StorageContract, ReadObjectReadsSmallFilesAndRefusesLargeOnes) {
 
 // --io mmap copies out of a mapping: a file that shrinks after it was mapped must fail the
 // read with an error naming the file, not kill the process with SIGBUS.
+// The device path reads a warm checkpoint through a mapping, whatever it was opened with.
+TEST_P(StorageContract, ReopensWithAnotherLocalReadMethodOrSaysItCannot) {
+  auto mapped = storage_->with_local_io(LocalIo::kMmap);
+  if (GetParam() == "s3") {
+    EXPECT_EQ(mapped, nullptr);
+    return;
+  }
+  ASSERT_NE(mapped, nullptr);
+  EXPECT_EQ(mapped->root_uri(), storage_->root_uri());
+  std::string bytes(large_.size() - 5, '\0');
+  mapped->read("model-00001-of-00002.safetensors", 5, std::as_writable_bytes(std::span(bytes.data(), bytes.size())));
+  EXPECT_EQ(bytes, large_.substr(5));
+  EXPECT_EQ(read("small.bin", 17, 100), small_.substr(17, 100));  // the original still reads
+}
+
 TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
   testing::TempDir directory;
   auto bytes = testing::pattern_bytes(3 * 65536, 7);
