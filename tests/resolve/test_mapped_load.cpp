@@ -2,7 +2,7 @@
 // views of a private mapping of their shard (seen in /proc/self/maps), misaligned ones load
 // through the arena, a write into a loaded tensor reaches neither the file nor another load,
 // the mapping lives as long as a copy of LoadedCheckpoint::mappings, and a shard whose size
-// changed since the checkpoint was opened is refused by name.
+// changed since the checkpoint was opened is refused by name; shards on S3 load into the arena.
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "storage/test_s3_fixture.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
@@ -220,6 +221,28 @@ TEST(MappedHostLoad, AShardWhoseSizeChangedSinceOpenIsRefusedByName) {
     EXPECT_THAT(error.what(), HasSubstr(std::to_string(recorded)));
     EXPECT_THAT(error.what(), HasSubstr(std::to_string(recorded - 8)));
     EXPECT_THAT(error.what(), HasSubstr("changed since it was opened"));
+  }
+}
+
+TEST(MappedHostLoad, ShardsOnObjectStorageLoadIntoTheArena) {
+  WS_REQUIRE_S3_SERVER();
+  MappedCheckpoint disk;
+  Options options;
+  options.s3 = testing::s3_test_options(*testing::s3_test_endpoint());
+  std::string bucket = testing::unique_bucket("mapped-load");
+  s3::S3Client client(options.s3);
+  client.create_bucket(bucket);
+  for (uint32_t shard = 0; shard < 2; ++shard) {
+    client.put_object(bucket, "model/" + disk.checkpoint.shards()[shard].name, testing::read_file(disk.shard_path(shard)));
+  }
+  Checkpoint remote = Checkpoint::open("s3://" + bucket + "/model", options);
+  LoadedCheckpoint loaded = load_checkpoint(remote, Device{}, mmap_io());
+  EXPECT_EQ(loaded.mappings, nullptr);
+  EXPECT_EQ(loaded.stats.bytes, remote.tensor_bytes());
+  for (const LoadedTensor& tensor : loaded.tensors) {
+    const CheckpointTensor& info = remote.tensors()[tensor.tensor];
+    EXPECT_FALSE(tensor.in_place) << info.name;
+    EXPECT_EQ(loaded_bytes(tensor), disk.file_bytes(disk.checkpoint.tensors()[*disk.checkpoint.find(info.name)])) << info.name;
   }
 }
 
