@@ -7,6 +7,7 @@
 /// the same path with the identity layout (one parameter per checkpoint tensor).
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -75,21 +76,38 @@ ModelLayout identity_layout(const Checkpoint& checkpoint);
 /// One tensor loaded into memory.
 struct LoadedTensor {
   size_t tensor = 0;          ///< index into Checkpoint::tensors()
-  std::byte* data = nullptr;  ///< host or device address
+  std::byte* data = nullptr;  ///< host or device address, writable
   uint64_t bytes = 0;
+  /// True when `data` points into a copy-on-write mapping of the tensor's shard (a host load
+  /// with LocalIo::kMmap), false when it lies in the arena.
+  bool in_place = false;
 };
 
-/// The result of load_checkpoint: every tensor in one arena on the device, owned by the
-/// identity layout.
+/// The result of load_checkpoint.
 struct LoadedCheckpoint {
+  /// The identity layout of the tensors in the arena, which it owns; the tensors taken in
+  /// place are skipped tensors of it.
   ModelLayout layout;
   std::vector<LoadedTensor> tensors;  ///< parallel to Checkpoint::tensors()
-  StreamStats stats;                  ///< seconds from allocation to the last byte landed
+  /// Keeps the copy-on-write mappings that in-place tensors point into (null when there are
+  /// none); they are unmapped with the last copy of it, so a holder of tensors past this
+  /// result keeps a copy.
+  std::shared_ptr<const void> mappings;
+  StreamStats stats;  ///< the whole load, in place and arena: seconds from the start to the last byte landed
 };
 
-/// Loads every tensor of `checkpoint` into one arena on `device`: the identity layout,
-/// allocated there, loaded cold through a LoadSession. Throws Error naming the tensor, the
-/// source and the cause.
+/// Loads every tensor of `checkpoint` onto `device`. Into one arena (the identity layout,
+/// allocated there, loaded cold through a LoadSession), except for a host load with
+/// options.local_io == LocalIo::kMmap: each local shard is then mapped once, privately and
+/// populated (MAP_PRIVATE | MAP_POPULATE, read-only, then made writable), and every tensor
+/// of it whose offset is a multiple of its element size is handed out in place, a
+/// copy-on-write view of the page cache: writing into it copies the pages written, never
+/// reaches the file or another load. A shard rewritten in place (truncated or overwritten)
+/// while such tensors live changes them or makes touching them raise SIGBUS. The other
+/// tensors (misaligned ones, those of object storage) load into the arena as above, so every
+/// byte is delivered once. Throws Error naming the tensor, the source and the cause, and
+/// Error(kIo) naming the shard and both sizes when a shard to be mapped is no longer the
+/// size it had when the checkpoint was opened.
 LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
                                  const ProgressCallback& progress = {});
 

@@ -26,7 +26,14 @@ enum class LocalIo {
   kPread,   ///< buffered pread(2) through the page cache
   kDirect,  ///< O_DIRECT with aligned buffers, bypassing the page cache
   kUring,   ///< io_uring (liburing) submissions of buffered reads
-  kMmap,    ///< memcpy out of a read-only mapping of the file (page cache, no read(2) per chunk)
+  /// Streams copy out of a read-only mapping of the file (page cache, no read(2) per chunk).
+  /// A host load (load_checkpoint onto the CPU) takes its tensors in place instead: they
+  /// are copy-on-write views of the page cache (a private mapping of each shard, near-instant
+  /// when the cache is warm; a write copies only the pages written and never reaches the
+  /// file). A shard rewritten in place (truncated or overwritten, e.g. save_file over the
+  /// same path) while those tensors live changes them or makes touching them raise SIGBUS:
+  /// write a new checkpoint to a new file and rename it over the old one.
+  kMmap,
 };
 
 /// How bytes reach a CUDA device.
@@ -49,7 +56,7 @@ struct StreamOptions {
   /// Largest single read in bytes, at least kMinStagingBytes; large tensors are split into
   /// reads of this size, neighbouring small ones merged up to it. WEIGHTSTREAM_CHUNK_SIZE.
   uint64_t chunk_bytes = 16 * kMiB;
-  /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring.
+  /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring | mmap.
   LocalIo local_io = LocalIo::kPread;
   /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped | both.
   GpuPath gpu_path = GpuPath::kAuto;

@@ -131,7 +131,8 @@ class Checkpoint:
         return TensorIterator(self, _core.TensorStream(self._core, device, options, selection), framework, count)
 
     def load(self, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> Dict[str, Any]:
-        """Loads every tensor into one arena on ``device``; see weightstream.load()."""
+        """Loads every tensor into one arena on ``device`` (on the CPU with io="mmap", views
+        of the page cache); see weightstream.load()."""
         check_framework(framework)
         loaded = self._core.load(device, options)
         return {name: present(array, info.dtype, info.shape, framework)
@@ -256,7 +257,10 @@ def stream(uri: str, device: str = "cpu", framework: Optional[str] = None, **opt
 def load(uri: str, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> Dict[str, Any]:
     """Loads every tensor of the checkpoint at ``uri`` into one arena on ``device`` and
     returns a dict of name to tensor, in file order. The arena is freed when the last
-    tensor (or anything viewing it) is gone. Tensors are as stream() describes.
+    tensor (or anything viewing it) is gone. Tensors are as stream() describes. With
+    ``device="cpu"`` and ``io="mmap"`` the aligned tensors of local shards are copy-on-write
+    views of the page cache instead (no copy; docs/PYTHON.md says what rewriting a shard in
+    place does to them).
     """
     return Checkpoint(uri, **options).load(device=device, framework=framework)
 

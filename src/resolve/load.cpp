@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
 
@@ -73,6 +74,92 @@ class SessionSink final : public TensorSink {
   LoadSession& session_;
   std::vector<TensorShape> shapes_;  // parallel to plan_.reads
 };
+
+/// The identity layout of the tensors not marked in `skipped` (parallel to the checkpoint's
+/// tensors, or empty: none skipped); each skipped tensor is declared skipped with `reason`.
+ModelLayout identity_layout_without(const Checkpoint& checkpoint, const std::vector<bool>& skipped,
+                                    const std::string& reason) {
+  ModelLayout layout;
+  layout.set_description("identity layout of " + checkpoint.uri());
+  const auto& tensors = checkpoint.tensors();
+  for (size_t index = 0; index < tensors.size(); ++index) {
+    const CheckpointTensor& tensor = tensors[index];
+    if (!skipped.empty() && skipped[index]) {
+      layout.add_skipped_tensor(tensor.name, reason);
+      continue;
+    }
+    TensorShape shape = session_shape(tensor);
+    std::vector<int64_t> dimensions = shape.bytes_shape.empty() ? tensor.shape : shape.bytes_shape;
+    Parameter parameter;
+    parameter.name = tensor.name;
+    parameter.dtype = shape.dtype;
+    parameter.load_dtype = shape.dtype;
+    parameter.shape = dimensions;
+    ParameterPart part;
+    part.tensor = tensor.name;
+    part.shape = dimensions;
+    part.rows = part.tensor_rows();
+    part.columns = part.tensor_columns();
+    part.rule = "identity";
+    parameter.parts.push_back(std::move(part));
+    layout.add_parameter(std::move(parameter));
+  }
+  return layout;
+}
+
+/// The tensors of a host load with --io mmap that are handed out in place, as addresses in a
+/// private copy-on-write mapping of their shard (local_io::MappingKind::kPrivateWritable):
+/// the page cache's pages, no copy, and no fresh page to zero. The mappings are the load's
+/// own, never the storage's read mapping, so a write into a loaded tensor reaches no later
+/// read of the checkpoint.
+struct InPlaceTensors {
+  std::vector<bool> taken;                     ///< parallel to Checkpoint::tensors()
+  std::vector<local_io::FileMapping> mappings;  ///< parallel to Checkpoint::shards(); unmapped where unused
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  uint64_t shards_mapped = 0;
+};
+
+constexpr const char* kInPlaceReason = "taken in place from a copy-on-write mapping of its shard (--io mmap)";
+
+/// Whether a tensor of a local shard can be handed out in place: it has bytes, and its
+/// offset in the file (so its address, the mapping being page-aligned) is a multiple of its
+/// element size (a whole byte for sub-byte dtypes, which load as bytes). The others go to
+/// the arena.
+bool in_place_candidate(const CheckpointTensor& tensor) {
+  uint64_t element_bytes = std::max<uint64_t>(dtype_bits(tensor.dtype) / 8, 1);
+  return tensor.bytes > 0 && tensor.offset % element_bytes == 0;
+}
+
+/// Picks the tensors taken in place and maps each shard holding one, once. `progress` is
+/// told after each shard, over `total` bytes (the whole load). Throws Error(kIo) naming the
+/// shard when it cannot be mapped or its size is no longer the one recorded at open.
+InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, const ProgressCallback& progress) {
+  const auto& tensors = checkpoint.tensors();
+  const auto& shards = checkpoint.shards();
+  InPlaceTensors in_place;
+  in_place.taken.assign(tensors.size(), false);
+  in_place.mappings.resize(shards.size());
+  std::vector<std::string> paths(shards.size());
+  for (size_t s = 0; s < shards.size(); ++s) paths[s] = checkpoint.storage().local_path(shards[s].name);
+  std::vector<uint64_t> shard_bytes(shards.size(), 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (paths[tensors[i].shard].empty() || !in_place_candidate(tensors[i])) continue;
+    in_place.taken[i] = true;
+    ++in_place.tensors;
+    shard_bytes[tensors[i].shard] += tensors[i].bytes;
+  }
+  uint64_t mapped = 0;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    if (shard_bytes[s] == 0) continue;
+    in_place.mappings[s] = local_io::FileMapping::open(paths[s], shards[s].size, local_io::MappingKind::kPrivateWritable);
+    ++in_place.shards_mapped;
+    mapped += shard_bytes[s];
+    if (progress) progress(mapped, total);
+  }
+  in_place.bytes = mapped;
+  return in_place;
+}
 
 std::string join(const std::vector<std::string>& items, size_t limit) {
   std::string text;
@@ -175,28 +262,7 @@ LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMo
   return result;
 }
 
-ModelLayout identity_layout(const Checkpoint& checkpoint) {
-  ModelLayout layout;
-  layout.set_description("identity layout of " + checkpoint.uri());
-  for (const CheckpointTensor& tensor : checkpoint.tensors()) {
-    TensorShape shape = session_shape(tensor);
-    std::vector<int64_t> dimensions = shape.bytes_shape.empty() ? tensor.shape : shape.bytes_shape;
-    Parameter parameter;
-    parameter.name = tensor.name;
-    parameter.dtype = shape.dtype;
-    parameter.load_dtype = shape.dtype;
-    parameter.shape = dimensions;
-    ParameterPart part;
-    part.tensor = tensor.name;
-    part.shape = dimensions;
-    part.rows = part.tensor_rows();
-    part.columns = part.tensor_columns();
-    part.rule = "identity";
-    parameter.parts.push_back(std::move(part));
-    layout.add_parameter(std::move(parameter));
-  }
-  return layout;
-}
+ModelLayout identity_layout(const Checkpoint& checkpoint) { return identity_layout_without(checkpoint, {}, {}); }
 
 LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
                                  const ProgressCallback& progress) {
@@ -204,18 +270,53 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   // Timed from here: allocating the arena is part of the load; creating the CUDA context
   // (in require_device) is not, as a caller that loads onto a GPU has one already.
   auto start = Clock::now();
+  const auto& tensors = checkpoint.tensors();
+  uint64_t total = 0;
+  std::vector<bool> shard_touched(checkpoint.shards().size(), false);
+  for (const CheckpointTensor& tensor : tensors) {
+    total += tensor.bytes;
+    if (tensor.bytes > 0) shard_touched[tensor.shard] = true;
+  }
+  InPlaceTensors in_place;
+  if (!device.is_cuda() && options.local_io == LocalIo::kMmap) in_place = map_in_place(checkpoint, total, progress);
+
+  // Everything not taken in place goes through the one load path, into an arena.
   LoadedCheckpoint loaded;
-  loaded.layout = identity_layout(checkpoint);
+  loaded.layout = identity_layout_without(checkpoint, in_place.taken, kInPlaceReason);
   try {
     loaded.layout.allocate(device);
   } catch (const Error& error) {
-    WS_FAIL(error.code(), "cannot load " + checkpoint.uri() + " (" + std::to_string(checkpoint.tensors().size()) +
-                              " tensors) onto " + device.name() + ": " + error.what());
+    WS_FAIL(error.code(), "cannot load " + checkpoint.uri() + " (" + std::to_string(tensors.size()) + " tensors) onto " +
+                              device.name() + ": " + error.what());
   }
-  loaded.stats = load_layout(loaded.layout, checkpoint, LoadMode::kCold, options, progress).stream;
-  const auto& tensors = checkpoint.tensors();
+  ProgressCallback arena_progress = progress;
+  if (progress && in_place.bytes > 0) {
+    arena_progress = [&progress, done_before = in_place.bytes](uint64_t done, uint64_t arena_total) {
+      progress(done_before + done, done_before + arena_total);
+    };
+  }
+  loaded.stats = load_layout(loaded.layout, checkpoint, LoadMode::kCold, options, arena_progress).stream;
+
   loaded.tensors.resize(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) loaded.tensors[i] = {i, loaded.layout.parameters()[i].data, tensors[i].bytes};
+  size_t parameter = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!in_place.taken.empty() && in_place.taken[i]) {
+      std::byte* data = in_place.mappings[tensors[i].shard].writable_data() + tensors[i].offset;
+      loaded.tensors[i] = {i, data, tensors[i].bytes, true};
+    } else {
+      loaded.tensors[i] = {i, loaded.layout.parameters()[parameter++].data, tensors[i].bytes, false};
+    }
+  }
+  if (in_place.shards_mapped > 0) {
+    loaded.mappings = std::make_shared<const std::vector<local_io::FileMapping>>(std::move(in_place.mappings));
+    // The counters cover the whole load: the mapped tensors were delivered (and read, by
+    // the populating mmap of each shard) without staging.
+    loaded.stats.tensors += in_place.tensors;
+    loaded.stats.bytes += in_place.bytes;
+    loaded.stats.bytes_read += in_place.bytes;
+    loaded.stats.reads += in_place.shards_mapped;
+    loaded.stats.shards_read = static_cast<uint64_t>(std::count(shard_touched.begin(), shard_touched.end(), true));
+  }
   loaded.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return loaded;
 }

@@ -29,6 +29,56 @@ class FileDescriptor {
   int fd_ = -1;
 };
 
+/// The size of a memory page (sysconf(_SC_PAGESIZE)), read once.
+uint64_t page_size() noexcept;
+
+/// How a FileMapping maps its file.
+enum class MappingKind {
+  /// PROT_READ, MAP_SHARED: the page cache itself, read-only.
+  kSharedRead,
+  /// A copy-on-write view: mapped MAP_PRIVATE read-only with MAP_POPULATE (the page cache's
+  /// pages, no copy), then made writable with mprotect. A write copies that one page into
+  /// memory of this process; the file and other mappings of it never see it. (Mapping it
+  /// writable up front would make MAP_POPULATE copy every page.) Pages nobody wrote still
+  /// show what the file holds, so a file rewritten in place changes them, and one truncated
+  /// makes touching them raise SIGBUS.
+  kPrivateWritable,
+};
+
+/// A whole file mapped into memory, unmapped on destruction. Move-only.
+class FileMapping {
+ public:
+  FileMapping() = default;
+  /// Maps the `size` bytes of the open file `fd`; the caller keeps `fd` (the mapping does
+  /// not need it afterwards). `path` names the file in errors. Throws Error(kIo) naming the
+  /// file, the size and errno when mmap or mprotect fails.
+  FileMapping(int fd, uint64_t size, std::string path, MappingKind kind);
+  /// Opens `path` read-only, checks with fstat that it is still `expected_size` bytes (the
+  /// size the checkpoint recorded when it was opened), maps it and closes the descriptor
+  /// (the mapping keeps the file). Throws Error(kNotFound) or Error(kIo) naming the file,
+  /// and Error(kIo) naming both sizes when the file changed size.
+  static FileMapping open(const std::string& path, uint64_t expected_size, MappingKind kind);
+
+  FileMapping(FileMapping&& other) noexcept;
+  FileMapping& operator=(FileMapping&& other) noexcept;
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping();
+
+  /// The first byte of the file; null for an empty file or a default-constructed mapping.
+  const std::byte* data() const noexcept { return data_; }
+  /// The same address, writable: only a kPrivateWritable mapping may be written through it.
+  std::byte* writable_data() const noexcept { return kind_ == MappingKind::kPrivateWritable ? data_ : nullptr; }
+  uint64_t size() const noexcept { return size_; }
+  const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+  MappingKind kind_ = MappingKind::kSharedRead;
+  std::string path_;
+};
+
 /// Reads exactly destination.size() bytes at `offset` with pread(2), retrying on EINTR and
 /// short reads. `uri` names the file in errors. `file_size` bounds the read.
 void pread_exact(int fd, const std::string& uri, uint64_t offset, std::span<std::byte> destination);

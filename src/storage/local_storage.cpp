@@ -126,7 +126,7 @@ void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t of
 
 void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
                  std::span<std::byte> destination) {
-  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t page = page_size();
   struct stat info {};
   WS_EXPECT(::fstat(fd, &info) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
   WS_EXPECT(offset + destination.size() <= static_cast<uint64_t>(info.st_size), ErrorCode::kIo,
@@ -235,41 +235,10 @@ class LocalStorage final : public Storage {
   }
 
  private:
-  /// A read-only shared mapping of a whole file, unmapped on destruction.
-  class FileMapping {
-   public:
-    FileMapping() = default;
-    FileMapping(int fd, uint64_t size, const std::string& path) : size_(size) {
-      if (size == 0) return;
-      void* data = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-      WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
-                "cannot map " + std::to_string(size) + " bytes of " + path + ": " + detail::errno_text(errno) +
-                    " (use --io pread)");
-      data_ = static_cast<const std::byte*>(data);
-    }
-    FileMapping(FileMapping&& other) noexcept
-        : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
-    FileMapping& operator=(FileMapping&& other) noexcept {
-      std::swap(data_, other.data_);
-      std::swap(size_, other.size_);
-      return *this;
-    }
-    FileMapping(const FileMapping&) = delete;
-    FileMapping& operator=(const FileMapping&) = delete;
-    ~FileMapping() {
-      if (data_) ::munmap(const_cast<std::byte*>(data_), size_);
-    }
-    const std::byte* data() const noexcept { return data_; }
-
-   private:
-    const std::byte* data_ = nullptr;
-    uint64_t size_ = 0;
-  };
-
   struct OpenFile {
     FileDescriptor buffered;
     FileDescriptor direct;
-    FileMapping mapping;  // --io mmap
+    local_io::FileMapping mapping;  // --io mmap
     uint64_t size = 0;
   };
 
@@ -317,7 +286,13 @@ class LocalStorage final : public Storage {
                 "cannot open " + path + " with O_DIRECT: " + detail::errno_text(errno) +
                     " (the file system may not support it; use --io pread)");
     }
-    if (io_ == LocalIo::kMmap) file.mapping = FileMapping(file.buffered.get(), file.size, path);
+    if (io_ == LocalIo::kMmap) {
+      try {
+        file.mapping = local_io::FileMapping(file.buffered.get(), file.size, path, local_io::MappingKind::kSharedRead);
+      } catch (const Error& error) {
+        WS_FAIL(error.code(), std::string(error.what()) + " (use --io pread)");
+      }
+    }
     std::unique_lock lock(mutex_);
     return files_.try_emplace(std::string(name), std::move(file)).first->second;
   }

@@ -8,7 +8,6 @@
 // register windows in parallel, so those reads overlap.
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,7 +20,6 @@
 #include <thread>
 
 #include "weightstream/error.hpp"
-#include "base/errno_text.hpp"
 #include "storage/local_io.hpp"
 #include "stream/split_stream.hpp"
 #include "stream/streamer.hpp"
@@ -38,60 +36,12 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-uint64_t page_size() {
-  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  return page;
-}
+using local_io::page_size;
 
 /// Rethrows `error` with `context` in front of its message, keeping its code.
 [[noreturn]] void rethrow_with_context(const Error& error, const std::string& context) {
   WS_FAIL(error.code(), context + ": " + error.what());
 }
-
-/// A whole file mapped read-only. Unmapped on destruction.
-class MappedFile {
- public:
-  MappedFile(const std::string& path, uint64_t expected_size) : path_(path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    WS_EXPECT(fd >= 0, errno == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIo,
-              "cannot open " + path + " to map it: " + detail::errno_text(errno));
-    struct stat status {};
-    if (::fstat(fd, &status) != 0) {
-      int error = errno;
-      ::close(fd);
-      WS_FAIL(ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(error));
-    }
-    size_ = static_cast<uint64_t>(status.st_size);
-    if (size_ != expected_size) {
-      ::close(fd);
-      WS_FAIL(ErrorCode::kIo, path + " is " + std::to_string(size_) + " bytes, not the " +
-                                  std::to_string(expected_size) + " it had when the checkpoint was opened (changed while loading?)");
-    }
-    if (size_ > 0) {
-      void* data = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-      int error = errno;
-      ::close(fd);  // the mapping keeps the file
-      WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
-                "cannot map " + std::to_string(size_) + " bytes of " + path + ": " + detail::errno_text(error));
-      data_ = static_cast<const std::byte*>(data);
-    } else {
-      ::close(fd);
-    }
-  }
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<std::byte*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-
-  const std::byte* data() const noexcept { return data_; }
-  const std::string& path() const noexcept { return path_; }
-
- private:
-  std::string path_;
-  const std::byte* data_ = nullptr;
-  uint64_t size_ = 0;
-};
 
 /// Part of one request inside one window.
 struct WindowPiece {
@@ -262,9 +212,12 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
   stats.reads = windows.size();
   stats.shards_read = static_cast<uint64_t>(std::count(shard_used.begin(), shard_used.end(), true));
 
-  std::vector<std::unique_ptr<MappedFile>> files(shards.size());
+  std::vector<local_io::FileMapping> files(shards.size());
   for (uint32_t s = 0; s < shards.size(); ++s) {
-    if (shard_used[s]) files[s] = std::make_unique<MappedFile>(checkpoint.storage().local_path(shards[s].name), shards[s].size);
+    if (shard_used[s]) {
+      files[s] = local_io::FileMapping::open(checkpoint.storage().local_path(shards[s].name), shards[s].size,
+                                             local_io::MappingKind::kSharedRead);
+    }
   }
 
   auto budget = std::make_shared<WindowBudget>(limit, windows.size());
@@ -283,7 +236,7 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
     try {
       for (size_t index; (index = next_window.fetch_add(1)) < windows.size();) {
         const auto& window = windows[index];
-        const auto& file = *files[window.shard];
+        const auto& file = files[window.shard];
         uint64_t bytes = window.end - window.begin;
         if (!budget->acquire(bytes)) return;
         const std::byte* base = file.data() + window.begin;

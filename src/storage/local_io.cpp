@@ -1,0 +1,76 @@
+// Whole-file mappings (local_io.hpp): the shared read-only one behind --io mmap reads and the
+// mapped GPU path, and the private copy-on-write one that host loads with --io mmap hand out.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "base/errno_text.hpp"
+#include "storage/local_io.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream::local_io {
+
+uint64_t page_size() noexcept {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+FileMapping::FileMapping(int fd, uint64_t size, std::string path, MappingKind kind)
+    : size_(size), kind_(kind), path_(std::move(path)) {
+  if (size_ == 0) return;  // mmap refuses a zero length; there is nothing to map
+  // Both kinds map read-only first: with PROT_WRITE, MAP_POPULATE on a private mapping
+  // would break copy-on-write for every page (copy the whole file) instead of mapping the
+  // page cache's pages.
+  int flags = kind_ == MappingKind::kSharedRead ? MAP_SHARED : MAP_PRIVATE | MAP_POPULATE;
+  void* data = ::mmap(nullptr, size_, PROT_READ, flags, fd, 0);
+  WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
+            "cannot map " + std::to_string(size_) + " bytes of " + path_ + ": " + detail::errno_text(errno));
+  if (kind_ == MappingKind::kPrivateWritable && ::mprotect(data, size_, PROT_READ | PROT_WRITE) != 0) {
+    // ENOMEM here is the commit charge of a writable private mapping (vm.overcommit_memory 2).
+    int error = errno;
+    ::munmap(data, size_);
+    WS_FAIL(ErrorCode::kIo, "cannot make the " + std::to_string(size_) + "-byte copy-on-write mapping of " + path_ +
+                                " writable: mprotect: " + detail::errno_text(error));
+  }
+  data_ = static_cast<std::byte*>(data);
+}
+
+FileMapping FileMapping::open(const std::string& path, uint64_t expected_size, MappingKind kind) {
+  FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!file) {
+    int error = errno;
+    WS_FAIL(error == ENOENT ? ErrorCode::kNotFound : ErrorCode::kIo,
+            "cannot open " + path + " to map it: " + detail::errno_text(error));
+  }
+  struct stat status {};
+  WS_EXPECT(::fstat(file.get(), &status) == 0, ErrorCode::kIo, "cannot stat " + path + ": " + detail::errno_text(errno));
+  uint64_t size = static_cast<uint64_t>(status.st_size);
+  WS_EXPECT(size == expected_size, ErrorCode::kIo,
+            path + " is " + std::to_string(size) + " bytes, not the " + std::to_string(expected_size) +
+                " it had when the checkpoint was opened: it changed since it was opened");
+  return FileMapping(file.get(), size, path, kind);  // the mapping keeps the file; the descriptor closes here
+}
+
+FileMapping::FileMapping(FileMapping&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      kind_(other.kind_),
+      path_(std::move(other.path_)) {}
+
+FileMapping& FileMapping::operator=(FileMapping&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(size_, other.size_);
+  std::swap(kind_, other.kind_);
+  std::swap(path_, other.path_);
+  return *this;
+}
+
+FileMapping::~FileMapping() {
+  if (data_) ::munmap(data_, size_);
+}
+
+}  // namespace weightstream::local_io
