@@ -162,6 +162,21 @@ nb::dict counters_dict(const LoadCounters& counters) {
   return result;
 }
 
+/// A stream's counters, named as `weightstream load --json` names them.
+nb::dict stream_stats_dict(const StreamStats& stats) {
+  nb::dict result;
+  result["tensors"] = stats.tensors;
+  result["bytes"] = stats.bytes;
+  result["bytes_read"] = stats.bytes_read;
+  result["shards_read"] = stats.shards_read;
+  result["seconds"] = stats.seconds;
+  result["peak_staging_bytes"] = stats.peak_staging_bytes;
+  result["read_seconds"] = stats.read_seconds;
+  result["deliver_seconds"] = stats.deliver_seconds;
+  result["staging_wait_seconds"] = stats.staging_wait_seconds;
+  return result;
+}
+
 struct LayoutHandle;
 
 /// Every live layout that holds Python hooks (touched only with the GIL).
@@ -425,14 +440,7 @@ class SessionHandle {
       auto plan = plan_layout_load(layout(), checkpoint.checkpoint());
       return stream_into_session(checkpoint.checkpoint(), plan, session_, options.stream, progress);
     });
-    nb::dict result;
-    result["tensors"] = stats.tensors;
-    result["bytes"] = stats.bytes;
-    result["bytes_read"] = stats.bytes_read;
-    result["shards_read"] = stats.shards_read;
-    result["seconds"] = stats.seconds;
-    result["peak_staging_bytes"] = stats.peak_staging_bytes;
-    return result;
+    return stream_stats_dict(stats);
   }
 
   nb::dict counters() const { return counters_dict(session_.counters()); }

@@ -534,6 +534,8 @@ def test_load_session_from_streamed_batches_equals_a_checkpoint_load(synth_llama
     session.finish()
     assert stats["tensors"] == len(checkpoint) and session.counters["tensors_applied"] == len(checkpoint)
     assert session.mode == "cold" and session.counters["model_hook_runs"] == 0
+    # Where the readers' time went, as `load --json` reports it: some in reads, none negative.
+    assert stats["read_seconds"] > 0 and stats["deliver_seconds"] >= 0 and stats["staging_wait_seconds"] >= 0
 
     layout = weightstream.model_layout(checkpoint, device="cpu")
     hook_runs = []
