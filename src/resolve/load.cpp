@@ -271,14 +271,10 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   // (in require_device) is not, as a caller that loads onto a GPU has one already.
   auto start = Clock::now();
   const auto& tensors = checkpoint.tensors();
-  uint64_t total = 0;
-  std::vector<bool> shard_touched(checkpoint.shards().size(), false);
-  for (const CheckpointTensor& tensor : tensors) {
-    total += tensor.bytes;
-    if (tensor.bytes > 0) shard_touched[tensor.shard] = true;
-  }
   InPlaceTensors in_place;
-  if (!device.is_cuda() && options.local_io == LocalIo::kMmap) in_place = map_in_place(checkpoint, total, progress);
+  if (!device.is_cuda() && options.local_io == LocalIo::kMmap) {
+    in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), progress);
+  }
 
   // Everything not taken in place goes through the one load path, into an arena.
   LoadedCheckpoint loaded;
@@ -315,6 +311,8 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
     loaded.stats.bytes += in_place.bytes;
     loaded.stats.bytes_read += in_place.bytes;
     loaded.stats.reads += in_place.shards_mapped;
+    std::vector<bool> shard_touched(checkpoint.shards().size(), false);
+    for (const CheckpointTensor& tensor : tensors) shard_touched[tensor.shard] = shard_touched[tensor.shard] || tensor.bytes > 0;
     loaded.stats.shards_read = static_cast<uint64_t>(std::count(shard_touched.begin(), shard_touched.end(), true));
   }
   loaded.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();

@@ -411,8 +411,8 @@ StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& ch
         // an H200, bench/RESULTS.md session 8): read through one, whatever the buffered
         // read method was.
         auto mapped_reads = checkpoint.storage().with_local_io(LocalIo::kMmap);
-        if (!mapped_reads) return staged(requests, sink, warm_staging(options), progress);
-        return stream_tensors_through(*mapped_reads, checkpoint, requests, sink, warm_staging(options), progress,
+        Storage& storage = mapped_reads ? *mapped_reads : checkpoint.storage();
+        return stream_tensors_through(storage, checkpoint, requests, sink, warm_staging(options), progress,
                                       HostMemory::kPinned);
       }
       return staged(requests, sink, options, progress);

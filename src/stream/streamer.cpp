@@ -19,7 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-
 /// Part of a read that belongs to one request.
 struct Delivery {
   size_t request;
@@ -102,7 +101,12 @@ class StreamRun {
  public:
   StreamRun(Storage& storage, const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
             std::vector<PlannedRead> reads, std::shared_ptr<StagingPool> pool, unsigned workers)
-      : storage_(storage), checkpoint_(checkpoint), requests_(requests), sink_(sink), reads_(std::move(reads)), pool_(std::move(pool)),
+      : storage_(storage),
+        checkpoint_(checkpoint),
+        requests_(requests),
+        sink_(sink),
+        reads_(std::move(reads)),
+        pool_(std::move(pool)),
         ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0),
         workers_running_(workers) {
     for (const auto& read : reads_) {
@@ -310,7 +314,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
                                    std::span<const TensorRequest> requests, TensorSink& sink,
                                    const StreamOptions& options, const ProgressCallback& progress,
                                    HostMemory staging) {
-  auto start = std::chrono::steady_clock::now();
+  auto start = Clock::now();
   check_stream_options(options);
   uint64_t chunk = effective_chunk(options);
   auto reads = plan_reads(checkpoint, requests, sink, chunk);
@@ -379,7 +383,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   sink.finish();
   if (progress) progress(total, total);
   stats.peak_staging_bytes = pool->peak_bytes();
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return stats;
 }
 
