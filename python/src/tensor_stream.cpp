@@ -1,7 +1,6 @@
 #include "tensor_stream.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -9,26 +8,6 @@
 
 namespace weightstream::python {
 namespace {
-
-/// Bytes of one batch's copies to the device that may still be landing when the next batch
-/// starts reading: the staging they hold is the most by which staging exceeds the limit
-/// (the stream contract allows 64 MiB).
-constexpr uint64_t kCopiesInFlightBetweenBatches = 64 * kMiB;
-
-/// Half the limit per batch, so that one batch is read while the one before it is consumed.
-uint64_t batch_target_for(const StreamOptions& options) { return std::max<uint64_t>(options.memory_limit / 2, 1); }
-
-/// End of the batch that starts at position `first` of `order`: tensors in file order up to
-/// `target` bytes, and always at least one tensor.
-size_t batch_end(const std::vector<CheckpointTensor>& tensors, const std::vector<size_t>& order, size_t first,
-                 uint64_t target) {
-  size_t last = first;
-  uint64_t bytes = 0;
-  while (last < order.size() && (last == first || bytes + tensors[order[last]].bytes <= target)) {
-    bytes += tensors[order[last++]].bytes;
-  }
-  return last;
-}
 
 /// Every tensor index when `selection` is empty, else the selected ones in file order.
 std::vector<size_t> stream_order(const Checkpoint& checkpoint, std::vector<size_t> selection) {
@@ -47,87 +26,56 @@ std::vector<size_t> stream_order(const Checkpoint& checkpoint, std::vector<size_
 
 }  // namespace
 
-/// What is still outstanding of each tensor of one batch: one count for "pieces still to
-/// come" (dropped by request_complete) plus one per piece whose copy to the device has not
-/// landed. The last one to go marks the tensor complete. Shared with the copies' keepalives,
-/// which the copier may drop after the batch's sink is gone.
-struct TensorStream::BatchLandings {
-  BatchLandings(TensorStream& stream, size_t first, size_t count) : stream(stream), first(first), outstanding(count) {
-    for (auto& count_left : outstanding) count_left.store(1, std::memory_order_relaxed);
-  }
-  void release(size_t request) {
-    if (outstanding[request].fetch_sub(1, std::memory_order_acq_rel) == 1) stream.mark_complete(first + request);
-  }
-  TensorStream& stream;
-  size_t first;
-  std::vector<std::atomic<uint32_t>> outstanding;
-};
-
 /// The keepalive of one piece's copy to the device: holds the piece's source (a staging
 /// lease or a registered window) and, once the copier drops it after the copy landed, counts
-/// the piece off its tensor.
+/// the piece off its tensor. The copier is destroyed (waiting for its copies) before the
+/// stream's state, so the stream outlives every landing.
 class TensorStream::PieceLanding {
  public:
-  PieceLanding(std::shared_ptr<BatchLandings> landings, size_t request, std::shared_ptr<const void> source)
-      : landings_(std::move(landings)), request_(request), source_(std::move(source)) {}
+  PieceLanding(TensorStream& stream, size_t position, std::shared_ptr<const void> source)
+      : stream_(stream), position_(position), source_(std::move(source)) {}
   ~PieceLanding() {
     source_.reset();  // the staging buffer goes back to its pool first
-    landings_->release(request_);
+    stream_.count_off(position_);
   }
   PieceLanding(const PieceLanding&) = delete;
   PieceLanding& operator=(const PieceLanding&) = delete;
 
  private:
-  std::shared_ptr<BatchLandings> landings_;
-  size_t request_;
+  TensorStream& stream_;
+  size_t position_;
   std::shared_ptr<const void> source_;
 };
 
-/// Receives the pieces of one batch. Host tensors are read straight into their own buffers;
-/// for a GPU, each piece is copied asynchronously into its tensor's device buffer by the
-/// stream's DeviceCopier, from wherever the device path put it (pinned staging or a
-/// registered window of a mapped shard), and the tensor is complete once its last copy
-/// landed: nothing waits per piece or per tensor.
-class TensorStream::BatchSink final : public TensorSink {
+/// Receives the pieces of the stream; request i is the tensor at position i of order_. A
+/// piece waits for its tensor's admission, then lands: on the host it is copied out of
+/// staging into the tensor's buffer; for a GPU the stream's DeviceCopier copies it
+/// asynchronously from wherever the device path put it (pinned staging or a registered
+/// window of a mapped shard), and the tensor is complete once its last copy landed: nothing
+/// waits per piece or per tensor.
+class TensorStream::Sink final : public TensorSink {
  public:
-  BatchSink(TensorStream& stream, std::shared_ptr<BatchLandings> landings, std::vector<std::byte*> destinations)
-      : stream_(stream), landings_(std::move(landings)), destinations_(std::move(destinations)) {}
-
-  std::byte* direct_destination(size_t request) override {
-    return stream_.copier_ ? nullptr : destinations_[request];
-  }
+  explicit Sink(TensorStream& stream) : stream_(stream) {}
 
   void consume(TensorPiece&& piece) override {
-    const CheckpointTensor& tensor = *piece.tensor;
     // Throwing is how a sink stops stream_tensors: it cancels the other readers at once.
     WS_EXPECT(!stream_.stopping_.load(std::memory_order_relaxed), ErrorCode::kCancelled,
-              "stream of " + stream_.checkpoint_->uri() + " cancelled while reading '" + tensor.name + "'");
-    std::byte* destination = destinations_[piece.request] + piece.offset;
+              "stream of " + stream_.checkpoint_->uri() + " stopped while reading '" + piece.tensor->name + "'");
+    std::byte* destination = stream_.destination_once_admitted(piece.request) + piece.offset;
     if (!stream_.copier_) {
-      // Read straight into the buffer, except where the storage had to stage the bytes.
-      if (piece.bytes.data() != destination) std::memcpy(destination, piece.bytes.data(), piece.bytes.size());
+      std::memcpy(destination, piece.bytes.data(), piece.bytes.size());
       return;
     }
-    landings_->outstanding[piece.request].fetch_add(1, std::memory_order_relaxed);
-    auto landing = std::make_shared<PieceLanding>(landings_, piece.request, std::move(piece.keepalive));
+    stream_.outstanding_[piece.request].fetch_add(1, std::memory_order_relaxed);
+    auto landing = std::make_shared<PieceLanding>(stream_, piece.request, std::move(piece.keepalive));
     stream_.copier_->copy_to_device(destination, piece.bytes.data(), piece.bytes.size(), std::move(landing),
-                                    static_cast<unsigned>(piece.request), tensor.name);
+                                    static_cast<unsigned>(piece.request), piece.tensor->name);
   }
 
-  void request_complete(size_t request) override { landings_->release(request); }
-
-  /// The next batch starts while the last copies of this one are still landing, so the copy
-  /// engine never waits for a batch's reads to start: this returns once at most
-  /// kCopiesInFlightBetweenBatches are left (their staging is all that outlives the batch).
-  /// Synchronizing here instead cost a drain and refill of the whole pipeline per batch.
-  void finish() override {
-    if (stream_.copier_) stream_.copier_->wait_until_in_flight_at_most(kCopiesInFlightBetweenBatches);
-  }
+  void request_complete(size_t request) override { stream_.count_off(request); }
 
  private:
   TensorStream& stream_;
-  std::shared_ptr<BatchLandings> landings_;
-  std::vector<std::byte*> destinations_;
 };
 
 TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const Device& device, const StreamOptions& options,
@@ -135,11 +83,21 @@ TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const D
     : checkpoint_(std::move(checkpoint)),
       device_(device),
       options_(options),
-      batch_target_(batch_target_for(options)),
-      order_(stream_order(*checkpoint_, std::move(selection))) {
+      order_(stream_order(*checkpoint_, std::move(selection))),
+      buffers_(order_.size()),
+      destinations_(order_.size(), nullptr),
+      complete_(order_.size(), 0),
+      outstanding_(order_.size()) {
   require_device(device_);
+  for (auto& count : outstanding_) count.store(1, std::memory_order_relaxed);
   if (device_.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device_);
-  producer_ = std::thread([this] { run(); });
+  admitter_ = std::thread([this] { admit_all(); });
+  try {
+    reader_ = std::thread([this] { read_all(); });
+  } catch (...) {
+    cancel();
+    throw;
+  }
 }
 
 TensorStream::~TensorStream() { cancel(); }
@@ -152,67 +110,80 @@ void TensorStream::cancel() noexcept {
   }
   changed_.notify_all();
   std::lock_guard join_lock(join_mutex_);
-  if (producer_.joinable()) producer_.join();
+  if (reader_.joinable()) reader_.join();
+  if (admitter_.joinable()) admitter_.join();
 }
 
-void TensorStream::run() noexcept {
-  try {
-    const auto& tensors = checkpoint_->tensors();
-    for (size_t first = 0; first < order_.size();) {
-      size_t last = batch_end(tensors, order_, first, batch_target_);
-      uint64_t bytes = 0;
-      for (size_t i = first; i < last; ++i) bytes += tensors[order_[i]].bytes;
-      {
-        std::unique_lock lock(mutex_);
-        changed_.wait(lock, [&] { return cancelled_ || queued_ == 0 || queued_ + bytes <= options_.memory_limit; });
-        if (cancelled_) break;
-      }
-      stream_batch(first, last);
-      first = last;
-    }
-  } catch (...) {
-    std::lock_guard lock(mutex_);
-    // A failure caused by cancel() is no error: nobody is waiting for the stream any more.
-    if (!cancelled_ && !error_) error_ = std::current_exception();
-  }
+void TensorStream::fail(std::exception_ptr error) noexcept {
   {
     std::lock_guard lock(mutex_);
-    producer_done_ = true;
+    // A failure caused by cancel() is no error: nobody is waiting for the stream any more.
+    if (!cancelled_ && !error_) error_ = error;
+    stopping_.store(true, std::memory_order_relaxed);
   }
   changed_.notify_all();
 }
 
-void TensorStream::stream_batch(size_t first, size_t last) {
-  const auto& tensors = checkpoint_->tensors();
-  std::vector<Slot> slots(last - first);
-  std::vector<std::byte*> destinations(last - first, nullptr);
-  std::vector<TensorRequest> requests(last - first);
-  uint64_t bytes = 0;
-  for (size_t position = first; position < last; ++position) {
-    size_t request = position - first;
-    size_t i = order_[position];
-    slots[request].tensor.tensor = i;
-    if (tensors[i].bytes > 0) {
-      slots[request].tensor.buffer = std::make_unique<Buffer>(device_, tensors[i].bytes);
-      destinations[request] = slots[request].tensor.buffer->data();
+void TensorStream::read_all() noexcept {
+  try {
+    const auto& tensors = checkpoint_->tensors();
+    std::vector<TensorRequest> requests(order_.size());
+    for (size_t position = 0; position < order_.size(); ++position) {
+      requests[position] = {order_[position], {0, tensors[order_[position]].bytes}};
     }
-    requests[request] = {i, {0, tensors[i].bytes}};
-    bytes += tensors[i].bytes;
+    Sink sink(*this);
+    stream_tensors_for_device(device_, *checkpoint_, requests, sink, options_);
+  } catch (...) {
+    fail(std::current_exception());
   }
-  {
-    std::lock_guard lock(mutex_);
-    for (auto& slot : slots) slots_.push_back(std::move(slot));
-    queued_ += bytes;
-    peak_queued_ = std::max(peak_queued_, queued_);
-  }
-  BatchSink sink(*this, std::make_shared<BatchLandings>(*this, first, last - first), std::move(destinations));
-  stream_tensors_for_device(device_, *checkpoint_, requests, sink, options_);
 }
 
-void TensorStream::mark_complete(size_t position) {
+void TensorStream::admit_all() noexcept {
+  try {
+    const auto& tensors = checkpoint_->tensors();
+    for (size_t position = 0; position < order_.size(); ++position) {
+      uint64_t bytes = tensors[order_[position]].bytes;
+      {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [&] {
+          return stopping_.load(std::memory_order_relaxed) || queued_ == 0 || queued_ + bytes <= options_.memory_limit;
+        });
+        if (stopping_.load(std::memory_order_relaxed)) return;
+        queued_ += bytes;  // counted before the allocation, so the bound holds while it runs
+        peak_queued_ = std::max(peak_queued_, queued_);
+      }
+      // Allocated off the readers' threads (a cudaMalloc takes the driver's lock), ahead of them.
+      auto buffer = bytes > 0 ? std::make_unique<Buffer>(device_, bytes) : nullptr;
+      {
+        std::lock_guard lock(mutex_);
+        destinations_[position] = buffer ? buffer->data() : nullptr;
+        buffers_[position] = std::move(buffer);
+        admitted_.store(position + 1, std::memory_order_release);
+      }
+      changed_.notify_all();
+    }
+  } catch (...) {
+    fail(std::current_exception());
+  }
+}
+
+std::byte* TensorStream::destination_once_admitted(size_t position) {
+  if (position < admitted_.load(std::memory_order_acquire)) return destinations_[position];
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] {
+    return stopping_.load(std::memory_order_relaxed) || position < admitted_.load(std::memory_order_relaxed);
+  });
+  WS_EXPECT(position < admitted_.load(std::memory_order_relaxed), ErrorCode::kCancelled,
+            "stream of " + checkpoint_->uri() + " stopped before '" + checkpoint_->tensors()[order_[position]].name +
+                "' had room");
+  return destinations_[position];
+}
+
+void TensorStream::count_off(size_t position) {
+  if (outstanding_[position].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   {
     std::lock_guard lock(mutex_);
-    slots_[position - next_].complete = true;
+    complete_[position] = 1;
   }
   changed_.notify_all();
 }
@@ -220,19 +191,19 @@ void TensorStream::mark_complete(size_t position) {
 std::optional<StreamedTensor> TensorStream::next() {
   std::unique_lock lock(mutex_);
   changed_.wait(lock, [&] {
-    return cancelled_ || error_ || (!slots_.empty() && slots_.front().complete) || (producer_done_ && slots_.empty());
+    return cancelled_ || error_ || next_ == order_.size() ||
+           (next_ < admitted_.load(std::memory_order_relaxed) && complete_[next_]);
   });
   if (error_) std::rethrow_exception(error_);
   WS_EXPECT(!cancelled_, ErrorCode::kCancelled, "stream of " + checkpoint_->uri() + " was closed");
-  if (slots_.empty()) return std::nullopt;
+  if (next_ == order_.size()) return std::nullopt;
   // A copy that failed still counts its piece off: hand out no tensor after a failed copy.
   if (copier_) copier_->throw_if_failed();
-  StreamedTensor tensor = std::move(slots_.front().tensor);
-  slots_.pop_front();
-  ++next_;
+  StreamedTensor tensor{order_[next_], std::move(buffers_[next_])};
   queued_ -= checkpoint_->tensors()[tensor.tensor].bytes;
+  ++next_;
   lock.unlock();
-  // The producer may be waiting for room for its next batch.
+  // The admitter may be waiting for room for the next tensor.
   changed_.notify_all();
   return tensor;
 }

@@ -109,9 +109,12 @@ class WindowBudget {
   WindowBudget(uint64_t limit, size_t windows) : limit_(limit) { retired_.reserve(windows); }
   ~WindowBudget() { drain(); }
 
-  /// Waits until `bytes` more fit (or nothing is held), unregistering retired windows
-  /// meanwhile. False once cancelled.
-  bool acquire(uint64_t bytes) {
+  /// Waits until window `index` is the next in plan order and `bytes` more fit (or nothing
+  /// is held), unregistering retired windows meanwhile. False once cancelled. Granting
+  /// windows in plan order means every earlier window holds its room before a later one
+  /// does, so a sink that makes a piece wait for the consumer to take earlier tensors (the
+  /// Python stream's admission) never holds the room those tensors need.
+  bool acquire(size_t index, uint64_t bytes) {
     std::unique_lock lock(mutex_);
     for (;;) {
       if (cancelled_) return false;
@@ -122,13 +125,16 @@ class WindowBudget {
         window.unregister();
         lock.lock();
         held_ -= window.bytes;
+        changed_.notify_all();
         continue;
       }
-      if (held_ == 0 || held_ + bytes <= limit_) break;
+      if (index == next_grant_ && (held_ == 0 || held_ + bytes <= limit_)) break;
       changed_.wait(lock);
     }
+    ++next_grant_;
     held_ += bytes;
     peak_ = std::max(peak_, held_);
+    changed_.notify_all();
     return true;
   }
   /// Gives back a window's bytes at once (its registration failed).
@@ -187,6 +193,7 @@ class WindowBudget {
   uint64_t limit_;
   uint64_t held_ = 0;
   uint64_t peak_ = 0;
+  size_t next_grant_ = 0;  // index of the window granted next
   bool cancelled_ = false;
   std::vector<Retired> retired_;
 };
@@ -238,7 +245,7 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
         const auto& window = windows[index];
         const auto& file = files[window.shard];
         uint64_t bytes = window.end - window.begin;
-        if (!budget->acquire(bytes)) return;
+        if (!budget->acquire(index, bytes)) return;
         const std::byte* base = file.data() + window.begin;
         std::shared_ptr<const void> registration;
         try {

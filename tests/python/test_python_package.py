@@ -476,6 +476,34 @@ def test_stream_memory_stays_bounded_below_the_checkpoint_size(synth_256mib):
     assert report["growth"] < report["checkpoint"] / 3, report
 
 
+SLOW_CONSUMER_DEVICES = ["cpu"] + (["cuda:0"] if torch is not None and torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", SLOW_CONSUMER_DEVICES)
+def test_a_slow_consumer_holds_the_readers_back_and_gets_every_byte(synth_bf16, device):
+    # The stream is one read of the whole checkpoint: with a consumer slower than the
+    # readers, readers wait for room (admission) while holding staging or a registered
+    # window, which must never stop the tensors the consumer waits for from landing.
+    if device != "cpu" and not weightstream.cuda_compiled():
+        pytest.skip("this build of weightstream has no CUDA support")
+    reference = {name: data for name, _, _, data in reference_tensors(synth_bf16)}
+    largest = max(len(data) for data in reference.values())
+    limit = 256 << 10
+    paths = ("auto", "staged", "mapped", "both") if device != "cpu" else ("auto",)
+    for path in paths:
+        stream = weightstream.stream(str(synth_bf16), device=device, framework="torch" if device != "cpu" else None,
+                                     gpu_path=path, memory_limit=limit, chunk_size="64KiB", concurrency=8)
+        names = []
+        for index, (name, tensor) in enumerate(stream):
+            if index % 16 == 0:
+                time.sleep(0.02)  # the readers run ahead until the queue is full
+            assert tensor_bytes(tensor) == reference[name], (path, name)
+            assert stream.queued_bytes <= max(limit, largest), (path, name)
+            names.append(name)
+        assert names == [name for name, _, _, _ in reference_tensors(synth_bf16)], path
+        assert 0 < stream.peak_queued_bytes <= max(limit, largest), path
+
+
 def task_count():
     return len(os.listdir("/proc/self/task"))
 
