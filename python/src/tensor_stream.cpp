@@ -24,6 +24,18 @@ std::vector<size_t> stream_order(const Checkpoint& checkpoint, std::vector<size_
   return selection;
 }
 
+/// The reads' options: on the host, staging takes half of the limit and the queue of
+/// tensors the other half (both are host memory); for a GPU, the options as given.
+StreamOptions read_options(const Device& device, StreamOptions options) {
+  if (!device.is_cuda()) options.memory_limit = std::max<uint64_t>(options.memory_limit / 2, kMinStagingBytes);
+  return options;
+}
+
+uint64_t queue_limit(const Device& device, const StreamOptions& options) {
+  if (device.is_cuda()) return options.memory_limit;
+  return options.memory_limit - std::min(options.memory_limit, read_options(device, options).memory_limit);
+}
+
 }  // namespace
 
 /// The keepalive of one piece's copy to the device: holds the piece's source (a staging
@@ -82,7 +94,8 @@ TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const D
                            std::vector<size_t> selection)
     : checkpoint_(std::move(checkpoint)),
       device_(device),
-      options_(options),
+      options_(read_options(device, options)),
+      queue_limit_(queue_limit(device, options)),
       order_(stream_order(*checkpoint_, std::move(selection))),
       buffers_(order_.size()),
       destinations_(order_.size(), nullptr),
@@ -146,7 +159,7 @@ void TensorStream::admit_all() noexcept {
       {
         std::unique_lock lock(mutex_);
         changed_.wait(lock, [&] {
-          return stopping_.load(std::memory_order_relaxed) || queued_ == 0 || queued_ + bytes <= options_.memory_limit;
+          return stopping_.load(std::memory_order_relaxed) || queued_ == 0 || queued_ + bytes <= queue_limit_;
         });
         if (stopping_.load(std::memory_order_relaxed)) return;
         queued_ += bytes;  // counted before the allocation, so the bound holds while it runs

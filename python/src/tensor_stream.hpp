@@ -33,10 +33,12 @@ struct StreamedTensor {
 ///
 /// Bounded memory: a tensor is *admitted* (its buffer allocated, on a thread of its own,
 /// ahead of the readers) in file order, only when the bytes admitted but not yet popped
-/// plus its own fit in `memory_limit`, or when nothing is queued at all (so a single tensor
-/// larger than the limit still streams). A reader holding a piece of a tensor not yet
-/// admitted waits for it. Tensor buffers therefore never hold more than max(memory_limit,
-/// largest tensor) at once. Every earlier tensor's reads were handed out before that
+/// plus its own fit in the queue's limit, or when nothing is queued at all (so a single
+/// tensor larger than the limit still streams). A reader holding a piece of a tensor not yet
+/// admitted waits for it. Tensor buffers therefore never hold more than max(queue limit,
+/// largest tensor) at once. For a GPU the queue's limit is `memory_limit` (device memory;
+/// staging is pinned host memory within its own `memory_limit`); on the host, where both
+/// are host memory, staging and the queue get half of `memory_limit` each. Every earlier tensor's reads were handed out before that
 /// reader's, with their staging, so a waiting reader never blocks the tensors the consumer
 /// waits for. Pieces land from staging (a host stream copies them into the tensor's
 /// buffer); a tensor is complete once its last copy landed. Dropping or cancelling the
@@ -84,7 +86,8 @@ class TensorStream {
 
   std::shared_ptr<const Checkpoint> checkpoint_;
   Device device_;
-  StreamOptions options_;
+  StreamOptions options_;     // the reads' options (staging within options_.memory_limit)
+  uint64_t queue_limit_;      // bytes of admitted tensors not yet popped (see the class comment)
   std::vector<size_t> order_;  // indices of the tensors streamed, in file order
 
   mutable std::mutex mutex_;
