@@ -43,7 +43,7 @@ import sys
 import time
 
 GB = 1e9
-SECTIONS = ["write", "baselines", "warm", "layout", "python", "peers", "cold"]
+SECTIONS = ["write", "baselines", "warm", "layout", "python", "peers", "interleaved", "cold"]
 LLAMA3_8B = {"hidden": 4096, "intermediate": 14336, "layers": 32, "heads": 32, "kv_heads": 8, "vocab": 128256}
 RESULT_PREFIX = "WS_BENCH_RESULT "
 
@@ -512,6 +512,37 @@ class Bench:
                 row["error"] += f" (after {len(runs)} good runs)"
             self.record(key, row, started=True)
             return None
+        return self.record_runs(key, row, runs)
+
+    def measure_interleaved(self, contenders, repeats):
+        """Like measure() for several contenders at once, round-robin: run k of each follows run
+        k of the one before it, so a machine that drifts during the section (seen: 15-20% within
+        one call) moves every contender alike and their ratios hold. `contenders`: (key,
+        contender, setting, run, expect) each."""
+        runs = {c[0]: [] for c in contenders}
+        failed = {}
+        for index in range(repeats):
+            for key, contender, setting, run, expect in contenders:
+                if key in failed:
+                    continue
+                try:
+                    result = run()
+                    if expect:
+                        expect(result)
+                    runs[key].append(result)
+                    log(f"  round {index + 1}: {contender} {setting[:50]}: {result['seconds']:.3f} s")
+                except Failed as error:
+                    failed[key] = f"{error} (after {len(runs[key])} good runs)"
+                    log(f"  round {index + 1}: {contender} {setting[:50]}: failed: {error}")
+        for key, contender, setting, _, _ in contenders:
+            row = {"contender": contender, "setting": setting + " [round-robin]", "cache": "warm", "interleaved": True}
+            if key in failed:
+                self.record(key, dict(row, error=failed[key]))
+            else:
+                self.record_runs(key, row, runs[key], started=False)
+
+    def record_runs(self, key, row, runs, started=True):
+        """Records the median row of a contender's runs (`started`: measure() printed its line's start)."""
         seconds = statistics.median(r["seconds"] for r in runs)
         row.update(seconds=seconds, runs=[r["seconds"] for r in runs],
                    wall_seconds=statistics.median(r["wall_seconds"] for r in runs),
@@ -522,7 +553,7 @@ class Bench:
                   for k in ("stream_seconds", "call_seconds", "finish_seconds") if runs[0].get(k) is not None]
         if notes:
             row["note"] = ", ".join(notes)
-        self.record(key, row, started=True)
+        self.record(key, row, started=started)
         return row
 
     def expect_whole(self, result):
@@ -630,6 +661,35 @@ class Bench:
         python("py_stream", "Python Checkpoint.stream()", "framework='torch', every tensor held", "ws_stream", {},
                self.expect_whole)
 
+    def section_interleaved(self):
+        """The rows whose ratios issue 19 asks for, measured round-robin (see
+        measure_interleaved): the raw load, layout tp 1, the Python session, load and stream,
+        and the peers closest to weightstream. They replace those rows of earlier sections."""
+        device, timeout, site = self.args.device, self.args.run_timeout, self.args.python_site
+        contenders = [("ws_raw", "weightstream load --raw (CLI)", "default (--gpu-path auto)",
+                       lambda: run_cli(self.cli_load("--raw"), timeout), self.expect_cli_whole),
+                      ("layout_tp1", "weightstream load tp 1 rank 0 (CLI)", "--tp-size 1 --tp-rank 0",
+                       lambda: run_cli(self.cli_load("--tp-size", "1", "--tp-rank", "0"), timeout,
+                                       bytes_key="parameter_bytes"), None)]
+        if site and os.path.isdir(os.path.join(site, "weightstream")):
+            params = dict(dir=self.dir, device=device)
+            contenders += [
+                ("py_session_tp1", "Python LoadSession.load_checkpoint tp 1 rank 0", "model_layout(tp_size=1, tp_rank=0)",
+                 lambda: run_python("ws_session", dict(params, tp=1, rank=0), {}, site, timeout), None),
+                ("py_load", "Python weightstream.load", "framework='torch'",
+                 lambda: run_python("ws_load", params, {}, site, timeout), self.expect_whole),
+                ("py_stream", "Python Checkpoint.stream()", "framework='torch', every tensor held",
+                 lambda: run_python("ws_stream", params, {}, site, timeout), self.expect_whole)]
+        peer_site = self.args.peer_site if self.args.peer_site and os.path.isdir(self.args.peer_site) else None
+        files = shard_files(self.dir)
+        for key, contender, setting, worker, env in self.peer_settings():
+            if key in ("peer_instanttensor_mmap", "peer_instanttensor_buffered", "peer_fastsafetensors_buffered"):
+                contenders.append((key, contender, setting,
+                                   lambda worker=worker, env=env: run_python(worker, {"files": files, "device": device},
+                                                                             env, peer_site, timeout),
+                                   self.expect_whole))
+        self.measure_interleaved(contenders, self.args.repeats)
+
     def peer_settings(self):
         """(key, contender, setting, worker, environment): defaults first, then the documented
         warm-cache settings."""
@@ -717,6 +777,8 @@ class Bench:
                      "instanttensor_mmap": 30, "instanttensor_buffered": 18}
             repeats = self.args.peer_repeats or r
             return sum(repeats * (7 + gb / rates.get(k[len("peer_"):], 2)) for k, *_ in self.wanted_peers())
+        if section == "interleaved":
+            return r * (2 * (1.5 + gb / 40) + 3 * (6 + gb / 40) + 3 * (6 + gb / 30))
         if section == "cold":
             return self.args.cold_repeats * 2 * (4 + gb / 1.1)
         return 0
@@ -730,7 +792,7 @@ class Bench:
         if "write" in sections:
             self.run_section("write")
         self.ensure_checkpoint()
-        if any(s in sections for s in ("baselines", "warm", "layout", "python", "peers")):
+        if any(s in sections for s in ("baselines", "warm", "layout", "python", "peers", "interleaved")):
             log(f"warming the page cache: read every file at {warm(self.dir):.1f} GB/s")
         for section in sections:
             if section != "write":
