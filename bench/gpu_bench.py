@@ -21,6 +21,9 @@ in --dir and DIR.results.json between invocations):
              `Checkpoint.stream()` onto the device, every tensor taken
   peers      safetensors, Run:ai streamer, fastsafetensors, InstantTensor, each at its defaults and
              at its documented warm-cache settings (--peers narrows them: NAME or NAME:SETTING)
+  interleaved  raw, layout tp 1, the Python session, load and stream, and the three closest peer
+             settings again, round-robin (run k of each after run k of the one before), replacing
+             those rows: their ratios then hold while the machine drifts within a call
   cold       parallel O_DIRECT `dd` of every shard against `weightstream load --raw`, the page
              cache dropped before each run (posix_fadvise DONTNEED per file + drop_caches)
 Every invocation prints each row as it is measured and rewrites OUT/gpu_bench.json and

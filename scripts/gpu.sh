@@ -134,7 +134,8 @@ fi
 # ---- the GPU load benchmark (issues 4, 16 and 19): bench/gpu_bench.py ----------------------
 # One run of every contender on a 16.06 GB Llama-3-8B-shaped checkpoint written by the
 # safetensors package, in sections: WS_GPU_BENCH_SECTIONS (default all = write, baselines,
-# warm, layout, python, peers, cold). The checkpoint and the results so far stay in
+# warm, layout, python, peers, interleaved, cold; interleaved re-measures the rows of issue
+# 19's ratios round-robin). The checkpoint and the results so far stay in
 # WS_GPU_BENCH_DIR (default /tmp/ws-gpu-bench) between calls on the same machine, so the
 # sections can run as several calls, each under its own time limit; every call rewrites
 # $out/gpu_bench.md and gpu_bench.json with all rows so far. The `layout` stage is the issue 16
