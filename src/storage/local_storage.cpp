@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "storage/local_io.hpp"
+#include "storage/read_destination.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
 #include "base/errno_text.hpp"
@@ -226,6 +227,7 @@ class LocalStorage final : public Storage {
     WS_EXPECT(offset <= file.size && destination.size() <= file.size - offset, ErrorCode::kIo,
               "cannot read " + std::to_string(offset) + "+" + std::to_string(destination.size()) + " bytes of " + uri +
                   ": past the end of the " + std::to_string(file.size) + "-byte file");
+    storage::populate_destination(destination);
     switch (io_) {
       case LocalIo::kPread: local_io::pread_exact(file.buffered.get(), uri, offset, destination); break;
       case LocalIo::kDirect: local_io::direct_read(file.direct.get(), uri, file.size, offset, destination); break;

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "storage/s3_checksum.hpp"
+#include "storage/read_destination.hpp"
 #include "storage/s3_client.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
@@ -67,6 +68,7 @@ class S3Storage final : public Storage {
               "cannot read " + std::to_string(offset) + "+" + std::to_string(size) + " bytes of " +
                   s3::s3_uri(bucket_, key) + ": past the end of the " + std::to_string(*known_size) + "-byte object");
     }
+    storage::populate_destination(destination);
     const bool whole = known_size && offset == 0 && size == *known_size;
     const uint64_t piece = std::max<uint64_t>(client_.options().request_bytes, 1);
     if (size <= piece) {

@@ -3,11 +3,13 @@
 // when it lists, stats and reads as the interface in weightstream/storage.hpp promises,
 // and fails with errors that name the object.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <thread>
@@ -113,6 +115,29 @@ TEST_P(StorageContract, ListsTheObjectsDirectlyUnderTheRoot) {
   std::map<std::string, uint64_t> expected = {
       {"small.bin", small_.size()}, {"model-00001-of-00002.safetensors", large_.size()}, {"empty.json", 0}};
   EXPECT_EQ(sizes, expected);
+}
+
+// Reads populate their destination's pages first (storage/read_destination.hpp): a read into
+// fresh memory at unaligned ends lands its bytes and leaves the bytes around it, on the
+// pages it shares with them, as they were.
+TEST_P(StorageContract, ReadsIntoFreshMemoryLeavingTheBytesAroundIt) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t length = large_.size() - 12345;
+  const size_t pages = (length + 2 * page) / page + 2;
+  void* mapped = ::mmap(nullptr, pages * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapped, MAP_FAILED);
+  auto* memory = static_cast<std::byte*>(mapped);
+  std::memset(memory + page, 0x77, 100);  // a neighbour's bytes before the destination, on its first page
+  std::byte* destination = memory + page + 100;
+  storage_->read("model-00001-of-00002.safetensors", 12345, std::span(destination, length));
+  std::string got(reinterpret_cast<const char*>(destination), length);
+  EXPECT_EQ(got, large_.substr(12345));
+  for (size_t i = 0; i < pages * page; ++i) {
+    if (memory + i >= destination && memory + i < destination + length) continue;
+    std::byte expected = i >= page && i < page + 100 ? std::byte{0x77} : std::byte{0};
+    ASSERT_EQ(memory[i], expected) << "byte " << i << " outside the destination";
+  }
+  ::munmap(mapped, pages * page);
 }
 
 TEST_P(StorageContract, StatsAnObject) {
