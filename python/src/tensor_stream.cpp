@@ -31,11 +31,6 @@ StreamOptions read_options(const Device& device, StreamOptions options) {
   return options;
 }
 
-uint64_t queue_limit(const Device& device, const StreamOptions& options) {
-  if (device.is_cuda()) return options.memory_limit;
-  return options.memory_limit - std::min(options.memory_limit, read_options(device, options).memory_limit);
-}
-
 }  // namespace
 
 /// The keepalive of one piece's copy to the device: holds the piece's source (a staging
@@ -95,7 +90,9 @@ TensorStream::TensorStream(std::shared_ptr<const Checkpoint> checkpoint, const D
     : checkpoint_(std::move(checkpoint)),
       device_(device),
       options_(read_options(device, options)),
-      queue_limit_(queue_limit(device, options)),
+      // The rest of the limit: all of it for a GPU, the half staging left on the host.
+      queue_limit_(device.is_cuda() ? options.memory_limit
+                                    : options.memory_limit - std::min(options.memory_limit, options_.memory_limit)),
       order_(stream_order(*checkpoint_, std::move(selection))),
       buffers_(order_.size()),
       destinations_(order_.size(), nullptr),

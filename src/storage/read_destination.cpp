@@ -1,11 +1,11 @@
 // populate_destination (read_destination.hpp).
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 
+#include "storage/local_io.hpp"
 #include "storage/read_destination.hpp"
 
 namespace weightstream::storage {
@@ -15,18 +15,13 @@ namespace {
 constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older headers lack it
 #endif
 
-size_t page_bytes() {
-  static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  return page;
-}
-
 }  // namespace
 
 void populate_destination(std::span<std::byte> destination) noexcept {
   if (destination.empty()) return;
   // Whole pages around the destination: populating never changes a byte, so the pages at
   // its ends, which it may share with a neighbour another reader is writing, are safe.
-  const size_t page = page_bytes();
+  const size_t page = static_cast<size_t>(local_io::page_size());
   const auto first = reinterpret_cast<uintptr_t>(destination.data()) / page * page;
   const auto last = (reinterpret_cast<uintptr_t>(destination.data()) + destination.size() + page - 1) / page * page;
   constexpr size_t kWindowPages = 4096;  // mincore's answer for 16 MiB of 4 KiB pages
