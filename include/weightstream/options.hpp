@@ -63,6 +63,12 @@ struct StreamOptions {
   /// With GpuPath::kBoth: the fraction of the bytes the mapped source carries, the rest
   /// staged. WEIGHTSTREAM_MAPPED_SHARE, a number from 0 to 1.
   double mapped_share = 0.4;
+  /// Threads that map the pages of reads ahead of the readers and drop them behind, when
+  /// local files are read through a mapping (--io mmap, and the warm GPU shape): the
+  /// page-table work then runs beside the readers' copies instead of inside them. Unset:
+  /// the cores the readers leave free (hardware threads - readers - 2), at most the reader
+  /// count; 0: none (each reader maps its own pages). WEIGHTSTREAM_PREFETCHERS.
+  std::optional<unsigned> prefetchers;
   /// Print progress on stderr even when it is not a terminal.
   /// WEIGHTSTREAM_PROGRESS = 1|true|yes|on or 0|false|no|off.
   bool progress = false;

@@ -53,6 +53,16 @@ class Storage {
   /// Reads exactly destination.size() bytes of `name` starting at `offset`. Throws an
   /// Error naming the object, the range, the operation and the cause; never returns short.
   virtual void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) = 0;
+  /// Whether prefetch() and release() do anything here: true where reads copy out of a
+  /// mapping of the file, whose pages must be mapped into this process before the copy.
+  virtual bool prefetches() const { return false; }
+  /// Prepares a later read() of exactly this range (maps its pages), so that read costs
+  /// only its copy. A hint: never throws, never changes what a read returns; a range that
+  /// is not there (a file that shrank) is left for the read to report.
+  virtual void prefetch(std::string_view /*name*/, uint64_t /*offset*/, uint64_t /*length*/) noexcept {}
+  /// The caller is done reading this range: its pages may be dropped from this process
+  /// (they stay in the page cache). Never throws.
+  virtual void release(std::string_view /*name*/, uint64_t /*offset*/, uint64_t /*length*/) noexcept {}
   /// Reads in flight that this backend serves well (a hint for the stream layer).
   virtual unsigned preferred_concurrency() const { return 16; }
   /// Local path of an object when the backend is the local file system, else empty.

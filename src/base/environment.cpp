@@ -20,6 +20,7 @@ const std::set<std::string, std::less<>> kKnownVariables = {
     "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
     "WEIGHTSTREAM_S3_RETRY_BASE",   "WEIGHTSTREAM_S3_CONNECT_TIMEOUT", "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT",
     "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",       "WEIGHTSTREAM_MAPPED_SHARE",
+    "WEIGHTSTREAM_PREFETCHERS",
 };
 
 const std::string* find(const Environment& environment, std::string_view name) {
@@ -99,7 +100,7 @@ Options options_from_environment(const Environment& environment) {
       WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,
                 "unknown environment variable " + name + " (known: WEIGHTSTREAM_CONCURRENCY, "
                 "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, WEIGHTSTREAM_GPU_PATH, "
-                "WEIGHTSTREAM_MAPPED_SHARE, "
+                "WEIGHTSTREAM_MAPPED_SHARE, WEIGHTSTREAM_PREFETCHERS, "
                 "WEIGHTSTREAM_PROGRESS, WEIGHTSTREAM_S3_*, WEIGHTSTREAM_MODEL_URI)");
     }
   }
@@ -116,6 +117,8 @@ Options options_from_environment(const Environment& environment) {
     stream.gpu_path = parse_variable([&] { return parse_gpu_path(*v, "WEIGHTSTREAM_GPU_PATH"); });
   if (auto* v = find(environment, "WEIGHTSTREAM_MAPPED_SHARE"))
     stream.mapped_share = parse_variable([&] { return parse_share(*v, "WEIGHTSTREAM_MAPPED_SHARE"); });
+  if (auto* v = find(environment, "WEIGHTSTREAM_PREFETCHERS"))
+    stream.prefetchers = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_PREFETCHERS", *v, 0, 1024));
   parse_variable([&] {
     check_stream_options(stream, {"WEIGHTSTREAM_CONCURRENCY", "WEIGHTSTREAM_MEMORY_LIMIT", "WEIGHTSTREAM_CHUNK_SIZE"});
     return 0;

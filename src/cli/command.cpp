@@ -29,6 +29,10 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
   command.add_option("--mapped-share", flags.mapped_share,
                      "With --gpu-path both: the fraction of the bytes mapped, the rest staged (default 0.4; "
                      "WEIGHTSTREAM_MAPPED_SHARE)");
+  command.add_option("--prefetchers", flags.prefetchers,
+                     "Threads mapping the pages of reads ahead of the readers when files are read through a "
+                     "mapping (default: the cores the readers leave free; 0: none; WEIGHTSTREAM_PREFETCHERS)")
+      ->check(CLI::Range(0, 1024));
   command.add_flag("--progress", flags.progress,
                    "Print progress on stderr even when it is not a terminal, one line every few seconds "
                    "(WEIGHTSTREAM_PROGRESS=1)");
@@ -44,6 +48,7 @@ Options resolve_options(const StreamFlags& flags) {
   if (!flags.io.empty()) stream.local_io = parse_local_io(flags.io, "--io");
   if (!flags.gpu_path.empty()) stream.gpu_path = parse_gpu_path(flags.gpu_path, "--gpu-path");
   if (!flags.mapped_share.empty()) stream.mapped_share = parse_share(flags.mapped_share, "--mapped-share");
+  if (flags.prefetchers) stream.prefetchers = flags.prefetchers;
   check_stream_options(stream, {"--concurrency", "--memory-limit", "--chunk-size"});
   return options;
 }

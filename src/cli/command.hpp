@@ -23,6 +23,7 @@ struct StreamFlags {
   std::string io;
   std::string gpu_path;
   std::string mapped_share;
+  std::optional<unsigned> prefetchers;
   bool progress = false;
   bool no_progress = false;
 };

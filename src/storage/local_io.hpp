@@ -92,8 +92,20 @@ void direct_read(int fd, const std::string& uri, uint64_t file_size, uint64_t of
 /// asks the kernel to read the range ahead (a cold page cache is read in large requests,
 /// not a page per fault) and checks that the file still holds the range: touching a page
 /// past the end of a file that shrank would raise SIGBUS instead of an error.
+/// With `mapped` set, the range's pages are already mapped (map_range, by a prefetcher):
+/// only the size check and the copy remain.
 void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
-                 std::span<std::byte> destination);
+                 std::span<std::byte> destination, bool mapped = false);
+
+/// Maps the pages of `length` bytes at `offset` of a read-only shared `mapping` into this
+/// process (readahead first, then MADV_POPULATE_READ). False when the kernel refused
+/// (EFAULT: the range is past the end of a file that shrank; EINVAL: a kernel before 5.14).
+bool map_range(const std::byte* mapping, uint64_t offset, uint64_t length);
+
+/// Drops the pages of `length` bytes at `offset` of `mapping` from this process
+/// (MADV_DONTNEED; the page cache keeps them): a mapping torn down piece by piece as its
+/// reads finish costs nothing at its munmap.
+void unmap_range(const std::byte* mapping, uint64_t offset, uint64_t length);
 
 /// The fraction of `samples` pages, spread evenly over the `file_size` bytes of `fd`, that
 /// the page cache holds: each is probed with a one-byte preadv2(RWF_NOWAIT), which fails

@@ -145,6 +145,10 @@ class StreamRun {
         }
         read_index = next_read_++;
       }
+      if (helpers_) {
+        reads_taken_.store(read_index + 1, std::memory_order_relaxed);
+        helper_wakeup_.notify_one();
+      }
       try {
         if (reserved) lease = pool_->allocate_reserved();
         execute(reads_[read_index], lease);
@@ -166,8 +170,46 @@ class StreamRun {
 
   /// Called by each reader thread as it returns, whatever the reason.
   void worker_exited() {
-    if (workers_running_.fetch_sub(1) == 1) wake_progress();
+    if (workers_running_.fetch_sub(1) == 1) {
+      wake_progress();
+      {
+        std::lock_guard lock(helper_mutex_);
+        readers_done_ = true;
+      }
+      helper_wakeup_.notify_all();
+    }
   }
+
+  /// A prefetcher: maps the pages of the reads just ahead of the readers (at most
+  /// `lookahead` reads past the last one taken) and drops those of finished reads, so the
+  /// readers' time goes to their copies and the mapping is empty when it is unmapped.
+  /// Returns once every reader has returned and every finished read is dropped.
+  void run_helper(size_t lookahead) {
+    std::unique_lock lock(helper_mutex_);
+    for (;;) {
+      if (!to_release_.empty()) {
+        const PlannedRead* read = to_release_.back();
+        to_release_.pop_back();
+        lock.unlock();
+        storage_.release(checkpoint_.shards()[read->shard].name, read->offset, read->length);
+        lock.lock();
+        continue;
+      }
+      size_t taken = reads_taken_.load(std::memory_order_relaxed);
+      next_prefetch_ = std::max(next_prefetch_, taken);  // a read a reader has taken is its own
+      if (!readers_done_ && next_prefetch_ < reads_.size() && next_prefetch_ < taken + lookahead) {
+        const PlannedRead& read = reads_[next_prefetch_++];
+        lock.unlock();
+        storage_.prefetch(checkpoint_.shards()[read.shard].name, read.offset, read.length);
+        lock.lock();
+        continue;
+      }
+      if (readers_done_) return;
+      helper_wakeup_.wait(lock);
+    }
+  }
+
+  void set_helpers(unsigned helpers) { helpers_ = helpers; }
 
   /// Calls `progress` about every `interval` until every byte is delivered, a reader fails
   /// or every reader has returned; wakes as soon as one of those happens, so a small load
@@ -212,6 +254,13 @@ class StreamRun {
     auto read_from = Clock::now();
     storage_.read(shard.name, read.offset, std::span(target, read.length));
     reading_.add_since(read_from);
+    if (helpers_) {
+      {
+        std::lock_guard lock(helper_mutex_);
+        to_release_.push_back(&read);
+      }
+      helper_wakeup_.notify_one();
+    }
     auto deliver_from = Clock::now();
     ReaderTime::AddOnExit delivering{delivering_, deliver_from};
     for (const auto& delivery : read.deliveries) {
@@ -295,7 +344,23 @@ class StreamRun {
   std::atomic<unsigned> workers_running_{0};
   std::mutex progress_mutex_;
   std::condition_variable progress_wakeup_;
+  // Prefetchers (run_helper): set before any thread starts.
+  unsigned helpers_ = 0;
+  std::atomic<size_t> reads_taken_{0};  // reads handed to readers so far
+  std::mutex helper_mutex_;
+  std::condition_variable helper_wakeup_;
+  size_t next_prefetch_ = 0;                     // guarded by helper_mutex_
+  std::vector<const PlannedRead*> to_release_;   // reads copied out, to drop; guarded by helper_mutex_
+  bool readers_done_ = false;                    // guarded by helper_mutex_
 };
+
+/// Prefetchers beside `readers` reader threads: as asked, or the hardware threads the readers
+/// leave free (two kept for the copy engine's reaper and the caller), at most one a reader.
+unsigned prefetcher_count(const StreamOptions& options, unsigned readers) {
+  if (options.prefetchers) return *options.prefetchers;
+  unsigned cores = std::thread::hardware_concurrency();
+  return cores > readers + 2 ? std::min(readers, cores - readers - 2) : 0;
+}
 
 }  // namespace
 
@@ -337,10 +402,17 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   size_t max_buffers = static_cast<size_t>(std::clamp<uint64_t>(options.memory_limit / chunk, 1, useful_buffers));
   auto pool = StagingPool::create(chunk, max_buffers, staging);
   unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
+  unsigned helper_count = storage.prefetches() ? prefetcher_count(options, thread_count) : 0;
   {
     StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
+    run.set_helpers(helper_count);
     run.complete_empty_requests();
     {
+      // Declared first so they are joined last: they return once the readers have.
+      std::vector<std::jthread> helpers;
+      for (unsigned i = 0; i < helper_count; ++i) {
+        helpers.emplace_back([&run, lookahead = 2 * static_cast<size_t>(thread_count)] { run.run_helper(lookahead); });
+      }
       std::vector<std::jthread> threads;
       threads.reserve(thread_count);
       for (unsigned i = 0; i < thread_count; ++i) {

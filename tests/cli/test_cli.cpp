@@ -178,6 +178,7 @@ TEST(Cli, HelpDescribesEveryCommandAndNamesTheVariables) {
   // --io takes one parser's words, and says so in one message.
   expect_one_line_error(run_cli({"load", "x", "--io", "splice"}), "--io='splice': expected pread, direct, uring or mmap");
   EXPECT_THAT(load.out, HasSubstr("WEIGHTSTREAM_MAPPED_SHARE"));
+  EXPECT_THAT(load.out, HasSubstr("WEIGHTSTREAM_PREFETCHERS"));
   expect_one_line_error(run_cli({"load", "x", "--gpu-path", "both", "--mapped-share", "2"}),
                         "--mapped-share='2': expected a fraction from 0 to 1, such as 0.4");
   expect_one_line_error(run_cli({"load", "x", "--gpu-path", "pinned"}),

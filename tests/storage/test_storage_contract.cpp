@@ -279,6 +279,56 @@ TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
   }
 }
 
+// A prefetcher maps a range ahead of its read and drops it after: neither changes a byte
+// that a read returns, and a prefetch of what is not there throws nothing (the read says).
+TEST(LocalMmap, PrefetchedAndReleasedRangesReadTheSameBytes) {
+  testing::TempDir directory;
+  auto bytes = testing::pattern_bytes(5 * 65536 + 123, 11);
+  testing::write_file(directory / "shard.safetensors", bytes);
+  auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
+  ASSERT_TRUE(storage->prefetches());
+  EXPECT_FALSE(open_local_storage(directory.path().string(), LocalIo::kPread)->prefetches());
+  auto read = [&](uint64_t offset, uint64_t length) {
+    std::string out(length, '\0');
+    storage->read("shard.safetensors", offset, std::as_writable_bytes(std::span(out.data(), out.size())));
+    return out;
+  };
+  storage->prefetch("shard.safetensors", 1000, 70000);  // unaligned at both ends
+  EXPECT_EQ(read(1000, 70000), bytes.substr(1000, 70000));
+  storage->release("shard.safetensors", 1000, 70000);
+  EXPECT_EQ(read(1000, 70000), bytes.substr(1000, 70000));  // mapped again by the read itself
+  storage->prefetch("shard.safetensors", 4 * 65536, 65536 + 123);  // to the end
+  storage->release("shard.safetensors", 4 * 65536, 65536 + 123);   // dropped before its read
+  EXPECT_EQ(read(4 * 65536, 65536 + 123), bytes.substr(4 * 65536));
+  storage->prefetch("shard.safetensors", bytes.size() - 10, 100);  // past the end: ignored
+  storage->prefetch("missing.safetensors", 0, 100);                // no such file: ignored
+  storage->release("missing.safetensors", 0, 100);
+  try {
+    read(bytes.size() - 10, 100);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("past the end of the"));
+  }
+}
+
+// A range mapped by a prefetcher whose file then shrinks: the read still fails with an
+// error, as an unprefetched one does, rather than raising SIGBUS in its copy.
+TEST(LocalMmap, APrefetchedRangeOfATruncatedFileFailsTheReadWithAnError) {
+  testing::TempDir directory;
+  testing::write_file(directory / "shard.safetensors", testing::pattern_bytes(3 * 65536, 5));
+  auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
+  storage->prefetch("shard.safetensors", 2 * 65536, 4096);
+  std::filesystem::resize_file(directory / "shard.safetensors", 65536);
+  std::string out(4096, '\0');
+  try {
+    storage->read("shard.safetensors", 2 * 65536, std::as_writable_bytes(std::span(out.data(), out.size())));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
+  }
+}
+
 // The probe behind the GPU's warm shape (GpuPath::kAuto): a file just read is in the page
 // cache, one whose pages were dropped is not.
 TEST(LocalCacheProbe, TellsAReadFileFromADroppedOne) {

@@ -348,5 +348,48 @@ TEST(Load, EveryLocalIoModeReadsTheSameBytes) {
   }
 }
 
+// Prefetchers map reads ahead of the readers and drop them behind (--io mmap): with more
+// of them than readers, few readers, reads of a few pages and a slow consumer, every byte
+// still arrives once and equal to what pread delivers; an error still cancels the stream.
+TEST(Stream, PrefetchersChangeNoByteOfAMappedStream) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 60, 3, 29);
+  Options pread_options;
+  pread_options.stream.memory_limit = 256 * kKiB;
+  pread_options.stream.chunk_bytes = 16 * kKiB;
+  auto reference = digest_streamed(Checkpoint::open(directory.path().string(), pread_options), HashKind::kXxh64,
+                                   pread_options.stream);
+  for (unsigned prefetchers : {0u, 1u, 6u}) {
+    Options options = pread_options;
+    options.stream.local_io = LocalIo::kMmap;
+    options.stream.concurrency = 2;
+    options.stream.prefetchers = prefetchers;
+    auto checkpoint = Checkpoint::open(directory.path().string(), options);
+    auto digests = digest_streamed(checkpoint, HashKind::kXxh64, options.stream);
+    ASSERT_EQ(digests.size(), reference.size());
+    for (size_t i = 0; i < digests.size(); ++i) {
+      EXPECT_EQ(digests[i].hex, reference[i].hex) << digests[i].name << " with " << prefetchers << " prefetchers";
+    }
+    auto loaded = load_checkpoint(checkpoint, Device{}, options.stream);
+    EXPECT_EQ(loaded.stats.bytes, checkpoint.tensor_bytes());
+  }
+}
+
+TEST(Stream, ACancelledStreamWithPrefetchersReturnsTheCallersError) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 60, 3, 29);
+  Options options;
+  options.stream.local_io = LocalIo::kMmap;
+  options.stream.memory_limit = 256 * kKiB;
+  options.stream.chunk_bytes = 16 * kKiB;
+  options.stream.concurrency = 2;
+  options.stream.prefetchers = 4;
+  auto checkpoint = Checkpoint::open(directory.path().string(), options);
+  struct Stop {};
+  EXPECT_THROW(digest_streamed(checkpoint, HashKind::kXxh64, options.stream, nullptr,
+                               [](uint64_t, uint64_t) { throw Stop{}; }),
+               Stop);
+}
+
 }  // namespace
 }  // namespace weightstream
