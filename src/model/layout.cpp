@@ -217,7 +217,7 @@ void ModelLayout::set_device(const Device& device) {
   device_fixed_ = true;
 }
 
-void ModelLayout::allocate(const Device& device) {
+void ModelLayout::allocate(const Device& device, ArenaContents contents) {
   set_device(device);
   std::vector<size_t> unbound;
   uint64_t total = 0;
@@ -234,7 +234,7 @@ void ModelLayout::allocate(const Device& device) {
   Buffer arena(device, total);
   // Host memory comes zero-filled (page by page, as the load first touches it); device
   // memory does not.
-  if (device.is_cuda()) fill_zero(arena.data(), device, arena.size());
+  if (device.is_cuda() && contents == ArenaContents::kZeroed) fill_zero(arena.data(), device, arena.size());
   uint64_t offset = 0;
   for (size_t i : unbound) {
     Parameter& parameter = parameters_[i];

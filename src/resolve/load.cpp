@@ -280,7 +280,9 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   LoadedCheckpoint loaded;
   loaded.layout = identity_layout_without(checkpoint, in_place.taken, kInPlaceReason);
   try {
-    loaded.layout.allocate(device);
+    // Every tensor of the identity layout is written whole, or the load throws and the
+    // arena goes with it: zeroing it first would only cost time.
+    loaded.layout.allocate(device, ModelLayout::ArenaContents::kUnwritten);
   } catch (const Error& error) {
     WS_FAIL(error.code(), "cannot load " + checkpoint.uri() + " (" + std::to_string(tensors.size()) + " tensors) onto " +
                               device.name() + ": " + error.what());
