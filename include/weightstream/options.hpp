@@ -65,9 +65,9 @@ struct StreamOptions {
   double mapped_share = 0.4;
   /// Threads that map the pages of reads ahead of the readers and drop them behind, when
   /// local files are read through a mapping (--io mmap, and the warm GPU shape): the
-  /// page-table work then runs beside the readers' copies instead of inside them. Unset:
-  /// the cores the readers leave free (hardware threads - readers - 2), at most the reader
-  /// count; 0: none (each reader maps its own pages). WEIGHTSTREAM_PREFETCHERS.
+  /// page-table work then runs beside the readers' copies instead of inside them. Unset: 3
+  /// where the readers leave that many hardware threads free (plus two), else none; 0: none
+  /// (each reader maps its own pages). WEIGHTSTREAM_PREFETCHERS.
   std::optional<unsigned> prefetchers;
   /// Print progress on stderr even when it is not a terminal.
   /// WEIGHTSTREAM_PROGRESS = 1|true|yes|on or 0|false|no|off.

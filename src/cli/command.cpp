@@ -31,7 +31,7 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
                      "WEIGHTSTREAM_MAPPED_SHARE)");
   command.add_option("--prefetchers", flags.prefetchers,
                      "Threads mapping the pages of reads ahead of the readers when files are read through a "
-                     "mapping (default: the cores the readers leave free; 0: none; WEIGHTSTREAM_PREFETCHERS)")
+                     "mapping (default 3 where the readers leave the cores free, else 0; WEIGHTSTREAM_PREFETCHERS)")
       ->check(CLI::Range(0, 1024));
   command.add_flag("--progress", flags.progress,
                    "Print progress on stderr even when it is not a terminal, one line every few seconds "
