@@ -38,8 +38,8 @@ enum class LocalIo {
 
 /// How bytes reach a CUDA device.
 enum class GpuPath {
-  kAuto,    ///< kStaged; for local shards the page cache holds, in its warm shape (at most 8 readers,
-            ///< 4 MiB reads out of a mapping, 128 MiB of staging: 46-48 GB/s on an H200 against 26-33;
+  kAuto,    ///< kStaged; for local shards the page cache holds, in its warm shape (at most 10 readers,
+            ///< 4 MiB reads out of a mapping, 160 MiB of staging: 45-48 GB/s on an H200 against 26-33;
             ///< bench/RESULTS.md)
   kStaged,  ///< read into pinned staging buffers, async copies to the device
   kMapped,  ///< mmap local files, register windows with CUDA (read-only), the copy engine reads them

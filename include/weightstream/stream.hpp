@@ -153,9 +153,10 @@ StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorR
 /// them); for a GPU, by the path options.gpu_path names:
 ///  - staged: pinned staging buffers, which the copy engine reads directly;
 ///  - auto: staged; for local shards the page cache holds (probed with RWF_NOWAIT reads of a
-///    few pages each) and buffered reads, in the warm shape: at most 8 readers, reads of at
+///    few pages each) and buffered reads, in the warm shape: at most 10 readers, reads of at
 ///    most 4 MiB copied out of a mapping of each shard (as --io mmap reads), and at most
-///    128 MiB of staging, so staging stays in the CPU's cache;
+///    160 MiB of staging, so staging stays in the CPU's cache, with prefetchers mapping the
+///    reads' pages ahead (StreamOptions::prefetchers);
 ///  - mapped: local shards mapped read-only, windows of them registered with CUDA and
 ///    handed to the sink in place (no read(2), no copy into staging); a piece's keepalive
 ///    holds its window's registration, and registered windows stay within

@@ -336,10 +336,13 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
 // serves the page-cache copy and the DMA instead of spilling staging to DRAM and back.
 // Measured on an H200 (bench/RESULTS.md, 2026-12-03, 16 GB warm): 8 readers of 2 MiB in
 // 64 MiB 41 GB/s, 8 of 4 MiB in 128 MiB (--io mmap) 46.8 GB/s, against 26-35 GB/s at 16 of
-// 16 MiB in 1 GiB, the shape a cold disk needs to keep enough reads in flight.
-constexpr unsigned kWarmReaders = 8;
+// 16 MiB in 1 GiB, the shape a cold disk needs to keep enough reads in flight. With three
+// prefetchers beside them (2026-12-04, two machines, 3-4 rounds each), 10 readers in
+// 160 MiB beat 8 in 128 MiB (0.334-0.342 s against 0.331-0.356; 0.335-0.341 against
+// 0.336-0.376 on a host with slower memory); 12 and 16 readers were slower.
+constexpr unsigned kWarmReaders = 10;
 constexpr uint64_t kWarmChunkBytes = 4 * kMiB;
-constexpr uint64_t kWarmStagingBytes = 128 * kMiB;
+constexpr uint64_t kWarmStagingBytes = 160 * kMiB;
 // Pages probed per shard to tell a warm checkpoint from a cold one, and the share of them
 // the page cache must hold.
 constexpr unsigned kCacheProbes = 32;
