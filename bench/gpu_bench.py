@@ -615,15 +615,60 @@ class Bench:
     def cli_load(self, *flags):
         return [self.cli, "load", self.dir, "--device", self.args.device, "--json", "--no-progress", *flags]
 
+    # ---- contenders: (key, contender, setting, run, expect), measured alone or round-robin ----
+    def raw_contender(self, key, setting, flags=()):
+        command = self.cli_load("--raw", *flags)
+        return (key, "weightstream load --raw (CLI)", setting, lambda: run_cli(command, self.args.run_timeout),
+                self.expect_cli_whole)
+
+    def layout_contender(self, key, tp, rank):
+        command = self.cli_load("--tp-size", str(tp), "--tp-rank", str(rank))
+        return (key, f"weightstream load tp {tp} rank {rank} (CLI)", f"--tp-size {tp} --tp-rank {rank}",
+                lambda: run_cli(command, self.args.run_timeout, bytes_key="parameter_bytes"), None)
+
+    def python_site_missing(self):
+        """Why the Python rows cannot run, or None."""
+        site = self.args.python_site
+        if not site or not os.path.isdir(os.path.join(site, "weightstream")):
+            return f"no weightstream package under --python-site {site!r}"
+        return None
+
+    def python_contenders(self):
+        """The Python rows: LoadSession at tp 1, 2 and 8, weightstream.load, Checkpoint.stream()."""
+        params = dict(dir=self.dir, device=self.args.device)
+        site, timeout = self.args.python_site, self.args.run_timeout
+
+        def contender(key, name, setting, worker, extra, expect):
+            return (key, name, setting, lambda: run_python(worker, dict(params, **extra), {}, site, timeout), expect)
+
+        rows = [contender(key, f"Python LoadSession.load_checkpoint tp {tp} rank {rank}",
+                          f"model_layout(tp_size={tp}, tp_rank={rank})", "ws_session", {"tp": tp, "rank": rank}, None)
+                for key, tp, rank in (("py_session_tp1", 1, 0), ("py_session_tp2", 2, 1), ("py_session_tp8", 8, 3))]
+        rows.append(contender("py_load", "Python weightstream.load", "framework='torch'", "ws_load", {},
+                              self.expect_whole))
+        rows.append(contender("py_stream", "Python Checkpoint.stream()", "framework='torch', every tensor held",
+                              "ws_stream", {}, self.expect_whole))
+        return rows
+
+    def peer_contender(self, key, contender, setting, worker, env):
+        files = shard_files(self.dir)
+        site = self.args.peer_site if self.args.peer_site and os.path.isdir(self.args.peer_site) else None
+        params = {"files": files, "device": self.args.device}
+        return (key, contender, setting, lambda: run_python(worker, params, env, site, self.args.run_timeout),
+                self.expect_whole)
+
+    def measure_contender(self, contender, repeats=None):
+        key, name, setting, run, expect = contender
+        self.measure(key, name, setting, "warm", run, repeats or self.args.repeats, expect)
+
+    # ---- sections ----
     def section_warm(self):
-        for key, setting, flags in (("ws_raw", "default (--gpu-path auto)", ()),
-                                    ("ws_raw_staged", "--gpu-path staged", ("--gpu-path", "staged")),
-                                    ("ws_raw_mapped", "--gpu-path mapped", ("--gpu-path", "mapped")),
-                                    *((f"ws_raw_both_{share}", f"--gpu-path both --mapped-share {share}",
-                                       ("--gpu-path", "both", "--mapped-share", str(share))) for share in (0.3, 0.4, 0.5))):
-            command = self.cli_load("--raw", *flags)
-            self.measure(key, "weightstream load --raw (CLI)", setting, "warm",
-                         lambda: run_cli(command, self.args.run_timeout), self.args.repeats, self.expect_cli_whole)
+        self.measure_contender(self.raw_contender("ws_raw", "default (--gpu-path auto)"))
+        for path in ("staged", "mapped"):
+            self.measure_contender(self.raw_contender(f"ws_raw_{path}", f"--gpu-path {path}", ("--gpu-path", path)))
+        for share in (0.3, 0.4, 0.5):
+            self.measure_contender(self.raw_contender(f"ws_raw_both_{share}", f"--gpu-path both --mapped-share {share}",
+                                                      ("--gpu-path", "both", "--mapped-share", str(share))))
 
     def expect_cli_whole(self, result):
         facts = self.meta["checkpoint"]
@@ -632,10 +677,7 @@ class Bench:
 
     def section_layout(self):
         for key, tp, rank in (("layout_tp1", 1, 0), ("layout_tp2", 2, 1), ("layout_tp8", 8, 3)):
-            command = self.cli_load("--tp-size", str(tp), "--tp-rank", str(rank))
-            self.measure(key, f"weightstream load tp {tp} rank {rank} (CLI)", f"--tp-size {tp} --tp-rank {rank}",
-                         "warm", lambda: run_cli(command, self.args.run_timeout, bytes_key="parameter_bytes"),
-                         self.args.repeats)
+            self.measure_contender(self.layout_contender(key, tp, rank))
         command = [self.cli, "audit", self.dir, "--device", self.args.device, "--json", "--no-progress",
                    "--batches", "8", "--order", "shuffled"]
         self.measure("reload", "weightstream reload (audit, its reload s)", "--batches 8 --order shuffled", "warm",
@@ -643,54 +685,25 @@ class Bench:
                                      bytes_key="reload_bytes"), self.args.repeats)
 
     def section_python(self):
-        site = self.args.python_site
-        missing = None
-        if not site or not os.path.isdir(os.path.join(site, "weightstream")):
-            missing = f"no weightstream package under --python-site {site!r}"
-        device, timeout = self.args.device, self.args.run_timeout
-
-        def python(key, contender, setting, worker, params, expect=None):
+        missing = self.python_site_missing()
+        for contender in self.python_contenders():
             if missing:
-                self.record(key, {"contender": contender, "setting": setting, "cache": "warm", "error": missing})
-                return
-            self.measure(key, contender, setting, "warm",
-                         lambda: run_python(worker, dict(params, dir=self.dir, device=device), {}, site, timeout),
-                         self.args.repeats, expect)
-
-        for key, tp, rank in (("py_session_tp1", 1, 0), ("py_session_tp2", 2, 1), ("py_session_tp8", 8, 3)):
-            python(key, f"Python LoadSession.load_checkpoint tp {tp} rank {rank}", f"model_layout(tp_size={tp}, "
-                   f"tp_rank={rank})", "ws_session", {"tp": tp, "rank": rank})
-        python("py_load", "Python weightstream.load", "framework='torch'", "ws_load", {}, self.expect_whole)
-        python("py_stream", "Python Checkpoint.stream()", "framework='torch', every tensor held", "ws_stream", {},
-               self.expect_whole)
+                key, name, setting = contender[:3]
+                self.record(key, {"contender": name, "setting": setting, "cache": "warm", "error": missing})
+            else:
+                self.measure_contender(contender)
 
     def section_interleaved(self):
         """The rows whose ratios issue 19 asks for, measured round-robin (see
         measure_interleaved): the raw load, layout tp 1, the Python session, load and stream,
         and the peers closest to weightstream. They replace those rows of earlier sections."""
-        device, timeout, site = self.args.device, self.args.run_timeout, self.args.python_site
-        contenders = [("ws_raw", "weightstream load --raw (CLI)", "default (--gpu-path auto)",
-                       lambda: run_cli(self.cli_load("--raw"), timeout), self.expect_cli_whole),
-                      ("layout_tp1", "weightstream load tp 1 rank 0 (CLI)", "--tp-size 1 --tp-rank 0",
-                       lambda: run_cli(self.cli_load("--tp-size", "1", "--tp-rank", "0"), timeout,
-                                       bytes_key="parameter_bytes"), None)]
-        if site and os.path.isdir(os.path.join(site, "weightstream")):
-            params = dict(dir=self.dir, device=device)
-            contenders += [
-                ("py_session_tp1", "Python LoadSession.load_checkpoint tp 1 rank 0", "model_layout(tp_size=1, tp_rank=0)",
-                 lambda: run_python("ws_session", dict(params, tp=1, rank=0), {}, site, timeout), None),
-                ("py_load", "Python weightstream.load", "framework='torch'",
-                 lambda: run_python("ws_load", params, {}, site, timeout), self.expect_whole),
-                ("py_stream", "Python Checkpoint.stream()", "framework='torch', every tensor held",
-                 lambda: run_python("ws_stream", params, {}, site, timeout), self.expect_whole)]
-        peer_site = self.args.peer_site if self.args.peer_site and os.path.isdir(self.args.peer_site) else None
-        files = shard_files(self.dir)
-        for key, contender, setting, worker, env in self.peer_settings():
-            if key in ("peer_instanttensor_mmap", "peer_instanttensor_buffered", "peer_fastsafetensors_buffered"):
-                contenders.append((key, contender, setting,
-                                   lambda worker=worker, env=env: run_python(worker, {"files": files, "device": device},
-                                                                             env, peer_site, timeout),
-                                   self.expect_whole))
+        contenders = [self.raw_contender("ws_raw", "default (--gpu-path auto)"),
+                      self.layout_contender("layout_tp1", 1, 0)]
+        if not self.python_site_missing():
+            contenders += [c for c in self.python_contenders() if c[0] in ("py_session_tp1", "py_load", "py_stream")]
+        contenders += [self.peer_contender(*setting) for setting in self.peer_settings()
+                       if setting[0] in ("peer_instanttensor_mmap", "peer_instanttensor_buffered",
+                                         "peer_fastsafetensors_buffered")]
         self.measure_interleaved(contenders, self.args.repeats)
 
     def peer_settings(self):
@@ -728,13 +741,8 @@ class Bench:
                 yield setting
 
     def section_peers(self):
-        files = shard_files(self.dir)
-        site = self.args.peer_site if self.args.peer_site and os.path.isdir(self.args.peer_site) else None
-        for key, contender, setting, worker, env in self.wanted_peers():
-            params = {"files": files, "device": self.args.device}
-            self.measure(key, contender, setting, "warm",
-                         lambda: run_python(worker, params, env, site, self.args.run_timeout),
-                         self.args.peer_repeats or self.args.repeats, self.expect_whole)
+        for setting in self.wanted_peers():
+            self.measure_contender(self.peer_contender(*setting), self.args.peer_repeats)
 
     def section_cold(self):
         files = shard_files(self.dir)
