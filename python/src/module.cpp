@@ -40,7 +40,7 @@ void raise_python_error(const Error& error) {
 
 // ---- options ----------------------------------------------------------------------------
 
-constexpr const char* kOptionNames = "concurrency, memory_limit, chunk_size, io, gpu_path, mapped_share";
+constexpr const char* kOptionNames = "concurrency, memory_limit, chunk_size, io, gpu_path, mapped_share, prefetchers";
 
 /// A byte size given as an int or as text such as "64MiB".
 uint64_t size_argument(nb::handle value, const char* name) {
@@ -86,6 +86,12 @@ Options resolve_options(const Options& base, nb::dict overrides) {
       if (nb::isinstance<nb::bool_>(value) || !(nb::isinstance<nb::float_>(value) || nb::isinstance<nb::int_>(value)))
         throw nb::type_error("mapped_share must be a number from 0 to 1");
       stream.mapped_share = parse_share(std::to_string(nb::cast<double>(value)), "mapped_share");
+    } else if (name == "prefetchers") {
+      if (!nb::isinstance<nb::int_>(value) || nb::isinstance<nb::bool_>(value)) throw nb::type_error("prefetchers must be an int");
+      long long prefetchers = nb::cast<long long>(value);
+      WS_EXPECT(prefetchers >= 0 && prefetchers <= 1024, ErrorCode::kInvalidArgument,
+                "prefetchers " + std::to_string(prefetchers) + " is out of range: expected 0 to 1024");
+      stream.prefetchers = static_cast<unsigned>(prefetchers);
     } else {
       throw nb::type_error(("unknown option '" + name + "' (options are " + kOptionNames + ")").c_str());
     }
@@ -107,6 +113,7 @@ nb::dict options_dict(const Options& options) {
   result["io"] = std::string(local_io_name(stream.local_io));
   result["gpu_path"] = std::string(gpu_path_name(stream.gpu_path));
   result["mapped_share"] = stream.mapped_share;
+  result["prefetchers"] = stream.prefetchers ? nb::cast(*stream.prefetchers) : nb::none();
   return result;
 }
 

@@ -23,13 +23,15 @@ _OPTIONS_DOC = """
     gpu_path     how bytes reach a GPU: "auto" (default), "staged", "mapped" or "both"
                  (staged and mapped at once, on disjoint tensors)
     mapped_share with gpu_path="both": the fraction of the bytes mapped (default 0.4)
+    prefetchers  threads mapping the pages of reads ahead of the readers when reads copy out
+                 of a mapping (default None: 3 where the cores allow, else 0)
 """
 
 
 def resolve_options(**options: Any) -> Dict[str, Any]:
     """The options a call with these keyword arguments would use, after the environment
     and the defaults: a dict of concurrency, memory_limit and chunk_size (in bytes), io,
-    gpu_path and mapped_share. Raises weightstream.Error for a malformed value (for example
+    gpu_path, mapped_share and prefetchers (None: chosen by the cores). Raises weightstream.Error for a malformed value (for example
     memory_limit="12XB") and TypeError for an unknown option name.
     """
     return _core.resolve_options(options)

@@ -347,7 +347,11 @@ def test_options_have_the_command_defaults_and_accept_sizes(monkeypatch):
         monkeypatch.delenv(variable)
     assert weightstream.resolve_options() == {
         "concurrency": 16, "memory_limit": 1 << 30, "chunk_size": 16 << 20, "io": "pread", "gpu_path": "auto",
-        "mapped_share": 0.4}
+        "mapped_share": 0.4, "prefetchers": None}
+    assert weightstream.resolve_options(prefetchers=0)["prefetchers"] == 0
+    monkeypatch.setenv("WEIGHTSTREAM_PREFETCHERS", "2")
+    assert weightstream.resolve_options()["prefetchers"] == 2
+    monkeypatch.delenv("WEIGHTSTREAM_PREFETCHERS")
     resolved = weightstream.resolve_options(memory_limit="64MiB", chunk_size=1 << 20, concurrency=3, io="direct")
     assert resolved["memory_limit"] == 64 << 20 and resolved["chunk_size"] == 1 << 20
     assert resolved["concurrency"] == 3 and resolved["io"] == "direct"
@@ -371,6 +375,10 @@ def test_bad_options_raise_with_the_library_messages(mixed_file, monkeypatch):
     with pytest.raises(TypeError, match="mapped_share must be a number from 0 to 1"):
         weightstream.open(str(mixed_file), mapped_share="0.4")
     assert weightstream.resolve_options(gpu_path="both", mapped_share=0.25)["mapped_share"] == 0.25
+    with pytest.raises(weightstream.Error, match="prefetchers 2000 is out of range: expected 0 to 1024"):
+        weightstream.open(str(mixed_file), prefetchers=2000)
+    with pytest.raises(TypeError, match="prefetchers must be an int"):
+        weightstream.open(str(mixed_file), prefetchers="3")
     with pytest.raises(TypeError, match="unknown option 'memory'"):
         weightstream.open(str(mixed_file), memory="1GiB")
     with pytest.raises(TypeError, match="memory_limit must be an int"):

@@ -101,6 +101,10 @@ def test_vllm_registry_returns_our_loader_with_our_options():
                                          model_loader_extra_config={"memory_limit": "64MiB", "concurrency": 4}))
     assert isinstance(loader, WeightstreamModelLoader)
     assert loader.options.stream == {"memory_limit": "64MiB", "concurrency": 4}
+    # Every stream option of the Python API is a key here, as docs/VLLM.md lists them.
+    loader = get_model_loader(LoadConfig(load_format="weightstream",
+                                         model_loader_extra_config={"mapped_share": 0.25, "prefetchers": 0}))
+    assert loader.options.stream == {"mapped_share": 0.25, "prefetchers": 0}
 
 
 def test_unknown_or_malformed_extra_config_fails_when_the_loader_is_made():

@@ -23,7 +23,7 @@ from .._model import ModelLayout, model_layout
 logger = logging.getLogger("vllm.weightstream")
 
 #: weightstream's stream options, as weightstream.stream takes them.
-STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path")
+STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path", "mapped_share", "prefetchers")
 #: Every key ``--model-loader-extra-config`` takes.
 EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri",)
 
