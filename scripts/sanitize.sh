@@ -51,7 +51,7 @@ for stage in $stages; do
       start=$SECONDS
       # The streamer's reader pool and the staging pool are where threads meet; the CUDA
       # tests skip without a device and are left out.
-      "$tsan_build/tests/test_stream" --gtest_filter='*StreamExactlyOnce*:Streamer.*:Digest.*:Load.*:Checkpoint.*' \
+      "$tsan_build/tests/test_stream" --gtest_filter='*StreamExactlyOnce*:Streamer.*:Digest.*:Load.*:Checkpoint.*:Stream.*Prefetchers*' \
         || status=1
       echo "sanitize: tsan test_stream took $((SECONDS - start)) s"
       ;;

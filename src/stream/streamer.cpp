@@ -147,6 +147,8 @@ class StreamRun {
       }
       if (helpers_) {
         reads_taken_.store(read_index + 1, std::memory_order_relaxed);
+        // Taking the lock orders the wake-up after a helper's check of reads_taken_.
+        { std::lock_guard lock(helper_mutex_); }
         helper_wakeup_.notify_one();
       }
       try {
