@@ -211,7 +211,12 @@ class StreamRun {
     }
   }
 
-  void set_helpers(unsigned helpers) { helpers_ = helpers; }
+  /// `helpers` prefetcher threads will run beside the readers; `releases`: the storage
+  /// drops finished reads (a mapping), by the helpers or, without them, by the readers.
+  void set_helpers(unsigned helpers, bool releases) {
+    helpers_ = helpers;
+    releases_ = releases;
+  }
 
   /// Calls `progress` about every `interval` until every byte is delivered, a reader fails
   /// or every reader has returned; wakes as soon as one of those happens, so a small load
@@ -256,12 +261,22 @@ class StreamRun {
     auto read_from = Clock::now();
     storage_.read(shard.name, read.offset, std::span(target, read.length));
     reading_.add_since(read_from);
-    if (helpers_) {
-      {
+    if (releases_) {
+      // The pages copied out of the mapping are dropped by a helper, or by this reader where
+      // there is none or they are behind (a helper's backlog is at most one read each): the
+      // mapped pages this process holds stay near the reads in flight, not the whole
+      // checkpoint, and nothing is left for the unmap at the end.
+      bool queued = false;
+      if (helpers_) {
         std::lock_guard lock(helper_mutex_);
-        to_release_.push_back(&read);
+        queued = to_release_.size() < helpers_;
+        if (queued) to_release_.push_back(&read);
       }
-      helper_wakeup_.notify_one();
+      if (queued) {
+        helper_wakeup_.notify_one();
+      } else {
+        storage_.release(shard.name, read.offset, read.length);
+      }
     }
     auto deliver_from = Clock::now();
     ReaderTime::AddOnExit delivering{delivering_, deliver_from};
@@ -348,6 +363,7 @@ class StreamRun {
   std::condition_variable progress_wakeup_;
   // Prefetchers (run_helper): set before any thread starts.
   unsigned helpers_ = 0;
+  bool releases_ = false;
   std::atomic<size_t> reads_taken_{0};  // reads handed to readers so far
   std::mutex helper_mutex_;
   std::condition_variable helper_wakeup_;
@@ -413,14 +429,16 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   unsigned helper_count = storage.prefetches() ? prefetcher_count(options, thread_count) : 0;
   {
     StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
-    run.set_helpers(helper_count);
+    run.set_helpers(helper_count, storage.prefetches());
     run.complete_empty_requests();
     {
-      // Declared first so they are joined last: they return once the readers have.
+      // Declared first so they are joined last: they return once the readers have. They map
+      // at most two reads a reader ahead, within what the memory limit leaves beside the
+      // staging (at least one read).
+      const uint64_t room = options.memory_limit - std::min<uint64_t>(options.memory_limit, max_buffers * chunk);
+      const size_t lookahead = std::clamp<size_t>(room / chunk, 1, 2 * static_cast<size_t>(thread_count));
       std::vector<std::jthread> helpers;
-      for (unsigned i = 0; i < helper_count; ++i) {
-        helpers.emplace_back([&run, lookahead = 2 * static_cast<size_t>(thread_count)] { run.run_helper(lookahead); });
-      }
+      for (unsigned i = 0; i < helper_count; ++i) helpers.emplace_back([&run, lookahead] { run.run_helper(lookahead); });
       std::vector<std::jthread> threads;
       threads.reserve(thread_count);
       for (unsigned i = 0; i < thread_count; ++i) {
