@@ -211,12 +211,8 @@ class StreamRun {
     }
   }
 
-  /// `helpers` prefetcher threads will run beside the readers; `releases`: the storage
-  /// drops finished reads (a mapping), by the helpers or, without them, by the readers.
-  void set_helpers(unsigned helpers, bool releases) {
-    helpers_ = helpers;
-    releases_ = releases;
-  }
+  /// `helpers` prefetcher threads will run beside the readers.
+  void set_helpers(unsigned helpers) { helpers_ = helpers; }
 
   /// Calls `progress` about every `interval` until every byte is delivered, a reader fails
   /// or every reader has returned; wakes as soon as one of those happens, so a small load
@@ -261,7 +257,7 @@ class StreamRun {
     auto read_from = Clock::now();
     storage_.read(shard.name, read.offset, std::span(target, read.length));
     reading_.add_since(read_from);
-    if (releases_) {
+    if (storage_.prefetches()) {
       // The pages copied out of the mapping are dropped by a helper, or by this reader where
       // there is none or they are behind (a helper's backlog is at most one read each): the
       // mapped pages this process holds stay near the reads in flight, not the whole
@@ -363,7 +359,6 @@ class StreamRun {
   std::condition_variable progress_wakeup_;
   // Prefetchers (run_helper): set before any thread starts.
   unsigned helpers_ = 0;
-  bool releases_ = false;
   std::atomic<size_t> reads_taken_{0};  // reads handed to readers so far
   std::mutex helper_mutex_;
   std::condition_variable helper_wakeup_;
@@ -429,7 +424,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   unsigned helper_count = storage.prefetches() ? prefetcher_count(options, thread_count) : 0;
   {
     StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
-    run.set_helpers(helper_count, storage.prefetches());
+    run.set_helpers(helper_count);
     run.complete_empty_requests();
     {
       // Declared first so they are joined last: they return once the readers have. They map

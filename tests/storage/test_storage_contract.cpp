@@ -260,6 +260,19 @@ TEST_P(StorageContract, ReopensWithAnotherLocalReadMethodOrSaysItCannot) {
   EXPECT_EQ(read("small.bin", 17, 100), small_.substr(17, 100));  // the original still reads
 }
 
+/// Reading 4096 bytes at 2 * 65536 of shard.safetensors, cut to 65536 bytes after it was
+/// mapped, fails with the size error rather than SIGBUS.
+void expect_read_of_truncated_shard_fails(Storage& storage) {
+  std::string out(4096, '\0');
+  try {
+    storage.read("shard.safetensors", 2 * 65536, std::as_writable_bytes(std::span(out.data(), out.size())));
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
+  }
+}
+
 TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
   testing::TempDir directory;
   auto bytes = testing::pattern_bytes(3 * 65536, 7);
@@ -269,14 +282,7 @@ TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
   storage->read("shard.safetensors", 65536, std::as_writable_bytes(std::span(first.data(), first.size())));
   EXPECT_EQ(first, bytes.substr(65536, 4096));
   std::filesystem::resize_file(directory / "shard.safetensors", 65536);
-  std::string second(4096, '\0');
-  try {
-    storage->read("shard.safetensors", 2 * 65536, std::as_writable_bytes(std::span(second.data(), second.size())));
-    FAIL() << "expected an error";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kIo);
-    EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
-  }
+  expect_read_of_truncated_shard_fails(*storage);
 }
 
 // A prefetcher maps a range ahead of its read and drops it after: neither changes a byte
@@ -319,14 +325,7 @@ TEST(LocalMmap, APrefetchedRangeOfATruncatedFileFailsTheReadWithAnError) {
   auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
   storage->prefetch("shard.safetensors", 2 * 65536, 4096);
   std::filesystem::resize_file(directory / "shard.safetensors", 65536);
-  std::string out(4096, '\0');
-  try {
-    storage->read("shard.safetensors", 2 * 65536, std::as_writable_bytes(std::span(out.data(), out.size())));
-    FAIL() << "expected an error";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kIo);
-    EXPECT_THAT(error.what(), ::testing::HasSubstr("shard.safetensors: the file is now 65536 bytes (truncated while loading?)"));
-  }
+  expect_read_of_truncated_shard_fails(*storage);
 }
 
 // The probe behind the GPU's warm shape (GpuPath::kAuto): a file just read is in the page
