@@ -23,7 +23,12 @@ inline constexpr uint64_t kMinStagingBytes = 4 * kKiB;
 
 /// How local files are read.
 enum class LocalIo {
-  kPread,   ///< buffered pread(2) through the page cache
+  /// The default: a host load (load_checkpoint onto the CPU) takes the tensors of local
+  /// shards in place, as kMmap does (copy-on-write views of the page cache, no fresh page to
+  /// zero), and every other read is kPread's (streams, digests, layout loads; a GPU load
+  /// chooses its own shape, GpuPath::kAuto).
+  kAuto,
+  kPread,   ///< buffered pread(2) through the page cache; a host load copies every tensor
   kDirect,  ///< O_DIRECT with aligned buffers, bypassing the page cache
   kUring,   ///< io_uring (liburing) submissions of buffered reads
   /// Streams copy out of a read-only mapping of the file (page cache, no read(2) per chunk).
@@ -56,8 +61,8 @@ struct StreamOptions {
   /// Largest single read in bytes, at least kMinStagingBytes; large tensors are split into
   /// reads of this size, neighbouring small ones merged up to it. WEIGHTSTREAM_CHUNK_SIZE.
   uint64_t chunk_bytes = 16 * kMiB;
-  /// How local files are read. WEIGHTSTREAM_LOCAL_IO = pread | direct | uring | mmap.
-  LocalIo local_io = LocalIo::kPread;
+  /// How local files are read. WEIGHTSTREAM_LOCAL_IO = auto | pread | direct | uring | mmap.
+  LocalIo local_io = LocalIo::kAuto;
   /// How bytes reach a CUDA device. WEIGHTSTREAM_GPU_PATH = auto | staged | mapped | both.
   GpuPath gpu_path = GpuPath::kAuto;
   /// With GpuPath::kBoth: the fraction of the bytes the mapped source carries, the rest

@@ -19,7 +19,9 @@ _OPTIONS_DOC = """
     memory_limit staging memory cap in bytes, an int or a string such as "64MiB"
                  (default "1GiB"; at least 4KiB)
     chunk_size   largest single read, int or string (default "16MiB"; at least 4KiB)
-    io           how local files are read: "pread" (default), "direct" (O_DIRECT), "uring" or "mmap"
+    io           how local files are read: "auto" (default: load() onto the CPU takes tensors in
+                 place, other reads pread), "pread" (load() copies), "direct" (O_DIRECT),
+                 "uring" or "mmap"
     gpu_path     how bytes reach a GPU: "auto" (default), "staged", "mapped" or "both"
                  (staged and mapped at once, on disjoint tensors)
     mapped_share with gpu_path="both": the fraction of the bytes mapped (default 0.4)
@@ -133,8 +135,8 @@ class Checkpoint:
         return TensorIterator(self, _core.TensorStream(self._core, device, options, selection), framework, count)
 
     def load(self, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> Dict[str, Any]:
-        """Loads every tensor into one arena on ``device`` (on the CPU with io="mmap", views
-        of the page cache); see weightstream.load()."""
+        """Loads every tensor into one arena on ``device`` (on the CPU, at the default io,
+        views of the page cache); see weightstream.load()."""
         check_framework(framework)
         loaded = self._core.load(device, options)
         return {name: present(array, info.dtype, info.shape, framework)
@@ -260,9 +262,9 @@ def load(uri: str, device: str = "cpu", framework: Optional[str] = None, **optio
     """Loads every tensor of the checkpoint at ``uri`` into one arena on ``device`` and
     returns a dict of name to tensor, in file order. The arena is freed when the last
     tensor (or anything viewing it) is gone. Tensors are as stream() describes. With
-    ``device="cpu"`` and ``io="mmap"`` the aligned tensors of local shards are copy-on-write
-    views of the page cache instead (no copy; docs/PYTHON.md says what rewriting a shard in
-    place does to them).
+    ``device="cpu"``, at the default ``io="auto"`` (and ``"mmap"``), the aligned tensors of
+    local shards are copy-on-write views of the page cache instead (no copy; docs/PYTHON.md
+    says what rewriting a shard in place does to them); ``io="pread"`` copies them.
     """
     return Checkpoint(uri, **options).load(device=device, framework=framework)
 

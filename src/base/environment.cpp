@@ -232,15 +232,17 @@ double parse_duration(std::string_view text, std::string_view what) {
 }
 
 LocalIo parse_local_io(std::string_view text, std::string_view what) {
+  if (text == "auto") return LocalIo::kAuto;
   if (text == "pread") return LocalIo::kPread;
   if (text == "direct") return LocalIo::kDirect;
   if (text == "uring") return LocalIo::kUring;
   if (text == "mmap") return LocalIo::kMmap;
-  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected pread, direct, uring or mmap");
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, pread, direct, uring or mmap");
 }
 
 std::string_view local_io_name(LocalIo io) noexcept {
   switch (io) {
+    case LocalIo::kAuto: return "auto";
     case LocalIo::kPread: return "pread";
     case LocalIo::kDirect: return "direct";
     case LocalIo::kUring: return "uring";

@@ -22,7 +22,8 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
                      "Staging memory cap, e.g. 256MiB (default 1GiB; WEIGHTSTREAM_MEMORY_LIMIT)");
   command.add_option("--chunk-size", flags.chunk_size, "Largest single read (default 16MiB; WEIGHTSTREAM_CHUNK_SIZE)");
   command.add_option("--io", flags.io,
-                     "Local read method: pread, direct (O_DIRECT), uring or mmap (default pread; WEIGHTSTREAM_LOCAL_IO)");
+                     "Local read method: auto (a host load takes tensors in place, other reads pread), pread, direct "
+                     "(O_DIRECT), uring or mmap (default auto; WEIGHTSTREAM_LOCAL_IO)");
   command.add_option("--gpu-path", flags.gpu_path,
                      "How bytes reach a CUDA device: auto, staged (pinned buffers), mapped (registered mmap of "
                      "local files) or both at once on disjoint tensors (default auto; WEIGHTSTREAM_GPU_PATH)");

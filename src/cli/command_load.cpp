@@ -1,4 +1,5 @@
 // weightstream load URI [--device cpu|cuda:N] [--concurrency N] [--memory-limit SIZE] [--json]
+#include <algorithm>
 #include <cstdio>
 
 #include "cli/command.hpp"
@@ -82,6 +83,9 @@ void add_load_command(CLI::App& app) {
       summary["uri"] = checkpoint.uri();
       summary["device"] = device.name();
       summary["shards"] = checkpoint.shards().size();
+      // Tensors handed out as copy-on-write views of the page cache (a host load at --io auto
+      // or mmap), the rest copied.
+      summary["tensors_in_place"] = std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place);
       print_json(summary);
     } else {
       print_stream_summary("loaded", loaded.stats, device.name());

@@ -107,7 +107,7 @@ ModelLayout identity_layout_without(const Checkpoint& checkpoint, const std::vec
   return layout;
 }
 
-/// The tensors of a host load with --io mmap that are handed out in place, as addresses in a
+/// The tensors of a host load (--io auto, the default, or mmap) that are handed out in place, as addresses in a
 /// private copy-on-write mapping of their shard (local_io::MappingKind::kPrivateWritable):
 /// the page cache's pages, no copy, and no fresh page to zero. The mappings are the load's
 /// own, never the storage's read mapping, so a write into a loaded tensor reaches no later
@@ -120,7 +120,7 @@ struct InPlaceTensors {
   uint64_t shards_mapped = 0;
 };
 
-constexpr const char* kInPlaceReason = "taken in place from a copy-on-write mapping of its shard (--io mmap)";
+constexpr const char* kInPlaceReason = "taken in place from a copy-on-write mapping of its shard (--io auto or mmap)";
 
 /// Whether a tensor of a local shard can be handed out in place: it has bytes, and its
 /// offset in the file (so its address, the mapping being page-aligned) is a multiple of its
@@ -131,10 +131,15 @@ bool in_place_candidate(const CheckpointTensor& tensor) {
   return tensor.bytes > 0 && tensor.offset % element_bytes == 0;
 }
 
-/// Picks the tensors taken in place and maps each shard holding one, once. `progress` is
-/// told after each shard, over `total` bytes (the whole load). Throws Error(kIo) naming the
-/// shard when it cannot be mapped or its size is no longer the one recorded at open.
-InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, const ProgressCallback& progress) {
+/// Picks the tensors taken in place, maps each shard holding one, once, and maps the page
+/// cache's pages of those shards into the process in `piece_bytes` pieces on up to
+/// `threads` threads (cold, the pieces are read from disk in parallel; warm, the page-table
+/// work is shared out). `progress` is told on this thread as pieces finish, over `total`
+/// bytes (the whole load); when it throws, the other threads stop after their piece. Throws
+/// Error(kIo) naming the shard when it cannot be mapped, its size is no longer the one
+/// recorded at open, or it shrinks while its pages are mapped.
+InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64_t piece_bytes, unsigned threads,
+                            const ProgressCallback& progress) {
   const auto& tensors = checkpoint.tensors();
   const auto& shards = checkpoint.shards();
   InPlaceTensors in_place;
@@ -149,15 +154,63 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, const 
     ++in_place.tensors;
     shard_bytes[tensors[i].shard] += tensors[i].bytes;
   }
-  uint64_t mapped = 0;
+  struct Piece {
+    size_t shard;
+    uint64_t offset, length;
+  };
+  std::vector<Piece> pieces;
   for (size_t s = 0; s < shards.size(); ++s) {
     if (shard_bytes[s] == 0) continue;
     in_place.mappings[s] = local_io::FileMapping::open(paths[s], shards[s].size, local_io::MappingKind::kPrivateWritable);
     ++in_place.shards_mapped;
-    mapped += shard_bytes[s];
-    if (progress) progress(mapped, total);
+    in_place.bytes += shard_bytes[s];
+    for (uint64_t offset = 0; offset < shards[s].size; offset += piece_bytes) {
+      pieces.push_back({s, offset, std::min(piece_bytes, shards[s].size - offset)});
+    }
   }
-  in_place.bytes = mapped;
+  // Progress counts the file bytes mapped, scaled to the tensor bytes they hold.
+  uint64_t file_bytes = 0;
+  for (const Piece& piece : pieces) file_bytes += piece.length;
+
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> mapped{0};
+  std::mutex mutex;
+  std::exception_ptr first_error;
+  auto map_piece = [&](size_t p) {  // the file bytes mapped so far, this piece's included
+    const Piece& piece = pieces[p];
+    local_io::populate_range(in_place.mappings[piece.shard].data(), paths[piece.shard], piece.offset, piece.length);
+    return mapped.fetch_add(piece.length) + piece.length;
+  };
+  auto stop_with_error = [&] {
+    std::lock_guard lock(mutex);
+    if (!first_error) first_error = std::current_exception();
+    next.store(pieces.size());
+  };
+  {
+    std::vector<std::jthread> helpers;
+    unsigned helper_count = static_cast<unsigned>(std::min<size_t>(std::max(threads, 1u) - 1, pieces.size()));
+    for (unsigned h = 0; h < helper_count; ++h) {
+      helpers.emplace_back([&] {
+        try {
+          for (size_t p; (p = next.fetch_add(1)) < pieces.size();) map_piece(p);
+        } catch (...) {
+          stop_with_error();
+        }
+      });
+    }
+    // This thread maps pieces too, and is the one that reports progress (a callback that
+    // throws, as an interrupted Python caller's does, stops the helpers at their next piece).
+    try {
+      for (size_t p; (p = next.fetch_add(1)) < pieces.size();) {
+        uint64_t done = map_piece(p);
+        if (progress) progress(static_cast<uint64_t>(static_cast<double>(in_place.bytes) * done / file_bytes), total);
+      }
+    } catch (...) {
+      stop_with_error();
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  if (progress && in_place.bytes > 0) progress(in_place.bytes, total);
   return in_place;
 }
 
@@ -272,8 +325,11 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   auto start = Clock::now();
   const auto& tensors = checkpoint.tensors();
   InPlaceTensors in_place;
-  if (!device.is_cuda() && options.local_io == LocalIo::kMmap) {
-    in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), progress);
+  if (!device.is_cuda() && (options.local_io == LocalIo::kAuto || options.local_io == LocalIo::kMmap)) {
+    // Threads beyond the cores only contend for the page tables (a probe on 2 cores: 2
+    // threads map 1 GB warm in 0.035-0.038 s, 16 in 0.038-0.053, one 0.069, MAP_POPULATE 0.086).
+    unsigned threads = std::min(options.concurrency, std::max(1u, std::thread::hardware_concurrency()));
+    in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), options.chunk_bytes, threads, progress);
   }
 
   // Everything not taken in place goes through the one load path, into an arena.

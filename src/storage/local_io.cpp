@@ -22,20 +22,16 @@ uint64_t page_size() noexcept {
 FileMapping::FileMapping(int fd, uint64_t size, std::string path, MappingKind kind)
     : size_(size), kind_(kind), path_(std::move(path)) {
   if (size_ == 0) return;  // mmap refuses a zero length; there is nothing to map
-  // Both kinds map read-only first: with PROT_WRITE, MAP_POPULATE on a private mapping
-  // would break copy-on-write for every page (copy the whole file) instead of mapping the
-  // page cache's pages.
-  int flags = kind_ == MappingKind::kSharedRead ? MAP_SHARED : MAP_PRIVATE | MAP_POPULATE;
-  void* data = ::mmap(nullptr, size_, PROT_READ, flags, fd, 0);
+  // Neither kind is populated here: a shared one is read piece by piece (map_range), a
+  // private one is populated by its owner (populate_range), on several threads.
+  bool shared = kind_ == MappingKind::kSharedRead;
+  void* data = ::mmap(nullptr, size_, shared ? PROT_READ : PROT_READ | PROT_WRITE, shared ? MAP_SHARED : MAP_PRIVATE,
+                      fd, 0);
+  // ENOMEM for a private one can be the commit charge of a writable private mapping
+  // (vm.overcommit_memory 2).
   WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
-            "cannot map " + std::to_string(size_) + " bytes of " + path_ + ": " + detail::errno_text(errno));
-  if (kind_ == MappingKind::kPrivateWritable && ::mprotect(data, size_, PROT_READ | PROT_WRITE) != 0) {
-    // ENOMEM here is the commit charge of a writable private mapping (vm.overcommit_memory 2).
-    int error = errno;
-    ::munmap(data, size_);
-    WS_FAIL(ErrorCode::kIo, "cannot make the " + std::to_string(size_) + "-byte copy-on-write mapping of " + path_ +
-                                " writable: mprotect: " + detail::errno_text(error));
-  }
+            "cannot map " + std::to_string(size_) + " bytes of " + path_ + (shared ? "" : " copy-on-write") + ": " +
+                detail::errno_text(errno));
   data_ = static_cast<std::byte*>(data);
 }
 

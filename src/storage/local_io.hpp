@@ -36,12 +36,12 @@ uint64_t page_size() noexcept;
 enum class MappingKind {
   /// PROT_READ, MAP_SHARED: the page cache itself, read-only.
   kSharedRead,
-  /// A copy-on-write view: mapped MAP_PRIVATE read-only with MAP_POPULATE (the page cache's
-  /// pages, no copy), then made writable with mprotect. A write copies that one page into
-  /// memory of this process; the file and other mappings of it never see it. (Mapping it
-  /// writable up front would make MAP_POPULATE copy every page.) Pages nobody wrote still
-  /// show what the file holds, so a file rewritten in place changes them, and one truncated
-  /// makes touching them raise SIGBUS.
+  /// A copy-on-write view: PROT_READ | PROT_WRITE, MAP_PRIVATE, nothing mapped yet
+  /// (populate_range maps the page cache's pages without copying them; MAP_POPULATE on a
+  /// writable private mapping would copy every page). A write copies that one page into
+  /// memory of this process; the file and other mappings of it never see it. Pages nobody
+  /// wrote still show what the file holds, so a file rewritten in place changes them, and
+  /// one truncated makes touching them raise SIGBUS.
   kPrivateWritable,
 };
 
@@ -101,6 +101,13 @@ void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint6
 /// process (readahead first, then MADV_POPULATE_READ). False when the kernel refused
 /// (EFAULT: the range is past the end of a file that shrank; EINVAL: a kernel before 5.14).
 bool map_range(const std::byte* mapping, uint64_t offset, uint64_t length);
+
+/// Maps the page cache's pages of `length` bytes at `offset` of any mapping of a file into
+/// this process, as map_range does, on behalf of a caller that hands the range out (a host
+/// load in place): throws Error(kIo) naming `path` when the range is no longer in the file
+/// (EFAULT: it shrank). A kernel without MADV_POPULATE_READ (before 5.14) leaves the pages
+/// to fault in on first use.
+void populate_range(const std::byte* mapping, const std::string& path, uint64_t offset, uint64_t length);
 
 /// Drops the pages of `length` bytes at `offset` of `mapping` from this process
 /// (MADV_DONTNEED; the page cache keeps them): a mapping torn down piece by piece as its

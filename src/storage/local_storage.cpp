@@ -148,6 +148,14 @@ bool map_range(const std::byte* mapping, uint64_t offset, uint64_t length) {
   return ::madvise(range.data(), range.size(), MADV_POPULATE_READ) == 0;
 }
 
+void populate_range(const std::byte* mapping, const std::string& path, uint64_t offset, uint64_t length) {
+  if (map_range(mapping, offset, length)) return;
+  int error = errno;
+  WS_EXPECT(error != EFAULT, ErrorCode::kIo,
+            "cannot map " + range_text(offset, length) + " bytes of " + path + ": " + detail::errno_text(error) +
+                " (the file shrank since it was opened?)");
+}
+
 void unmap_range(const std::byte* mapping, uint64_t offset, uint64_t length) {
   if (length == 0) return;
   auto range = page_range(mapping, offset, length);
@@ -199,7 +207,10 @@ using local_io::FileDescriptor;
 
 class LocalStorage final : public Storage {
  public:
-  LocalStorage(std::string directory, LocalIo io) : directory_(std::move(directory)), io_(io) {
+  // kAuto reads as kPread does: what it changes is a host load's choice to take its tensors
+  // in place (load_checkpoint), which is not a way of reading.
+  LocalStorage(std::string directory, LocalIo io)
+      : directory_(std::move(directory)), io_(io == LocalIo::kAuto ? LocalIo::kPread : io) {
     WS_EXPECT(io_ != LocalIo::kUring || local_io::uring_available(), ErrorCode::kUnsupported,
               "io_uring reads were asked for, but this build has no liburing support (use --io pread or direct)");
     while (directory_.size() > 1 && directory_.back() == '/') directory_.pop_back();
@@ -250,6 +261,7 @@ class LocalStorage final : public Storage {
                   ": past the end of the " + std::to_string(file.size) + "-byte file");
     storage::populate_destination(destination);
     switch (io_) {
+      case LocalIo::kAuto:  // never held: the constructor makes it kPread
       case LocalIo::kPread: local_io::pread_exact(file.buffered.get(), uri, offset, destination); break;
       case LocalIo::kDirect: local_io::direct_read(file.direct.get(), uri, file.size, offset, destination); break;
       case LocalIo::kUring: local_io::uring_read(file.buffered.get(), uri, offset, destination); break;

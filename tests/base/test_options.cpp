@@ -24,7 +24,7 @@ TEST(Options, DefaultsWithEmptyEnvironment) {
   auto options = options_from_environment({});
   EXPECT_EQ(options.stream.concurrency, 16u);
   EXPECT_EQ(options.stream.memory_limit, kGiB);
-  EXPECT_EQ(options.stream.local_io, LocalIo::kPread);
+  EXPECT_EQ(options.stream.local_io, LocalIo::kAuto);
   EXPECT_TRUE(options.s3.verify_tls);
 }
 
@@ -45,7 +45,7 @@ TEST(Options, MalformedValuesNameTheVariable) {
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_CONCURRENCY", "0"}}), HasSubstr("WEIGHTSTREAM_CONCURRENCY='0'"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_CONCURRENCY", "four"}}), HasSubstr("expected a whole number"));
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_MEMORY_LIMIT", "lots"}}), HasSubstr("WEIGHTSTREAM_MEMORY_LIMIT='lots'"));
-  EXPECT_THAT(config_error({{"WEIGHTSTREAM_LOCAL_IO", "splice"}}), HasSubstr("expected pread, direct, uring or mmap"));
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_LOCAL_IO", "splice"}}), HasSubstr("expected auto, pread, direct, uring or mmap"));
   // The message lists every spelling the parser takes (it once said "0 or 1" and took yes/no/on/off).
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_PROGRESS", "maybe"}}),
               HasSubstr("WEIGHTSTREAM_PROGRESS='maybe': expected 1, true, yes or on, or 0, false, no or off"));
@@ -93,7 +93,7 @@ TEST(Options, OneParserForTheReadMethodAndTheGpuPath) {
     FAIL() << "expected an error";
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_THAT(error.what(), HasSubstr("--io='splice': expected pread, direct, uring or mmap"));
+    EXPECT_THAT(error.what(), HasSubstr("--io='splice': expected auto, pread, direct, uring or mmap"));
   }
   try {
     StreamOptions options;

@@ -187,7 +187,7 @@ TEST(Cli, HelpDescribesEveryCommandAndNamesTheVariables) {
   EXPECT_THAT(load.out, AllOf(HasSubstr("WEIGHTSTREAM_LOCAL_IO"), HasSubstr("WEIGHTSTREAM_PROGRESS"),
                               HasSubstr("WEIGHTSTREAM_GPU_PATH"), HasSubstr("WEIGHTSTREAM_CONCURRENCY")));
   // --io takes one parser's words, and says so in one message.
-  expect_one_line_error(run_cli({"load", "x", "--io", "splice"}), "--io='splice': expected pread, direct, uring or mmap");
+  expect_one_line_error(run_cli({"load", "x", "--io", "splice"}), "--io='splice': expected auto, pread, direct, uring or mmap");
   EXPECT_THAT(load.out, HasSubstr("WEIGHTSTREAM_MAPPED_SHARE"));
   EXPECT_THAT(load.out, HasSubstr("WEIGHTSTREAM_PREFETCHERS"));
   expect_one_line_error(run_cli({"load", "x", "--gpu-path", "both", "--mapped-share", "2"}),

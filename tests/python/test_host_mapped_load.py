@@ -1,8 +1,8 @@
-"""Host loads with io="mmap": tensors are copy-on-write views of a private mapping of their
+"""Host loads at the default io ("auto") and with io="mmap": tensors are copy-on-write views of a private mapping of their
 shard (seen in /proc/self/maps), equal to what the `safetensors` package reads; misaligned
 tensors load through the arena; writes reach neither the file nor another load; the mapping
 lives while any tensor of the load does; a shard whose size changed since the checkpoint was
-opened is refused by name.
+opened is refused by name. io="pread" copies every tensor.
 """
 
 import gc
@@ -91,13 +91,17 @@ def test_values_are_what_safetensors_reads(checkpoint):
         assert np.array_equal(array, expected[name]), name
 
 
-def test_tensors_are_private_views_of_their_shard_only_with_mmap(checkpoint):
+def test_tensors_are_private_views_of_their_shard_by_default_and_with_mmap_and_copies_with_pread(checkpoint):
     directory, where = checkpoint
+    assert weightstream.resolve_options()["io"] == "auto"
+    by_default = weightstream.load(str(directory), device="cpu", framework="numpy")
     mapped = weightstream.load(str(directory), device="cpu", framework="numpy", io="mmap")
-    copied = weightstream.load(str(directory), device="cpu", framework="numpy")  # pread
+    copied = weightstream.load(str(directory), device="cpu", framework="numpy", io="pread")
     for name in where:
+        assert privately_writable(mapping_holding(where[name], by_default[name])), name
         assert privately_writable(mapping_holding(where[name], mapped[name])), name
         assert mapping_holding(where[name], copied[name]) is None, name
+        assert np.array_equal(by_default[name], copied[name]), name
 
 
 def test_writes_reach_neither_the_file_nor_another_load(checkpoint):
@@ -183,7 +187,10 @@ def test_the_cli_counts_the_whole_load(cli, checkpoint):
                              capture_output=True, text=True, timeout=120).stdout
         return json.loads(out)
 
-    mapped, copied = load("--io", "mmap"), load()
-    assert mapped["tensors"] == copied["tensors"] == 6
+    mapped, by_default, copied = load("--io", "mmap"), load(), load("--io", "pread")
+    assert mapped["tensors"] == copied["tensors"] == by_default["tensors"] == 6
+    assert mapped["tensors_in_place"] == by_default["tensors_in_place"] == 6
+    assert copied["tensors_in_place"] == 0
+    assert by_default["bytes"] == by_default["bytes_read"] == mapped["bytes"]
     assert mapped["bytes"] == copied["bytes"] == weightstream.Checkpoint(str(directory)).nbytes
     assert mapped["shards_read"] == 2

@@ -346,7 +346,7 @@ def test_options_have_the_command_defaults_and_accept_sizes(monkeypatch):
     for variable in [v for v in os.environ if v.startswith("WEIGHTSTREAM_")]:
         monkeypatch.delenv(variable)
     assert weightstream.resolve_options() == {
-        "concurrency": 16, "memory_limit": 1 << 30, "chunk_size": 16 << 20, "io": "pread", "gpu_path": "auto",
+        "concurrency": 16, "memory_limit": 1 << 30, "chunk_size": 16 << 20, "io": "auto", "gpu_path": "auto",
         "mapped_share": 0.4, "prefetchers": None}
     assert weightstream.resolve_options(prefetchers=0)["prefetchers"] == 0
     monkeypatch.setenv("WEIGHTSTREAM_PREFETCHERS", "2")
@@ -368,7 +368,7 @@ def test_bad_options_raise_with_the_library_messages(mixed_file, monkeypatch):
         weightstream.open(str(mixed_file), memory_limit=100)
     with pytest.raises(weightstream.Error, match="concurrency 0 is out of range"):
         weightstream.open(str(mixed_file), concurrency=0)
-    with pytest.raises(weightstream.Error, match="io='splice': expected pread, direct, uring or mmap"):
+    with pytest.raises(weightstream.Error, match="io='splice': expected auto, pread, direct, uring or mmap"):
         weightstream.open(str(mixed_file), io="splice")
     with pytest.raises(weightstream.Error, match=r"mapped_share='1.5\d*': expected a fraction from 0 to 1"):
         weightstream.open(str(mixed_file), mapped_share=1.5)

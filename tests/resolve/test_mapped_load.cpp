@@ -1,8 +1,10 @@
-// load_checkpoint onto the host with LocalIo::kMmap: tensors of local shards are copy-on-write
-// views of a private mapping of their shard (seen in /proc/self/maps), misaligned ones load
-// through the arena, a write into a loaded tensor reaches neither the file nor another load,
-// the mapping lives as long as a copy of LoadedCheckpoint::mappings, and a shard whose size
-// changed since the checkpoint was opened is refused by name; shards on S3 load into the arena.
+// load_checkpoint onto the host with LocalIo::kAuto (the default) and kMmap: tensors of local
+// shards are copy-on-write views of a private mapping of their shard (seen in
+// /proc/self/maps), misaligned ones load through the arena, a write into a loaded tensor
+// reaches neither the file nor another load, the mapping lives as long as a copy of
+// LoadedCheckpoint::mappings, and a shard whose size changed since the checkpoint was opened
+// (or that shrinks while its pages are mapped) is refused by name; shards on S3 load into the
+// arena; kPread copies every tensor.
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "storage/local_io.hpp"
 #include "storage/test_s3_fixture.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
@@ -109,11 +112,14 @@ struct MappedCheckpoint {
   }
 };
 
-StreamOptions mmap_io() {
+StreamOptions with_io(LocalIo io) {
   StreamOptions options;
-  options.local_io = LocalIo::kMmap;
+  options.local_io = io;
   return options;
 }
+
+StreamOptions mmap_io() { return with_io(LocalIo::kMmap); }
+StreamOptions pread_io() { return with_io(LocalIo::kPread); }
 
 std::string loaded_bytes(const LoadedTensor& tensor) {
   return std::string(reinterpret_cast<const char*>(tensor.data), tensor.bytes);
@@ -147,7 +153,7 @@ TEST(MappedHostLoad, AlignedTensorsAreCopyOnWriteViewsOfTheirShardAndTheRestLoad
   EXPECT_EQ(b.data - a.data, static_cast<ptrdiff_t>(tensors[b.tensor].offset - tensors[a.tensor].offset));
 
   // The counters cover the whole load, as a copying load counts it.
-  LoadedCheckpoint copied = load_checkpoint(disk.checkpoint, Device{}, StreamOptions{});
+  LoadedCheckpoint copied = load_checkpoint(disk.checkpoint, Device{}, pread_io());
   EXPECT_EQ(loaded.stats.tensors, copied.stats.tensors);
   EXPECT_EQ(loaded.stats.bytes, copied.stats.bytes);
   EXPECT_EQ(loaded.stats.bytes, disk.checkpoint.tensor_bytes());
@@ -155,9 +161,23 @@ TEST(MappedHostLoad, AlignedTensorsAreCopyOnWriteViewsOfTheirShardAndTheRestLoad
   EXPECT_GT(loaded.stats.seconds, 0.0);
 }
 
-TEST(MappedHostLoad, CopyingLoadsAreUnchanged) {
+TEST(MappedHostLoad, TheDefaultIoTakesTheSameTensorsInPlaceAsMmap) {
   MappedCheckpoint disk;
-  LoadedCheckpoint loaded = load_checkpoint(disk.checkpoint, Device{}, StreamOptions{});  // pread
+  ASSERT_EQ(StreamOptions{}.local_io, LocalIo::kAuto);
+  LoadedCheckpoint loaded = load_checkpoint(disk.checkpoint, Device{}, StreamOptions{});
+  ASSERT_NE(loaded.mappings, nullptr);
+  for (const LoadedTensor& tensor : loaded.tensors) {
+    const CheckpointTensor& info = disk.checkpoint.tensors()[tensor.tensor];
+    SCOPED_TRACE(info.name);
+    EXPECT_EQ(tensor.in_place, disk.expect_in_place.at(info.name));
+    EXPECT_EQ(loaded_bytes(tensor), disk.file_bytes(info));
+  }
+  EXPECT_EQ(loaded.stats.bytes, disk.checkpoint.tensor_bytes());
+}
+
+TEST(MappedHostLoad, PreadCopiesEveryTensor) {
+  MappedCheckpoint disk;
+  LoadedCheckpoint loaded = load_checkpoint(disk.checkpoint, Device{}, pread_io());
   EXPECT_EQ(loaded.mappings, nullptr);
   for (const LoadedTensor& tensor : loaded.tensors) {
     const CheckpointTensor& info = disk.checkpoint.tensors()[tensor.tensor];
@@ -178,7 +198,7 @@ TEST(MappedHostLoad, WritesIntoLoadedTensorsReachNeitherTheFileNorAnotherLoad) {
   EXPECT_EQ(testing::read_file(disk.shard_path(0)), first_file);
   EXPECT_EQ(testing::read_file(disk.shard_path(1)), second_file);
   LoadedCheckpoint again = load_checkpoint(disk.checkpoint, Device{}, mmap_io());
-  LoadedCheckpoint copied = load_checkpoint(disk.checkpoint, Device{}, StreamOptions{});
+  LoadedCheckpoint copied = load_checkpoint(disk.checkpoint, Device{}, pread_io());
   for (size_t i = 0; i < tensors.size(); ++i) {
     SCOPED_TRACE(tensors[i].name);
     EXPECT_EQ(loaded_bytes(loaded.tensors[i]), std::string(tensors[i].bytes, '\xA5'));
@@ -221,6 +241,25 @@ TEST(MappedHostLoad, AShardWhoseSizeChangedSinceOpenIsRefusedByName) {
     EXPECT_THAT(error.what(), HasSubstr(std::to_string(recorded)));
     EXPECT_THAT(error.what(), HasSubstr(std::to_string(recorded - 8)));
     EXPECT_THAT(error.what(), HasSubstr("changed since it was opened"));
+  }
+}
+
+TEST(MappedHostLoad, AShardThatShrinksAfterItWasMappedIsRefusedByNameNotFaulted) {
+  TempDir directory;
+  std::filesystem::path shard = directory.path() / "big.safetensors";
+  uint64_t size = 4 * local_io::page_size();
+  testing::write_file(shard, std::string(size, 'w'));
+  auto mapping = local_io::FileMapping::open(shard.string(), size, local_io::MappingKind::kPrivateWritable);
+  std::filesystem::resize_file(shard, local_io::page_size() / 2);
+  // The first page is still in the file; the rest is not, and touching it would raise SIGBUS.
+  EXPECT_NO_THROW(local_io::populate_range(mapping.data(), shard.string(), 0, local_io::page_size() / 2));
+  try {
+    local_io::populate_range(mapping.data(), shard.string(), 0, size);
+    FAIL() << "pages past the end of a shrunk file were mapped";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), HasSubstr(shard.string()));
+    EXPECT_THAT(error.what(), HasSubstr("the file shrank since it was opened"));
   }
 }
 

@@ -305,6 +305,7 @@ TEST(Load, HostArenaHoldsEveryTensor) {
   auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
   StreamOptions options;
   options.memory_limit = 64 * kKiB;
+  options.local_io = LocalIo::kPread;  // copies into the arena (the default takes them in place)
   auto loaded = load_checkpoint(checkpoint, Device{}, options);
   ASSERT_EQ(loaded.tensors.size(), checkpoint.tensors().size());
   EXPECT_EQ(loaded.stats.bytes, checkpoint.tensor_bytes());
