@@ -10,7 +10,11 @@ Compares `weightstream load` against
 and prints GB/s and the ratios as a markdown table (also written to --out as JSON and MD).
 
 Each contender runs --repeat times; the median is reported. Run under `taskset -c 0,1`
-to measure a 2-core machine.
+to measure a 2-core machine. `weightstream load` runs at the default `--io auto` (local
+tensors handed out in place, copy-on-write views of the page cache) and, as a second row, at
+`--io pread` (every tensor copied into fresh memory). With --cold the page cache of the shards
+is dropped before every run (posix_fadvise DONTNEED per file, and /proc/sys/vm/drop_caches
+where writable) and `dd` reads with O_DIRECT.
 """
 import argparse
 import json
@@ -39,9 +43,27 @@ def warm(files):
                 pass
 
 
-def run_dd(files):
+def drop_cache(files):
+    """Evicts the shards from the page cache; True when drop_caches could be written too."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_dd(files, direct=False):
     start = time.perf_counter()
-    procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=16M"], stderr=subprocess.DEVNULL) for p in files]
+    flags = ["iflag=direct"] if direct else []
+    procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=16M", *flags], stderr=subprocess.DEVNULL)
+             for p in files]
     for proc in procs:
         if proc.wait() != 0:
             raise RuntimeError("dd failed")
@@ -165,16 +187,26 @@ def main():
     parser.add_argument("--runai-site", default=None,
                         help="folder where `pip install --no-deps --target` put runai-model-streamer: drive its "
                              "engine directly when its torch wrapper cannot be imported")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the shards from the page cache before every run; dd reads with O_DIRECT")
     args = parser.parse_args()
 
     files = shard_files(args.checkpoint)
     total = tensor_bytes(args.cli, args.checkpoint)
     file_bytes = sum(os.path.getsize(p) for p in files)
-    warm(files)
+    if args.cold:
+        print(f"cold: page cache dropped before every run (drop_caches "
+              f"{'written' if drop_cache(files) else 'not writable: posix_fadvise only'})", file=sys.stderr)
+    else:
+        warm(files)
 
+    extra = args.weightstream_args.split()
     contenders = {
-        "read limit (parallel dd, 16 MiB blocks)": (lambda: run_dd(files), file_bytes),
-        "weightstream load": (lambda: run_weightstream(args.cli, args.checkpoint, args.weightstream_args.split()), total),
+        f"read limit (parallel dd{' O_DIRECT' if args.cold else ''}, 16 MiB blocks)": (
+            lambda: run_dd(files, direct=args.cold), file_bytes),
+        "weightstream load": (lambda: run_weightstream(args.cli, args.checkpoint, extra), total),
+        "weightstream load --io pread (copies into fresh memory)": (
+            lambda: run_weightstream(args.cli, args.checkpoint, ["--io", "pread", *extra]), total),
         "weightstream digest --hash xxh64 (bounded staging, whole process)": (
             lambda: run_weightstream_digest(args.cli, args.checkpoint), total),
         "safetensors safe_open + get_tensor (numpy)": (lambda: run_safetensors(files), total),
@@ -191,17 +223,22 @@ def main():
 
     results = {}
     for name, (run, nbytes) in contenders.items():
-        times = [run() for _ in range(args.repeat)]
+        times = []
+        for _ in range(args.repeat):
+            if args.cold:
+                drop_cache(files)
+            times.append(run())
         seconds = statistics.median(times)
         results[name] = {"seconds": seconds, "bytes": nbytes, "gbps": nbytes / seconds / 1e9, "runs": times}
         print(f"{name}: {results[name]['gbps']:.2f} GB/s (median of {args.repeat})", file=sys.stderr)
 
     ours = results["weightstream load"]["gbps"]
-    lines = ["| contender | GB/s | weightstream ÷ contender |", "| --- | ---: | ---: |"]
+    lines = ["| contender | median GB/s (runs) | weightstream ÷ contender |", "| --- | ---: | ---: |"]
     for name, result in results.items():
         ratio = ours / result["gbps"] if name != "weightstream load" else 1.0
-        lines.append(f"| {name} | {result['gbps']:.2f} | {ratio:.2f}× |")
-    limit = results["read limit (parallel dd, 16 MiB blocks)"]["gbps"]
+        runs = ", ".join(f"{result['bytes'] / s / 1e9:.2f}" for s in result["runs"])
+        lines.append(f"| {name} | {result['gbps']:.2f} ({runs}) | {ratio:.2f}× |")
+    limit = next(result["gbps"] for name, result in results.items() if name.startswith("read limit"))
     lines.append("")
     lines.append(f"weightstream reaches {100 * ours / limit:.0f}% of the read limit; "
                  f"checkpoint {total / 1e9:.2f} GB in {len(files)} shards; cpus {len(os.sched_getaffinity(0))}.")
