@@ -78,17 +78,22 @@ void add_load_command(CLI::App& app) {
       loaded = load_checkpoint(checkpoint, device, options.stream,
                                [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
     }
+    // Tensors handed out as copy-on-write views of the page cache (a host load at --io auto
+    // or mmap), the rest copied.
+    auto in_place = static_cast<uint64_t>(std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place));
     if (flags->json) {
       auto summary = stream_stats_json(loaded.stats);
       summary["uri"] = checkpoint.uri();
       summary["device"] = device.name();
       summary["shards"] = checkpoint.shards().size();
-      // Tensors handed out as copy-on-write views of the page cache (a host load at --io auto
-      // or mmap), the rest copied.
-      summary["tensors_in_place"] = std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place);
+      summary["tensors_in_place"] = in_place;
       print_json(summary);
     } else {
       print_stream_summary("loaded", loaded.stats, device.name());
+      if (in_place > 0) {
+        std::printf("%llu of them in place: copy-on-write views of the page cache (--io pread copies them)\n",
+                    static_cast<unsigned long long>(in_place));
+      }
     }
   });
 }

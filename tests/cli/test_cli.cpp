@@ -84,6 +84,21 @@ TEST_F(CliCheckpoint, LoadReportsTheDocumentedFields) {
   }
 }
 
+TEST_F(CliCheckpoint, AHostLoadTakesTensorsInPlaceByDefaultAndSaysSo) {
+  auto inspect = nlohmann::json::parse(run_cli({"inspect", model(), "--json"}).out);
+  auto count = inspect["tensor_count"].get<uint64_t>();
+  auto by_default = run_cli({"load", model(), "--no-progress"});
+  ASSERT_EQ(by_default.exit_code, 0) << by_default.err;
+  EXPECT_THAT(by_default.out, HasSubstr(std::to_string(count) + " of them in place: copy-on-write views of the page cache"));
+  auto copied = run_cli({"load", model(), "--no-progress", "--io", "pread"});
+  ASSERT_EQ(copied.exit_code, 0) << copied.err;
+  EXPECT_THAT(copied.out, Not(HasSubstr("in place")));
+  auto json = nlohmann::json::parse(run_cli({"load", model(), "--json"}).out);
+  EXPECT_EQ(json["tensors_in_place"].get<uint64_t>(), count);
+  json = nlohmann::json::parse(run_cli({"load", model(), "--json", "--io", "pread"}).out);
+  EXPECT_EQ(json["tensors_in_place"].get<uint64_t>(), 0u);
+}
+
 TEST_F(CliCheckpoint, DigestIsOneJsonLinePerTensorAndStable) {
   auto first = run_cli({"digest", model(), "--json"});
   ASSERT_EQ(first.exit_code, 0) << first.err;
