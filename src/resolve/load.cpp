@@ -131,7 +131,9 @@ bool in_place_candidate(const CheckpointTensor& tensor) {
   return tensor.bytes > 0 && tensor.offset % element_bytes == 0;
 }
 
-/// Picks the tensors taken in place, maps each shard holding one, once, and maps the page
+/// Picks the tensors taken in place, maps each shard holding one, once (with
+/// `copy_unmappable`, a shard on a file system that cannot map files is left to the arena
+/// instead of failing the load), and maps the page
 /// cache's pages of those shards into the process in `piece_bytes` pieces on up to
 /// `threads` threads (cold, the pieces are read from disk in parallel; warm, the page-table
 /// work is shared out). `progress` is told on this thread as pieces finish, over `total`
@@ -139,7 +141,7 @@ bool in_place_candidate(const CheckpointTensor& tensor) {
 /// Error(kIo) naming the shard when it cannot be mapped, its size is no longer the one
 /// recorded at open, or it shrinks while its pages are mapped.
 InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64_t piece_bytes, unsigned threads,
-                            const ProgressCallback& progress) {
+                            bool copy_unmappable, const ProgressCallback& progress) {
   const auto& tensors = checkpoint.tensors();
   const auto& shards = checkpoint.shards();
   InPlaceTensors in_place;
@@ -148,11 +150,8 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   std::vector<std::string> paths(shards.size());
   for (size_t s = 0; s < shards.size(); ++s) paths[s] = checkpoint.storage().local_path(shards[s].name);
   std::vector<uint64_t> shard_bytes(shards.size(), 0);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (paths[tensors[i].shard].empty() || !in_place_candidate(tensors[i])) continue;
-    in_place.taken[i] = true;
-    ++in_place.tensors;
-    shard_bytes[tensors[i].shard] += tensors[i].bytes;
+  for (const CheckpointTensor& tensor : tensors) {
+    if (!paths[tensor.shard].empty() && in_place_candidate(tensor)) shard_bytes[tensor.shard] += tensor.bytes;
   }
   struct Piece {
     size_t shard;
@@ -161,12 +160,25 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   std::vector<Piece> pieces;
   for (size_t s = 0; s < shards.size(); ++s) {
     if (shard_bytes[s] == 0) continue;
-    in_place.mappings[s] = local_io::FileMapping::open(paths[s], shards[s].size, local_io::MappingKind::kPrivateWritable);
+    try {
+      in_place.mappings[s] = local_io::FileMapping::open(paths[s], shards[s].size, local_io::MappingKind::kPrivateWritable);
+    } catch (const Error& error) {
+      // A file system that cannot map files (ENODEV: some FUSE and network mounts) leaves
+      // the shard to the arena at --io auto, which reads it as pread would; --io mmap was
+      // asked to map, and says why it cannot.
+      if (!copy_unmappable || error.code() != ErrorCode::kUnsupported) throw;
+      shard_bytes[s] = 0;
+      continue;
+    }
     ++in_place.shards_mapped;
     in_place.bytes += shard_bytes[s];
     for (uint64_t offset = 0; offset < shards[s].size; offset += piece_bytes) {
       pieces.push_back({s, offset, std::min(piece_bytes, shards[s].size - offset)});
     }
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    in_place.taken[i] = shard_bytes[tensors[i].shard] > 0 && in_place_candidate(tensors[i]);
+    in_place.tensors += in_place.taken[i] ? 1 : 0;
   }
   // Progress counts the file bytes mapped, scaled to the tensor bytes they hold.
   uint64_t file_bytes = 0;
@@ -329,7 +341,8 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
     // Threads beyond the cores only contend for the page tables (a probe on 2 cores: 2
     // threads map 1 GB warm in 0.035-0.038 s, 16 in 0.038-0.053, one 0.069, MAP_POPULATE 0.086).
     unsigned threads = std::min(options.concurrency, std::max(1u, std::thread::hardware_concurrency()));
-    in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), options.chunk_bytes, threads, progress);
+    in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), options.chunk_bytes, threads,
+                            options.local_io == LocalIo::kAuto, progress);
   }
 
   // Everything not taken in place goes through the one load path, into an arena.

@@ -28,10 +28,13 @@ FileMapping::FileMapping(int fd, uint64_t size, std::string path, MappingKind ki
   void* data = ::mmap(nullptr, size_, shared ? PROT_READ : PROT_READ | PROT_WRITE, shared ? MAP_SHARED : MAP_PRIVATE,
                       fd, 0);
   // ENOMEM for a private one can be the commit charge of a writable private mapping
-  // (vm.overcommit_memory 2).
-  WS_EXPECT(data != MAP_FAILED, ErrorCode::kIo,
+  // (vm.overcommit_memory 2); ENODEV, a file system that cannot map files.
+  if (data == MAP_FAILED) {
+    int error = errno;
+    WS_FAIL(error == ENODEV ? ErrorCode::kUnsupported : ErrorCode::kIo,
             "cannot map " + std::to_string(size_) + " bytes of " + path_ + (shared ? "" : " copy-on-write") + ": " +
-                detail::errno_text(errno));
+                detail::errno_text(error) + (error == ENODEV ? " (its file system cannot map files: use --io pread)" : ""));
+  }
   data_ = static_cast<std::byte*>(data);
 }
 

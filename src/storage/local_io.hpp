@@ -51,7 +51,8 @@ class FileMapping {
   FileMapping() = default;
   /// Maps the `size` bytes of the open file `fd`; the caller keeps `fd` (the mapping does
   /// not need it afterwards). `path` names the file in errors. Throws Error(kIo) naming the
-  /// file, the size and errno when mmap or mprotect fails.
+  /// file, the size and errno when mmap fails, Error(kUnsupported) when its file system
+  /// cannot map files (ENODEV).
   FileMapping(int fd, uint64_t size, std::string path, MappingKind kind);
   /// Opens `path` read-only, checks with fstat that it is still `expected_size` bytes (the
   /// size the checkpoint recorded when it was opened), maps it and closes the descriptor

@@ -12,6 +12,8 @@
 #include <map>
 #include <sstream>
 
+#include <sys/stat.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -260,6 +262,26 @@ TEST(MappedHostLoad, AShardThatShrinksAfterItWasMappedIsRefusedByNameNotFaulted)
     EXPECT_EQ(error.code(), ErrorCode::kIo);
     EXPECT_THAT(error.what(), HasSubstr(shard.string()));
     EXPECT_THAT(error.what(), HasSubstr("the file shrank since it was opened"));
+  }
+}
+
+TEST(MappedHostLoad, AFileThatCannotBeMappedIsUnsupportedNotAnIoError) {
+  // A directory stands in for a file system without mmap (the kernel answers ENODEV for
+  // both): the error code is what lets --io auto leave such a shard to the arena.
+  TempDir directory;
+  struct stat status {};
+  ASSERT_EQ(::stat(directory.path().c_str(), &status), 0);
+  auto size = static_cast<uint64_t>(status.st_size);
+  ASSERT_GT(size, 0u);
+  for (auto kind : {local_io::MappingKind::kPrivateWritable, local_io::MappingKind::kSharedRead}) {
+    try {
+      local_io::FileMapping::open(directory.path().string(), size, kind);
+      FAIL() << "a directory was mapped";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+      EXPECT_THAT(error.what(), HasSubstr(directory.path().string()));
+      EXPECT_THAT(error.what(), HasSubstr("its file system cannot map files: use --io pread"));
+    }
   }
 }
 
