@@ -25,6 +25,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gpu_bench import drop_cache  # the same eviction as the GPU benchmark's cold rows
+
 
 def shard_files(checkpoint):
     files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
@@ -41,22 +43,6 @@ def warm(files):
         with open(path, "rb") as f:
             while f.read(64 << 20):
                 pass
-
-
-def drop_cache(files):
-    """Evicts the shards from the page cache; True when drop_caches could be written too."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def run_dd(files, direct=False):
