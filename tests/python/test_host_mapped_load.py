@@ -194,3 +194,23 @@ def test_the_cli_counts_the_whole_load(cli, checkpoint):
     assert by_default["bytes"] == by_default["bytes_read"] == mapped["bytes"]
     assert mapped["bytes"] == copied["bytes"] == weightstream.Checkpoint(str(directory)).nbytes
     assert mapped["shards_read"] == 2
+
+
+def test_torch_tensors_of_a_default_host_load_are_the_views_safetensors_torch_gives(checkpoint):
+    """At the default io, torch tensors are views of the same private mappings; a write into
+    one reaches neither the file nor safetensors' own torch load of it afterwards."""
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    directory, where = checkpoint
+    digests = {path: sha256(path) for path in set(where.values())}
+    loaded = weightstream.load(str(directory), device="cpu", framework="torch")
+    for name, tensor in loaded.items():
+        expected = safetensors_torch.load_file(where[name])[name]
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+        assert privately_writable(mapping_holding(where[name], tensor.numpy())), name
+        tensor.zero_()
+    assert {path: sha256(path) for path in digests} == digests
+    for name in loaded:
+        assert not loaded[name].any(), name
+        assert torch.equal(safetensors_torch.load_file(where[name])[name],
+                           torch.from_numpy(reference(directory)[name])), name
