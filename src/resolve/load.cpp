@@ -107,8 +107,8 @@ ModelLayout identity_layout_without(const Checkpoint& checkpoint, const std::vec
   return layout;
 }
 
-/// The tensors of a host load (--io auto, the default, or mmap) that are handed out in place, as addresses in a
-/// private copy-on-write mapping of their shard (local_io::MappingKind::kPrivateWritable):
+/// The tensors of a host load (--io auto, the default, or mmap) that are handed out in place,
+/// as addresses in a private copy-on-write mapping of their shard (local_io::MappingKind::kPrivateWritable):
 /// the page cache's pages, no copy, and no fresh page to zero. The mappings are the load's
 /// own, never the storage's read mapping, so a write into a loaded tensor reaches no later
 /// read of the checkpoint.
@@ -133,10 +133,9 @@ bool in_place_candidate(const CheckpointTensor& tensor) {
 
 /// Picks the tensors taken in place, maps each shard holding one, once (with
 /// `copy_unmappable`, a shard on a file system that cannot map files is left to the arena
-/// instead of failing the load), and maps the page
-/// cache's pages of those shards into the process in `piece_bytes` pieces on up to
-/// `threads` threads (cold, the pieces are read from disk in parallel; warm, the page-table
-/// work is shared out). `progress` is told on this thread as pieces finish, over `total`
+/// instead of failing the load), and maps the page cache's pages of those shards into the
+/// process in `piece_bytes` pieces on up to `threads` threads (cold, the pieces are read from
+/// disk in parallel; warm, the page-table work is shared out). `progress` is told on this thread as pieces finish, over `total`
 /// bytes (the whole load); when it throws, the other threads stop after their piece. Throws
 /// Error(kIo) naming the shard when it cannot be mapped, its size is no longer the one
 /// recorded at open, or it shrinks while its pages are mapped.
