@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/parallel.hpp"
 #include "format/json_text.hpp"
 #include "format/output_file.hpp"
 #include "model/checkpoint_tensors.hpp"
@@ -388,33 +389,6 @@ std::string shard_name(size_t index, size_t shards) {
   return name;
 }
 
-// Runs `work(worker, item)` for every item in [0, count) on up to `workers` threads; the
-// first failure stops further work and is rethrown.
-void run_parallel(size_t count, size_t workers, const std::function<void(size_t, size_t)>& work) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::exception_ptr first_error;
-  std::mutex error_mutex;
-  auto worker = [&](size_t id) {
-    for (size_t item; !failed && (item = next++) < count;) {
-      try {
-        work(id, item);
-      } catch (...) {
-        std::lock_guard lock(error_mutex);
-        if (!first_error) first_error = std::current_exception();
-        failed = true;
-      }
-    }
-  };
-  workers = std::max<size_t>(1, std::min(workers, count));
-  {
-    std::vector<std::jthread> pool;
-    for (size_t id = 1; id < workers; ++id) pool.emplace_back(worker, id);
-    worker(0);
-  }  // joins
-  if (first_error) std::rethrow_exception(first_error);
-}
-
 // A piece of one tensor's bytes, generated and written independently of the others.
 struct Chunk {
   size_t shard;
@@ -553,7 +527,7 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   }
   size_t workers = std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::vector<std::byte>> buffers(std::min(workers, std::max<size_t>(chunks.size(), 1)));
-  run_parallel(chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
+  detail::run_parallel(chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
     const Chunk& chunk = chunks[item];
     const detail::CheckpointTensor& tensor = shard_tensors[chunk.shard][chunk.tensor];
     uint64_t key = shard_keys[chunk.shard][chunk.tensor];

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/parallel.hpp"
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
@@ -183,44 +184,17 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   uint64_t file_bytes = 0;
   for (const Piece& piece : pieces) file_bytes += piece.length;
 
-  std::atomic<size_t> next{0};
   std::atomic<uint64_t> mapped{0};
-  std::mutex mutex;
-  std::exception_ptr first_error;
-  auto map_piece = [&](size_t p) {  // the file bytes mapped so far, this piece's included
+  detail::run_parallel(pieces.size(), threads, [&](size_t worker, size_t p) {
     const Piece& piece = pieces[p];
     local_io::populate_range(in_place.mappings[piece.shard].data(), paths[piece.shard], piece.offset, piece.length);
-    return mapped.fetch_add(piece.length) + piece.length;
-  };
-  auto stop_with_error = [&] {
-    std::lock_guard lock(mutex);
-    if (!first_error) first_error = std::current_exception();
-    next.store(pieces.size());
-  };
-  {
-    std::vector<std::jthread> helpers;
-    unsigned helper_count = static_cast<unsigned>(std::min<size_t>(std::max(threads, 1u) - 1, pieces.size()));
-    for (unsigned h = 0; h < helper_count; ++h) {
-      helpers.emplace_back([&] {
-        try {
-          for (size_t p; (p = next.fetch_add(1)) < pieces.size();) map_piece(p);
-        } catch (...) {
-          stop_with_error();
-        }
-      });
+    uint64_t done = mapped.fetch_add(piece.length) + piece.length;
+    // Progress from the calling thread only (a callback that throws, as an interrupted
+    // Python caller's does, stops the other threads after their piece).
+    if (progress && worker == 0) {
+      progress(static_cast<uint64_t>(static_cast<double>(in_place.bytes) * done / file_bytes), total);
     }
-    // This thread maps pieces too, and is the one that reports progress (a callback that
-    // throws, as an interrupted Python caller's does, stops the helpers at their next piece).
-    try {
-      for (size_t p; (p = next.fetch_add(1)) < pieces.size();) {
-        uint64_t done = map_piece(p);
-        if (progress) progress(static_cast<uint64_t>(static_cast<double>(in_place.bytes) * done / file_bytes), total);
-      }
-    } catch (...) {
-      stop_with_error();
-    }
-  }
-  if (first_error) std::rethrow_exception(first_error);
+  });
   if (progress && in_place.bytes > 0) progress(in_place.bytes, total);
   return in_place;
 }
