@@ -53,6 +53,11 @@ class Storage {
   /// Reads exactly destination.size() bytes of `name` starting at `offset`. Throws an
   /// Error naming the object, the range, the operation and the cause; never returns short.
   virtual void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) = 0;
+  /// Reads consecutive bytes of `name` from `offset` into `segments`, one after another:
+  /// the first segment takes the first segment.size() bytes, and so on (a scatter read, as
+  /// preadv). Errors as read(). Here one read() per segment; a backend that pays per
+  /// request (S3) reads them in as few requests as it would read their sum.
+  virtual void read_scattered(std::string_view name, uint64_t offset, std::span<const std::span<std::byte>> segments);
   /// Whether prefetch() and release() do anything here: true where reads copy out of a
   /// mapping of the file, whose pages must be mapped into this process before the copy.
   virtual bool prefetches() const { return false; }

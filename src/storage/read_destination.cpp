@@ -1,4 +1,4 @@
-// populate_destination (read_destination.hpp).
+// Destinations of storage reads (read_destination.hpp).
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -40,6 +40,31 @@ void populate_destination(std::span<std::byte> destination) noexcept {
     if (begin < end) ::madvise(reinterpret_cast<void*>(window + begin * page), (end - begin) * page, MADV_POPULATE_WRITE);
     window += pages * page;
   }
+}
+
+uint64_t segments_bytes(std::span<const std::span<std::byte>> segments) noexcept {
+  uint64_t total = 0;
+  for (std::span<std::byte> segment : segments) total += segment.size();
+  return total;
+}
+
+std::vector<std::span<std::byte>> slice_segments(std::span<const std::span<std::byte>> segments, uint64_t begin,
+                                                 uint64_t length) {
+  std::vector<std::span<std::byte>> slice;
+  uint64_t segment_begin = 0;
+  for (std::span<std::byte> segment : segments) {
+    if (length == 0) break;
+    const uint64_t segment_end = segment_begin + segment.size();
+    if (begin < segment_end) {
+      const uint64_t from = begin - segment_begin;
+      const uint64_t take = std::min<uint64_t>(length, segment.size() - from);
+      if (take > 0) slice.push_back(segment.subspan(from, take));
+      begin += take;
+      length -= take;
+    }
+    segment_begin = segment_end;
+  }
+  return slice;
 }
 
 }  // namespace weightstream::storage

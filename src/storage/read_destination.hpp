@@ -2,7 +2,9 @@
 // Internal: preparing the caller's memory that a storage read writes into.
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <vector>
 
 namespace weightstream::storage {
 
@@ -18,5 +20,13 @@ namespace weightstream::storage {
 /// MADV_POPULATE_WRITE, before Linux 5.14, the pages fault in as before; a bad address is
 /// the read's own error to report).
 void populate_destination(std::span<std::byte> destination) noexcept;
+
+/// The bytes a scatter read's segments hold in all.
+uint64_t segments_bytes(std::span<const std::span<std::byte>> segments) noexcept;
+
+/// Bytes [begin, begin + length) of the sequence the segments make, as segments of their own
+/// (empty ones left out). The range lies within segments_bytes(segments).
+std::vector<std::span<std::byte>> slice_segments(std::span<const std::span<std::byte>> segments, uint64_t begin,
+                                                 uint64_t length);
 
 }  // namespace weightstream::storage

@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "storage/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
 
 namespace weightstream::s3 {
@@ -450,17 +451,24 @@ std::vector<ListedObject> S3Client::list_objects(std::string_view bucket, std::s
 
 uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint64_t offset,
                              std::span<std::byte> destination, std::optional<uint64_t> whole_object_size) {
-  const uint64_t size = destination.size();
+  const std::span<std::byte> segments[] = {destination};
+  return get_range(bucket, key, offset, segments, whole_object_size);
+}
+
+uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint64_t offset,
+                             std::span<const std::span<std::byte>> segments,
+                             std::optional<uint64_t> whole_object_size) {
+  const uint64_t size = storage::segments_bytes(segments);
   WS_EXPECT(size > 0, ErrorCode::kInternal, "get_range of zero bytes");
   WS_EXPECT(offset <= UINT64_MAX - size, ErrorCode::kInvalidArgument,
             "cannot read " + describe_range(offset, size) + " of " + s3_uri(bucket, key) + ": the range overflows");
-  const bool whole = whole_object_size && offset == 0 && *whole_object_size == size;
+  const bool whole = whole_object_size && offset == 0 && *whole_object_size == size && segments.size() == 1;
   uint64_t total = 0;
   const std::string operation = "cannot read " + describe_range(offset, size) + " of " + s3_uri(bucket, key);
   with_retries(operation, [&](double remaining) -> std::optional<Failure> {
     HttpRequest request;
     request.timeout_seconds = remaining;
-    request.destination = destination;
+    request.destination = segments;
     request.into_destination = true;
     if (whole) {
       request.headers.emplace_back("x-amz-checksum-mode", "ENABLED");
@@ -512,6 +520,7 @@ uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint
     }
     if (whole) {
       // Checksums stored with the object cover it whole, so they are checked only here.
+      const std::span<const std::byte> destination = segments[0];
       auto crc = response.header("x-amz-checksum-crc32c");
       if (!crc.empty() && crc.find('-') == std::string::npos && crc32c_header_value(destination) != crc) {
         return Failure{"checksum mismatch: x-amz-checksum-crc32c is " + crc.substr(0, 20) +

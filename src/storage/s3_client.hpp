@@ -92,6 +92,12 @@ class S3Client {
   /// messages. Returns the object's total size from Content-Range.
   uint64_t get_range(std::string_view bucket, std::string_view key, uint64_t offset, std::span<std::byte> destination,
                      std::optional<uint64_t> whole_object_size = std::nullopt);
+  /// The same, with the body scattered across `segments` one after another (a range of
+  /// several tensors into their own memory): one request however many segments. A whole
+  /// object's checksums are checked only when it lands in one segment.
+  uint64_t get_range(std::string_view bucket, std::string_view key, uint64_t offset,
+                     std::span<const std::span<std::byte>> segments,
+                     std::optional<uint64_t> whole_object_size = std::nullopt);
 
   /// PutObject of a small body, with extra headers (x-amz-checksum-crc32c, say). For test
   /// fixtures and tools; not retried beyond the usual policy.

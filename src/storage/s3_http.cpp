@@ -42,6 +42,10 @@ struct Transfer {
   std::chrono::steady_clock::time_point request_start;
   bool answered = false;  // a byte of the response (its status line) has arrived
   HttpResponse::Timeout timeout = HttpResponse::Timeout::kNone;
+  // Where the next body byte goes: request->destination[segment], from segment_offset.
+  uint64_t destination_bytes = 0;
+  size_t segment = 0;
+  size_t segment_offset = 0;
 
   bool body_to_destination() const {
     return request->into_destination && response->status >= 200 && response->status < 300;
@@ -77,13 +81,22 @@ size_t on_body(char* data, size_t size, size_t count, void* user) {
   auto& response = *transfer.response;
   const size_t length = size * count;
   if (transfer.body_to_destination()) {
-    auto destination = transfer.request->destination;
-    if (response.body_bytes + length > destination.size()) {
+    if (response.body_bytes + length > transfer.destination_bytes) {
       // More bytes than the range asked for: stop now rather than write past the buffer.
       response.overflow = true;
       return 0;  // any count other than `length` aborts the transfer
     }
-    std::memcpy(destination.data() + response.body_bytes, data, length);
+    for (size_t left = length; left > 0;) {
+      std::span<std::byte> segment = transfer.request->destination[transfer.segment];
+      const size_t take = std::min(left, segment.size() - transfer.segment_offset);
+      std::memcpy(segment.data() + transfer.segment_offset, data + (length - left), take);
+      left -= take;
+      transfer.segment_offset += take;
+      if (transfer.segment_offset == segment.size()) {
+        ++transfer.segment;
+        transfer.segment_offset = 0;
+      }
+    }
   } else {
     if (response.body.size() + length > transfer.request->max_body_bytes) {
       response.overflow = true;
@@ -232,6 +245,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   Transfer transfer{.request = &request, .response = &response};
   transfer.stall_seconds = settings_.stall_seconds;
   transfer.first_byte_seconds = settings_.first_byte_seconds;
+  for (std::span<std::byte> segment : request.destination) transfer.destination_bytes += segment.size();
   char error_text[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());

@@ -34,9 +34,9 @@ struct HttpRequest {
   std::string url;
   /// Headers sent as given (Host among them when the caller signs it).
   std::vector<Field> headers;
-  /// A 2xx body is written here when `into_destination`; one byte more than it holds
-  /// aborts the transfer (an over-long body).
-  std::span<std::byte> destination;
+  /// A 2xx body is written across these segments, one after another, when
+  /// `into_destination`; one byte more than they hold aborts the transfer (an over-long body).
+  std::span<const std::span<std::byte>> destination;
   bool into_destination = false;
   /// Body of a PUT.
   std::string_view upload;

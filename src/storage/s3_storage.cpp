@@ -52,7 +52,14 @@ class S3Storage final : public Storage {
   }
 
   void read(std::string_view name, uint64_t offset, std::span<std::byte> destination) override {
-    const uint64_t size = destination.size();
+    const std::span<std::byte> segments[] = {destination};
+    read_scattered(name, offset, segments);
+  }
+
+  // Neighbouring tensors read into their own memory come as one range: one GET (or one per
+  // request_bytes) rather than one a tensor, as each costs a round trip and a request's fee.
+  void read_scattered(std::string_view name, uint64_t offset, std::span<const std::span<std::byte>> segments) override {
+    const uint64_t size = storage::segments_bytes(segments);
     const std::string key = key_of(name);
     WS_EXPECT(offset <= UINT64_MAX - size, ErrorCode::kInvalidArgument,
               "cannot read " + std::to_string(offset) + "+" + std::to_string(size) + " bytes of " +
@@ -68,15 +75,16 @@ class S3Storage final : public Storage {
               "cannot read " + std::to_string(offset) + "+" + std::to_string(size) + " bytes of " +
                   s3::s3_uri(bucket_, key) + ": past the end of the " + std::to_string(*known_size) + "-byte object");
     }
-    storage::populate_destination(destination);
-    const bool whole = known_size && offset == 0 && size == *known_size;
+    for (std::span<std::byte> segment : segments) storage::populate_destination(segment);
+    // A whole object in one piece of memory is compared with the checksums S3 stored.
+    const bool whole = known_size && offset == 0 && size == *known_size && segments.size() == 1;
     const uint64_t piece = std::max<uint64_t>(client_.options().request_bytes, 1);
     if (size <= piece) {
-      client_.get_range(bucket_, key, offset, destination, whole ? known_size : std::nullopt);
+      client_.get_range(bucket_, key, offset, segments, whole ? known_size : std::nullopt);
       return;
     }
     if (!whole) {
-      read_pieces(key, offset, destination, piece);
+      read_pieces(key, offset, segments, piece);
       return;
     }
     // A whole object read in pieces is compared with the checksums S3 stored, when it has
@@ -86,8 +94,8 @@ class S3Storage final : public Storage {
     auto head = client_.head_object(bucket_, key, true);
     const unsigned attempts = std::max(1u, client_.options().max_attempts);
     for (unsigned attempt = 1;; ++attempt) {
-      read_pieces(key, offset, destination, piece);
-      auto mismatch = checksum_mismatch(head, destination);
+      read_pieces(key, offset, segments, piece);
+      auto mismatch = checksum_mismatch(head, segments[0]);
       if (!mismatch) return;
       WS_EXPECT(attempt < attempts, ErrorCode::kNetwork,
                 "cannot read 0+" + std::to_string(size) + " bytes of " + s3::s3_uri(bucket_, key) + ": " + *mismatch +
@@ -108,8 +116,9 @@ class S3Storage final : public Storage {
 
   // A read larger than request_bytes becomes parallel ranged GETs: the caller sees one
   // result, and the first failure stops the other workers and is the error it gets.
-  void read_pieces(const std::string& key, uint64_t offset, std::span<std::byte> destination, uint64_t piece) {
-    const uint64_t size = destination.size();
+  void read_pieces(const std::string& key, uint64_t offset, std::span<const std::span<std::byte>> segments,
+                   uint64_t piece) {
+    const uint64_t size = storage::segments_bytes(segments);
     const uint64_t pieces = (size + piece - 1) / piece;
     const unsigned workers =
         static_cast<unsigned>(std::min<uint64_t>(pieces, std::max(1u, client_.options().max_connections)));
@@ -124,7 +133,7 @@ class S3Storage final : public Storage {
         uint64_t begin = index * piece;
         uint64_t length = std::min(piece, size - begin);
         try {
-          client_.get_range(bucket_, key, offset + begin, destination.subspan(begin, length));
+          client_.get_range(bucket_, key, offset + begin, storage::slice_segments(segments, begin, length));
         } catch (...) {
           std::lock_guard lock(error_mutex);
           if (!failed.exchange(true)) first_error = std::current_exception();

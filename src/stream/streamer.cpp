@@ -25,6 +25,7 @@ struct Delivery {
   uint64_t request_offset;  // where the bytes go within the requested range
   uint64_t buffer_offset;   // where they are within the read
   uint64_t length;
+  std::byte* direct;        // in a direct read: where the sink wants these bytes
 };
 
 /// One read call against storage.
@@ -32,7 +33,7 @@ struct PlannedRead {
   uint32_t shard;
   uint64_t offset;
   uint64_t length;
-  std::byte* direct;  // non-null: read straight into this memory (no staging)
+  bool direct;  // read straight into each delivery's memory (no staging)
   std::vector<Delivery> deliveries;
 };
 
@@ -51,8 +52,12 @@ uint64_t effective_chunk(const StreamOptions& options) {
   return std::min(chunk, std::max<uint64_t>(options.memory_limit, 4096));
 }
 
+/// Reads of at most `chunk` bytes, in file order. Neighbouring small requests share a read:
+/// staged ones one staging buffer; direct ones (memory of the sink's own) one scatter read,
+/// where `merge_direct` (a storage that pays per request, such as S3, reads it in one
+/// request rather than one a tensor).
 std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
-                                    TensorSink& sink, uint64_t chunk) {
+                                    TensorSink& sink, uint64_t chunk, bool merge_direct) {
   std::vector<ResolvedRequest> resolved(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& request = requests[i];
@@ -73,25 +78,27 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
   });
 
   std::vector<PlannedRead> reads;
-  bool merge_open = false;  // whether reads.back() may take more staged neighbours
+  bool merge_open = false;  // whether reads.back() may take more neighbours of its kind
   for (size_t index : order) {
     const auto& request = resolved[index];
     if (request.length == 0) continue;
-    if (!request.direct && request.length <= chunk && merge_open) {
+    const bool direct = request.direct != nullptr;
+    const bool mergeable = request.length <= chunk && (!direct || merge_direct);
+    if (mergeable && merge_open) {
       auto& last = reads.back();
-      if (last.shard == request.shard && last.offset + last.length == request.start && last.length + request.length <= chunk) {
-        last.deliveries.push_back({index, 0, last.length, request.length});
+      if (last.direct == direct && last.shard == request.shard && last.offset + last.length == request.start &&
+          last.length + request.length <= chunk) {
+        last.deliveries.push_back({index, 0, last.length, request.length, request.direct});
         last.length += request.length;
         continue;
       }
     }
-    merge_open = false;
     for (uint64_t done = 0; done < request.length; done += chunk) {
       uint64_t length = std::min(chunk, request.length - done);
-      reads.push_back({request.shard, request.start + done, length, request.direct ? request.direct + done : nullptr,
-                       {{index, done, 0, length}}});
+      reads.push_back({request.shard, request.start + done, length, direct,
+                       {{index, done, 0, length, direct ? request.direct + done : nullptr}}});
     }
-    merge_open = !request.direct && request.length <= chunk;
+    merge_open = mergeable;
   }
   return reads;
 }
@@ -252,10 +259,18 @@ class StreamRun {
 
  private:
   void execute(const PlannedRead& read, const StagingPool::Lease& lease) {
-    std::byte* target = read.direct ? read.direct : lease.data;
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
-    storage_.read(shard.name, read.offset, std::span(target, read.length));
+    if (!read.direct) {
+      storage_.read(shard.name, read.offset, std::span(lease.data, read.length));
+    } else if (read.deliveries.size() == 1) {
+      storage_.read(shard.name, read.offset, std::span(read.deliveries[0].direct, read.length));
+    } else {
+      std::vector<std::span<std::byte>> segments;
+      segments.reserve(read.deliveries.size());
+      for (const auto& delivery : read.deliveries) segments.emplace_back(delivery.direct, delivery.length);
+      storage_.read_scattered(shard.name, read.offset, segments);
+    }
     reading_.add_since(read_from);
     if (storage_.prefetches()) {
       // The pages copied out of the mapping are dropped by a helper, or by this reader where
@@ -280,7 +295,8 @@ class StreamRun {
       TensorPiece piece;
       piece.request = delivery.request;
       piece.offset = delivery.request_offset;
-      piece.bytes = std::span<const std::byte>(target + delivery.buffer_offset, delivery.length);
+      piece.bytes = std::span<const std::byte>(read.direct ? delivery.direct : lease.data + delivery.buffer_offset,
+                                               delivery.length);
       piece.keepalive = read.direct ? nullptr : lease.keepalive;
       if (ordered_) {
         std::unique_lock lock(mutex_);
@@ -401,7 +417,9 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   auto start = Clock::now();
   check_stream_options(options);
   uint64_t chunk = effective_chunk(options);
-  auto reads = plan_reads(checkpoint, requests, sink, chunk);
+  // A storage that prefetches pairs each prefetch with one read of the same range: its
+  // direct reads stay one a tensor.
+  auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.prefetches());
 
   StreamStats stats;
   std::set<uint32_t> shards;
