@@ -79,7 +79,7 @@ struct LoadedTensor {
   std::byte* data = nullptr;  ///< host or device address, writable
   uint64_t bytes = 0;
   /// True when `data` points into a copy-on-write mapping of the tensor's shard (a host load
-  /// with LocalIo::kMmap), false when it lies in the arena.
+  /// at LocalIo::kAuto or kMmap), false when it lies in the arena.
   bool in_place = false;
 };
 
@@ -97,17 +97,19 @@ struct LoadedCheckpoint {
 };
 
 /// Loads every tensor of `checkpoint` onto `device`. Into one arena (the identity layout,
-/// allocated there, loaded cold through a LoadSession), except for a host load with
-/// options.local_io == LocalIo::kMmap: each local shard is then mapped once, privately and
-/// populated (MAP_PRIVATE | MAP_POPULATE, read-only, then made writable), and every tensor
-/// of it whose offset is a multiple of its element size is handed out in place, a
-/// copy-on-write view of the page cache: writing into it copies the pages written, never
-/// reaches the file or another load. A shard rewritten in place (truncated or overwritten)
-/// while such tensors live changes them or makes touching them raise SIGBUS. The other
-/// tensors (misaligned ones, those of object storage) load into the arena as above, so every
-/// byte is delivered once. Throws Error naming the tensor, the source and the cause, and
-/// Error(kIo) naming the shard and both sizes when a shard to be mapped is no longer the
-/// size it had when the checkpoint was opened.
+/// allocated there, loaded cold through a LoadSession), except for a host load at
+/// options.local_io kAuto (the default) or kMmap: each local shard is then mapped once,
+/// privately, its pages populated in chunk_bytes pieces on up to min(concurrency, cores)
+/// threads, and every tensor of it whose offset is a multiple of its element size is handed
+/// out in place, a copy-on-write view of the page cache: writing into it copies the pages
+/// written, never reaches the file or another load. A shard rewritten in place (truncated or
+/// overwritten) while such tensors live changes them or makes touching them raise SIGBUS. At
+/// kAuto a shard on a file system that cannot map files goes to the arena; at kMmap that is
+/// Error(kUnsupported). The other tensors (misaligned ones, those of object storage) load
+/// into the arena as above, neighbours in a file read together (one ranged GET for up to
+/// chunk_bytes of them from S3), so every byte is delivered once. Throws Error naming the
+/// tensor, the source and the cause, and Error(kIo) naming the shard and both sizes when a
+/// shard to be mapped is no longer the size it had when the checkpoint was opened.
 LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& device, const StreamOptions& options,
                                  const ProgressCallback& progress = {});
 

@@ -80,5 +80,27 @@ TEST(PopulateDestination, AnEmptyDestinationTouchesNothing) {
   EXPECT_EQ(memory.resident(), std::vector<bool>(2, false));
 }
 
+TEST(SliceSegments, CutsAcrossSegmentsAndLeavesOutEmptyOnes) {
+  std::vector<std::byte> memory(100);
+  std::vector<std::span<std::byte>> segments = {std::span(memory).subspan(0, 10), std::span(memory).subspan(10, 0),
+                                                std::span(memory).subspan(50, 30), std::span(memory).subspan(20, 5)};
+  EXPECT_EQ(storage::segments_bytes(segments), 45u);
+  // Bytes 5..40 of the sequence: the first segment's last 5, all 30 of the third, none of
+  // the fourth; the empty one is left out.
+  auto slice = storage::slice_segments(segments, 5, 35);
+  ASSERT_EQ(slice.size(), 2u);
+  EXPECT_EQ(slice[0].data(), memory.data() + 5);
+  EXPECT_EQ(slice[0].size(), 5u);
+  EXPECT_EQ(slice[1].data(), memory.data() + 50);
+  EXPECT_EQ(slice[1].size(), 30u);
+  slice = storage::slice_segments(segments, 38, 7);
+  ASSERT_EQ(slice.size(), 2u);
+  EXPECT_EQ(slice[0].data(), memory.data() + 78);
+  EXPECT_EQ(slice[0].size(), 2u);
+  EXPECT_EQ(slice[1].data(), memory.data() + 20);
+  EXPECT_EQ(slice[1].size(), 5u);
+  EXPECT_TRUE(storage::slice_segments(segments, 45, 0).empty());
+}
+
 }  // namespace
 }  // namespace weightstream

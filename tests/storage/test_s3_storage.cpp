@@ -190,6 +190,53 @@ TEST_F(S3Faults, RecoversFromEachFaultWithinTheAttemptBound) {
   }
 }
 
+// Neighbouring tensors read into their own memory: one GET for the range, its body
+// scattered across the segments, and a retried GET starts them over.
+TEST_F(S3Faults, AScatterReadIsOneRequestAndARetryRewritesEverySegment) {
+  std::string first(1000, '\0'), second(60000, '\0'), third(39000, '\0');
+  std::string empty;
+  const std::span<std::byte> segments[] = {writable(first), writable(empty), writable(second), writable(third)};
+  storage_->read_scattered("model.safetensors", 4096, segments);
+  EXPECT_EQ(first + second + third, payload_.substr(4096, 100000));
+  EXPECT_EQ(proxy_->requests("GET"), 1);
+
+  proxy_->clear();
+  first.assign(first.size(), '\0');
+  second.assign(second.size(), '\0');
+  third.assign(third.size(), '\0');
+  proxy_->arm("truncate", 1);
+  storage_->read_scattered("model.safetensors", 4096, segments);
+  EXPECT_EQ(first + second + third, payload_.substr(4096, 100000));
+  EXPECT_EQ(proxy_->requests("GET"), 2);
+}
+
+TEST_F(S3Faults, AScatterReadLargerThanARequestIsCutIntoRangesAcrossItsSegments) {
+  auto options = options_;
+  options.request_bytes = 32768;
+  auto storage = open_s3_storage(bucket_, "ckpt", options);
+  std::string first(50000, '\0'), second(50000, '\0');
+  const std::span<std::byte> segments[] = {writable(first), writable(second)};
+  storage->read_scattered("model.safetensors", 100, segments);
+  EXPECT_EQ(first + second, payload_.substr(100, 100000));
+  EXPECT_EQ(proxy_->requests("GET"), 4);  // 100000 bytes in ranges of 32768
+}
+
+TEST_F(S3Faults, AScatterReadPastTheEndIsRefusedBeforeAnyRequest) {
+  storage_->list();  // the sizes are known from the listing
+  proxy_->clear();
+  std::string first(1000, '\0'), second(1000, '\0');
+  const std::span<std::byte> segments[] = {writable(first), writable(second)};
+  try {
+    storage_->read_scattered("model.safetensors", payload_.size() - 1500, segments);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot read 298500+2000 bytes of s3://" + bucket_ + "/ckpt/model.safetensors"),
+                                    HasSubstr("past the end of the 300000-byte object")));
+  }
+  EXPECT_EQ(proxy_->requests("GET"), 0);
+}
+
 TEST_F(S3Faults, PersistentSlowDownGivesOneErrorWithEverything) {
   proxy_->arm("503", 100);
   try {
