@@ -44,8 +44,14 @@ class SenderSink final : public TensorSink {
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
     std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends
-    sender_.send(TensorView{tensor.name, tensor.dtype, tensor.shape, piece.bytes.data(), Device{}, piece.offset,
-                            piece.bytes.size()});
+    sender_.send(TensorView{.name = tensor.name,
+                            .dtype = tensor.dtype,
+                            .shape = tensor.shape,
+                            .data = piece.bytes.data(),
+                            .device = Device{},
+                            .offset = piece.offset,
+                            .bytes = piece.bytes.size(),
+                            .keepalive = nullptr});
   }
 
  private:
