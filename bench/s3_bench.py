@@ -9,6 +9,9 @@ bucket; nginx ignores signatures, so it measures the clients, not an S3 implemen
 
   raw curl       one curl process with N transfers in parallel (--parallel), one 16 MiB
                  range each, bodies discarded: the endpoint's rate with no checkpoint logic.
+  curl kept      the same, each body written to a file in a fresh tmpfs folder (/dev/shm),
+                 timed until the folder is removed again: what curl pays to keep the bytes
+                 in fresh memory and give it back, as a loader's arena does.
   weightstream   `weightstream load s3://bench/ckpt --json`: list, read the headers, stream
                  every tensor into host memory (wall time of the whole command); and
                  `weightstream digest --hash xxh64`, which streams through the bounded staging
@@ -122,20 +125,37 @@ def tensor_ranges(path):
     return sorted((base + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]) for e in header.values())
 
 
-def run_raw_curl(endpoint, files, concurrency, workdir):
-    """One curl process, `concurrency` transfers at once (--parallel), one 16 MiB range each."""
+def run_raw_curl(endpoint, files, concurrency, workdir, keep_in=None):
+    """One curl process, `concurrency` transfers at once (--parallel), one 16 MiB range each;
+    bodies discarded, or kept as files in a fresh folder under `keep_in` (a tmpfs), removed
+    again inside the timing."""
+    keep = Path(tempfile.mkdtemp(prefix="ws-s3-bench-", dir=keep_in)) if keep_in else None
     entries = []
     for path in files:
         size = path.stat().st_size
         for offset in range(0, size, REQUEST):
-            entries.append('url = "%s/bench/ckpt/%s"\nrange = "%d-%d"\noutput = "/dev/null"\nfail\n' % (
-                endpoint, path.name, offset, min(size, offset + REQUEST) - 1))
-    config = workdir / "curl-ranges.conf"
+            output = keep / ("%s-%d" % (path.name, offset)) if keep else "/dev/null"
+            entries.append('url = "%s/bench/ckpt/%s"\nrange = "%d-%d"\noutput = "%s"\nfail\n' % (
+                endpoint, path.name, offset, min(size, offset + REQUEST) - 1, output))
+    config = workdir / ("curl-kept.conf" if keep else "curl-ranges.conf")
     config.write_text("next\n".join(entries))
     start = time.monotonic()
-    subprocess.run(["curl", "--parallel", "--parallel-immediate", "--parallel-max", str(concurrency), "-s", "-K",
-                    str(config)], check=True)
+    try:
+        subprocess.run(["curl", "--parallel", "--parallel-immediate", "--parallel-max", str(concurrency), "-s", "-K",
+                        str(config)], check=True)
+    finally:
+        if keep:
+            shutil.rmtree(keep)
     return time.monotonic() - start
+
+
+def memory_folder():
+    """/dev/shm where it is a tmpfs with room for the bodies, else None (the row is skipped)."""
+    try:
+        with open("/proc/mounts") as mounts:
+            return "/dev/shm" if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) else None
+    except OSError:
+        return None
 
 
 def run_weightstream(cli, endpoint, concurrency):
@@ -245,8 +265,9 @@ def main():
     endpoint = "http://127.0.0.1:%d" % port
     site = workdir / "site"
     have_runai = not args.skip_runai and ensure_runai(site)
-    rows = {"raw parallel curl": [], "weightstream load": [], "weightstream digest (xxh64)": [],
-            "runai streamer": []}
+    rows = {"raw parallel curl": [], "parallel curl, bodies kept in tmpfs": [], "weightstream load": [],
+            "weightstream digest (xxh64)": [], "runai streamer": []}
+    keep_in = memory_folder()
     try:
         # Correctness first: the digests over S3 equal those of the local files.
         env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, WEIGHTSTREAM_S3_UNSIGNED="1")
@@ -258,6 +279,9 @@ def main():
         for run in range(args.runs):
             # Interleaved, so that a slow moment of this shared machine hits every client alike.
             rows["raw parallel curl"].append(total / run_raw_curl(endpoint, files, args.concurrency, workdir))
+            if keep_in:
+                rows["parallel curl, bodies kept in tmpfs"].append(
+                    total / run_raw_curl(endpoint, files, args.concurrency, workdir, keep_in))
             seconds, report = run_weightstream(args.cli, endpoint, args.concurrency)
             assert report["bytes"] == tensor_bytes
             rows["weightstream load"].append(tensor_bytes / seconds)
