@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "storage/read_destination.hpp"
 #include "weightstream/error.hpp"
 
 namespace weightstream::s3 {
@@ -245,7 +246,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   Transfer transfer{.request = &request, .response = &response};
   transfer.stall_seconds = settings_.stall_seconds;
   transfer.first_byte_seconds = settings_.first_byte_seconds;
-  for (std::span<std::byte> segment : request.destination) transfer.destination_bytes += segment.size();
+  transfer.destination_bytes = storage::segments_bytes(request.destination);
   char error_text[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());

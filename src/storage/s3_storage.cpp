@@ -1,11 +1,9 @@
 // The S3 backend of Storage: a prefix of a bucket seen as a flat directory.
 #include <algorithm>
-#include <atomic>
-#include <exception>
 #include <map>
 #include <mutex>
-#include <thread>
 
+#include "base/parallel.hpp"
 #include "storage/s3_checksum.hpp"
 #include "storage/read_destination.hpp"
 #include "storage/s3_client.hpp"
@@ -120,34 +118,11 @@ class S3Storage final : public Storage {
                    uint64_t piece) {
     const uint64_t size = storage::segments_bytes(segments);
     const uint64_t pieces = (size + piece - 1) / piece;
-    const unsigned workers =
-        static_cast<unsigned>(std::min<uint64_t>(pieces, std::max(1u, client_.options().max_connections)));
-    std::atomic<uint64_t> next{0};
-    std::atomic<bool> failed{false};
-    std::exception_ptr first_error;
-    std::mutex error_mutex;
-    auto work = [&] {
-      while (!failed.load()) {
-        uint64_t index = next.fetch_add(1);
-        if (index >= pieces) return;
-        uint64_t begin = index * piece;
-        uint64_t length = std::min(piece, size - begin);
-        try {
-          client_.get_range(bucket_, key, offset + begin, storage::slice_segments(segments, begin, length));
-        } catch (...) {
-          std::lock_guard lock(error_mutex);
-          if (!failed.exchange(true)) first_error = std::current_exception();
-          return;
-        }
-      }
-    };
-    {
-      std::vector<std::jthread> threads;
-      threads.reserve(workers - 1);
-      for (unsigned i = 1; i < workers; ++i) threads.emplace_back(work);
-      work();
-    }
-    if (first_error) std::rethrow_exception(first_error);
+    detail::run_parallel(pieces, std::max(1u, client_.options().max_connections), [&](size_t, size_t index) {
+      const uint64_t begin = index * piece;
+      const uint64_t length = std::min(piece, size - begin);
+      client_.get_range(bucket_, key, offset + begin, storage::slice_segments(segments, begin, length));
+    });
   }
 
   // Why `bytes` do not match the checksums of `head`, or nullopt when they match or there

@@ -263,8 +263,6 @@ class StreamRun {
     auto read_from = Clock::now();
     if (!read.direct) {
       storage_.read(shard.name, read.offset, std::span(lease.data, read.length));
-    } else if (read.deliveries.size() == 1) {
-      storage_.read(shard.name, read.offset, std::span(read.deliveries[0].direct, read.length));
     } else {
       std::vector<std::span<std::byte>> segments;
       segments.reserve(read.deliveries.size());
