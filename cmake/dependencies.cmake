@@ -87,3 +87,20 @@ if(WS_WITH_NCCL STREQUAL "ON" AND NOT WS_HAVE_NCCL)
   message(FATAL_ERROR "WS_WITH_NCCL=ON but NCCL (and CUDA) were not found")
 endif()
 message(STATUS "weightstream: NCCL ${WS_HAVE_NCCL}")
+
+# UCX (the cross-host engine: peer pulls and the ucx update transport, src/transfer/*_ucx.cpp).
+# Debian's libucx-dev here; the libucx-cu12/cu13 wheels carry a CUDA-aware build elsewhere
+# (point WS_DEPS_DIR or CMAKE_PREFIX_PATH at it).
+set(WS_WITH_UCX "AUTO" CACHE STRING "Build the UCX peer and update transport: AUTO, ON or OFF")
+set(WS_HAVE_UCX OFF)
+if(NOT WS_WITH_UCX STREQUAL "OFF")
+  find_path(UCX_INCLUDE_DIR ucp/api/ucp.h)
+  find_library(UCX_UCP_LIBRARY NAMES ucp)
+  find_library(UCX_UCS_LIBRARY NAMES ucs)
+  if(UCX_INCLUDE_DIR AND UCX_UCP_LIBRARY AND UCX_UCS_LIBRARY)
+    set(WS_HAVE_UCX ON)
+  elseif(WS_WITH_UCX STREQUAL "ON")
+    message(FATAL_ERROR "WS_WITH_UCX=ON but UCX (ucp/api/ucp.h, libucp, libucs) was not found")
+  endif()
+endif()
+message(STATUS "weightstream: UCX ${WS_HAVE_UCX}")

@@ -10,6 +10,7 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   cmake ninja-build g++ clang libclang-rt-dev pkg-config \
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
   libssl-dev libxxhash-dev liburing-dev libcurl4-openssl-dev libpugixml-dev \
+  libucx-dev ucx-utils iproute2 \
   python3 python3-pip >/dev/null
 # Python side: the tests' tools (pytest, boto3, moto's S3 server, the safetensors package
 # for cross-checks) and the build backend of the Python package.

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "cli/layout_flags.hpp"
+#include "cli/peer_flags.hpp"
 
 namespace weightstream::cli {
 namespace {
@@ -14,6 +15,7 @@ struct ExportFlags {
   LayoutFlags layout;
   bool json = false;
   StreamFlags stream;
+  PeerFlags peer;  // peer:// sources
 };
 
 }  // namespace
@@ -26,13 +28,20 @@ void add_export_command(CLI::App& app) {
   add_layout_flags(*command, flags->layout);
   command->add_flag("--json", flags->json, "Print JSON: output, layout, tensors, bytes");
   add_stream_flags(*command, flags->stream);
+  add_peer_flags(*command, flags->peer);
   command->callback([flags] {
     Options options = resolve_options(flags->stream);
-    Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
-    ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, Device{});
-    {
+    std::optional<PeerLoad> from_peers;  // peer:// (cli/peer_flags.hpp)
+    std::optional<Checkpoint> checkpoint;
+    ModelLayout layout;
+    if (is_peer_uri(flags->uri)) {
+      from_peers = load_from_peers(flags->uri, flags->layout, Device{}, flags->peer, options);
+      layout = std::move(from_peers->layout);
+    } else {
+      checkpoint = Checkpoint::open(flags->uri, options);
+      layout = checkpoint_layout(*checkpoint, flags->layout, Device{});
       ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
-      load_layout(layout, checkpoint, LoadMode::kCold, options.stream,
+      load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
                   [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
     }
     SafetensorsWriter writer;
@@ -46,13 +55,18 @@ void add_export_command(CLI::App& app) {
     writer.set_metadata("layout", layout.description());
     writer.set_metadata("tp_size", std::to_string(flags->layout.tp_size.value_or(1)));
     writer.set_metadata("tp_rank", std::to_string(flags->layout.tp_rank.value_or(0)));
-    writer.set_metadata("source", checkpoint.uri());
+    writer.set_metadata("source", from_peers ? from_peers->source : checkpoint->uri());
     writer.write(flags->output);
     if (flags->json) {
-      print_json({{"output", flags->output},
-                  {"layout", layout.description()},
-                  {"tensors", layout.parameters().size()},
-                  {"bytes", bytes}});
+      nlohmann::json result = {{"output", flags->output},
+                               {"layout", layout.description()},
+                               {"tensors", layout.parameters().size()},
+                               {"bytes", bytes}};
+      if (from_peers) {
+        from_peers->layout = std::move(layout);  // for peer_load_json's description
+        result.update(peer_load_json(*from_peers));
+      }
+      print_json(result);
     } else {
       std::printf("wrote %zu parameters (%s) of %s to %s\n", layout.parameters().size(), format_size(bytes).c_str(),
                   layout.description().c_str(), flags->output.c_str());

@@ -5,6 +5,7 @@
 #include "cli/command.hpp"
 #include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
+#include "cli/peer_flags.hpp"
 #include "weightstream/load.hpp"
 
 namespace weightstream::cli {
@@ -58,7 +59,13 @@ void add_load_command(CLI::App& app) {
   auto draft_flags = std::make_shared<DraftFlags>();
   add_draft_load_flags(*command, *draft_flags);
   // ---- end of source resolution and drafts ----
-  command->callback([flags, layout_flags, draft_flags] {
+  auto peer_flags = std::make_shared<PeerFlags>();  // peer:// sources (cli/peer_flags.hpp)
+  add_peer_flags(*command, *peer_flags);
+  command->callback([flags, layout_flags, draft_flags, peer_flags] {
+    if (is_peer_uri(flags->uri)) {
+      run_peer_load(flags->uri, layout_flags->layout, flags->device, *peer_flags, flags->stream, flags->json);
+      return;
+    }
     if (draft_flags->requested()) {  // source resolution and drafts
       run_draft_load(flags->uri, *draft_flags, layout_options_from_flags(layout_flags->layout), flags->device,
                      flags->stream, flags->json);

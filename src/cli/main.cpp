@@ -5,6 +5,7 @@
 
 #include "cli/command.hpp"
 #include "cli/draft_flags.hpp"
+#include "cli/peer_flags.hpp"
 #include "cli/update_via.hpp"
 #include "weightstream/error.hpp"
 
@@ -52,6 +53,7 @@ int main(int argc, char** argv) {
   weightstream::cli::add_audit_command(app);
   weightstream::cli::add_s3_command(app);
   weightstream::cli::add_resolve_command(app);
+  weightstream::cli::add_serve_command(app);
   if (argc >= 2) {
     std::string_view first = argv[1];
     const CLI::App& commands = app;

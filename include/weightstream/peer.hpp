@@ -1,0 +1,179 @@
+#pragma once
+/// @file peer.hpp
+/// Peers: a process holding a loaded rank publishes its parameters (`PeerServer`), and a
+/// new instance pulls what its own layout needs from the serving ranks (`PeerSource`),
+/// one-sided over UCX (ucp_get from memory the server registered with ucp_mem_map), so the
+/// serving process's CPU copies nothing. Control (token, manifest, version) travels on a
+/// TCP connection to the server's `HOST:PORT`; bytes travel by UCX.
+///
+/// What a server publishes is a manifest: model_type, tp/ep size and rank, dtype,
+/// quantization, the checkpoint's identity (a digest of its tensor index and config.json),
+/// a version that changes with every update, config.json, the checkpoint tensors' names,
+/// dtypes and shapes, and each parameter's name, dtype, shape, byte size, xxh64 digest and
+/// the checkpoint rectangles (ModelLayout parts) it holds. A puller at any tp/ep layout maps
+/// each of its parts to the serving ranks' rectangles in checkpoint coordinates, reads the
+/// serving parameters it needs whole, checks each against its digest, and hands the bytes
+/// to its LoadSession as checkpoint tensors (straight into its own parameters where the
+/// layouts agree). Uses the model, device and format layers.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightstream/format.hpp"
+#include "weightstream/model.hpp"
+
+namespace weightstream {
+
+/// "peer://HOST:PORT[,HOST:PORT...]".
+inline constexpr std::string_view kPeerScheme = "peer://";
+
+/// True for a URI of the peer:// scheme.
+bool is_peer_uri(std::string_view uri) noexcept;
+
+/// The "HOST:PORT" addresses of a peer:// URI. Throws Error(kInvalidArgument) naming the
+/// URI when it has none or a malformed one.
+std::vector<std::string> peer_addresses(std::string_view uri);
+
+/// A checkpoint tensor as the serving peer's checkpoint has it.
+struct PeerTensor {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;
+  std::vector<int64_t> shape;
+  std::string shard;  ///< the shard file holding it (part of the checkpoint identity)
+};
+
+/// One parameter a peer serves.
+struct PeerParameter {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  uint64_t xxh64 = 0;  ///< of the parameter's bytes as served
+  Processing processing = Processing::kNone;
+  std::vector<ParameterPart> parts;  ///< checkpoint rectangles it holds (empty: derived)
+  uint64_t remote_address = 0;       ///< where the peer registered it
+  std::vector<std::byte> remote_key;  ///< packed UCX remote key
+};
+
+/// What one serving rank publishes.
+struct PeerManifest {
+  std::string address;        ///< "HOST:PORT" it was fetched from
+  std::string model_type;
+  Parallelism parallel;
+  std::string dtype;          ///< the layout's parameter dtype ("BF16"), or "mixed"
+  std::string quantization;   ///< "none", "fp8" (per-tensor, processed), "fp8-block" (checkpoint)
+  std::string checkpoint_identity;  ///< xxh64 hex of the tensor index and config.json
+  uint64_t version = 1;             ///< changes with every update of the served parameters
+  std::string config_json;
+  std::vector<PeerTensor> tensors;
+  std::vector<PeerParameter> parameters;
+  std::vector<std::byte> worker_address;  ///< the server's UCX worker
+};
+
+/// The digest that names a checkpoint: xxh64 (16 hex digits) over its tensors' names,
+/// dtypes, shapes and shards, in name order, and config.json.
+std::string peer_checkpoint_identity(std::span<const PeerTensor> tensors, std::string_view config_json);
+
+/// Options of a serving peer.
+struct PeerServeOptions {
+  /// "HOST:PORT" to listen on (port 0 picks a free one); default "127.0.0.1:0".
+  std::string listen;
+  /// Token a puller must present; empty accepts any puller. Never logged or published.
+  std::string token;
+  /// How long a connected puller has for each message (its HELLO, a version request).
+  std::chrono::milliseconds timeout{30'000};
+};
+
+/// What a PeerServer publishes besides the layout.
+struct PeerServeInfo {
+  std::string config_json;
+  std::vector<PeerTensor> tensors;  ///< every tensor of the checkpoint
+  Parallelism parallel;
+  std::string quantization = "none";
+};
+
+/// Publishes a loaded layout's parameters (host memory) until destroyed. Every parameter is
+/// registered with UCX for remote reads and hashed (xxh64) once; pullers connect to
+/// address(), present the token, receive the manifest and read the bytes one-sided.
+class PeerServer {
+ public:
+  /// Throws Error(kUnsupported) for a build without UCX or a layout on a GPU,
+  /// Error(kNetwork) when it cannot listen, Error(kModel) for a parameter without storage.
+  PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options);
+  ~PeerServer();
+  PeerServer(const PeerServer&) = delete;
+  PeerServer& operator=(const PeerServer&) = delete;
+
+  /// "HOST:PORT" pullers connect to.
+  const std::string& address() const noexcept;
+  /// The version now published.
+  uint64_t version() const noexcept;
+  /// Before the served parameters change (an update): pullers that ask for the version
+  /// from now on see it change, so a pull that overlaps the update is refused.
+  void begin_update();
+  /// After they changed: digests are recomputed and a new version is published.
+  void end_update();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+/// Options of a pull.
+struct PeerPullOptions {
+  std::string token;
+  /// How long a connect, a message or a read may go without progress before the pull fails.
+  std::chrono::milliseconds timeout{30'000};
+  /// Host staging for bytes that cannot land in place (bytes of parameters that another
+  /// layout holds differently); a single serving parameter larger than this is staged alone.
+  uint64_t memory_limit = 1ull << 30;
+};
+
+/// What a pull did.
+struct PeerPullReport {
+  uint64_t bytes_from_peers = 0;   ///< bytes read from serving peers
+  uint64_t bytes_in_place = 0;     ///< of those, read straight into this layout's parameters
+  uint64_t parameters_read = 0;    ///< serving parameters read (each checked against its digest)
+  uint64_t tensors = 0;            ///< checkpoint tensors (or slices) handed to the session
+  double seconds = 0;
+  double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes_from_peers) / seconds / 1e9 : 0; }
+};
+
+/// The serving ranks of one instance, connected: their manifests (checked to agree) and
+/// UCX endpoints.
+class PeerSource {
+ public:
+  /// Connects to every address of `uri` (peer://...), presents the token and fetches the
+  /// manifests. Throws Error(kNetwork)/Error(kTimeout) naming the peer, Error(kProtocol)
+  /// when a peer refuses (a wrong token), Error(kModel) naming both peers and the field
+  /// when manifests disagree (checkpoint identity, model_type, dtype, quantization, tp/ep
+  /// size, version) or two peers serve the same rank.
+  PeerSource(std::string_view uri, PeerPullOptions options);
+  ~PeerSource();
+  PeerSource(PeerSource&&) noexcept;
+  PeerSource& operator=(PeerSource&&) noexcept;
+
+  const std::string& uri() const noexcept;
+  const std::vector<PeerManifest>& manifests() const noexcept;
+  /// The config.json the peers publish.
+  const std::string& config_json() const noexcept;
+  /// The checkpoint tensors, as the peers' checkpoint has them.
+  const std::vector<PeerTensor>& tensors() const noexcept;
+
+  /// Pulls every part of `session`'s layout into it (the session has begun, checkpoint
+  /// format). Throws Error(kModel) naming the tensor when no peer holds part of it or a
+  /// peer holds it processed, Error(kProtocol) naming the parameter and
+  /// the peer when a digest does not match, Error(kNetwork)/Error(kTimeout) naming the peer
+  /// when it dies or stalls, Error(kProtocol) when a peer's version changed during the pull.
+  PeerPullReport pull(LoadSession& session);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weightstream

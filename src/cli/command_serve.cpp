@@ -1,0 +1,72 @@
+// weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--token-stdin]
+// Loads one rank's parameters into host memory and publishes them to pullers (peer://)
+// until SIGINT or SIGTERM. Prints one line with its address once ready.
+#include <signal.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "cli/peer_flags.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream::cli {
+namespace {
+
+struct ServeFlags {
+  std::string uri;
+  std::string listen = "127.0.0.1:0";
+  LayoutFlags layout;
+  bool token_stdin = false;
+  StreamFlags stream;
+};
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto flags = std::make_shared<ServeFlags>();
+  auto* command = app.add_subcommand("serve", "Load a rank's parameters and publish them to peers (peer://) until SIGINT/SIGTERM");
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file:// or s3://")->required();
+  command->add_option("--listen", flags->listen, "HOST:PORT to listen on (default 127.0.0.1:0, a free loopback port)");
+  add_layout_flags(*command, flags->layout);
+  command->add_flag("--token-stdin", flags->token_stdin, "Read the token pullers must present from the first line of stdin");
+  add_stream_flags(*command, flags->stream);
+  command->callback([flags] {
+    // Blocked before any thread starts, so every thread inherits the mask and the signals
+    // reach sigwait below.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+    Options options = resolve_options(flags->stream);
+    PeerServeOptions serve;
+    serve.listen = flags->listen;
+    if (flags->token_stdin) std::getline(std::cin, serve.token);
+    Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
+    ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, Device{});
+    load_layout(layout, checkpoint, LoadMode::kCold, options.stream);
+
+    PeerServeInfo info;
+    info.config_json = *checkpoint.config_json();  // checkpoint_layout needed it
+    for (const CheckpointTensor& tensor : checkpoint.tensors()) {
+      info.tensors.push_back({tensor.name, tensor.dtype, tensor.shape, checkpoint.shards()[tensor.shard].name});
+    }
+    info.parallel = {flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0), flags->layout.ep_size,
+                     flags->layout.ep_rank};
+    ModelConfig config = parse_model_config(checkpoint.uri() + "/config.json", info.config_json);
+    info.quantization = flags->layout.quantize == "fp8" ? "fp8" : fp8_block_quantized(config) ? "fp8-block" : "none";
+    PeerServer server(layout, std::move(info), serve);
+    uint64_t bytes = 0;
+    for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();
+    std::printf("serving %s of %s (%zu parameters, %s, version %llu) at peer://%s\n", layout.description().c_str(),
+                checkpoint.uri().c_str(), layout.parameters().size(), format_size(bytes).c_str(),
+                static_cast<unsigned long long>(server.version()), server.address().c_str());
+    std::fflush(stdout);
+    int received = 0;
+    sigwait(&stop_signals, &received);
+    std::fprintf(stderr, "weightstream: serve stopped by %s\n", received == SIGINT ? "SIGINT" : "SIGTERM");
+  });
+}
+
+}  // namespace weightstream::cli

@@ -1,0 +1,217 @@
+// The peer control protocol's frames and the manifest's JSON (peer_protocol.hpp).
+#include "transfer/peer_protocol.hpp"
+
+#include <cstring>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+void put_u16(std::byte* at, uint16_t value) {
+  for (int i = 0; i < 2; ++i) at[i] = static_cast<std::byte>(value >> (8 * i));
+}
+void put_u32(std::byte* at, uint32_t value) {
+  for (int i = 0; i < 4; ++i) at[i] = static_cast<std::byte>(value >> (8 * i));
+}
+void put_u64(std::byte* at, uint64_t value) {
+  for (int i = 0; i < 8; ++i) at[i] = static_cast<std::byte>(value >> (8 * i));
+}
+uint64_t get_le(const std::byte* at, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(at[i]) << (8 * i);
+  return value;
+}
+
+std::string_view processing_name(Processing processing) {
+  return processing == Processing::kFp8PerTensor ? "fp8_per_tensor" : "none";
+}
+
+Processing parse_processing(const std::string& text, const std::string& what) {
+  if (text == "none") return Processing::kNone;
+  if (text == "fp8_per_tensor") return Processing::kFp8PerTensor;
+  WS_FAIL(ErrorCode::kProtocol, what + ": unknown processing '" + text + "'");
+}
+
+Dtype parse_dtype(const std::string& text, const std::string& what) {
+  auto dtype = dtype_from_name(text);
+  WS_EXPECT(dtype.has_value(), ErrorCode::kProtocol, what + ": unknown dtype '" + text + "'");
+  return *dtype;
+}
+
+std::vector<int64_t> parse_shape(const nlohmann::json& json, const std::string& what) {
+  std::vector<int64_t> shape = json.get<std::vector<int64_t>>();
+  WS_EXPECT(shape.size() <= kMaxTensorRank, ErrorCode::kProtocol, what + ": shape of " + std::to_string(shape.size()) + " dimensions");
+  for (int64_t dimension : shape) WS_EXPECT(dimension >= 0, ErrorCode::kProtocol, what + ": negative dimension");
+  return shape;
+}
+
+}  // namespace
+
+std::string to_hex(std::span<const std::byte> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string text;
+  text.reserve(bytes.size() * 2);
+  for (std::byte byte : bytes) {
+    text += kDigits[static_cast<unsigned>(byte) >> 4];
+    text += kDigits[static_cast<unsigned>(byte) & 15];
+  }
+  return text;
+}
+
+std::vector<std::byte> from_hex(std::string_view text, const std::string& what) {
+  WS_EXPECT(text.size() % 2 == 0, ErrorCode::kProtocol, what + ": odd number of hex digits");
+  auto digit = [&](char c) -> unsigned {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    WS_FAIL(ErrorCode::kProtocol, what + ": '" + std::string(1, c) + "' is not a hex digit");
+  };
+  std::vector<std::byte> bytes(text.size() / 2);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>(digit(text[2 * i]) << 4 | digit(text[2 * i + 1]));
+  return bytes;
+}
+
+void send_peer_message(Connection& connection, PeerMessage type, const nlohmann::json& body,
+                       std::chrono::milliseconds timeout) {
+  std::string text = body.dump();
+  std::vector<std::byte> frame(16 + text.size());
+  put_u32(frame.data(), kPeerMagic);
+  put_u16(frame.data() + 4, kPeerProtocolVersion);
+  put_u16(frame.data() + 6, static_cast<uint16_t>(type));
+  put_u64(frame.data() + 8, text.size());
+  std::memcpy(frame.data() + 16, text.data(), text.size());
+  connection.send_bytes(frame, timeout, "a peer control message");
+}
+
+PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting) {
+  std::byte header[16];
+  connection.receive_bytes(header, timeout, awaiting);
+  const std::string& peer = connection.peer();
+  WS_EXPECT(get_le(header, 4) == kPeerMagic, ErrorCode::kProtocol,
+            peer + " does not speak the weightstream peer protocol (bad magic while awaiting " + awaiting + ")");
+  WS_EXPECT(get_le(header + 4, 2) == kPeerProtocolVersion, ErrorCode::kProtocol,
+            peer + " speaks peer protocol version " + std::to_string(get_le(header + 4, 2)) + ", this build " +
+                std::to_string(kPeerProtocolVersion));
+  const uint64_t type = get_le(header + 6, 2);
+  WS_EXPECT(type >= 1 && type <= 4, ErrorCode::kProtocol, peer + " sent unknown peer message type " + std::to_string(type));
+  const uint64_t length = get_le(header + 8, 8);
+  WS_EXPECT(length <= kMaxPeerMessageBytes, ErrorCode::kProtocol,
+            peer + " sent a " + std::to_string(length) + "-byte message, over the limit of " +
+                std::to_string(kMaxPeerMessageBytes));
+  std::string text(length, '\0');
+  connection.receive_bytes(std::as_writable_bytes(std::span(text)), timeout, awaiting);
+  PeerFrame frame;
+  frame.type = static_cast<PeerMessage>(type);
+  try {
+    frame.body = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    WS_FAIL(ErrorCode::kProtocol, peer + " sent malformed JSON while awaiting " + awaiting + ": " + error.what());
+  }
+  WS_EXPECT(frame.body.is_object(), ErrorCode::kProtocol, peer + " sent a message that is not a JSON object");
+  return frame;
+}
+
+nlohmann::json manifest_json(const PeerManifest& manifest) {
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const PeerTensor& tensor : manifest.tensors) {
+    tensors.push_back({{"name", tensor.name}, {"dtype", dtype_name(tensor.dtype)}, {"shape", tensor.shape}, {"shard", tensor.shard}});
+  }
+  nlohmann::json parameters = nlohmann::json::array();
+  for (const PeerParameter& parameter : manifest.parameters) {
+    nlohmann::json parts = nlohmann::json::array();
+    for (const ParameterPart& part : parameter.parts) {
+      parts.push_back({{"tensor", part.tensor}, {"id", part.id}, {"shape", part.shape}, {"row_begin", part.row_begin},
+                       {"rows", part.rows}, {"column_begin", part.column_begin}, {"columns", part.columns},
+                       {"element_offset", part.element_offset}});
+    }
+    parameters.push_back({{"name", parameter.name}, {"dtype", dtype_name(parameter.dtype)}, {"shape", parameter.shape},
+                          {"bytes", parameter.bytes}, {"xxh64", parameter.xxh64},
+                          {"processing", processing_name(parameter.processing)}, {"parts", parts},
+                          {"remote_address", parameter.remote_address}, {"remote_key", to_hex(parameter.remote_key)}});
+  }
+  return {{"model_type", manifest.model_type},
+          {"tp_size", manifest.parallel.tp_size},
+          {"tp_rank", manifest.parallel.tp_rank},
+          {"ep_size", manifest.parallel.ep_size},
+          {"ep_rank", manifest.parallel.ep_rank},
+          {"dtype", manifest.dtype},
+          {"quantization", manifest.quantization},
+          {"checkpoint_identity", manifest.checkpoint_identity},
+          {"version", manifest.version},
+          {"config_json", manifest.config_json},
+          {"tensors", tensors},
+          {"parameters", parameters},
+          {"worker_address", to_hex(manifest.worker_address)}};
+}
+
+PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer) {
+  std::string field = "manifest";
+  try {
+    PeerManifest manifest;
+    manifest.model_type = (field = "model_type", json.at("model_type")).get<std::string>();
+    manifest.parallel.tp_size = (field = "tp_size", json.at("tp_size")).get<int64_t>();
+    manifest.parallel.tp_rank = (field = "tp_rank", json.at("tp_rank")).get<int64_t>();
+    manifest.parallel.ep_size = (field = "ep_size", json.at("ep_size")).get<int64_t>();
+    manifest.parallel.ep_rank = (field = "ep_rank", json.at("ep_rank")).get<int64_t>();
+    const Parallelism& p = manifest.parallel;
+    WS_EXPECT(p.tp_size >= 1 && p.tp_rank >= 0 && p.tp_rank < p.tp_size && p.ep_size >= 1 && p.ep_rank >= 0 &&
+                  p.ep_rank < p.ep_size,
+              ErrorCode::kProtocol, peer + ": manifest has tp rank " + std::to_string(p.tp_rank) + " of " +
+                                        std::to_string(p.tp_size) + ", ep rank " + std::to_string(p.ep_rank) + " of " +
+                                        std::to_string(p.ep_size));
+    manifest.dtype = (field = "dtype", json.at("dtype")).get<std::string>();
+    manifest.quantization = (field = "quantization", json.at("quantization")).get<std::string>();
+    manifest.checkpoint_identity = (field = "checkpoint_identity", json.at("checkpoint_identity")).get<std::string>();
+    manifest.version = (field = "version", json.at("version")).get<uint64_t>();
+    manifest.config_json = (field = "config_json", json.at("config_json")).get<std::string>();
+    manifest.worker_address = from_hex((field = "worker_address", json.at("worker_address")).get<std::string>(), peer + ": worker_address");
+    for (const nlohmann::json& tensor : (field = "tensors", json.at("tensors"))) {
+      PeerTensor& entry = manifest.tensors.emplace_back();
+      entry.name = (field = "tensors[].name", tensor.at("name")).get<std::string>();
+      entry.dtype = parse_dtype((field = "tensors[].dtype", tensor.at("dtype")).get<std::string>(), peer + ": tensor " + entry.name);
+      entry.shape = parse_shape((field = "tensors[].shape", tensor.at("shape")), peer + ": tensor " + entry.name);
+      entry.shard = (field = "tensors[].shard", tensor.at("shard")).get<std::string>();
+    }
+    for (const nlohmann::json& parameter : (field = "parameters", json.at("parameters"))) {
+      PeerParameter& entry = manifest.parameters.emplace_back();
+      entry.name = (field = "parameters[].name", parameter.at("name")).get<std::string>();
+      const std::string what = peer + ": parameter " + entry.name;
+      entry.dtype = parse_dtype((field = "parameters[].dtype", parameter.at("dtype")).get<std::string>(), what);
+      entry.shape = parse_shape((field = "parameters[].shape", parameter.at("shape")), what);
+      entry.bytes = (field = "parameters[].bytes", parameter.at("bytes")).get<uint64_t>();
+      auto size = tensor_byte_size(entry.dtype, entry.shape);
+      WS_EXPECT(size && *size == entry.bytes, ErrorCode::kProtocol,
+                what + ": " + std::to_string(entry.bytes) + " bytes do not match its dtype and shape");
+      entry.xxh64 = (field = "parameters[].xxh64", parameter.at("xxh64")).get<uint64_t>();
+      entry.processing = parse_processing((field = "parameters[].processing", parameter.at("processing")).get<std::string>(), what);
+      entry.remote_address = (field = "parameters[].remote_address", parameter.at("remote_address")).get<uint64_t>();
+      entry.remote_key = from_hex((field = "parameters[].remote_key", parameter.at("remote_key")).get<std::string>(), what);
+      const uint64_t element_bytes = std::max<unsigned>(dtype_bits(entry.dtype) / 8, 1);
+      for (const nlohmann::json& part : (field = "parameters[].parts", parameter.at("parts"))) {
+        ParameterPart& slice = entry.parts.emplace_back();
+        slice.tensor = (field = "parts[].tensor", part.at("tensor")).get<std::string>();
+        slice.id = (field = "parts[].id", part.at("id")).get<std::string>();
+        slice.shape = parse_shape((field = "parts[].shape", part.at("shape")), what);
+        slice.row_begin = (field = "parts[].row_begin", part.at("row_begin")).get<int64_t>();
+        slice.rows = (field = "parts[].rows", part.at("rows")).get<int64_t>();
+        slice.column_begin = (field = "parts[].column_begin", part.at("column_begin")).get<int64_t>();
+        slice.columns = (field = "parts[].columns", part.at("columns")).get<int64_t>();
+        slice.element_offset = (field = "parts[].element_offset", part.at("element_offset")).get<uint64_t>();
+        // The rectangle must lie inside its tensor and inside the parameter's bytes: the
+        // puller copies out of it.
+        const bool inside_tensor = slice.row_begin >= 0 && slice.rows >= 0 && slice.column_begin >= 0 &&
+                                   slice.columns >= 0 && slice.row_begin + slice.rows <= slice.tensor_rows() &&
+                                   slice.column_begin + slice.columns <= slice.tensor_columns();
+        const bool inside_parameter = slice.element_offset <= entry.bytes / element_bytes &&
+                                      slice.elements() <= entry.bytes / element_bytes - slice.element_offset;
+        WS_EXPECT(inside_tensor && inside_parameter, ErrorCode::kProtocol,
+                  what + ": part of tensor " + slice.tensor + " lies outside the tensor or the parameter");
+      }
+    }
+    return manifest;
+  } catch (const nlohmann::json::exception& error) {
+    WS_FAIL(ErrorCode::kProtocol, peer + ": malformed manifest at field " + field + ": " + error.what());
+  }
+}
+
+}  // namespace weightstream::transfer

@@ -1,0 +1,51 @@
+#pragma once
+// The peer control protocol, on a TCP connection to the serving peer (socket.hpp). Every
+// message is a frame: magic u32 ("WSPE"), version u16, type u16, length u64, then `length`
+// bytes of JSON. Bulk bytes never travel here: they are read one-sided over UCX.
+//
+//   HELLO    (puller -> server)  {"token"}; the server answers MANIFEST or REFUSE
+//   MANIFEST (server -> puller)  the PeerManifest (binary fields as hex)
+//   REFUSE   (server -> puller)  {"reason"}; the server then closes
+//   VERSION  (puller -> server)  {}; the server answers VERSION {"version", "updating"}
+//
+// Every message from a peer is hostile input: the length is bounded before anything is
+// allocated, and the JSON is checked field by field (a missing or mistyped field is
+// Error(kProtocol) naming the peer and the field).
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "transfer/socket.hpp"
+#include "weightstream/peer.hpp"
+
+namespace weightstream::transfer {
+
+enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVersion = 4 };
+
+inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
+inline constexpr uint16_t kPeerProtocolVersion = 1;
+/// Largest message: the manifest of a rank with 100,000 parameters fits.
+inline constexpr uint64_t kMaxPeerMessageBytes = 512ull << 20;
+
+struct PeerFrame {
+  PeerMessage type = PeerMessage::kRefuse;
+  nlohmann::json body;
+};
+
+/// Sends one message.
+void send_peer_message(Connection& connection, PeerMessage type, const nlohmann::json& body,
+                       std::chrono::milliseconds timeout);
+/// Receives one message. Throws Error(kProtocol) naming the peer for a bad frame or JSON,
+/// Error(kTimeout)/Error(kNetwork) as Connection does.
+PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting);
+
+nlohmann::json manifest_json(const PeerManifest& manifest);
+/// Parses a manifest. Throws Error(kProtocol) naming `peer` and the field.
+PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer);
+
+std::string to_hex(std::span<const std::byte> bytes);
+std::vector<std::byte> from_hex(std::string_view text, const std::string& what);
+
+}  // namespace weightstream::transfer

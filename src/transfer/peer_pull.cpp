@@ -1,0 +1,460 @@
+// PeerSource: connects to the serving ranks of an instance, checks that their manifests
+// agree, and pulls what a LoadSession's layout needs.
+//
+// Everything is mapped in checkpoint coordinates: each part of a puller's parameter is a
+// rectangle of a checkpoint tensor (ModelLayout's rules), and so is each part of a serving
+// parameter (its manifest). A puller parameter that a peer holds identically (same name,
+// dtype and rectangles: the same layout) is read whole straight into the parameter's
+// storage. Any other need is covered by serving parameters' rectangles: those parameters
+// are read whole into staging (so that each is checked against its digest), and the rows
+// the puller needs are assembled from them and handed to the session as a piece of the
+// checkpoint tensor, exactly as a stream from storage would hand it.
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "transfer/peer_protocol.hpp"
+#include "transfer/socket.hpp"
+#include "transfer/ucx.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/peer.hpp"
+
+namespace weightstream {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace transfer;
+
+/// Reads are issued in pieces of at most this many bytes, so several are in flight.
+constexpr uint64_t kReadPieceBytes = 8ull << 20;
+
+/// A rectangle [row_begin, row_end) x [column_begin, column_end) of a tensor's 2-D view.
+struct Rect {
+  int64_t row_begin = 0, row_end = 0, column_begin = 0, column_end = 0;
+  bool empty() const { return row_begin >= row_end || column_begin >= column_end; }
+  static Rect of(const ParameterPart& part) {
+    return {part.row_begin, part.row_begin + part.rows, part.column_begin, part.column_begin + part.columns};
+  }
+  Rect intersect(const Rect& other) const {
+    return {std::max(row_begin, other.row_begin), std::min(row_end, other.row_end),
+            std::max(column_begin, other.column_begin), std::min(column_end, other.column_end)};
+  }
+  /// This rectangle minus `cut`: at most four rectangles.
+  std::vector<Rect> minus(const Rect& cut) const {
+    Rect inner = intersect(cut);
+    if (inner.empty()) return {*this};
+    std::vector<Rect> left;
+    auto keep = [&](Rect r) {
+      if (!r.empty()) left.push_back(r);
+    };
+    keep({row_begin, inner.row_begin, column_begin, column_end});
+    keep({inner.row_end, row_end, column_begin, column_end});
+    keep({inner.row_begin, inner.row_end, column_begin, inner.column_begin});
+    keep({inner.row_begin, inner.row_end, inner.column_end, column_end});
+    return left;
+  }
+  std::string text() const {
+    return "rows " + std::to_string(row_begin) + "-" + std::to_string(row_end) + ", columns " +
+           std::to_string(column_begin) + "-" + std::to_string(column_end);
+  }
+};
+
+uint64_t element_bytes(Dtype dtype) { return std::max<uint64_t>(dtype_bits(dtype) / 8, 1); }
+
+bool same_parts(const std::vector<ParameterPart>& a, const std::vector<ParameterPart>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].tensor != b[i].tensor || a[i].row_begin != b[i].row_begin || a[i].rows != b[i].rows ||
+        a[i].column_begin != b[i].column_begin || a[i].columns != b[i].columns ||
+        a[i].element_offset != b[i].element_offset || a[i].shape != b[i].shape) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string peer_text(const PeerManifest& manifest) {
+  return "peer " + manifest.address + " (tp rank " + std::to_string(manifest.parallel.tp_rank) + " of " +
+         std::to_string(manifest.parallel.tp_size) + ", ep rank " + std::to_string(manifest.parallel.ep_rank) + " of " +
+         std::to_string(manifest.parallel.ep_size) + ")";
+}
+
+}  // namespace
+
+struct PeerSource::State {
+  struct Link {
+    std::string address;
+    std::optional<Connection> connection;
+    PeerManifest manifest;
+    std::unique_ptr<ucx::Endpoint> endpoint;
+    std::vector<uint32_t> keys;  // per parameter of the manifest
+    std::map<std::string, size_t, std::less<>> by_name;
+  };
+  std::string uri;
+  PeerPullOptions options;
+  std::unique_ptr<ucx::Worker> worker;  // before the links: endpoints close first
+  std::vector<Link> links;
+  std::vector<PeerManifest> manifests;
+
+  void check_agreement() const;
+  void check_versions();
+};
+
+PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(std::make_unique<State>()) {
+  State& state = *state_;
+  state.uri = std::string(uri);
+  state.options = std::move(options);
+  std::vector<std::string> addresses = peer_addresses(uri);
+  state.worker = std::make_unique<ucx::Worker>();
+  for (const std::string& address : addresses) {
+    State::Link& link = state.links.emplace_back();
+    link.address = address;
+    try {
+      link.connection.emplace(connect_to(address, state.options.timeout));
+    } catch (const Error& error) {
+      WS_FAIL(error.code(), "cannot reach peer " + address + " of " + state.uri + ": " + error.what());
+    }
+    send_peer_message(*link.connection, PeerMessage::kHello, {{"token", state.options.token}}, state.options.timeout);
+    PeerFrame answer = receive_peer_message(*link.connection, state.options.timeout, "the manifest of peer " + address);
+    if (answer.type == PeerMessage::kRefuse) {
+      WS_FAIL(ErrorCode::kProtocol, "peer " + address + " refused this puller: " + answer.body.value("reason", std::string("no reason given")));
+    }
+    WS_EXPECT(answer.type == PeerMessage::kManifest, ErrorCode::kProtocol,
+              "peer " + address + " answered HELLO with message type " + std::to_string(static_cast<int>(answer.type)));
+    link.manifest = parse_manifest(answer.body, "peer " + address);
+    link.manifest.address = address;
+    for (size_t i = 0; i < link.manifest.parameters.size(); ++i) link.by_name.emplace(link.manifest.parameters[i].name, i);
+  }
+  state.check_agreement();
+  for (State::Link& link : state.links) {
+    link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address);
+    for (const PeerParameter& parameter : link.manifest.parameters) {
+      link.keys.push_back(parameter.remote_key.empty() ? 0 : link.endpoint->add_remote_key(parameter.remote_key));
+    }
+    state.manifests.push_back(link.manifest);
+  }
+}
+
+PeerSource::~PeerSource() = default;
+PeerSource::PeerSource(PeerSource&&) noexcept = default;
+PeerSource& PeerSource::operator=(PeerSource&&) noexcept = default;
+
+const std::string& PeerSource::uri() const noexcept { return state_->uri; }
+const std::vector<PeerManifest>& PeerSource::manifests() const noexcept { return state_->manifests; }
+const std::string& PeerSource::config_json() const noexcept { return state_->links.front().manifest.config_json; }
+const std::vector<PeerTensor>& PeerSource::tensors() const noexcept { return state_->links.front().manifest.tensors; }
+
+void PeerSource::State::check_agreement() const {
+  const PeerManifest& first = links.front().manifest;
+  auto refuse = [&](const PeerManifest& other, const std::string& field, const std::string& a, const std::string& b) {
+    WS_FAIL(ErrorCode::kModel, "peers of " + uri + " disagree on " + field + ": " + first.address + " serves " + a +
+                                   ", " + other.address + " serves " + b + "; refusing to mix them");
+  };
+  std::set<std::pair<int64_t, int64_t>> ranks;
+  for (const Link& link : links) {
+    const PeerManifest& m = link.manifest;
+    if (m.checkpoint_identity != first.checkpoint_identity) {
+      refuse(m, "the checkpoint (identity digest of index and config.json)", first.checkpoint_identity, m.checkpoint_identity);
+    }
+    if (m.model_type != first.model_type) refuse(m, "model_type", first.model_type, m.model_type);
+    if (m.dtype != first.dtype) refuse(m, "dtype", first.dtype, m.dtype);
+    if (m.quantization != first.quantization) refuse(m, "quantization", first.quantization, m.quantization);
+    if (m.parallel.tp_size != first.parallel.tp_size) {
+      refuse(m, "tp size", std::to_string(first.parallel.tp_size), std::to_string(m.parallel.tp_size));
+    }
+    if (m.parallel.ep_size != first.parallel.ep_size) {
+      refuse(m, "ep size", std::to_string(first.parallel.ep_size), std::to_string(m.parallel.ep_size));
+    }
+    if (m.version != first.version) refuse(m, "version", std::to_string(first.version), std::to_string(m.version));
+    WS_EXPECT(ranks.emplace(m.parallel.tp_rank, m.parallel.ep_rank).second, ErrorCode::kModel,
+              "peers of " + uri + ": " + m.address + " serves tp rank " + std::to_string(m.parallel.tp_rank) +
+                  ", ep rank " + std::to_string(m.parallel.ep_rank) + ", which another peer listed before it serves too");
+  }
+}
+
+void PeerSource::State::check_versions() {
+  for (Link& link : links) {
+    send_peer_message(*link.connection, PeerMessage::kVersion, nlohmann::json::object(), options.timeout);
+    PeerFrame answer = receive_peer_message(*link.connection, options.timeout, "the version of peer " + link.address);
+    WS_EXPECT(answer.type == PeerMessage::kVersion, ErrorCode::kProtocol,
+              "peer " + link.address + " did not answer the version request");
+    const uint64_t version = answer.body.value("version", uint64_t{0});
+    const bool updating = answer.body.value("updating", false);
+    WS_EXPECT(version == link.manifest.version && !updating, ErrorCode::kProtocol,
+              "peer " + link.address + " changed its parameters during the pull (version " +
+                  std::to_string(link.manifest.version) + " at the start, " + std::to_string(version) +
+                  (updating ? ", an update in progress" : "") +
+                  " at the end): the bytes pulled may mix two versions and are refused; pull again");
+  }
+}
+
+PeerPullReport PeerSource::pull(LoadSession& session) {
+  State& state = *state_;
+  const auto started = Clock::now();
+  const ModelLayout& layout = session.layout();
+  const auto timeout = state.options.timeout;
+  PeerPullReport report;
+
+  std::map<std::string, const PeerTensor*, std::less<>> tensors;
+  for (const PeerTensor& tensor : state.links.front().manifest.tensors) tensors.emplace(tensor.name, &tensor);
+
+  // ---- what the layout needs, per checkpoint tensor ----
+  struct Need {
+    size_t parameter = 0;
+    size_t part = 0;
+    Rect rect;
+  };
+  std::map<std::string, std::vector<Need>, std::less<>> needs;
+  std::vector<std::string> order;  // tensors in the order the layout's parameters first want them
+  for (size_t p = 0; p < layout.parameters().size(); ++p) {
+    const Parameter& parameter = layout.parameters()[p];
+    for (size_t k = 0; k < parameter.parts.size(); ++k) {
+      const ParameterPart& part = parameter.parts[k];
+      WS_EXPECT(tensors.count(part.tensor) == 1, ErrorCode::kModel,
+                "parameter " + parameter.name + " of " + layout.description() + " wants tensor " + part.tensor +
+                    ", which the checkpoint served by " + state.uri + " does not have");
+      auto [at, inserted] = needs.try_emplace(part.tensor);
+      if (inserted) order.push_back(part.tensor);
+      at->second.push_back(Need{p, k, Rect::of(part)});
+    }
+  }
+
+  // ---- parameters a peer holds identically: read whole, in place ----
+  struct Direct {
+    size_t link = 0;
+    size_t served = 0;
+    size_t parameter = 0;
+  };
+  std::vector<Direct> directs;
+  std::set<std::string, std::less<>> direct_tensors;
+  for (size_t p = 0; p < layout.parameters().size(); ++p) {
+    const Parameter& parameter = layout.parameters()[p];
+    if (parameter.parts.empty() || parameter.processing != Processing::kNone || parameter.data == nullptr) continue;
+    bool shared_tensor = false;
+    for (const ParameterPart& part : parameter.parts) shared_tensor |= needs[part.tensor].size() != 1;
+    if (shared_tensor) continue;
+    for (size_t l = 0; l < state.links.size(); ++l) {
+      const State::Link& link = state.links[l];
+      auto found = link.by_name.find(parameter.name);
+      if (found == link.by_name.end()) continue;
+      const PeerParameter& served = link.manifest.parameters[found->second];
+      if (served.dtype != parameter.dtype || served.bytes != parameter.bytes() || served.processing != Processing::kNone ||
+          !same_parts(served.parts, parameter.parts) || !parameter.padding.empty()) {
+        continue;
+      }
+      const uint64_t size = element_bytes(parameter.dtype);
+      bool writable = true;
+      for (const ParameterPart& part : parameter.parts) {
+        const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * size;
+        std::byte* at = session.direct_destination(part.tensor, parameter.dtype, part.shape,
+                                                   static_cast<uint64_t>(part.row_begin) * row_bytes,
+                                                   static_cast<uint64_t>(part.rows) * row_bytes);
+        writable &= at == parameter.data + part.element_offset * size;
+      }
+      if (!writable) continue;
+      directs.push_back(Direct{l, found->second, p});
+      for (const ParameterPart& part : parameter.parts) direct_tensors.insert(part.tensor);
+      break;
+    }
+  }
+
+  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination) {
+    const PeerParameter& parameter = link.manifest.parameters[served];
+    for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
+      link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served],
+                         std::min(kReadPieceBytes, parameter.bytes - done), timeout);
+    }
+    report.bytes_from_peers += parameter.bytes;
+  };
+  auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes) {
+    const PeerParameter& parameter = link.manifest.parameters[served];
+    const uint64_t digest = XXH64(bytes, parameter.bytes, 0);
+    if (digest != parameter.xxh64) {
+      char text[96];
+      std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",
+                    static_cast<unsigned long long>(digest), static_cast<unsigned long long>(parameter.xxh64));
+      WS_FAIL(ErrorCode::kProtocol, "parameter " + parameter.name + " read from " + peer_text(link.manifest) +
+                                        " does not match its digest (" + text +
+                                        "): its bytes changed in the peer's memory or in transit; the pull is refused");
+    }
+    ++report.parameters_read;
+  };
+  auto wait_all = [&] {
+    for (State::Link& link : state.links) link.endpoint->wait(timeout);
+  };
+
+  {
+    for (const Direct& direct : directs) read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data);
+    wait_all();
+    std::vector<TensorView> views;
+    for (const Direct& direct : directs) {
+      const Parameter& parameter = layout.parameters()[direct.parameter];
+      check_digest(state.links[direct.link], direct.served, parameter.data);
+      report.bytes_in_place += parameter.bytes();
+      const uint64_t size = element_bytes(parameter.dtype);
+      for (const ParameterPart& part : parameter.parts) {
+        const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * size;
+        views.push_back(TensorView{.name = part.tensor,
+                                   .dtype = parameter.dtype,
+                                   .shape = part.shape,
+                                   .data = parameter.data + part.element_offset * size,
+                                   .device = layout.device(),
+                                   .offset = static_cast<uint64_t>(part.row_begin) * row_bytes,
+                                   .bytes = static_cast<uint64_t>(part.rows) * row_bytes});
+      }
+    }
+    if (!views.empty()) session.load(views);
+    report.tensors += views.size();
+  }
+
+  // ---- everything else: covered by serving parameters' rectangles, assembled ----
+  struct Piece {
+    size_t link = 0;
+    size_t served = 0;
+    const ParameterPart* part = nullptr;  // the serving part
+    Rect rect;                            // what it contributes
+  };
+  struct Assembly {
+    std::string tensor;
+    Dtype dtype = Dtype::kBF16;
+    int64_t row_begin = 0, row_end = 0;
+    std::vector<Piece> pieces;
+  };
+  std::vector<Assembly> assemblies;
+  for (const std::string& name : order) {
+    if (direct_tensors.count(name) != 0) continue;
+    const std::vector<Need>& wanted = needs[name];
+    Assembly assembly;
+    assembly.tensor = name;
+    assembly.row_begin = wanted.front().rect.row_begin;
+    assembly.row_end = wanted.front().rect.row_end;
+    std::vector<Rect> left;
+    for (const Need& need : wanted) {
+      assembly.row_begin = std::min(assembly.row_begin, need.rect.row_begin);
+      assembly.row_end = std::max(assembly.row_end, need.rect.row_end);
+      left.push_back(need.rect);
+    }
+    std::string processed;  // a peer that holds the tensor only processed, for the error
+    std::optional<Dtype> dtype;
+    for (size_t l = 0; l < state.links.size() && !left.empty(); ++l) {
+      const PeerManifest& manifest = state.links[l].manifest;
+      for (size_t s = 0; s < manifest.parameters.size() && !left.empty(); ++s) {
+        const PeerParameter& served = manifest.parameters[s];
+        for (const ParameterPart& part : served.parts) {
+          if (part.tensor != name) continue;
+          if (served.processing != Processing::kNone) {
+            processed = served.name + " of " + peer_text(manifest);
+            continue;
+          }
+          const Rect have = Rect::of(part);
+          std::vector<Rect> next;
+          for (const Rect& rect : left) {
+            Rect inner = rect.intersect(have);
+            if (inner.empty()) {
+              next.push_back(rect);
+              continue;
+            }
+            WS_EXPECT(!dtype || *dtype == served.dtype, ErrorCode::kModel,
+                      "tensor " + name + " is held in " + std::string(dtype_name(*dtype)) + " and in " +
+                          std::string(dtype_name(served.dtype)) + " by the peers of " + state.uri);
+            dtype = served.dtype;
+            assembly.pieces.push_back(Piece{l, s, &part, inner});
+            for (const Rect& rest : rect.minus(inner)) next.push_back(rest);
+          }
+          left = std::move(next);
+        }
+      }
+    }
+    if (!left.empty()) {
+      const Need& need = wanted.front();
+      WS_FAIL(ErrorCode::kModel,
+              "no peer of " + state.uri + " holds " + left.front().text() + " of tensor " + name + " (wanted by " +
+                  layout.parameters()[need.parameter].name + " of " + layout.description() + ")" +
+                  (processed.empty() ? std::string()
+                                     : "; " + processed + " holds it processed (quantized), which cannot be read back "
+                                                          "as checkpoint bytes: serve without --quantize"));
+    }
+    assembly.dtype = *dtype;
+    assemblies.push_back(std::move(assembly));
+  }
+
+  // Batches of assemblies whose staging fits the memory limit (at least one each).
+  for (size_t first = 0; first < assemblies.size();) {
+    std::map<std::pair<size_t, size_t>, std::unique_ptr<std::byte[]>> staged;
+    uint64_t staging = 0;
+    size_t end = first;
+    while (end < assemblies.size()) {
+      const Assembly& assembly = assemblies[end];
+      const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
+      const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
+      uint64_t more = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
+      std::set<std::pair<size_t, size_t>> fresh;
+      for (const Piece& piece : assembly.pieces) {
+        if (staged.count({piece.link, piece.served}) == 0 && fresh.insert({piece.link, piece.served}).second) {
+          more += state.links[piece.link].manifest.parameters[piece.served].bytes;
+        }
+      }
+      if (end > first && staging + more > state.options.memory_limit) break;
+      staging += more;
+      for (auto key : fresh) staged.emplace(key, nullptr);
+      ++end;
+    }
+    for (auto& [key, buffer] : staged) {
+      const PeerParameter& served = state.links[key.first].manifest.parameters[key.second];
+      buffer.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
+      read_whole(state.links[key.first], key.second, buffer.get());
+    }
+    wait_all();
+    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.get());
+    std::vector<std::unique_ptr<std::byte[]>> rows_held;
+    std::vector<TensorView> views;
+    for (size_t a = first; a < end; ++a) {
+      const Assembly& assembly = assemblies[a];
+      const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
+      const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
+      const uint64_t size = element_bytes(assembly.dtype);
+      const uint64_t row_bytes = static_cast<uint64_t>(columns) * size;
+      const uint64_t bytes = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * row_bytes;
+      auto& rows = rows_held.emplace_back(new std::byte[std::max<uint64_t>(bytes, 1)]);
+      for (const Piece& piece : assembly.pieces) {
+        const std::byte* source = staged.at({piece.link, piece.served}).get();
+        const ParameterPart& part = *piece.part;
+        const uint64_t width = static_cast<uint64_t>(piece.rect.column_end - piece.rect.column_begin) * size;
+        if (part.column_begin == 0 && part.columns == columns && piece.rect.column_begin == 0 &&
+            piece.rect.column_end == columns) {  // whole rows on both sides: one run
+          std::memcpy(rows.get() + static_cast<uint64_t>(piece.rect.row_begin - assembly.row_begin) * row_bytes,
+                      source + (part.element_offset + static_cast<uint64_t>(piece.rect.row_begin - part.row_begin) *
+                                                          static_cast<uint64_t>(columns)) * size,
+                      static_cast<uint64_t>(piece.rect.row_end - piece.rect.row_begin) * row_bytes);
+          continue;
+        }
+        for (int64_t row = piece.rect.row_begin; row < piece.rect.row_end; ++row) {
+          const uint64_t from = (part.element_offset + static_cast<uint64_t>(row - part.row_begin) * part.columns +
+                                 static_cast<uint64_t>(piece.rect.column_begin - part.column_begin)) * size;
+          const uint64_t to = static_cast<uint64_t>(row - assembly.row_begin) * row_bytes +
+                              static_cast<uint64_t>(piece.rect.column_begin) * size;
+          std::memcpy(rows.get() + to, source + from, width);
+        }
+      }
+      views.push_back(TensorView{.name = assembly.tensor,
+                                 .dtype = assembly.dtype,
+                                 .shape = tensor.shape,
+                                 .data = rows.get(),
+                                 .device = Device{},
+                                 .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
+                                 .bytes = bytes});
+    }
+    if (!views.empty()) session.load(views);
+    report.tensors += views.size();
+    first = end;
+  }
+
+  state.check_versions();
+  report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  return report;
+}
+
+}  // namespace weightstream

@@ -1,0 +1,261 @@
+// PeerServer: publishes a loaded layout's parameters to pullers. One thread answers the
+// control connections (token, manifest, version); UCX's progress thread serves the reads.
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "base/errno_text.hpp"
+#include "transfer/peer_protocol.hpp"
+#include "transfer/socket.hpp"
+#include "transfer/ucx.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/peer.hpp"
+
+namespace weightstream {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace transfer;
+
+/// Compares two strings in time independent of where they differ (token checks).
+bool same_secret(std::string_view a, std::string_view b) {
+  unsigned char difference = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(b.size(), 1)]);
+  return difference == 0;
+}
+
+/// The dtype most of the layout's bytes have, or "mixed" when none has most of them.
+std::string layout_dtype(const ModelLayout& layout) {
+  std::map<Dtype, uint64_t> bytes;
+  uint64_t total = 0;
+  for (const Parameter& parameter : layout.parameters()) {
+    bytes[parameter.dtype] += parameter.bytes();
+    total += parameter.bytes();
+  }
+  for (auto [dtype, count] : bytes) {
+    if (2 * count > total) return std::string(dtype_name(dtype));
+  }
+  return "mixed";
+}
+
+}  // namespace
+
+bool is_peer_uri(std::string_view uri) noexcept { return uri.starts_with(kPeerScheme); }
+
+std::vector<std::string> peer_addresses(std::string_view uri) {
+  WS_EXPECT(is_peer_uri(uri), ErrorCode::kInvalidArgument, "'" + std::string(uri) + "' is not a peer:// URI");
+  std::vector<std::string> addresses;
+  std::string_view rest = uri.substr(kPeerScheme.size());
+  while (!rest.empty()) {
+    size_t comma = rest.find(',');
+    std::string address(rest.substr(0, comma));
+    WS_EXPECT(!address.empty(), ErrorCode::kInvalidArgument, "peer URI " + std::string(uri) + " has an empty address");
+    split_host_port(address);  // checks HOST:PORT
+    addresses.push_back(address);
+    if (comma == std::string_view::npos) break;
+    rest.remove_prefix(comma + 1);
+    WS_EXPECT(!rest.empty(), ErrorCode::kInvalidArgument, "peer URI " + std::string(uri) + " ends with a comma");
+  }
+  WS_EXPECT(!addresses.empty(), ErrorCode::kInvalidArgument,
+            "peer URI " + std::string(uri) + " names no HOST:PORT (peer://HOST:PORT[,HOST:PORT...])");
+  return addresses;
+}
+
+std::string peer_checkpoint_identity(std::span<const PeerTensor> tensors, std::string_view config_json) {
+  std::vector<const PeerTensor*> sorted;
+  for (const PeerTensor& tensor : tensors) sorted.push_back(&tensor);
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->name < b->name; });
+  XXH64_state_t* state = XXH64_createState();
+  XXH64_reset(state, 0);
+  auto add = [&](std::string_view text) {
+    XXH64_update(state, text.data(), text.size());
+    XXH64_update(state, "\n", 1);
+  };
+  for (const PeerTensor* tensor : sorted) {
+    add(tensor->name);
+    add(dtype_name(tensor->dtype));
+    add(shape_text(tensor->shape));
+    add(tensor->shard);
+  }
+  add(config_json);
+  uint64_t digest = XXH64_digest(state);
+  XXH64_freeState(state);
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(digest));
+  return text;
+}
+
+struct PeerServer::State {
+  const ModelLayout& layout;
+  PeerServeOptions options;
+  Listener listener;
+  // Declared before the registrations: they are deregistered before the worker goes.
+  transfer::ucx::Worker worker;
+  std::vector<std::unique_ptr<transfer::ucx::Registration>> registrations;
+  std::mutex mutex;  // guards manifest, manifest_text, updating
+  PeerManifest manifest;
+  bool updating = false;
+  std::thread thread;
+  std::atomic<bool> stop{false};
+  int wake[2] = {-1, -1};
+
+  State(const ModelLayout& layout_, PeerServeOptions options_)
+      : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)) {}
+
+  void hash_parameters() {
+    for (size_t i = 0; i < manifest.parameters.size(); ++i) {
+      const Parameter& parameter = layout.parameters()[i];
+      manifest.parameters[i].xxh64 = parameter.data ? XXH64(parameter.data, parameter.bytes(), 0) : 0;
+    }
+  }
+
+  void serve();
+};
+
+PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options)
+    : state_(std::make_unique<State>(layout, std::move(options))) {
+  State& state = *state_;
+  WS_EXPECT(!layout.device().is_cuda(), ErrorCode::kUnsupported,
+            "peer server: " + layout.description() + " lives on " + layout.device().name() +
+                "; this build serves host memory only (GPU memory over UCX is the GPU issue's work)");
+  PeerManifest& manifest = state.manifest;
+  manifest.model_type = parse_model_config("config.json", info.config_json).model_type;
+  manifest.parallel = info.parallel;
+  manifest.dtype = layout_dtype(layout);
+  manifest.quantization = info.quantization;
+  manifest.checkpoint_identity = peer_checkpoint_identity(info.tensors, info.config_json);
+  manifest.version = 1;
+  manifest.config_json = std::move(info.config_json);
+  manifest.tensors = std::move(info.tensors);
+  manifest.worker_address = state.worker.address();
+  for (const Parameter& parameter : layout.parameters()) {
+    WS_EXPECT(parameter.data != nullptr || parameter.bytes() == 0, ErrorCode::kModel,
+              "peer server: parameter " + parameter.name + " of " + layout.description() + " has no storage");
+    PeerParameter& entry = manifest.parameters.emplace_back();
+    entry.name = parameter.name;
+    entry.dtype = parameter.dtype;
+    entry.shape = parameter.shape;
+    entry.bytes = parameter.bytes();
+    entry.processing = parameter.processing;
+    entry.parts = parameter.parts;
+    if (entry.bytes > 0) {
+      auto& registration = state.registrations.emplace_back(state.worker.register_memory(parameter.data, entry.bytes));
+      entry.remote_address = registration->address();
+      entry.remote_key = registration->remote_key();
+    }
+  }
+  state.hash_parameters();
+  state.worker.start_progress();
+  WS_EXPECT(::pipe2(state.wake, O_CLOEXEC) == 0, ErrorCode::kIo, "peer server: cannot create a pipe: " + detail::errno_text(errno));
+  state.thread = std::thread([&state] { state.serve(); });
+}
+
+PeerServer::~PeerServer() {
+  State& state = *state_;
+  state.stop = true;
+  if (state.wake[1] >= 0) (void)!::write(state.wake[1], "x", 1);
+  if (state.thread.joinable()) state.thread.join();
+  state.worker.stop_progress();  // no read may be in flight while the memory is deregistered
+  state.registrations.clear();
+  for (int fd : state.wake) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+const std::string& PeerServer::address() const noexcept { return state_->listener.address(); }
+
+uint64_t PeerServer::version() const noexcept {
+  std::lock_guard lock(state_->mutex);
+  return state_->manifest.version;
+}
+
+void PeerServer::begin_update() {
+  std::lock_guard lock(state_->mutex);
+  state_->updating = true;
+  ++state_->manifest.version;
+}
+
+void PeerServer::end_update() {
+  std::lock_guard lock(state_->mutex);
+  state_->hash_parameters();
+  state_->updating = false;
+  ++state_->manifest.version;
+}
+
+void PeerServer::State::serve() {
+  struct Peer {
+    Connection connection;
+    Clock::time_point hello_deadline;
+    bool greeted = false;
+  };
+  std::vector<Peer> peers;
+  while (!stop.load()) {
+    std::vector<pollfd> waits{{wake[0], POLLIN, 0}, {listener.fd(), POLLIN, 0}};
+    for (const Peer& peer : peers) waits.push_back({peer.connection.fd(), POLLIN, 0});
+    int ready = ::poll(waits.data(), waits.size(), 200);
+    if (ready < 0 && errno != EINTR) break;
+    if (stop.load()) break;
+    const auto now = Clock::now();
+    std::vector<bool> drop(peers.size(), false);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      Peer& peer = peers[i];
+      if ((waits[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+        if (!peer.greeted && now > peer.hello_deadline) drop[i] = true;  // silent: never said who it is
+        continue;
+      }
+      try {
+        PeerFrame frame = receive_peer_message(peer.connection, options.timeout, "a peer request");
+        if (!peer.greeted) {
+          if (frame.type != PeerMessage::kHello) {
+            send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", "expected HELLO"}}, options.timeout);
+            drop[i] = true;
+            continue;
+          }
+          std::string token = frame.body.value("token", std::string());
+          if (!options.token.empty() && !same_secret(token, options.token)) {
+            send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", "wrong or missing token"}},
+                              options.timeout);
+            drop[i] = true;
+            continue;
+          }
+          nlohmann::json body;
+          {
+            std::lock_guard lock(mutex);
+            body = manifest_json(manifest);
+          }
+          send_peer_message(peer.connection, PeerMessage::kManifest, body, options.timeout);
+          peer.greeted = true;
+        } else if (frame.type == PeerMessage::kVersion) {
+          nlohmann::json body;
+          {
+            std::lock_guard lock(mutex);
+            body = {{"version", manifest.version}, {"updating", updating}};
+          }
+          send_peer_message(peer.connection, PeerMessage::kVersion, body, options.timeout);
+        } else {
+          drop[i] = true;
+        }
+      } catch (const Error&) {
+        drop[i] = true;  // the puller left, or broke the protocol: it alone is dropped
+      }
+    }
+    for (size_t i = peers.size(); i-- > 0;) {
+      if (drop[i]) peers.erase(peers.begin() + static_cast<ptrdiff_t>(i));
+    }
+    if ((waits[1].revents & POLLIN) != 0) {
+      try {
+        peers.push_back(Peer{listener.accept(std::chrono::milliseconds(0)), Clock::now() + options.timeout});
+      } catch (const Error&) {
+      }
+    }
+  }
+}
+
+}  // namespace weightstream

@@ -1,0 +1,32 @@
+// UCX in a build without it (WS_HAVE_UCX off): making a worker is Error(kUnsupported).
+#include "transfer/ucx.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream::transfer::ucx {
+
+bool compiled() noexcept { return false; }
+std::string library_version() { return {}; }
+
+Registration::~Registration() = default;
+
+struct Endpoint::State {};
+Endpoint::Endpoint(std::unique_ptr<State> state, std::string peer) : state_(std::move(state)), peer_(std::move(peer)) {}
+Endpoint::~Endpoint() = default;
+uint32_t Endpoint::add_remote_key(std::span<const std::byte>) { return 0; }
+void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
+void Endpoint::wait(std::chrono::milliseconds) {}
+
+struct Worker::State {};
+Worker::Worker() {
+  WS_FAIL(ErrorCode::kUnsupported,
+          "peers and the ucx transport need a build with UCX (Debian's libucx-dev, or the libucx-cu12 wheel; see "
+          "WS_WITH_UCX); this one has none");
+}
+Worker::~Worker() = default;
+std::vector<std::byte> Worker::address() const { return {}; }
+std::unique_ptr<Registration> Worker::register_memory(const std::byte*, uint64_t) { return nullptr; }
+std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte>, const std::string&) { return nullptr; }
+void Worker::start_progress() {}
+void Worker::stop_progress() {}
+
+}  // namespace weightstream::transfer::ucx

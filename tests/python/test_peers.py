@@ -1,0 +1,290 @@
+"""Peers across two network namespaces (issue 31): `weightstream serve` ranks in one
+namespace, `export peer://...` in the other, joined by a veth pair with addresses from the
+documentation range 192.0.2.0/24. UCX is held to its tcp transport (UCX_TLS=tcp), so the
+bytes cross the veth as they would cross hosts. Needs root and network namespaces; skips
+with a one-line reason otherwise. The namespaces get unique names and are removed at the end.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+import uuid
+
+import pytest
+from conftest import CLI, requires_cli
+
+pytestmark = requires_cli
+
+SERVER_ADDRESS = "192.0.2.1"
+PULLER_ADDRESS = "192.0.2.2"
+TOKEN = "peer-token-" + uuid.uuid4().hex[:12]
+ENV = dict(os.environ, UCX_TLS="tcp", UCX_WARN_UNUSED_ENV_VARS="n")
+
+
+def run(*arguments, check=True):
+    return subprocess.run(list(arguments), check=check, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    if os.geteuid() != 0:
+        pytest.skip("network namespace tests need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's ip command is not installed")
+    tag = f"ws{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"
+    server, puller = f"{tag}s", f"{tag}p"
+    try:
+        run("ip", "netns", "add", server)
+    except subprocess.CalledProcessError as error:
+        pytest.skip(f"the kernel refuses network namespaces: {error.stderr.strip()}")
+    try:
+        run("ip", "netns", "add", puller)
+        run("ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
+        run("ip", "link", "set", f"{tag}a", "netns", server)
+        run("ip", "link", "set", f"{tag}b", "netns", puller)
+        run("ip", "-n", server, "addr", "add", f"{SERVER_ADDRESS}/24", "dev", f"{tag}a")
+        run("ip", "-n", puller, "addr", "add", f"{PULLER_ADDRESS}/24", "dev", f"{tag}b")
+        for namespace, device in ((server, f"{tag}a"), (puller, f"{tag}b")):
+            run("ip", "-n", namespace, "link", "set", device, "up")
+            run("ip", "-n", namespace, "link", "set", "lo", "up")
+        yield server, puller
+    finally:
+        for namespace in (server, puller):
+            run("ip", "netns", "del", namespace, check=False)
+
+
+class Server:
+    """A `weightstream serve` process in a namespace; stopped on exit."""
+
+    def __init__(self, namespace, checkpoint, *flags, token=TOKEN):
+        self.process = subprocess.Popen(
+            ["ip", "netns", "exec", namespace, CLI, "serve", str(checkpoint), "--listen", f"{SERVER_ADDRESS}:0",
+             "--token-stdin", "--no-progress", *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        self.process.stdin.write(token + "\n")
+        self.process.stdin.close()
+        line = self.process.stdout.readline()
+        match = re.search(r"peer://(\S+)", line)
+        if not match and self.process.wait(timeout=60) != 0:
+            err = self.process.stderr.read()
+            if "build with UCX" in err:
+                pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        assert match, f"serve printed {line!r}; stderr: {self.process.stderr.read()}"
+        self.line = line
+        self.address = match.group(1)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return self.line + self.process.stdout.read() + self.process.stderr.read()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def pull(namespace, uri, output, *flags, token=TOKEN):
+    return subprocess.run(
+        ["ip", "netns", "exec", namespace, CLI, "export", uri, str(output), "--json", "--token-stdin", "--no-progress",
+         "--peer-timeout", "20", *flags],
+        input=token + "\n", capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def digests(path):
+    return run(CLI, "digest", str(path), "--hash", "xxh64").stdout
+
+
+def expected_export(checkpoint, output, *flags):
+    run(CLI, "export", str(checkpoint), str(output), "--no-progress", *flags)
+    return digests(output)
+
+
+def synth(path, *flags):
+    run(CLI, "synth", str(path), *flags)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return synth(tmp_path_factory.mktemp("peers") / "llama", "--arch", "llama", "--layers", "2", "--hidden", "256",
+                 "--seed", "3")
+
+
+def tp_flags(size, rank):
+    return ["--tp-size", str(size), "--tp-rank", str(rank)]
+
+
+def test_serving_tp2_feeds_a_tp2_puller_across_namespaces(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    with Server(server_ns, llama, *tp_flags(2, 0)) as rank0, Server(server_ns, llama, *tp_flags(2, 1)) as rank1:
+        assert rank0.address.startswith(SERVER_ADDRESS + ":")
+        uri = f"peer://{rank0.address},{rank1.address}"
+        for rank in range(2):
+            result = pull(puller_ns, uri, tmp_path / f"pulled{rank}.safetensors", *tp_flags(2, rank))
+            assert result.returncode == 0, result.stderr
+            report = json.loads(result.stdout)
+            assert report["bytes_read"] == 0
+            assert report["bytes_from_peers"] >= report["bytes"] > 0
+            assert report["bytes_in_place"] > 0
+            assert report["source"] == uri
+            assert digests(tmp_path / f"pulled{rank}.safetensors") == \
+                expected_export(llama, tmp_path / f"expected{rank}.safetensors", *tp_flags(2, rank))
+            assert TOKEN not in result.stdout + result.stderr
+        logs = rank0.stop() + rank1.stop()
+    assert TOKEN not in logs
+
+
+def test_serving_tp4_feeds_a_tp2_puller(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    servers = [Server(server_ns, llama, *tp_flags(4, rank)) for rank in range(4)]
+    try:
+        uri = "peer://" + ",".join(server.address for server in servers)
+        for rank in range(2):
+            result = pull(puller_ns, uri, tmp_path / f"pulled{rank}.safetensors", *tp_flags(2, rank))
+            assert result.returncode == 0, result.stderr
+            assert json.loads(result.stdout)["bytes_read"] == 0
+            assert digests(tmp_path / f"pulled{rank}.safetensors") == \
+                expected_export(llama, tmp_path / f"expected{rank}.safetensors", *tp_flags(2, rank))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_fp8_block_moe_at_tp2_with_ep(namespaces, tmp_path):
+    server_ns, puller_ns = namespaces
+    checkpoint = synth(tmp_path / "moe", "--arch", "deepseek_v3", "--layers", "2", "--hidden", "256",
+                       "--quantize", "fp8-block", "--experts", "4", "--seed", "5")
+    layouts = [["--tp-size", "2", "--tp-rank", str(rank), "--ep-size", "2", "--ep-rank", str(rank)] for rank in range(2)]
+    servers = [Server(server_ns, checkpoint, *flags) for flags in layouts]
+    try:
+        uri = "peer://" + ",".join(server.address for server in servers)
+        for rank, flags in enumerate(layouts):
+            result = pull(puller_ns, uri, tmp_path / f"pulled{rank}.safetensors", *flags)
+            assert result.returncode == 0, result.stderr
+            assert json.loads(result.stdout)["bytes_read"] == 0
+            assert digests(tmp_path / f"pulled{rank}.safetensors") == \
+                expected_export(checkpoint, tmp_path / f"expected{rank}.safetensors", *flags)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_wrong_token_is_refused_and_never_printed(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    with Server(server_ns, llama) as server:
+        result = pull(puller_ns, f"peer://{server.address}", tmp_path / "out.safetensors", token="wrong-" + TOKEN[::-1])
+        logs = server.stop()
+    assert result.returncode == 1
+    assert "refused this puller: wrong or missing token" in result.stderr
+    assert TOKEN not in result.stdout + result.stderr + logs
+    assert TOKEN[::-1] not in result.stdout + result.stderr + logs
+
+
+def manifest_of(namespace, address):
+    """The manifest a server publishes, fetched over its control protocol from `namespace`."""
+    script = (
+        "import json, socket, struct, sys\n"
+        "host, port = sys.argv[1].rsplit(':', 1)\n"
+        "s = socket.create_connection((host, int(port)), timeout=20)\n"
+        "body = json.dumps({'token': sys.argv[2]}).encode()\n"
+        "s.sendall(struct.pack('<IHHQ', 0x45505357, 1, 1, len(body)) + body)\n"
+        "def exact(n):\n"
+        "    data = b''\n"
+        "    while len(data) < n:\n"
+        "        chunk = s.recv(n - len(data))\n"
+        "        assert chunk\n"
+        "        data += chunk\n"
+        "    return data\n"
+        "magic, version, kind, length = struct.unpack('<IHHQ', exact(16))\n"
+        "sys.stdout.write(exact(length).decode())\n")
+    out = subprocess.run(["ip", "netns", "exec", namespace, "python3", "-c", script, address, TOKEN],
+                         check=True, capture_output=True, text=True, timeout=60).stdout
+    return json.loads(out)
+
+
+def test_a_flipped_byte_in_a_served_parameter_fails_the_pull_naming_it(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    with Server(server_ns, llama) as server:
+        manifest = manifest_of(puller_ns, server.address)
+        target = next(p for p in manifest["parameters"] if p["name"] == "model.layers.1.mlp.down_proj.weight")
+        # The serve process's own memory, changed behind its back (as root, through /proc).
+        serve_pid = int(run("pgrep", "-P", str(server.process.pid)).stdout.split()[0]) \
+            if run("pgrep", "-P", str(server.process.pid), check=False).stdout.strip() else server.process.pid
+        with open(f"/proc/{serve_pid}/mem", "r+b", buffering=0) as memory:
+            memory.seek(target["remote_address"] + 100)
+            byte = memory.read(1)
+            memory.seek(target["remote_address"] + 100)
+            memory.write(bytes([byte[0] ^ 0x01]))
+        result = pull(puller_ns, f"peer://{server.address}", tmp_path / "out.safetensors")
+    assert result.returncode == 1
+    assert "model.layers.1.mlp.down_proj.weight" in result.stderr
+    assert "does not match its digest" in result.stderr
+    assert server.address in result.stderr
+
+
+def test_a_peer_killed_mid_pull_falls_back_to_storage_or_fails_in_time(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    expected = expected_export(llama, tmp_path / "expected.safetensors")
+    for fallback in (True, False):
+        server = Server(server_ns, llama)
+        # Stopped, it accepts the puller's connection (the kernel does) but never answers:
+        # the pull is then under way, waiting on the peer, when the peer is killed.
+        server.process.send_signal(signal.SIGSTOP)
+        for child in run("pgrep", "-P", str(server.process.pid), check=False).stdout.split():
+            os.kill(int(child), signal.SIGSTOP)
+        flags = ["--fallback", str(llama)] if fallback else []
+        started = time.monotonic()
+        puller = subprocess.Popen(
+            ["ip", "netns", "exec", puller_ns, CLI, "export", f"peer://{server.address}", str(tmp_path / "out.safetensors"),
+             "--json", "--token-stdin", "--no-progress", "--peer-timeout", "20", *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        puller.stdin.write(TOKEN + "\n")
+        puller.stdin.close()
+        port = server.address.rsplit(":", 1)[1]
+        for _ in range(600):  # until the puller's connection is established (bounded)
+            if f":{port}" in run("ip", "netns", "exec", server_ns, "ss", "-tn", "state", "established").stdout:
+                break
+            time.sleep(0.05)
+        for child in run("pgrep", "-P", str(server.process.pid), check=False).stdout.split():
+            os.kill(int(child), signal.SIGKILL)
+        server.process.kill()
+        server.process.wait()
+        puller.wait(timeout=120)
+        out, err = puller.stdout.read(), puller.stderr.read()
+        elapsed = time.monotonic() - started
+        if fallback:
+            assert puller.returncode == 0, err
+            report = json.loads(out)
+            assert report["bytes_read"] > 0 and report["bytes_from_peers"] == 0
+            assert "peer_failure" in report and server.address in report["peer_failure"]
+            assert digests(tmp_path / "out.safetensors") == expected
+        else:
+            assert puller.returncode == 1
+            assert server.address in err and "no storage fallback given" in err
+            assert elapsed < 60
+        (tmp_path / "out.safetensors").unlink(missing_ok=True)
+
+
+def test_manifests_of_different_checkpoints_are_refused(namespaces, llama, tmp_path):
+    server_ns, puller_ns = namespaces
+    # Another checkpoint of the model (its config.json and index differ: another vocabulary).
+    other = synth(tmp_path / "other", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "3",
+                  "--vocab", "2048")
+    with Server(server_ns, llama, *tp_flags(2, 0)) as first, Server(server_ns, other, *tp_flags(2, 1)) as second:
+        result = pull(puller_ns, f"peer://{first.address},{second.address}", tmp_path / "out.safetensors",
+                      *tp_flags(2, 0))
+    assert result.returncode == 1
+    assert "disagree on the checkpoint" in result.stderr
+    assert first.address in result.stderr and second.address in result.stderr

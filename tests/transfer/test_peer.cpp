@@ -1,0 +1,224 @@
+// Peers in one process over loopback: a PeerServer publishes a loaded rank, a PeerSource
+// pulls into another layout (the same one, or another tp size) and the result equals a
+// load from the checkpoint; digests, tokens, disagreeing manifests, a version change and
+// a server that goes away between the manifest and the reads. The cross-namespace runs of
+// the command are in tests/python/test_peers.py.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "support/test_support.hpp"
+#include "transfer/transfer_fixtures.hpp"
+#include "weightstream/load.hpp"
+#include "weightstream/options.hpp"
+#include "weightstream/peer.hpp"
+#include "transfer/ucx.hpp"
+
+namespace weightstream {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::error_text;
+using testing::TempDir;
+
+/// A synthetic checkpoint, opened.
+struct Model {
+  TempDir directory;
+  std::optional<Checkpoint> checkpoint;
+  ModelConfig config;
+  explicit Model(uint64_t seed = 7) {
+    SynthOptions options;
+    options.arch = "llama";
+    options.layers = 2;
+    options.hidden = 256;
+    options.seed = seed;
+    config = synthesize_checkpoint(directory.path(), options).config;
+    checkpoint.emplace(Checkpoint::open(directory.path().string(), Options{}));
+  }
+};
+
+ModelLayout loaded_layout(const Model& model, int64_t tp_size, int64_t tp_rank) {
+  LayoutOptions options;
+  options.parallel = {tp_size, tp_rank, 1, 0};
+  ModelLayout layout = build_model_layout(model.config, options);
+  layout.allocate(Device{});
+  load_layout(layout, *model.checkpoint, LoadMode::kCold, StreamOptions{});
+  return layout;
+}
+
+ModelLayout empty_layout(const Model& model, int64_t tp_size, int64_t tp_rank) {
+  LayoutOptions options;
+  options.parallel = {tp_size, tp_rank, 1, 0};
+  ModelLayout layout = build_model_layout(model.config, options);
+  layout.allocate(Device{});
+  return layout;
+}
+
+PeerServeInfo serve_info(const Model& model, int64_t tp_size, int64_t tp_rank) {
+  PeerServeInfo info;
+  info.config_json = *model.checkpoint->config_json();
+  for (const CheckpointTensor& tensor : model.checkpoint->tensors()) {
+    info.tensors.push_back({tensor.name, tensor.dtype, tensor.shape, model.checkpoint->shards()[tensor.shard].name});
+  }
+  info.parallel = {tp_size, tp_rank, 1, 0};
+  return info;
+}
+
+PeerServeOptions serve_options() {
+  PeerServeOptions options;
+  options.token = "peer-secret";
+  options.timeout = std::chrono::seconds(10);
+  return options;
+}
+
+PeerPullOptions pull_options(std::string token = "peer-secret") {
+  PeerPullOptions options;
+  options.token = std::move(token);
+  options.timeout = std::chrono::seconds(10);
+  return options;
+}
+
+/// The servers of one instance at `tp_size`, each with its loaded layout.
+struct Instance {
+  std::vector<ModelLayout> layouts;
+  std::vector<std::unique_ptr<PeerServer>> servers;
+  Instance(const Model& model, int64_t tp_size) {
+    for (int64_t rank = 0; rank < tp_size; ++rank) layouts.push_back(loaded_layout(model, tp_size, rank));
+    for (int64_t rank = 0; rank < tp_size; ++rank) {
+      servers.push_back(std::make_unique<PeerServer>(layouts[rank], serve_info(model, tp_size, rank), serve_options()));
+    }
+  }
+  std::string uri() const {
+    std::string text(kPeerScheme);
+    for (size_t i = 0; i < servers.size(); ++i) text += (i ? "," : "") + servers[i]->address();
+    return text;
+  }
+};
+
+class PeerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!transfer::ucx::compiled()) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  }
+};
+
+PeerPullReport pull_into(ModelLayout& layout, PeerSource& source) {
+  LoadSession session(layout);
+  session.begin(LoadMode::kCold);
+  PeerPullReport report = source.pull(session);
+  session.finish();
+  return report;
+}
+
+TEST_F(PeerTest, PullsTheSameLayoutInPlaceAndEqualsTheCheckpoint) {
+  Model model;
+  Instance instance(model, 2);
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    PeerSource source(instance.uri(), pull_options());
+    ASSERT_EQ(source.manifests().size(), 2u);
+    EXPECT_EQ(source.manifests()[0].model_type, "llama");
+    EXPECT_EQ(source.manifests()[1].parallel.tp_rank, 1);
+    ModelLayout layout = empty_layout(model, 2, rank);
+    PeerPullReport report = pull_into(layout, source);
+    EXPECT_GT(report.bytes_in_place, 0u);
+    LayoutComparison comparison = compare_layouts(layout, instance.layouts[rank]);
+    EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+    EXPECT_EQ(comparison.compared, layout.parameters().size());
+  }
+}
+
+TEST_F(PeerTest, PullsAnotherTpLayoutFromTheCheckpointCoordinates) {
+  Model model;
+  Instance instance(model, 4);
+  for (auto [tp_size, tp_rank] : std::vector<std::pair<int64_t, int64_t>>{{2, 0}, {2, 1}, {1, 0}}) {
+    PeerSource source(instance.uri(), pull_options());
+    ModelLayout layout = empty_layout(model, tp_size, tp_rank);
+    pull_into(layout, source);
+    ModelLayout expected = loaded_layout(model, tp_size, tp_rank);
+    LayoutComparison comparison = compare_layouts(layout, expected);
+    EXPECT_EQ(comparison.mismatched, 0u) << "tp " << tp_size << " rank " << tp_rank << ": "
+                                         << ::testing::PrintToString(comparison.mismatches);
+  }
+  // The reverse: a tp 4 rank from a tp 2 instance.
+  Instance narrow(model, 2);
+  PeerSource source(narrow.uri(), pull_options());
+  ModelLayout layout = empty_layout(model, 4, 3);
+  pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, loaded_layout(model, 4, 3)).mismatched, 0u);
+}
+
+TEST_F(PeerTest, AFlippedByteInAServedParameterFailsThePullNamingIt) {
+  Model model;
+  Instance instance(model, 2);
+  const Parameter& served = instance.layouts[1].parameter("model.layers.1.self_attn.o_proj.weight");
+  served.data[3] ^= std::byte{0x10};
+  PeerSource source(instance.uri(), pull_options());
+  ModelLayout layout = empty_layout(model, 2, 1);
+  std::string text = error_text([&] { pull_into(layout, source); });
+  EXPECT_THAT(text, HasSubstr("model.layers.1.self_attn.o_proj.weight"));
+  EXPECT_THAT(text, HasSubstr("does not match its digest"));
+  EXPECT_THAT(text, HasSubstr(instance.servers[1]->address()));
+}
+
+TEST_F(PeerTest, AWrongTokenIsRefusedAndNeverEchoed) {
+  Model model;
+  Instance instance(model, 1);
+  std::string text = error_text([&] { PeerSource source(instance.uri(), pull_options("guess-1234")); });
+  EXPECT_THAT(text, HasSubstr("refused this puller: wrong or missing token"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("guess-1234")));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("peer-secret")));
+}
+
+TEST_F(PeerTest, ManifestsOfAnotherCheckpointAreRefusedByName) {
+  Model model(7);
+  Model other(8);
+  ModelLayout first = loaded_layout(model, 2, 0);
+  ModelLayout second = loaded_layout(other, 2, 1);
+  PeerServer a(first, serve_info(model, 2, 0), serve_options());
+  PeerServeInfo info = serve_info(other, 2, 1);
+  info.config_json += " ";  // another config.json: another checkpoint identity
+  PeerServer b(second, info, serve_options());
+  std::string uri = std::string(kPeerScheme) + a.address() + "," + b.address();
+  std::string text = error_text([&] { PeerSource source(uri, pull_options()); });
+  EXPECT_THAT(text, HasSubstr("disagree on the checkpoint"));
+  EXPECT_THAT(text, HasSubstr(a.address()));
+  EXPECT_THAT(text, HasSubstr(b.address()));
+}
+
+TEST_F(PeerTest, AVersionChangeDuringThePullIsRefused) {
+  Model model;
+  Instance instance(model, 1);
+  PeerSource source(instance.uri(), pull_options());
+  instance.servers[0]->begin_update();  // after the manifest, before the reads end
+  ModelLayout layout = empty_layout(model, 1, 0);
+  std::string text = error_text([&] { pull_into(layout, source); });
+  EXPECT_THAT(text, HasSubstr("changed its parameters during the pull"));
+  instance.servers[0]->end_update();
+  EXPECT_EQ(instance.servers[0]->version(), 3u);
+}
+
+TEST_F(PeerTest, AServerGoneBeforeTheReadsFailsWithinTheTimeout) {
+  Model model;
+  Instance instance(model, 1);
+  PeerPullOptions options = pull_options();
+  options.timeout = std::chrono::seconds(5);
+  PeerSource source(instance.uri(), options);
+  const std::string address = instance.servers[0]->address();
+  instance.servers.clear();  // the peer goes away after publishing its manifest
+  ModelLayout layout = empty_layout(model, 1, 0);
+  auto started = std::chrono::steady_clock::now();
+  std::string text = error_text([&] { pull_into(layout, source); });
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(60));
+  EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
+  EXPECT_THAT(text, HasSubstr(address));
+}
+
+TEST_F(PeerTest, PeerUrisAreParsed) {
+  EXPECT_TRUE(is_peer_uri("peer://a:1"));
+  EXPECT_FALSE(is_peer_uri("/models/x"));
+  EXPECT_EQ(peer_addresses("peer://10.0.0.1:5000,10.0.0.2:5001").size(), 2u);
+  EXPECT_THAT(error_text([] { peer_addresses("peer://"); }), HasSubstr("names no HOST:PORT"));
+  EXPECT_THAT(error_text([] { peer_addresses("peer://a:1,"); }), HasSubstr("ends with a comma"));
+}
+
+}  // namespace
+}  // namespace weightstream
