@@ -37,13 +37,15 @@ enum class TransportKind : uint8_t {
   kTcp = 2,      ///< any host: bucket bytes follow their manifest on the TCP connection
   kCudaIpc = 3,  ///< same host, GPU: two device buckets exported once at connect (cudaIpcGetMemHandle)
   kNccl = 4,     ///< across GPUs and hosts: ncclBroadcast from the sender's bucket, TCP control
+  kUcx = 5,      ///< across hosts, host memory: each receiver reads the sender's registered buckets
+                 ///< one-sided over UCX (ucp_get; tcp, RDMA where present), TCP control
 };
 
-/// "shm", "tcp", "cuda-ipc", "nccl".
+/// "shm", "tcp", "cuda-ipc", "nccl", "ucx".
 std::string_view transport_name(TransportKind kind) noexcept;
 /// Parses a transport name. Throws Error(kInvalidArgument) listing the accepted names.
 TransportKind parse_transport(std::string_view text);
-/// True when this build can use `kind` (CUDA IPC needs CUDA, NCCL needs NCCL compiled in).
+/// True when this build can use `kind` (CUDA IPC needs CUDA, NCCL needs NCCL, ucx needs UCX compiled in).
 bool transport_compiled(TransportKind kind) noexcept;
 
 /// Default bucket size: large enough that the fixed cost per bucket (one round trip) is

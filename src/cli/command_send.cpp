@@ -73,8 +73,12 @@ std::string random_token() {
 void add_via_flags(CLI::App& command, ViaFlags& flags) {
   command.add_option("--via", flags.via,
                      "Run each reload as a pushed update from a separate sender process through this transport")
-      ->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
+      ->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl", "ucx"}));
   command.add_option("--bucket-size", flags.bucket_size, "Bucket size of --via updates (default 256MiB)");
+  command.add_option("--listen", flags.listen, "--via tcp, nccl, ucx: HOST:PORT the receiver listens on (default loopback)");
+  command.add_flag("--await-sender", flags.await_sender,
+                   "--via: spawn no sender; print the receiver's address on stderr and wait for one (another host)");
+  command.add_flag("--token-stdin", flags.token_stdin, "--await-sender: read the senders' token from the first line of stdin");
 }
 
 void add_send_command(CLI::App& app) {
@@ -83,10 +87,10 @@ void add_send_command(CLI::App& app) {
       "send", "Push every tensor of a checkpoint to a running update receiver in buckets, as a trainer would "
               "(audit --via spawns it)");
   command->add_option("uri", flags->uri, "Checkpoint to send")->required();
-  command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path; several, comma-separated or repeated, over tcp and nccl")
+  command->add_option("--to", flags->to, "Receiver address: HOST:PORT or a Unix socket path; several, comma-separated or repeated, over tcp, nccl and ucx")
       ->required()
       ->delimiter(',');
-  command->add_option("--via", flags->via, "Transport: shm, tcp, cuda-ipc or nccl (default tcp)")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl"}));
+  command->add_option("--via", flags->via, "Transport: shm, tcp, cuda-ipc, nccl or ucx (default tcp)")->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl", "ucx"}));
   command->add_option("--bucket-size", flags->bucket_size, "Bucket size (default 256MiB)");
   command->add_option("--format", flags->format, "Tensor names as in the checkpoint, or engine names (default checkpoint)")
       ->check(CLI::IsMember({"checkpoint", "engine"}));
@@ -117,6 +121,23 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   options.token = random_token();
   options.device = device;
   options.max_bucket_bytes = std::max<uint64_t>(options.max_bucket_bytes, parse_size(flags.bucket_size, "--bucket-size"));
+  options.listen = flags.listen;
+  if (flags.await_sender) {
+    // A sender on another host: the token comes from stdin (never the command line).
+    static std::optional<std::string> token;
+    WS_EXPECT(flags.token_stdin, ErrorCode::kInvalidArgument, "--await-sender needs --token-stdin: the sender's token");
+    if (!token) std::getline(std::cin, token.emplace());
+    options.token = *token;
+    UpdateReceiver receiver(layout, options);
+    std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
+                 receiver.address().c_str());
+    std::fflush(stderr);
+    auto started = std::chrono::steady_clock::now();
+    ViaUpdate result;
+    result.report = receiver.receive(std::chrono::minutes(5));
+    result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    return result;
+  }
   UpdateReceiver receiver(layout, options);
 
   // NCCL refuses two ranks on one GPU: the sender stages on the next one.

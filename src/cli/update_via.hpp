@@ -16,6 +16,12 @@ namespace weightstream::cli {
 struct ViaFlags {
   std::string via;                   ///< empty: the plain in-process reload
   std::string bucket_size = "256MiB";
+  /// --listen: where the receiver listens (default: loopback, a free port).
+  std::string listen;
+  /// --await-sender: no sender is spawned; the receiver's address goes to stderr and a
+  /// sender elsewhere (another host) connects with the token read by --token-stdin.
+  bool await_sender = false;
+  bool token_stdin = false;
   bool requested() const noexcept { return !via.empty(); }
 };
 

@@ -189,7 +189,7 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   WS_EXPECT(addresses.size() == 1 || feeds_several(options.transport), ErrorCode::kInvalidArgument,
             "update sender: " + std::to_string(addresses.size()) + " receivers over " +
                 std::string(transport_name(options.transport)) +
-                ", which carries one; feed several over tcp or nccl, or make one sender per receiver");
+                ", which carries one; feed several over tcp, nccl or ucx, or make one sender per receiver");
   WS_EXPECT(options.bucket_bytes >= 4096, ErrorCode::kInvalidArgument,
             "bucket size " + std::to_string(options.bucket_bytes) + " bytes is too small: at least 4KiB");
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
@@ -202,7 +202,13 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   hello.transport = options.transport;
   hello.bucket_bytes = options.bucket_bytes;
   hello.receivers = receivers;
-  hello.blob = sender_hello_blob(options.transport);
+  // UCX: the buckets are registered first; HELLO offers their remote keys.
+  std::unique_ptr<SenderTransport> early;
+  if (options.transport == TransportKind::kUcx) {
+    early = make_ucx_sender(options.bucket_bytes, hello.blob);
+  } else {
+    hello.blob = sender_hello_blob(options.transport);
+  }
   Received first_welcome;
   // Every receiver is greeted before the transport joins them: NCCL's join waits for all.
   for (uint32_t index = 0; index < receivers; ++index) {
@@ -221,8 +227,9 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
     state.links.push_back(std::move(link));
   }
   for (State::Link& link : state.links) state.connections.push_back(&link.connection);
-  state.transport = make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
-                                          std::move(first_welcome.fd));
+  state.transport = early ? std::move(early)
+                          : make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
+                                                  std::move(first_welcome.fd));
   state.transport->join(options.timeout);
 }
 

@@ -1,6 +1,7 @@
 // Host transports (shared memory and TCP), the transport names, and the factory that
 // picks a transport by kind.
 #include "transfer/transport.hpp"
+#include "transfer/ucx.hpp"
 #include "base/errno_text.hpp"
 
 #include <sys/mman.h>
@@ -17,15 +18,17 @@ std::string_view transport_name(TransportKind kind) noexcept {
     case TransportKind::kTcp: return "tcp";
     case TransportKind::kCudaIpc: return "cuda-ipc";
     case TransportKind::kNccl: return "nccl";
+    case TransportKind::kUcx: return "ucx";
   }
   return "unknown";
 }
 
 TransportKind parse_transport(std::string_view text) {
-  for (TransportKind kind : {TransportKind::kShm, TransportKind::kTcp, TransportKind::kCudaIpc, TransportKind::kNccl}) {
+  for (TransportKind kind : {TransportKind::kShm, TransportKind::kTcp, TransportKind::kCudaIpc, TransportKind::kNccl,
+                             TransportKind::kUcx}) {
     if (text == transport_name(kind)) return kind;
   }
-  WS_FAIL(ErrorCode::kInvalidArgument, "transport '" + std::string(text) + "' is not one of shm, tcp, cuda-ipc, nccl");
+  WS_FAIL(ErrorCode::kInvalidArgument, "transport '" + std::string(text) + "' is not one of shm, tcp, cuda-ipc, nccl, ucx");
 }
 
 bool transport_compiled(TransportKind kind) noexcept {
@@ -34,6 +37,7 @@ bool transport_compiled(TransportKind kind) noexcept {
     case TransportKind::kTcp: return true;
     case TransportKind::kCudaIpc: return cuda_compiled();
     case TransportKind::kNccl: return transfer::nccl_compiled();
+    case TransportKind::kUcx: return transfer::ucx::compiled();
   }
   return false;
 }
@@ -163,14 +167,16 @@ std::vector<std::byte> sender_hello_blob(TransportKind kind) {
   return kind == TransportKind::kNccl ? nccl_unique_id() : std::vector<std::byte>{};
 }
 
-bool feeds_several(TransportKind kind) noexcept { return kind == TransportKind::kTcp || kind == TransportKind::kNccl; }
+bool feeds_several(TransportKind kind) noexcept {
+  return kind == TransportKind::kTcp || kind == TransportKind::kNccl || kind == TransportKind::kUcx;
+}
 
 std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, uint64_t bucket_bytes,
                                                            const Device& device, std::span<const std::byte> hello_blob,
                                                            uint32_t receivers, uint32_t receiver_index) {
   WS_EXPECT(receivers == 1 || feeds_several(kind), ErrorCode::kProtocol,
             "the sender feeds " + std::to_string(receivers) + " receivers at once over " +
-                std::string(transport_name(kind)) + ", which carries one (only tcp and nccl feed several)");
+                std::string(transport_name(kind)) + ", which carries one (only tcp, nccl and ucx feed several)");
   switch (kind) {
     case TransportKind::kShm: return std::make_unique<ShmReceiver>(bucket_bytes);
     case TransportKind::kTcp: return std::make_unique<TcpReceiver>(bucket_bytes);
@@ -178,6 +184,7 @@ std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, u
     case TransportKind::kNccl:
       return make_nccl_receiver(bucket_bytes, device, hello_blob, static_cast<int>(receivers) + 1,
                                 static_cast<int>(receiver_index) + 1);
+    case TransportKind::kUcx: return make_ucx_receiver(bucket_bytes, hello_blob);
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }
@@ -191,6 +198,8 @@ std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& opti
     case TransportKind::kCudaIpc: return make_cuda_ipc_sender(options, welcome_blob);
     case TransportKind::kNccl:
       return make_nccl_sender(options.bucket_bytes, options.device, hello_blob, static_cast<int>(receivers) + 1);
+    case TransportKind::kUcx:
+      WS_FAIL(ErrorCode::kInternal, "the ucx sender transport is made before HELLO (make_ucx_sender)");
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }

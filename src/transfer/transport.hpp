@@ -94,7 +94,8 @@ class SenderTransport {
 std::vector<std::byte> sender_hello_blob(TransportKind kind);
 
 /// Whether one sender may feed several receivers at once over `kind` (TCP writes each its
-/// own stream, NCCL broadcasts to all; shared memory and CUDA IPC buffers are per receiver).
+/// own stream, NCCL broadcasts to all, UCX receivers each read the same buckets; shared
+/// memory and CUDA IPC buffers are per receiver).
 bool feeds_several(TransportKind kind) noexcept;
 
 /// The receiver's transport for a sender that asked for `bucket_bytes` and feeds
@@ -111,6 +112,10 @@ std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& opti
 std::unique_ptr<ReceiverTransport> make_cuda_ipc_receiver(uint64_t bucket_bytes, const Device& device);
 std::unique_ptr<SenderTransport> make_cuda_ipc_sender(const SenderOptions& options,
                                                       std::span<const std::byte> welcome_blob);
+// UCX (ucx_transport.cpp over the ucx.hpp shim). The sender's buckets are registered before
+// HELLO, whose blob (returned in `hello_blob`) offers them to the receivers.
+std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes, std::vector<std::byte>& hello_blob);
+std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes, std::span<const std::byte> hello_blob);
 // NCCL (nccl_transport_nccl.cpp, or its fallback).
 bool nccl_compiled() noexcept;
 std::vector<std::byte> nccl_unique_id();

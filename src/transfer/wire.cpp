@@ -235,7 +235,7 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
     case MessageType::kHello: {
       message.token = in.get_string("token", kMaxTokenBytes);
       auto transport = in.get<uint8_t>("transport");
-      if (transport < 1 || transport > 4) in.fail("transport", "unknown transport " + std::to_string(transport));
+      if (transport < 1 || transport > 5) in.fail("transport", "unknown transport " + std::to_string(transport));
       message.transport = static_cast<TransportKind>(transport);
       message.bucket_bytes = in.get<uint64_t>("bucket_bytes");
       if (message.bucket_bytes == 0) in.fail("bucket_bytes", "zero");

@@ -8,7 +8,8 @@
 //
 //   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, receivers u32 (the
 //                                 receivers this sender feeds at once), receiver_index u32 (this
-//                                 one's, below receivers), blob (NCCL unique id)
+//                                 one's, below receivers), blob (NCCL unique id; ucx: the
+//                                 sender's worker address, its buckets' addresses and keys)
 //   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles); shm passes
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes

@@ -288,3 +288,37 @@ def test_manifests_of_different_checkpoints_are_refused(namespaces, llama, tmp_p
     assert result.returncode == 1
     assert "disagree on the checkpoint" in result.stderr
     assert first.address in result.stderr and second.address in result.stderr
+
+
+def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namespaces, llama, tmp_path):
+    server_ns, trainer_ns = namespaces
+    reload = synth(tmp_path / "reload", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "9")
+    audit = subprocess.Popen(
+        ["ip", "netns", "exec", server_ns, CLI, "audit", str(llama), "--reload", str(reload), "--via", "ucx",
+         "--listen", f"{SERVER_ADDRESS}:0", "--await-sender", "--token-stdin", "--bucket-size", "1MiB", "--json",
+         "--no-progress", *tp_flags(2, 1)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    audit.stdin.write(TOKEN + "\n")
+    audit.stdin.close()
+    try:
+        line = audit.stderr.readline()
+        match = re.search(r"awaiting a sender at (\S+)", line)
+        assert match, line
+        assert match.group(1).startswith(SERVER_ADDRESS + ":")
+        sender = subprocess.run(
+            ["ip", "netns", "exec", trainer_ns, CLI, "send", str(reload), "--to", match.group(1), "--via", "ucx",
+             "--bucket-size", "1MiB", "--token-stdin", "--no-progress"],
+            input=TOKEN + "\n", capture_output=True, text=True, env=ENV, timeout=120)
+        assert sender.returncode == 0, sender.stderr
+        audit.wait(timeout=120)
+        out, err = audit.stdout.read(), audit.stderr.read()
+    finally:
+        if audit.poll() is None:
+            audit.kill()
+            audit.wait()
+    assert audit.returncode == 0, err
+    report = json.loads(out)
+    assert report["via"] == "ucx" and report["clean"] is True
+    assert report["compared"] > 10 and report["mismatched"] == 0
+    assert report["address_changes"] == 0 and report["model_hook_runs_per_load"] == 1
+    assert TOKEN not in out + err + sender.stdout + sender.stderr

@@ -168,6 +168,13 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
 
 INSTANTIATE_TEST_SUITE_P(ShmAndTcp, Transports, ::testing::Values(TransportKind::kShm, TransportKind::kTcp),
                          [](const auto& info) { return std::string(transport_name(info.param)); });
+// UCX (issue 31) where the build has it: the same updates, read one-sided from the sender's buckets.
+INSTANTIATE_TEST_SUITE_P(Ucx, Transports,
+                         ::testing::ValuesIn(transport_compiled(TransportKind::kUcx)
+                                                 ? std::vector<TransportKind>{TransportKind::kUcx}
+                                                 : std::vector<TransportKind>{}),
+                         [](const auto& info) { return std::string(transport_name(info.param)); });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Transports);
 
 // ---- one sender, several receivers ---------------------------------------------------------
 
