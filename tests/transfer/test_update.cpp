@@ -215,12 +215,12 @@ TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) {
   EXPECT_EQ(storage_addresses(second.layout), second.addresses);
 }
 
-TEST(SeveralReceivers, OnlyTcpAndNcclFeedSeveral) {
+TEST(SeveralReceivers, OnlyTcpNcclAndUcxFeedSeveral) {
   LoadedModel model(1);
   UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kShm));
   const std::vector<std::string> twice = {receiver.address(), receiver.address()};
   EXPECT_THAT(error_text([&] { UpdateSender sender(twice, sender_options(TransportKind::kShm)); }),
-              HasSubstr("update sender: 2 receivers over shm, which carries one; feed several over tcp or nccl, or make "
+              HasSubstr("update sender: 2 receivers over shm, which carries one; feed several over tcp, nccl or ucx, or make "
                         "one sender per receiver"));
   EXPECT_THAT(error_text([&] { UpdateSender sender(std::vector<std::string>{}, sender_options(TransportKind::kTcp)); }),
               HasSubstr("update sender: no receiver address given"));
