@@ -15,6 +15,7 @@
 
 #include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
+#include "cli/peer_flags.hpp"
 #include "cli/update_via.hpp"
 #include "weightstream/error.hpp"
 
@@ -34,6 +35,7 @@ struct AuditFlags {
   StreamFlags stream;
   ViaFlags via;  // --via: the reload pushed from a sender process (issue 8)
   DraftFlags draft;  // --speculative mtp, --model, ...: the target and its draft (issue 5)
+  PeerFlags peer;    // peer:// sources (issue 31)
 };
 
 /// Batches of plan indices: the plan's reads in `order`, dealt round-robin.
@@ -129,6 +131,50 @@ void print_audit_line(const std::string& label, const nlohmann::json& audit) {
               audit["mismatched"].get<unsigned long long>(), audit["address_changes"].get<unsigned long long>(),
               audit["model_hook_runs_per_load"].get<unsigned long long>(), audit["memory_growth_bytes"].get<long long>(),
               audit["clean"].get<bool>() ? "clean" : "NOT CLEAN");
+}
+
+/// The audit of a rank pulled from peers (issue 31): cold pull, K reloads pulled again in
+/// place, then a comparison with a fresh cold pull of the reload's source.
+void run_peer_audit(const AuditFlags& flags) {
+  Options options = resolve_options(flags.stream);
+  Device device = parse_device(flags.device);
+  const std::string reload_uri = flags.reload_uri.empty() ? flags.uri : flags.reload_uri;
+  WS_EXPECT(!flags.via.requested() && is_peer_uri(reload_uri), ErrorCode::kInvalidArgument,
+            "an audit from peers reloads from peers: --reload must be a peer:// URI too, and --via does not apply");
+  PeerFlags peer = flags.peer;
+  peer.token_stdin = flags.via.token_stdin;
+  peer.fallback.clear();  // an audit names what failed, it does not fall back
+  PeerSource source = connect_peers(flags.uri, peer, options);
+  ModelLayout layout = peer_layout(source, flags.layout, device);
+  LayoutWatch watch(layout);
+  PeerPullReport cold;
+  {
+    LoadSession session(layout);
+    session.begin(LoadMode::kCold);
+    cold = source.pull(session);
+    session.finish();
+  }
+  watch.loaded();
+  double reload_seconds = 0;
+  uint64_t reload_bytes = 0;
+  for (int64_t repeat = 0; repeat < flags.repeat; ++repeat) {
+    PeerPullReport report = reload_from_peers(layout, reload_uri, peer);
+    reload_seconds += report.seconds;
+    reload_bytes += report.bytes_from_peers;
+    watch.loaded();
+  }
+  PeerLoad fresh = load_from_peers(reload_uri, flags.layout, device, peer, options);
+  nlohmann::json result = {{"uri", flags.uri},        {"reload_uri", reload_uri},
+                           {"device", device.name()}, {"repeat", flags.repeat},
+                           {"reload_bytes", reload_bytes}, {"reload_seconds", reload_seconds},
+                           {"bytes_from_peers", cold.bytes_from_peers}};
+  result.update(watch.report(fresh.layout));
+  if (flags.json) {
+    print_json(result);
+  } else {
+    print_audit_line(layout.description(), result);
+  }
+  if (!result["clean"].get<bool>()) throw CLI::RuntimeError(3);
 }
 
 /// The audit of a target and its MTP draft (or the draft alone): resolved and cold-loaded
@@ -233,7 +279,12 @@ void add_audit_command(CLI::App& app) {
   // ---- source resolution and drafts (issue 5, resolve layer; see cli/draft_flags.hpp) ----
   add_draft_load_flags(*command, flags->draft);
   // ---- end of source resolution and drafts -------------------------------------------------
+  add_peer_flags(*command, flags->peer, /*token_flag=*/false);  // peer:// (issue 31)
   command->callback([flags] {
+    if (is_peer_uri(flags->uri)) {  // peer:// (issue 31)
+      run_peer_audit(*flags);
+      return;
+    }
     if (flags->draft.requested()) {  // source resolution and drafts
       run_draft_audit(*flags);
       return;

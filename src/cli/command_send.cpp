@@ -78,7 +78,7 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
   command.add_option("--listen", flags.listen, "--via tcp, nccl, ucx: HOST:PORT the receiver listens on (default loopback)");
   command.add_flag("--await-sender", flags.await_sender,
                    "--via: spawn no sender; print the receiver's address on stderr and wait for one (another host)");
-  command.add_flag("--token-stdin", flags.token_stdin, "--await-sender: read the senders' token from the first line of stdin");
+  command.add_flag("--token-stdin", flags.token_stdin, "--await-sender, peer:// sources: read the token from the first line of stdin");
 }
 
 void add_send_command(CLI::App& app) {

@@ -17,8 +17,12 @@ PeerPullOptions pull_options(const PeerFlags& flags, const Options& options) {
   return pull;
 }
 
-/// The layout of the peers' config.json for the flags' rank, storage on `device`, with the
-/// hooks an engine registers.
+}  // namespace
+
+PeerSource connect_peers(const std::string& uri, const PeerFlags& flags, const Options& options) {
+  return PeerSource(uri, pull_options(flags, options));
+}
+
 ModelLayout peer_layout(const PeerSource& source, const LayoutFlags& layout_flags, const Device& device) {
   const std::string object = source.uri() + " (config.json published by the peer)";
   ModelConfig config = parse_model_config(object, source.config_json());
@@ -33,10 +37,8 @@ ModelLayout peer_layout(const PeerSource& source, const LayoutFlags& layout_flag
   return layout;
 }
 
-}  // namespace
-
-void add_peer_flags(CLI::App& command, PeerFlags& flags) {
-  command.add_flag("--token-stdin", flags.token_stdin, "peer:// sources: read the serving peers' token from the first line of stdin");
+void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
+  if (token_flag) command.add_flag("--token-stdin", flags.token_stdin, "peer:// sources: read the serving peers' token from the first line of stdin");
   command.add_option("--fallback", flags.fallback,
                      "peer:// sources: a checkpoint (directory, file://, s3://) loaded instead when the peers fail");
   command.add_option("--peer-timeout", flags.timeout_seconds,

@@ -21,7 +21,9 @@ struct PeerFlags {
   double timeout_seconds = 30;
 };
 
-void add_peer_flags(CLI::App& command, PeerFlags& flags);
+/// Adds them; `token_flag` false leaves --token-stdin to the command (audit has one for
+/// --await-sender, and copies it into `flags.token_stdin`).
+void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag = true);
 
 /// A layout loaded from peers (or from the fallback).
 struct PeerLoad {
@@ -35,6 +37,13 @@ struct PeerLoad {
 
 /// Reads the token (--token-stdin) once per process.
 std::string peer_token(const PeerFlags& flags);
+
+/// Connects to the peers of `uri` (token, timeout and staging limit from the flags).
+PeerSource connect_peers(const std::string& uri, const PeerFlags& flags, const Options& options);
+
+/// The layout of the peers' config.json for the flags' rank, storage on `device`, with the
+/// hooks an engine registers.
+ModelLayout peer_layout(const PeerSource& source, const LayoutFlags& layout_flags, const Device& device);
 
 /// Pulls `flags`' rank from the peers of `uri` onto `device` (cold), or loads the fallback.
 PeerLoad load_from_peers(const std::string& uri, const LayoutFlags& layout_flags, const Device& device,

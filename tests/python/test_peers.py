@@ -142,6 +142,12 @@ def test_serving_tp2_feeds_a_tp2_puller_across_namespaces(namespaces, llama, tmp
             assert digests(tmp_path / f"pulled{rank}.safetensors") == \
                 expected_export(llama, tmp_path / f"expected{rank}.safetensors", *tp_flags(2, rank))
             assert TOKEN not in result.stdout + result.stderr
+        audit = subprocess.run(
+            ["ip", "netns", "exec", puller_ns, CLI, "audit", uri, "--json", "--token-stdin", "--no-progress",
+             *tp_flags(2, 1)], input=TOKEN + "\n", capture_output=True, text=True, env=ENV, timeout=300)
+        assert audit.returncode == 0, audit.stderr
+        report = json.loads(audit.stdout)
+        assert report["clean"] is True and report["mismatched"] == 0 and report["address_changes"] == 0
         logs = rank0.stop() + rank1.stop()
     assert TOKEN not in logs
 
