@@ -37,8 +37,8 @@ enum class TransportKind : uint8_t {
   kTcp = 2,      ///< any host: bucket bytes follow their manifest on the TCP connection
   kCudaIpc = 3,  ///< same host, GPU: two device buckets exported once at connect (cudaIpcGetMemHandle)
   kNccl = 4,     ///< across GPUs and hosts: ncclBroadcast from the sender's bucket, TCP control
-  kUcx = 5,      ///< across hosts, host memory: each receiver reads the sender's registered buckets
-                 ///< one-sided over UCX (ucp_get; tcp, RDMA where present), TCP control
+  kUcx = 5,      ///< across hosts, host memory: the sender writes each bucket one-sided over UCX
+                 ///< (ucp_put; tcp, RDMA where present) into each receiver's registered buckets, TCP control
 };
 
 /// "shm", "tcp", "cuda-ipc", "nccl", "ucx".

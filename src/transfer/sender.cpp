@@ -202,13 +202,8 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   hello.transport = options.transport;
   hello.bucket_bytes = options.bucket_bytes;
   hello.receivers = receivers;
-  // UCX: the buckets are registered first; HELLO offers their remote keys.
-  std::unique_ptr<SenderTransport> early;
-  if (options.transport == TransportKind::kUcx) {
-    early = make_ucx_sender(options.bucket_bytes, hello.blob);
-  } else {
-    hello.blob = sender_hello_blob(options.transport);
-  }
+  hello.blob = sender_hello_blob(options.transport);
+  std::vector<std::vector<std::byte>> welcome_blobs;  // ucx: each receiver offers its buckets
   Received first_welcome;
   // Every receiver is greeted before the transport joins them: NCCL's join waits for all.
   for (uint32_t index = 0; index < receivers; ++index) {
@@ -223,13 +218,15 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
     WS_EXPECT(welcome.message.bucket_bytes == options.bucket_bytes, ErrorCode::kProtocol,
               link.receiver() + " agreed to buckets of " + std::to_string(welcome.message.bucket_bytes) +
                   " bytes, not the " + std::to_string(options.bucket_bytes) + " asked for");
+    welcome_blobs.push_back(welcome.message.blob);
     if (index == 0) first_welcome = std::move(welcome);
     state.links.push_back(std::move(link));
   }
   for (State::Link& link : state.links) state.connections.push_back(&link.connection);
-  state.transport = early ? std::move(early)
-                          : make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
-                                                  std::move(first_welcome.fd));
+  state.transport = options.transport == TransportKind::kUcx
+                        ? make_ucx_sender(options.bucket_bytes, welcome_blobs)
+                        : make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
+                                                std::move(first_welcome.fd));
   state.transport->join(options.timeout);
 }
 

@@ -184,7 +184,7 @@ std::unique_ptr<ReceiverTransport> make_receiver_transport(TransportKind kind, u
     case TransportKind::kNccl:
       return make_nccl_receiver(bucket_bytes, device, hello_blob, static_cast<int>(receivers) + 1,
                                 static_cast<int>(receiver_index) + 1);
-    case TransportKind::kUcx: return make_ucx_receiver(bucket_bytes, hello_blob);
+    case TransportKind::kUcx: return make_ucx_receiver(bucket_bytes);
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }
@@ -199,7 +199,7 @@ std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& opti
     case TransportKind::kNccl:
       return make_nccl_sender(options.bucket_bytes, options.device, hello_blob, static_cast<int>(receivers) + 1);
     case TransportKind::kUcx:
-      WS_FAIL(ErrorCode::kInternal, "the ucx sender transport is made before HELLO (make_ucx_sender)");
+      WS_FAIL(ErrorCode::kInternal, "the ucx sender transport needs every WELCOME (make_ucx_sender)");
   }
   WS_FAIL(ErrorCode::kInternal, "unknown transport");
 }

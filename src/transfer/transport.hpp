@@ -112,10 +112,11 @@ std::unique_ptr<SenderTransport> make_sender_transport(const SenderOptions& opti
 std::unique_ptr<ReceiverTransport> make_cuda_ipc_receiver(uint64_t bucket_bytes, const Device& device);
 std::unique_ptr<SenderTransport> make_cuda_ipc_sender(const SenderOptions& options,
                                                       std::span<const std::byte> welcome_blob);
-// UCX (ucx_transport.cpp over the ucx.hpp shim). The sender's buckets are registered before
-// HELLO, whose blob (returned in `hello_blob`) offers them to the receivers.
-std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes, std::vector<std::byte>& hello_blob);
-std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes, std::span<const std::byte> hello_blob);
+// UCX (ucx_transport.cpp over the ucx.hpp shim). Each receiver's WELCOME offers its
+// registered buckets; the sender writes into every receiver's, so it needs every WELCOME.
+std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes,
+                                                 std::span<const std::vector<std::byte>> welcome_blobs);
+std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes);
 // NCCL (nccl_transport_nccl.cpp, or its fallback).
 bool nccl_compiled() noexcept;
 std::vector<std::byte> nccl_unique_id();

@@ -62,6 +62,13 @@ class Endpoint {
   /// `key`) into `destination`. Waits first when too many reads are in flight.
   void get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
            std::chrono::milliseconds timeout);
+  /// Queues a write of `bytes` from `source` (which stays unchanged until wait() or
+  /// flush() returns) to the peer's `remote_address`.
+  void put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
+           std::chrono::milliseconds timeout);
+  /// Waits until every queued write has landed in the peer's memory (remote completion),
+  /// with wait()'s errors.
+  void flush(std::chrono::milliseconds timeout);
   /// Waits until every queued read has landed. Throws Error(kNetwork) naming the peer and
   /// UCX's status when a read failed (the peer died or reset), Error(kTimeout) when they
   /// have not landed within `timeout` of no progress; outstanding reads are cancelled.

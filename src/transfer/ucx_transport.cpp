@@ -1,8 +1,14 @@
-// The ucx update transport: the sender registers its two bucket buffers with UCX and
-// offers their remote keys with HELLO; each receiver reads a bucket one-sided (ucp_get)
-// into its own buffer once the bucket's manifest has arrived, and answers APPLIED as
-// usual. One sender feeds any number of receivers (each reads the same buckets). The
-// bytes cross hosts by whatever UCX picks (tcp here; RDMA where present).
+// The ucx update transport: each receiver registers its two bucket buffers (and a word per
+// buffer that counts the buckets landed in it) with UCX and offers their remote keys with
+// WELCOME; the sender writes each bucket one-sided (ucp_put) into every receiver's buffer
+// right after the bucket's manifest, flushes (remote completion), then bumps the buffer's
+// count. The receiver applies a bucket once its count says it landed, while the sender
+// writes the next one into the other buffer. Bytes cross hosts by whatever UCX picks (tcp
+// here; RDMA where present); a progress thread on the receiver serves the writes (UCX's
+// tcp transport emulates them with messages the target must progress).
+#include <poll.h>
+
+#include <atomic>
 #include <cstring>
 
 #include "transfer/transport.hpp"
@@ -11,74 +17,125 @@
 namespace weightstream::transfer {
 namespace {
 
+using Clock = std::chrono::steady_clock;
 const Device kHost{};
 
-/// Pieces of one bucket read: several in flight keep the link busy.
-constexpr uint64_t kUcxReadPiece = 8ull << 20;
+/// Pieces of one bucket written at once: several in flight keep the link busy.
+constexpr uint64_t kUcxPiece = 8ull << 20;
 
-/// HELLO blob: u32 address length, worker address, then per slot: u64 address, u32 key
-/// length, key.
-void put(std::vector<std::byte>& out, const void* data, size_t bytes) {
+/// WELCOME blob: u32 length + worker address, then for bucket 0, bucket 1 and the counts:
+/// u64 address, u32 length + remote key.
+struct Offer {
+  std::vector<std::byte> worker_address;
+  uint64_t addresses[3] = {0, 0, 0};
+  std::vector<std::byte> keys[3];
+};
+
+void put_bytes(std::vector<std::byte>& out, const void* data, size_t bytes) {
   const auto* begin = static_cast<const std::byte*>(data);
   out.insert(out.end(), begin, begin + bytes);
 }
 
-struct OfferedBuckets {
-  std::vector<std::byte> worker_address;
-  uint64_t addresses[2] = {0, 0};
-  std::vector<std::byte> keys[2];
-};
+std::vector<std::byte> encode_offer(const Offer& offer) {
+  std::vector<std::byte> blob;
+  auto length = static_cast<uint32_t>(offer.worker_address.size());
+  put_bytes(blob, &length, sizeof(length));
+  put_bytes(blob, offer.worker_address.data(), offer.worker_address.size());
+  for (int i = 0; i < 3; ++i) {
+    put_bytes(blob, &offer.addresses[i], sizeof(uint64_t));
+    length = static_cast<uint32_t>(offer.keys[i].size());
+    put_bytes(blob, &length, sizeof(length));
+    put_bytes(blob, offer.keys[i].data(), offer.keys[i].size());
+  }
+  return blob;
+}
 
-OfferedBuckets parse_offer(std::span<const std::byte> blob) {
+Offer parse_offer(std::span<const std::byte> blob, const std::string& who) {
   size_t at = 0;
   auto take = [&](void* out, size_t bytes) {
-    WS_EXPECT(bytes <= blob.size() - at, ErrorCode::kProtocol, "the ucx sender's HELLO blob is truncated");
+    WS_EXPECT(bytes <= blob.size() - at, ErrorCode::kProtocol, "the ucx WELCOME of " + who + " is truncated");
     std::memcpy(out, blob.data() + at, bytes);
     at += bytes;
   };
   auto take_bytes = [&](std::vector<std::byte>& out) {
     uint32_t length = 0;
     take(&length, sizeof(length));
-    WS_EXPECT(length <= blob.size() - at, ErrorCode::kProtocol, "the ucx sender's HELLO blob is truncated");
+    WS_EXPECT(length <= blob.size() - at, ErrorCode::kProtocol, "the ucx WELCOME of " + who + " is truncated");
     out.assign(blob.begin() + static_cast<ptrdiff_t>(at), blob.begin() + static_cast<ptrdiff_t>(at + length));
     at += length;
   };
-  OfferedBuckets offer;
+  Offer offer;
   take_bytes(offer.worker_address);
-  for (int slot = 0; slot < 2; ++slot) {
-    take(&offer.addresses[slot], sizeof(uint64_t));
-    take_bytes(offer.keys[slot]);
+  for (int i = 0; i < 3; ++i) {
+    take(&offer.addresses[i], sizeof(uint64_t));
+    take_bytes(offer.keys[i]);
   }
-  WS_EXPECT(at == blob.size(), ErrorCode::kProtocol, "the ucx sender's HELLO blob has trailing bytes");
+  WS_EXPECT(at == blob.size(), ErrorCode::kProtocol, "the ucx WELCOME of " + who + " has trailing bytes");
   return offer;
 }
 
-class UcxSender final : public SenderTransport {
+class UcxReceiver final : public ReceiverTransport {
  public:
-  explicit UcxSender(uint64_t bucket_bytes)
-      : buffers_{Buffer(kHost, bucket_bytes), Buffer(kHost, bucket_bytes)}, bucket_bytes_(bucket_bytes) {
-    for (int slot = 0; slot < 2; ++slot) registrations_[slot] = worker_.register_memory(buffers_[slot].data(), bucket_bytes);
-    // Reads over UCX's tcp transport are served by messages this side must progress.
+  explicit UcxReceiver(uint64_t bucket_bytes)
+      : buffers_{Buffer(kHost, bucket_bytes), Buffer(kHost, bucket_bytes), Buffer(kHost, 64)} {
+    std::memset(buffers_[2].data(), 0, 64);
+    for (int i = 0; i < 3; ++i) {
+      registrations_[i] = worker_.register_memory(buffers_[i].data(), i < 2 ? bucket_bytes : 64);
+    }
     worker_.start_progress();
   }
-  ~UcxSender() override {
+  ~UcxReceiver() override {
     worker_.stop_progress();
     for (auto& registration : registrations_) registration.reset();
   }
-  std::vector<std::byte> hello_blob() const {
-    std::vector<std::byte> blob;
-    std::vector<std::byte> address = worker_.address();
-    auto length = static_cast<uint32_t>(address.size());
-    put(blob, &length, sizeof(length));
-    put(blob, address.data(), address.size());
-    for (const auto& registration : registrations_) {
-      uint64_t where = registration->address();
-      put(blob, &where, sizeof(where));
-      length = static_cast<uint32_t>(registration->remote_key().size());
-      put(blob, &length, sizeof(length));
-      put(blob, registration->remote_key().data(), registration->remote_key().size());
+  std::vector<std::byte> welcome_blob() const override {
+    Offer offer;
+    offer.worker_address = worker_.address();
+    for (int i = 0; i < 3; ++i) {
+      offer.addresses[i] = registrations_[i]->address();
+      offer.keys[i] = registrations_[i]->remote_key();
     }
-    return blob;
+    return encode_offer(offer);
+  }
+  void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
+               const std::string& what) override {
+    const uint64_t due = ++landed_[slot];
+    std::atomic_ref<uint64_t> count(reinterpret_cast<uint64_t*>(buffers_[2].data())[slot]);
+    const auto deadline = Clock::now() + timeout;
+    for (unsigned spins = 0; count.load(std::memory_order_acquire) < due; ++spins) {
+      if (spins < 2000) continue;
+      WS_EXPECT(Clock::now() < deadline, ErrorCode::kTimeout,
+                what + " from " + connection.peer() + " did not land over ucx within " +
+                    std::to_string(timeout.count()) + " ms");
+      // Anything on the control connection now is an error or the sender leaving: the
+      // sender writes the next manifest only after this bucket has landed.
+      WS_EXPECT(!connection.readable(), ErrorCode::kNetwork,
+                connection.peer() + " stopped (or failed) while " + what + " was in flight over ucx");
+      pollfd none{-1, 0, 0};
+      (void)::poll(&none, 0, 1);
+    }
+  }
+  const std::byte* slot(uint32_t index) const override { return buffers_[index].data(); }
+  Device device() const override { return kHost; }
+
+ private:
+  Buffer buffers_[3];  // the two buckets, then the counts of buckets landed in each
+  ucx::Worker worker_;
+  std::unique_ptr<ucx::Registration> registrations_[3];
+  uint64_t landed_[2] = {0, 0};
+};
+
+class UcxSender final : public SenderTransport {
+ public:
+  UcxSender(uint64_t bucket_bytes, std::span<const std::vector<std::byte>> welcome_blobs)
+      : buffers_{Buffer(kHost, bucket_bytes), Buffer(kHost, bucket_bytes)} {
+    for (size_t i = 0; i < welcome_blobs.size(); ++i) {
+      Target& target = targets_.emplace_back();
+      const std::string who = "update receiver " + std::to_string(i);
+      target.offer = parse_offer(welcome_blobs[i], who);
+      target.endpoint = worker_.connect(target.offer.worker_address, who);
+      for (int k = 0; k < 3; ++k) target.keys[k] = target.endpoint->add_remote_key(target.offer.keys[k]);
+    }
   }
   void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
             uint64_t bytes) override {
@@ -89,54 +146,57 @@ class UcxSender final : public SenderTransport {
       std::memcpy(destination, source, bytes);
     }
   }
+  void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
+            std::chrono::milliseconds timeout) override {
+    for (uint64_t done = 0; done < bytes; done += kUcxPiece) {
+      for (Target& target : targets_) {
+        target.endpoint->put(buffers_[slot].data() + done, target.offer.addresses[slot] + done, target.keys[slot],
+                             std::min(kUcxPiece, bytes - done), timeout);
+      }
+    }
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      Target& target = targets_[i];
+      guarded(connections, i, [&] { target.endpoint->flush(timeout); });
+      ++target.counts[slot];
+      guarded(connections, i, [&] {
+        target.endpoint->put(reinterpret_cast<const std::byte*>(&target.counts[slot]),
+                             target.offer.addresses[2] + slot * sizeof(uint64_t), target.keys[2], sizeof(uint64_t),
+                             timeout);
+        target.endpoint->flush(timeout);
+      });
+    }
+  }
 
  private:
-  Buffer buffers_[2];
-  uint64_t bucket_bytes_;
-  ucx::Worker worker_;  // after the buffers: deregistered and gone before they are freed
-  std::unique_ptr<ucx::Registration> registrations_[2];
-};
-
-class UcxReceiver final : public ReceiverTransport {
- public:
-  UcxReceiver(uint64_t bucket_bytes, std::span<const std::byte> hello_blob)
-      : buffers_{Buffer(kHost, bucket_bytes), Buffer(kHost, bucket_bytes)}, offer_(parse_offer(hello_blob)) {
-    endpoint_ = worker_.connect(offer_.worker_address, "the ucx update sender");
-    for (int slot = 0; slot < 2; ++slot) keys_[slot] = endpoint_->add_remote_key(offer_.keys[slot]);
-  }
-  void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
-               const std::string& what) override {
-    for (uint64_t done = 0; done < bytes; done += kUcxReadPiece) {
-      endpoint_->get(buffers_[slot].data() + done, offer_.addresses[slot] + done, keys_[slot],
-                     std::min(kUcxReadPiece, bytes - done), timeout);
-    }
+  struct Target {
+    Offer offer;
+    std::unique_ptr<ucx::Endpoint> endpoint;
+    uint32_t keys[3] = {0, 0, 0};
+    uint64_t counts[2] = {0, 0};
+  };
+  template <typename Step>
+  static void guarded(std::span<Connection* const> connections, size_t i, Step&& step) {
     try {
-      endpoint_->wait(timeout);
+      step();
     } catch (const Error& error) {
-      WS_FAIL(error.code(), "reading " + what + " from " + connection.peer() + " over ucx: " + error.what());
+      const std::string peer = i < connections.size() ? connections[i]->peer() : "an update receiver";
+      WS_FAIL(error.code(), "writing a bucket to " + peer + " over ucx: " + error.what());
     }
   }
-  const std::byte* slot(uint32_t index) const override { return buffers_[index].data(); }
-  Device device() const override { return kHost; }
-
- private:
   Buffer buffers_[2];
-  OfferedBuckets offer_;
   ucx::Worker worker_;
-  std::unique_ptr<ucx::Endpoint> endpoint_;  // after the worker: closed before it goes
-  uint32_t keys_[2] = {0, 0};
+  std::vector<Target> targets_;  // after the worker: endpoints close before it goes
 };
 
 }  // namespace
 
-std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes, std::vector<std::byte>& hello_blob) {
-  auto sender = std::make_unique<UcxSender>(bucket_bytes);
-  hello_blob = sender->hello_blob();
-  return sender;
+std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes,
+                                                 std::span<const std::vector<std::byte>> welcome_blobs) {
+  return std::make_unique<UcxSender>(bucket_bytes, welcome_blobs);
 }
 
-std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes, std::span<const std::byte> hello_blob) {
-  return std::make_unique<UcxReceiver>(bucket_bytes, hello_blob);
+std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes) {
+  return std::make_unique<UcxReceiver>(bucket_bytes);
 }
 
 }  // namespace weightstream::transfer

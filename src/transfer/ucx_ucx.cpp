@@ -250,6 +250,39 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
   if (state.in_flight.size() >= kMaxReadsInFlight) state.drain(kMaxReadsInFlight / 2, timeout, peer_);
 }
 
+void Endpoint::put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
+                   std::chrono::milliseconds timeout) {
+  State& state = *state_;
+  WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX write with an unknown remote key");
+  if (bytes == 0) return;
+  if (state.failure != UCS_OK) {
+    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
+  }
+  ucp_request_param_t param{};
+  ucs_status_ptr_t request = ucp_put_nbx(state.ep, source, bytes, remote_address, state.keys[key], &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    fail(ErrorCode::kNetwork, "writing " + std::to_string(bytes) + " bytes to " + peer_ + " (ucp_put_nbx)",
+         UCS_PTR_STATUS(request));
+  }
+  if (request != nullptr) state.in_flight.push_back(request);
+  if (state.in_flight.size() >= kMaxReadsInFlight) state.drain(kMaxReadsInFlight / 2, timeout, peer_);
+}
+
+void Endpoint::flush(std::chrono::milliseconds timeout) {
+  State& state = *state_;
+  state.drain(0, timeout, peer_);
+  ucp_request_param_t param{};
+  ucs_status_ptr_t request = ucp_ep_flush_nbx(state.ep, &param);
+  if (UCS_PTR_IS_ERR(request)) fail(ErrorCode::kNetwork, "flushing the endpoint to " + peer_, UCS_PTR_STATUS(request));
+  if (request != nullptr) {
+    state.in_flight.push_back(request);
+    state.drain(0, timeout, peer_);
+  }
+  if (state.failure != UCS_OK) {
+    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
+  }
+}
+
 void Endpoint::wait(std::chrono::milliseconds timeout) {
   State& state = *state_;
   state.drain(0, timeout, peer_);

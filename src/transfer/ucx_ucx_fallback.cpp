@@ -15,6 +15,8 @@ Endpoint::~Endpoint() = default;
 uint32_t Endpoint::add_remote_key(std::span<const std::byte>) { return 0; }
 void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
 void Endpoint::wait(std::chrono::milliseconds) {}
+void Endpoint::put(const std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
+void Endpoint::flush(std::chrono::milliseconds) {}
 
 struct Worker::State {};
 Worker::Worker() {

@@ -8,9 +8,9 @@
 //
 //   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, receivers u32 (the
 //                                 receivers this sender feeds at once), receiver_index u32 (this
-//                                 one's, below receivers), blob (NCCL unique id; ucx: the
-//                                 sender's worker address, its buckets' addresses and keys)
-//   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles); shm passes
+//                                 one's, below receivers), blob (NCCL unique id)
+//   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles; ucx: the
+//                                 worker address, the buckets' and counts' addresses and keys); shm passes
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes
 //   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine)

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Peers across two network namespaces (issue 31): a peer pull of one rank and pushed
+updates over UCX, against UCX's own ucx_perftest (tag_bw and ucp_get at the same message
+size) and against the home-made TCP update transport, all between the same namespaces in
+one run.
+
+Two namespaces joined by a veth pair (192.0.2.1 serves, 192.0.2.2 pulls), loopback up in
+each; UCX_TLS picks UCX's transports (default "tcp": the bytes cross the veth as they would
+cross hosts; "auto" leaves UCX to pick, which finds shared memory and cma between namespaces
+of one host). Needs root. Prints a Markdown table (and --json); the namespaces are removed at
+the end.
+
+    python3 bench/peer_bench.py --cli build/weightstream --checkpoint /tmp/peer1g --repeat 3
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+SERVER, PULLER = "192.0.2.1", "192.0.2.2"
+TOKEN = uuid.uuid4().hex
+
+
+def run(*arguments, check=True, **kwargs):
+    return subprocess.run(list(arguments), check=check, capture_output=True, text=True, **kwargs)
+
+
+class Namespaces:
+    def __init__(self):
+        tag = f"wb{os.getpid() % 100000}"
+        self.server, self.puller = f"{tag}s", f"{tag}p"
+        run("ip", "netns", "add", self.server)
+        run("ip", "netns", "add", self.puller)
+        run("ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b")
+        run("ip", "link", "set", f"{tag}a", "netns", self.server)
+        run("ip", "link", "set", f"{tag}b", "netns", self.puller)
+        run("ip", "-n", self.server, "addr", "add", f"{SERVER}/24", "dev", f"{tag}a")
+        run("ip", "-n", self.puller, "addr", "add", f"{PULLER}/24", "dev", f"{tag}b")
+        for namespace, device in ((self.server, f"{tag}a"), (self.puller, f"{tag}b")):
+            run("ip", "-n", namespace, "link", "set", device, "up")
+            run("ip", "-n", namespace, "link", "set", "lo", "up")
+
+    def close(self):
+        for namespace in (self.server, self.puller):
+            run("ip", "netns", "del", namespace, check=False)
+
+
+def environment(tls):
+    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
+    if tls != "auto":
+        env["UCX_TLS"] = tls
+    else:
+        env.pop("UCX_TLS", None)
+    return env
+
+
+def perftest(ns, test, message_bytes, iterations, env, port):
+    """ucx_perftest between the namespaces; GB/s (1e9) of its overall bandwidth."""
+    server = subprocess.Popen(["ip", "netns", "exec", ns.server, "ucx_perftest", "-p", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        time.sleep(1.0)
+        out = run("ip", "netns", "exec", ns.puller, "ucx_perftest", SERVER, "-p", str(port), "-t", test, "-s",
+                  str(message_bytes), "-n", str(iterations), env=env, timeout=300).stdout
+    finally:
+        server.wait(timeout=60)
+    final = [line for line in out.splitlines() if line.startswith("Final:")][-1].split()
+    # Final: iterations, latency 50%ile, average, overall, bandwidth average, overall (MB/s,
+    # ucx_perftest's MB being 2^20 bytes), message rate average, overall.
+    return float(final[6]) * 1024 * 1024 / 1e9
+
+
+def pull_once(ns, cli, address, env):
+    result = run("ip", "netns", "exec", ns.puller, cli, "load", f"peer://{address}", "--json", "--token-stdin",
+                 "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+    report = json.loads(result.stdout)
+    assert report["bytes_read"] == 0, report
+    return report
+
+
+def update_once(ns, cli, checkpoint, via, bucket, env):
+    """A pushed update of the whole checkpoint across the namespaces; the receiver's GB/s."""
+    audit = subprocess.Popen(
+        ["ip", "netns", "exec", ns.server, cli, "audit", checkpoint, "--via", via, "--listen", f"{SERVER}:0",
+         "--await-sender", "--token-stdin", "--bucket-size", bucket, "--json", "--no-progress"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    audit.stdin.write(TOKEN + "\n")
+    audit.stdin.close()
+    line = audit.stderr.readline()
+    address = re.search(r"awaiting a sender at (\S+)", line).group(1)
+    run("ip", "netns", "exec", ns.puller, cli, "send", checkpoint, "--to", address, "--via", via, "--bucket-size", bucket,
+        "--token-stdin", "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+    audit.wait(timeout=600)
+    report = json.loads(audit.stdout.read())
+    assert report["clean"], report
+    return report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cli", default="build/weightstream")
+    parser.add_argument("--checkpoint", default="/tmp/weightstream-peer-bench")
+    parser.add_argument("--size", default="1GiB")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--message-size", type=int, default=8 << 20, help="ucx_perftest -s: the pull's read size (8 MiB)")
+    parser.add_argument("--tls", default="tcp", help="UCX_TLS for every UCX row: tcp (default) or auto")
+    parser.add_argument("--bucket-size", default="64MiB")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cli = os.path.abspath(args.cli)
+    if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
+        run(cli, "synth", args.checkpoint, "--arch", "llama", "--size", args.size, "--shards", "4", "--hidden", "1024")
+    env = environment(args.tls)
+    ns = Namespaces()
+    rows = {}
+    try:
+        total = args.size
+        iterations = max(16, (1 << 30) // args.message_size)
+        rows["ucx_perftest tag_bw"] = [perftest(ns, "tag_bw", args.message_size, iterations, env, 13400 + i)
+                                       for i in range(args.repeat)]
+        rows["ucx_perftest ucp_get"] = [perftest(ns, "ucp_get", args.message_size, iterations, env, 13500 + i)
+                                        for i in range(args.repeat)]
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", ns.server, cli, "serve", args.checkpoint, "--listen", f"{SERVER}:0", "--token-stdin",
+             "--no-progress"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        server.stdin.write(TOKEN + "\n")
+        server.stdin.close()
+        address = re.search(r"peer://(\S+)", server.stdout.readline()).group(1)
+        try:
+            pulls = [pull_once(ns, cli, address, env) for _ in range(args.repeat)]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+        rows["peer pull (load peer://), one rank"] = [p["gbps"] for p in pulls]
+        rows["pushed update, ucx"] = [update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, env)["update_gbps"]
+                                      for _ in range(args.repeat)]
+        rows["pushed update, tcp (home-made)"] = [
+            update_once(ns, cli, args.checkpoint, "tcp", args.bucket_size, env)["update_gbps"] for _ in range(args.repeat)]
+    finally:
+        ns.close()
+    medians = {name: statistics.median(values) for name, values in rows.items()}
+    best = max(medians["ucx_perftest tag_bw"], medians["ucx_perftest ucp_get"])
+    result = {"tls": args.tls, "message_bytes": args.message_size, "bytes": pulls[0]["bytes_from_peers"],
+              "rows": rows, "medians": medians, "best_perftest": best}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    print(f"UCX_TLS={args.tls}, {pulls[0]['bytes_from_peers'] / 1e9:.2f} GB rank, perftest message {args.message_size} bytes")
+    print("| row | median GB/s | runs | ÷ best perftest | ÷ tcp update |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    tcp = medians["pushed update, tcp (home-made)"]
+    for name, values in rows.items():
+        runs = ", ".join(f"{v:.3f}" for v in values)
+        print(f"| {name} | {medians[name]:.3f} | {runs} | {medians[name] / best:.0%} | {medians[name] / tcp:.2f}× |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
