@@ -7,6 +7,7 @@
 /// hooks that run once per load, and the bit-exact audit. Uses only the format and device
 /// layers: a session consumes named tensors, whatever produced them.
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -205,6 +206,13 @@ struct Parameter {
   /// `dtype` when the parameter is not processed.
   Dtype load_dtype = Dtype::kBF16;
   std::string scale;  ///< name of the scale parameter that processing writes, or empty
+  /// For an FP8 block-scaled weight (held as the checkpoint ships it): the parameter holding
+  /// its F32 block scales (X.weight_scale_inv, one part per part of this one, in the same
+  /// order) and the [rows, columns] of a block. A BF16, F16 or F32 piece written into it is
+  /// quantized block by block as such checkpoints are: scale = amax / 448, code =
+  /// E4M3(value / scale), the scales landing in their parameter.
+  std::string block_scale;
+  std::array<int64_t, 2> scale_block{0, 0};
   /// Storage (host or device), set by ModelLayout::allocate or ModelLayout::bind; never
   /// moves after the first load.
   std::byte* data = nullptr;
@@ -391,6 +399,12 @@ class ModelLayout {
   /// at owner.data (the owner's layout must outlive this one). Throws Error(kModel) when
   /// dtype or shape differ, the owner has no storage, or this layout has been loaded.
   void share_storage(std::string_view name, const Parameter& owner, const std::string& reason);
+  /// Removes parameter `name` from the layout: the engine fills it by other means (an
+  /// engine's own loader), so the layout never allocates, fills or checks it. Its checkpoint
+  /// tensors that fill no other parameter become skipped with `reason`. Only before any
+  /// storage is bound or allocated, a hook added or a load run (indices stay stable after).
+  /// Throws Error(kNotFound) when there is no such parameter, Error(kModel) when too late.
+  void remove_parameter(std::string_view name, const std::string& reason);
   /// The device the layout's storage lives on: set by set_device, allocate or the first
   /// bind (CPU before any of them).
   const Device& device() const noexcept { return device_; }

@@ -523,6 +523,19 @@ void bind_model(nb::module_& m) {
              info["layer"] = parameter.layer;
              info["bytes"] = parameter.bytes();
              info["device"] = parameter.device.name();
+             nb::list parts;
+             for (const ParameterPart& part : parameter.parts) {
+               nb::dict entry;
+               entry["tensor"] = part.tensor;
+               entry["id"] = part.id;
+               entry["row_begin"] = part.row_begin;
+               entry["rows"] = part.rows;
+               entry["column_begin"] = part.column_begin;
+               entry["columns"] = part.columns;
+               parts.append(entry);
+             }
+             // The checkpoint slices that fill it (tensor, its rows and columns on this rank).
+             info["parts"] = parts;
              return info;
            },
            "name"_a)
@@ -566,6 +579,14 @@ void bind_model(nb::module_& m) {
            "name"_a, "owner"_a, "reason"_a,
            "Makes parameter `name` a reference to parameter `owner`'s storage (a tied lm_head bound to the "
            "engine's embedding): loads no longer fill it or check it.")
+      .def("remove_parameter",
+           [](LayoutHandle& handle, const std::string& name, const std::string& reason) {
+             handle.layout.remove_parameter(name, reason);
+           },
+           "name"_a, "reason"_a,
+           "Removes parameter `name` (the engine fills it by other means): the layout never allocates, fills "
+           "or checks it, and its checkpoint tensors that fill no other parameter are skipped with `reason`. "
+           "Only before anything is bound or allocated.")
       .def("allocate_at_first_load",
            [](LayoutHandle& handle, const std::string& device) {
              auto parsed = parse_device(device);
@@ -621,6 +642,8 @@ void bind_model(nb::module_& m) {
       .def_prop_ro("model_hook_runs", [](const LayoutHandle& handle) { return handle.layout.model_hook_runs(); })
       .def_prop_ro("allocated_bytes", [](const LayoutHandle& handle) { return handle.layout.allocated_bytes(); });
 
+  m.def("supported_model_types", &supported_model_types,
+        "The model_types weightstream has mapping tables for, comma-separated.");
   m.def("_release_python_hooks", &release_all_python_hooks,
         "Drops the Python callables of every layout's model hooks (registered with atexit).");
 

@@ -920,6 +920,8 @@ class LayoutBuilder {
       Parameter scale = block_scale(pending);
       parameter.dtype = Dtype::kF8E4M3;
       parameter.load_dtype = Dtype::kF8E4M3;
+      parameter.block_scale = scale.name;
+      parameter.scale_block = {block_n_, block_k_};
       layout_.add_parameter(std::move(parameter));
       layout_.add_parameter(std::move(scale));
       return;

@@ -395,6 +395,35 @@ void ModelLayout::share_storage(std::string_view name, const Parameter& owner, c
   parameter.device = owner.device;
 }
 
+void ModelLayout::remove_parameter(std::string_view name, const std::string& reason) {
+  auto index = find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "cannot remove parameter " + std::string(name) + ": it is not in " + description_);
+  bool untouched = loads_finished_ == 0 && storage_.empty() && hooks_.empty() &&
+                   std::none_of(bound_.begin(), bound_.end(), [](bool bound) { return bound; });
+  WS_EXPECT(untouched, ErrorCode::kModel,
+            "cannot remove parameter " + std::string(name) + " from " + description_ +
+                ": storage was bound or allocated, a hook added or a load run already");
+  std::vector<Parameter> kept;
+  kept.reserve(parameters_.size() - 1);
+  std::vector<std::string> orphans;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (i == *index) {
+      for (const ParameterPart& part : parameters_[i].parts) orphans.push_back(part.tensor);
+      continue;
+    }
+    kept.push_back(std::move(parameters_[i]));
+  }
+  parameters_.clear();
+  bound_.clear();
+  by_tensor_.clear();
+  by_name_->map.clear();
+  for (Parameter& parameter : kept) add_parameter(std::move(parameter));
+  for (std::string& tensor : orphans) {
+    if (!by_tensor_.contains(tensor)) skipped_.insert_or_assign(std::move(tensor), reason);
+  }
+}
+
 uint64_t ModelLayout::allocated_bytes() const noexcept {
   uint64_t total = 0;
   for (const Buffer& buffer : storage_) total += buffer.size();

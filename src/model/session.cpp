@@ -5,6 +5,7 @@
 // the session's ParameterWriter: on a GPU, asynchronous copies that nothing waits for per
 // piece, issued outside the session's lock so that reader threads copy in parallel.
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -21,9 +22,43 @@ const Device kHost{};
 
 uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
 
-bool convertible(Dtype from, Dtype to) {
-  auto is_float = [](Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; };
-  return from == to || (is_float(from) && is_float(to));
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
+bool convertible(Dtype from, Dtype to) { return from == to || (is_float(from) && is_float(to)); }
+
+/// Whether a piece of `dtype` written into `parameter` is quantized into its FP8 blocks (a
+/// trainer pushing BF16 weights into an FP8 block-scaled model).
+bool quantizes_into(Dtype dtype, const Parameter& parameter) {
+  return !parameter.block_scale.empty() && parameter.load_dtype == Dtype::kF8E4M3 && is_float(dtype);
+}
+
+constexpr float kE4M3Max = 448.0f;
+
+/// Quantizes a part's slice, `values` [rows x columns] starting on a block boundary, block
+/// by block as FP8 block-scaled checkpoints are made: scale = amax / 448 (1 for an all-zero
+/// block), code = E4M3(value / scale). Codes are [rows x columns], scales [ceil(rows / block
+/// rows) x ceil(columns / block columns)].
+void quantize_blocks(std::span<const float> values, uint64_t rows, uint64_t columns, std::array<int64_t, 2> block,
+                     std::span<std::byte> codes, std::span<float> scales) {
+  const auto block_rows = static_cast<uint64_t>(block[0]), block_columns = static_cast<uint64_t>(block[1]);
+  const uint64_t scale_columns = (columns + block_columns - 1) / block_columns;
+  for (uint64_t row0 = 0; row0 < rows; row0 += block_rows) {
+    const uint64_t row1 = std::min(rows, row0 + block_rows);
+    for (uint64_t column0 = 0; column0 < columns; column0 += block_columns) {
+      const uint64_t column1 = std::min(columns, column0 + block_columns);
+      float amax = 0;
+      for (uint64_t r = row0; r < row1; ++r) {
+        for (uint64_t c = column0; c < column1; ++c) amax = std::max(amax, std::fabs(values[r * columns + c]));
+      }
+      const float scale = amax > 0 ? amax / kE4M3Max : 1.0f;
+      scales[(row0 / block_rows) * scale_columns + column0 / block_columns] = scale;
+      for (uint64_t r = row0; r < row1; ++r) {
+        for (uint64_t c = column0; c < column1; ++c) {
+          codes[r * columns + c] = std::byte{float_to_e4m3(values[r * columns + c] / scale)};
+        }
+      }
+    }
+  }
 }
 
 std::string join(const std::vector<std::string>& items, std::string_view separator) {
@@ -181,6 +216,7 @@ struct LoadSession::State {
     if (part_state.assembled < needed_bytes) return;
     const uint64_t rows = static_cast<uint64_t>(part.rows);
     const uint64_t columns = static_cast<uint64_t>(part.columns);
+    if (quantizes_into(write.dtype, parameter)) return write_quantized(parameter, write, base, tensor_columns);
     const uint64_t destination_element = element_bytes(parameter.load_dtype);
     auto converted = std::make_shared<std::vector<std::byte>>(rows * columns * destination_element);
     for (uint64_t row = 0; row < rows; ++row) {
@@ -191,6 +227,31 @@ struct LoadSession::State {
     }
     std::vector<std::byte>().swap(part_state.assembly);
     writer->copy(base, converted->data(), kHost, converted->size(), converted, write.name);
+  }
+
+  /// Quantizes a floating-point part gathered whole in its PartState::assembly into the
+  /// part's E4M3 codes and its block scales (the scale parameter's part of the same index).
+  void write_quantized(const Parameter& parameter, const Write& write, std::byte* base, uint64_t tensor_columns) {
+    const ParameterPart& part = parameter.parts[write.part];
+    PartState& part_state = parameters[write.parameter].parts[write.part];
+    const auto rows = static_cast<uint64_t>(part.rows), columns = static_cast<uint64_t>(part.columns);
+    const uint64_t source_element = element_bytes(write.dtype);
+    std::vector<float> values(rows * columns);
+    for (uint64_t row = 0; row < rows; ++row) {
+      convert_elements(reinterpret_cast<std::byte*>(values.data() + row * columns), Dtype::kF32,
+                       part_state.assembly.data() +
+                           (row * tensor_columns + static_cast<uint64_t>(part.column_begin)) * source_element,
+                       write.dtype, columns);
+    }
+    std::vector<std::byte>().swap(part_state.assembly);
+    const Parameter& scale = layout.parameter(parameter.block_scale);
+    const ParameterPart& scale_part = scale.parts[write.part];
+    auto codes = std::make_shared<std::vector<std::byte>>(rows * columns);
+    auto scales = std::make_shared<std::vector<float>>(scale_part.elements());
+    quantize_blocks(values, rows, columns, parameter.scale_block, *codes, *scales);
+    writer->copy(base, codes->data(), kHost, codes->size(), codes, write.name);
+    writer->copy(scale.data + scale_part.element_offset * sizeof(float), reinterpret_cast<const std::byte*>(scales->data()),
+                 kHost, scales->size() * sizeof(float), scales, write.name);
   }
 
   /// Writes engine-format pieces as they are: one batch of copies (on a GPU one driver call
@@ -460,10 +521,20 @@ void LoadSession::load(std::span<const TensorView> batch) {
         WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
                   "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() +
                       " expects " + shape_text(part.shape));
-        WS_EXPECT(convertible(view.dtype, parameter.load_dtype), ErrorCode::kModel,
+        const bool quantizes = quantizes_into(view.dtype, parameter);
+        WS_EXPECT(convertible(view.dtype, parameter.load_dtype) || quantizes, ErrorCode::kModel,
                   "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " +
                       target_text() + " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
-                      " (only BF16, F16 and F32 convert on copy)");
+                      " (only BF16, F16 and F32 convert on copy, and quantize into FP8 block-scaled weights)");
+        if (quantizes) {
+          const size_t scale_index = *layout_.find(parameter.block_scale);
+          const State::PartState& scale_state = state.parameters[scale_index].parts[part_index];
+          WS_EXPECT(scale_state.received == 0 && !scale_state.complete, ErrorCode::kModel,
+                    "tensor " + std::string(tensor) + " arrives as " + std::string(dtype_name(view.dtype)) +
+                        " to be quantized into " + target_text() + ", but its block scales " +
+                        parameter.parts[part_index].tensor + "_scale_inv arrived in this " + what() +
+                        " already: send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone");
+        }
         const State::PartState& part_state = state.parameters[index].parts[part_index];
         WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
                   "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
@@ -521,6 +592,20 @@ void LoadSession::load(std::span<const TensorView> batch) {
         // A tensor may fill several parts (a sectioned split): it counts once, with its last.
         if (state.tensor_complete(parameter.parts[write.part].tensor)) ++state.counters.tensors_applied;
         if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
+        if (quantizes_into(write.dtype, parameter)) {
+          // Quantizing the part writes its block scales too: their part is filled with it.
+          const size_t scale_index = *layout_.find(parameter.block_scale);
+          const Parameter& scale = layout_.parameters()[scale_index];
+          State::ParameterState& scale_state = state.parameters[scale_index];
+          State::PartState& scale_part = scale_state.parts[write.part];
+          scale_part.dtype = scale.load_dtype;
+          scale_part.received = static_cast<uint64_t>(scale.parts[write.part].rows) *
+                                static_cast<uint64_t>(scale.parts[write.part].tensor_columns()) *
+                                element_bytes(scale.load_dtype);
+          scale_part.complete = true;
+          scale_state.touched = true;
+          if (++scale_state.parts_complete == scale.parts.size()) completed.push_back(scale_index);
+        }
       }
     }
     for (size_t index : completed) {

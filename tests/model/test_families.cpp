@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -497,6 +498,110 @@ TEST(Fp8Block, WeightAndScaleInDifferentBatchesLoadReloadAndUpdateAlike) {
   partial.allocate(Device{});
   EXPECT_THAT(error_of([&] { testing::run_load(partial, LoadMode::kCold, {checkpoint.views_except("down_proj.weight_scale_inv")}); }),
               HasSubstr("model.layers.0.mlp.down_proj.weight_scale_inv"));
+}
+
+// A trainer's BF16 version of an FP8 block-scaled checkpoint: every F8_E4M3 weight replaced
+// by new BF16 values of its shape (its scales dropped), every other tensor kept. `quantized`
+// gets the FP8 checkpoint of those values, quantized here block by block by the rule FP8
+// checkpoints use (scale = amax / 448, code = E4M3(value / scale)).
+MemoryCheckpoint trainer_bf16(const MemoryCheckpoint& fp8, uint64_t seed, MemoryCheckpoint& quantized) {
+  MemoryCheckpoint bf16;
+  bf16.config = fp8.config;
+  quantized.config = fp8.config;
+  uint64_t state = seed;
+  auto next_bf16 = [&state] {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    float value = static_cast<float>(static_cast<int64_t>(state >> 33) % 2001 - 1000) / 1000.0f * 0.07f;
+    return static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16);
+  };
+  for (const MemoryTensor& tensor : fp8.tensors) {
+    if (tensor.name.ends_with("_scale_inv")) continue;
+    if (tensor.dtype != Dtype::kF8E4M3) {
+      bf16.tensors.push_back(tensor);
+      quantized.tensors.push_back(tensor);
+      continue;
+    }
+    int64_t rows = tensor.shape[0], columns = tensor.shape[1];
+    MemoryTensor values{tensor.name, Dtype::kBF16, tensor.shape, std::vector<std::byte>(tensor.bytes.size() * 2)};
+    std::vector<float> floats(tensor.bytes.size());
+    for (size_t i = 0; i < floats.size(); ++i) {
+      uint16_t bits = next_bf16();
+      std::memcpy(values.bytes.data() + 2 * i, &bits, 2);
+      floats[i] = std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+    }
+    MemoryTensor codes{tensor.name, Dtype::kF8E4M3, tensor.shape, std::vector<std::byte>(tensor.bytes.size())};
+    int64_t block_rows = blocks(rows), block_columns = blocks(columns);
+    MemoryTensor scales{tensor.name + "_scale_inv", Dtype::kF32, {block_rows, block_columns},
+                        std::vector<std::byte>(static_cast<size_t>(block_rows * block_columns) * 4)};
+    for (int64_t br = 0; br < block_rows; ++br) {
+      for (int64_t bc = 0; bc < block_columns; ++bc) {
+        float amax = 0;
+        for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r) {
+          for (int64_t c = bc * 128; c < std::min(columns, bc * 128 + 128); ++c) {
+            amax = std::max(amax, std::fabs(floats[static_cast<size_t>(r * columns + c)]));
+          }
+        }
+        float scale = amax > 0 ? amax / 448.0f : 1.0f;
+        std::memcpy(scales.bytes.data() + (br * block_columns + bc) * 4, &scale, 4);
+        for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r) {
+          for (int64_t c = bc * 128; c < std::min(columns, bc * 128 + 128); ++c) {
+            auto at = static_cast<size_t>(r * columns + c);
+            codes.bytes[at] = std::byte{float_to_e4m3(floats[at] / scale)};
+          }
+        }
+      }
+    }
+    bf16.tensors.push_back(std::move(values));
+    quantized.tensors.push_back(std::move(codes));
+    quantized.tensors.push_back(std::move(scales));
+  }
+  return bf16;
+}
+
+// A trainer pushes BF16 weights under checkpoint names into a model holding FP8 block-scaled
+// weights: each rank's part is quantized block by block with the checkpoint's rule, in
+// place, codes and scales alike, equal byte for byte to a cold load of the FP8 checkpoint
+// of the same values.
+TEST(Fp8Block, Bf16WeightsPushedIntoFp8ParametersAreQuantizedInPlaceAsTheCheckpointIs) {
+  for (const char* arch : {"llama", "qwen3_moe", "deepseek_v3"}) {
+    SCOPED_TRACE(arch);
+    auto fp8_old = fp8_checkpoint(arch);
+    MemoryCheckpoint fp8_new;
+    MemoryCheckpoint bf16 = trainer_bf16(fp8_old, 11, fp8_new);
+    for (int64_t tp : {1, 2}) {
+      SCOPED_TRACE("tp " + std::to_string(tp));
+      LayoutOptions options = rank_options(tp, tp - 1);
+      ModelLayout layout = loaded(fp8_old, options, {fp8_old.views()});
+      std::vector<const std::byte*> addresses;
+      for (const Parameter& parameter : layout.parameters()) addresses.push_back(parameter.data);
+      // Layer 1's tensors first, in their own batch: parts of one parameter across batches.
+      testing::run_load(layout, LoadMode::kUpdate, {bf16.views_matching("layers.1."), bf16.views_except("layers.1.")});
+      ModelLayout reference = loaded(fp8_new, options, {fp8_new.views()});
+      LayoutComparison result = compare_layouts(reference, layout);
+      EXPECT_GT(result.compared, 0u);
+      EXPECT_EQ(result.mismatched, 0u) << (result.mismatches.empty() ? "" : result.mismatches[0]);
+      ModelLayout before = loaded(fp8_old, options, {fp8_old.views()});
+      EXPECT_GT(compare_layouts(before, layout).mismatched, 0u);  // the update changed the weights
+      for (size_t i = 0; i < addresses.size(); ++i) EXPECT_EQ(layout.parameters()[i].data, addresses[i]);
+    }
+  }
+}
+
+TEST(Fp8Block, ABf16WeightAfterItsScalesInOneUpdateIsRefusedBeforeItsBatchIsWritten) {
+  auto fp8 = fp8_checkpoint("llama");
+  MemoryCheckpoint quantized;
+  MemoryCheckpoint bf16 = trainer_bf16(fp8, 5, quantized);
+  ModelLayout layout = loaded(fp8, rank_options(1, 0), {fp8.views()});
+  std::vector<std::byte> codes = testing::bytes_of(layout, "model.layers.0.mlp.down_proj.weight");
+  std::string error = error_of([&] {
+    testing::run_load(layout, LoadMode::kUpdate,
+                      {fp8.views_matching("layers.0.mlp.down_proj.weight_scale_inv"),
+                       bf16.views_matching("layers.0.mlp.down_proj.weight")});
+  });
+  EXPECT_THAT(error, AllOf(HasSubstr("model.layers.0.mlp.down_proj.weight arrives as BF16"),
+                           HasSubstr("its block scales model.layers.0.mlp.down_proj.weight_scale_inv arrived"),
+                           HasSubstr("send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone")));
+  EXPECT_TRUE(testing::bytes_of(layout, "model.layers.0.mlp.down_proj.weight") == codes);
 }
 
 TEST(Fp8Block, RefusesATpSizeThatCutsABlock) {

@@ -372,5 +372,40 @@ TEST(ModelLayout, BoundMemoryReceivesEveryLoadInPlace) {
               HasSubstr("the layout has been loaded, and storage never moves after the first load"));
 }
 
+// An engine that fills a parameter by its own loader: the layout drops it, never allocates it,
+// and routes the tensors that fed only it as skipped; a load completes without them.
+TEST(ModelLayout, ARemovedParameterIsNeitherAllocatedNorFilledNorRequired) {
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = build_model_layout(checkpoint.config);
+  const std::string qkv = "model.layers.0.self_attn.qkv_proj.weight";
+  const uint64_t parameters = layout.parameters().size();
+  const uint64_t qkv_bytes = layout.parameter(qkv).bytes();
+  layout.remove_parameter(qkv, "loaded by the engine");
+  EXPECT_EQ(layout.parameters().size(), parameters - 1);
+  EXPECT_FALSE(layout.find(qkv).has_value());
+  for (const char* tensor : {"q_proj", "k_proj", "v_proj"}) {
+    TensorRoute route = layout.route(std::string("model.layers.0.self_attn.") + tensor + ".weight");
+    EXPECT_EQ(route.kind, TensorRoute::Kind::kSkipped) << tensor;
+    EXPECT_EQ(route.reason, "loaded by the engine");
+  }
+  EXPECT_EQ(layout.route("model.layers.1.self_attn.q_proj.weight").kind, TensorRoute::Kind::kParameter);
+  layout.allocate(Device{});
+  ModelLayout whole = build_model_layout(checkpoint.config);
+  whole.allocate(Device{});
+  EXPECT_GE(whole.allocated_bytes() - layout.allocated_bytes(), qkv_bytes) << "the removed parameter is not allocated";
+  LoadCounters counters = run_load(layout, LoadMode::kCold, {checkpoint.views()});
+  EXPECT_EQ(counters.tensors_skipped, 3u);
+  ModelLayout reference = cold_loaded_layout(checkpoint);
+  for (const Parameter& parameter : layout.parameters()) {
+    EXPECT_EQ(bytes_of(layout, parameter.name), bytes_of(reference, parameter.name)) << parameter.name;
+  }
+  EXPECT_THAT(bind_error([&] { layout.remove_parameter("model.norm.weight", "late"); }),
+              HasSubstr("cannot remove parameter model.norm.weight from llama tp 1 rank 0: storage was bound or "
+                        "allocated, a hook added or a load run already"));
+  EXPECT_THAT(bind_error([&] { ModelLayout fresh = build_model_layout(checkpoint.config);
+                               fresh.remove_parameter("model.nothing", "why"); }),
+              HasSubstr("cannot remove parameter model.nothing: it is not in llama tp 1 rank 0"));
+}
+
 }  // namespace
 }  // namespace weightstream
