@@ -32,6 +32,15 @@ bool quantizes_into(Dtype dtype, const Parameter& parameter) {
   return !parameter.block_scale.empty() && parameter.load_dtype == Dtype::kF8E4M3 && is_float(dtype);
 }
 
+/// The index of the FP8 block-scaled weight whose scales `parameter` holds, if it does.
+std::optional<size_t> scaled_weight(const ModelLayout& layout, const Parameter& parameter) {
+  constexpr std::string_view kSuffix = "_scale_inv";
+  if (!parameter.name.ends_with(kSuffix)) return std::nullopt;
+  auto weight = layout.find(std::string_view(parameter.name).substr(0, parameter.name.size() - kSuffix.size()));
+  if (!weight || layout.parameters()[*weight].block_scale != parameter.name) return std::nullopt;
+  return weight;
+}
+
 constexpr float kE4M3Max = 448.0f;
 
 /// Quantizes a part's slice, `values` [rows x columns] starting on a block boundary, block
@@ -526,15 +535,6 @@ void LoadSession::load(std::span<const TensorView> batch) {
                   "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " +
                       target_text() + " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
                       " (only BF16, F16 and F32 convert on copy, and quantize into FP8 block-scaled weights)");
-        if (quantizes) {
-          const size_t scale_index = *layout_.find(parameter.block_scale);
-          const State::PartState& scale_state = state.parameters[scale_index].parts[part_index];
-          WS_EXPECT(scale_state.received == 0 && !scale_state.complete, ErrorCode::kModel,
-                    "tensor " + std::string(tensor) + " arrives as " + std::string(dtype_name(view.dtype)) +
-                        " to be quantized into " + target_text() + ", but its block scales " +
-                        parameter.parts[part_index].tensor + "_scale_inv arrived in this " + what() +
-                        " already: send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone");
-        }
         const State::PartState& part_state = state.parameters[index].parts[part_index];
         WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
                   "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
@@ -549,6 +549,24 @@ void LoadSession::load(std::span<const TensorView> batch) {
         WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
                   ErrorCode::kModel,
                   "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
+        // A weight is quantized here (its scales written with it) or arrives as FP8 codes with
+        // its scales: one load cannot mix the two.
+        const std::string mixed = ": send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone";
+        if (quantizes) {
+          const size_t scale_index = *layout_.find(parameter.block_scale);
+          const State::PartState& scale_state = state.parameters[scale_index].parts[part_index];
+          WS_EXPECT(scale_state.received == 0 && !scale_state.complete, ErrorCode::kModel,
+                    "tensor " + std::string(tensor) + " arrives as " + std::string(dtype_name(view.dtype)) +
+                        " to be quantized into " + target_text() + ", but its block scales " + part.tensor +
+                        "_scale_inv arrived in this " + what() + " already" + mixed);
+        } else if (auto weight = scaled_weight(layout_, parameter)) {
+          const State::PartState& weight_state = state.parameters[*weight].parts[part_index];
+          WS_EXPECT(!weight_state.dtype || !quantizes_into(*weight_state.dtype, layout_.parameters()[*weight]),
+                    ErrorCode::kModel,
+                    "tensor " + std::string(tensor) + " (block scales) arrives after its weight " +
+                        layout_.parameters()[*weight].parts[part_index].tensor + " arrived as " +
+                        std::string(dtype_name(*weight_state.dtype)) + " to be quantized, in this " + what() + mixed);
+        }
         pending += end - begin;
         add_write(index, part_index, begin, end);
       }
