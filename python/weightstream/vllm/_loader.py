@@ -13,11 +13,14 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from .._api import Checkpoint
 from .._model import LoadSession
 from ._model import (
+    BOUND_QUANTIZATIONS,
     BoundModel,
     LoaderOptions,
     ModelSources,
     NoMappingTable,
+    _first_names,
     bind_model,
+    check_in_place,
     config_dict,
     first_weights_source,
     log_once,
@@ -79,11 +82,11 @@ class WeightstreamModelLoader(BaseModelLoader):
         bound = stored_binding(model)
         if bound is None:
             config = config_dict(sources, model_config)
-            tp_size, tp_rank = parallel_ranks()
             try:
-                if getattr(model_config, "quantization", None) is not None:
-                    raise NoMappingTable(f"quantization '{model_config.quantization}'")
-                bound = bind_model(model, config, role, model_config.dtype, tp_size, tp_rank)
+                quantization = getattr(model_config, "quantization", None)
+                if quantization not in BOUND_QUANTIZATIONS:
+                    raise NoMappingTable(f"quantization '{quantization}'")
+                bound = bind_model(model, config, role, model_config.dtype, parallel_ranks(model))
             except NoMappingTable as reason:
                 log_once(logging.WARNING, "weightstream: no layout for %s (%s): the %s loads through the model's "
                          "load_weights, fed by weightstream's streamer, at iterator speed",
@@ -93,6 +96,8 @@ class WeightstreamModelLoader(BaseModelLoader):
             store_binding(model, bound)
         # A reload once a load finished; a load that failed before (no source, say) is retried cold.
         mode = "reload" if bound.layout.loads_finished else "cold"
+        if mode == "reload":
+            check_in_place(model, bound, through_load_weights=True)
         self._load_layout(model, model_config, sources, bound, mode, started)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
@@ -114,12 +119,17 @@ class WeightstreamModelLoader(BaseModelLoader):
         self.last_load = {"path": "layout", "mode": mode, "role": bound.role, "source": resolution["uri"],
                           "field": resolution["field"], "passed_over": resolution["passed_over"],
                           "layout": bound.description, "tensors_streamed": stats["tensors"],
-                          "bytes_streamed": stats["bytes"], "tensors_through_load_weights": through_model,
+                          "bytes_streamed": stats["bytes"], "bytes_read": stats["bytes_read"],
+                          "shards_read": stats["shards_read"], "parameters_bound": len(bound.bound),
+                          "parameters_through_load_weights": len(bound.unbound),
+                          "tensors_through_load_weights": through_model,
                           "seconds": time.perf_counter() - started}
-        logger.info("weightstream: %s load of the %s (%s) from %s (%s): %d tensors, %d bytes streamed into the "
-                    "model's parameters, %d through load_weights, %.2f s", mode, bound.role, bound.description,
-                    resolution["uri"], resolution["field"], stats["tensors"], stats["bytes"], through_model,
-                    self.last_load["seconds"])
+        through = ("nothing through load_weights" if not by_load_weights else
+                   f"{through_model} checkpoint tensors through load_weights ({_first_names(by_load_weights)})")
+        logger.info("weightstream: %s load of the %s (%s) from %s (%s): %d parameters bound in place, %d tensors, "
+                    "%d bytes streamed into them (%d read), %s, %.2f s", mode, bound.role, bound.description,
+                    resolution["uri"], resolution["field"], len(bound.bound), stats["tensors"], stats["bytes"],
+                    stats["bytes_read"], through, self.last_load["seconds"])
         self._check_filled(model, model_config, loaded)
 
     def _load_through_model(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, role: str,

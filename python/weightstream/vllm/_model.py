@@ -27,6 +27,11 @@ STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path",
 #: Every key ``--model-loader-extra-config`` takes.
 EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri",)
 
+#: vLLM quantization methods a layout binds: none, and FP8 (block-scaled checkpoints are
+#: held as Fp8LinearMethod holds them; an FP8 model without weight_block_size is refused by
+#: the layout, and loads through load_weights).
+BOUND_QUANTIZATIONS = (None, "fp8")
+
 #: The reason given to the layout for a checkpoint tensor it leaves to the model.
 BY_LOAD_WEIGHTS = "loaded by the model's load_weights"
 
@@ -35,6 +40,8 @@ _TORCH_DTYPES = {
     torch.float16: "F16",
     torch.float32: "F32",
     torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 _once: Set[str] = set()
@@ -146,13 +153,28 @@ def model_parameter_name(layout_name: str, role: str, model_type: str) -> str:
     if layout_name.startswith("mtp."):
         return "model." + layout_name[len("mtp."):]
     match = re.match(r"^model\.layers\.(\d+)\.(.*)$", layout_name)
-    if match and model_type in ("deepseek_v3", "deepseek_v2", "deepseek_mtp"):
+    if match and model_type in ("deepseek_v3", "deepseek_v2", "deepseek_mtp", "kimi_k2"):
         rest = match.group(2)
         if rest.startswith("embed_tokens."):
             return "model." + rest
         if not rest.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.")):
             return f"model.layers.{match.group(1)}.mtp_block.{rest}"
     return layout_name
+
+
+# vLLM 0.33's FusedMoE keeps its stacked expert weights (and their scales) in a
+# RoutedExperts submodule: X.experts.routed_experts.w13_weight where the layout says
+# X.experts.w13_weight.
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(w13_weight|w2_weight)(.*)$")
+
+
+def model_candidates(layout_name: str, role: str, model_type: str) -> List[str]:
+    """The names a vLLM model may give a layout parameter, the likeliest first."""
+    name = model_parameter_name(layout_name, role, model_type)
+    match = _FUSED_EXPERTS.match(name)
+    if match:
+        return [f"{match.group(1)}.routed_experts.{match.group(2)}{match.group(3)}", name]
+    return [name]
 
 
 def device_name(tensor: torch.Tensor) -> str:
@@ -174,6 +196,17 @@ class NoMappingTable(Exception):
 
 
 @dataclass
+class Parallel:
+    """Where this process sits: vLLM's tensor-parallel rank, and its expert-parallel rank
+    when the model's MoE layers divide their experts (enable_expert_parallel)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+
+@dataclass
 class BoundModel:
     """A vLLM model's parameters bound to this rank's layout."""
 
@@ -181,11 +214,18 @@ class BoundModel:
     role: str
     #: Layout parameter name to the model's parameter name, for every bound parameter.
     bound: Dict[str, str]
-    #: Layout parameters the model has no matching tensor for (name: why), allocated by
-    #: the layout; the checkpoint tensors that fill them also go through load_weights.
+    #: Parameters of the layout the model holds otherwise (name: why): removed from the
+    #: layout (never allocated), filled through the model's load_weights.
     unbound: Dict[str, str]
     device: str
     description: str
+    #: The model's tensor each bound parameter was bound to, (address, shape, dtype), so an
+    #: update can tell when the model's storage is no longer the one bound.
+    addresses: Dict[str, Tuple[int, Tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    #: Checkpoint tensors that fill an unbound parameter (they go through load_weights).
+    unbound_tensors: Set[str] = field(default_factory=set)
+    #: Checkpoint tensors the last load sent through the model's load_weights.
+    by_load_weights: List[str] = field(default_factory=list)
 
     @property
     def filled_model_names(self) -> Set[str]:
@@ -193,96 +233,191 @@ class BoundModel:
         return set(self.bound.values())
 
 
-def parallel_ranks() -> Tuple[int, int]:
-    """(tp_size, tp_rank) of this process in vLLM's tensor-parallel group."""
+def _routed_experts(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """vLLM's RoutedExperts modules of the model (the stacked experts of each MoE layer)."""
+    return [module for module in model.modules()
+            if hasattr(module, "expert_map_manager") and hasattr(module, "global_num_experts")]
+
+
+def parallel_ranks(model: Optional[torch.nn.Module] = None) -> Parallel:
+    """This process's tensor-parallel rank in vLLM, and, for a MoE model whose experts vLLM
+    divides by expert parallelism, its expert-parallel rank. Raises NoMappingTable for an
+    expert placement other than vLLM's linear one (whole experts in order, as many on each
+    rank), which the layout does not describe."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size  # noqa: PLC0415
 
-    return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    parallel = Parallel(tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank())
+    for experts in _routed_experts(model) if model is not None else []:
+        config = experts.moe_config.moe_parallel_config
+        if not config.use_ep:
+            return parallel
+        total, local = int(experts.global_num_experts), int(experts.local_num_experts)
+        ep_size, ep_rank = int(config.ep_size), int(config.ep_rank)
+        expected = torch.full((total,), -1, dtype=torch.int32)
+        if local * ep_size == total:
+            expected[ep_rank * local:(ep_rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+        expert_map = getattr(experts, "_expert_map", None)
+        linear = (local * ep_size == total and expert_map is not None and
+                  torch.equal(expert_map.to("cpu", torch.int32), expected))
+        if not linear:
+            raise NoMappingTable(f"expert placement '{getattr(experts, 'expert_placement_strategy', '?')}' of "
+                                 f"{total} experts over {ep_size} expert-parallel ranks ({local} here); weightstream "
+                                 f"binds vLLM's linear placement of whole experts, as many on each rank")
+        parallel.ep_size, parallel.ep_rank = ep_size, ep_rank
+        return parallel
+    return parallel
 
 
-def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype: torch.dtype,
-               tp_size: int, tp_rank: int) -> BoundModel:
-    """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
-    MTP layers) and binds every layout parameter to the model's parameter or buffer of the
-    same name (renamed for a draft), dtype and shape; what is left unbound the layout
-    allocates. Raises NoMappingTable for an architecture weightstream has no table for (or
-    a dtype it does not build), and weightstream.Error when no name matches at all, listing
-    the first names on each side."""
-    model_type = str(config.get("model_type", ""))
-    name = safetensors_dtype(dtype)
-    if name is None:
-        raise NoMappingTable(f"parameters of dtype {dtype}")
-    modules = "draft" if role == "draft" else "target"
-    try:
-        layout = model_layout(config, tp_size=tp_size, tp_rank=tp_rank, dtype=name, modules=modules)
-    except _core.Error as error:
-        if "has no mapping table" in str(error):
-            raise NoMappingTable(f"model_type '{model_type}'") from error
-        raise
+def _model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     tensors: Dict[str, torch.Tensor] = {}
     for tensor_name, tensor in model.named_parameters(remove_duplicate=False):
         tensors.setdefault(tensor_name, tensor)
     for tensor_name, tensor in model.named_buffers(remove_duplicate=False):
         tensors.setdefault(tensor_name, tensor)
-    layout_names = list(layout.parameter_names)
-    bound: Dict[str, str] = {}
+    return tensors
+
+
+def parameter_dtype(tensors: Mapping[str, torch.Tensor], role: str, model_type: str,
+                    fallback: torch.dtype) -> torch.dtype:
+    """The dtype vLLM built the model's unquantized parameters in, read from its embedding
+    (vLLM's CPU platform builds float32 parameters where bfloat16 was asked for); the
+    model config's dtype when the model has none."""
+    for layout_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        for name in model_candidates(layout_name, role, model_type):
+            tensor = tensors.get(name)
+            if tensor is not None and tensor.is_floating_point() and tensor.element_size() > 1:
+                return tensor.dtype
+    return fallback
+
+
+def _mismatch(target: str, tensor: Optional[torch.Tensor], info: Mapping[str, Any]) -> Optional[str]:
+    """Why the model's tensor cannot be bound to a layout parameter, or None."""
+    if tensor is None:
+        return f"the model has no tensor {target}"
+    if tuple(tensor.shape) != tuple(info["shape"]) or safetensors_dtype(tensor.dtype) != info["dtype"]:
+        return f"{target} is {tensor.dtype} {list(tensor.shape)}, the layout's {info['dtype']} {list(info['shape'])}"
+    if not tensor.is_contiguous():
+        return f"{target} is not contiguous"
+    return None
+
+
+def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype: torch.dtype,
+               parallel: Parallel) -> BoundModel:
+    """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
+    MTP layers) in the dtype of the model's own parameters, and binds every layout parameter
+    to the model's parameter or buffer of the same name (vLLM's names: renamed for a draft,
+    experts under routed_experts), dtype and shape. A layout parameter the model holds
+    otherwise is removed from the layout, never allocated: the checkpoint tensors that fill
+    it go through the model's load_weights. Raises NoMappingTable for an architecture,
+    quantization or dtype weightstream has no table for, and weightstream.Error when
+    nothing binds, saying why for the first parameters."""
+    model_type = str(config.get("model_type", ""))
+    tensors = _model_tensors(model)
+    dtype = parameter_dtype(tensors, role, model_type, dtype)
+    name = safetensors_dtype(dtype)
+    if name is None:
+        raise NoMappingTable(f"parameters of dtype {dtype}")
+    modules = "draft" if role == "draft" else "target"
+    try:
+        layout = model_layout(config, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank, ep_size=parallel.ep_size,
+                              ep_rank=parallel.ep_rank, dtype=name, modules=modules)
+    except _core.Error as error:
+        if "has no mapping table" in str(error):
+            raise NoMappingTable(f"model_type '{model_type}'") from error
+        if "quantization_config" in str(error):
+            raise NoMappingTable(str(error)) from error
+        raise
+    matched: Dict[str, Tuple[str, torch.Tensor]] = {}
     unbound: Dict[str, str] = {}
+    for layout_name in layout.parameter_names:
+        info = layout.parameter_info(layout_name)
+        candidates = model_candidates(layout_name, role, model_type)
+        target = next((candidate for candidate in candidates if candidate in tensors), candidates[0])
+        why = _mismatch(target, tensors.get(target), info)
+        if why is None:
+            matched[layout_name] = (target, tensors[target])
+        else:
+            unbound[layout_name] = why
+    if not matched:
+        raise _core.Error(
+            f"no parameter of the vLLM model matches {layout.description}: "
+            f"{_first_names(f'{n}: {why}' for n, why in unbound.items())}; the model has "
+            f"{_first_names(f'{n} {t.dtype} {list(t.shape)}' for n, t in tensors.items())}")
+    unbound_tensors: Set[str] = set()
+    for layout_name in unbound:
+        unbound_tensors.update(part["tensor"] for part in layout.parameter_info(layout_name)["parts"])
+        layout.remove_parameter(layout_name, BY_LOAD_WEIGHTS)
+    bound: Dict[str, str] = {}
     owners: Dict[Tuple[int, Tuple[int, ...], torch.dtype], str] = {}
+    addresses: Dict[str, Tuple[int, Tuple[int, ...], torch.dtype]] = {}
     device = "cpu"
     # A tied lm_head comes after the embedding in the layout: it finds it bound already.
-    for layout_name in layout_names:
-        target = model_parameter_name(layout_name, role, model_type)
-        info = layout.parameter_info(layout_name)
-        tensor = tensors.get(target)
-        key = None if tensor is None else (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        if key is not None and key in owners:
+    for layout_name, (target, tensor) in matched.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        bound[layout_name] = target
+        addresses[layout_name] = key
+        if key in owners:
             # The model ties it to a tensor bound already (lm_head to the embedding): share it.
             layout.share_storage(layout_name, owners[key], f"the model's {target} is its {bound[owners[key]]}")
-            bound[layout_name] = target
-            continue
-        if tensor is None:
-            unbound[layout_name] = f"the model has no tensor {target}"
-            continue
-        if tuple(tensor.shape) != tuple(info["shape"]) or safetensors_dtype(tensor.dtype) != info["dtype"]:
-            unbound[layout_name] = (f"{target} is {tensor.dtype} {list(tensor.shape)}, the layout's "
-                                    f"{info['dtype']} {list(info['shape'])}")
-            continue
-        if not tensor.is_contiguous():
-            unbound[layout_name] = f"{target} is not contiguous"
             continue
         layout.bind(layout_name, tensor)
-        bound[layout_name] = target
         owners[key] = layout_name
         device = device_name(tensor)
-    if not bound:
-        raise _core.Error(
-            f"no parameter of the vLLM model matches {layout.description}: the layout has "
-            f"{_first_names(model_parameter_name(n, role, model_type) for n in layout_names)}; the model has "
-            f"{_first_names(tensors)}")
     if unbound:
-        layout.allocate(device)
-        log_once(logging.WARNING, "weightstream: %d parameters of %s are not the vLLM model's (%s); they load "
-                 "through the model's load_weights", len(unbound), layout.description,
+        log_once(logging.WARNING, "weightstream: %d of %d parameters of %s are held otherwise by the vLLM model; "
+                 "they load through its load_weights, the rest in place: %s", len(unbound),
+                 len(unbound) + len(bound), layout.description,
                  _first_names(f"{n}: {why}" for n, why in unbound.items()))
     return BoundModel(layout=layout, role=role, bound=bound, unbound=unbound, device=device,
-                      description=layout.description)
+                      description=layout.description, addresses=addresses, unbound_tensors=unbound_tensors)
+
+
+def check_in_place(model: torch.nn.Module, bound: BoundModel, through_load_weights: bool = False) -> None:
+    """Raises weightstream.Error, before an update writes anything, when it could not land
+    every byte in the model's own memory: parameters the layout does not hold (they load
+    through load_weights), checkpoint tensors the last load sent through load_weights, or a
+    bound parameter whose storage the model replaced since it was bound (vLLM's
+    process_weights_after_loading does that where it transforms a weight). A reload from a
+    checkpoint (``through_load_weights``) sends the first two through load_weights again."""
+    problems: List[str] = []
+    if bound.unbound and not through_load_weights:
+        problems.append("parameters held otherwise by the model, loaded through its load_weights: " +
+                        _first_names(f"{n} ({why})" for n, why in bound.unbound.items()))
+    if bound.by_load_weights and not through_load_weights:
+        problems.append("checkpoint tensors loaded through the model's load_weights: " +
+                        _first_names(bound.by_load_weights))
+    tensors = _model_tensors(model)
+    replaced = []
+    for layout_name, target in bound.bound.items():
+        tensor = tensors.get(target)
+        now = None if tensor is None else (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if now != bound.addresses.get(layout_name):
+            replaced.append(target if tensor is None else
+                            f"{target} (now {tensor.dtype} {list(tensor.shape)} at another address)")
+    if replaced:
+        problems.append("parameters the model replaced since they were bound (vLLM's "
+                        "process_weights_after_loading transforms them): " + _first_names(replaced))
+    if problems:
+        raise _core.Error(f"cannot update {bound.description} in place: " + "; ".join(problems) +
+                          "; nothing was written. Reload the model from a checkpoint instead")
 
 
 def route_checkpoint(bound: BoundModel, checkpoint: Checkpoint) -> List[str]:
     """The checkpoint tensors that must go through the model's load_weights: those the
     layout has no parameter or ignore rule for (marked skipped in the layout, so that its
-    load leaves them alone), and those that fill a parameter left unbound."""
+    load leaves them alone), and those that fill a parameter the model holds otherwise.
+    Recorded in ``bound.by_load_weights``."""
     by_load_weights = []
-    unbound = set(bound.unbound)
     for name in checkpoint.names:
-        kind, parameters, reason = bound.layout.route(name)
+        kind, _, reason = bound.layout.route(name)
         if kind == "unmatched":
             bound.layout.add_skipped_tensor(name, BY_LOAD_WEIGHTS)
             by_load_weights.append(name)
-        elif kind == "skipped" and reason == BY_LOAD_WEIGHTS:  # marked by an earlier load
+        elif kind == "skipped" and reason == BY_LOAD_WEIGHTS:  # marked by an earlier load or the binding
             by_load_weights.append(name)
-        elif kind == "parameter" and unbound.intersection(parameters):
+        elif name in bound.unbound_tensors:  # also fills a parameter the layout still holds
             by_load_weights.append(name)
+    bound.by_load_weights = by_load_weights
     return by_load_weights
 
 

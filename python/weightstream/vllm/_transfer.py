@@ -25,10 +25,12 @@ from vllm.distributed.weight_transfer.base import (
 
 from .. import _core
 from ._model import (
+    BOUND_QUANTIZATIONS,
     BoundModel,
     ModelSources,
     NoMappingTable,
     bind_model,
+    check_in_place,
     config_dict,
     logger,
     parallel_ranks,
@@ -93,20 +95,22 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         model_config = self.model_config
         load_config = getattr(self.vllm_config, "load_config", None)
         sources = ModelSources.of(model_config, load_config)
-        tp_size, tp_rank = parallel_ranks()
         try:
-            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype, tp_size,
-                               tp_rank)
+            quantization = getattr(model_config, "quantization", None)
+            if quantization not in BOUND_QUANTIZATIONS:
+                raise NoMappingTable(f"quantization '{quantization}'")
+            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype,
+                               parallel_ranks(model))
         except NoMappingTable as reason:
             raise _core.Error(f"the weightstream weight-transfer backend needs a model weightstream has a layout "
-                              f"for (llama, qwen3, deepseek_v3, qwen3_next); {type(model).__name__} has none ({reason})"
-                              ) from None
+                              f"for ({_core.supported_model_types()}); {type(model).__name__} has none "
+                              f"({reason})") from None
         store_binding(model, bound)
         return bound
 
     def init_transfer_engine(self, init_info: WeightstreamInitInfo) -> None:
         _check_transport(init_info.transport)
-        tp_size, tp_rank = parallel_ranks()
+        tp_size = parallel_ranks().tp_size
         if init_info.addresses and len(init_info.addresses) != tp_size:
             raise ValueError(f"weightstream weight transfer: {len(init_info.addresses)} addresses for {tp_size} "
                              f"tensor-parallel ranks (one each)")
@@ -121,7 +125,7 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
             raise RuntimeError("weightstream weight transfer: init_transfer_engine was not called")
         info = self._init_info
         bound = self._binding(model)
-        _, tp_rank = parallel_ranks()
+        tp_rank = parallel_ranks().tp_rank
         listen = info.addresses[tp_rank] if info.addresses else ""
         receiver = _core.UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device)
         self._receivers[id(model)] = receiver
@@ -139,7 +143,11 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         pass
 
     def receive_weights(self, update_info: WeightstreamUpdateInfo) -> None:
-        self.last_report = self._receiver(self.model).receive(accept_timeout=update_info.accept_timeout)
+        receiver = self._receiver(self.model)
+        # Every named byte lands in the model's own memory, or nothing does: refused here,
+        # before the trainer's first bucket is accepted.
+        check_in_place(self.model, self._binding(self.model))
+        self.last_report = receiver.receive(accept_timeout=update_info.accept_timeout)
 
     def finish_weight_update(self) -> None:
         # The receiver's session ran the model hooks once, at the end of the update.

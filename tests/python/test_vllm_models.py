@@ -1,0 +1,157 @@
+"""weightstream inside vLLM 0.33's real model classes, on the CPU: every family weightstream
+binds (llama, qwen3, qwen3_moe, mixtral, deepseek_v3, kimi_k2, glm4_moe, qwen3_next), BF16 and
+FP8 block-scaled, at tp 1, tp 2 and (MoE families) tp 2 with expert parallelism.
+
+Checkpoints are written by transformers' save_pretrained (FP8: quantized from those BF16
+weights by 128 x 128 blocks, amax / 448). Each model is built by vLLM's own
+initialize_model and filled once by vLLM's default loader (the oracle) and once with
+``--load-format weightstream``; every parameter must be equal bit for bit, nothing may go
+through load_weights, and each rank reads only its share. Then updates are pushed through
+the ``weightstream`` weight-transfer backend over shm and tcp (for FP8: BF16 weights
+quantized by the receiver, and FP8 codes with their scales in later buckets), each compared
+with vLLM's default load of the same weights, addresses unchanged.
+
+The scenarios run in three processes (one at tp 1, two ranks at tp 2 over gloo) started once
+for the module (tests/python/vllm_models.py); the tests below read their results. Skipped
+without vLLM; scripts/vllm-test.sh makes an environment with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/vllm-test.sh installs it)")
+pytest.importorskip("transformers", reason="transformers writes the checkpoints")
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from vllm_models import FAMILIES, MOE_FAMILIES, write_checkpoint  # noqa: E402
+
+MIB = 1 << 20
+PARALLEL = ("tp1", "tp2", "tp2-ep")
+
+
+def scenarios():
+    for family in FAMILIES:
+        for kind in ("bf16", "fp8"):
+            for parallel in PARALLEL:
+                if parallel == "tp2-ep" and family not in MOE_FAMILIES:
+                    continue
+                yield family, kind, parallel
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Runs every scenario: the tp-1 process and the two tp-2 ranks at once."""
+    root = tmp_path_factory.mktemp("vllm-models")
+    paths = {}
+    for family in FAMILIES:
+        for kind in ("bf16", "fp8"):
+            for name, seed in (("a", 1), ("b", 2)):
+                folder = str(root / f"{family}-{kind}-{name}")
+                write_checkpoint(family, folder, seed, fp8=kind == "fp8")
+                paths[f"{family}-{kind}-{name}"] = folder
+    plans = {1: [], 2: []}
+    for family, kind, parallel in scenarios():
+        tp = 1 if parallel == "tp1" else 2
+        scenario = {"family": family, "fp8": kind == "fp8", "ep": parallel == "tp2-ep", "update": True,
+                    "id": f"{family}-{kind}-{parallel}"}
+        plans[tp].append(scenario)
+    plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
+    processes = []
+    for tp, plan in plans.items():
+        plan_path = root / f"plan-tp{tp}.json"
+        plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
+        port = free_port()
+        for rank in range(tp):
+            log = open(root / f"tp{tp}-rank{rank}.log", "w")
+            processes.append((subprocess.Popen(
+                [sys.executable, str(HERE / "vllm_models.py"), "run", "--tp", str(tp), "--rank", str(rank),
+                 "--port", str(port), "--plan", str(plan_path), "--out", str(root / f"tp{tp}")],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")), log, tp, rank))
+    for process, log, tp, rank in processes:
+        code = process.wait(timeout=1500)
+        log.close()
+        if code != 0:
+            tail = (root / f"tp{tp}-rank{rank}.log").read_text()[-4000:]
+            pytest.fail(f"tp {tp} rank {rank} exited {code}:\n{tail}")
+    collected = {}
+    for tp, plan in plans.items():
+        for index, scenario in enumerate(plan):
+            collected[scenario["id"]] = [json.loads((root / f"tp{tp}" / f"{index}-rank{rank}.json").read_text())
+                                         for rank in range(tp)]
+    return collected
+
+
+def ranks_of(results, family, kind, parallel):
+    ranks = results[f"{family}-{kind}-{parallel}"]
+    for rank, result in enumerate(ranks):
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+    return ranks
+
+
+@pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
+def test_a_weightstream_load_equals_vllms_default_loader_and_binds_everything(results, family, kind, parallel):
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
+        load = result["load"]
+        assert load["path"] == "layout", where
+        assert result["load_differences"] == [], f"{where}: parameters differ from vLLM's default loader"
+        assert result["parameters"] > 0
+        # Nothing went through load_weights, the layout allocated nothing, and the log says so.
+        assert load["tensors_through_load_weights"] == 0 and load["parameters_through_load_weights"] == 0, where
+        assert result["unbound"] == {}, where
+        assert result["layout_allocated_bytes"] == 0, where
+        assert any("nothing through load_weights" in message for message in result["log"]), result["log"]
+        if kind == "fp8":
+            assert "torch.float8_e4m3fn" in result["dtypes"], where
+        # Only this rank's share is read (its slices' bytes, plus at most 1 MiB).
+        assert load["bytes_read"] <= result["share"] + MIB, (where, load["bytes_read"], result["share"])
+        if parallel != "tp1":
+            assert load["bytes_read"] < result["checkpoint_bytes"], where
+
+
+@pytest.mark.parametrize("family,kind", [(f, k) for f in MOE_FAMILIES for k in ("bf16", "fp8")])
+def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kind):
+    for rank, result in enumerate(ranks_of(results, family, kind, "tp2-ep")):
+        assert result["parallel"] == [2, rank, 2, rank]
+        others = result["other_experts"]
+        assert others, "the other rank's experts are in the checkpoint"
+        assert all(f".experts.{rank}." not in name for name in others)
+        # Their bytes exceed the 1 MiB slack: reading them would break the bound.
+        assert result["load"]["bytes_read"] <= result["share"] + MIB
+
+
+@pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
+def test_pushed_updates_land_every_weight_in_place(results, family, kind, parallel):
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
+        assert [u["transport"] for u in result["updates"]] == ["shm", "tcp"]
+        for update in result["updates"]:
+            assert update["bytes"] > 0
+            assert update["differences"] == [], f"{where} over {update['transport']}: stale or wrong parameters"
+            assert update["addresses_unchanged"], where
+
+
+def test_an_update_that_cannot_land_in_place_fails_before_its_first_byte(results):
+    (result,) = results["refused"]
+    assert result["ok"], result.get("error")
+    refused = result["refused_update"]
+    assert f"cannot update llama tp 1 rank 0 in place: parameters the model replaced since they were bound" \
+        in refused["error"], refused["error"]
+    assert refused["parameter"] in refused["error"] and "nothing was written" in refused["error"]
+    assert refused["unchanged"]

@@ -1,0 +1,492 @@
+"""vLLM 0.33's real model classes on the CPU, for the vLLM stage (tests/python/test_vllm_models.py)
+and bench/vllm_moe_bench.py.
+
+- ``write_checkpoint``: a small model of each family weightstream binds, written by
+  transformers' ``save_pretrained`` from a seed (BF16), or FP8 block-scaled from those BF16
+  weights: every weight vLLM quantizes becomes E4M3 codes with one F32 ``weight_scale_inv`` per
+  128 x 128 block (scale = amax / 448), and config.json gets the quantization_config
+  DeepSeek-V3 ships.
+- ``build``: vLLM's own ``initialize_model`` inside ``set_current_vllm_config``, filled by a
+  loader's ``load_weights``: vLLM's default loader (the oracle) or weightstream's.
+- ``register_cpu_fp8_kernel``: vLLM's torch FP8 block kernel admitted on the CPU platform and
+  registered through vLLM's own ``register_linear_kernel`` (vLLM picks no FP8 block kernel on
+  a CPU without AMX). Nothing else of vLLM is replaced.
+
+Run as a script it is one rank of a scenario run (``python vllm_models.py run ...``): it sets
+up vLLM's parallel state over gloo and runs every scenario of a plan, writing one JSON result
+per scenario; tests/python/test_vllm_models.py starts the ranks and asserts on the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+
+# ---- the families -----------------------------------------------------------------------
+
+# Dimensions every block-quantized weight divides into whole 128 x 128 blocks at tp 2, as
+# vLLM's validate_fp8_block_shape requires: 128-wide heads, 512-wide MLPs, 256-wide experts.
+_COMMON = dict(vocab_size=1000, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+               intermediate_size=512, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+               tie_word_embeddings=False)
+_MOE = dict(moe_intermediate_size=256, num_experts_per_tok=2)
+_DEEPSEEK = dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                 q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                 num_nextn_predict_layers=0, rope_scaling=None, routed_scaling_factor=1.0,
+                 topk_method="noaux_tc", scoring_func="sigmoid")
+
+FAMILIES: Dict[str, Dict[str, Any]] = {
+    "llama": dict(cls="LlamaConfig", model="LlamaForCausalLM", config=dict(_COMMON)),
+    "qwen3": dict(cls="Qwen3Config", model="Qwen3ForCausalLM", config=dict(_COMMON)),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", model="Qwen3MoeForCausalLM",
+                      config=dict(_COMMON, **_MOE, num_experts=8, mlp_only_layers=[0], decoder_sparse_step=1)),
+    "mixtral": dict(cls="MixtralConfig", model="MixtralForCausalLM",
+                    config=dict(_COMMON, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": dict(cls="DeepseekV3Config", model="DeepseekV3ForCausalLM",
+                        config=dict(_COMMON, **_MOE, **_DEEPSEEK)),
+    # Kimi-K2 is DeepSeek-V3's architecture under its own model_type (vLLM maps it so).
+    "kimi_k2": dict(cls="DeepseekV3Config", model="DeepseekV3ForCausalLM",
+                    config=dict(_COMMON, **_MOE, **_DEEPSEEK), model_type="kimi_k2"),
+    "glm4_moe": dict(cls="Glm4MoeConfig", model="Glm4MoeForCausalLM",
+                     config=dict(_COMMON, **_MOE, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                                 n_group=1, topk_group=1, partial_rotary_factor=0.5, attention_bias=True,
+                                 use_qk_norm=False, num_nextn_predict_layers=0, routed_scaling_factor=1.0)),
+    "qwen3_next": dict(cls="Qwen3NextConfig", model="Qwen3NextForCausalLM",
+                       config=dict(_COMMON, **_MOE, num_experts=8, shared_expert_intermediate_size=256,
+                                   decoder_sparse_step=1, mlp_only_layers=[], linear_num_key_heads=2,
+                                   linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                                   linear_conv_kernel_dim=4, full_attention_interval=2,
+                                   layer_types=["linear_attention", "full_attention"])),
+}
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2", "glm4_moe", "qwen3_next")
+
+#: Checkpoint modules whose weight vLLM's FP8 block method quantizes (linear layers built with
+#: the quant_config); routers, norms, embeddings, lm_head and conv1d stay as they are.
+_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+              "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3", "in_proj_qkvz", "in_proj_ba", "out_proj")
+
+#: Modules an FP8 checkpoint here leaves unquantized and lists in modules_to_not_convert.
+_UNQUANTIZED = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".linear_attn.in_proj_ba.weight")
+
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+
+
+def quantized_name(name: str) -> bool:
+    """Whether an FP8 block-scaled checkpoint ships this tensor as E4M3 codes."""
+    if not name.endswith(".weight"):
+        return False
+    module = name[: -len(".weight")]
+    return module.rsplit(".", 1)[-1] in _QUANTIZED and ".shared_expert_gate" not in module
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes and F32 scales of a 2-D weight, block by block: scale = amax / 448 (1 for
+    an all-zero block), code = E4M3(value / scale)."""
+    values = weight.to(torch.float32)
+    rows, columns = values.shape
+    block_rows, block_columns = -(-rows // block), -(-columns // block)
+    scales = torch.empty(block_rows, block_columns, dtype=torch.float32)
+    codes = torch.empty(rows, columns, dtype=torch.float8_e4m3fn)
+    for r in range(block_rows):
+        for c in range(block_columns):
+            tile = values[r * block:(r + 1) * block, c * block:(c + 1) * block]
+            amax = tile.abs().max()
+            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            scales[r, c] = scale
+            codes[r * block:(r + 1) * block, c * block:(c + 1) * block] = (tile / scale).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def write_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, shard_size: str = "2MB") -> str:
+    """Writes a small ``family`` model with transformers' save_pretrained (random weights from
+    ``seed``, BF16, sharded); with ``fp8`` the same weights FP8 block-scaled. Returns folder."""
+    import transformers  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    spec = FAMILIES[family]
+    config = getattr(transformers, spec["cls"])(**spec["config"])
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = getattr(transformers, spec["model"])(config)
+    # Norm weights start at one: random ones make the comparison cover them too.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.05)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size=shard_size)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as file:
+        saved = json.load(file)
+    if "model_type" in spec:
+        saved["model_type"] = spec["model_type"]
+    if fp8:
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        # Routers stay unquantized, as released FP8 MoE checkpoints keep them; vLLM's
+        # Qwen3-MoE would quantize its router unless told so, by full module name.
+        # Qwen3-Next's in_proj_ba (a few rows per rank) too: vLLM refuses to divide it in blocks.
+        unquantized = sorted(name[: -len(".weight")] for name in _checkpoint_itemsizes(folder)
+                             if name.endswith(_UNQUANTIZED))
+        saved["quantization_config"] = dict(FP8_QUANTIZATION, modules_to_not_convert=unquantized)
+        index_path = os.path.join(folder, "model.safetensors.index.json")
+        weight_map: Dict[str, str] = {}
+        for file in files:
+            tensors = load_file(os.path.join(folder, file))
+            out: Dict[str, torch.Tensor] = {}
+            for name, tensor in tensors.items():
+                if quantized_name(name) and tensor.dim() == 2 and not name.endswith(_UNQUANTIZED):
+                    out[name], out[name + "_scale_inv"] = quantize_blocks(tensor)
+                else:
+                    out[name] = tensor
+            save_file(out, os.path.join(folder, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in out})
+        if os.path.exists(index_path):
+            with open(index_path) as file:
+                index = json.load(file)
+            index["weight_map"] = weight_map
+            with open(index_path, "w") as file:
+                json.dump(index, file)
+    with open(config_path, "w") as file:
+        json.dump(saved, file, indent=2)
+    return folder
+
+
+def checkpoint_tensors(folder: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder, by name."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, file)))
+    return tensors
+
+
+# ---- vLLM ------------------------------------------------------------------------------
+
+_kernel_registered = False
+
+
+def register_cpu_fp8_kernel() -> None:
+    """Registers vLLM's torch FP8 block kernel for the CPU platform with vLLM's own API."""
+    global _kernel_registered
+    if _kernel_registered:
+        return
+    from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: PLC0415
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import (  # noqa: PLC0415
+        BlockWiseTorchFP8ScaledMMLinearKernel,
+    )
+    from vllm.platforms import PlatformEnum  # noqa: PLC0415
+
+    class CpuBlockWiseTorchFP8Kernel(BlockWiseTorchFP8ScaledMMLinearKernel):
+        """The torch FP8 block kernel, admitted on the CPU (forward is never run here)."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: Optional[int] = None) -> Tuple[bool, Optional[str]]:
+            return True, None
+
+    register_linear_kernel(CpuBlockWiseTorchFP8Kernel, PlatformEnum.CPU, "fp8_block")
+    _kernel_registered = True
+
+
+@contextlib.contextmanager
+def parallel_state(tp_size: int, rank: int, port: int) -> Iterator[None]:
+    """vLLM's distributed state over gloo for one rank of ``tp_size``."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: PLC0415
+    from vllm.distributed import parallel_state as state  # noqa: PLC0415
+
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        state.init_distributed_environment(world_size=tp_size, rank=rank,
+                                           distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank,
+                                           backend="gloo")
+        state.initialize_model_parallel(tp_size, 1)
+    try:
+        yield
+    finally:
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()
+
+
+def vllm_config(path: str, tp_size: int, expert_parallel: bool, load_format: str,
+                extra: Optional[Dict[str, Any]] = None) -> Any:
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: PLC0415
+
+    model_config = ModelConfig(model=path, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True)
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size,
+                                                     enable_expert_parallel=expert_parallel),
+                      load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra or {}))
+
+
+def build(path: str, tp_size: int, expert_parallel: bool, load_format: str,
+          extra: Optional[Dict[str, Any]] = None) -> Tuple[torch.nn.Module, Any, Any]:
+    """vLLM's model of the checkpoint at ``path``, built by initialize_model and filled by the
+    loader of ``load_format`` ("safetensors": vLLM's default loader; "weightstream");
+    returns (model, loader, vllm_config). process_weights_after_loading is not run (it needs
+    vLLM's compiled CPU ops)."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: PLC0415
+    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
+
+    register_cpu_fp8_kernel()
+    config = vllm_config(path, tp_size, expert_parallel, load_format, extra)
+    with set_current_vllm_config(config):
+        model = initialize_model(vllm_config=config, model_config=config.model_config)
+        loader = get_model_loader(config.load_config)
+        loader.load_weights(model, config.model_config)
+    return model, loader, config
+
+
+def state_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter of the model, by name (FP8 viewed as bytes, so equality is bitwise)."""
+    state = {}
+    for name, tensor in model.named_parameters():
+        data = tensor.detach()
+        state[name] = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
+    return state
+
+
+def differences(model: torch.nn.Module, reference: torch.nn.Module) -> List[str]:
+    """Parameters whose bytes differ between two models of one class (or that one lacks)."""
+    ours, theirs = state_of(model), state_of(reference)
+    different = sorted(set(ours) ^ set(theirs))
+    for name in sorted(set(ours) & set(theirs)):
+        a, b = ours[name], theirs[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            different.append(name)
+    return different
+
+
+def addresses(model: torch.nn.Module) -> Dict[str, int]:
+    return {name: tensor.data_ptr() for name, tensor in model.named_parameters()}
+
+
+class LogRecorder(logging.Handler):
+    """Keeps the messages of weightstream's vLLM logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+# ---- scenarios (one rank) ----------------------------------------------------------------
+
+def push(engine: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, bucket_bytes: int) -> Dict[str, Any]:
+    """One update pushed by a trainer thread into ``engine`` (this rank's receiver)."""
+    import weightstream  # noqa: PLC0415
+
+    report: Dict[str, Any] = {}
+    failure: List[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            sender = weightstream.UpdateSender(engine.address, transport=transport, token="secret",
+                                               bucket_bytes=bucket_bytes)
+            sender.start("checkpoint")
+            for name, tensor in tensors:
+                sender.send(name, tensor.contiguous())
+            report.update(sender.finish())
+        except BaseException as error:  # noqa: BLE001 - reported below
+            failure.append(error)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        engine.receive_weights(engine.parse_update_info({"accept_timeout": 120.0}))
+    finally:
+        thread.join()
+    if failure:
+        raise failure[0]
+    return report
+
+
+def transfer_engine(model: torch.nn.Module, config: Any, transport: str) -> Any:
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
+
+    with set_current_vllm_config(config):
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), config,
+                                                           torch.device("cpu"), model)
+        engine.init_transfer_engine(engine.parse_init_info({"transport": transport, "token": "secret"}))
+    return engine
+
+
+def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[str, str]) -> Dict[str, Any]:
+    """One family, dtype and parallelism on this rank: weightstream's load against vLLM's
+    default loader on checkpoint A, then (when asked) updates pushed over shm and tcp."""
+    import weightstream.vllm as ws_vllm  # noqa: PLC0415
+
+    ws_vllm.register()
+    family, fp8, ep = scenario["family"], scenario["fp8"], scenario["ep"]
+    kind = "fp8" if fp8 else "bf16"
+    a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
+    recorder = LogRecorder()
+    logging.getLogger("vllm.weightstream").addHandler(recorder)
+    logging.getLogger("vllm.weightstream").setLevel(logging.INFO)
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        reference_a, _, _ = build(a, tp_size, ep, "safetensors")
+        ours, loader, config = build(a, tp_size, ep, "weightstream")
+        result["load"] = dict(loader.last_load)
+        result["load_differences"] = differences(ours, reference_a)
+        result["parameters"] = len(state_of(ours))
+        result["dtypes"] = sorted({str(t.dtype) for t in ours.parameters()})
+        bound = ours._weightstream_binding
+        result["unbound"] = dict(bound.unbound)
+        layout = bound.layout
+        result["layout_allocated_bytes"] = layout.allocated_bytes
+        parallel = ws_vllm._model.parallel_ranks(ours)
+        result["parallel"] = [parallel.tp_size, parallel.tp_rank, parallel.ep_size, parallel.ep_rank]
+        # This rank's share: the bytes of the checkpoint slices its parameters take.
+        itemsizes = _checkpoint_itemsizes(a)
+        result["share"] = sum(part["rows"] * part["columns"] * itemsizes[part["tensor"]]
+                              for name in layout.parameter_names for part in layout.parameter_info(name)["parts"])
+        result["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(a, f)) for f in os.listdir(a)
+                                         if f.endswith(".safetensors"))
+        result["other_experts"] = [name for name in itemsizes if layout.route(name)[0] == "skipped" and
+                                   "expert-parallel rank" in layout.route(name)[2]]
+        if scenario.get("update"):
+            before = addresses(ours)
+            reference_b, _, _ = build(b, tp_size, ep, "safetensors")
+            updates = []
+            # shm: checkpoint B (for FP8, B's BF16 weights, quantized by the receiver);
+            # tcp: back to A (for FP8, its codes, then their scales in later buckets).
+            if fp8:
+                first = sorted(checkpoint_tensors(paths[f"{family}-bf16-b"]).items())
+                a_tensors = checkpoint_tensors(a)
+                second = sorted((n, t) for n, t in a_tensors.items() if not n.endswith("_scale_inv")) + \
+                    sorted((n, t) for n, t in a_tensors.items() if n.endswith("_scale_inv"))
+            else:
+                first = sorted(checkpoint_tensors(b).items())
+                second = sorted(checkpoint_tensors(a).items())
+            for transport, tensors, reference in (("shm", first, reference_b), ("tcp", second, reference_a)):
+                engine = transfer_engine(ours, config, transport)
+                report = push(engine, tensors, transport, bucket_bytes=1 << 20)
+                engine.shutdown()
+                updates.append({"transport": transport, "bytes": report.get("bytes"),
+                                "differences": differences(ours, reference),
+                                "addresses_unchanged": addresses(ours) == before})
+            result["updates"] = updates
+        if scenario.get("refused_update"):
+            result["refused_update"] = refused_update(ours, config)
+        result["log"] = [m for m in recorder.messages if "weightstream" in m]
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        logging.getLogger("vllm.weightstream").removeHandler(recorder)
+    return result
+
+
+def _checkpoint_itemsizes(folder: str) -> Dict[str, int]:
+    """Every tensor of a checkpoint folder: the bytes of one element."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    sizes = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F64": 8, "I64": 8, "I32": 4}
+    itemsizes: Dict[str, int] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, file), "pt") as handle:
+                for name in handle.keys():
+                    itemsizes[name] = sizes[handle.get_slice(name).get_dtype()]
+    return itemsizes
+
+
+def refused_update(model: torch.nn.Module, config: Any) -> Dict[str, Any]:
+    """Replaces one bound parameter as vLLM's process_weights_after_loading does where it
+    transforms a weight (replace_parameter with another layout: new storage), then asks for an
+    update: it must fail before the trainer's first byte is applied, every parameter as it was."""
+    from vllm.model_executor.utils import replace_parameter  # noqa: PLC0415
+
+    target = next(name for name in dict(model.named_parameters()) if name.endswith("o_proj.weight"))
+    module_name, _, attribute = target.rpartition(".")
+    module = model.get_submodule(module_name)
+    # Column-major, as kernels that want the transposed weight hold it: new storage.
+    replace_parameter(module, attribute, getattr(module, attribute).detach().t().contiguous().t())
+    before = {name: tensor.clone() for name, tensor in state_of(model).items()}
+    import weightstream  # noqa: PLC0415
+
+    engine = transfer_engine(model, config, "tcp")
+    tensors = [(name, torch.zeros_like(tensor)) for name, tensor in sorted(
+        checkpoint_tensors(config.model_config.model).items())]
+
+    def trainer() -> None:
+        try:
+            sender = weightstream.UpdateSender(engine.address, transport="tcp", token="secret", bucket_bytes=1 << 20)
+            sender.start("checkpoint")
+            for name, tensor in tensors:
+                sender.send(name, tensor)
+            sender.finish()
+        except weightstream.Error:
+            pass  # the receiver went away without applying anything
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        engine.receive_weights(engine.parse_update_info({"accept_timeout": 120.0}))
+        error = ""
+    except Exception as raised:  # noqa: BLE001 - the error is the result
+        error = str(raised)
+    finally:
+        engine.shutdown()  # the receiver closes: the trainer's send fails
+        thread.join()
+    after = state_of(model)
+    return {"parameter": target, "error": error,
+            "unchanged": all(torch.equal(after[name], before[name]) for name in before)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one rank of a scenario plan")
+    run.add_argument("--tp", type=int, required=True)
+    run.add_argument("--rank", type=int, required=True)
+    run.add_argument("--port", type=int, required=True)
+    run.add_argument("--plan", required=True, help="JSON: {scenarios: [...], paths: {...}}")
+    run.add_argument("--out", required=True, help="folder for the per-scenario results")
+    write = sub.add_parser("write", help="write the checkpoints of a plan")
+    write.add_argument("--root", required=True)
+    write.add_argument("--families", default=",".join(FAMILIES))
+    args = parser.parse_args()
+    if args.command == "write":
+        paths = {}
+        for family in args.families.split(","):
+            for kind in ("bf16", "fp8"):
+                for seed_name, seed in (("a", 1), ("b", 2)):
+                    folder = os.path.join(args.root, f"{family}-{kind}-{seed_name}")
+                    write_checkpoint(family, folder, seed, fp8=kind == "fp8")
+                    paths[f"{family}-{kind}-{seed_name}"] = folder
+        print(json.dumps(paths))
+        return
+    with open(args.plan) as file:
+        plan = json.load(file)
+    os.makedirs(args.out, exist_ok=True)
+    with parallel_state(args.tp, args.rank, args.port):
+        for index, scenario in enumerate(plan["scenarios"]):
+            started = time.perf_counter()
+            result = run_scenario(scenario, args.tp, args.rank, plan["paths"])
+            result["seconds"] = time.perf_counter() - started
+            with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:
+                json.dump(result, file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
