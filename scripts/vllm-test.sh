@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The vLLM stage (issue 17): the vLLM loader, weight-transfer backend and MTP draft load of
-# weightstream.vllm, tested against the real vLLM 0.33.0 on the CPU (tests/python/test_vllm.py;
-# nothing of vLLM is mocked). Not part of scripts/test.sh or CI: the install is about 9.5 GB
+# The vLLM stage: the vLLM loader, weight-transfer backend and MTP draft load of
+# weightstream.vllm, tested against the real vLLM 0.33.0 on the CPU (tests/python/test_vllm.py,
+# and tests/python/test_vllm_models.py: vLLM's own model classes of every family, BF16 and FP8,
+# tp 1, 2 and 2 with expert parallelism, loads and pushed updates; nothing of vLLM is mocked). Not part of scripts/test.sh or CI: the install is about 9.5 GB
 # and takes longer than CI allows (docs/VLLM.md has the times measured). Run it before an
 # issue touching python/weightstream/vllm/ is resolved.
 #
@@ -23,7 +24,8 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   python3 -m venv "$venv"
   "$venv/bin/pip" install --disable-pip-version-check -q "vllm==$version"
 fi
-"$venv/bin/python" -c "import pytest" 2>/dev/null || "$venv/bin/pip" install --disable-pip-version-check -q pytest
+"$venv/bin/python" -c "import pytest, transformers" 2>/dev/null ||
+  "$venv/bin/pip" install --disable-pip-version-check -q pytest transformers
 
 system_python=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 venv_python=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -36,4 +38,6 @@ CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-bu
   --disable-pip-version-check --root-user-action=ignore -q --upgrade --target "$python_site" "$root"
 
 export WS_CLI="$build/weightstream"
-PYTHONPATH="$python_site" "$venv/bin/python" -m pytest -q "$root/tests/python/test_vllm.py" "$@"
+export VLLM_TARGET_DEVICE=cpu
+PYTHONPATH="$python_site" "$venv/bin/python" -m pytest -q "$root/tests/python/test_vllm.py" \
+  "$root/tests/python/test_vllm_models.py" "$@"

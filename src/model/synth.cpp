@@ -227,6 +227,16 @@ ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hi
     config.quantization.fmt = "e4m3";
     config.quantization.activation_scheme = "dynamic";
     config.quantization.weight_block_size = {128, 128};
+    if (config.model_type == "qwen3_moe") {
+      // Qwen3-MoE's router stays BF16 as released; vLLM's Qwen3-MoE quantizes it unless
+      // modules_to_not_convert names it (whole module names: vLLM matches them exactly).
+      for (int64_t layer = 0; layer < layers; ++layer) {
+        if (std::find(config.mlp_only_layers.begin(), config.mlp_only_layers.end(), layer) != config.mlp_only_layers.end()) {
+          continue;
+        }
+        config.quantization.modules_to_not_convert.push_back("model.layers." + std::to_string(layer) + ".mlp.gate");
+      }
+    }
   }
   return config;
 }
@@ -314,6 +324,9 @@ OrderedJson config_json(const ModelConfig& config) {
                                    {"fmt", quantization.fmt},
                                    {"activation_scheme", quantization.activation_scheme},
                                    {"weight_block_size", quantization.weight_block_size}};
+    if (!quantization.modules_to_not_convert.empty()) {
+      json["quantization_config"]["modules_to_not_convert"] = quantization.modules_to_not_convert;
+    }
   }
   return json;
 }

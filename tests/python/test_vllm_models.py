@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vllm_models import FAMILIES, MOE_FAMILIES, write_checkpoint  # noqa: E402
+from vllm_models import FAMILIES, MOE_FAMILIES, MTP_FAMILIES, write_checkpoint  # noqa: E402
 
 MIB = 1 << 20
 PARALLEL = ("tp1", "tp2", "tp2-ep")
@@ -65,6 +65,11 @@ def results(tmp_path_factory):
                 folder = str(root / f"{family}-{kind}-{name}")
                 write_checkpoint(family, folder, seed, fp8=kind == "fp8")
                 paths[f"{family}-{kind}-{name}"] = folder
+    for family in MTP_FAMILIES:
+        for kind in ("bf16", "fp8"):
+            folder = str(root / f"{family}-{kind}-mtp")
+            write_checkpoint(family, folder, 5, fp8=kind == "fp8", mtp=True)
+            paths[f"{family}-{kind}-mtp"] = folder
     plans = {1: [], 2: []}
     for family, kind, parallel in scenarios():
         tp = 1 if parallel == "tp1" else 2
@@ -72,6 +77,9 @@ def results(tmp_path_factory):
                     "id": f"{family}-{kind}-{parallel}"}
         plans[tp].append(scenario)
     plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
+    for family in MTP_FAMILIES:
+        for kind in ("bf16", "fp8"):
+            plans[1].append({"family": family, "fp8": kind == "fp8", "draft": True, "id": f"{family}-{kind}-mtp"})
     processes = []
     for tp, plan in plans.items():
         plan_path = root / f"plan-tp{tp}.json"
@@ -155,3 +163,54 @@ def test_an_update_that_cannot_land_in_place_fails_before_its_first_byte(results
         in refused["error"], refused["error"]
     assert refused["parameter"] in refused["error"] and "nothing was written" in refused["error"]
     assert refused["unchanged"]
+
+
+def test_a_moe_load_stays_within_vllms_default_load_plus_the_staging_limit(tmp_path):
+    """Peak resident memory of a process that builds vLLM's Qwen3-MoE and loads about 200 MB
+    of experts into it: weightstream's load may exceed vLLM's default load by at most its
+    staging limit (a second copy of the experts, as the old layout kept, would be 400 MB)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=512, intermediate_size=512,
+                                         moe_intermediate_size=512, num_experts=32, num_experts_per_tok=2,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=128, mlp_only_layers=[], max_position_embeddings=256)
+    torch.manual_seed(3)
+    transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path / "moe"),
+                                                                                 max_shard_size="64MB")
+    limit = 64 * MIB
+
+    def peak(load_format, extra):
+        result = subprocess.run([sys.executable, str(HERE / "vllm_models.py"), "peak", "--path", str(tmp_path / "moe"),
+                                 "--load-format", load_format, "--extra", json.dumps(extra)], capture_output=True,
+                                text=True, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"), timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    theirs = peak("safetensors", {})
+    ours = peak("weightstream", {"memory_limit": limit})
+    assert ours["tensors_through_load_weights"] == 0
+    assert ours["parameter_bytes"] == theirs["parameter_bytes"] > 300 * MIB  # float32 on vLLM's CPU platform
+    assert ours["peak_rss_bytes"] <= theirs["peak_rss_bytes"] + limit, (ours, theirs)
+
+
+@pytest.mark.parametrize("family,kind", [(f, k) for f in MTP_FAMILIES for k in ("bf16", "fp8")])
+def test_the_mtp_draft_loads_bound_from_the_targets_checkpoint_into_vllms_draft_module(results, family, kind):
+    """One checkpoint with its MTP layer: vLLM's target model reads none of the MTP bytes, and
+    vLLM's own draft module (DeepSeekMTP, Glm4MoeMTP, Qwen3NextMTP, made through vLLM's
+    speculative config) is bound and equals vLLM's default load of it."""
+    (result,) = results[f"{family}-{kind}-mtp"]
+    assert result["ok"], result.get("error")
+    target, draft = result["modules"]["target"], result["modules"]["draft"]
+    assert draft["class"] in ("DeepSeekMTP", "Glm4MoeMTP", "Qwen3NextMTP")
+    assert draft["load"]["role"] == "draft" and target["load"]["role"] == "target"
+    for role, module in (("target", target), ("draft", draft)):
+        assert module["load"]["path"] == "layout", role
+        assert module["differences"] == [], f"{role}: parameters differ from vLLM's default loader"
+        assert module["unbound"] == {} and module["layout_allocated_bytes"] == 0, role
+        assert module["load"]["bytes_read"] <= module["share"] + MIB, role
+    assert target["load"]["tensors_through_load_weights"] == 0
+    # Qwen3-Next's draft keeps an embedding and a head of its own, filled from the target's
+    # tensors (vLLM shares the target's in serving): those two go through load_weights.
+    expected = 2 if family == "qwen3_next" else 0
+    assert draft["load"]["tensors_through_load_weights"] == expected

@@ -76,7 +76,7 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2", "glm4_moe", "q
 #: Checkpoint modules whose weight vLLM's FP8 block method quantizes (linear layers built with
 #: the quant_config); routers, norms, embeddings, lm_head and conv1d stay as they are.
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-              "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3", "in_proj_qkvz", "in_proj_ba", "out_proj")
+              "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3", "in_proj_qkvz", "in_proj_ba", "out_proj", "fc")
 
 #: Modules an FP8 checkpoint here leaves unquantized and lists in modules_to_not_convert.
 _UNQUANTIZED = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".linear_attn.in_proj_ba.weight")
@@ -111,14 +111,27 @@ def quantize_blocks(weight: torch.Tensor, block: int = 128) -> Tuple[torch.Tenso
     return codes, scales
 
 
-def write_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, shard_size: str = "2MB") -> str:
+#: Families whose checkpoints ship multi-token-prediction (draft) layers.
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
+
+
+def write_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, shard_size: str = "2MB",
+                     mtp: bool = False) -> str:
     """Writes a small ``family`` model with transformers' save_pretrained (random weights from
-    ``seed``, BF16, sharded); with ``fp8`` the same weights FP8 block-scaled. Returns folder."""
+    ``seed``, BF16, sharded); with ``fp8`` the same weights FP8 block-scaled; with ``mtp`` one
+    MTP layer beside the target's, named as the family's releases name it. Returns folder."""
     import transformers  # noqa: PLC0415
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     spec = FAMILIES[family]
-    config = getattr(transformers, spec["cls"])(**spec["config"])
+    settings = dict(spec["config"])
+    layers = settings["num_hidden_layers"]
+    if mtp:
+        # The MTP layer's decoder part is one more decoder layer (full attention, experts).
+        settings["num_hidden_layers"] = layers + 1
+        if "layer_types" in settings:
+            settings["layer_types"] = list(settings["layer_types"]) + ["full_attention"]
+    config = getattr(transformers, spec["cls"])(**settings)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = getattr(transformers, spec["model"])(config)
@@ -133,6 +146,8 @@ def write_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, sha
         saved = json.load(file)
     if "model_type" in spec:
         saved["model_type"] = spec["model_type"]
+    if mtp:
+        _add_mtp_layer(folder, saved, family, layers, seed)
     if fp8:
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
         # Routers stay unquantized, as released FP8 MoE checkpoints keep them; vLLM's
@@ -162,6 +177,48 @@ def write_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, sha
     with open(config_path, "w") as file:
         json.dump(saved, file, indent=2)
     return folder
+
+
+def _add_mtp_layer(folder: str, saved: Dict[str, Any], family: str, layers: int, seed: int) -> None:
+    """Turns the last decoder layer save_pretrained wrote into the MTP layer and adds the MTP
+    module's own tensors: DeepSeek-V3 and GLM-4.5 keep it as model.layers.{layers}.* with
+    embed_tokens, enorm, hnorm, eh_proj and shared_head; Qwen3-Next as mtp.layers.0.* with
+    mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden and mtp.norm."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    hidden, vocab = saved["hidden_size"], saved["vocab_size"]
+    generator = torch.Generator().manual_seed(seed + 1000)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.05).to(torch.bfloat16)
+
+    prefix = f"model.layers.{layers}."
+    if family == "qwen3_next":
+        extra = {"mtp.fc.weight": rand(hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": rand(hidden),
+                 "mtp.pre_fc_norm_hidden.weight": rand(hidden), "mtp.norm.weight": rand(hidden)}
+        rename = lambda name: "mtp.layers.0." + name[len(prefix):] if name.startswith(prefix) else name  # noqa: E731
+        saved["layer_types"] = saved["layer_types"][:layers]
+        saved["num_nextn_predict_layers"] = 1
+    else:
+        extra = {prefix + "embed_tokens.weight": rand(vocab, hidden), prefix + "enorm.weight": rand(hidden),
+                 prefix + "hnorm.weight": rand(hidden), prefix + "eh_proj.weight": rand(hidden, 2 * hidden),
+                 prefix + "shared_head.norm.weight": rand(hidden), prefix + "shared_head.head.weight": rand(vocab, hidden)}
+        rename = lambda name: name  # noqa: E731
+        saved["num_nextn_predict_layers"] = 1
+    saved["num_hidden_layers"] = layers
+    weight_map: Dict[str, str] = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        tensors = {rename(name): tensor for name, tensor in load_file(os.path.join(folder, file)).items()}
+        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    save_file(extra, os.path.join(folder, "model-mtp.safetensors"), metadata={"format": "pt"})
+    weight_map.update({name: "model-mtp.safetensors" for name in extra})
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    with open(index_path) as file:
+        index = json.load(file)
+    index["weight_map"] = weight_map
+    with open(index_path, "w") as file:
+        json.dump(index, file)
 
 
 def checkpoint_tensors(folder: str) -> Dict[str, torch.Tensor]:
@@ -221,28 +278,37 @@ def parallel_state(tp_size: int, rank: int, port: int) -> Iterator[None]:
 
 
 def vllm_config(path: str, tp_size: int, expert_parallel: bool, load_format: str,
-                extra: Optional[Dict[str, Any]] = None) -> Any:
+                extra: Optional[Dict[str, Any]] = None, draft: bool = False) -> Any:
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig  # noqa: PLC0415
+    from vllm.config.speculative import SpeculativeConfig  # noqa: PLC0415
 
     model_config = ModelConfig(model=path, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True)
+    parallel_config = ParallelConfig(tensor_parallel_size=tp_size, enable_expert_parallel=expert_parallel)
+    speculative_config = None
+    if draft:
+        # As vLLM makes a draft: its speculative config derives the draft's model config.
+        speculative_config = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+                                               target_parallel_config=parallel_config)
+        model_config = speculative_config.draft_model_config
     return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
-                      parallel_config=ParallelConfig(tensor_parallel_size=tp_size,
-                                                     enable_expert_parallel=expert_parallel),
+                      parallel_config=parallel_config, speculative_config=speculative_config,
                       load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra or {}))
 
 
 def build(path: str, tp_size: int, expert_parallel: bool, load_format: str,
-          extra: Optional[Dict[str, Any]] = None) -> Tuple[torch.nn.Module, Any, Any]:
+          extra: Optional[Dict[str, Any]] = None, draft: bool = False) -> Tuple[torch.nn.Module, Any, Any]:
     """vLLM's model of the checkpoint at ``path``, built by initialize_model and filled by the
     loader of ``load_format`` ("safetensors": vLLM's default loader; "weightstream");
-    returns (model, loader, vllm_config). process_weights_after_loading is not run (it needs
-    vLLM's compiled CPU ops)."""
+    returns (model, loader, vllm_config). With ``draft``, the model is vLLM's MTP draft of the
+    checkpoint (its model config made with vLLM's own speculative hf_config_override, as
+    vLLM makes a draft's). process_weights_after_loading is not run (it needs vLLM's
+    compiled CPU ops)."""
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
     from vllm.model_executor.model_loader import get_model_loader  # noqa: PLC0415
     from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
 
     register_cpu_fp8_kernel()
-    config = vllm_config(path, tp_size, expert_parallel, load_format, extra)
+    config = vllm_config(path, tp_size, expert_parallel, load_format, extra, draft)
     with set_current_vllm_config(config):
         model = initialize_model(vllm_config=config, model_config=config.model_config)
         loader = get_model_loader(config.load_config)
@@ -396,6 +462,36 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
     return result
 
 
+def run_draft_scenario(scenario: Dict[str, Any], paths: Dict[str, str]) -> Dict[str, Any]:
+    """A checkpoint with its MTP layer: the target (which must not read them) and vLLM's MTP
+    draft module, each loaded by weightstream and by vLLM's default loader, compared."""
+    import weightstream.vllm as ws_vllm  # noqa: PLC0415
+
+    ws_vllm.register()
+    family, kind = scenario["family"], "fp8" if scenario["fp8"] else "bf16"
+    path = paths[f"{family}-{kind}-mtp"]
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        modules = {}
+        for role, draft in (("target", False), ("draft", True)):
+            reference, _, _ = build(path, 1, False, "safetensors", draft=draft)
+            ours, loader, _ = build(path, 1, False, "weightstream", draft=draft)
+            layout = ours._weightstream_binding.layout
+            itemsizes = _checkpoint_itemsizes(path)
+            modules[role] = {
+                "class": type(ours).__name__, "load": dict(loader.last_load), "differences": differences(ours, reference),
+                "parameters": len(state_of(ours)), "unbound": dict(ours._weightstream_binding.unbound),
+                "layout_allocated_bytes": layout.allocated_bytes,
+                "share": sum(part["rows"] * part["columns"] * itemsizes[part["tensor"]]
+                             for name in layout.parameter_names for part in layout.parameter_info(name)["parts"])}
+        result["modules"] = modules
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    return result
+
+
 def _checkpoint_itemsizes(folder: str) -> Dict[str, int]:
     """Every tensor of a checkpoint folder: the bytes of one element."""
     from safetensors import safe_open  # noqa: PLC0415
@@ -453,6 +549,14 @@ def refused_update(model: torch.nn.Module, config: Any) -> Dict[str, Any]:
             "unchanged": all(torch.equal(after[name], before[name]) for name in before)}
 
 
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -462,6 +566,10 @@ def main() -> None:
     run.add_argument("--port", type=int, required=True)
     run.add_argument("--plan", required=True, help="JSON: {scenarios: [...], paths: {...}}")
     run.add_argument("--out", required=True, help="folder for the per-scenario results")
+    peak = sub.add_parser("peak", help="peak resident memory of one load into vLLM's model (tp 1)")
+    peak.add_argument("--path", required=True)
+    peak.add_argument("--load-format", required=True)
+    peak.add_argument("--extra", default="{}", help="JSON model_loader_extra_config")
     write = sub.add_parser("write", help="write the checkpoints of a plan")
     write.add_argument("--root", required=True)
     write.add_argument("--families", default=",".join(FAMILIES))
@@ -476,13 +584,27 @@ def main() -> None:
                     paths[f"{family}-{kind}-{seed_name}"] = folder
         print(json.dumps(paths))
         return
+    if args.command == "peak":
+        import resource  # noqa: PLC0415
+
+        import weightstream.vllm as ws_vllm  # noqa: PLC0415
+
+        ws_vllm.register()
+        with parallel_state(1, 0, _free_port()):
+            model, loader, _ = build(args.path, 1, False, args.load_format, json.loads(args.extra))
+            through = getattr(loader, "last_load", {}).get("tensors_through_load_weights")
+            print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                              "parameter_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+                              "tensors_through_load_weights": through}))
+        return
     with open(args.plan) as file:
         plan = json.load(file)
     os.makedirs(args.out, exist_ok=True)
     with parallel_state(args.tp, args.rank, args.port):
         for index, scenario in enumerate(plan["scenarios"]):
             started = time.perf_counter()
-            result = run_scenario(scenario, args.tp, args.rank, plan["paths"])
+            result = run_draft_scenario(scenario, plan["paths"]) if scenario.get("draft") else \
+                run_scenario(scenario, args.tp, args.rank, plan["paths"])
             result["seconds"] = time.perf_counter() - started
             with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:
                 json.dump(result, file)

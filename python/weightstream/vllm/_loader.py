@@ -56,8 +56,9 @@ def speculative_method() -> str:
 class WeightstreamModelLoader(BaseModelLoader):
     """Loads a model's safetensors weights with weightstream.
 
-    For an architecture weightstream has a table for (llama, qwen3, deepseek_v3,
-    qwen3_next), this rank's layout is bound to the model's own parameters and only this
+    For an architecture weightstream has a table for (llama, qwen3, qwen3_moe, mixtral,
+    deepseek_v3, kimi_k2, glm4_moe, qwen3_next; BF16 or FP8 block-scaled; tensor and expert
+    parallel), this rank's layout is bound to the model's own parameters and only this
     rank's byte ranges are streamed into them, from a local folder or s3://; checkpoint
     tensors the layout does not cover go through the model's ``load_weights``. Other
     architectures load entirely through ``load_weights``, fed by weightstream's streamer.

@@ -145,7 +145,7 @@ def safetensors_dtype(dtype: torch.dtype) -> Optional[str]:
 
 def model_parameter_name(layout_name: str, role: str, model_type: str) -> str:
     """The vLLM name of a layout parameter. The target's names are vLLM's. A draft's are
-    renamed as vLLM's MTP modules name them: DeepSeek-V3's MTP layer keeps enorm, hnorm,
+    renamed as vLLM's MTP modules name them: DeepSeek-V3's (and GLM-4.5's) MTP layer keeps enorm, hnorm,
     eh_proj and shared_head and nests the decoder layer under mtp_block, and its embedding is
     the draft's model.embed_tokens; Qwen3-Next's mtp.* lives under model.*."""
     if role != "draft":
@@ -153,7 +153,7 @@ def model_parameter_name(layout_name: str, role: str, model_type: str) -> str:
     if layout_name.startswith("mtp."):
         return "model." + layout_name[len("mtp."):]
     match = re.match(r"^model\.layers\.(\d+)\.(.*)$", layout_name)
-    if match and model_type in ("deepseek_v3", "deepseek_v2", "deepseek_mtp", "kimi_k2"):
+    if match and model_type in ("deepseek_v3", "deepseek_v2", "deepseek_mtp", "kimi_k2", "glm4_moe", "glm4_moe_mtp"):
         rest = match.group(2)
         if rest.startswith("embed_tokens."):
             return "model." + rest
@@ -226,6 +226,9 @@ class BoundModel:
     unbound_tensors: Set[str] = field(default_factory=set)
     #: Checkpoint tensors the last load sent through the model's load_weights.
     by_load_weights: List[str] = field(default_factory=list)
+    #: The model's parameters no layout parameter is bound to (a Qwen3-Next draft's own
+    #: embed_tokens and lm_head, which the layout leaves to the target).
+    model_only: Set[str] = field(default_factory=set)
 
     @property
     def filled_model_names(self) -> Set[str]:
@@ -368,8 +371,10 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype:
                  "they load through its load_weights, the rest in place: %s", len(unbound),
                  len(unbound) + len(bound), layout.description,
                  _first_names(f"{n}: {why}" for n, why in unbound.items()))
+    model_only = {name for name, _ in model.named_parameters()} - set(bound.values())
     return BoundModel(layout=layout, role=role, bound=bound, unbound=unbound, device=device,
-                      description=layout.description, addresses=addresses, unbound_tensors=unbound_tensors)
+                      description=layout.description, addresses=addresses, unbound_tensors=unbound_tensors,
+                      model_only=model_only)
 
 
 def check_in_place(model: torch.nn.Module, bound: BoundModel, through_load_weights: bool = False) -> None:
@@ -416,6 +421,8 @@ def route_checkpoint(bound: BoundModel, checkpoint: Checkpoint) -> List[str]:
         elif kind == "skipped" and reason == BY_LOAD_WEIGHTS:  # marked by an earlier load or the binding
             by_load_weights.append(name)
         elif name in bound.unbound_tensors:  # also fills a parameter the layout still holds
+            by_load_weights.append(name)
+        elif kind == "skipped" and name in bound.model_only:  # the other module's, and this model's too
             by_load_weights.append(name)
     bound.by_load_weights = by_load_weights
     return by_load_weights
