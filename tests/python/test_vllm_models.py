@@ -36,6 +36,8 @@ sys.path.insert(0, str(HERE))
 from vllm_models import FAMILIES, MOE_FAMILIES, MTP_FAMILIES, write_checkpoint  # noqa: E402
 
 MIB = 1 << 20
+#: moto's S3 server, started by scripts/vllm-test.sh where moto is installed.
+S3_ENDPOINT = os.environ.get("WS_TEST_S3_ENDPOINT")
 PARALLEL = ("tp1", "tp2", "tp2-ep")
 
 
@@ -52,6 +54,14 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def rank_environment():
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    if S3_ENDPOINT:
+        env.update(AWS_ENDPOINT_URL=S3_ENDPOINT, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                   AWS_REGION="us-east-1")
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +87,21 @@ def results(tmp_path_factory):
                     "id": f"{family}-{kind}-{parallel}"}
         plans[tp].append(scenario)
     plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
+    if S3_ENDPOINT:
+        # The seed's scenario: an FP8 MoE target with its MTP layer in one s3:// checkpoint.
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=S3_ENDPOINT, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        client.create_bucket(Bucket="vllm-models")
+        local = Path(paths["deepseek_v3-fp8-mtp"])
+        for file in sorted(local.iterdir()):
+            client.upload_file(str(file), "vllm-models", f"deepseek-fp8-mtp/{file.name}")
+        config_folder = root / "deepseek-config-only"
+        config_folder.mkdir()
+        (config_folder / "config.json").write_text((local / "config.json").read_text())
+        plans[1].append({"family": "deepseek_v3", "fp8": True, "draft": True, "id": "s3-mtp",
+                         "s3_uri": "s3://vllm-models/deepseek-fp8-mtp", "config_folder": str(config_folder)})
     for family in MTP_FAMILIES:
         for kind in ("bf16", "fp8"):
             plans[1].append({"family": family, "fp8": kind == "fp8", "draft": True, "id": f"{family}-{kind}-mtp"})
@@ -90,7 +115,7 @@ def results(tmp_path_factory):
             processes.append((subprocess.Popen(
                 [sys.executable, str(HERE / "vllm_models.py"), "run", "--tp", str(tp), "--rank", str(rank),
                  "--port", str(port), "--plan", str(plan_path), "--out", str(root / f"tp{tp}")],
-                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")), log, tp, rank))
+                stdout=log, stderr=subprocess.STDOUT, env=rank_environment()), log, tp, rank))
     for process, log, tp, rank in processes:
         code = process.wait(timeout=1500)
         log.close()
@@ -214,3 +239,18 @@ def test_the_mtp_draft_loads_bound_from_the_targets_checkpoint_into_vllms_draft_
     # tensors (vLLM shares the target's in serving): those two go through load_weights.
     expected = 2 if family == "qwen3_next" else 0
     assert draft["load"]["tensors_through_load_weights"] == expected
+
+
+@pytest.mark.skipif(not S3_ENDPOINT, reason="WS_TEST_S3_ENDPOINT is not set: no S3 server for this run "
+                                            "(scripts/vllm-test.sh starts moto's when it is installed)")
+def test_an_fp8_moe_target_and_its_mtp_draft_load_from_one_s3_checkpoint(results):
+    """vLLM's model folder holds config.json only; the FP8 DeepSeek-V3 target and its MTP
+    draft both come from s3:// (the loader's model_uri), bound, equal to vLLM's default load
+    of the same files, each reading only its own module's bytes."""
+    (result,) = results["s3-mtp"]
+    assert result["ok"], result.get("error")
+    for role, module in result["modules"].items():
+        assert module["load"]["source"] == "s3://vllm-models/deepseek-fp8-mtp", role
+        assert module["load"]["path"] == "layout" and module["differences"] == [], role
+        assert module["load"]["tensors_through_load_weights"] == 0, role
+        assert module["load"]["bytes_read"] <= module["share"] + MIB, role

@@ -470,12 +470,16 @@ def run_draft_scenario(scenario: Dict[str, Any], paths: Dict[str, str]) -> Dict[
     ws_vllm.register()
     family, kind = scenario["family"], "fp8" if scenario["fp8"] else "bf16"
     path = paths[f"{family}-{kind}-mtp"]
+    # From S3: vLLM's model folder holds config.json only; weightstream finds the weights at
+    # the checkpoint URI (model_uri), vLLM's default loader reads the local copy.
+    model_path, extra = (scenario["config_folder"], {"model_uri": scenario["s3_uri"]}) if scenario.get("s3_uri") \
+        else (path, {})
     result: Dict[str, Any] = {"scenario": scenario}
     try:
         modules = {}
         for role, draft in (("target", False), ("draft", True)):
             reference, _, _ = build(path, 1, False, "safetensors", draft=draft)
-            ours, loader, _ = build(path, 1, False, "weightstream", draft=draft)
+            ours, loader, _ = build(model_path, 1, False, "weightstream", extra, draft=draft)
             layout = ours._weightstream_binding.layout
             itemsizes = _checkpoint_itemsizes(path)
             modules[role] = {
