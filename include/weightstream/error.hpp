@@ -3,6 +3,7 @@
 /// The one error model of weightstream: every failure is a weightstream::Error carrying a
 /// code and a message that names the object, the range, the operation and the cause.
 
+#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -33,28 +34,36 @@ std::string_view error_code_name(ErrorCode code) noexcept;
 /// Base of every exception weightstream throws.
 class Error : public std::runtime_error {
  public:
-  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  /// `location` is where the error was raised (WS_EXPECT and WS_FAIL pass their call site);
+  /// it is kept beside the message, not in it, so messages stay meant for users.
+  Error(ErrorCode code, const std::string& message, std::source_location location = std::source_location::current())
+      : std::runtime_error(message), code_(code), location_(location) {}
   /// The kind of failure.
   ErrorCode code() const noexcept { return code_; }
+  /// The source file and line that raised it, for bug reports and debugging.
+  const std::source_location& location() const noexcept { return location_; }
 
  private:
   ErrorCode code_;
+  std::source_location location_;
 };
 
-/// Throws Error(code, message). WS_EXPECT and WS_FAIL call it; it is out of line so that
-/// the checks stay small where they are inlined.
-[[noreturn]] void throw_error(ErrorCode code, std::string message);
+/// Throws Error(code, message) raised at `location`. WS_EXPECT and WS_FAIL call it; it is
+/// out of line so that the checks stay small where they are inlined.
+[[noreturn]] void throw_error(ErrorCode code, std::string message,
+                              std::source_location location = std::source_location::current());
 
 }  // namespace weightstream
 
-/// Throws weightstream::Error(code, message) when `condition` is false. The message
-/// expression is evaluated only on failure, so it may build strings freely.
+/// Throws weightstream::Error(code, message) when `condition` is false, recording the file
+/// and line of the check (Error::location). The message expression is evaluated only on
+/// failure, so it may build strings freely.
 #define WS_EXPECT(condition, code, message)                          \
   do {                                                               \
     if (!(condition)) [[unlikely]] {                                 \
-      ::weightstream::throw_error((code), (message));        \
+      ::weightstream::throw_error((code), (message));                \
     }                                                                \
   } while (0)
 
-/// Throws weightstream::Error(code, message) unconditionally.
+/// Throws weightstream::Error(code, message) unconditionally, recording its file and line.
 #define WS_FAIL(code, message) ::weightstream::throw_error((code), (message))

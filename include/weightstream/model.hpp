@@ -22,6 +22,7 @@
 
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
+#include "weightstream/stats.hpp"
 
 namespace weightstream {
 
@@ -544,6 +545,9 @@ struct LoadCounters {
   uint64_t layer_processing_runs = 0;  ///< layers processed (quantized)
   uint64_t model_hook_runs = 0;
 };
+
+/// The counters of `counters` by name, as the fields above are named.
+std::vector<StatField> stat_fields(const LoadCounters& counters);
 
 /// One load of a layout: begin(mode), load(batch) any number of times, finish(). Parts of
 /// one parameter may arrive in any order, in any batches; each is written as it arrives.

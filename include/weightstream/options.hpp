@@ -44,8 +44,8 @@ enum class LocalIo {
 /// How bytes reach a CUDA device.
 enum class GpuPath {
   kAuto,    ///< kStaged; for local shards the page cache holds, in its warm shape (at most 10 readers,
-            ///< 4 MiB reads out of a mapping, 160 MiB of staging: 45-48 GB/s on an H200 against 26-33;
-            ///< bench/RESULTS.md)
+            ///< 4 MiB reads out of a mapping, 160 MiB of staging), the faster shape there
+            ///< (bench/RESULTS.md, "GPU load")
   kStaged,  ///< read into pinned staging buffers, async copies to the device
   kMapped,  ///< mmap local files, register windows with CUDA (read-only), the copy engine reads them
   kBoth,    ///< staged and mapped at once on disjoint tensors (StreamOptions::mapped_share of the bytes mapped)

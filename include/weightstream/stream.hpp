@@ -18,6 +18,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/options.hpp"
+#include "weightstream/stats.hpp"
 #include "weightstream/storage.hpp"
 
 namespace weightstream {
@@ -135,6 +136,10 @@ struct StreamStats {
   double staging_wait_seconds = 0;
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
+
+/// The counters of `stats` by name: tensors, bytes, bytes_read, reads, shards_read, seconds,
+/// gbps, peak_staging_bytes, read_seconds, deliver_seconds, staging_wait_seconds.
+std::vector<StatField> stat_fields(const StreamStats& stats);
 
 /// Progress callback: bytes delivered so far, bytes in total. Called on the thread that
 /// started the load, about every 100 ms. An exception it throws cancels the load: the

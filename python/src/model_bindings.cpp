@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "weightstream/error.hpp"
@@ -151,29 +152,12 @@ TensorFormat parse_format(const std::string& text) {
   WS_FAIL(ErrorCode::kInvalidArgument, "tensor format '" + text + "' is not one of checkpoint, engine");
 }
 
-nb::dict counters_dict(const LoadCounters& counters) {
+/// A report's named counters as a dict, named as `weightstream load --json` names them.
+nb::dict stats_dict(const std::vector<StatField>& fields) {
   nb::dict result;
-  result["tensors_applied"] = counters.tensors_applied;
-  result["bytes_applied"] = counters.bytes_applied;
-  result["tensors_skipped"] = counters.tensors_skipped;
-  result["parameters_completed"] = counters.parameters_completed;
-  result["layer_processing_runs"] = counters.layer_processing_runs;
-  result["model_hook_runs"] = counters.model_hook_runs;
-  return result;
-}
-
-/// A stream's counters, named as `weightstream load --json` names them.
-nb::dict stream_stats_dict(const StreamStats& stats) {
-  nb::dict result;
-  result["tensors"] = stats.tensors;
-  result["bytes"] = stats.bytes;
-  result["bytes_read"] = stats.bytes_read;
-  result["shards_read"] = stats.shards_read;
-  result["seconds"] = stats.seconds;
-  result["peak_staging_bytes"] = stats.peak_staging_bytes;
-  result["read_seconds"] = stats.read_seconds;
-  result["deliver_seconds"] = stats.deliver_seconds;
-  result["staging_wait_seconds"] = stats.staging_wait_seconds;
+  for (const StatField& field : fields) {
+    std::visit([&](auto value) { result[nb::str(field.name.data(), field.name.size())] = value; }, field.value);
+  }
   return result;
 }
 
@@ -440,10 +424,10 @@ class SessionHandle {
       auto plan = plan_layout_load(layout(), checkpoint.checkpoint());
       return stream_into_session(checkpoint.checkpoint(), plan, session_, options.stream, progress);
     });
-    return stream_stats_dict(stats);
+    return stats_dict(stat_fields(stats));
   }
 
-  nb::dict counters() const { return counters_dict(session_.counters()); }
+  nb::dict counters() const { return stats_dict(stat_fields(session_.counters())); }
   std::string mode() const { return std::string(load_mode_name(session_.mode())); }
   std::vector<int64_t> completed_layers() const { return session_.completed_layers(); }
 

@@ -3,7 +3,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <set>
+#include <functional>
 
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
@@ -12,16 +12,6 @@ extern char** environ;
 
 namespace weightstream {
 namespace {
-
-const std::set<std::string, std::less<>> kKnownVariables = {
-    "WEIGHTSTREAM_CONCURRENCY",     "WEIGHTSTREAM_MEMORY_LIMIT",   "WEIGHTSTREAM_CHUNK_SIZE",
-    "WEIGHTSTREAM_LOCAL_IO",        "WEIGHTSTREAM_PROGRESS",       "WEIGHTSTREAM_S3_ADDRESSING",
-    "WEIGHTSTREAM_S3_UNSIGNED",     "WEIGHTSTREAM_S3_CONNECTIONS", "WEIGHTSTREAM_S3_REQUEST_SIZE",
-    "WEIGHTSTREAM_S3_MAX_ATTEMPTS", "WEIGHTSTREAM_S3_DEADLINE",    "WEIGHTSTREAM_S3_TIMEOUT",
-    "WEIGHTSTREAM_S3_RETRY_BASE",   "WEIGHTSTREAM_S3_CONNECT_TIMEOUT", "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT",
-    "WEIGHTSTREAM_MODEL_URI",       "WEIGHTSTREAM_GPU_PATH",       "WEIGHTSTREAM_MAPPED_SHARE",
-    "WEIGHTSTREAM_PREFETCHERS",
-};
 
 const std::string* find(const Environment& environment, std::string_view name) {
   auto it = environment.find(name);
@@ -74,6 +64,83 @@ std::string quoted(std::string_view what, std::string_view text) {
   return std::string(what) + "='" + std::string(text) + "'";
 }
 
+/// One WEIGHTSTREAM_* variable: its name and how its value lands in Options. The table
+/// drives the parse, the check for unknown names and the list in that error's message.
+struct Variable {
+  std::string_view name;
+  std::function<void(Options&, std::string_view name, const std::string& value)> apply;
+};
+
+template <typename Parse>
+auto stream_field(auto StreamOptions::* field, Parse parse) {
+  return [field, parse](Options& options, std::string_view name, const std::string& value) {
+    options.stream.*field = parse(name, value);
+  };
+}
+
+template <typename Parse>
+auto s3_field(auto S3Options::* field, Parse parse) {
+  return [field, parse](Options& options, std::string_view name, const std::string& value) {
+    options.s3.*field = parse(name, value);
+  };
+}
+
+auto whole_number(uint64_t minimum, uint64_t maximum) {
+  return [minimum, maximum](std::string_view name, std::string_view text) {
+    return static_cast<unsigned>(parse_unsigned(name, text, minimum, maximum));
+  };
+}
+
+S3Addressing parse_addressing(std::string_view name, std::string_view text) {
+  if (text == "auto") return S3Addressing::kAuto;
+  if (text == "path") return S3Addressing::kPath;
+  if (text == "virtual") return S3Addressing::kVirtual;
+  WS_FAIL(ErrorCode::kConfig, quoted(name, text) + ": expected auto, path or virtual");
+}
+
+// In parse order: the staging variables come first, as check_stream_options names them.
+const Variable kVariables[] = {
+    {"WEIGHTSTREAM_CONCURRENCY", stream_field(&StreamOptions::concurrency, whole_number(1, 1024))},
+    {"WEIGHTSTREAM_MEMORY_LIMIT", stream_field(&StreamOptions::memory_limit, parse_size_variable)},
+    {"WEIGHTSTREAM_CHUNK_SIZE", stream_field(&StreamOptions::chunk_bytes, parse_size_variable)},
+    {"WEIGHTSTREAM_LOCAL_IO", stream_field(&StreamOptions::local_io, [](std::string_view name, std::string_view text) {
+       return parse_variable([&] { return parse_local_io(text, name); });
+     })},
+    {"WEIGHTSTREAM_GPU_PATH", stream_field(&StreamOptions::gpu_path, [](std::string_view name, std::string_view text) {
+       return parse_variable([&] { return parse_gpu_path(text, name); });
+     })},
+    {"WEIGHTSTREAM_MAPPED_SHARE", stream_field(&StreamOptions::mapped_share, [](std::string_view name, std::string_view text) {
+       return parse_variable([&] { return parse_share(text, name); });
+     })},
+    {"WEIGHTSTREAM_PREFETCHERS", stream_field(&StreamOptions::prefetchers, whole_number(0, 1024))},
+    {"WEIGHTSTREAM_PROGRESS", stream_field(&StreamOptions::progress, parse_flag)},
+    {"WEIGHTSTREAM_S3_ADDRESSING", s3_field(&S3Options::addressing, parse_addressing)},
+    {"WEIGHTSTREAM_S3_UNSIGNED", s3_field(&S3Options::unsigned_requests, parse_flag)},
+    {"WEIGHTSTREAM_S3_CONNECTIONS", s3_field(&S3Options::max_connections, whole_number(1, 1024))},
+    {"WEIGHTSTREAM_S3_REQUEST_SIZE", s3_field(&S3Options::request_bytes, parse_size_variable)},
+    {"WEIGHTSTREAM_S3_MAX_ATTEMPTS", s3_field(&S3Options::max_attempts, whole_number(1, 100))},
+    {"WEIGHTSTREAM_S3_DEADLINE", s3_field(&S3Options::deadline_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_S3_TIMEOUT", s3_field(&S3Options::timeout_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_S3_RETRY_BASE", s3_field(&S3Options::retry_base_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_S3_CONNECT_TIMEOUT", s3_field(&S3Options::connect_timeout_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", s3_field(&S3Options::first_byte_timeout_seconds, parse_seconds)},
+    // Read below with its alias MX_MODEL_URI.
+    {"WEIGHTSTREAM_MODEL_URI", [](Options&, std::string_view, const std::string&) {}},
+};
+
+const Variable* find_variable(std::string_view name) {
+  for (const Variable& variable : kVariables) {
+    if (variable.name == name) return &variable;
+  }
+  return nullptr;
+}
+
+std::string known_variables() {
+  std::string text;
+  for (const Variable& variable : kVariables) text += (text.empty() ? "" : ", ") + std::string(variable.name);
+  return text;
+}
+
 }  // namespace
 
 Environment process_environment() {
@@ -97,33 +164,18 @@ Options options_from_environment(const Environment& environment) {
   options.temporary_directory = temporary_directory(environment);
   for (const auto& [name, value] : environment) {
     if (name.starts_with("WEIGHTSTREAM_")) {
-      WS_EXPECT(kKnownVariables.contains(name), ErrorCode::kConfig,
-                "unknown environment variable " + name + " (known: WEIGHTSTREAM_CONCURRENCY, "
-                "WEIGHTSTREAM_MEMORY_LIMIT, WEIGHTSTREAM_CHUNK_SIZE, WEIGHTSTREAM_LOCAL_IO, WEIGHTSTREAM_GPU_PATH, "
-                "WEIGHTSTREAM_MAPPED_SHARE, WEIGHTSTREAM_PREFETCHERS, "
-                "WEIGHTSTREAM_PROGRESS, WEIGHTSTREAM_S3_*, WEIGHTSTREAM_MODEL_URI)");
+      WS_EXPECT(find_variable(name) != nullptr, ErrorCode::kConfig,
+                "unknown environment variable " + name + " (known: " + known_variables() + ")");
     }
   }
-  auto& stream = options.stream;
-  if (auto* v = find(environment, "WEIGHTSTREAM_CONCURRENCY"))
-    stream.concurrency = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_CONCURRENCY", *v, 1, 1024));
-  if (auto* v = find(environment, "WEIGHTSTREAM_MEMORY_LIMIT"))
-    stream.memory_limit = parse_size_variable("WEIGHTSTREAM_MEMORY_LIMIT", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_CHUNK_SIZE"))
-    stream.chunk_bytes = parse_size_variable("WEIGHTSTREAM_CHUNK_SIZE", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_LOCAL_IO"))
-    stream.local_io = parse_variable([&] { return parse_local_io(*v, "WEIGHTSTREAM_LOCAL_IO"); });
-  if (auto* v = find(environment, "WEIGHTSTREAM_GPU_PATH"))
-    stream.gpu_path = parse_variable([&] { return parse_gpu_path(*v, "WEIGHTSTREAM_GPU_PATH"); });
-  if (auto* v = find(environment, "WEIGHTSTREAM_MAPPED_SHARE"))
-    stream.mapped_share = parse_variable([&] { return parse_share(*v, "WEIGHTSTREAM_MAPPED_SHARE"); });
-  if (auto* v = find(environment, "WEIGHTSTREAM_PREFETCHERS"))
-    stream.prefetchers = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_PREFETCHERS", *v, 0, 1024));
+  for (const Variable& variable : kVariables) {
+    if (const auto* value = find(environment, variable.name)) variable.apply(options, variable.name, *value);
+  }
   parse_variable([&] {
-    check_stream_options(stream, {"WEIGHTSTREAM_CONCURRENCY", "WEIGHTSTREAM_MEMORY_LIMIT", "WEIGHTSTREAM_CHUNK_SIZE"});
+    check_stream_options(options.stream,
+                         {"WEIGHTSTREAM_CONCURRENCY", "WEIGHTSTREAM_MEMORY_LIMIT", "WEIGHTSTREAM_CHUNK_SIZE"});
     return 0;
   });
-  if (auto* v = find(environment, "WEIGHTSTREAM_PROGRESS")) stream.progress = parse_flag("WEIGHTSTREAM_PROGRESS", *v);
 
   auto& s3 = options.s3;
   s3.endpoint = first_of(environment, {"AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"});
@@ -138,30 +190,6 @@ Options options_from_environment(const Environment& environment) {
   s3.profile = first_of(environment, {"AWS_PROFILE"});
   if (s3.profile.empty()) s3.profile = "default";
   s3.ca_bundle = first_of(environment, {"AWS_CA_BUNDLE"});
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_ADDRESSING")) {
-    if (*v == "auto") s3.addressing = S3Addressing::kAuto;
-    else if (*v == "path") s3.addressing = S3Addressing::kPath;
-    else if (*v == "virtual") s3.addressing = S3Addressing::kVirtual;
-    else WS_FAIL(ErrorCode::kConfig, "WEIGHTSTREAM_S3_ADDRESSING='" + *v + "': expected auto, path or virtual");
-  }
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_UNSIGNED"))
-    s3.unsigned_requests = parse_flag("WEIGHTSTREAM_S3_UNSIGNED", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_CONNECTIONS"))
-    s3.max_connections = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_S3_CONNECTIONS", *v, 1, 1024));
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_REQUEST_SIZE"))
-    s3.request_bytes = parse_size_variable("WEIGHTSTREAM_S3_REQUEST_SIZE", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_MAX_ATTEMPTS"))
-    s3.max_attempts = static_cast<unsigned>(parse_unsigned("WEIGHTSTREAM_S3_MAX_ATTEMPTS", *v, 1, 100));
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_DEADLINE"))
-    s3.deadline_seconds = parse_seconds("WEIGHTSTREAM_S3_DEADLINE", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_TIMEOUT"))
-    s3.timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_TIMEOUT", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_RETRY_BASE"))
-    s3.retry_base_seconds = parse_seconds("WEIGHTSTREAM_S3_RETRY_BASE", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_CONNECT_TIMEOUT"))
-    s3.connect_timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_CONNECT_TIMEOUT", *v);
-  if (auto* v = find(environment, "WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT"))
-    s3.first_byte_timeout_seconds = parse_seconds("WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", *v);
 
   const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
   const auto* alias = find(environment, "MX_MODEL_URI");

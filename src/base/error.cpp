@@ -26,7 +26,9 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   return "unknown";
 }
 
-void throw_error(ErrorCode code, std::string message) { throw Error(code, message); }
+void throw_error(ErrorCode code, std::string message, std::source_location location) {
+  throw Error(code, message, location);
+}
 
 namespace detail {
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <variant>
 
 #include "weightstream/error.hpp"
 
@@ -98,5 +99,13 @@ ProgressLine::~ProgressLine() {
 }
 
 void print_json(const nlohmann::json& value) { std::cout << value.dump(2) << "\n"; }
+
+nlohmann::json stats_json(const std::vector<StatField>& fields) {
+  nlohmann::json object = nlohmann::json::object();
+  for (const StatField& field : fields) {
+    std::visit([&](auto value) { object[std::string(field.name)] = value; }, field.value);
+  }
+  return object;
+}
 
 }  // namespace weightstream::cli

@@ -58,8 +58,8 @@ class ProgressLine {
 /// Prints `value` as indented JSON on stdout.
 void print_json(const nlohmann::json& value);
 
-/// JSON fields of a stream's counters: tensors, bytes, seconds, gbps, peak_staging_bytes, ...
-nlohmann::json stream_stats_json(const StreamStats& stats);
+/// A JSON object of named counters (stat_fields of a StreamStats or LoadCounters).
+nlohmann::json stats_json(const std::vector<StatField>& fields);
 /// One human line: "loaded N tensors, X GiB in S s (R GB/s) to DEVICE; peak staging P".
 void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device);
 

@@ -48,7 +48,7 @@ void add_digest_command(CLI::App& app) {
     }
     if (flags->summary) {
       std::fflush(stdout);
-      std::fprintf(stderr, "%s\n", stream_stats_json(stats).dump().c_str());
+      std::fprintf(stderr, "%s\n", stats_json(stat_fields(stats)).dump().c_str());
     }
   });
 }

@@ -19,20 +19,6 @@ struct LoadFlags {
 };
 }  // namespace
 
-nlohmann::json stream_stats_json(const StreamStats& stats) {
-  return {{"tensors", stats.tensors},
-          {"bytes", stats.bytes},
-          {"bytes_read", stats.bytes_read},
-          {"reads", stats.reads},
-          {"shards_read", stats.shards_read},
-          {"seconds", stats.seconds},
-          {"gbps", stats.gbps()},
-          {"peak_staging_bytes", stats.peak_staging_bytes},
-          {"read_seconds", stats.read_seconds},
-          {"deliver_seconds", stats.deliver_seconds},
-          {"staging_wait_seconds", stats.staging_wait_seconds}};
-}
-
 void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device) {
   std::printf("%s %llu tensors, %s in %.3f s (%.2f GB/s) to %s; peak staging %s\n", verb,
               static_cast<unsigned long long>(stats.tensors), format_size(stats.bytes).c_str(), stats.seconds, stats.gbps(),
@@ -89,7 +75,7 @@ void add_load_command(CLI::App& app) {
     // or mmap), the rest copied.
     auto in_place = static_cast<uint64_t>(std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place));
     if (flags->json) {
-      auto summary = stream_stats_json(loaded.stats);
+      auto summary = stats_json(stat_fields(loaded.stats));
       summary["uri"] = checkpoint.uri();
       summary["device"] = device.name();
       summary["shards"] = checkpoint.shards().size();

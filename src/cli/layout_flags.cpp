@@ -72,14 +72,6 @@ void add_engine_hooks(ModelLayout& layout, const ModelConfig& config) {
   if (has_layer_part(layout, kLatent, "kv_a")) layout.add_hook(make_fused_kv_hook(std::string(kLatent), {"kv_a"}));
 }
 
-nlohmann::json load_counters_json(const LoadCounters& counters) {
-  return {{"tensors_applied", counters.tensors_applied},
-          {"bytes_applied", counters.bytes_applied},
-          {"tensors_skipped", counters.tensors_skipped},
-          {"parameters_completed", counters.parameters_completed},
-          {"layer_processing_runs", counters.layer_processing_runs},
-          {"model_hook_runs", counters.model_hook_runs}};
-}
 
 void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
   add_layout_flags(command, flags.layout);
@@ -101,19 +93,15 @@ void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std
   uint64_t parameter_bytes = 0;
   for (const Parameter& parameter : layout.parameters()) parameter_bytes += parameter.bytes();
   if (json) {
-    print_json({{"uri", checkpoint.uri()},
-                {"layout", layout.description()},
-                {"device", device.name()},
-                {"parameters", layout.parameters().size()},
-                {"parameter_bytes", parameter_bytes},
-                {"bytes_read", load.stream.bytes_read},
-                {"bytes", load.stream.bytes},
-                {"checkpoint_bytes", checkpoint.tensor_bytes()},
-                {"shards_read", load.stream.shards_read},
-                {"seconds", load.stream.seconds},
-                {"gbps", load.stream.gbps()},
-                {"peak_staging_bytes", load.stream.peak_staging_bytes},
-                {"session", load_counters_json(load.counters)}});
+    nlohmann::json report = stats_json(stat_fields(load.stream));
+    report.update({{"uri", checkpoint.uri()},
+                   {"layout", layout.description()},
+                   {"device", device.name()},
+                   {"parameters", layout.parameters().size()},
+                   {"parameter_bytes", parameter_bytes},
+                   {"checkpoint_bytes", checkpoint.tensor_bytes()},
+                   {"session", stats_json(stat_fields(load.counters))}});
+    print_json(report);
     return;
   }
   std::printf("loaded %zu parameters (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %llu model hook runs\n",

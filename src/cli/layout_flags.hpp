@@ -55,7 +55,4 @@ struct LayoutLoadFlags {
 /// Adds --tp-size, --tp-rank, --ep-size, --ep-rank, --quantize and --raw to `load`.
 void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags);
 
-/// JSON of a session's counters.
-nlohmann::json load_counters_json(const LoadCounters& counters);
-
 }  // namespace weightstream::cli

@@ -78,17 +78,12 @@ namespace detail {
 
 // Host buffers are anonymous mappings: page-aligned (2 MiB aligned from 2 MiB up) and
 // zero-filled by the kernel as each page is first touched, so an arena needs no zeroing pass
-// of its own (that pass was a whole extra first touch of every page before the load wrote
-// them: on a 2-core VM, first touch runs at about 1 GB/s).
+// of its own (that pass would be a whole extra first touch of every page).
 //
-// Transparent huge pages are asked for (MADV_HUGEPAGE) only up to kLargestHugePageAdvice.
-// On a 2-core VM they make first touch cheaper when the kernel has them at hand (a 30 MiB
-// load's median 9.5 ms with them, 18 ms without), but where it must compact memory or the
-// hypervisor back fresh memory for them, every madvised fault stalls: with 14 GiB free,
-// reading 1 GiB into madvised memory ran at 0.04-0.10 GB/s against about 1 GB/s into 4 KiB
-// pages, and `weightstream load` of a just-written 1 GiB checkpoint took 20-26 s (0.44-0.56 s
-// without the advice). Timing a first huge-page fault did not predict the later ones. So
-// large arenas take 4 KiB pages (or whatever the system gives unadvised), and a small buffer
+// Transparent huge pages are asked for (MADV_HUGEPAGE) only up to kLargestHugePageAdvice:
+// they make first touch cheaper when the kernel has them at hand, but where it must compact
+// memory (or a hypervisor must back fresh memory) every advised fault stalls, and a large
+// arena would load many times slower (bench/RESULTS.md, "Host memory"). A small buffer
 // risks at most a fraction of a second.
 constexpr size_t kLargestHugePageAdvice = 64 * 1024 * 1024;
 constexpr size_t kHugePageBytes = 2 * 1024 * 1024;

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 
+#include "base/text.hpp"
 #include "model/parameter_writer.hpp"
 #include "model/processing.hpp"
 #include "weightstream/error.hpp"
@@ -70,14 +71,7 @@ void quantize_blocks(std::span<const float> values, uint64_t rows, uint64_t colu
   }
 }
 
-std::string join(const std::vector<std::string>& items, std::string_view separator) {
-  std::string text;
-  for (const std::string& item : items) {
-    if (!text.empty()) text += separator;
-    text += item;
-  }
-  return text;
-}
+using detail::join;
 
 /// One write of a checked batch: bytes [begin, end) of a tensor into one part of one
 /// parameter (checkpoint format) or into a parameter (engine format).

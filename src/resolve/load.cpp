@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <exception>
-#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "base/parallel.hpp"
+#include "base/text.hpp"
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
@@ -199,12 +199,6 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   return in_place;
 }
 
-std::string join(const std::vector<std::string>& items, size_t limit) {
-  std::string text;
-  for (size_t i = 0; i < items.size() && i < limit; ++i) text += (i ? ", " : "") + items[i];
-  if (items.size() > limit) text += ", and " + std::to_string(items.size() - limit) + " more";
-  return text;
-}
 
 }  // namespace
 
@@ -270,9 +264,9 @@ LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoin
   }
   WS_EXPECT(unmatched.empty(), ErrorCode::kModel,
             std::to_string(unmatched.size()) + " tensors of " + checkpoint.uri() + " match no parameter of " +
-                layout.description() + " and no ignore rule: " + join(unmatched, 20));
+                layout.description() + " and no ignore rule: " + detail::join_limited(unmatched, 20));
   WS_EXPECT(misfits.empty(), ErrorCode::kModel,
-            "tensors of " + checkpoint.uri() + " do not fit " + layout.description() + ": " + join(misfits, 20));
+            "tensors of " + checkpoint.uri() + " do not fit " + layout.description() + ": " + detail::join_limited(misfits, 20));
   for (const std::string& name : layout.wanted_tensors()) {
     if (!checkpoint.find(name)) plan.missing.push_back(name);
   }
@@ -383,33 +377,18 @@ std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKi
   DeviceCopier readback(device, threads);
 
   std::vector<TensorDigest> digests(tensors.size());
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  std::exception_ptr first_error;
-  {
-    std::vector<std::jthread> workers;
-    for (unsigned lane = 0; lane < threads; ++lane) {
-      workers.emplace_back([&, lane] {
-        try {
-          Buffer host(Device{}, buffer_bytes, HostMemory::kPinned);
-          for (size_t i; (i = next.fetch_add(1)) < tensors.size();) {
-            Hasher hasher(kind);
-            for (uint64_t done = 0; done < tensors[i].bytes; done += buffer_bytes) {
-              uint64_t length = std::min(buffer_bytes, tensors[i].bytes - done);
-              readback.copy_to_host(host.data(), loaded.tensors[i].data + done, length, lane, tensors[i].name);
-              hasher.update(std::span<const std::byte>(host.data(), length));
-            }
-            digests[i] = {tensors[i].name, hasher.finish()};
-          }
-        } catch (...) {
-          std::lock_guard lock(mutex);
-          if (!first_error) first_error = std::current_exception();
-          next.store(tensors.size());
-        }
-      });
+  std::vector<std::optional<Buffer>> host(threads);  // one per worker, made on its first tensor
+  detail::run_parallel(tensors.size(), threads, [&](size_t worker, size_t i) {
+    auto lane = static_cast<unsigned>(worker);
+    if (!host[worker]) host[worker].emplace(Device{}, buffer_bytes, HostMemory::kPinned);
+    Hasher hasher(kind);
+    for (uint64_t done = 0; done < tensors[i].bytes; done += buffer_bytes) {
+      uint64_t length = std::min(buffer_bytes, tensors[i].bytes - done);
+      readback.copy_to_host(host[worker]->data(), loaded.tensors[i].data + done, length, lane, tensors[i].name);
+      hasher.update(std::span<const std::byte>(host[worker]->data(), length));
     }
-  }
-  if (first_error) std::rethrow_exception(first_error);
+    digests[i] = {tensors[i].name, hasher.finish()};
+  });
   if (stats) {
     *stats = loaded.stats;
     stats->peak_staging_bytes = std::max(stats->peak_staging_bytes, buffer_bytes * threads);

@@ -8,17 +8,13 @@
 #include <string_view>
 #include <vector>
 
+#include "base/text.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream::resolve {
 
-/// `items` joined with `separator`.
-inline std::string join(const std::vector<std::string>& items, std::string_view separator) {
-  std::string text;
-  for (const std::string& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
-  return text;
-}
+using detail::join;
 
 /// What one source holds.
 struct SourceListing {

@@ -14,14 +14,8 @@
 namespace weightstream {
 namespace {
 
-using resolve::join;
-
-std::string join_limited(const std::vector<std::string>& items, size_t limit) {
-  std::vector<std::string> head(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(std::min(limit, items.size())));
-  std::string text = join(head, ", ");
-  if (items.size() > limit) text += ", and " + std::to_string(items.size() - limit) + " more";
-  return text;
-}
+using detail::join;
+using detail::join_limited;
 
 /// "the target and the draft (mtp)".
 std::string modules_text(const LoadContext& context) {

@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "base/text.hpp"
 #include "storage/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
 
@@ -27,9 +28,7 @@ using Clock = std::chrono::steady_clock;
 // Backoff ceiling: no single sleep exceeds this, however many attempts.
 constexpr double kMaxBackoffSeconds = 10;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using detail::seconds_since;
 
 double jittered_backoff(double base, unsigned attempt) {
   thread_local std::mt19937_64 random{std::random_device{}()};

@@ -1,12 +1,10 @@
 // Opening a checkpoint: list shards, read and validate every header (in parallel, since
 // object-storage round trips dominate for many shards), check index and headers agree.
 #include <algorithm>
-#include <exception>
 #include <map>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 
+#include "base/parallel.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
 
@@ -98,36 +96,12 @@ Checkpoint Checkpoint::open(std::shared_ptr<Storage> storage, const std::string&
 
   // Read headers in parallel; the first failure is the one reported.
   checkpoint.shards_.resize(shard_objects.size());
-  {
-    std::mutex mutex;
-    std::exception_ptr first_error;
-    size_t next = 0;
-    auto worker = [&] {
-      while (true) {
-        size_t index;
-        {
-          std::lock_guard lock(mutex);
-          if (next >= shard_objects.size() || first_error) return;
-          index = next++;
-        }
-        try {
-          auto& shard = checkpoint.shards_[index];
-          shard.name = shard_objects[index].name;
-          shard.size = shard_objects[index].size;
-          shard.header = read_header(store, shard.name, shard.size);
-        } catch (...) {
-          std::lock_guard lock(mutex);
-          if (!first_error) first_error = std::current_exception();
-        }
-      }
-    };
-    unsigned thread_count = static_cast<unsigned>(std::min<size_t>(shard_objects.size(), store.preferred_concurrency()));
-    std::vector<std::jthread> threads;
-    for (unsigned i = 1; i < thread_count; ++i) threads.emplace_back(worker);
-    worker();
-    threads.clear();
-    if (first_error) std::rethrow_exception(first_error);
-  }
+  detail::run_parallel(shard_objects.size(), store.preferred_concurrency(), [&](size_t, size_t index) {
+    auto& shard = checkpoint.shards_[index];
+    shard.name = shard_objects[index].name;
+    shard.size = shard_objects[index].size;
+    shard.header = read_header(store, shard.name, shard.size);
+  });
 
   std::unordered_map<std::string, uint32_t> owner;
   for (uint32_t shard_index = 0; shard_index < checkpoint.shards_.size(); ++shard_index) {

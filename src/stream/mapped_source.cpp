@@ -19,8 +19,9 @@
 #include <numeric>
 #include <thread>
 
-#include "weightstream/error.hpp"
+#include "base/text.hpp"
 #include "storage/local_io.hpp"
+#include "weightstream/error.hpp"
 #include "stream/split_stream.hpp"
 #include "stream/streamer.hpp"
 #include "weightstream/stream.hpp"
@@ -34,7 +35,7 @@ constexpr uint64_t kMappedWindowBytes = 64 * kMiB;
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+using detail::seconds_since;
 
 using local_io::page_size;
 
@@ -333,13 +334,9 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
 // The staged path's shape for a checkpoint the page cache holds (GpuPath::kAuto): few
 // readers, small reads and little staging, so the pinned buffers the copy engine reads are
 // still in the CPU's last-level cache when it reads them, and the host's memory bandwidth
-// serves the page-cache copy and the DMA instead of spilling staging to DRAM and back.
-// Measured on an H200 (bench/RESULTS.md, 2026-12-03, 16 GB warm): 8 readers of 2 MiB in
-// 64 MiB 41 GB/s, 8 of 4 MiB in 128 MiB (--io mmap) 46.8 GB/s, against 26-35 GB/s at 16 of
-// 16 MiB in 1 GiB, the shape a cold disk needs to keep enough reads in flight. With three
-// prefetchers beside them (2026-12-04, two machines, 3-4 rounds each), 10 readers in
-// 160 MiB beat 8 in 128 MiB (0.334-0.342 s against 0.331-0.356; 0.335-0.341 against
-// 0.336-0.376 on a host with slower memory); 12 and 16 readers were slower.
+// serves the page-cache copy and the DMA instead of spilling staging to DRAM and back. A
+// cold disk needs the opposite (many large reads in flight). The sizes are the best of a
+// sweep on an H200 (bench/RESULTS.md, "GPU load"; bench/staging_sweep.sh reruns it).
 constexpr unsigned kWarmReaders = 10;
 constexpr uint64_t kWarmChunkBytes = 4 * kMiB;
 constexpr uint64_t kWarmStagingBytes = 160 * kMiB;
@@ -383,8 +380,8 @@ GpuPath choose_path(const Checkpoint& checkpoint, const StreamOptions& options) 
                     checkpoint.uri() + " is not on the local file system (use --gpu-path staged or auto)");
       return options.gpu_path;
     case GpuPath::kAuto:
-      // Staged: measured on an H200 at 31-35 GB/s warm against 20-23 for mapped (and 41-47
-      // in the warm shape), on a par cold (bench/RESULTS.md); it serves every storage.
+      // Staged: faster than mapped warm and on a par cold (bench/RESULTS.md, "GPU load"),
+      // and it serves every storage.
       return GpuPath::kStaged;
   }
   return GpuPath::kStaged;
@@ -417,9 +414,8 @@ StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& ch
     default:
       // O_DIRECT was asked for to read the disk, whatever the cache holds.
       if (options.gpu_path == GpuPath::kAuto && options.local_io != LocalIo::kDirect && page_cache_holds(checkpoint)) {
-        // In the warm shape, copies out of a mapping beat pread (46-48 GB/s against 43-45 on
-        // an H200, bench/RESULTS.md session 8): read through one, whatever the buffered
-        // read method was.
+        // In the warm shape, copies out of a mapping beat pread (bench/RESULTS.md, "GPU
+        // load"): read through one, whatever the buffered read method was.
         auto mapped_reads = checkpoint.storage().with_local_io(LocalIo::kMmap);
         Storage& storage = mapped_reads ? *mapped_reads : checkpoint.storage();
         return stream_tensors_through(storage, checkpoint, requests, sink, warm_staging(options), progress,

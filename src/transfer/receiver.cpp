@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "base/errno_text.hpp"
+#include "base/text.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"
@@ -199,11 +200,7 @@ std::string unix_socket_path(const ReceiverOptions& options) {
                                                                           : options.socket_directory);
 }
 
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3g s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
-}
+using detail::seconds_text;
 
 }  // namespace
 

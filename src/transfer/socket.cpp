@@ -1,6 +1,7 @@
 // Sockets with deadlines and framed messages for the update protocol.
 #include "transfer/socket.hpp"
 #include "base/errno_text.hpp"
+#include "base/text.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -29,11 +30,7 @@ using Clock = std::chrono::steady_clock;
 /// Descriptors one received message has room for (the protocol passes at most one).
 constexpr size_t kMaxPassedDescriptors = 16;
 
-std::string seconds_text(std::chrono::milliseconds timeout) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3g s", static_cast<double>(timeout.count()) / 1000.0);
-  return text;
-}
+using detail::seconds_text;
 
 /// Waits until `fd` is ready for `events` or the deadline passes; false on timeout.
 bool wait_ready(int fd, short events, Clock::time_point deadline) {
