@@ -23,7 +23,7 @@ bucket; nginx ignores signatures, so it measures the clients, not an S3 implemen
                  the engine is driven through its ctypes layer, as its wrapper does.
 
 Usage: python3 bench/s3_bench.py [--size 1GiB] [--cli build/weightstream] [--runs 3]
-                                 [--concurrency 16] [--results bench/RESULTS.md]
+                                 [--concurrency 16] [--results bench/HISTORY.md]
 Needs: nginx (Debian nginx-light), curl; pip wheels as above (installed into
 WORKDIR/site with --no-deps on first use, unless --skip-runai).
 """

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Staged GPU loads of one warm checkpoint across the staged path's shapes (read method,
 # readers, read size, staging limit), against the pinned host-to-device copy rate of the same
-# run: which shape GpuPath::kAuto should take for a warm page cache (bench/RESULTS.md,
-# session 7). For the GPU machine, after scripts/gpu.sh build.
+# run: which shape GpuPath::kAuto should take for a warm page cache (bench/HISTORY.md,
+# "The staged path by its shape"). For the GPU machine, after scripts/gpu.sh build.
 # Usage: bench/staging_sweep.sh [CHECKPOINT_DIR | SIZE]
 #   a directory: that checkpoint (e.g. gpu_bench.py's kept /tmp/ws-gpu-bench), read once to warm it;
 #   else a synth llama checkpoint of SIZE (default 16GiB). Results on stdout, 3 runs a row.

@@ -11,7 +11,6 @@
 #                          shared of each row, ';'-separated (default
 #                          "arena on B;arena on 256MiB;arena off B;tensors on B", B the bucket)
 #   WS_UPDATE_REPEAT       updates a row (default 5)
-#   WS_GATHER_PROBE        0 skips bench/gather_probe.cu (the copy-kernel shapes)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu}
@@ -40,17 +39,6 @@ grep "weightstream: NCCL" "$out/update_build.log" | tail -1
 "$build/tests/test_transfer" --gtest_filter='AuditVia.CudaIpc*' 2>&1 | tee -a "$out/update_tests.log" |
   grep -q '\[  PASSED  \] 1 test' || { echo "cuda-ipc audit did not pass"; status=1; }
 echo "update tests: $(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\]' "$out/update_tests.log" | head -3 | tr '\n' ' ')" >>"$out/summary.txt"
-
-# The receiver's copy kernel alone, in several shapes, against one cudaMemcpy (decides the
-# parameters of src/device/copy_kernels.cu).
-if [ "${WS_GATHER_PROBE:-1}" = 0 ]; then
-  echo "gather_probe: skipped (WS_GATHER_PROBE=0)"
-elif nvcc -O3 -std=c++17 -arch=native "$root/bench/gather_probe.cu" -o "$build/gather_probe" >>"$out/update_build.log" 2>&1; then
-  "$build/gather_probe" 16 7 >"$out/gather_probe.md" 2>&1 || status=1
-  cat "$out/gather_probe.md"
-else
-  echo "gather_probe: build FAILED" | tee -a "$out/summary.txt"
-fi
 
 # The benchmark: ~1,000 and ~10,000 tensors, `repeat` updates over one connection each,
 # median; the sender's tensors in one arena shared in place (the default for allocations of

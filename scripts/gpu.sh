@@ -111,7 +111,7 @@ if wants test; then
   grep -A200 "The following tests FAILED" "$out/ctest.log" | head -40
   # The CUDA tests must have run, not skipped.
   "$build/tests/test_device" --gtest_filter='Cuda.*' --gtest_brief=1 >"$out/cuda_tests.log" 2>&1 || status=1
-  "$build/tests/test_resolve" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
+  "$build/tests/test_load" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
   summary "cuda tests ($((SECONDS - start)) s for all tests):" \
     "$(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/cuda_tests.log" | tr '\n' ' ')"
 fi
@@ -176,7 +176,7 @@ fi
 
 if wants smallload; then
   # Issue 20's small-load floor on this machine's idle CPUs: 20 loads of a 30 MiB checkpoint,
-  # in-process time, how many stay under 20 ms (bench/RESULTS.md, "Small-load floor").
+  # in-process time, how many stay under 20 ms (bench/HISTORY.md, "Small-load floor").
   python3 bench/small_load_bench.py --cli "$build/weightstream" 2>&1 | tee "$out/small_load.md" | tee -a "$out/summary.txt" ||
     status=1
 fi

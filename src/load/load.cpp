@@ -1,4 +1,4 @@
-// Implements load.hpp: feeds a Checkpoint's stream into a LoadSession (each rank reads only
+// The load layer (load.hpp): feeds a Checkpoint's stream into a LoadSession (each rank reads only
 // the byte ranges it needs, and the session receives the pieces as the source completes
 // them), the identity layout, and the plain load and digest built on it.
 #include <algorithm>
