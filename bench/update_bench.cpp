@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "weightstream/device.hpp"
+#include "device/copies.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/options.hpp"

@@ -4,14 +4,12 @@
 /// with CUDA where the toolkit is found; otherwise every CUDA request throws
 /// Error(kUnsupported) naming the device. Knows nothing of storage. Every CUDA runtime and
 /// driver call of weightstream's layers is made in src/device/ (device_cuda.cpp), with one
-/// CUDA error text; other layers use this API (the update transports its streams and IPC).
+/// CUDA error text. Copy queues, CUDA streams, host registrations and IPC handles are
+/// internals of the library's own layers: src/device/copies.hpp, host_registration.hpp, ipc.hpp.
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <optional>
-#include <span>
 #include <string>
 #include <string_view>
 
@@ -82,88 +80,6 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
 /// they landed (cudaMemset on a GPU). Throws Error(kDevice) with the CUDA error string.
 void fill_zero(void* destination, const Device& device, size_t bytes);
 
-/// One copy of a batch: `bytes` from `source` to `destination`, each in host memory or in
-/// the memory of the batch's device.
-struct CopyRange {
-  void* destination = nullptr;
-  const void* source = nullptr;
-  size_t bytes = 0;
-};
-
-/// Copies every range and waits until all are done. On a GPU the ranges go to the driver
-/// as one batch (cudaMemcpyBatchAsync): thousands of small tensors cost about one call,
-/// not one cudaMemcpy each (about 13 us each on an H200, which for 10,000 tensors is more
-/// than copying 16 GB). The ranges must not overlap. Throws Error(kDevice) naming the
-/// device, the number of ranges and the CUDA error.
-void copy_batch(const Device& device, std::span<const CopyRange> ranges);
-
-/// Like copy_batch() for ranges whose sources and destinations are all in the memory of
-/// `device` (a GPU's, or memory another process exported to it): one kernel launch copies
-/// them all where the build has CUDA kernels, so 10,000 tensors cost about what one does.
-void copy_within_device(const Device& device, std::span<const CopyRange> ranges);
-
-/// Copies within one device issued in order on a stream of the queue's own and waited for
-/// together: a caller applying a stream of batches (an update's buckets) enqueues one gather
-/// per batch, and its host work on the next batch overlaps the copies of this one. A gather
-/// is one kernel launch where the build has CUDA kernels (as copy_within_device()); on the
-/// CPU, or without kernels, it copies at once. Sources must stay valid and unchanged, and
-/// destinations untouched by others, until wait() returns. Move-only; the destructor waits.
-class CopyQueue {
- public:
-  CopyQueue();
-  explicit CopyQueue(const Device& device);
-  ~CopyQueue();
-  CopyQueue(CopyQueue&&) noexcept;
-  CopyQueue& operator=(CopyQueue&&) noexcept;
-
-  /// Issues the copies of every range (sources and destinations in the device's memory, or
-  /// memory another process exported to it) and returns before they are done. Throws
-  /// Error(kDevice) naming the device and the CUDA error.
-  void gather(std::span<const CopyRange> ranges);
-  /// Waits until every gather issued so far has landed. Throws Error(kDevice) when one of
-  /// them failed.
-  void wait();
-  /// True while gathers are issued and not yet waited for.
-  bool pending() const noexcept;
-
- private:
-  struct State;
-  std::unique_ptr<State> state_;
-};
-
-/// Waits until every copy_bytes() copy involving `device` has finished. A device-to-device
-/// copy_bytes() returns before the copy engine is done (CUDA's rule for cudaMemcpy between
-/// device buffers); call this before handing such memory to another process or stream.
-/// A no-op for the CPU and in builds without CUDA. Throws Error(kDevice) on a CUDA error.
-void wait_for_copies(const Device& device);
-
-/// Page-locks an existing host range (typically a read-only mmap of a file) for the
-/// copy engine of `device`, so that async copies read it directly instead of through a
-/// pageable bounce. Registering faults in every page of the range, which on a cold page
-/// cache reads the file. Unregisters on destruction. Move-only.
-class HostRegistration {
- public:
-  HostRegistration() = default;
-  /// Registers [data, data + bytes) read-only (cudaHostRegisterReadOnly) where `read_only`,
-  /// so a PROT_READ mapping is accepted. Throws Error(kUnsupported) without CUDA in the
-  /// build and Error(kDevice) naming the device, the size and the CUDA error otherwise.
-  HostRegistration(const Device& device, const void* data, size_t bytes, bool read_only = true);
-  HostRegistration(HostRegistration&& other) noexcept;
-  HostRegistration& operator=(HostRegistration&& other) noexcept;
-  HostRegistration(const HostRegistration&) = delete;
-  HostRegistration& operator=(const HostRegistration&) = delete;
-  ~HostRegistration();
-
-  const void* data() const noexcept { return data_; }
-  size_t size() const noexcept { return size_; }
-
- private:
-  void release() noexcept;
-  const void* data_ = nullptr;
-  size_t size_ = 0;
-  Device device_;
-};
-
 /// Asynchronous host-to-device copies on a set of CUDA streams ("lanes") of one device.
 /// Each copy keeps a caller's keepalive (a staging-buffer lease, a HostRegistration) until
 /// the copy engine is done with the source; a thread of the copier releases it then, so
@@ -221,84 +137,6 @@ class DeviceCopier {
  private:
   struct State;
   std::unique_ptr<State> state_;
-};
-
-/// A CUDA stream of one device (non-blocking: it does not wait for the legacy default
-/// stream) on which copies run in the order issued. Move-only; the destructor waits for
-/// what was issued and never throws.
-class DeviceStream {
- public:
-  /// Creates the stream on `device`, a CUDA device. Throws Error(kUnsupported) without CUDA
-  /// in the build, Error(kDevice) for an unusable device or a failed cudaStreamCreate.
-  explicit DeviceStream(const Device& device);
-  ~DeviceStream();
-  DeviceStream(DeviceStream&& other) noexcept;
-  DeviceStream& operator=(DeviceStream&& other) noexcept;
-  DeviceStream(const DeviceStream&) = delete;
-  DeviceStream& operator=(const DeviceStream&) = delete;
-
-  /// Issues a copy of `bytes` between host memory and memory of the device (or memory
-  /// another process exported to it) and returns before it is done. `what` names the copy in
-  /// errors. Throws Error(kDevice) naming the device, `what` and the CUDA error.
-  void copy_async(void* destination, const void* source, size_t bytes, std::string_view what);
-  /// Waits for everything issued on the stream. Throws Error(kDevice) naming `what`.
-  void synchronize(std::string_view what);
-  /// The cudaStream_t, for a library that queues its own work on the stream (NCCL).
-  void* native() const noexcept { return stream_; }
-  const Device& device() const noexcept { return device_; }
-
- private:
-  Device device_;
-  void* stream_ = nullptr;
-};
-
-/// Waits until every piece of work queued on `device` by any stream of this process is
-/// done (cudaDeviceSynchronize): what a caller computed before handing memory over. A no-op
-/// for the CPU. Throws Error(kDevice) naming the device, `what` and the CUDA error.
-void synchronize_device(const Device& device, std::string_view what);
-
-/// Bytes of a CUDA IPC memory handle (cudaIpcMemHandle_t).
-inline constexpr size_t kIpcHandleBytes = 64;
-/// A handle by which another process maps a device allocation of this one.
-using IpcHandle = std::array<std::byte, kIpcHandleBytes>;
-
-/// Exports the device allocation that starts at `data` on `device` to other processes
-/// (cudaIpcGetMemHandle). Throws Error(kUnsupported) without CUDA in the build,
-/// Error(kDevice) naming the device, `what` and the CUDA error.
-IpcHandle export_ipc_handle(const Device& device, const void* data, std::string_view what);
-/// As export_ipc_handle(), or std::nullopt when CUDA refuses to export the allocation
-/// (memory of cudaMallocAsync pools or of virtual-memory mappings), which is not an error.
-std::optional<IpcHandle> try_export_ipc_handle(const Device& device, const void* data);
-
-/// The allocation of device memory that holds a pointer: where it starts and its size.
-struct DeviceAllocation {
-  uintptr_t base = 0;
-  uint64_t bytes = 0;
-};
-/// The allocation holding `pointer` (the driver's cuMemGetAddressRange), or std::nullopt
-/// when the driver cannot tell: not device memory, a driver without the call, no CUDA.
-std::optional<DeviceAllocation> device_allocation_of(const void* pointer) noexcept;
-
-/// Another process's device allocation mapped into this one on `device`
-/// (cudaIpcOpenMemHandle, peer access enabled lazily), unmapped on destruction. Move-only.
-class IpcMapping {
- public:
-  IpcMapping() = default;
-  /// Maps `handle` on `device`. Throws Error(kUnsupported) without CUDA in the build,
-  /// Error(kDevice) naming the device, `what` and the CUDA error.
-  IpcMapping(const Device& device, const IpcHandle& handle, std::string_view what);
-  ~IpcMapping();
-  IpcMapping(IpcMapping&& other) noexcept;
-  IpcMapping& operator=(IpcMapping&& other) noexcept;
-  IpcMapping(const IpcMapping&) = delete;
-  IpcMapping& operator=(const IpcMapping&) = delete;
-
-  /// Where the allocation is mapped here (null for an empty mapping).
-  std::byte* data() const noexcept { return data_; }
-
- private:
-  Device device_;
-  std::byte* data_ = nullptr;
 };
 
 }  // namespace weightstream

@@ -1,11 +1,11 @@
 #pragma once
 /// @file model.hpp
 /// The model layer: an engine's parameters (`Parameter`, grouped by layer in a
-/// `ModelLayout`), the declarative mapping rules that say which checkpoint tensors fill
-/// which rows of which parameter on which tensor-parallel rank, the `LoadSession` that
-/// applies named tensors to them (cold load, reload, update), per-layer processing, model
-/// hooks that run once per load, and the bit-exact audit. Uses only the format and device
-/// layers: a session consumes named tensors, whatever produced them.
+/// `ModelLayout`), the `LoadSession` that applies named tensors to them (cold load, reload,
+/// update), per-layer processing, model hooks that run once per load, and the bit-exact
+/// audit. The supported architectures and their mapping tables are in architectures.hpp;
+/// synthetic checkpoints in synth.hpp. Uses only the format and device layers: a session
+/// consumes named tensors, whatever produced them.
 
 #include <array>
 #include <cstddef>
@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weightstream/architectures.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/stats.hpp"
@@ -33,130 +34,6 @@ struct Parallelism {
   int64_t ep_size = 1;  ///< expert-parallel ranks; above 1, routed experts are divided whole among them
   int64_t ep_rank = 0;  ///< this rank, in [0, ep_size)
 };
-
-/// Vocabulary rows are padded to a multiple of this before they are divided among ranks
-/// (as vLLM's VocabParallelEmbedding does); padding rows are zero.
-inline constexpr int64_t kVocabPadding = 64;
-
-/// How a checkpoint tensor is divided among tensor-parallel ranks. Tensors are viewed as
-/// two-dimensional, [shape[0], product of the other dimensions].
-enum class Split {
-  kReplicated,  ///< every rank holds the whole tensor
-  kColumn,      ///< dim 0 (output features) divided: each rank's slice is one contiguous byte range
-  kRow,         ///< dim 1 (input features) divided: each rank's slice is strided
-  kVocab,       ///< dim 0 padded to a multiple of kVocabPadding, then divided; padding rows zero
-  kKvHeads,     ///< dim 0 divided by K/V heads; heads replicated when tp_size exceeds their count
-  /// dim 0 is a run of sections (MappingRule::sections), each divided among ranks: a rank
-  /// takes its share of every section, concatenated in section order, one part per section
-  /// (vLLM's mamba_v2_sharded_weight_loader, as Qwen3-Next's conv1d over q, k and v).
-  kColumnSections,
-};
-
-/// "replicated", "column", "row", "vocab", "kv_heads", "column_sections".
-std::string_view split_name(Split split) noexcept;
-
-/// Which layers a mapping rule applies to.
-enum class LayerScope {
-  kGlobal,    ///< once per model (embeddings, final norm, lm_head); {layer} does not appear
-  kLayer,     ///< every decoder layer, MTP layers included
-  kDenseMlp,  ///< decoder layers with a dense MLP
-  kMoe,       ///< decoder layers with routed experts (once per layer)
-  kExpert,    ///< every routed expert of a MoE layer that this rank holds; {expert} appears
-  kMtp,       ///< multi-token-prediction layers only (enorm, hnorm, eh_proj, shared_head)
-  /// Layers with full (softmax) attention: every layer of a model without linear attention,
-  /// every full_attention_interval-th layer of Qwen3-Next, and MTP layers.
-  kFullAttention,
-  kLinearAttention,  ///< Qwen3-Next's Gated DeltaNet (linear attention) layers
-  /// Once, with the first MTP layer: the MTP module's weights outside its layers (Qwen3-Next's
-  /// mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm); no {layer}.
-  kMtpModule,
-};
-
-/// One section of dim 0 of a tensor divided by Split::kColumnSections.
-struct RowSection {
-  std::string part;  ///< the part id its slice fills ("q", "k", "v"), unique within the parameter
-  std::string rows;  ///< its rows, as the name of a dimension (see model_dimensions)
-};
-
-/// One row of a declarative mapping table: which checkpoint tensor fills which part of
-/// which parameter, how it is divided among ranks, and its full (unsharded) shape.
-struct MappingRule {
-  std::string tensor;     ///< checkpoint name pattern, with {layer} and {expert} placeholders
-  std::string parameter;  ///< parameter name pattern; without {expert} while `tensor` has it, experts are stacked
-  std::string part;       ///< part id within a fused parameter ("q", "k", "v", "0", "1"); empty when whole
-  std::vector<std::string> shape;  ///< checkpoint shape as names of dimensions (see model_dimensions)
-  Split split = Split::kReplicated;
-  LayerScope scope = LayerScope::kLayer;
-  bool linear = false;    ///< a linear layer's weight: quantized when the layout quantizes
-  /// Parameter dtype when it is not the model's (DeepSeek's router bias stays F32).
-  std::optional<Dtype> dtype;
-  /// For Split::kColumnSections: dim 0's sections in order, whose rows add up to shape[0].
-  /// The rule then fills one part per section (its `part` is unused).
-  std::vector<RowSection> sections;
-};
-
-/// Where a family's checkpoints put their multi-token-prediction (draft) layers.
-enum class MtpPlacement {
-  kNone,           ///< the family has no MTP layers
-  kDecoderLayers,  ///< model.layers.{num_hidden_layers + i}.* (DeepSeek-V3, Kimi-K2, GLM-4.5)
-  kMtpModule,      ///< mtp.layers.{i}.* and mtp.* (Qwen3-Next)
-};
-
-/// Which decoder layers of a family have routed experts (the others a dense MLP).
-enum class ExpertLayers {
-  kNone,         ///< a dense model
-  kFirstKDense,  ///< layer >= first_k_dense_replace and layer % moe_layer_freq == 0 (DeepSeek-V3, GLM-4.5)
-  kSparseStep,   ///< not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0 (Qwen3-MoE, Qwen3-Next)
-  kEveryLayer,   ///< every layer (Mixtral)
-};
-
-/// One supported architecture: its model_type, its mapping table and the facts about its
-/// layers that build_model_layout and synth read. Adding a family means adding one of these.
-struct Architecture {
-  std::string_view model_type;  ///< config.json model_type, e.g. "qwen3_moe"
-  std::string_view hf_class;    ///< config.json "architectures" entry, e.g. "Qwen3MoeForCausalLM"
-  ExpertLayers experts = ExpertLayers::kNone;
-  MtpPlacement mtp = MtpPlacement::kNone;
-  bool linear_attention = false;  ///< Gated DeltaNet layers between full-attention layers (Qwen3-Next)
-  bool mla = false;               ///< multi-head latent attention (DeepSeek-V3, Kimi-K2)
-  /// The mapping table for one config of the family (rows depend on it: a q LoRA, shared
-  /// experts, attention biases, q/k norms).
-  std::vector<MappingRule> (*rules)(const ModelConfig& config) = nullptr;
-};
-
-/// Every supported architecture, in the order messages list them.
-std::span<const Architecture> architectures() noexcept;
-/// The architecture of `model_type`, or null.
-const Architecture* find_architecture(std::string_view model_type) noexcept;
-/// The architecture of a config. Throws Error(kModel) naming the model_type and the supported ones.
-const Architecture& architecture_of(const ModelConfig& config);
-/// "llama, qwen3, ..." (every supported model_type).
-std::string supported_model_types();
-
-/// True when config.json's quantization_config declares FP8 block-scaled weights (as
-/// DeepSeek-V3, Kimi-K2, Qwen3-*-FP8 and GLM-4.5-FP8 ship): quant_method "fp8" with a
-/// weight_block_size. Linear weights are then F8_E4M3 and each has an F32
-/// X.weight_scale_inv of [ceil(out / block_n), ceil(in / block_k)] (dequantized weight =
-/// code x scale). Throws Error(kModel) for a quantization_config that weightstream does not
-/// load (another quant_method or fmt, FP8 without weight_block_size, static activations).
-bool fp8_block_quantized(const ModelConfig& config);
-
-/// The named dimensions that MappingRule::shape refers to, computed from a config
-/// ("hidden", "vocab", "q_rows", "kv_rows", "intermediate", "moe_intermediate", ...).
-std::map<std::string, int64_t, std::less<>> model_dimensions(const ModelConfig& config);
-
-/// The mapping table of the config's architecture (architecture_of(config).rules).
-/// Throws Error(kModel) naming the model_type when it is not supported.
-std::vector<MappingRule> mapping_rules(const ModelConfig& config);
-
-/// MTP layers the config declares (num_nextn_predict_layers) for the architectures that
-/// have them (MtpPlacement other than kNone); 0 for the others. Layout layers
-/// num_hidden_layers and up; they belong to the draft layout only.
-int64_t mtp_layer_count(const ModelConfig& config);
-
-/// Checkpoint tensors that no parameter uses and that are not errors (glob patterns, '*'
-/// matches any run of characters), e.g. "*.rotary_emb.inv_freq".
-std::vector<std::string> ignore_rules(const ModelConfig& config);
 
 /// Per-layer processing a parameter gets once its layer is complete.
 enum class Processing {
@@ -632,64 +509,5 @@ float e4m3_to_float(uint8_t code) noexcept;
 /// for any other pair of distinct dtypes.
 void convert_elements(std::byte* destination, Dtype destination_dtype, const std::byte* source, Dtype source_dtype,
                       uint64_t elements);
-
-// Synthetic checkpoints (weightstream synth), expanded from the same mapping tables.
-
-/// Options of the synthetic checkpoint generator (`weightstream synth`).
-struct SynthOptions {
-  std::string arch = "llama";  ///< a supported model_type (architectures()): llama, qwen3, qwen3_moe, mixtral, ...
-  int64_t layers = 2;   ///< decoder layers (num_hidden_layers), 1 to 65536
-  int64_t hidden = 256; ///< hidden_size, a multiple of 32 from 64 to 65536
-  int64_t shards = 2;   ///< shard files, 1 to 99999 and at most the number of tensors
-  uint64_t seed = 0;
-  Dtype dtype = Dtype::kBF16;  ///< dtype of the weights (the DeepSeek router bias stays F32)
-  /// When set, scale the model to about this many bytes (`layers` is then ignored): layers
-  /// grow, and hidden doubles (up to 16384) while more than kSynthMaxScaledLayers layers
-  /// would be needed. A target below the one-layer model (at `hidden`) throws
-  /// Error(kInvalidArgument) naming the smallest size that can be met.
-  std::optional<uint64_t> target_bytes;
-  int64_t vocab = 4096;  ///< vocab_size
-  bool tie_word_embeddings = false;  ///< llama and qwen3: omit lm_head.weight
-  /// Quantized weights as checkpoints ship them: kFp8Block writes every quantized linear
-  /// weight as F8_E4M3 codes of its random BF16 values with an F32 X.weight_scale_inv per
-  /// 128 x 128 block (amax / 448), and quantization_config {"quant_method": "fp8", "fmt":
-  /// "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
-  enum class Quantization { kNone, kFp8Block } quantize = Quantization::kNone;
-  // MoE families only (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen3_next, mixtral).
-  int64_t experts = 8;             ///< routed experts (n_routed_experts, num_experts or num_local_experts)
-  int64_t shared_experts = 1;      ///< n_shared_experts (qwen3_next: one shared expert when above 0; qwen3_moe, mixtral: none)
-  int64_t experts_per_token = 2;   ///< num_experts_per_tok (qwen3_next too)
-  int64_t first_dense_layers = 1;  ///< first_k_dense_replace (qwen3_moe: mlp_only_layers 0..n-1; capped at layers)
-  int64_t mtp_layers = 1;          ///< num_nextn_predict_layers (deepseek_v3, kimi_k2, glm4_moe, qwen3_next)
-};
-
-/// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
-inline constexpr int64_t kSynthMaxScaledLayers = 256;
-
-/// Summary of a synthesized checkpoint.
-struct SynthResult {
-  uint64_t tensors = 0;  ///< tensors written
-  uint64_t bytes = 0;    ///< tensor bytes written (metadata.total_size of the index)
-  /// Paths of the files written: config.json, the index, then the shards in order.
-  std::vector<std::string> files;
-  ModelConfig config;  ///< the config written, as parse_model_config() reads it back
-};
-
-/// Names, dtypes and shapes of the tensors of a Hugging Face checkpoint of `config` (a
-/// supported model_type), expanded from the architecture's mapping table, with weights in
-/// `dtype` (F8_E4M3 plus F32 X.weight_scale_inv for quantized linear weights when the
-/// config is FP8 block-quantized), in file order: the embedding, the decoder layers, the
-/// final norm and lm_head, then the MTP layers. Throws Error(kInvalidArgument) for another model_type.
-std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype dtype);
-
-/// Writes config.json, model.safetensors.index.json and shards named and shaped like the
-/// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.
-/// deepseek_v3 includes routed and shared MoE experts and num_nextn_predict_layers MTP
-/// layers named model.layers.{num_hidden_layers+i}.*; qwen3_next has Gated DeltaNet layers
-/// with a full-attention layer every full_attention_interval (4, or the layer count when
-/// smaller), MoE layers with one shared expert, and its MTP module under mtp.* (mtp.fc,
-/// mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.{i}.*, mtp.norm) after
-/// every other tensor.
-SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options);
 
 }  // namespace weightstream

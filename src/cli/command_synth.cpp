@@ -4,6 +4,7 @@
 #include "cli/command.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream::cli {
 

@@ -17,6 +17,9 @@
 #include <vector>
 
 #include "device/host_memory.hpp"
+#include "device/copies.hpp"
+#include "device/host_registration.hpp"
+#include "device/ipc.hpp"
 #ifdef WS_HAVE_CUDA_KERNELS
 #include "device/copy_kernels.hpp"
 #endif

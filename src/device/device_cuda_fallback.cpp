@@ -4,6 +4,9 @@
 #include <cstring>
 
 #include "device/host_memory.hpp"
+#include "device/copies.hpp"
+#include "device/host_registration.hpp"
+#include "device/ipc.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 

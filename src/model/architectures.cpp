@@ -8,6 +8,7 @@
 #include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream {
 namespace {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream::detail {
 

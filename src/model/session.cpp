@@ -11,6 +11,7 @@
 #include <set>
 
 #include "base/text.hpp"
+#include "device/copies.hpp"
 #include "model/parameter_writer.hpp"
 #include "model/processing.hpp"
 #include "weightstream/error.hpp"

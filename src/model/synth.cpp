@@ -19,6 +19,7 @@
 #include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/options.hpp"
 
 namespace weightstream {

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "base/text.hpp"
+#include "device/host_registration.hpp"
 #include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "stream/split_stream.hpp"

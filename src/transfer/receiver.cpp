@@ -16,6 +16,7 @@
 
 #include "base/errno_text.hpp"
 #include "base/text.hpp"
+#include "device/copies.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"

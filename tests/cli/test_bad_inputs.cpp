@@ -14,6 +14,7 @@
 
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/options.hpp"
 

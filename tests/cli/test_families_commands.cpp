@@ -8,6 +8,7 @@
 
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream {
 namespace {

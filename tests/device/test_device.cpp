@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "support/test_support.hpp"
+#include "device/copies.hpp"
+#include "device/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 

@@ -10,6 +10,7 @@
 #include "model/model_fixtures.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream {
 namespace {

@@ -13,6 +13,7 @@
 #include "support/test_support.hpp"
 #include "weightstream/load.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {

@@ -12,6 +12,7 @@
 #include "support/test_support.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream::testing {
 

@@ -9,6 +9,7 @@
 
 #include "model/model_fixtures.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream {
 namespace {

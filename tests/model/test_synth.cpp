@@ -8,6 +8,7 @@
 #include "format/format_test_files.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 
 namespace weightstream {
 namespace {

@@ -13,6 +13,7 @@
 
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/resolve.hpp"
 
 namespace weightstream::testing {

@@ -16,6 +16,7 @@
 
 #include "support/test_support.hpp"
 #include "weightstream/load.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {

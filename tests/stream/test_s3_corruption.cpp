@@ -16,6 +16,7 @@
 #include "storage/test_s3_fixture.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {

@@ -9,6 +9,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/transfer.hpp"
 
 namespace weightstream {

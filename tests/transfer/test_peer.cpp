@@ -11,6 +11,7 @@
 #include "weightstream/load.hpp"
 #include "weightstream/options.hpp"
 #include "weightstream/peer.hpp"
+#include "weightstream/synth.hpp"
 #include "transfer/ucx.hpp"
 
 namespace weightstream {
