@@ -1,11 +1,14 @@
 #pragma once
 /// @file storage.hpp
-/// The storage layer: URIs, and the Storage interface (list, stat, ranged read) with its
-/// backends: local files and S3-compatible object storage. Knows nothing of tensors.
+/// The storage layer: URIs, and the Storage interface (list, stat, read a byte range, lend
+/// a byte range) with its backends: local files and S3-compatible object storage. Mapping
+/// files, mapping their pages ahead of a read and probing the page cache all happen here,
+/// behind borrow(). Knows nothing of tensors.
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -37,6 +40,35 @@ struct ObjectInfo {
   uint64_t size = 0;
 };
 
+/// Bytes lent by Storage::borrow(): `span` stays valid, and is changed by nobody else, while
+/// `keepalive` (or a copy of it) lives; the last copy gone returns them.
+struct Bytes {
+  std::span<const std::byte> span;
+  std::shared_ptr<const void> keepalive;
+  /// The same bytes, writable, when they were lent as a private view or a copy: a write
+  /// changes only this process's copy, never the object. Null for a shared view.
+  std::byte* writable = nullptr;
+  /// True for a view of the object's pages (a mapping), false for a copy.
+  bool view = false;
+};
+
+/// How Storage::borrow() lends bytes (modelled on Arrow's RandomAccessFile::ReadAt returning
+/// a Buffer, with the mapping an option of the local backend).
+struct BorrowOptions {
+  enum class Sharing {
+    kShared,   ///< a read-only view of the pages the page cache holds
+    kPrivate,  ///< a copy-on-write view: writable, a write copies only the pages written
+  };
+  Sharing sharing = Sharing::kShared;
+  /// Map the view's pages into this process before returning (reading them from disk on a
+  /// cold cache), so that a later copy out of them costs only the copy. A hint: a range that
+  /// cannot be mapped (a file that shrank) is left for the read of it to report.
+  bool populate = false;
+  /// Drop the view's pages from this process when the bytes are returned (they stay in the
+  /// page cache): a reader holding only the ranges in flight keeps its resident set small.
+  bool drop_when_returned = false;
+};
+
 /// A flat namespace of objects under one root: a local directory or an S3 prefix.
 /// Implementations are thread-safe: reads may run concurrently from many threads.
 class Storage {
@@ -58,23 +90,24 @@ class Storage {
   /// preadv). Errors as read(). Here one read() per segment; a backend that pays per
   /// request (S3) reads them in as few requests as it would read their sum.
   virtual void read_scattered(std::string_view name, uint64_t offset, std::span<const std::span<std::byte>> segments);
-  /// Whether prefetch() and release() do anything here: true where reads copy out of a
-  /// mapping of the file, whose pages must be mapped into this process before the copy.
-  virtual bool prefetches() const { return false; }
-  /// Prepares a later read() of exactly this range (maps its pages), so that read costs
-  /// only its copy. A hint: never throws, never changes what a read returns; a range that
-  /// is not there (a file that shrank) is left for the read to report.
-  virtual void prefetch(std::string_view /*name*/, uint64_t /*offset*/, uint64_t /*length*/) noexcept {}
-  /// The caller is done reading this range: its pages may be dropped from this process
-  /// (they stay in the page cache). Never throws.
-  virtual void release(std::string_view /*name*/, uint64_t /*offset*/, uint64_t /*length*/) noexcept {}
+  /// Lends `length` bytes of `name` from `offset`. A backend that maps its objects
+  /// (lends_views(): local files) returns a view of its mapping, shared or private as
+  /// `options` say; every other backend reads the bytes into memory of their own (a copy,
+  /// writable). Errors as read().
+  virtual Bytes borrow(std::string_view name, uint64_t offset, uint64_t length, const BorrowOptions& options = {});
+  /// Whether borrow() lends views of the objects' pages rather than copies (local files).
+  virtual bool lends_views() const { return false; }
+  /// Whether read() copies out of the views borrow() lends (local files read with
+  /// LocalIo::kMmap). A reader then holds a view of its range while it reads, borrowed with
+  /// drop_when_returned, and helpers may borrow ranges ahead of the readers with populate:
+  /// a read of a range populated that way only copies.
+  virtual bool reads_through_views() const { return false; }
   /// Reads in flight that this backend serves well (a hint for the stream layer).
   virtual unsigned preferred_concurrency() const { return 16; }
-  /// Local path of an object when the backend is the local file system, else empty.
-  virtual std::string local_path(std::string_view /*name*/) const { return {}; }
-  /// The same objects read by the local read method `io` (a storage of its own, with its
-  /// own descriptors and mappings), or null where reads are not local (S3).
-  virtual std::unique_ptr<Storage> with_local_io(LocalIo /*io*/) const { return nullptr; }
+  /// The share (0 to 1) of `name` that the page cache holds now, from a few probes that
+  /// read nothing from disk; std::nullopt where the backend cannot tell (object storage, a
+  /// file system without RWF_NOWAIT).
+  virtual std::optional<double> cached_share(std::string_view /*name*/) { return std::nullopt; }
 };
 
 /// Opens the storage root that `uri` names. For a URI that names a single object the
@@ -94,6 +127,12 @@ std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::s
 /// Error(kInvalidArgument) on a bad expiry or date, and credential resolution's errors.
 std::string presign_s3_url(const std::string& bucket, const std::string& key, const S3Options& options,
                            uint64_t expires_seconds, const std::string& amz_date = {});
+
+/// Maps the pages of `length` bytes at `offset` of `view` (bytes a borrow() lent as a
+/// view) into this process, from disk on a cold cache, so that touching them later does not
+/// fault. `what` names the object in errors. Throws Error(kIo) when the pages are gone (the
+/// object shrank since it was mapped). Does nothing for a copy.
+void populate_view(const Bytes& view, uint64_t offset, uint64_t length, std::string_view what);
 
 /// Reads a whole (small) object, refusing one larger than `max_bytes`.
 std::string read_object(Storage& storage, std::string_view name, uint64_t max_bytes);

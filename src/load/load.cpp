@@ -9,7 +9,6 @@
 
 #include "base/parallel.hpp"
 #include "base/text.hpp"
-#include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
 
@@ -109,13 +108,13 @@ ModelLayout identity_layout_without(const Checkpoint& checkpoint, const std::vec
 }
 
 /// The tensors of a host load (--io auto, the default, or mmap) that are handed out in place,
-/// as addresses in a private copy-on-write mapping of their shard (local_io::MappingKind::kPrivateWritable):
+/// as addresses in a private copy-on-write mapping of their shard (a private view borrowed from its storage):
 /// the page cache's pages, no copy, and no fresh page to zero. The mappings are the load's
 /// own, never the storage's read mapping, so a write into a loaded tensor reaches no later
 /// read of the checkpoint.
 struct InPlaceTensors {
   std::vector<bool> taken;                     ///< parallel to Checkpoint::tensors()
-  std::vector<local_io::FileMapping> mappings;  ///< parallel to Checkpoint::shards(); unmapped where unused
+  std::vector<Bytes> mappings;  ///< private views of whole shards, parallel to Checkpoint::shards(); empty where unused
   uint64_t tensors = 0;
   uint64_t bytes = 0;
   uint64_t shards_mapped = 0;
@@ -147,11 +146,11 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   InPlaceTensors in_place;
   in_place.taken.assign(tensors.size(), false);
   in_place.mappings.resize(shards.size());
-  std::vector<std::string> paths(shards.size());
-  for (size_t s = 0; s < shards.size(); ++s) paths[s] = checkpoint.storage().local_path(shards[s].name);
+  Storage& storage = checkpoint.storage();
+  const bool views = storage.lends_views();  // local files: S3 shards go to the arena
   std::vector<uint64_t> shard_bytes(shards.size(), 0);
   for (const CheckpointTensor& tensor : tensors) {
-    if (!paths[tensor.shard].empty() && in_place_candidate(tensor)) shard_bytes[tensor.shard] += tensor.bytes;
+    if (views && in_place_candidate(tensor)) shard_bytes[tensor.shard] += tensor.bytes;
   }
   struct Piece {
     size_t shard;
@@ -161,7 +160,7 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   for (size_t s = 0; s < shards.size(); ++s) {
     if (shard_bytes[s] == 0) continue;
     try {
-      in_place.mappings[s] = local_io::FileMapping::open(paths[s], shards[s].size, local_io::MappingKind::kPrivateWritable);
+      in_place.mappings[s] = storage.borrow(shards[s].name, 0, shards[s].size, {.sharing = BorrowOptions::Sharing::kPrivate});
     } catch (const Error& error) {
       // A file system that cannot map files (ENODEV: some FUSE and network mounts) leaves
       // the shard to the arena at --io auto, which reads it as pread would; --io mmap was
@@ -187,7 +186,7 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
   std::atomic<uint64_t> mapped{0};
   detail::run_parallel(pieces.size(), threads, [&](size_t worker, size_t p) {
     const Piece& piece = pieces[p];
-    local_io::populate_range(in_place.mappings[piece.shard].data(), paths[piece.shard], piece.offset, piece.length);
+    populate_view(in_place.mappings[piece.shard], piece.offset, piece.length, storage.object_uri(shards[piece.shard].name));
     uint64_t done = mapped.fetch_add(piece.length) + piece.length;
     // Progress from the calling thread only (a callback that throws, as an interrupted
     // Python caller's does, stops the other threads after their piece).
@@ -335,14 +334,14 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   size_t parameter = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!in_place.taken.empty() && in_place.taken[i]) {
-      std::byte* data = in_place.mappings[tensors[i].shard].writable_data() + tensors[i].offset;
+      std::byte* data = in_place.mappings[tensors[i].shard].writable + tensors[i].offset;
       loaded.tensors[i] = {i, data, tensors[i].bytes, true};
     } else {
       loaded.tensors[i] = {i, loaded.layout.parameters()[parameter++].data, tensors[i].bytes, false};
     }
   }
   if (in_place.shards_mapped > 0) {
-    loaded.mappings = std::make_shared<const std::vector<local_io::FileMapping>>(std::move(in_place.mappings));
+    loaded.mappings = std::make_shared<const std::vector<Bytes>>(std::move(in_place.mappings));
     // The counters cover the whole load: the mapped tensors were delivered (and read, by
     // the populating mmap of each shard) without staging.
     loaded.stats.tensors += in_place.tensors;

@@ -43,7 +43,11 @@ class ShardSubsetStorage final : public Storage {
     storage_->read(name, offset, destination);
   }
   unsigned preferred_concurrency() const override { return storage_->preferred_concurrency(); }
-  std::string local_path(std::string_view name) const override { return storage_->local_path(name); }
+  Bytes borrow(std::string_view name, uint64_t offset, uint64_t length, const BorrowOptions& options) override {
+    return storage_->borrow(name, offset, length, options);
+  }
+  bool lends_views() const override { return storage_->lends_views(); }
+  std::optional<double> cached_share(std::string_view name) override { return storage_->cached_share(name); }
 
  private:
   std::shared_ptr<Storage> storage_;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <tuple>
@@ -218,10 +219,6 @@ class LocalStorage final : public Storage {
 
   std::string root_uri() const override { return directory_; }
   std::string object_uri(std::string_view name) const override { return directory_ + "/" + std::string(name); }
-  std::string local_path(std::string_view name) const override { return object_uri(name); }
-  std::unique_ptr<Storage> with_local_io(LocalIo io) const override {
-    return std::make_unique<LocalStorage>(directory_, io);
-  }
 
   std::vector<ObjectInfo> list() override {
     std::vector<ObjectInfo> objects;
@@ -266,38 +263,66 @@ class LocalStorage final : public Storage {
       case LocalIo::kDirect: local_io::direct_read(file.direct.get(), uri, file.size, offset, destination); break;
       case LocalIo::kUring: local_io::uring_read(file.buffered.get(), uri, offset, destination); break;
       case LocalIo::kMmap:
-        local_io::mapped_read(file.mapping.data(), file.buffered.get(), uri, offset, destination,
-                              take_prefetched(file, offset, destination.size()));
+        local_io::mapped_read(file.mapping->data(), file.buffered.get(), uri, offset, destination,
+                              take_populated(file.mapping.get(), offset, destination.size()));
         break;
     }
   }
 
-  bool prefetches() const override { return io_ == LocalIo::kMmap; }
+  bool lends_views() const override { return true; }
+  bool reads_through_views() const override { return io_ == LocalIo::kMmap; }
 
-  void prefetch(std::string_view name, uint64_t offset, uint64_t length) noexcept override {
-    if (io_ != LocalIo::kMmap || length == 0) return;
-    try {
-      const auto& file = open_file(name);
-      if (offset > file.size || length > file.size - offset) return;
-      if (!local_io::map_range(file.mapping.data(), offset, length)) return;  // the read will say why
-      std::lock_guard lock(prefetched_mutex_);
-      prefetched_.insert({&file, offset, length});
-    } catch (...) {
-      // A hint only: the read that follows opens the file again and reports what failed.
+  Bytes borrow(std::string_view name, uint64_t offset, uint64_t length, const BorrowOptions& options) override {
+    const auto& file = open_file(name);
+    auto uri = object_uri(name);
+    WS_EXPECT(offset <= file.size && length <= file.size - offset, ErrorCode::kIo,
+              "cannot read " + std::to_string(offset) + "+" + std::to_string(length) + " bytes of " + uri +
+                  ": past the end of the " + std::to_string(file.size) + "-byte file");
+    if (options.sharing == BorrowOptions::Sharing::kPrivate) {
+      // A mapping of its own, checked against the size the file had when it was opened: a
+      // private view's writes must show in no other view.
+      auto mapping = std::make_shared<local_io::FileMapping>(
+          local_io::FileMapping::open(uri, file.size, local_io::MappingKind::kPrivateWritable));
+      std::byte* data = mapping->writable_data() + offset;
+      return {std::span<const std::byte>(data, length), std::move(mapping), data, true};
     }
+    std::shared_ptr<const local_io::FileMapping> mapping = shared_mapping(file, uri);
+    if (offset == 0 && length == file.size && !options.populate && !options.drop_when_returned) {
+      // A whole object lent for a while (the mapped GPU path registers windows of it): a
+      // file that changed size since it was opened is refused here, by name, rather than
+      // failing later in a registration or a copy.
+      struct stat now {};
+      WS_EXPECT(::fstat(file.buffered.get(), &now) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
+      WS_EXPECT(static_cast<uint64_t>(now.st_size) == file.size, ErrorCode::kIo,
+                uri + " is " + std::to_string(now.st_size) + " bytes, not the " + std::to_string(file.size) +
+                    " it had when the checkpoint was opened: it changed since it was opened");
+    }
+    if (options.populate && length > 0 && local_io::map_range(mapping->data(), offset, length)) {
+      std::lock_guard lock(views_->mutex);
+      views_->populated.insert({mapping.get(), offset, length});
+    }
+    std::shared_ptr<const void> keepalive = mapping;
+    if (options.drop_when_returned && length > 0) {
+      keepalive = std::shared_ptr<const void>(mapping.get(), [mapping, views = views_, offset, length](const void*) {
+        {
+          std::lock_guard lock(views->mutex);
+          views->populated.erase({mapping.get(), offset, length});  // populated after its read began: never taken
+        }
+        local_io::unmap_range(mapping->data(), offset, length);
+      });
+    }
+    return {std::span<const std::byte>(mapping->data() + offset, length), std::move(keepalive), nullptr, true};
   }
 
-  void release(std::string_view name, uint64_t offset, uint64_t length) noexcept override {
-    if (io_ != LocalIo::kMmap || length == 0) return;
+  std::optional<double> cached_share(std::string_view name) override {
+    // A few one-byte RWF_NOWAIT reads, spread over the file: enough to tell a dropped cache
+    // from a warm one without reading anything from disk.
+    constexpr unsigned kCacheProbes = 32;
     try {
       const auto& file = open_file(name);
-      {
-        std::lock_guard lock(prefetched_mutex_);
-        prefetched_.erase({&file, offset, length});  // mapped after its read began: never taken
-      }
-      if (offset <= file.size && length <= file.size - offset) local_io::unmap_range(file.mapping.data(), offset, length);
-    } catch (...) {
-      // Nothing to drop from a file that cannot be opened.
+      return local_io::cached_fraction(file.buffered.get(), file.size, kCacheProbes);
+    } catch (const Error&) {
+      return std::nullopt;  // the read that follows says what is wrong with the file
     }
   }
 
@@ -305,7 +330,9 @@ class LocalStorage final : public Storage {
   struct OpenFile {
     FileDescriptor buffered;
     FileDescriptor direct;
-    local_io::FileMapping mapping;  // --io mmap
+    /// The shared read-only mapping that views and --io mmap reads use: made at open for
+    /// --io mmap, else on the first borrow (guarded by LocalStorage::mapping_mutex_).
+    mutable std::shared_ptr<const local_io::FileMapping> mapping;
     uint64_t size = 0;
   };
 
@@ -355,7 +382,8 @@ class LocalStorage final : public Storage {
     }
     if (io_ == LocalIo::kMmap) {
       try {
-        file.mapping = local_io::FileMapping(file.buffered.get(), file.size, path, local_io::MappingKind::kSharedRead);
+        file.mapping = std::make_shared<const local_io::FileMapping>(file.buffered.get(), file.size, path,
+                                                                    local_io::MappingKind::kSharedRead);
       } catch (const Error& error) {
         WS_FAIL(error.code(), std::string(error.what()) + " (use --io pread)");
       }
@@ -366,22 +394,47 @@ class LocalStorage final : public Storage {
 
   std::string directory_;
   LocalIo io_;
-  /// Whether a prefetcher mapped exactly this range (then the read only copies it).
-  bool take_prefetched(const OpenFile& file, uint64_t offset, uint64_t length) {
-    std::lock_guard lock(prefetched_mutex_);
-    return prefetched_.erase({&file, offset, length}) > 0;
+  /// The file's shared mapping, made on first use.
+  std::shared_ptr<const local_io::FileMapping> shared_mapping(const OpenFile& file, const std::string& uri) {
+    std::lock_guard lock(mapping_mutex_);
+    if (!file.mapping) {
+      try {
+        file.mapping = std::make_shared<const local_io::FileMapping>(file.buffered.get(), file.size, uri,
+                                                                      local_io::MappingKind::kSharedRead);
+      } catch (const Error& error) {
+        WS_FAIL(error.code(), std::string(error.what()) + " (use --io pread)");
+      }
+    }
+    return file.mapping;
   }
+
+  /// Whether a borrow with populate mapped exactly this range (then the read only copies it).
+  bool take_populated(const local_io::FileMapping* mapping, uint64_t offset, uint64_t length) {
+    std::lock_guard lock(views_->mutex);
+    return views_->populated.erase({mapping, offset, length}) > 0;
+  }
+
+  /// Ranges that borrows with populate mapped, shared with the keepalives that drop them.
+  struct Views {
+    std::mutex mutex;
+    std::set<std::tuple<const local_io::FileMapping*, uint64_t, uint64_t>> populated;
+  };
 
   std::shared_mutex mutex_;
   std::unordered_map<std::string, OpenFile> files_;  // node-based: an OpenFile never moves
-  std::mutex prefetched_mutex_;
-  std::set<std::tuple<const OpenFile*, uint64_t, uint64_t>> prefetched_;  // ranges mapped by prefetch()
+  std::mutex mapping_mutex_;
+  std::shared_ptr<Views> views_ = std::make_shared<Views>();
 };
 
 }  // namespace
 
 std::unique_ptr<Storage> open_local_storage(const std::string& directory, LocalIo io) {
   return std::make_unique<LocalStorage>(directory, io);
+}
+
+void populate_view(const Bytes& view, uint64_t offset, uint64_t length, std::string_view what) {
+  if (!view.view || length == 0) return;
+  local_io::populate_range(view.span.data(), std::string(what), offset, length);
 }
 
 }  // namespace weightstream

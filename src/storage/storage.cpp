@@ -1,4 +1,5 @@
-// What every Storage backend shares: the scatter read by one read() per segment.
+// What every Storage backend shares: the scatter read by one read() per segment, and
+// borrowing by a read into memory of the borrower's own.
 #include "weightstream/storage.hpp"
 
 namespace weightstream {
@@ -8,6 +9,13 @@ void Storage::read_scattered(std::string_view name, uint64_t offset, std::span<c
     read(name, offset, segment);
     offset += segment.size();
   }
+}
+
+Bytes Storage::borrow(std::string_view name, uint64_t offset, uint64_t length, const BorrowOptions& /*options*/) {
+  // Not zeroed first: read() fills every byte or throws.
+  std::shared_ptr<std::byte[]> copy = std::make_shared_for_overwrite<std::byte[]>(length);
+  read(name, offset, std::span(copy.get(), length));
+  return {std::span<const std::byte>(copy.get(), length), copy, copy.get(), false};
 }
 
 }  // namespace weightstream

@@ -6,7 +6,6 @@
 // memcpy into staging, which is what a CPU-bound reader pool cannot avoid. Registering a
 // window faults its pages in, which reads the file when the cache is cold; several workers
 // register windows in parallel, so those reads overlap.
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -21,7 +20,6 @@
 
 #include "base/text.hpp"
 #include "device/host_registration.hpp"
-#include "storage/local_io.hpp"
 #include "weightstream/error.hpp"
 #include "stream/split_stream.hpp"
 #include "stream/streamer.hpp"
@@ -38,7 +36,10 @@ using Clock = std::chrono::steady_clock;
 
 using detail::seconds_since;
 
-using local_io::page_size;
+uint64_t page_size() noexcept {
+  static const uint64_t size = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
 
 /// Rethrows `error` with `context` in front of its message, keeping its code.
 [[noreturn]] void rethrow_with_context(const Error& error, const std::string& context) {
@@ -221,12 +222,11 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
   stats.reads = windows.size();
   stats.shards_read = static_cast<uint64_t>(std::count(shard_used.begin(), shard_used.end(), true));
 
-  std::vector<local_io::FileMapping> files(shards.size());
+  // Each shard read is borrowed whole, as a shared view of its mapping: windows of it are
+  // registered and handed to the sink, and the view lives until the stream returns.
+  std::vector<Bytes> files(shards.size());
   for (uint32_t s = 0; s < shards.size(); ++s) {
-    if (shard_used[s]) {
-      files[s] = local_io::FileMapping::open(checkpoint.storage().local_path(shards[s].name), shards[s].size,
-                                             local_io::MappingKind::kSharedRead);
-    }
+    if (shard_used[s]) files[s] = checkpoint.storage().borrow(shards[s].name, 0, shards[s].size);
   }
 
   auto budget = std::make_shared<WindowBudget>(limit, windows.size());
@@ -245,10 +245,10 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
     try {
       for (size_t index; (index = next_window.fetch_add(1)) < windows.size();) {
         const auto& window = windows[index];
-        const auto& file = files[window.shard];
+        const std::byte* file = files[window.shard].span.data();
         uint64_t bytes = window.end - window.begin;
         if (!budget->acquire(index, bytes)) return;
-        const std::byte* base = file.data() + window.begin;
+        const std::byte* base = file + window.begin;
         std::shared_ptr<const void> registration;
         try {
           // Start the kernel's readahead of the whole window before registration faults
@@ -264,13 +264,14 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
         } catch (const Error& error) {
           budget->release(bytes);
           rethrow_with_context(error, "cannot register bytes " + std::to_string(window.begin) + "+" +
-                                          std::to_string(bytes) + " of " + file.path());
+                                          std::to_string(bytes) + " of " +
+                                          checkpoint.storage().object_uri(shards[window.shard].name));
         }
         for (const auto& piece : window.pieces) {
           const TensorRequest& request = requests[piece.request];
           const CheckpointTensor& tensor = tensors[request.tensor];
           TensorPiece delivered{piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
-                                std::span<const std::byte>(file.data() + piece.file_offset, piece.length), registration};
+                                std::span<const std::byte>(file + piece.file_offset, piece.length), registration};
           sink.consume(std::move(delivered));
           enqueued.fetch_add(piece.length, std::memory_order_relaxed);
           if (remaining[piece.request].fetch_sub(piece.length) == piece.length) sink.request_complete(piece.request);
@@ -343,7 +344,6 @@ constexpr uint64_t kWarmChunkBytes = 4 * kMiB;
 constexpr uint64_t kWarmStagingBytes = 160 * kMiB;
 // Pages probed per shard to tell a warm checkpoint from a cold one, and the share of them
 // the page cache must hold.
-constexpr unsigned kCacheProbes = 32;
 constexpr double kWarmShare = 0.9;
 
 /// Whether the page cache holds (nearly) every local shard of `checkpoint`: false for
@@ -351,11 +351,7 @@ constexpr double kWarmShare = 0.9;
 bool page_cache_holds(const Checkpoint& checkpoint) {
   if (checkpoint.shards().empty()) return false;
   for (const auto& shard : checkpoint.shards()) {
-    std::string path = checkpoint.storage().local_path(shard.name);
-    if (path.empty()) return false;
-    local_io::FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!file) return false;
-    auto share = local_io::cached_fraction(file.get(), shard.size, kCacheProbes);
+    auto share = checkpoint.storage().cached_share(shard.name);
     if (!share || *share < kWarmShare) return false;
   }
   return true;
@@ -370,8 +366,7 @@ StreamOptions warm_staging(StreamOptions options) {
 }
 
 GpuPath choose_path(const Checkpoint& checkpoint, const StreamOptions& options) {
-  bool local = !checkpoint.shards().empty();
-  for (const auto& shard : checkpoint.shards()) local = local && !checkpoint.storage().local_path(shard.name).empty();
+  bool local = !checkpoint.shards().empty() && checkpoint.storage().lends_views();
   switch (options.gpu_path) {
     case GpuPath::kStaged: return GpuPath::kStaged;
     case GpuPath::kMapped:
@@ -417,8 +412,10 @@ StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& ch
       if (options.gpu_path == GpuPath::kAuto && options.local_io != LocalIo::kDirect && page_cache_holds(checkpoint)) {
         // In the warm shape, copies out of a mapping beat pread (bench/RESULTS.md, "GPU
         // load"): read through one, whatever the buffered read method was.
-        auto mapped_reads = checkpoint.storage().with_local_io(LocalIo::kMmap);
-        Storage& storage = mapped_reads ? *mapped_reads : checkpoint.storage();
+        // The shards are local files (the page cache holds them), and the local backend's
+        // root is their directory.
+        auto mapped_reads = open_local_storage(checkpoint.storage().root_uri(), LocalIo::kMmap);
+        Storage& storage = *mapped_reads;
         return stream_tensors_through(storage, checkpoint, requests, sink, warm_staging(options), progress,
                                       HostMemory::kPinned);
       }

@@ -189,18 +189,19 @@ class StreamRun {
     }
   }
 
-  /// A prefetcher: maps the pages of the reads just ahead of the readers (at most
-  /// `lookahead` reads past the last one taken) and drops those of finished reads, so the
-  /// readers' time goes to their copies and the mapping is empty when it is unmapped.
+  /// A prefetcher, for a storage that reads through views: borrows the reads just ahead of
+  /// the readers with populate (at most `lookahead` reads past the last one taken), and
+  /// returns the views of finished reads (which drops their pages), so the readers' time
+  /// goes to their copies and the mapping is empty when it is unmapped.
   /// Returns once every reader has returned and every finished read is dropped.
   void run_helper(size_t lookahead) {
     std::unique_lock lock(helper_mutex_);
     for (;;) {
-      if (!to_release_.empty()) {
-        const PlannedRead* read = to_release_.back();
-        to_release_.pop_back();
+      if (!to_return_.empty()) {
+        Bytes finished = std::move(to_return_.back());
+        to_return_.pop_back();
         lock.unlock();
-        storage_.release(checkpoint_.shards()[read->shard].name, read->offset, read->length);
+        finished = {};  // drops the pages
         lock.lock();
         continue;
       }
@@ -209,7 +210,13 @@ class StreamRun {
       if (!readers_done_ && next_prefetch_ < reads_.size() && next_prefetch_ < taken + lookahead) {
         const PlannedRead& read = reads_[next_prefetch_++];
         lock.unlock();
-        storage_.prefetch(checkpoint_.shards()[read.shard].name, read.offset, read.length);
+        try {
+          // Only the populated pages matter: the view goes at once, and the reader's read
+          // of this range copies without mapping it again.
+          storage_.borrow(checkpoint_.shards()[read.shard].name, read.offset, read.length, {.populate = true});
+        } catch (...) {
+          // A hint only: the reader's read of this range reports what is wrong.
+        }
         lock.lock();
         continue;
       }
@@ -261,6 +268,10 @@ class StreamRun {
   void execute(const PlannedRead& read, const StagingPool::Lease& lease) {
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
+    // Through views, the reader holds its range's view while it reads: returning it drops
+    // the pages, by a helper or, where there is none or it is behind, by this reader.
+    Bytes held;
+    if (views_) held = storage_.borrow(shard.name, read.offset, read.length, {.drop_when_returned = true});
     if (!read.direct) {
       storage_.read(shard.name, read.offset, std::span(lease.data, read.length));
     } else {
@@ -270,21 +281,20 @@ class StreamRun {
       storage_.read_scattered(shard.name, read.offset, segments);
     }
     reading_.add_since(read_from);
-    if (storage_.prefetches()) {
-      // The pages copied out of the mapping are dropped by a helper, or by this reader where
-      // there is none or they are behind (a helper's backlog is at most one read each): the
-      // mapped pages this process holds stay near the reads in flight, not the whole
-      // checkpoint, and nothing is left for the unmap at the end.
+    if (views_) {
+      // A helper's backlog is at most one view each: the mapped pages this process holds
+      // stay near the reads in flight, not the whole checkpoint, and nothing is left for
+      // the unmap at the end.
       bool queued = false;
       if (helpers_) {
         std::lock_guard lock(helper_mutex_);
-        queued = to_release_.size() < helpers_;
-        if (queued) to_release_.push_back(&read);
+        queued = to_return_.size() < helpers_;
+        if (queued) to_return_.push_back(std::move(held));
       }
       if (queued) {
         helper_wakeup_.notify_one();
       } else {
-        storage_.release(shard.name, read.offset, read.length);
+        held = {};
       }
     }
     auto deliver_from = Clock::now();
@@ -349,6 +359,7 @@ class StreamRun {
   };
 
   Storage& storage_;
+  const bool views_ = storage_.reads_through_views();  // reads copy out of borrowed views
   const Checkpoint& checkpoint_;
   std::span<const TensorRequest> requests_;
   TensorSink& sink_;
@@ -377,7 +388,7 @@ class StreamRun {
   std::mutex helper_mutex_;
   std::condition_variable helper_wakeup_;
   size_t next_prefetch_ = 0;                     // guarded by helper_mutex_
-  std::vector<const PlannedRead*> to_release_;   // reads copied out, to drop; guarded by helper_mutex_
+  std::vector<Bytes> to_return_;                 // views of reads copied out; guarded by helper_mutex_
   bool readers_done_ = false;                    // guarded by helper_mutex_
 };
 
@@ -415,9 +426,9 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   auto start = Clock::now();
   check_stream_options(options);
   uint64_t chunk = effective_chunk(options);
-  // A storage that prefetches pairs each prefetch with one read of the same range: its
-  // direct reads stay one a tensor.
-  auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.prefetches());
+  // A storage read through views pairs each populated view with one read of the same
+  // range: its direct reads stay one a tensor.
+  auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.reads_through_views());
 
   StreamStats stats;
   std::set<uint32_t> shards;
@@ -437,7 +448,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   size_t max_buffers = static_cast<size_t>(std::clamp<uint64_t>(options.memory_limit / chunk, 1, useful_buffers));
   auto pool = StagingPool::create(chunk, max_buffers, staging);
   unsigned thread_count = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(options.concurrency, reads.size())));
-  unsigned helper_count = storage.prefetches() ? prefetcher_count(options, thread_count) : 0;
+  unsigned helper_count = storage.reads_through_views() ? prefetcher_count(options, thread_count) : 0;
   {
     StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
     run.set_helpers(helper_count);

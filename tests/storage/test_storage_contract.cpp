@@ -245,19 +245,26 @@ TEST_P(StorageContract, ReadObjectReadsSmallFilesAndRefusesLargeOnes) {
 
 // --io mmap copies out of a mapping: a file that shrinks after it was mapped must fail the
 // read with an error naming the file, not kill the process with SIGBUS.
-// The device path reads a warm checkpoint through a mapping, whatever it was opened with.
-TEST_P(StorageContract, ReopensWithAnotherLocalReadMethodOrSaysItCannot) {
-  auto mapped = storage_->with_local_io(LocalIo::kMmap);
-  if (GetParam() == "s3") {
-    EXPECT_EQ(mapped, nullptr);
-    return;
+// Every backend lends bytes: local files as views of their mapping (shared, or private and
+// writable without reaching the file), the others as a copy of their own.
+TEST_P(StorageContract, LendsViewsOfLocalFilesAndCopiesElsewhere) {
+  const std::string name = "model-00001-of-00002.safetensors";
+  auto as_text = [](const Bytes& bytes) { return std::string(reinterpret_cast<const char*>(bytes.span.data()), bytes.span.size()); };
+  Bytes shared = storage_->borrow(name, 5, large_.size() - 5);
+  EXPECT_EQ(as_text(shared), large_.substr(5));
+  EXPECT_EQ(shared.view, storage_->lends_views());
+  EXPECT_EQ(storage_->lends_views(), GetParam() != "s3");
+  Bytes mine = storage_->borrow(name, 0, 100, {.sharing = BorrowOptions::Sharing::kPrivate});
+  ASSERT_NE(mine.writable, nullptr);
+  mine.writable[0] = static_cast<std::byte>(~large_[0]);
+  EXPECT_EQ(read(name, 0, 100), large_.substr(0, 100));  // the object is unchanged
+  EXPECT_EQ(as_text(storage_->borrow("small.bin", 17, 100)), small_.substr(17, 100));
+  try {
+    storage_->borrow("small.bin", small_.size() - 10, 100);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("small.bin"));
   }
-  ASSERT_NE(mapped, nullptr);
-  EXPECT_EQ(mapped->root_uri(), storage_->root_uri());
-  std::string bytes(large_.size() - 5, '\0');
-  mapped->read("model-00001-of-00002.safetensors", 5, std::as_writable_bytes(std::span(bytes.data(), bytes.size())));
-  EXPECT_EQ(bytes, large_.substr(5));
-  EXPECT_EQ(read("small.bin", 17, 100), small_.substr(17, 100));  // the original still reads
 }
 
 /// Reading 4096 bytes at 2 * 65536 of shard.safetensors, cut to 65536 bytes after it was
@@ -285,30 +292,32 @@ TEST(LocalMmap, AFileTruncatedAfterMappingFailsTheReadWithAnError) {
   expect_read_of_truncated_shard_fails(*storage);
 }
 
-// A prefetcher maps a range ahead of its read and drops it after: neither changes a byte
-// that a read returns, and a prefetch of what is not there throws nothing (the read says).
-TEST(LocalMmap, PrefetchedAndReleasedRangesReadTheSameBytes) {
+// A prefetcher borrows a range with populate ahead of its read, and the reader's view
+// dropped when returned drops its pages: neither changes a byte that a read returns; a
+// borrow of what is not there throws, as the read does.
+TEST(LocalMmap, PopulatedAndDroppedViewsReadTheSameBytes) {
   testing::TempDir directory;
   auto bytes = testing::pattern_bytes(5 * 65536 + 123, 11);
   testing::write_file(directory / "shard.safetensors", bytes);
   auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
-  ASSERT_TRUE(storage->prefetches());
-  EXPECT_FALSE(open_local_storage(directory.path().string(), LocalIo::kPread)->prefetches());
+  ASSERT_TRUE(storage->reads_through_views());
+  EXPECT_FALSE(open_local_storage(directory.path().string(), LocalIo::kPread)->reads_through_views());
   auto read = [&](uint64_t offset, uint64_t length) {
     std::string out(length, '\0');
     storage->read("shard.safetensors", offset, std::as_writable_bytes(std::span(out.data(), out.size())));
     return out;
   };
-  storage->prefetch("shard.safetensors", 1000, 70000);  // unaligned at both ends
-  EXPECT_EQ(read(1000, 70000), bytes.substr(1000, 70000));
-  storage->release("shard.safetensors", 1000, 70000);
+  storage->borrow("shard.safetensors", 1000, 70000, {.populate = true});  // unaligned at both ends
+  {
+    Bytes held = storage->borrow("shard.safetensors", 1000, 70000, {.drop_when_returned = true});
+    EXPECT_EQ(read(1000, 70000), bytes.substr(1000, 70000));
+  }
   EXPECT_EQ(read(1000, 70000), bytes.substr(1000, 70000));  // mapped again by the read itself
-  storage->prefetch("shard.safetensors", 4 * 65536, 65536 + 123);  // to the end
-  storage->release("shard.safetensors", 4 * 65536, 65536 + 123);   // dropped before its read
+  storage->borrow("shard.safetensors", 4 * 65536, 65536 + 123, {.populate = true});  // to the end
+  storage->borrow("shard.safetensors", 4 * 65536, 65536 + 123, {.drop_when_returned = true});  // dropped before its read
   EXPECT_EQ(read(4 * 65536, 65536 + 123), bytes.substr(4 * 65536));
-  storage->prefetch("shard.safetensors", bytes.size() - 10, 100);  // past the end: ignored
-  storage->prefetch("missing.safetensors", 0, 100);                // no such file: ignored
-  storage->release("missing.safetensors", 0, 100);
+  EXPECT_THROW(storage->borrow("shard.safetensors", bytes.size() - 10, 100, {.populate = true}), Error);
+  EXPECT_THROW(storage->borrow("missing.safetensors", 0, 100, {.populate = true}), Error);
   try {
     read(bytes.size() - 10, 100);
     FAIL() << "expected an error";
@@ -319,11 +328,11 @@ TEST(LocalMmap, PrefetchedAndReleasedRangesReadTheSameBytes) {
 
 // A range mapped by a prefetcher whose file then shrinks: the read still fails with an
 // error, as an unprefetched one does, rather than raising SIGBUS in its copy.
-TEST(LocalMmap, APrefetchedRangeOfATruncatedFileFailsTheReadWithAnError) {
+TEST(LocalMmap, APopulatedRangeOfATruncatedFileFailsTheReadWithAnError) {
   testing::TempDir directory;
   testing::write_file(directory / "shard.safetensors", testing::pattern_bytes(3 * 65536, 5));
   auto storage = open_local_storage(directory.path().string(), LocalIo::kMmap);
-  storage->prefetch("shard.safetensors", 2 * 65536, 4096);
+  storage->borrow("shard.safetensors", 2 * 65536, 4096, {.populate = true});
   std::filesystem::resize_file(directory / "shard.safetensors", 65536);
   expect_read_of_truncated_shard_fails(*storage);
 }
