@@ -39,19 +39,7 @@ CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-bu
 
 export WS_CLI="$build/weightstream"
 export VLLM_TARGET_DEVICE=cpu
-# moto's S3 server (scripts/install-deps.sh installs it) for the s3:// scenario.
-moto_pid=""
-stop_moto() { if [ -n "$moto_pid" ]; then kill "$moto_pid" 2>/dev/null || true; wait "$moto_pid" 2>/dev/null || true; fi; }
-trap stop_moto EXIT
-if command -v moto_server >/dev/null 2>&1; then
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  moto_server -H 127.0.0.1 -p "$port" >"$build/moto-vllm.log" 2>&1 &
-  moto_pid=$!
-  for _ in $(seq 1 100); do
-    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/')" 2>/dev/null; then break; fi
-    sleep 0.1
-  done
-  export WS_TEST_S3_ENDPOINT="http://127.0.0.1:$port"
-fi
+# moto's S3 server for the s3:// scenario.
+. "$root/scripts/moto-server.sh" "$build/moto-vllm.log"
 PYTHONPATH="$python_site" "$venv/bin/python" -m pytest -q "$root/tests/python/test_vllm.py" \
   "$root/tests/python/test_vllm_models.py" "$@"

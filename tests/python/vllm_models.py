@@ -420,10 +420,9 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
         result["layout_allocated_bytes"] = layout.allocated_bytes
         parallel = ws_vllm._model.parallel_ranks(ours)
         result["parallel"] = [parallel.tp_size, parallel.tp_rank, parallel.ep_size, parallel.ep_rank]
-        # This rank's share: the bytes of the checkpoint slices its parameters take.
+        # This rank's share (the bytes of the slices its parameters take) and what the plan reads.
+        result["share"], result["planned"] = rank_bytes(layout, a)
         itemsizes = _checkpoint_itemsizes(a)
-        result["share"] = sum(part["rows"] * part["columns"] * itemsizes[part["tensor"]]
-                              for name in layout.parameter_names for part in layout.parameter_info(name)["parts"])
         result["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(a, f)) for f in os.listdir(a)
                                          if f.endswith(".safetensors"))
         result["other_experts"] = [name for name in itemsizes if layout.route(name)[0] == "skipped" and
@@ -481,19 +480,48 @@ def run_draft_scenario(scenario: Dict[str, Any], paths: Dict[str, str]) -> Dict[
             reference, _, _ = build(path, 1, False, "safetensors", draft=draft)
             ours, loader, _ = build(model_path, 1, False, "weightstream", extra, draft=draft)
             layout = ours._weightstream_binding.layout
-            itemsizes = _checkpoint_itemsizes(path)
             modules[role] = {
                 "class": type(ours).__name__, "load": dict(loader.last_load), "differences": differences(ours, reference),
                 "parameters": len(state_of(ours)), "unbound": dict(ours._weightstream_binding.unbound),
                 "layout_allocated_bytes": layout.allocated_bytes,
-                "share": sum(part["rows"] * part["columns"] * itemsizes[part["tensor"]]
-                             for name in layout.parameter_names for part in layout.parameter_info(name)["parts"])}
+                "share": rank_bytes(layout, path)[0]}
         result["modules"] = modules
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
         result["ok"] = False
         result["error"] = traceback.format_exc()
     return result
+
+
+def rank_bytes(layout: Any, folder: str) -> Tuple[int, int]:
+    """(share, planned) of a rank: the bytes of the checkpoint slices its parameters take, and
+    the bytes weightstream's plan reads for them: a tensor feeding one part of whole rows is
+    read as that slice; any other (a row-split tensor's columns, a tensor split in sections)
+    is read whole and written strided."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    itemsizes = _checkpoint_itemsizes(folder)
+    shapes: Dict[str, List[int]] = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, file), "pt") as handle:
+                shapes.update({name: handle.get_slice(name).get_shape() for name in handle.keys()})
+    parts: Dict[str, List[Dict[str, Any]]] = {}
+    for name in layout.parameter_names:
+        for part in layout.parameter_info(name)["parts"]:
+            parts.setdefault(part["tensor"], []).append(part)
+    share = planned = 0
+    for tensor, tensor_parts in parts.items():
+        shape = shapes[tensor]
+        columns = 1
+        for dimension in shape[1:]:
+            columns *= dimension
+        whole = (shape[0] if shape else 1) * columns * itemsizes[tensor]
+        sliced = sum(part["rows"] * part["columns"] * itemsizes[tensor] for part in tensor_parts)
+        share += sliced
+        contiguous = len(tensor_parts) == 1 and tensor_parts[0]["columns"] == columns
+        planned += (sliced if contiguous else whole) if sliced else 0
+    return share, planned
 
 
 def _checkpoint_itemsizes(folder: str) -> Dict[str, int]:
