@@ -40,6 +40,10 @@ struct SynthOptions {
   int64_t experts_per_token = 2;   ///< num_experts_per_tok (qwen3_next too)
   int64_t first_dense_layers = 1;  ///< first_k_dense_replace (qwen3_moe: mlp_only_layers 0..n-1; capped at layers)
   int64_t mtp_layers = 1;          ///< num_nextn_predict_layers (deepseek_v3, kimi_k2, glm4_moe, qwen3_next)
+  /// A folder that holds a checkpoint already (config.json, the index or *.safetensors):
+  /// false, it is refused (Error(kInvalidArgument) naming its files); true, it is replaced,
+  /// and its shards the new checkpoint does not have are removed.
+  bool replace = false;
 };
 
 /// Most layers target_bytes grows a synthetic model to before it widens hidden instead.
@@ -63,6 +67,9 @@ std::vector<TensorSpec> checkpoint_tensor_specs(const ModelConfig& config, Dtype
 
 /// Writes config.json, model.safetensors.index.json and shards named and shaped like the
 /// Hugging Face checkpoints of `options.arch`, with pseudo-random weights from the seed.
+/// Each file is written under a temporary name, flushed and renamed into place: the shards
+/// first, then the index, then config.json (see SynthOptions::replace for a folder that
+/// holds a checkpoint already).
 /// deepseek_v3 includes routed and shared MoE experts and num_nextn_predict_layers MTP
 /// layers named model.layers.{num_hidden_layers+i}.*; qwen3_next has Gated DeltaNet layers
 /// with a full-attention layer every full_attention_interval (4, or the layer count when

@@ -39,7 +39,8 @@ void add_synth_command(CLI::App& app) {
   command->add_option("--mtp-layers", flags->options.mtp_layers,
                       "MTP layers of families that have them (default 1; 0: a checkpoint without them)")
       ->check(CLI::Range(0, 16));
-  command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
+  auto* layers =
+      command->add_option("--layers", flags->options.layers, "Decoder layers (default 2)")->check(CLI::Range(1, 4096));
   // Checked by synthesize_checkpoint alone, so that the help, the rule and the message agree.
   command->add_option("--hidden", flags->options.hidden, "Hidden size: a multiple of 32 from 64 to 65536 (default 256)");
   command->add_option("--shards", flags->options.shards, "Shard files (default 2)")->check(CLI::Range(1, 10000));
@@ -47,8 +48,12 @@ void add_synth_command(CLI::App& app) {
   command->add_option("--dtype", flags->dtype, "bf16, f16 or f32 (default bf16)")->check(CLI::IsMember({"bf16", "f16", "f32"}));
   command->add_option("--size", flags->size,
                       "Scale the model to about this many bytes, e.g. 2GiB (more layers, then wider); a size below "
-                      "the one-layer model is refused");
-  command->add_flag("--json", flags->json, "Print JSON");
+                      "the one-layer model is refused")
+      ->excludes(layers);
+  command->add_flag("--force", flags->options.replace,
+                    "Replace a checkpoint already in OUTDIR (its shards the new one lacks are removed); without it, "
+                    "such a folder is refused");
+  command->add_flag("--json", flags->json, "Print JSON: directory, arch, tensors, bytes, files, layers");
   command->callback([flags] {
     auto options = flags->options;
     options.dtype = flags->dtype == "f16" ? Dtype::kF16 : flags->dtype == "f32" ? Dtype::kF32 : Dtype::kBF16;
@@ -63,9 +68,10 @@ void add_synth_command(CLI::App& app) {
                   {"files", result.files},
                   {"layers", result.config.num_hidden_layers}});
     } else {
-      std::printf("wrote %s: %s checkpoint, %llu layers, %llu tensors, %s in %zu file(s)\n", flags->directory.c_str(),
-                  options.arch.c_str(), static_cast<unsigned long long>(result.config.num_hidden_layers),
-                  static_cast<unsigned long long>(result.tensors), format_size(result.bytes).c_str(), result.files.size());
+      std::printf("wrote %s: %s checkpoint, %s, %s, %s in %s\n", flags->directory.c_str(), options.arch.c_str(),
+                  counted(static_cast<uint64_t>(result.config.num_hidden_layers), "layer").c_str(),
+                  counted(result.tensors, "tensor").c_str(), format_size(result.bytes).c_str(),
+                  counted(result.files.size(), "file").c_str());
     }
   });
 }

@@ -1,5 +1,5 @@
 #pragma once
-// A local file opened for writing, for the writers of the format layer.
+// A local file written whole and then put in place, for the writers of the format layer.
 
 #include <cstddef>
 #include <cstdint>
@@ -8,8 +8,13 @@
 
 namespace weightstream::detail {
 
-/// A file created (or truncated) for writing; closed on destruction. Every failure
-/// throws Error(kIo) naming the path, the offset and the errno.
+/// A file written under a temporary name in the folder of `path` and renamed over `path`
+/// by close(), after an fsync: a reader never sees it half written, and a process that has
+/// the old file open or mapped (weightstream's in-place tensors) keeps the old bytes, where
+/// writing into the old file would change them under it, or end it with SIGBUS when the
+/// file shrank. Destroyed without close() (an error midway), the temporary file is removed
+/// and `path` is left as it was. Every failure throws Error(kIo) naming the path, the
+/// offset and the errno.
 class OutputFile {
  public:
   explicit OutputFile(const std::filesystem::path& path);
@@ -24,13 +29,19 @@ class OutputFile {
   /// Writes all `size` bytes at `offset` without moving the position (pwrite(2)); safe to
   /// call from several threads at once for disjoint ranges.
   void write_at(uint64_t offset, const void* data, size_t size) const;
-  /// Closes the file and reports the errors close(2) defers (NFS, quotas).
+  /// Flushes the file to the disk (fsync), closes it, reporting the errors close(2) defers
+  /// (NFS, quotas), and renames it over the path it was opened for.
   void close();
+
+  /// The temporary name the bytes are written under until close().
+  const std::filesystem::path& temporary_path() const noexcept { return temporary_; }
 
  private:
   [[noreturn]] void fail(const std::string& operation, int error_number) const;
+  [[noreturn]] void fail_at_temporary(const std::string& operation, int error_number) const;
 
   std::filesystem::path path_;
+  std::filesystem::path temporary_;
   int fd_ = -1;
   uint64_t offset_ = 0;
 };

@@ -412,6 +412,39 @@ struct Chunk {
   uint64_t file_offset;
 };
 
+/// The files of a checkpoint in `directory`: config.json, the index and every *.safetensors,
+/// sorted; none when it does not exist.
+std::vector<std::filesystem::path> checkpoint_files_in(const std::filesystem::path& directory) {
+  std::vector<std::filesystem::path> files;
+  std::error_code error;
+  if (!std::filesystem::is_directory(directory, error)) return files;
+  for (const auto& entry : std::filesystem::directory_iterator(directory, error)) {
+    std::string name = entry.path().filename().string();
+    if (name == "config.json" || name == kIndexFileName || (name.ends_with(".safetensors") && !name.starts_with("."))) {
+      files.push_back(entry.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+/// "config.json, model.safetensors.index.json and 3 .safetensors files".
+std::string files_text(const std::vector<std::filesystem::path>& files) {
+  std::vector<std::string> named;
+  size_t shards = 0;
+  for (const std::filesystem::path& file : files) {
+    std::string name = file.filename().string();
+    if (name.ends_with(".safetensors")) ++shards;
+    else named.push_back(name);
+  }
+  if (shards > 0) named.push_back(std::to_string(shards) + (shards == 1 ? " .safetensors file" : " .safetensors files"));
+  std::string text;
+  for (size_t i = 0; i < named.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == named.size() ? " and " : ", ") + named[i];
+  }
+  return text;
+}
+
 }  // namespace
 
 SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options) {
@@ -468,6 +501,11 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   invalid(shards <= tensors.size(), std::to_string(shards) + " shards for " + std::to_string(tensors.size()) +
                                         " tensors: every shard must hold a tensor");
 
+  std::vector<std::filesystem::path> existing = checkpoint_files_in(directory);
+  invalid(existing.empty() || options.replace,
+          directory.string() + " holds a checkpoint already (" + files_text(existing) +
+              "): it is replaced only when asked (SynthOptions::replace; synth --force)");
+
   std::error_code error;
   std::filesystem::create_directories(directory, error);
   WS_EXPECT(!error, ErrorCode::kIo, "cannot create directory " + directory.string() + ": " + error.message());
@@ -481,8 +519,6 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   SynthResult result;
   std::string config_text = config_json(config).dump(2) + "\n";
   result.config = parse_model_config("config.json", config_text);
-  detail::write_text_file(directory / "config.json", config_text);
-  result.files.push_back((directory / "config.json").string());
 
   CheckpointIndex index;
   std::vector<std::vector<detail::CheckpointTensor>> shard_tensors(shards);
@@ -500,8 +536,6 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   uint64_t bytes = 0;
   for (uint64_t size : sizes) bytes += size;
   index.total_size = bytes;
-  detail::write_text_file(directory / std::string(kIndexFileName), index_json(index));
-  result.files.push_back((directory / std::string(kIndexFileName)).string());
 
   // transformers refuses safetensors files whose metadata lacks a known "format".
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
@@ -567,7 +601,23 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
     }
     files[chunk.shard].write_at(chunk.file_offset, out.data(), out.size());
   });
+  // Each file is written whole under a temporary name and renamed into place (a process
+  // that has the old one mapped keeps its bytes). The shards come first, then the index that
+  // names them and the config; the old checkpoint's shards the new one lacks go in between,
+  // so the folder never holds two checkpoints' shards beside one index.
   for (detail::OutputFile& file : files) file.close();
+  for (const std::filesystem::path& old_file : existing) {
+    std::string name = old_file.filename().string();
+    if (name == "config.json" || name == kIndexFileName) continue;
+    if (std::find(index.shards.begin(), index.shards.end(), name) != index.shards.end()) continue;
+    std::filesystem::remove(old_file, error);
+    WS_EXPECT(!error, ErrorCode::kIo,
+              "cannot remove " + old_file.string() + ", a shard of the checkpoint replaced: " + error.message());
+  }
+  detail::write_text_file(directory / std::string(kIndexFileName), index_json(index));
+  detail::write_text_file(directory / "config.json", config_text);
+  result.files.push_back((directory / "config.json").string());
+  result.files.push_back((directory / std::string(kIndexFileName)).string());
   for (const std::string& shard : index.shards) result.files.push_back((directory / shard).string());
   result.tensors = sizes.size();
   result.bytes = bytes;

@@ -1,7 +1,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "format/format_test_files.hpp"
 #include "support/test_support.hpp"
@@ -121,6 +127,57 @@ TEST(SafetensorsWriter, ReportsTheErrnoOfAFailedWrite) {
   std::string message = error_text([&] { writer.write(path); }, ErrorCode::kIo);
   EXPECT_THAT(message, HasSubstr("cannot create " + path.string()));
   EXPECT_THAT(message, HasSubstr("(errno 2)"));
+}
+
+/// Names in `directory`, sorted.
+std::vector<std::string> names_in(const std::filesystem::path& directory) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(SafetensorsWriter, ReplacesAFileWholeAndAMappingOfTheOldOneKeepsItsBytes) {
+  // A process holding tensors of the old file in place (a mapping of it) must neither see
+  // them change nor die of SIGBUS when the file is written again, bigger or smaller.
+  testing::TempDir dir;
+  auto path = dir / "m.safetensors";
+  SafetensorsWriter old_writer;
+  old_writer.add("w", Dtype::kU8, {4096}, pattern(4096, 1));
+  old_writer.write(path);
+  std::string old_bytes = testing::read_file(path);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  void* mapping = ::mmap(nullptr, old_bytes.size(), PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(mapping, MAP_FAILED);
+  for (size_t size : {4096, 16}) {
+    SafetensorsWriter writer;
+    writer.add("w", Dtype::kU8, {static_cast<int64_t>(size)}, pattern(size, 2));
+    writer.write(path);
+    EXPECT_EQ(std::string(static_cast<const char*>(mapping), old_bytes.size()), old_bytes) << size;
+    EXPECT_EQ(testing::read_file(path).size(), writer.file_size());
+  }
+  ::munmap(mapping, old_bytes.size());
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"m.safetensors"});  // no temporary file left
+}
+
+TEST(SafetensorsWriter, AWriteThatFailsLeavesTheOldFileAndNoTemporaryFile) {
+  testing::TempDir dir;
+  auto path = dir / "m.safetensors";
+  SafetensorsWriter writer;
+  writer.add("w", Dtype::kU8, {3}, pattern(3, 1));
+  writer.write(path);
+  std::string before = testing::read_file(path);
+  std::vector<TensorSpec> specs = {{"a", Dtype::kU8, {8}}, {"b", Dtype::kU8, {8}}};
+  EXPECT_THROW(SafetensorsWriter::write_streaming(path, specs,
+                                                  [](size_t index, uint64_t, std::span<std::byte> out) {
+                                                    if (index == 1) throw Error(ErrorCode::kIo, "source went away");
+                                                    std::memset(out.data(), 1, out.size());
+                                                  }),
+               Error);
+  EXPECT_EQ(testing::read_file(path), before);
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"m.safetensors"});
 }
 
 TEST(SafetensorsWriter, StreamsTensorsInChunks) {

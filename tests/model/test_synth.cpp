@@ -405,6 +405,33 @@ TEST(Synth, OneTensorPerShardWhenShardsEqualTensors) {
   EXPECT_EQ(used.size(), 12u);
 }
 
+TEST(Synth, ReplacesACheckpointOnlyWhenAskedAndLeavesNoOldShardBehind) {
+  testing::TempDir dir;
+  SynthOptions options;
+  options.layers = 2;
+  options.shards = 3;
+  synthesize_checkpoint(dir.path(), options);
+  options.shards = 2;
+  options.seed = 7;
+  EXPECT_THAT(error_text([&] { synthesize_checkpoint(dir.path(), options); }, ErrorCode::kInvalidArgument),
+              HasSubstr("synth: " + dir.path().string() + " holds a checkpoint already (config.json, "
+                        "model.safetensors.index.json and 3 .safetensors files): it is replaced only when asked"));
+  // A folder with something else in it is no checkpoint: written into as before.
+  testing::TempDir other;
+  testing::write_file(other / "README.md", "notes");
+  synthesize_checkpoint(other.path(), options);
+
+  options.replace = true;
+  SynthResult result = synthesize_checkpoint(dir.path(), options);
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) names.insert(entry.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"config.json", "model.safetensors.index.json",
+                                          "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}));
+  EXPECT_EQ(result.files.size(), 4u);
+  ReadBack back = read_back(dir.path());
+  EXPECT_EQ(back.index.shards.size(), 2u);
+}
+
 TEST(Synth, ReportsAnUnwritableDirectory) {
   testing::TempDir dir;
   testing::write_file(dir / "file", "x");
