@@ -52,6 +52,9 @@ bool transport_compiled(TransportKind kind) noexcept;
 /// small against its copy, small enough that two of them fit beside a model.
 inline constexpr uint64_t kDefaultBucketBytes = 256ull << 20;
 
+/// Smallest bucket a sender accepts (SenderOptions::bucket_bytes).
+inline constexpr uint64_t kMinBucketBytes = 4096;
+
 /// Smallest sender allocation shared in place over CUDA IPC (SenderOptions).
 inline constexpr uint64_t kDefaultShareMinimumBytes = 256ull << 20;
 
@@ -178,6 +181,14 @@ class UpdateReceiver {
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
+
+  /// Stops receive(): waiting for a sender or for its next update, it throws
+  /// Error(kCancelled) at once; in the middle of an update, the connection is shut down and
+  /// the update fails as a vanished sender's would (layers not completed keep their old
+  /// values), with Error(kCancelled). Every receive() after this call throws it too. Safe to
+  /// call from any other thread while receive() runs: an engine shutting down calls it, or a
+  /// supervisor whose sender process ended. The receiver must outlive the call.
+  void cancel() noexcept;
 
  private:
   struct State;

@@ -14,7 +14,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <optional>
 #include <string>
 #include <variant>
@@ -30,6 +34,76 @@ using namespace nb::literals;
 namespace weightstream::python {
 
 namespace {
+
+// ---- interpreter exit while a thread waits in receive() --------------------------------
+// An engine runs `receiver.receive()` in a daemon thread and exits without stopping it.
+// Once finalization has begun, CPython ends a thread that asks for the GIL with
+// pthread_exit(); asked for in a destructor (nanobind's gil_scoped_release), the forced
+// unwind leaves a noexcept frame and std::terminate aborts the process. So: at exit (an
+// atexit handler, while the interpreter still runs) every receiver is cancelled, and a
+// thread that comes back from a blocking call after that never asks for the GIL again: it
+// parks until the process ends. The exit waits for the threads inside receive() to park and
+// for those already re-taking the GIL to hold it, so none is left asking during finalization.
+
+class PyReceiver;
+
+struct ExitState {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool exiting = false;
+  int receiving = 0;    // threads inside UpdateReceiver::receive()
+  int reacquiring = 0;  // threads between a call's end and holding the GIL again
+  std::set<PyReceiver*> receivers;
+};
+
+/// Never destroyed: threads parked in it outlive the static destructors that run at exit.
+ExitState& exit_state() {
+  static auto* state = new ExitState;
+  return *state;
+}
+
+[[noreturn]] void park_until_the_process_ends() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(24));
+}
+
+/// Releases the GIL around a blocking call, like nb::gil_scoped_release, but once the
+/// interpreter has begun to exit, the thread parks instead of taking it back.
+class ReleasedGil {
+ public:
+  /// `receiving`: the call is UpdateReceiver::receive(), which the exit waits for.
+  explicit ReleasedGil(bool receiving = false) : receiving_(receiving) {
+    if (receiving_) {
+      std::lock_guard lock(exit_state().mutex);
+      ++exit_state().receiving;
+    }
+    saved_ = PyEval_SaveThread();
+  }
+  ReleasedGil(const ReleasedGil&) = delete;
+  ReleasedGil& operator=(const ReleasedGil&) = delete;
+  ~ReleasedGil() {
+    ExitState& exit = exit_state();
+    {
+      std::lock_guard lock(exit.mutex);
+      if (receiving_) --exit.receiving;
+      exit.changed.notify_all();
+      if (exit.exiting) {
+        park_ = true;
+      } else {
+        ++exit.reacquiring;  // the exit waits until this thread holds the GIL
+      }
+    }
+    if (park_) park_until_the_process_ends();
+    PyEval_RestoreThread(saved_);
+    std::lock_guard lock(exit.mutex);
+    --exit.reacquiring;
+    exit.changed.notify_all();
+  }
+
+ private:
+  bool receiving_;
+  bool park_ = false;
+  PyThreadState* saved_ = nullptr;
+};
 
 std::chrono::milliseconds milliseconds(double seconds) {
   WS_EXPECT(seconds > 0, ErrorCode::kInvalidArgument, "timeout must be positive, got " + std::to_string(seconds));
@@ -86,13 +160,13 @@ class PySender {
     std::vector<std::string> addresses = std::holds_alternative<std::string>(address)
                                              ? std::vector<std::string>{std::get<std::string>(address)}
                                              : std::get<std::vector<std::string>>(address);
-    nb::gil_scoped_release release;
+    ReleasedGil release;
     sender_ = std::make_unique<UpdateSender>(addresses, options);
   }
 
   void start(const std::string& format) {
     auto parsed = format_of(format);
-    nb::gil_scoped_release release;
+    ReleasedGil release;
     sender_->start(parsed);
   }
 
@@ -107,9 +181,15 @@ class PySender {
     std::vector<int64_t> shape;
     for (size_t i = 0; i < array.ndim(); ++i) shape.push_back(static_cast<int64_t>(array.shape(i)));
     Dtype parsed = dtype_of(array, dtype, name);
+    // Raw bytes weightstream itself gave (load() or stream() of BF16 or F8 without torch, as
+    // numpy arrays too) carry their dtype, as LoadSession.load finds it: no need to name it.
+    std::optional<Dtype> raw = dtype ? std::nullopt : raw_array_dtype(array.data(), array.nbytes());
+    if (raw && parsed == Dtype::kU8) parsed = *raw;
     unsigned bits = dtype_bits(parsed);
     // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 without torch).
-    if (dtype && array.dtype().bits == 8 && bits > 8 && !shape.empty() && shape.back() == bits / 8) shape.pop_back();
+    if ((dtype || raw) && array.dtype().bits == 8 && bits > 8 && !shape.empty() && shape.back() == bits / 8) {
+      shape.pop_back();
+    }
     auto bytes = tensor_byte_size(parsed, shape);
     WS_EXPECT(bytes && *bytes == array.nbytes(), ErrorCode::kInvalidArgument,
               "tensor '" + name + "' holds " + std::to_string(array.nbytes()) + " bytes, not the " +
@@ -121,19 +201,19 @@ class PySender {
     // until finish(): keep the tensor alive until then (a temporary such as p.to(bf16)
     // would otherwise go back to the caching allocator and be overwritten).
     if (device.is_cuda()) kept_alive_.push_back(nb::borrow(tensor));
-    nb::gil_scoped_release release;  // the array stays referenced by `array` meanwhile
+    ReleasedGil release;  // the array stays referenced by `array` meanwhile
     sender_->send(view);
   }
 
   void flush() {
-    nb::gil_scoped_release release;
+    ReleasedGil release;
     sender_->flush();
   }
 
   nb::dict finish() {
     UpdateReport report;
     try {
-      nb::gil_scoped_release release;
+      ReleasedGil release;
       report = sender_->finish();
     } catch (...) {
       kept_alive_.clear();
@@ -181,7 +261,18 @@ class PyReceiver {
     options.handshake_timeout = milliseconds(handshake_timeout);
     options.device = parse_device(device);
     receiver_ = std::make_unique<UpdateReceiver>(python_layout(layout_object_), options);
+    std::lock_guard lock(exit_state().mutex);
+    exit_state().receivers.insert(this);
+    if (exit_state().exiting) receiver_->cancel();
   }
+  ~PyReceiver() {
+    std::lock_guard lock(exit_state().mutex);
+    exit_state().receivers.erase(this);
+  }
+  PyReceiver(const PyReceiver&) = delete;
+  PyReceiver& operator=(const PyReceiver&) = delete;
+
+  void cancel() noexcept { receiver_->cancel(); }
 
   const std::string& address() const { return receiver_->address(); }
 
@@ -190,7 +281,7 @@ class PyReceiver {
     UpdateReport report;
     {
       // Python model hooks take the GIL back themselves.
-      nb::gil_scoped_release release;
+      ReleasedGil release(/*receiving=*/true);
       report = receiver_->receive(wait);
     }
     return PySender::report_dict(report);
@@ -200,6 +291,20 @@ class PyReceiver {
   nb::object layout_object_;  // keeps the layout (and its storage) alive
   std::unique_ptr<UpdateReceiver> receiver_;
 };
+
+/// The atexit handler: cancels every receiver, then waits (without the GIL) until each
+/// thread inside receive() has parked and each thread re-taking the GIL holds it.
+void stop_receivers_at_exit() {
+  ExitState& exit = exit_state();
+  {
+    std::lock_guard lock(exit.mutex);
+    exit.exiting = true;
+    for (PyReceiver* receiver : exit.receivers) receiver->cancel();
+  }
+  nb::gil_scoped_release release;  // the interpreter is not finalizing yet: safe to take back
+  std::unique_lock lock(exit.mutex);
+  exit.changed.wait(lock, [&] { return exit.receiving == 0 && exit.reacquiring == 0; });
+}
 
 }  // namespace
 
@@ -223,7 +328,13 @@ void bind_transfer(nb::module_& m) {
            "layout"_a, "transport"_a = "tcp", "listen"_a = "", "token"_a = "", "timeout"_a = 30.0, "device"_a = "cpu",
            "handshake_timeout"_a = 3.0)
       .def_prop_ro("address", &PyReceiver::address)
-      .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0);
+      .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
+      .def("cancel", &PyReceiver::cancel,
+           "Stops receive() in any thread: waiting, it raises weightstream.Error (code \"cancelled\") at once; "
+           "mid-update, the connection is shut down and the update fails (layers not completed keep their old "
+           "values). Every later receive() raises it too.");
+  m.def("_stop_receivers_at_exit", &stop_receivers_at_exit,
+        "Cancels every UpdateReceiver and parks the threads inside receive() (registered with atexit).");
 }
 
 }  // namespace weightstream::python

@@ -31,6 +31,9 @@ from ._weights_iterator import safetensors_weights_iterator
 
 # Hooks of module-level layouts refer to their module: freed at exit, not leaked.
 _atexit.register(_core._release_python_hooks)
+# Registered last, so run first: a thread left waiting in UpdateReceiver.receive() is
+# stopped before the interpreter finalizes (which would otherwise abort the process).
+_atexit.register(_core._stop_receivers_at_exit)
 
 __version__ = "0.1.0"
 

@@ -4,13 +4,18 @@
 // covers only in part are written at FINISH.
 
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <set>
 #include <unordered_map>
 
@@ -113,10 +118,29 @@ void tell_peer(Connection& connection, const Error& error) {
 
 struct UpdateReceiver::State {
   State(ModelLayout& layout_, ReceiverOptions options_, Listener listener_)
-      : layout(layout_), options(std::move(options_)), listener(std::move(listener_)) {}
+      : layout(layout_), options(std::move(options_)), listener(std::move(listener_)),
+        wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    WS_EXPECT(static_cast<bool>(wake), ErrorCode::kNetwork,
+              self() + ": cannot create the eventfd that cancel() wakes it with: " + detail::errno_text(errno));
+  }
   ModelLayout& layout;
   ReceiverOptions options;
   Listener listener;
+  // cancel(): the flag, and an eventfd that the waits for a sender and for START poll with
+  // their sockets, so that they return at once. An update under way is stopped by shutting
+  // its connection down: `live_fd` is the connected sender's socket, published under
+  // `live_mutex` and withdrawn before the socket is closed, so cancel() never reaches a
+  // descriptor number reused by then.
+  std::atomic<bool> cancelled{false};
+  FileDescriptor wake;
+  std::mutex live_mutex;
+  int live_fd = -1;
+
+  void publish_connection(int fd) {
+    std::lock_guard lock(live_mutex);
+    live_fd = fd;
+    if (cancelled.load()) ::shutdown(fd, SHUT_RDWR);
+  }
   // The connected sender, kept between its updates (one connection carries any number).
   std::optional<Connection> connection;
   // Peers that connected and have not been heard yet, each with the time by which its HELLO
@@ -177,8 +201,27 @@ struct UpdateReceiver::State {
   void drop_connection() {
     discard_prepared();  // prepared for this connection's transport (its device, its regions)
     transport.reset();
+    publish_connection(-1);
     connection.reset();
     updates = 0;
+  }
+
+  /// Throws Error(kCancelled) once cancel() was called; `waiting` says for what.
+  void check_cancelled(const std::string& waiting) const {
+    WS_EXPECT(!cancelled.load(), ErrorCode::kCancelled, self() + ": cancelled while waiting for " + waiting);
+  }
+
+  /// Waits until the connected sender's next message (or its hang-up) can be read, for at
+  /// most `timeout`; returns at once when cancel() is called (check_cancelled tells).
+  void wait_for_message(std::chrono::milliseconds timeout) const {
+    const auto deadline = Clock::now() + timeout;
+    for (;;) {
+      pollfd waits[2] = {{connection->fd(), POLLIN, 0}, {wake.get(), POLLIN, 0}};
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      int ready = ::poll(waits, 2, static_cast<int>(std::clamp<long long>(left, 0, 1 << 30)));
+      if (ready < 0 && errno == EINTR) continue;
+      return;  // ready, timed out or failed: the read that follows reports which
+    }
   }
 
   /// Accepts peers until one presents a HELLO, then sets up its transport: token,
@@ -217,6 +260,17 @@ UpdateReceiver::UpdateReceiver(ModelLayout& layout, ReceiverOptions options)
 
 UpdateReceiver::~UpdateReceiver() = default;
 
+void UpdateReceiver::cancel() noexcept {
+  State& state = *state_;
+  state.cancelled.store(true);
+  const uint64_t one = 1;
+  // Only fails when the counter would overflow, which takes 2^64 - 2 calls: it is readable anyway.
+  (void)!::write(state.wake.get(), &one, sizeof(one));
+  // An update under way: its reads and writes on the socket fail at once (EOF, EPIPE).
+  std::lock_guard lock(state.live_mutex);
+  if (state.live_fd >= 0) ::shutdown(state.live_fd, SHUT_RDWR);
+}
+
 const std::string& UpdateReceiver::address() const noexcept { return state_->listener.address(); }
 
 void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
@@ -224,6 +278,7 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
   uint64_t silent = 0;  // peers dropped for sending no HELLO in time
   uint64_t left = 0;    // peers that disconnected before their HELLO
   for (;;) {
+    check_cancelled("a sender to connect");
     auto now = Clock::now();
     std::erase_if(handshaking, [&](Handshaking& peer) {
       if (peer.deadline > now || peer.connection.readable()) return false;
@@ -237,9 +292,11 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
       waits.push_back(pollfd{peer.connection.fd(), POLLIN, 0});
       wake = std::min(wake, peer.deadline);
     }
+    waits.push_back(pollfd{this->wake.get(), POLLIN, 0});  // last: cancel()
     const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
     int ready = ::poll(waits.data(), waits.size(), static_cast<int>(std::clamp<long long>(wait, 0, 1 << 30)));
     if (ready < 0 && errno == EINTR) continue;
+    if (waits.back().revents != 0) continue;  // cancelled: reported at the top
     WS_EXPECT(ready >= 0, ErrorCode::kNetwork, self() + ": poll failed: " + detail::errno_text(errno));
     if (ready == 0) {
       if (Clock::now() < deadline) continue;  // a peer's handshake deadline: dropped above
@@ -326,6 +383,7 @@ bool UpdateReceiver::State::handshake(Connection accepted, Clock::time_point hel
   }
   bucket_bytes = hello.message.bucket_bytes;
   connection.emplace(std::move(accepted));
+  publish_connection(connection->fd());
   connect_seconds = std::chrono::duration<double>(Clock::now() - started).count();
   updates = 0;
   return true;
@@ -345,8 +403,11 @@ UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
     Received start;
     try {
       state.prepare_ahead();
+      state.wait_for_message(left());
+      state.check_cancelled("the next update from " + state.connection->peer());
       start = state.connection->receive(left(), "START");
     } catch (const Error& error) {
+      if (state.cancelled.load()) throw;  // the sender stays connected; nothing was received
       const bool between_updates = state.updates > 0;
       const std::string peer = state.connection->peer();
       state.drop_connection();
@@ -477,8 +538,11 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     std::string applied = session ? join_layers(layout, session->completed_layers()) : "none";
     session.reset();  // waits for copies issued from the sender's regions before closing them
     drop_connection();  // closes the regions
-    WS_FAIL(error.code(), "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +
-                              error.what() + "; layers completed and applied before the failure: " + applied +
+    const bool stopped = cancelled.load();
+    WS_FAIL(stopped ? ErrorCode::kCancelled : error.code(),
+            "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +
+                (stopped ? "cancelled (the receiver was cancelled, which shut the connection down)"
+                         : std::string(error.what())) + "; layers completed and applied before the failure: " + applied +
                               "; every other layer keeps its old values (a reload restores a consistent model)");
   }
 }

@@ -190,7 +190,7 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
             "update sender: " + std::to_string(addresses.size()) + " receivers over " +
                 std::string(transport_name(options.transport)) +
                 ", which carries one; feed several over tcp, nccl or ucx, or make one sender per receiver");
-  WS_EXPECT(options.bucket_bytes >= 4096, ErrorCode::kInvalidArgument,
+  WS_EXPECT(options.bucket_bytes >= kMinBucketBytes, ErrorCode::kInvalidArgument,
             "bucket size " + std::to_string(options.bucket_bytes) + " bytes is too small: at least 4KiB");
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
             "update sender: the " + std::string(transport_name(options.transport)) +
