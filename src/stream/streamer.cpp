@@ -440,6 +440,13 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   }
   stats.reads = reads.size();
   stats.shards_read = shards.size();
+  // Buffers as large as the largest staged read, not the chunk: a checkpoint of small
+  // tensors, or a chunk size far above them (--chunk-size 1TB), stages only what it reads.
+  uint64_t largest_staged = 0;
+  for (const auto& read : reads) {
+    if (!read.direct) largest_staged = std::max(largest_staged, read.length);
+  }
+  chunk = std::min(chunk, std::max<uint64_t>((largest_staged + 4095) / 4096 * 4096, 4096));
 
   // Staging beyond what the readers can fill at once only costs allocation time (pinned
   // memory is slow to allocate); half again the reader count covers pieces whose copy or
