@@ -35,10 +35,10 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags) {
                      "Threads mapping the pages of reads ahead of the readers when files are read through a "
                      "mapping (default 3 where the readers leave the cores free, else 0; WEIGHTSTREAM_PREFETCHERS)")
       ->check(CLI::Range(0, 1024));
-  command.add_flag("--progress", flags.progress,
-                   "Print progress on stderr even when it is not a terminal, one line every few seconds "
-                   "(WEIGHTSTREAM_PROGRESS=1)");
-  command.add_flag("--no-progress", flags.no_progress, "Never print progress");
+  auto* progress = command.add_flag("--progress", flags.progress,
+                                    "Print progress on stderr even when it is not a terminal, one line every few "
+                                    "seconds (WEIGHTSTREAM_PROGRESS=1)");
+  command.add_flag("--no-progress", flags.no_progress, "Never print progress")->excludes(progress);
 }
 
 Options resolve_options(const StreamFlags& flags) {
@@ -106,6 +106,54 @@ nlohmann::json stats_json(const std::vector<StatField>& fields) {
     std::visit([&](auto value) { object[std::string(field.name)] = value; }, field.value);
   }
   return object;
+}
+
+std::string counted(uint64_t count, std::string_view noun) {
+  return std::to_string(count) + " " + std::string(noun) + (count == 1 ? "" : "s");
+}
+
+namespace {
+
+/// Columns of one code point (as wcwidth(3) counts them in a UTF-8 locale, for the ranges a
+/// tensor name may hold), without depending on the process's locale.
+size_t code_point_width(char32_t c) {
+  if (c == 0) return 0;
+  if ((c >= 0x0300 && c <= 0x036F) || (c >= 0x1AB0 && c <= 0x1AFF) || (c >= 0x1DC0 && c <= 0x1DFF) ||
+      (c >= 0x20D0 && c <= 0x20FF) || (c >= 0xFE20 && c <= 0xFE2F) || c == 0x200B || c == 0x200C || c == 0x200D ||
+      (c >= 0xFE00 && c <= 0xFE0F)) {
+    return 0;  // combining marks, zero-width spaces and joiners, variation selectors
+  }
+  if ((c >= 0x1100 && c <= 0x115F) || (c >= 0x2E80 && c <= 0x303E) || (c >= 0x3041 && c <= 0x33FF) ||
+      (c >= 0x3400 && c <= 0x4DBF) || (c >= 0x4E00 && c <= 0x9FFF) || (c >= 0xA000 && c <= 0xA4CF) ||
+      (c >= 0xAC00 && c <= 0xD7A3) || (c >= 0xF900 && c <= 0xFAFF) || (c >= 0xFE30 && c <= 0xFE4F) ||
+      (c >= 0xFF00 && c <= 0xFF60) || (c >= 0xFFE0 && c <= 0xFFE6) || (c >= 0x1F300 && c <= 0x1F64F) ||
+      (c >= 0x1F900 && c <= 0x1F9FF) || (c >= 0x20000 && c <= 0x3FFFD)) {
+    return 2;
+  }
+  return 1;
+}
+
+}  // namespace
+
+size_t display_width(std::string_view text) {
+  size_t width = 0;
+  for (size_t i = 0; i < text.size();) {
+    auto byte = static_cast<unsigned char>(text[i]);
+    size_t length = byte < 0x80 ? 1 : (byte >> 5) == 0x6 ? 2 : (byte >> 4) == 0xE ? 3 : (byte >> 3) == 0x1E ? 4 : 1;
+    if (i + length > text.size()) length = 1;  // a cut sequence: one column per byte
+    char32_t c = length == 1 ? byte : static_cast<char32_t>(byte & (0x7F >> length));
+    for (size_t k = 1; k < length; ++k) c = (c << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3F);
+    width += code_point_width(c);
+    i += length;
+  }
+  return width;
+}
+
+std::string pad_to(std::string_view text, size_t width) {
+  std::string padded(text);
+  size_t columns = display_width(text);
+  if (columns < width) padded.append(width - columns, ' ');
+  return padded;
 }
 
 }  // namespace weightstream::cli

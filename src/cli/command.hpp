@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "weightstream/options.hpp"
 #include "weightstream/stream.hpp"
@@ -54,6 +55,16 @@ class ProgressLine {
   double start_ = -1;
   double last_draw_ = -1;
 };
+
+/// "1 layer", "3 layers": `count` and `noun`, which takes an "s" unless `count` is 1.
+std::string counted(uint64_t count, std::string_view noun);
+
+/// Columns `text` takes on a terminal: UTF-8 decoded, East Asian wide characters and emoji
+/// two columns, combining marks none, every other character one.
+size_t display_width(std::string_view text);
+
+/// `text` followed by spaces up to `width` display columns.
+std::string pad_to(std::string_view text, size_t width);
 
 /// Prints `value` as indented JSON on stdout.
 void print_json(const nlohmann::json& value);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "cli/draft_flags.hpp"
@@ -50,17 +51,45 @@ std::vector<std::vector<size_t>> batch_indices(size_t reads, int64_t batches, co
   return result;
 }
 
+/// One progress line over the audit's loads (the cold load, each reload, the fresh load),
+/// each of which reports its own bytes.
+class AuditProgress {
+ public:
+  AuditProgress(bool enabled, uint64_t total) : total_(total) { line_.emplace(enabled); }
+  /// The callback of the next load.
+  ProgressCallback part() {
+    return [this, base = done_](uint64_t done, uint64_t) {
+      if (line_) line_->update(std::min(base + done, total_ - 1), total_);
+    };
+  }
+  /// After that load: it read `bytes`.
+  void finished(uint64_t bytes) { done_ += bytes; }
+  /// After the last load, before the report is printed: the line ends.
+  void done() {
+    if (line_) line_->update(total_, total_);
+    line_.reset();
+  }
+
+ private:
+  std::optional<ProgressLine> line_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+};
+
 /// One reload of `layout` from `checkpoint` in the flags' batches and order. Returns the
 /// bytes streamed; adds the seconds it took to `seconds`.
 uint64_t reload_in_batches(ModelLayout& layout, const Checkpoint& checkpoint, const LoadPlan& plan,
-                           const AuditFlags& flags, const Options& options, std::mt19937_64& random, double& seconds) {
+                           const AuditFlags& flags, const Options& options, std::mt19937_64& random, double& seconds,
+                           AuditProgress* progress = nullptr) {
   auto start = std::chrono::steady_clock::now();
   uint64_t bytes = 0;
   LoadSession session(layout);
   session.begin(LoadMode::kReload);
   for (const auto& indices : batch_indices(plan.reads.size(), flags.batches, flags.order, random)) {
     if (indices.empty()) continue;
-    bytes += stream_into_session(checkpoint, plan.subset(indices), session, options.stream).bytes;
+    LoadPlan batch = plan.subset(indices);
+    bytes += stream_into_session(checkpoint, batch, session, options.stream, progress ? progress->part() : nullptr).bytes;
+    if (progress) progress->finished(batch.bytes_to_read);
   }
   session.finish();
   seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -298,10 +327,14 @@ void add_audit_command(CLI::App& app) {
 
     ModelLayout layout = checkpoint_layout(first, flags->layout, device);
     LayoutWatch watch(layout);
-    load_layout(layout, first, LoadMode::kCold, options.stream);
-    watch.loaded();
-
     LoadPlan plan = plan_layout_load(layout, second);
+    // The cold load, the reloads and the fresh load of the reload's checkpoint, in one line.
+    const uint64_t cold_bytes = plan_layout_load(layout, first).bytes_to_read;
+    AuditProgress progress(progress_enabled(flags->stream, options) && !flags->json,
+                           std::max<uint64_t>(1, cold_bytes + (static_cast<uint64_t>(flags->repeat) + 1) * plan.bytes_to_read));
+    load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
+    progress.finished(cold_bytes);
+    watch.loaded();
     std::mt19937_64 random(flags->seed);
     double reload_seconds = 0;
     uint64_t reload_bytes = 0;
@@ -313,16 +346,18 @@ void add_audit_command(CLI::App& app) {
         reload_seconds += update.seconds;
         update_seconds += update.report.seconds;
         reload_bytes += update.report.bytes;
+        progress.finished(plan.bytes_to_read);
         watch.loaded();
         continue;
       }
       // ---- end of the --via block ----------------------------------------------------------
-      reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds);
+      reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds, &progress);
       watch.loaded();
     }
 
     ModelLayout fresh = checkpoint_layout(second, flags->layout, device);
-    load_layout(fresh, second, LoadMode::kCold, options.stream);
+    load_layout(fresh, second, LoadMode::kCold, options.stream, progress.part());
+    progress.done();
     nlohmann::json result = {{"uri", first.uri()},
                              {"reload_uri", second.uri()},
                              {"device", device.name()},

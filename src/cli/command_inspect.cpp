@@ -48,17 +48,25 @@ void add_inspect_command(CLI::App& app) {
                   {"has_config", checkpoint.config_json().has_value()}});
       return;
     }
+    // Columns by display width: a name of wide characters (CJK, emoji) takes two columns
+    // a character, more than its bytes suggest.
     size_t name_width = 4;
-    for (const auto& tensor : checkpoint.tensors()) name_width = std::max(name_width, tensor.name.size());
-    std::printf("%-*s  %-8s  %-20s  %12s  %s\n", static_cast<int>(name_width), "name", "dtype", "shape", "bytes", "shard");
+    size_t shape_width = 5;
     for (const auto& tensor : checkpoint.tensors()) {
-      std::printf("%-*s  %-8s  %-20s  %12llu  %s\n", static_cast<int>(name_width), tensor.name.c_str(),
-                  std::string(dtype_name(tensor.dtype)).c_str(), shape_text(tensor.shape).c_str(),
-                  static_cast<unsigned long long>(tensor.bytes), shards[tensor.shard].name.c_str());
+      name_width = std::max(name_width, display_width(tensor.name));
+      shape_width = std::max(shape_width, shape_text(tensor.shape).size());
     }
-    std::printf("\n%zu tensors, %s (%llu bytes) in %zu shard(s)\n", checkpoint.tensors().size(),
+    std::printf("%s  %-8s  %-*s  %12s  %s\n", pad_to("name", name_width).c_str(), "dtype", static_cast<int>(shape_width),
+                "shape", "bytes", "shard");
+    for (const auto& tensor : checkpoint.tensors()) {
+      std::printf("%s  %-8s  %-*s  %12llu  %s\n", pad_to(tensor.name, name_width).c_str(),
+                  std::string(dtype_name(tensor.dtype)).c_str(), static_cast<int>(shape_width),
+                  shape_text(tensor.shape).c_str(), static_cast<unsigned long long>(tensor.bytes),
+                  shards[tensor.shard].name.c_str());
+    }
+    std::printf("\n%s, %s (%llu bytes) in %s\n", counted(checkpoint.tensors().size(), "tensor").c_str(),
                 format_size(checkpoint.tensor_bytes()).c_str(), static_cast<unsigned long long>(checkpoint.tensor_bytes()),
-                shards.size());
+                counted(shards.size(), "shard").c_str());
     for (const auto& shard : shards) {
       for (const auto& [key, value] : shard.header.metadata) std::printf("metadata %s: %s = %s\n", shard.name.c_str(), key.c_str(), value.c_str());
     }

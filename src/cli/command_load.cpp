@@ -44,6 +44,10 @@ void add_load_command(CLI::App& app) {
   // draft's sources and load them as modules; the URI, when given, is the target's --model.
   auto draft_flags = std::make_shared<DraftFlags>();
   add_draft_load_flags(*command, *draft_flags);
+  for (const char* name : {"--model", "--model-weights", "--draft-model", "--draft-model-weights", "--speculative",
+                           "--draft-only", "--share-embeddings"}) {
+    command->get_option("--raw")->excludes(command->get_option(name));
+  }
   // ---- end of source resolution and drafts ----
   auto peer_flags = std::make_shared<PeerFlags>();  // peer:// sources (cli/peer_flags.hpp)
   add_peer_flags(*command, *peer_flags);

@@ -101,12 +101,11 @@ void add_plan_command(CLI::App& app) {
   command->add_flag("--json", flags->json, "Print JSON: parameters with their parts and byte ranges, unused, missing");
   command->callback([flags] {
     Options options = environment_options();
+    LayoutOptions layout_options;
+    layout_options.parallel = parallelism_from_flags(flags->layout);  // a bad rank before any read
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     // Storage is not needed for a plan; the layout is built without allocating.
     ModelConfig config = checkpoint_layout_config(checkpoint);
-    LayoutOptions layout_options;
-    layout_options.parallel = {flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
-                               flags->layout.ep_size, flags->layout.ep_rank};
     if (flags->layout.quantize == "fp8") layout_options.quantize = Processing::kFp8PerTensor;
     layout_options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
     ModelLayout layout = build_model_layout(config, layout_options);

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "cli/draft_flags.hpp"
+#include "weightstream/error.hpp"
 
 namespace weightstream::cli {
 
@@ -20,6 +21,10 @@ void add_resolve_command(CLI::App& app) {
   command->add_flag("--json", flags->json, "Print JSON: per module, the source chosen and every candidate's reason");
   command->callback([flags] {
     Options options = environment_options();
+    if (!flags->sources.requested() && options.model_uri.empty()) {
+      WS_FAIL(ErrorCode::kInvalidArgument,
+              "resolve: nothing to resolve: give --model or --model-weights, or set WEIGHTSTREAM_MODEL_URI");
+    }
     std::vector<ModuleSetup> modules = setup_modules(flags->sources, options, {}, true);
     nlohmann::json report = nlohmann::json::object();
     std::vector<SourceResolution> resolutions;

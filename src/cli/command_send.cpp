@@ -15,6 +15,7 @@
 #include <iostream>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "cli/update_via.hpp"
 #include "weightstream/error.hpp"
@@ -33,6 +34,7 @@ struct SendFlags {
   std::string format = "checkpoint";
   std::string device = "cpu";
   bool token_stdin = false;
+  bool json = false;
   StreamFlags stream;
 };
 
@@ -60,6 +62,15 @@ class SenderSink final : public TensorSink {
   std::mutex mutex_;
 };
 
+/// "a, b and c".
+std::string join_addresses(const std::vector<std::string>& addresses) {
+  std::string text;
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == addresses.size() ? " and " : ", ") + addresses[i];
+  }
+  return text;
+}
+
 std::string random_token() {
   std::random_device source;
   std::string token;
@@ -71,10 +82,11 @@ std::string random_token() {
 }  // namespace
 
 void add_via_flags(CLI::App& command, ViaFlags& flags) {
-  command.add_option("--via", flags.via,
-                     "Run each reload as a pushed update from a separate sender process through this transport")
-      ->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl", "ucx"}));
-  command.add_option("--bucket-size", flags.bucket_size, "Bucket size of --via updates (default 256MiB)");
+  auto* via = command.add_option("--via", flags.via,
+                                 "Run each reload as a pushed update from a separate sender process through this "
+                                 "transport")
+                  ->check(CLI::IsMember({"shm", "tcp", "cuda-ipc", "nccl", "ucx"}));
+  command.add_option("--bucket-size", flags.bucket_size, "Bucket size of --via updates (default 256MiB)")->needs(via);
   command.add_option("--listen", flags.listen, "--via tcp, nccl, ucx: HOST:PORT the receiver listens on (default loopback)");
   command.add_flag("--await-sender", flags.await_sender,
                    "--via: spawn no sender; print the receiver's address on stderr and wait for one (another host)");
@@ -96,6 +108,8 @@ void add_send_command(CLI::App& app) {
       ->check(CLI::IsMember({"checkpoint", "engine"}));
   command->add_option("--device", flags->device, "GPU of the bucket staging for cuda-ipc and nccl");
   command->add_flag("--token-stdin", flags->token_stdin, "Read the shared token from the first line of stdin");
+  command->add_flag("--json", flags->json,
+                    "Print the receiver's report as JSON: tensors, bytes, buckets, seconds, gbps, model_hook_runs");
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
     Options options = resolve_options(flags->stream);
@@ -110,7 +124,25 @@ void add_send_command(CLI::App& app) {
     SenderSink sink(sender, checkpoint);
     auto requests = all_tensors(checkpoint);
     stream_tensors(checkpoint, requests, sink, options.stream);
-    sender.finish();  // the receiver (audit) reports the update
+    UpdateReport report = sender.finish();  // the receiver's report, echoed back
+    const std::string to = join_addresses(flags->to);
+    if (flags->json) {
+      print_json({{"uri", checkpoint.uri()},
+                  {"to", flags->to},
+                  {"via", flags->via},
+                  {"format", flags->format},
+                  {"buckets", report.buckets},
+                  {"tensors", report.tensors},
+                  {"bytes", report.bytes},
+                  {"seconds", report.seconds},
+                  {"gbps", report.gbps()},
+                  {"model_hook_runs", report.counters.model_hook_runs}});
+    } else {
+      std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
+                  static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),
+                  static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
+                  flags->via.c_str(), report.seconds, report.gbps());
+    }
   });
 }
 
@@ -120,7 +152,12 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   options.transport = parse_transport(flags.via);
   options.token = random_token();
   options.device = device;
-  options.max_bucket_bytes = std::max<uint64_t>(options.max_bucket_bytes, parse_size(flags.bucket_size, "--bucket-size"));
+  // What the sender would refuse is refused here, before a process is started for it.
+  const uint64_t bucket_bytes = parse_size(flags.bucket_size, "--bucket-size");
+  WS_EXPECT(bucket_bytes >= kMinBucketBytes, ErrorCode::kInvalidArgument,
+            "--bucket-size " + flags.bucket_size + " (" + std::to_string(bucket_bytes) +
+                " bytes) is too small: at least 4KiB");
+  options.max_bucket_bytes = std::max<uint64_t>(options.max_bucket_bytes, bucket_bytes);
   options.listen = flags.listen;
   if (flags.await_sender) {
     // A sender on another host: the token comes from stdin (never the command line).
@@ -162,6 +199,9 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
+  // The sender's summary would land in the middle of the audit's report (its JSON too):
+  // the audit reports the update itself. Its errors still reach stderr.
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
   auto started = std::chrono::steady_clock::now();
   pid_t child = -1;
   int spawned = ::posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
@@ -175,9 +215,21 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   (void)!::write(token_pipe[1], line.data(), line.size());
   ::close(token_pipe[1]);
 
+  // A sender that fails ends at once (a refused argument, an unreadable checkpoint): the
+  // watcher sees it end and cancels the receiver, which would otherwise wait its whole
+  // accept timeout. It waits without reaping (WNOWAIT), so the pid stays this child's until
+  // the reap below, and a kill() can never reach another process.
+  std::thread watcher([&receiver, child] {
+    siginfo_t info{};
+    while (::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT) != 0 && errno == EINTR) {
+    }
+    if (info.si_code != CLD_EXITED || info.si_status != 0) receiver.cancel();
+  });
   auto reap = [&] {
+    watcher.join();
     int status = 0;
-    ::waitpid(child, &status, 0);
+    while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
+    }
     return status;
   };
   ViaUpdate result;
@@ -188,7 +240,16 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
     int status = reap();
     std::string how = WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
                                         : "was stopped by signal " + std::to_string(WTERMSIG(status));
+    if (error.code() == ErrorCode::kCancelled) {
+      WS_FAIL(ErrorCode::kCancelled,
+              "the sender process (weightstream send) " + how + " before its update started (its error is on the "
+              "line above)");
+    }
     WS_FAIL(error.code(), std::string(error.what()) + " (the sender process " + how + ")");
+  } catch (...) {
+    ::kill(child, SIGTERM);
+    reap();  // joins the watcher too: a joinable std::thread must not be destroyed
+    throw;
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   int status = reap();

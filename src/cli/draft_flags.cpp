@@ -122,12 +122,7 @@ std::vector<ModuleLoadRequest> load_requests(std::vector<ModuleSetup>& modules) 
 
 LayoutOptions layout_options_from_flags(const LayoutFlags& flags) {
   LayoutOptions options;
-  options.parallel = {flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
-  WS_EXPECT(options.parallel.tp_rank < options.parallel.tp_size && options.parallel.ep_rank < options.parallel.ep_size,
-            ErrorCode::kInvalidArgument,
-            "--tp-rank/--ep-rank must be below --tp-size/--ep-size (got tp " + std::to_string(options.parallel.tp_rank) +
-                " of " + std::to_string(options.parallel.tp_size) + ", ep " + std::to_string(options.parallel.ep_rank) +
-                " of " + std::to_string(options.parallel.ep_size) + ")");
+  options.parallel = parallelism_from_flags(flags);
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
   return options;
 }
@@ -190,13 +185,14 @@ void run_draft_load(const std::string& uri, const DraftFlags& given, const Layou
   }
   for (const ModuleSetup& module : modules) {
     const nlohmann::json& entry = report[std::string(module_role_name(module.role))];
-    std::printf("%s: %llu tensors from %s (%s, %s), %s read from %llu shards\n", module.resolution.module_text().c_str(),
-                entry["tensors"].get<unsigned long long>(), entry["source"].get<std::string>().c_str(),
+    std::printf("%s: %s from %s (%s, %s), %s read from %s\n", module.resolution.module_text().c_str(),
+                counted(entry["tensors"].get<uint64_t>(), "tensor").c_str(), entry["source"].get<std::string>().c_str(),
                 entry["field"].get<std::string>().c_str(), entry["strategy"].get<std::string>().c_str(),
-                format_size(entry["bytes_read"].get<uint64_t>()).c_str(), entry["shards_read"].get<unsigned long long>());
+                format_size(entry["bytes_read"].get<uint64_t>()).c_str(),
+                counted(entry["shards_read"].get<uint64_t>(), "shard").c_str());
   }
-  std::printf("read %s in %.3f s in %zu stream(s) to %s\n", format_size(bytes_read).c_str(), seconds, loads.size(),
-              device.name().c_str());
+  std::printf("read %s in %.3f s in %s to %s\n", format_size(bytes_read).c_str(), seconds,
+              counted(loads.size(), "stream").c_str(), device.name().c_str());
 }
 
 }  // namespace weightstream::cli

@@ -25,16 +25,21 @@ ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint) {
   return config;
 }
 
+Parallelism parallelism_from_flags(const LayoutFlags& flags) {
+  Parallelism parallel{flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
+  WS_EXPECT(parallel.tp_rank < parallel.tp_size, ErrorCode::kInvalidArgument,
+            "--tp-rank " + std::to_string(parallel.tp_rank) + " must be below --tp-size " +
+                std::to_string(parallel.tp_size));
+  WS_EXPECT(parallel.ep_rank < parallel.ep_size, ErrorCode::kInvalidArgument,
+            "--ep-rank " + std::to_string(parallel.ep_rank) + " must be below --ep-size " +
+                std::to_string(parallel.ep_size));
+  return parallel;
+}
+
 ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device) {
   ModelConfig config = checkpoint_layout_config(checkpoint);
   LayoutOptions options;
-  options.parallel = {flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
-  WS_EXPECT(options.parallel.tp_rank < options.parallel.tp_size, ErrorCode::kInvalidArgument,
-            "--tp-rank " + std::to_string(options.parallel.tp_rank) + " must be below --tp-size " +
-                std::to_string(options.parallel.tp_size));
-  WS_EXPECT(options.parallel.ep_rank < options.parallel.ep_size, ErrorCode::kInvalidArgument,
-            "--ep-rank " + std::to_string(options.parallel.ep_rank) + " must be below --ep-size " +
-                std::to_string(options.parallel.ep_size));
+  options.parallel = parallelism_from_flags(flags);
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
   options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
   ModelLayout layout = build_model_layout(config, options);
@@ -75,7 +80,11 @@ void add_engine_hooks(ModelLayout& layout, const ModelConfig& config) {
 
 void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
   add_layout_flags(command, flags.layout);
-  command.add_flag("--raw", flags.raw, "Plain tensor load, without a model layout (ignores --tp-size/--tp-rank)");
+  auto* raw = command.add_flag("--raw", flags.raw,
+                               "Plain tensor load, without a model layout (the default without a layout flag)");
+  for (const char* name : {"--tp-size", "--tp-rank", "--ep-size", "--ep-rank", "--quantize"}) {
+    raw->excludes(command.get_option(name));
+  }
 }
 
 void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device_name,
@@ -83,6 +92,10 @@ void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
   Checkpoint checkpoint = Checkpoint::open(uri, options);
+  WS_EXPECT(checkpoint.config_json().has_value(), ErrorCode::kNotFound,
+            checkpoint.uri() + " has no config.json beside its shards: --tp-size, --tp-rank, --ep-size, --ep-rank "
+                               "and --quantize need it to build the model layout (without them, load reads every "
+                               "tensor as it is)");
   ModelLayout layout = checkpoint_layout(checkpoint, flags, device);
   LayoutLoad load;
   {
@@ -104,10 +117,11 @@ void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std
     print_json(report);
     return;
   }
-  std::printf("loaded %zu parameters (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %llu model hook runs\n",
-              layout.parameters().size(), format_size(parameter_bytes).c_str(), layout.description().c_str(),
-              device.name().c_str(), format_size(load.stream.bytes).c_str(), format_size(checkpoint.tensor_bytes()).c_str(),
-              load.stream.seconds, load.stream.gbps(), static_cast<unsigned long long>(load.counters.model_hook_runs));
+  std::printf("loaded %s (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %s\n",
+              counted(layout.parameters().size(), "parameter").c_str(), format_size(parameter_bytes).c_str(),
+              layout.description().c_str(), device.name().c_str(), format_size(load.stream.bytes).c_str(),
+              format_size(checkpoint.tensor_bytes()).c_str(), load.stream.seconds, load.stream.gbps(),
+              counted(load.counters.model_hook_runs, "model hook run").c_str());
 }
 
 }  // namespace weightstream::cli

@@ -25,6 +25,10 @@ struct LayoutFlags {
 /// Adds the layout flags to `command`.
 void add_layout_flags(CLI::App& command, LayoutFlags& flags);
 
+/// The tensor- and expert-parallel rank of the flags. Throws Error(kInvalidArgument) for a
+/// rank that is not below its size, naming the flags.
+Parallelism parallelism_from_flags(const LayoutFlags& flags);
+
 /// `checkpoint`'s config.json, refused (Error(kModel) naming it and num_hidden_layers)
 /// when it asks for more layers than the checkpoint's tensors hold, before any layout is
 /// built from it: see check_checkpoint_layers.
@@ -49,10 +53,14 @@ struct LayoutLoadFlags {
   LayoutFlags layout;
   bool raw = false;
   /// Whether the layout path was asked for (a layout flag given, --raw not).
-  bool requested() const noexcept { return !raw && (layout.tp_size || layout.tp_rank || layout.ep_size > 1); }
+  bool requested() const noexcept {
+    return !raw && (layout.tp_size || layout.tp_rank || layout.ep_size > 1 || layout.ep_rank > 0 ||
+                    layout.quantize != "none");
+  }
 };
 
-/// Adds --tp-size, --tp-rank, --ep-size, --ep-rank, --quantize and --raw to `load`.
+/// Adds --tp-size, --tp-rank, --ep-size, --ep-rank, --quantize and --raw to `load`; --raw
+/// refuses the others (a plain load has no layout for them to shape).
 void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags);
 
 }  // namespace weightstream::cli

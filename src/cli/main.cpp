@@ -70,10 +70,18 @@ int main(int argc, char** argv) {
     return app.exit(request);
   } catch (const CLI::CallForVersion& request) {
     return app.exit(request);
+  } catch (const CLI::RuntimeError& status) {
+    // A command's verdict, not a usage error: `audit` ends with 3 when the load is not
+    // clean, after its report; no error line follows it.
+    std::cout.flush();
+    return status.get_exit_code();
   } catch (const CLI::ParseError& error) {
     if (error.get_exit_code() == 0) return app.exit(error);
     return usage_error(error.what());
   } catch (const weightstream::Error& error) {
+    // A flag's value that is malformed, out of range or in conflict with another flag is a
+    // usage error, however deep the check that found it (parse_size, the layout's rules).
+    if (error.code() == weightstream::ErrorCode::kInvalidArgument) return usage_error(error.what());
     std::cout.flush();
     std::cerr << "weightstream: error: " << error.what() << "\n";
     return 1;

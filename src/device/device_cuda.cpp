@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,6 +53,15 @@ const DeviceCensus& census() {
     if (error != cudaSuccess) {
       census.count = 0;
       census.reason = cuda_error_text(error);
+      // Without a driver at all the runtime says "driver version is insufficient", which
+      // sends a user to upgrade a driver that a machine without a GPU does not have.
+      std::error_code ignored;
+      if (error == cudaErrorInsufficientDriver && !std::filesystem::exists("/proc/driver/nvidia/version", ignored)) {
+        census.reason = "this machine has no GPU, or its NVIDIA driver is not loaded (no /proc/driver/nvidia/version; "
+                        "the CUDA runtime says: " + census.reason + ")";
+      } else if (error == cudaErrorNoDevice) {
+        census.reason = "this machine has no GPU (" + census.reason + ")";
+      }
     } else if (census.count == 0) {
       census.reason = "no CUDA device is visible";
     }

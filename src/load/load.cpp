@@ -264,8 +264,12 @@ LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoin
   WS_EXPECT(unmatched.empty(), ErrorCode::kModel,
             std::to_string(unmatched.size()) + " tensors of " + checkpoint.uri() + " match no parameter of " +
                 layout.description() + " and no ignore rule: " + detail::join_limited(unmatched, 20));
+  // Each misfit names two shapes and a rule: the first two tell what is wrong (a wider or
+  // narrower model, another architecture), a count the rest.
   WS_EXPECT(misfits.empty(), ErrorCode::kModel,
-            "tensors of " + checkpoint.uri() + " do not fit " + layout.description() + ": " + detail::join_limited(misfits, 20));
+            std::to_string(misfits.size()) + (misfits.size() == 1 ? " tensor of " : " tensors of ") + checkpoint.uri() +
+                (misfits.size() == 1 ? " does not fit " : " do not fit ") + layout.description() + ": " +
+                detail::join_limited(misfits, 2));
   for (const std::string& name : layout.wanted_tensors()) {
     if (!checkpoint.find(name)) plan.missing.push_back(name);
   }
@@ -352,6 +356,9 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
     for (const CheckpointTensor& tensor : tensors) shard_touched[tensor.shard] = shard_touched[tensor.shard] || tensor.bytes > 0;
     loaded.stats.shards_read = static_cast<uint64_t>(std::count(shard_touched.begin(), shard_touched.end(), true));
   }
+  // Every tensor is loaded, empty ones included: the plan reads nothing for those, so the
+  // stream does not count them, but inspect, Python and a caller's loop over the result do.
+  loaded.stats.tensors = tensors.size();
   loaded.stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return loaded;
 }
@@ -398,8 +405,7 @@ std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKi
 
 ModelConfig checkpoint_model_config(const Checkpoint& checkpoint) {
   WS_EXPECT(checkpoint.config_json().has_value(), ErrorCode::kNotFound,
-            checkpoint.uri() + " has no config.json beside its shards: it is needed to build the model layout "
-                               "(use --raw for a plain tensor load)");
+            checkpoint.uri() + " has no config.json beside its shards: it is needed to build the model layout");
   return parse_model_config(checkpoint.uri() + "/config.json", *checkpoint.config_json());
 }
 

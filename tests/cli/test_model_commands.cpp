@@ -11,6 +11,7 @@
 namespace weightstream {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::run_cli;
 using testing::TempDir;
@@ -124,11 +125,12 @@ INSTANTIATE_TEST_SUITE_P(MtpArchitectures, DraftAuditCommand, ::testing::Values(
 TEST(DraftAuditCommand, RefusesFlagsThatDoNotCombine) {
   TempDir directory;
   std::string checkpoint = synth(directory, "a", "deepseek_v3", 1);
+  // Flags that do not combine are usage errors (exit 2, as a malformed flag is).
   auto via = run_cli({"audit", checkpoint, "--speculative", "mtp", "--via", "tcp"});
-  EXPECT_EQ(via.exit_code, 1);
+  EXPECT_EQ(via.exit_code, 2);
   EXPECT_THAT(via.err, HasSubstr("--via pushes the reload into one layout"));
   auto disagree = run_cli({"audit", checkpoint, "--model", checkpoint + "-other", "--speculative", "mtp"});
-  EXPECT_EQ(disagree.exit_code, 1);
+  EXPECT_EQ(disagree.exit_code, 2);
   EXPECT_THAT(disagree.err, HasSubstr("audit: the URI '" + checkpoint + "' and --model"));
   auto missing = run_cli({"audit"});
   EXPECT_NE(missing.exit_code, 0);
@@ -165,9 +167,13 @@ TEST(LoadCommand, TensorParallelLoadReadsOnlyTheRanksBytes) {
   EXPECT_EQ(json["layout"], "qwen3 tp 4 rank 2");
   EXPECT_LT(json["bytes"].get<uint64_t>(), json["checkpoint_bytes"].get<uint64_t>());
   EXPECT_EQ(json["session"]["model_hook_runs"], 1);
-  auto raw = run_cli({"load", checkpoint, "--tp-size", "4", "--raw", "--json", "--no-progress"});
+  auto raw = run_cli({"load", checkpoint, "--raw", "--json", "--no-progress"});
   ASSERT_EQ(raw.exit_code, 0) << raw.err;
   EXPECT_FALSE(nlohmann::json::parse(raw.out).contains("layout"));
+  // --raw with a layout flag would ignore it: refused, naming both.
+  auto both = run_cli({"load", checkpoint, "--tp-size", "4", "--raw", "--json", "--no-progress"});
+  EXPECT_EQ(both.exit_code, 2);
+  EXPECT_THAT(both.err, AllOf(HasSubstr("--tp-size"), HasSubstr("--raw")));
   auto bad = run_cli({"load", checkpoint, "--tp-size", "2", "--tp-rank", "2", "--no-progress"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr("--tp-rank 2 must be below --tp-size 2"));

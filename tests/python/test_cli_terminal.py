@@ -72,6 +72,6 @@ def test_presign_takes_a_duration(cli):
                              ("8d", "expected a positive duration"),
                              ("604801", "expected whole seconds from 1 s to 7 days")):
         result = subprocess.run(base + ["--expires", duration], env=env, capture_output=True, text=True)
-        assert result.returncode == 1, result.stderr
+        assert result.returncode == 2, result.stderr  # a malformed flag value: a usage error
         assert result.stderr.startswith("weightstream: error: --expires='%s': " % duration), result.stderr
-        assert needle in result.stderr
+        assert needle in result.stderr and result.stderr.endswith(" (see weightstream --help)\n")
