@@ -178,6 +178,10 @@ TEST(FlagConflicts, QuantizeAloneLoadsThroughTheQuantizedLayout) {
   auto json = nlohmann::json::parse(quantized.out);
   EXPECT_THAT(json["layout"].get<std::string>(), HasSubstr("llama"));
   EXPECT_EQ(json["session"]["model_hook_runs"], 1);
+  // The readers' time, as a plain load --json reports it.
+  for (const char* field : {"read_seconds", "deliver_seconds", "staging_wait_seconds", "reads"}) {
+    EXPECT_TRUE(json.contains(field)) << field;
+  }
   // FP8 linear weights: a byte an element where the checkpoint has two.
   EXPECT_LT(json["parameter_bytes"].get<uint64_t>(), nlohmann::json::parse(plain.out)["bytes"].get<uint64_t>());
 }
