@@ -180,15 +180,16 @@ GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Transports);
 
 // ---- one sender, several receivers ---------------------------------------------------------
 
-TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) {
+void one_sender_feeds_every_receiver(TransportKind kind) {
   // The tensor-parallel ranks (or replicas) of an engine: each its own receiver and layout.
-  // Over TCP each gets its own stream; NCCL (two GPUs, issue 9) broadcasts once to all.
+  // Over TCP each gets its own stream, over UCX each its own writes; NCCL (two GPUs, issue 9)
+  // broadcasts once to all.
   LoadedModel first(1), second(1);
-  UpdateReceiver first_receiver(first.layout, receiver_options(TransportKind::kTcp));
-  UpdateReceiver second_receiver(second.layout, receiver_options(TransportKind::kTcp));
+  UpdateReceiver first_receiver(first.layout, receiver_options(kind));
+  UpdateReceiver second_receiver(second.layout, receiver_options(kind));
   const std::vector<std::string> addresses = {first_receiver.address(), second_receiver.address()};
   auto trainer = std::async(std::launch::async, [&] {
-    UpdateSender sender(addresses, sender_options(TransportKind::kTcp, 16 << 10));  // many buckets
+    UpdateSender sender(addresses, sender_options(kind, 16 << 10));  // many buckets
     std::vector<UpdateReport> reports;
     for (uint64_t seed : {2, 3}) {
       sender.start(TensorFormat::kCheckpoint);
@@ -215,6 +216,13 @@ TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) {
   EXPECT_EQ(second.hook_runs, 3);
   EXPECT_EQ(storage_addresses(first.layout), first.addresses);
   EXPECT_EQ(storage_addresses(second.layout), second.addresses);
+}
+
+TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) { one_sender_feeds_every_receiver(TransportKind::kTcp); }
+
+TEST(SeveralReceivers, OneUcxSenderFeedsEveryReceiverUpdateAfterUpdate) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  one_sender_feeds_every_receiver(TransportKind::kUcx);
 }
 
 TEST(SeveralReceivers, OnlyTcpNcclAndUcxFeedSeveral) {
