@@ -16,6 +16,7 @@
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/peer.hpp"
 #include "weightstream/stream.hpp"
 
 namespace nb = nanobind;
@@ -427,6 +428,29 @@ class SessionHandle {
     return stats_dict(stat_fields(stats));
   }
 
+  /// Pulls this layout's parameters from the serving peers of `uri` (peer://, issue 31).
+  nb::dict pull_peers(const std::string& uri, const std::string& token, double timeout_seconds, uint64_t memory_limit) {
+    PeerPullReport report;
+    {
+      nb::gil_scoped_release release;
+      PeerPullOptions options;
+      options.token = token;
+      options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+      options.memory_limit = memory_limit;
+      PeerSource source(uri, options);
+      report = source.pull(session_);
+    }
+    nb::dict result;
+    result["bytes_from_peers"] = report.bytes_from_peers;
+    result["bytes_in_place"] = report.bytes_in_place;
+    result["parameters_read"] = report.parameters_read;
+    result["tensors"] = report.tensors;
+    result["bytes_read"] = 0;
+    result["seconds"] = report.seconds;
+    result["gbps"] = report.gbps();
+    return result;
+  }
+
   nb::dict counters() const { return stats_dict(stat_fields(session_.counters())); }
   std::string mode() const { return std::string(load_mode_name(session_.mode())); }
   std::vector<int64_t> completed_layers() const { return session_.completed_layers(); }
@@ -456,6 +480,15 @@ nb::object parameter_array(nb::handle layout_object, const std::string& name) {
 }  // namespace
 
 ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
+
+/// The config.json the serving peers of `uri` publish (peer://, issue 31).
+std::string peer_config_json(const std::string& uri, const std::string& token, double timeout_seconds) {
+  nb::gil_scoped_release release;
+  PeerPullOptions options;
+  options.token = token;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+  return PeerSource(uri, options).config_json();
+}
 
 void bind_model(nb::module_& m) {
   nb::class_<LayoutHandle>(m, "ModelLayout", nb::type_slots(layout_slots))
@@ -637,6 +670,7 @@ void bind_model(nb::module_& m) {
       .def("load", &SessionHandle::load, "batch"_a)
       .def("finish", &SessionHandle::finish)
       .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)
+      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a, "timeout"_a, "memory_limit"_a)
       .def_prop_ro("counters", &SessionHandle::counters)
       .def_prop_ro("mode", &SessionHandle::mode)
       .def_prop_ro("completed_layers", &SessionHandle::completed_layers);

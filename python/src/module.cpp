@@ -323,6 +323,8 @@ NB_MODULE(_core, m) {
   bind_model(m);
   bind_transfer(m);
   bind_resolve(m);
+  m.def("peer_config", &peer_config_json, "uri"_a, "token"_a = "", "timeout"_a = 30.0,
+        "The config.json text the serving peers of a peer:// URI publish (their token needed).");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
   m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
 

@@ -25,7 +25,7 @@ from ._api import (
     stream,
 )
 from . import _core
-from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count
+from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count, peer_config
 from ._model import LoadSession, ModelLayout, identity_layout, model_layout
 from ._weights_iterator import safetensors_weights_iterator
 
@@ -53,6 +53,7 @@ __all__ = [
     "model_layout",
     "identity_layout",
     "open",
+    "peer_config",
     "resolve_options",
     "safetensors_weights_iterator",
     "stream",

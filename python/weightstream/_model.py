@@ -30,6 +30,8 @@ def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) ->
         return json.dumps(config)
     if isinstance(config, str) and config.lstrip().startswith("{"):
         return config
+    if isinstance(config, str) and config.startswith("peer://"):
+        return _core.peer_config(config)  # peers that need no token; else weightstream.peer_config(uri, token)
     if not isinstance(config, (Checkpoint, str, os.PathLike)):
         raise TypeError(f"model_layout: config must be a dict, JSON text, a path, a URI or a Checkpoint, "
                         f"not {type(config).__name__}")
@@ -128,7 +130,13 @@ class LoadSession:
 
     def load_checkpoint(self, checkpoint: Union[str, Checkpoint], **options: Any) -> Dict[str, Any]:
         """Streams the tensors this rank needs from a checkpoint straight into the session
-        (contiguous slices read as their own byte ranges); returns the stream's counters."""
+        (contiguous slices read as their own byte ranges); returns the stream's counters.
+        A ``peer://HOST:PORT[,HOST:PORT...]`` URI pulls them from serving peers over UCX
+        instead (docs/PEERS.md; options ``token``, ``timeout`` in seconds, ``memory_limit``
+        in bytes): the counters then have ``bytes_from_peers`` and ``bytes_read`` 0."""
+        if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
+            return self._core.pull_peers(checkpoint, options.pop("token", ""), float(options.pop("timeout", 30.0)),
+                                         int(options.pop("memory_limit", 1 << 30)))
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint(checkpoint)
         return self._core.stream_checkpoint(checkpoint._core, options)

@@ -114,11 +114,12 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
     link.address = address;
     try {
       link.connection.emplace(connect_to(address, state.options.timeout));
+      link.connection->set_peer("serving peer " + address);
     } catch (const Error& error) {
       WS_FAIL(error.code(), "cannot reach peer " + address + " of " + state.uri + ": " + error.what());
     }
     send_peer_message(*link.connection, PeerMessage::kHello, {{"token", state.options.token}}, state.options.timeout);
-    PeerFrame answer = receive_peer_message(*link.connection, state.options.timeout, "the manifest of peer " + address);
+    PeerFrame answer = receive_peer_message(*link.connection, state.options.timeout, "its manifest");
     if (answer.type == PeerMessage::kRefuse) {
       WS_FAIL(ErrorCode::kProtocol, "peer " + address + " refused this puller: " + answer.body.value("reason", std::string("no reason given")));
     }
@@ -178,7 +179,7 @@ void PeerSource::State::check_agreement() const {
 void PeerSource::State::check_versions() {
   for (Link& link : links) {
     send_peer_message(*link.connection, PeerMessage::kVersion, nlohmann::json::object(), options.timeout);
-    PeerFrame answer = receive_peer_message(*link.connection, options.timeout, "the version of peer " + link.address);
+    PeerFrame answer = receive_peer_message(*link.connection, options.timeout, "its version");
     WS_EXPECT(answer.type == PeerMessage::kVersion, ErrorCode::kProtocol,
               "peer " + link.address + " did not answer the version request");
     const uint64_t version = answer.body.value("version", uint64_t{0});

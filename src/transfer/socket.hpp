@@ -49,6 +49,8 @@ class Connection {
   Connection(FileDescriptor fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
   /// Who is at the other end, for messages: "tcp peer 127.0.0.1:5555", "unix peer /tmp/x.sock".
   const std::string& peer() const noexcept { return peer_; }
+  /// Renames the other end for messages (a serving peer, not an update receiver).
+  void set_peer(std::string peer) { peer_ = std::move(peer); }
   int fd() const noexcept { return fd_.get(); }
 
   /// Sends one message; `pass_fd` >= 0 is passed with it (Unix sockets only).

@@ -328,3 +328,49 @@ def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namesp
     assert report["compared"] > 10 and report["mismatched"] == 0
     assert report["address_changes"] == 0 and report["model_hook_runs_per_load"] == 1
     assert TOKEN not in out + err + sender.stdout + sender.stderr
+
+
+def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):
+    """Python: model_layout from the peers' config.json, LoadSession.load_checkpoint("peer://...")
+    (loopback: no namespaces needed)."""
+    weightstream = pytest.importorskip("weightstream")
+    np = pytest.importorskip("numpy")
+    if not hasattr(weightstream, "peer_config"):
+        pytest.skip("the installed weightstream package predates peers")
+    servers = []
+    try:
+        for rank in range(2):
+            process = subprocess.Popen(
+                [CLI, "serve", str(llama), "--token-stdin", "--no-progress", *tp_flags(2, rank)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+            process.stdin.write(TOKEN + "\n")
+            process.stdin.close()
+            line = process.stdout.readline()
+            if "peer://" not in line:
+                err = process.stderr.read()
+                if "build with UCX" in err:
+                    pytest.skip("this build has no UCX (WS_WITH_UCX)")
+                raise AssertionError(line + err)
+            servers.append((process, re.search(r"peer://(\S+)", line).group(1)))
+        uri = "peer://" + ",".join(address for _, address in servers)
+        config = weightstream.peer_config(uri, token=TOKEN)
+        assert json.loads(config)["model_type"] == "llama"
+        layout = weightstream.model_layout(config, tp_size=2, tp_rank=1, device="cpu")
+        session = weightstream.LoadSession(layout)
+        session.begin("cold")
+        report = session.load_checkpoint(uri, token=TOKEN)
+        session.finish()
+        assert report["bytes_read"] == 0 and report["bytes_from_peers"] > 0
+        expected = weightstream.model_layout(str(llama), tp_size=2, tp_rank=1, device="cpu")
+        session = weightstream.LoadSession(expected)
+        session.begin("cold")
+        session.load_checkpoint(str(llama))
+        session.finish()
+        for name in expected.parameter_names:
+            assert np.from_dlpack(layout.tensor(name)).tobytes() == np.from_dlpack(expected.tensor(name)).tobytes(), name
+        with pytest.raises(weightstream.Error, match="wrong or missing token"):
+            weightstream.peer_config(uri, token="not-" + TOKEN)
+    finally:
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=30)
