@@ -67,14 +67,14 @@ PeerServeInfo serve_info(const Model& model, int64_t tp_size, int64_t tp_rank) {
 PeerServeOptions serve_options() {
   PeerServeOptions options;
   options.token = "peer-secret";
-  options.timeout = std::chrono::seconds(10);
+  options.timeout = std::chrono::seconds(60);  // generous: the CI machine may be loaded
   return options;
 }
 
 PeerPullOptions pull_options(std::string token = "peer-secret") {
   PeerPullOptions options;
   options.token = std::move(token);
-  options.timeout = std::chrono::seconds(10);
+  options.timeout = std::chrono::seconds(60);  // generous: the CI machine may be loaded
   return options;
 }
 
