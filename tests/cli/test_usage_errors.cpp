@@ -16,6 +16,7 @@
 #include "weightstream/format.hpp"
 #include "weightstream/load.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/synth.hpp"
 #include "weightstream/options.hpp"
 #include "weightstream/transfer.hpp"
 
