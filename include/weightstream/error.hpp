@@ -3,12 +3,42 @@
 /// The one error model of weightstream: every failure is a weightstream::Error carrying a
 /// code and a message that names the object, the range, the operation and the cause.
 
-#include <source_location>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <version>
+
+#if defined(__cpp_lib_source_location)
+#include <source_location>
+#endif
 
 namespace weightstream {
+
+#if defined(__cpp_lib_source_location)
+/// Where an error was raised: std::source_location where the standard library has it.
+using SourceLocation = std::source_location;
+#else
+/// Where an error was raised, for compilers whose standard library lacks std::source_location
+/// (clang 14 with libstdc++, which the fuzz build uses): file and line from the builtins
+/// that std::source_location::current() is made of.
+class SourceLocation {
+ public:
+  static constexpr SourceLocation current(const char* file = __builtin_FILE(),
+                                          std::uint_least32_t line = __builtin_LINE()) noexcept {
+    SourceLocation location;
+    location.file_ = file;
+    location.line_ = line;
+    return location;
+  }
+  constexpr const char* file_name() const noexcept { return file_; }
+  constexpr std::uint_least32_t line() const noexcept { return line_; }
+
+ private:
+  const char* file_ = "";
+  std::uint_least32_t line_ = 0;
+};
+#endif
 
 /// What kind of failure an Error reports. Stable: callers may switch on it.
 enum class ErrorCode {
@@ -36,22 +66,22 @@ class Error : public std::runtime_error {
  public:
   /// `location` is where the error was raised (WS_EXPECT and WS_FAIL pass their call site);
   /// it is kept beside the message, not in it, so messages stay meant for users.
-  Error(ErrorCode code, const std::string& message, std::source_location location = std::source_location::current())
+  Error(ErrorCode code, const std::string& message, SourceLocation location = SourceLocation::current())
       : std::runtime_error(message), code_(code), location_(location) {}
   /// The kind of failure.
   ErrorCode code() const noexcept { return code_; }
   /// The source file and line that raised it, for bug reports and debugging.
-  const std::source_location& location() const noexcept { return location_; }
+  const SourceLocation& location() const noexcept { return location_; }
 
  private:
   ErrorCode code_;
-  std::source_location location_;
+  SourceLocation location_;
 };
 
 /// Throws Error(code, message) raised at `location`. WS_EXPECT and WS_FAIL call it; it is
 /// out of line so that the checks stay small where they are inlined.
 [[noreturn]] void throw_error(ErrorCode code, std::string message,
-                              std::source_location location = std::source_location::current());
+                              SourceLocation location = SourceLocation::current());
 
 }  // namespace weightstream
 

@@ -26,7 +26,7 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   return "unknown";
 }
 
-void throw_error(ErrorCode code, std::string message, std::source_location location) {
+void throw_error(ErrorCode code, std::string message, SourceLocation location) {
   throw Error(code, message, location);
 }
 
