@@ -451,12 +451,13 @@ class LoadSession {
   void load(std::span<const TensorView> batch);
   void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
   /// Where bytes [offset, offset + bytes) of checkpoint tensor `tensor` belong, when a
-  /// source may read them straight into parameter storage (host storage; a tensor that
-  /// fills one part of one unprocessed parameter, in its dtype, whole rows; commit
+  /// source may read them straight into parameter storage (host storage, or GPU storage
+  /// too when the source writes GPU memory itself, `gpu_source`: a CUDA-aware UCX; a tensor
+  /// that fills one part of one unprocessed parameter, in its dtype, whole rows; commit
   /// kAsArrived); nullptr otherwise. The source still hands the piece to load(), with
-  /// `data` pointing there: it is checked and counted, and not copied.
+  /// `data` pointing there (and the layout's device): it is checked and counted, and not copied.
   std::byte* direct_destination(std::string_view tensor, Dtype dtype, std::span<const int64_t> shape,
-                                uint64_t offset, uint64_t bytes) const;
+                                uint64_t offset, uint64_t bytes, bool gpu_source = false) const;
   /// Waits until every copy issued so far has landed (finish() does too, before model
   /// hooks run). Throws Error(kDevice).
   void settle();

@@ -1,6 +1,7 @@
-// weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--token-stdin]
-// Loads one rank's parameters into host memory and publishes them to pullers (peer://)
-// until SIGINT or SIGTERM. Prints one line with its address once ready.
+// weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N] [--token-stdin]
+// Loads one rank's parameters into host memory (or a GPU's, served through a CUDA-aware UCX)
+// and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with its
+// address once ready.
 #include <signal.h>
 
 #include <cstdio>
@@ -15,6 +16,7 @@ namespace {
 struct ServeFlags {
   std::string uri;
   std::string listen = "127.0.0.1:0";
+  std::string device = "cpu";
   LayoutFlags layout;
   bool token_stdin = false;
   StreamFlags stream;
@@ -28,6 +30,8 @@ void add_serve_command(CLI::App& app) {
   command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file:// or s3://")->required();
   command->add_option("--listen", flags->listen, "HOST:PORT to listen on (default 127.0.0.1:0, a free loopback port)");
   add_layout_flags(*command, flags->layout);
+  command->add_option("--device", flags->device,
+                      "Where the served parameters live: cpu or cuda:N (GPU memory needs a CUDA-aware UCX; default cpu)");
   command->add_flag("--token-stdin", flags->token_stdin, "Read the token pullers must present from the first line of stdin");
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
@@ -44,7 +48,7 @@ void add_serve_command(CLI::App& app) {
     serve.listen = flags->listen;
     if (flags->token_stdin) std::getline(std::cin, serve.token);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
-    ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, Device{});
+    ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
     load_layout(layout, checkpoint, LoadMode::kCold, options.stream);
 
     PeerServeInfo info;

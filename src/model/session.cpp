@@ -421,7 +421,7 @@ void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) 
 }
 
 std::byte* LoadSession::direct_destination(std::string_view tensor, Dtype dtype, std::span<const int64_t> shape,
-                                           uint64_t offset, uint64_t bytes) const {
+                                           uint64_t offset, uint64_t bytes, bool gpu_source) const {
   std::lock_guard lock(state_->mutex);
   const State& state = *state_;
   if (!state.active || state.format != TensorFormat::kCheckpoint || state.commit != LayerCommit::kAsArrived) return nullptr;
@@ -429,8 +429,8 @@ std::byte* LoadSession::direct_destination(std::string_view tensor, Dtype dtype,
   if (route.kind != TensorRoute::Kind::kParameter || route.targets.size() != 1) return nullptr;
   const Parameter& parameter = layout_.parameters()[route.targets[0].first];
   const ParameterPart& part = parameter.parts[route.targets[0].second];
-  if (parameter.device.is_cuda() || parameter.processing != Processing::kNone || dtype != parameter.dtype ||
-      !part.contiguous() || !std::ranges::equal(shape, part.shape)) {
+  if ((parameter.device.is_cuda() && !gpu_source) || parameter.processing != Processing::kNone ||
+      dtype != parameter.dtype || !part.contiguous() || !std::ranges::equal(shape, part.shape)) {
     return nullptr;
   }
   uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(dtype);

@@ -2,6 +2,10 @@
 #include "transfer/peer_protocol.hpp"
 
 #include <cstring>
+#include <memory>
+#include <vector>
+
+#include <xxhash.h>
 
 #include "weightstream/error.hpp"
 
@@ -212,6 +216,20 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
   } catch (const nlohmann::json::exception& error) {
     WS_FAIL(ErrorCode::kProtocol, peer + ": malformed manifest at field " + field + ": " + error.what());
   }
+}
+
+uint64_t parameter_digest(const std::byte* data, const Device& device, uint64_t bytes) {
+  if (!device.is_cuda()) return XXH64(data, bytes, 0);
+  constexpr uint64_t kPieceBytes = 64ull << 20;
+  std::vector<std::byte> piece(std::min(bytes, kPieceBytes));
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
+  XXH64_reset(state.get(), 0);
+  for (uint64_t done = 0; done < bytes; done += kPieceBytes) {
+    const uint64_t length = std::min(kPieceBytes, bytes - done);
+    copy_bytes(piece.data(), Device{}, data + done, device, length);
+    XXH64_update(state.get(), piece.data(), length);
+  }
+  return XXH64_digest(state.get());
 }
 
 }  // namespace weightstream::transfer

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "transfer/socket.hpp"
+#include "weightstream/device.hpp"
 #include "weightstream/peer.hpp"
 
 namespace weightstream::transfer {
@@ -47,5 +48,9 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
 
 std::string to_hex(std::span<const std::byte> bytes);
 std::vector<std::byte> from_hex(std::string_view text, const std::string& what);
+
+/// xxh64 (seed 0) of a parameter's bytes on `device`: GPU memory is hashed from bounded host
+/// copies (64 MiB at a time), never a whole-parameter copy.
+uint64_t parameter_digest(const std::byte* data, const Device& device, uint64_t bytes);
 
 }  // namespace weightstream::transfer

@@ -9,7 +9,6 @@
 // are read whole into staging (so that each is checked against its digest), and the rows
 // the puller needs are assembled from them and handed to the session as a piece of the
 // checkpoint tensor, exactly as a stream from storage would hand it.
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
@@ -231,6 +230,10 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   };
   std::vector<Direct> directs;
   std::set<std::string, std::less<>> direct_tensors;
+  // GPU parameters are read into straight from the peers only by a CUDA-aware UCX; otherwise
+  // their bytes come through host staging like anything assembled.
+  const bool gpu_direct = layout.device().is_cuda() && state.worker->moves_cuda_memory();
+  const ucx::Memory direct_memory = gpu_direct ? ucx::Memory::kCuda : ucx::Memory::kHost;
   for (size_t p = 0; p < layout.parameters().size(); ++p) {
     const Parameter& parameter = layout.parameters()[p];
     if (parameter.parts.empty() || parameter.processing != Processing::kNone || parameter.data == nullptr) continue;
@@ -252,7 +255,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
         const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * size;
         std::byte* at = session.direct_destination(part.tensor, parameter.dtype, part.shape,
                                                    static_cast<uint64_t>(part.row_begin) * row_bytes,
-                                                   static_cast<uint64_t>(part.rows) * row_bytes);
+                                                   static_cast<uint64_t>(part.rows) * row_bytes, gpu_direct);
         writable &= at == parameter.data + part.element_offset * size;
       }
       if (!writable) continue;
@@ -262,17 +265,17 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
   }
 
-  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination) {
+  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory) {
     const PeerParameter& parameter = link.manifest.parameters[served];
     for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
       link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served],
-                         std::min(kReadPieceBytes, parameter.bytes - done), timeout);
+                         std::min(kReadPieceBytes, parameter.bytes - done), timeout, memory);
     }
     report.bytes_from_peers += parameter.bytes;
   };
-  auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes) {
+  auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes, const Device& device) {
     const PeerParameter& parameter = link.manifest.parameters[served];
-    const uint64_t digest = XXH64(bytes, parameter.bytes, 0);
+    const uint64_t digest = parameter_digest(bytes, device, parameter.bytes);
     if (digest != parameter.xxh64) {
       char text[96];
       std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",
@@ -288,12 +291,14 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   };
 
   {
-    for (const Direct& direct : directs) read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data);
+    for (const Direct& direct : directs) {
+      read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data, direct_memory);
+    }
     wait_all();
     std::vector<TensorView> views;
     for (const Direct& direct : directs) {
       const Parameter& parameter = layout.parameters()[direct.parameter];
-      check_digest(state.links[direct.link], direct.served, parameter.data);
+      check_digest(state.links[direct.link], direct.served, parameter.data, layout.device());
       report.bytes_in_place += parameter.bytes();
       const uint64_t size = element_bytes(parameter.dtype);
       for (const ParameterPart& part : parameter.parts) {
@@ -406,10 +411,10 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     for (auto& [key, buffer] : staged) {
       const PeerParameter& served = state.links[key.first].manifest.parameters[key.second];
       buffer.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
-      read_whole(state.links[key.first], key.second, buffer.get());
+      read_whole(state.links[key.first], key.second, buffer.get(), ucx::Memory::kHost);
     }
     wait_all();
-    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.get());
+    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.get(), Device{});
     std::vector<std::unique_ptr<std::byte[]>> rows_held;
     std::vector<TensorView> views;
     for (size_t a = first; a < end; ++a) {

@@ -112,7 +112,7 @@ struct PeerServer::State {
   void hash_parameters() {
     for (size_t i = 0; i < manifest.parameters.size(); ++i) {
       const Parameter& parameter = layout.parameters()[i];
-      manifest.parameters[i].xxh64 = parameter.data ? XXH64(parameter.data, parameter.bytes(), 0) : 0;
+      manifest.parameters[i].xxh64 = parameter.data ? parameter_digest(parameter.data, layout.device(), parameter.bytes()) : 0;
     }
   }
 
@@ -122,9 +122,12 @@ struct PeerServer::State {
 PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options)
     : state_(std::make_unique<State>(layout, std::move(options))) {
   State& state = *state_;
-  WS_EXPECT(!layout.device().is_cuda(), ErrorCode::kUnsupported,
-            "peer server: " + layout.description() + " lives on " + layout.device().name() +
-                "; this build serves host memory only (GPU memory over UCX is the GPU issue's work)");
+  const transfer::ucx::Memory memory =
+      layout.device().is_cuda() ? transfer::ucx::Memory::kCuda : transfer::ucx::Memory::kHost;
+  WS_EXPECT(memory == transfer::ucx::Memory::kHost || state.worker.moves_cuda_memory(), ErrorCode::kUnsupported,
+            "peer server: " + layout.description() + " lives on " + layout.device().name() + ", and UCX " +
+                transfer::ucx::library_version() +
+                " is not CUDA-aware: serving GPU memory needs a CUDA-aware UCX (e.g. the libucx-cu13 wheel's)");
   PeerManifest& manifest = state.manifest;
   manifest.model_type = parse_model_config("config.json", info.config_json).model_type;
   manifest.parallel = info.parallel;
@@ -146,7 +149,7 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
     entry.processing = parameter.processing;
     entry.parts = parameter.parts;
     if (entry.bytes > 0) {
-      auto& registration = state.registrations.emplace_back(state.worker.register_memory(parameter.data, entry.bytes));
+      auto& registration = state.registrations.emplace_back(state.worker.register_memory(parameter.data, entry.bytes, memory));
       entry.remote_address = registration->address();
       entry.remote_key = registration->remote_key();
     }

@@ -28,6 +28,11 @@ std::string library_version();
 
 class Worker;
 
+/// Where memory handed to UCX lives. GPU memory moves only through a CUDA-aware UCX
+/// (Worker::moves_cuda_memory(): cuda_ipc between processes of a host, cuda_copy, RDMA with
+/// GPUDirect); the memory type is named to UCX rather than left to its detection.
+enum class Memory { kHost, kCuda };
+
 /// Memory registered with a worker's context for remote reads; deregistered on destruction.
 class Registration {
  public:
@@ -61,7 +66,7 @@ class Endpoint {
   /// Queues a read of `bytes` at the peer's `remote_address` (inside the memory of key
   /// `key`) into `destination`. Waits first when too many reads are in flight.
   void get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-           std::chrono::milliseconds timeout);
+           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost);
   /// Queues a write of `bytes` from `source` (which stays unchanged until wait() or
   /// flush() returns) to the peer's `remote_address`.
   void put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
@@ -96,8 +101,10 @@ class Worker {
 
   /// The worker's address, which a peer passes to connect().
   std::vector<std::byte> address() const;
-  /// Registers `bytes` at `data` (host memory) for remote reads.
-  std::unique_ptr<Registration> register_memory(const std::byte* data, uint64_t bytes);
+  /// Registers `bytes` at `data` for remote reads and writes.
+  std::unique_ptr<Registration> register_memory(const std::byte* data, uint64_t bytes, Memory memory = Memory::kHost);
+  /// True when this UCX moves CUDA memory (its context lists the CUDA memory type).
+  bool moves_cuda_memory() const;
   /// An endpoint to the worker at `address` (error handling: the peer's death fails its
   /// requests instead of hanging them). `peer` names it in messages.
   std::unique_ptr<Endpoint> connect(std::span<const std::byte> address, const std::string& peer);

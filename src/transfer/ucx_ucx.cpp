@@ -101,12 +101,19 @@ std::vector<std::byte> Worker::address() const {
   return bytes;
 }
 
-std::unique_ptr<Registration> Worker::register_memory(const std::byte* data, uint64_t bytes) {
+std::unique_ptr<Registration> Worker::register_memory(const std::byte* data, uint64_t bytes, Memory memory) {
   std::unique_ptr<Registration> registration(new Registration());
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = const_cast<std::byte*>(data);
   params.length = bytes;
+  if (memory == Memory::kCuda) {
+    WS_EXPECT(moves_cuda_memory(), ErrorCode::kUnsupported,
+              "registering GPU memory with UCX " + library_version() +
+                  ": this UCX is not CUDA-aware (a CUDA-aware build, e.g. the libucx-cu13 wheel's, moves GPU memory)");
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   ucp_mem_h handle = nullptr;
   ucs_status_t status = ucp_mem_map(state_->context, &params, &handle);
   if (status != UCS_OK) {
@@ -124,6 +131,13 @@ std::unique_ptr<Registration> Worker::register_memory(const std::byte* data, uin
   std::memcpy(registration->remote_key_.data(), packed, packed_bytes);
   ucp_rkey_buffer_release(packed);
   return registration;
+}
+
+bool Worker::moves_cuda_memory() const {
+  ucp_context_attr_t attributes{};
+  attributes.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(state_->context, &attributes) != UCS_OK) return false;
+  return (attributes.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
 }
 
 void Worker::start_progress() {
@@ -231,7 +245,7 @@ uint32_t Endpoint::add_remote_key(std::span<const std::byte> packed) {
 }
 
 void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-                   std::chrono::milliseconds timeout) {
+                   std::chrono::milliseconds timeout, Memory destination_memory) {
   State& state = *state_;
   WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX read with an unknown remote key");
   if (bytes == 0) return;
@@ -239,6 +253,10 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
     WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
   }
   ucp_request_param_t param{};
+  if (destination_memory == Memory::kCuda) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   ucs_status_ptr_t request = ucp_get_nbx(state.ep, destination, bytes, remote_address, state.keys[key], &param);
   if (UCS_PTR_IS_ERR(request)) {
     fail(ErrorCode::kNetwork,

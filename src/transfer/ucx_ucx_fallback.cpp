@@ -13,7 +13,7 @@ struct Endpoint::State {};
 Endpoint::Endpoint(std::unique_ptr<State> state, std::string peer) : state_(std::move(state)), peer_(std::move(peer)) {}
 Endpoint::~Endpoint() = default;
 uint32_t Endpoint::add_remote_key(std::span<const std::byte>) { return 0; }
-void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
+void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds, Memory) {}
 void Endpoint::wait(std::chrono::milliseconds) {}
 void Endpoint::put(const std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
 void Endpoint::flush(std::chrono::milliseconds) {}
@@ -26,7 +26,8 @@ Worker::Worker() {
 }
 Worker::~Worker() = default;
 std::vector<std::byte> Worker::address() const { return {}; }
-std::unique_ptr<Registration> Worker::register_memory(const std::byte*, uint64_t) { return nullptr; }
+std::unique_ptr<Registration> Worker::register_memory(const std::byte*, uint64_t, Memory) { return nullptr; }
+bool Worker::moves_cuda_memory() const { return false; }
 std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte>, const std::string&) { return nullptr; }
 void Worker::start_progress() {}
 void Worker::stop_progress() {}

@@ -37,20 +37,20 @@ struct Model {
   }
 };
 
-ModelLayout loaded_layout(const Model& model, int64_t tp_size, int64_t tp_rank) {
+ModelLayout loaded_layout(const Model& model, int64_t tp_size, int64_t tp_rank, const Device& device = Device{}) {
   LayoutOptions options;
   options.parallel = {tp_size, tp_rank, 1, 0};
   ModelLayout layout = build_model_layout(model.config, options);
-  layout.allocate(Device{});
+  layout.allocate(device);
   load_layout(layout, *model.checkpoint, LoadMode::kCold, StreamOptions{});
   return layout;
 }
 
-ModelLayout empty_layout(const Model& model, int64_t tp_size, int64_t tp_rank) {
+ModelLayout empty_layout(const Model& model, int64_t tp_size, int64_t tp_rank, const Device& device = Device{}) {
   LayoutOptions options;
   options.parallel = {tp_size, tp_rank, 1, 0};
   ModelLayout layout = build_model_layout(model.config, options);
-  layout.allocate(Device{});
+  layout.allocate(device);
   return layout;
 }
 
@@ -211,6 +211,32 @@ TEST_F(PeerTest, AServerGoneBeforeTheReadsFailsWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(60));
   EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
   EXPECT_THAT(text, HasSubstr(address));
+}
+
+TEST_F(PeerTest, GpuMemoryNeedsACudaAwareUcx) {
+  transfer::ucx::Worker worker;
+  if (worker.moves_cuda_memory()) GTEST_SKIP() << "this UCX is CUDA-aware (the GPU test below covers it)";
+  std::byte byte{};
+  EXPECT_THAT(error_text([&] { worker.register_memory(&byte, 1, transfer::ucx::Memory::kCuda); }),
+              HasSubstr("is not CUDA-aware"));
+}
+
+TEST_F(PeerTest, PullsIntoCudaParametersStraightFromAServerOnTheGpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU";
+  if (!transfer::ucx::Worker().moves_cuda_memory()) GTEST_SKIP() << "needs a CUDA-aware UCX";
+  Model model;
+  const Device gpu = parse_device("cuda:0");
+  ModelLayout served = loaded_layout(model, 2, 0, gpu);
+  PeerServer server(served, serve_info(model, 2, 0), serve_options());
+  PeerSource source(std::string(kPeerScheme) + server.address(), pull_options());
+  ModelLayout layout = empty_layout(model, 2, 0, gpu);
+  PeerPullReport report = pull_into(layout, source);
+  uint64_t bytes = 0;
+  for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();
+  EXPECT_EQ(report.bytes_in_place, bytes) << "every parameter read straight into GPU memory";
+  LayoutComparison comparison = compare_layouts(layout, loaded_layout(model, 2, 0));
+  EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  EXPECT_EQ(comparison.compared, layout.parameters().size());
 }
 
 TEST_F(PeerTest, PeerUrisAreParsed) {
