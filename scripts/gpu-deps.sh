@@ -7,7 +7,10 @@
 #   .deps/lib          static libraries; libcurl, OpenSSL and pugixml as shared libraries
 #                      with the libraries they load (except glibc's), for linking and running
 #   .deps/lib/cmake, .deps/share/cmake   the CMake package configs
-# Usage: scripts/gpu-deps.sh   (needs the Debian -dev packages of the build; ~25 MiB)
+#   .deps/ucx-cu13.tar.xz  a CUDA-aware UCX (headers, shared libraries, its transport modules,
+#                      ucx_perftest and ucx_info) from the PyPI wheel libucx-cu13, for the
+#                      driver's CUDA 13; scripts/gpu.sh unpacks it and builds against it
+# Usage: scripts/gpu-deps.sh   (needs the Debian -dev packages of the build and pip; ~30 MiB)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 deps="$root/.deps"
@@ -61,4 +64,17 @@ for package in GTest pugixml; do
     mv "$config.new" "$config"
   done
 done
+# A CUDA-aware UCX: the wheel's files without its static libraries, each shared library once
+# (the wheel, a zip, holds three copies: .so, .so.0, .so.0.0.0; the first two become links).
+ucx_version=${WS_UCX_WHEEL_VERSION:-1.22.0}
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 -d "$scratch" "libucx-cu13==$ucx_version"
+(cd "$scratch" && unzip -q ./*.whl &&
+  for library in $(find libucx/lib -name '*.so.0.0.0'); do
+    ln -sf "$(basename "$library")" "${library%.0.0}" && ln -sf "$(basename "$library")" "${library%.0.0.0}"
+  done &&
+  tar -cJf "$deps/ucx-cu13.tar.xz" libucx/include libucx/lib/*.so* libucx/lib/ucx/*.so* libucx/bin/ucx_perftest \
+    libucx/bin/ucx_info libucx_cu13.libs)
 du -sh "$deps"

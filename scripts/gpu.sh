@@ -8,7 +8,9 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|all]...   (default: all)
+#   WS_GPU_MOE_SIZE        the FP8 MoE checkpoint of the moe stage (default 8GiB)
+#   WS_GPU_UCX_SIZE        the checkpoint of the ucx stage (default 4GiB)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
@@ -56,6 +58,22 @@ else
   deps_flag=()
 fi
 
+# A CUDA-aware UCX (scripts/gpu-deps.sh packs the libucx-cu13 wheel's files into .deps/): the
+# build links it (peers and the ucx update transport then move GPU memory: cuda_ipc,
+# cuda_copy), and its ucx_perftest is the ucx stage's baseline.
+ucx_flags=()
+if [ -f "$deps/ucx-cu13.tar.xz" ]; then
+  ucx_root=/tmp/ucx-cu13
+  [ -d "$ucx_root/libucx" ] || { mkdir -p "$ucx_root" && tar -xJf "$deps/ucx-cu13.tar.xz" -C "$ucx_root"; }
+  ucx_flags=(-DWS_WITH_UCX=ON -DUCX_INCLUDE_DIR="$ucx_root/libucx/include"
+    -DUCX_UCP_LIBRARY="$ucx_root/libucx/lib/libucp.so" -DUCX_UCS_LIBRARY="$ucx_root/libucx/lib/libucs.so")
+  export LD_LIBRARY_PATH="$ucx_root/libucx/lib:$ucx_root/libucx_cu13.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export PATH="$ucx_root/libucx/bin:$PATH"
+  echo "UCX: $(ucx_info -v 2>&1 | head -2 | tr '\n' ' ')"
+else
+  echo "no .deps/ucx-cu13.tar.xz (scripts/gpu-deps.sh makes it): built without UCX"
+fi
+
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1
@@ -67,7 +85,7 @@ fi
 cat "$out/machine.txt"
 
 configure_and_build() {  # source folder
-  cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON "${deps_flag[@]}" >>"$out/build.log" 2>&1 &&
+  cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON "${deps_flag[@]}" "${ucx_flags[@]}" >>"$out/build.log" 2>&1 &&
     ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1
 }
 # What is built: the working tree, or WS_GPU_SOURCE (a folder holding an export of one
@@ -213,7 +231,7 @@ if wants python; then
   start=$SECONDS
   site=$build/python-site
   rm -rf "$site"
-  if CMAKE_ARGS="-DWS_WITH_CUDA=ON ${deps_flag[*]}" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+  if CMAKE_ARGS="-DWS_WITH_CUDA=ON ${deps_flag[*]} ${ucx_flags[*]}" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     python3 -m pip install --no-build-isolation --no-deps --no-cache-dir -q --target "$site" \
     --config-settings=build-dir="$build/python-build" "$source_dir" >"$out/python.log" 2>&1; then
     ldd "$site"/weightstream/_core*.so | grep -E 'curl|ssl|crypto|ffi|stdc' >>"$out/python.log"
@@ -288,6 +306,27 @@ if wants gdn; then
   WS_CLI="$build/weightstream" python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_qwen3_next_tp.py" \
     >"$out/gdn.log" 2>&1 || status=1
   summary "gdn ($((SECONDS - start)) s): pytest: $(grep -E '[0-9]+ (passed|failed|skipped)' "$out/gdn.log" | tail -1)"
+fi
+
+# ---- moe (issue 34): an FP8 block-scaled MoE into torch parameters named as vLLM 0.33 names
+# them on the GPU, bound at tp 2 and tp 2 with EP, and a BF16 update quantized into them in
+# place over CUDA IPC (bench/gpu_moe_bench.py; WS_GPU_MOE_SIZE, default 8GiB) ---------------
+if wants moe; then
+  start=$SECONDS
+  PYTHONUNBUFFERED=1 PYTHONPATH="$build/python-site" python3 "$root/bench/gpu_moe_bench.py" --cli "$build/weightstream" \
+    --out "$out" --size "${WS_GPU_MOE_SIZE:-8GiB}" 2>&1 | tee "$out/moe.log" || status=1
+  summary "moe ($((SECONDS - start)) s): $(grep -c ': yes$' "$out/gpu_moe.md" 2>/dev/null) checks passed," \
+    "$(grep -c ': NO$' "$out/gpu_moe.md" 2>/dev/null) failed; $(grep '^Goal' "$out/gpu_moe.md" 2>/dev/null)"
+fi
+
+# ---- ucx (issue 34): a peer pull into CUDA parameters and an update over UCX into them, two
+# processes on one GPU, against ucx_perftest -m cuda (bench/gpu_ucx_bench.py) ----------------
+if wants ucx; then
+  start=$SECONDS
+  PYTHONUNBUFFERED=1 python3 "$root/bench/gpu_ucx_bench.py" --cli "$build/weightstream" --out "$out" \
+    --size "${WS_GPU_UCX_SIZE:-4GiB}" 2>&1 | tee "$out/ucx.log" || status=1
+  summary "ucx ($((SECONDS - start)) s): $(grep -c ': yes$' "$out/gpu_ucx.md" 2>/dev/null) checks passed," \
+    "$(grep -c ': NO$' "$out/gpu_ucx.md" 2>/dev/null) failed (gpu_ucx.md)"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------
