@@ -34,6 +34,10 @@ struct SynthOptions {
   /// 128 x 128 block (amax / 448), and quantization_config {"quant_method": "fp8", "fmt":
   /// "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
   enum class Quantization { kNone, kFp8Block } quantize = Quantization::kNone;
+  /// The shapes of the FP8 block-scaled model (heads of 128, inner sizes multiples of 512, so
+  /// that up to 4 ranks hold whole 128 x 128 blocks) with unquantized weights: the BF16
+  /// checkpoint a trainer pushes into an FP8 model of the same options. Implied by kFp8Block.
+  bool block_aligned = false;
   // MoE families only (deepseek_v3, kimi_k2, glm4_moe, qwen3_moe, qwen3_next, mixtral).
   int64_t experts = 8;             ///< routed experts (n_routed_experts, num_experts or num_local_experts)
   int64_t shared_experts = 1;      ///< n_shared_experts (qwen3_next: one shared expert when above 0; qwen3_moe, mixtral: none)

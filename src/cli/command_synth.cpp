@@ -33,6 +33,9 @@ void add_synth_command(CLI::App& app) {
                       "none, or fp8-block: F8_E4M3 linear weights with F32 weight_scale_inv per 128x128 block, "
                       "as DeepSeek-V3 ships them (default none)")
       ->check(CLI::IsMember({"none", "fp8-block"}));
+  command->add_flag("--block-aligned", flags->options.block_aligned,
+                    "Shape the model as --quantize fp8-block does (heads of 128, inner sizes multiples of 512) "
+                    "with unquantized weights: the BF16 checkpoint pushed into an FP8 model of the same flags");
   command->add_option("--vocab", flags->options.vocab, "Vocabulary size (default 4096)")->check(CLI::Range(1, 1 << 20));
   command->add_option("--experts", flags->options.experts, "Routed experts of MoE families (default 8)")
       ->check(CLI::Range(1, 65536));

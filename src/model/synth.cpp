@@ -148,7 +148,8 @@ std::string_view torch_dtype_name(Dtype dtype) {
 ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hidden) {
   const Architecture& architecture = *find_architecture(options.arch);
   bool fp8 = options.quantize == SynthOptions::Quantization::kFp8Block;
-  auto inner = [&](int64_t size, int64_t multiple) { return round_up(size, fp8 ? kBlockAlignedSize : multiple); };
+  bool aligned = fp8 || options.block_aligned;
+  auto inner = [&](int64_t size, int64_t multiple) { return round_up(size, aligned ? kBlockAlignedSize : multiple); };
   ModelConfig config;
   config.model_type = options.arch;
   config.hidden_size = hidden;
@@ -156,8 +157,9 @@ ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hi
   config.vocab_size = options.vocab;
   config.torch_dtype = std::string(torch_dtype_name(options.dtype));
   // Heads of 64 like the real models where the width allows, else two heads; FP8 models
-  // have heads of 128 as the released ones, so that a K/V head is whole scale blocks.
-  int64_t head = fp8 && hidden % 128 == 0 ? 128 : 64;
+  // (and block-aligned ones) have heads of 128 as the released ones, so that a K/V head is
+  // whole scale blocks.
+  int64_t head = aligned && hidden % 128 == 0 ? 128 : 64;
   config.num_attention_heads = hidden >= 2 * head && hidden % head == 0 ? hidden / head : 2;
   config.head_dim = hidden / config.num_attention_heads;
   // Grouped-query attention: the largest divisor of the head count not above a quarter of it.
@@ -172,9 +174,9 @@ ModelConfig synth_config(const SynthOptions& options, int64_t layers, int64_t hi
     config.q_lora_rank = hidden / 2;
     config.kv_lora_rank = hidden / 4;
     // The release's head dims with FP8 (a head's rows are then whole blocks on a rank).
-    config.qk_nope_head_dim = fp8 ? 128 : 32;
-    config.qk_rope_head_dim = fp8 ? 64 : 16;
-    config.v_head_dim = fp8 ? 128 : 32;
+    config.qk_nope_head_dim = aligned ? 128 : 32;
+    config.qk_rope_head_dim = aligned ? 64 : 16;
+    config.v_head_dim = aligned ? 128 : 32;
     config.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim;
   }
   int64_t moe_inner = inner(hidden / 2, 32);

@@ -8,6 +8,8 @@
 #include "format/format_test_files.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/options.hpp"
+#include "weightstream/stream.hpp"
 #include "weightstream/synth.hpp"
 
 namespace weightstream {
@@ -373,6 +375,36 @@ TEST(Synth, ScalesLayersToATargetSize) {
   EXPECT_GT(result.config.num_hidden_layers, 10);
   EXPECT_EQ(result.config.hidden_size, 256);
   EXPECT_NEAR(static_cast<double>(result.bytes), 48.0 * (1 << 20), 1.5 * (1 << 20));
+}
+
+TEST(Synth, ABlockAlignedModelHasTheFp8ModelsShapesInBf16) {
+  testing::TempDir fp8_dir, bf16_dir;
+  SynthOptions options;
+  options.arch = "qwen3_moe";
+  options.hidden = 512;
+  options.quantize = SynthOptions::Quantization::kFp8Block;
+  SynthResult fp8 = synthesize_checkpoint(fp8_dir.path(), options);
+  options.quantize = SynthOptions::Quantization::kNone;
+  options.block_aligned = true;
+  SynthResult bf16 = synthesize_checkpoint(bf16_dir.path(), options);
+  EXPECT_TRUE(bf16.config.quantization.quant_method.empty());
+  EXPECT_EQ(bf16.config.head_dim, fp8.config.head_dim);
+  EXPECT_EQ(bf16.config.num_attention_heads, fp8.config.num_attention_heads);
+  EXPECT_EQ(bf16.config.intermediate_size, fp8.config.intermediate_size);
+  EXPECT_EQ(bf16.config.moe_intermediate_size, fp8.config.moe_intermediate_size);
+  // Every FP8 weight has a BF16 twin of its shape; nothing else is quantized.
+  Checkpoint a = Checkpoint::open(fp8_dir.path().string(), Options{});
+  Checkpoint b = Checkpoint::open(bf16_dir.path().string(), Options{});
+  size_t weights = 0;
+  for (const CheckpointTensor& tensor : a.tensors()) {
+    if (tensor.name.ends_with("_scale_inv")) continue;
+    std::optional<size_t> twin = b.find(tensor.name);
+    ASSERT_TRUE(twin.has_value()) << tensor.name;
+    EXPECT_EQ(b.tensors()[*twin].shape, tensor.shape) << tensor.name;
+    EXPECT_NE(b.tensors()[*twin].dtype, Dtype::kF8E4M3) << tensor.name;
+    weights += tensor.dtype == Dtype::kF8E4M3;
+  }
+  EXPECT_GT(weights, 0u);
 }
 
 TEST(Synth, RejectsBadOptions) {
