@@ -53,6 +53,26 @@ INSTANTIATE_TEST_SUITE_P(Architectures, AuditCommand,
                            return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
                          });
 
+TEST(AuditCommand, ABf16ReloadOfAnFp8ModelIsQuantizedInPlaceAndComparedWithTheSameLayout) {
+  TempDir directory;
+  const std::string fp8 = (directory.path() / "fp8").string(), bf16 = (directory.path() / "bf16").string();
+  for (const auto& [path, flags] : {std::pair{fp8, std::vector<std::string>{"--quantize", "fp8-block", "--seed", "1"}},
+                                    std::pair{bf16, std::vector<std::string>{"--block-aligned", "--seed", "2"}}}) {
+    std::vector<std::string> command = {"synth", path, "--arch", "qwen3_moe", "--hidden", "512", "--layers", "2"};
+    command.insert(command.end(), flags.begin(), flags.end());
+    auto written = run_cli(command);
+    ASSERT_EQ(written.exit_code, 0) << written.err;
+  }
+  auto result = run_cli({"audit", fp8, "--reload", bf16, "--tp-size", "2", "--tp-rank", "1", "--ep-size", "2",
+                         "--ep-rank", "1", "--batches", "3", "--json", "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.err << result.out;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_GT(json["compared"].get<uint64_t>(), 10u);
+  EXPECT_EQ(json["mismatched"], 0);
+  EXPECT_EQ(json["address_changes"], 0);
+  EXPECT_EQ(json["model_hook_runs_per_load"], 1);
+}
+
 TEST(AuditCommand, QuantizedLayoutAndReversedOrder) {
   TempDir directory;
   std::string first = synth(directory, "a", "llama", 1);
