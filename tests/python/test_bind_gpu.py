@@ -4,8 +4,9 @@
   cold load, a reload and an update pushed over CUDA IPC all land in the module's tensors,
   byte for byte what `weightstream export` writes for the same checkpoint, with data_ptr()
   unchanged throughout; a CUDA graph captured before the reload reads the new values after it.
-- transformers: a fresh LlamaForCausalLM bound through the identity layout (one parameter per
-  checkpoint tensor) and loaded by weightstream gives the logits of from_pretrained.
+- transformers: a fresh LlamaForCausalLM, and a Qwen3MoeForCausalLM (its fused experts bound as
+  views), bound through the identity layout (one parameter per checkpoint tensor) and loaded by
+  weightstream give the logits of from_pretrained.
 
 Skips without torch, a CUDA device, a CUDA build of weightstream, or transformers.
 """
@@ -173,3 +174,65 @@ def test_transformers_llama_bound_through_the_identity_layout_gives_from_pretrai
         session.finish()
         torch.testing.assert_close(fresh(tokens).logits, expected, rtol=0, atol=0)
     assert {name: parameter.data_ptr() for name, parameter in fresh.named_parameters()} == pointers
+
+
+def bind_transformers_moe(layout, model):
+    """Binds the identity layout of a transformers Qwen3-MoE checkpoint to the model's own
+    tensors. transformers 5 holds each layer's experts fused (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]) where the checkpoint has one tensor per expert and
+    projection; each of those is a contiguous slice of the fused tensor, bound as a view."""
+    tensors = dict(model.named_parameters())
+    bound = []
+    for name in layout.parameter_names:
+        prefix, marker, rest = name.partition(".mlp.experts.")
+        if marker:
+            expert, projection, _ = rest.split(".")
+            if projection == "down_proj":
+                view = tensors[f"{prefix}.mlp.experts.down_proj"][int(expert)]
+            else:
+                fused = tensors[f"{prefix}.mlp.experts.gate_up_proj"][int(expert)]
+                half = fused.shape[0] // 2
+                view = fused[:half] if projection == "gate_proj" else fused[half:]
+            layout.bind(name, view.detach())
+        else:
+            layout.bind(name, tensors[name].detach())
+        bound.append(name)
+    return bound
+
+
+def test_transformers_qwen3_moe_bound_through_the_identity_layout_gives_from_pretrained_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                         moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                         max_position_embeddings=128, tie_word_embeddings=False,
+                                         attn_implementation="eager")
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "qwen3_moe")
+    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "qwen3_moe", attn_implementation="eager")
+    reference = reference.to("cuda:0").eval()
+
+    torch.manual_seed(1)  # other random weights: the load must replace every one of them
+    fresh = transformers.Qwen3MoeForCausalLM(config).to(device="cuda:0", dtype=reference.dtype).eval()
+    pointers = {name: parameter.data_ptr() for name, parameter in fresh.named_parameters()}
+    checkpoint = weightstream.open(str(tmp_path / "qwen3_moe"))
+    assert any(".mlp.experts.3.up_proj.weight" in name for name in checkpoint.names)
+    layout = weightstream.identity_layout(checkpoint)
+    assert sorted(bind_transformers_moe(layout, fresh)) == sorted(checkpoint.names)
+    assert layout.unbound_names == []
+
+    tokens = torch.tensor([[1, 17, 42, 99, 3, 250, 7, 64]], device="cuda:0")
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        assert not torch.allclose(fresh(tokens).logits, expected)
+        session = weightstream.LoadSession(layout)
+        session.begin("cold")
+        session.load_checkpoint(checkpoint)
+        session.finish()
+        for name, parameter in reference.named_parameters():
+            assert torch.equal(dict(fresh.named_parameters())[name], parameter), name
+        # Equal weights; the experts' sums go through index_add_ (atomics on a GPU), so the
+        # logits agree to rounding rather than bit for bit.
+        torch.testing.assert_close(fresh(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    assert {name: parameter.data_ptr() for name, parameter in fresh.named_parameters()} == pointers
+    assert layout.allocated_bytes == 0
