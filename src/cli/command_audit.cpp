@@ -355,9 +355,9 @@ void add_audit_command(CLI::App& app) {
       watch.loaded();
     }
 
-    // The same layout as the audited one (the first checkpoint's config: a BF16 reload of an
-    // FP8 model is quantized into FP8 parameters on both sides), filled from scratch.
-    ModelLayout fresh = checkpoint_layout(first, flags->layout, device);
+    // The reload's model as the audited layout holds it: a BF16 reload of an FP8 block-scaled
+    // model is quantized into FP8 parameters on both sides.
+    ModelLayout fresh = checkpoint_layout(second, flags->layout, device, checkpoint_layout_config(first).quantization);
     load_layout(fresh, second, LoadMode::kCold, options.stream, progress.part());
     progress.done();
     nlohmann::json result = {{"uri", first.uri()},

@@ -36,8 +36,10 @@ Parallelism parallelism_from_flags(const LayoutFlags& flags) {
   return parallel;
 }
 
-ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device) {
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
+                              const std::optional<ModelConfig::Quantization>& quantization) {
   ModelConfig config = checkpoint_layout_config(checkpoint);
+  if (quantization) config.quantization = *quantization;
   LayoutOptions options;
   options.parallel = parallelism_from_flags(flags);
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;

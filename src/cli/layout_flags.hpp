@@ -40,8 +40,11 @@ ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
 void add_engine_hooks(ModelLayout& layout, const ModelConfig& config);
 
 /// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
-/// `device` and the hooks an engine would register (add_engine_hooks).
-ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device);
+/// `device` and the hooks an engine would register (add_engine_hooks). `quantization`,
+/// when given, replaces the config's quantization_config (the model as another checkpoint
+/// of it is served: a BF16 checkpoint loaded into the FP8 block-scaled model).
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
+                              const std::optional<ModelConfig::Quantization>& quantization = std::nullopt);
 
 /// The `load` command's model-layout path: builds the layout from config.json, loads the
 /// checkpoint into it through a LoadSession and prints the summary (JSON when `json`).

@@ -23,6 +23,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
+using testing::lines_of;
 using testing::run_cli;
 using testing::RunLimits;
 using testing::TempDir;
@@ -50,13 +51,6 @@ std::string tensor_entry(const std::string& name, const std::string& dtype, cons
                          uint64_t end) {
   return "\"" + name + "\": {\"dtype\": \"" + dtype + "\", \"shape\": " + shape + ", \"data_offsets\": [" +
          std::to_string(begin) + ", " + std::to_string(end) + "]}";
-}
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);) lines.push_back(line);
-  return lines;
 }
 
 /// The contract of every case: failed cleanly (no signal, no internal error), one line,

@@ -17,15 +17,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
+using testing::lines_of;
 using testing::run_cli;
 using testing::TempDir;
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);) lines.push_back(line);
-  return lines;
-}
 
 void expect_one_line_error(const testing::CommandResult& result, std::string_view needle) {
   EXPECT_NE(result.exit_code, 0);

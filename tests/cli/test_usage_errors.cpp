@@ -27,15 +27,9 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
+using testing::lines_of;
 using testing::run_cli;
 using testing::TempDir;
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);) lines.push_back(line);
-  return lines;
-}
 
 /// Exit 2, one line on stderr naming `needle`, ending with the pointer to --help.
 void expect_usage_error(const testing::CommandResult& result, const std::string& needle) {

@@ -109,4 +109,11 @@ std::string read_file(const std::filesystem::path& path) {
   return text.str();
 }
 
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
 }  // namespace weightstream::testing

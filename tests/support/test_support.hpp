@@ -65,4 +65,7 @@ void write_file(const std::filesystem::path& path, const std::string& bytes);
 /// Reads all of `path`.
 std::string read_file(const std::filesystem::path& path);
 
+/// The lines of `text` (stderr of a command, say), without their newlines.
+std::vector<std::string> lines_of(const std::string& text);
+
 }  // namespace weightstream::testing
