@@ -1,8 +1,9 @@
 #pragma once
 /// @file load.hpp
 /// Loading a checkpoint into a ModelLayout: the plan of which byte ranges each rank reads
-/// (a contiguous row slice is read as its own range; other slices read whole and written
-/// strided by the session), and the one path that streams those ranges into a LoadSession,
+/// (a contiguous row slice is read as its own range, a column slice as a run of each of its
+/// rows, sections as a range each; only a tensor whose parts share rows is read whole), and
+/// the one path that streams those ranges into a LoadSession,
 /// which writes them through its device path. The plain "every tensor into memory" load is
 /// the same path with the identity layout (one parameter per checkpoint tensor).
 
@@ -17,12 +18,17 @@
 
 namespace weightstream {
 
-/// One checkpoint tensor that a layout reads, and how.
+/// Bytes of one checkpoint tensor that a layout reads, and where they go: the rows of a part
+/// (one range), a column window of a part's rows (one run per row), or the whole tensor.
 struct PlannedTensor {
   size_t tensor = 0;   ///< index into Checkpoint::tensors()
-  ByteRange range;     ///< bytes of the tensor read (length never 0)
-  bool slice = false;  ///< true when `range` is this rank's contiguous slice, not the whole tensor
+  ByteRange range;     ///< bytes of the tensor read (length never 0); with runs > 1, the first run
+  bool slice = false;  ///< true when this rank reads less than the whole tensor
   std::vector<std::pair<size_t, size_t>> targets;  ///< (parameter, part) indices it fills
+  uint64_t runs = 1;    ///< runs of range.length bytes (a part's columns of each of its rows)
+  uint64_t stride = 0;  ///< bytes from one run's start to the next (a row's bytes); with runs > 1
+  /// The stream request for these bytes.
+  TensorRequest request() const;
 };
 
 /// A checkpoint tensor the layout does not read, and why.
@@ -33,10 +39,10 @@ struct UnusedTensor {
 
 /// What a layout reads from a checkpoint.
 struct LoadPlan {
-  std::vector<PlannedTensor> reads;     ///< in checkpoint file order
+  std::vector<PlannedTensor> reads;     ///< in checkpoint file order (a sectioned tensor's sections in a row)
   std::vector<UnusedTensor> unused;   ///< ignored or owned elsewhere; never read
   std::vector<std::string> missing;   ///< tensors the layout wants that the checkpoint lacks
-  uint64_t bytes_to_read = 0;         ///< sum of the reads' lengths
+  uint64_t bytes_to_read = 0;         ///< the bytes of the reads' runs (storage may read small gaps with them)
   /// The stream requests, parallel to `reads`.
   std::vector<TensorRequest> requests() const;
   /// A plan of the reads at `indices` only (for loading in batches).

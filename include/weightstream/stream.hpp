@@ -77,23 +77,31 @@ class Checkpoint {
   std::unordered_map<std::string, size_t> by_name_;
 };
 
-/// A byte range [offset, offset + length).
-struct ByteRange {
-  uint64_t offset = 0;
-  uint64_t length = 0;
-};
-
-/// Part (or all) of one checkpoint tensor that a sink wants.
+/// Part (or all) of one checkpoint tensor that a sink wants: one range, or `runs` ranges of
+/// equal length at a fixed stride (a column window of every row of a row-major tensor).
 struct TensorRequest {
   size_t tensor = 0;   ///< index into Checkpoint::tensors()
-  ByteRange range;     ///< bytes within the tensor; length 0 means "to the end"
+  ByteRange range;     ///< bytes within the tensor (the first run); length 0 means "to the end" (one run only)
+  uint64_t runs = 1;   ///< runs of range.length bytes; run k starts at range.offset + k * stride
+  uint64_t stride = 0;  ///< bytes from one run's start to the next's (at least range.length); unused for one run
+
+  /// The bytes from the first run's start to the last run's end (range itself for one run).
+  ByteRange extent() const noexcept {
+    return runs <= 1 ? range : ByteRange{range.offset, (runs - 1) * stride + range.length};
+  }
+  /// The bytes of the runs (without the gaps between them).
+  uint64_t run_bytes() const noexcept { return runs <= 1 ? range.length : runs * range.length; }
 };
 
 /// A completed run of bytes of one request, delivered to a sink.
 struct TensorPiece {
   size_t request = 0;            ///< index into the request list
   const CheckpointTensor* tensor = nullptr;
-  uint64_t offset = 0;           ///< offset of `bytes` within the requested range
+  /// Offset of `bytes` within the request's extent (TensorRequest::extent(), from its
+  /// first byte). A piece of a request of several runs may span the gaps between its runs:
+  /// the bytes there are unspecified (a staged read leaves them unread), and a sink takes
+  /// only the runs' bytes from it.
+  uint64_t offset = 0;
   std::span<const std::byte> bytes;
   /// Keeps the staging buffer that holds `bytes` alive; a sink that finishes with the
   /// bytes later (an async copy) keeps a copy of it. Empty for direct reads.
@@ -106,7 +114,8 @@ class TensorSink {
  public:
   virtual ~TensorSink() = default;
   /// Host memory the bytes of request `request` may be read into directly (no staging),
-  /// or nullptr to stage them. Must hold the whole requested range.
+  /// or nullptr to stage them. Must hold the whole requested range. Not asked for a request
+  /// of several runs: those are always staged.
   virtual std::byte* direct_destination(size_t /*request*/) { return nullptr; }
   /// Whether pieces of one request must arrive in offset order (hashing needs this).
   virtual bool wants_ordered_pieces() const { return false; }
@@ -122,7 +131,7 @@ class TensorSink {
 struct StreamStats {
   uint64_t tensors = 0;             ///< requests delivered whole
   uint64_t bytes = 0;               ///< bytes delivered to the sink
-  uint64_t bytes_read = 0;          ///< bytes read from storage (merged reads may cover gaps)
+  uint64_t bytes_read = 0;          ///< bytes read from storage (merged reads may cover gaps; see Storage::read_runs)
   uint64_t reads = 0;               ///< read calls issued
   uint64_t peak_staging_bytes = 0;  ///< most staging memory held at once
   uint64_t shards_read = 0;         ///< distinct shards touched
@@ -148,7 +157,10 @@ using ProgressCallback = std::function<void(uint64_t done, uint64_t total)>;
 
 /// Streams `requests` from `checkpoint` into `sink`. Every requested byte is delivered
 /// exactly once or the call throws; the first error cancels the other readers and is the
-/// error thrown. Staging memory never exceeds options.memory_limit.
+/// error thrown. Staging memory never exceeds options.memory_limit. The runs of a request
+/// of several runs are read into one staging buffer per read of at most the chunk size,
+/// laid out as in the tensor, by Storage::read_runs (one request or one gathered copy for
+/// many runs, not one a row), and delivered as one piece per read.
 StreamStats stream_tensors(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
                            TensorSink& sink, const StreamOptions& options,
                            const ProgressCallback& progress = {}, HostMemory staging = HostMemory::kPageable);

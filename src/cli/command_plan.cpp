@@ -16,23 +16,33 @@ struct PlanFlags {
 };
 
 nlohmann::json plan_json(const Checkpoint& checkpoint, const ModelLayout& layout, const LoadPlan& plan) {
-  std::map<std::string, const PlannedTensor*, std::less<>> reads;
-  for (const PlannedTensor& read : plan.reads) reads.emplace(checkpoint.tensors()[read.tensor].name, &read);
+  std::map<std::pair<size_t, size_t>, const PlannedTensor*> reads;  // by the (parameter, part) it fills
+  for (const PlannedTensor& read : plan.reads) {
+    for (const auto& target : read.targets) reads.emplace(target, &read);
+  }
   nlohmann::json parameters = nlohmann::json::array();
-  for (const Parameter& parameter : layout.parameters()) {
+  for (size_t parameter_index = 0; parameter_index < layout.parameters().size(); ++parameter_index) {
+    const Parameter& parameter = layout.parameters()[parameter_index];
     nlohmann::json parts = nlohmann::json::array();
-    for (const ParameterPart& part : parameter.parts) {
+    for (size_t part_index = 0; part_index < parameter.parts.size(); ++part_index) {
+      const ParameterPart& part = parameter.parts[part_index];
       nlohmann::json entry = {{"id", part.id},
                               {"tensor", part.tensor},
                               {"rule", part.rule},
                               {"rows", {part.row_begin, part.rows}},
                               {"columns", {part.column_begin, part.columns}}};
-      if (auto it = reads.find(part.tensor); it != reads.end()) {
-        const CheckpointTensor& tensor = checkpoint.tensors()[it->second->tensor];
+      if (auto it = reads.find({parameter_index, part_index}); it != reads.end()) {
+        const PlannedTensor& read = *it->second;
+        const CheckpointTensor& tensor = checkpoint.tensors()[read.tensor];
         entry["shard"] = checkpoint.shards()[tensor.shard].name;
-        entry["file_offset"] = tensor.offset + it->second->range.offset;
-        entry["bytes"] = it->second->range.length;
-        entry["read"] = it->second->slice ? "slice" : part.contiguous() ? "whole" : "whole, strided copy";
+        entry["file_offset"] = tensor.offset + read.range.offset;
+        entry["bytes"] = read.request().run_bytes();
+        if (read.runs > 1) {
+          entry["runs"] = read.runs;
+          entry["run_bytes"] = read.range.length;
+          entry["stride"] = read.stride;
+        }
+        entry["read"] = read.runs > 1 ? "column window, a run per row" : read.slice ? "slice" : "whole";
       } else {
         entry["read"] = part.elements() == 0 ? "nothing (no rows on this rank)" : "missing from the checkpoint";
       }

@@ -47,7 +47,7 @@ class SessionSink final : public TensorSink {
 
   std::byte* direct_destination(size_t request) override {
     const PlannedTensor& read = plan_.reads[request];
-    if (read.targets.size() != 1) return nullptr;
+    if (read.targets.size() != 1 || read.runs > 1) return nullptr;
     const TensorShape& shape = shapes_[request];
     const Parameter& parameter = session_.layout().parameters()[read.targets[0].first];
     return session_.direct_destination(parameter.parts[read.targets[0].second].tensor, shape.dtype, shape.shape,
@@ -201,10 +201,12 @@ InPlaceTensors map_in_place(const Checkpoint& checkpoint, uint64_t total, uint64
 
 }  // namespace
 
+TensorRequest PlannedTensor::request() const { return {tensor, range, runs, stride}; }
+
 std::vector<TensorRequest> LoadPlan::requests() const {
   std::vector<TensorRequest> result;
   result.reserve(reads.size());
-  for (const PlannedTensor& read : reads) result.push_back({read.tensor, read.range});
+  for (const PlannedTensor& read : reads) result.push_back(read.request());
   return result;
 }
 
@@ -212,10 +214,67 @@ LoadPlan LoadPlan::subset(std::span<const size_t> indices) const {
   LoadPlan plan;
   for (size_t index : indices) {
     plan.reads.push_back(reads.at(index));
-    plan.bytes_to_read += reads[index].range.length;
+    plan.bytes_to_read += reads[index].request().run_bytes();
   }
   return plan;
 }
+
+namespace {
+
+/// The reads of a tensor that fills the parts `targets` of `layout` (its shape checked
+/// against theirs): one part's rows, a contiguous range; one part's column window of its
+/// rows, a run per row (`stride` the row's bytes); several parts of disjoint whole rows (a
+/// sectioned split), one range each; anything else (parts sharing rows), the whole tensor.
+/// Parts with no rows on this rank read nothing.
+std::vector<PlannedTensor> plan_tensor_reads(const ModelLayout& layout, size_t index, uint64_t tensor_bytes,
+                                             uint64_t element_bytes,
+                                             const std::vector<std::pair<size_t, size_t>>& targets) {
+  auto part_of = [&](const std::pair<size_t, size_t>& target) -> const ParameterPart& {
+    return layout.parameters()[target.first].parts[target.second];
+  };
+  auto rows_range = [&](const ParameterPart& part) {
+    const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes;
+    return ByteRange{static_cast<uint64_t>(part.row_begin) * row_bytes, static_cast<uint64_t>(part.rows) * row_bytes};
+  };
+  const PlannedTensor whole{index, {0, tensor_bytes}, false, targets};
+  if (targets.size() == 1) {
+    const ParameterPart& part = part_of(targets[0]);
+    if (part.elements() == 0) return {};
+    if (part.contiguous()) {
+      PlannedTensor read{index, rows_range(part), false, targets};
+      read.slice = read.range.length < tensor_bytes;
+      return {read};
+    }
+    const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes;
+    PlannedTensor read{index,
+                       {static_cast<uint64_t>(part.row_begin) * row_bytes +
+                            static_cast<uint64_t>(part.column_begin) * element_bytes,
+                        static_cast<uint64_t>(part.columns) * element_bytes},
+                       true, targets};
+    if (part.rows > 1) {
+      read.runs = static_cast<uint64_t>(part.rows);
+      read.stride = row_bytes;
+    }
+    return {read};
+  }
+  std::vector<PlannedTensor> sections;
+  for (const auto& target : targets) {
+    const ParameterPart& part = part_of(target);
+    if (!part.contiguous()) return {whole};
+    if (part.elements() == 0) continue;
+    const ByteRange range = rows_range(part);
+    for (const PlannedTensor& other : sections) {
+      // Two parts of the same rows (a tensor filling two parameters): read it once, whole.
+      if (range.offset < other.range.offset + other.range.length && other.range.offset < range.offset + range.length) {
+        return {whole};
+      }
+    }
+    sections.push_back({index, range, range.length < tensor_bytes, {target}});
+  }
+  return sections;
+}
+
+}  // namespace
 
 LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoint) {
   LoadPlan plan;
@@ -232,34 +291,26 @@ LoadPlan plan_layout_load(const ModelLayout& layout, const Checkpoint& checkpoin
       plan.unused.push_back({index, route.reason});
       continue;
     }
-    PlannedTensor read{index, {0, tensor.bytes}, false, route.targets};
     TensorShape shape = session_shape(tensor);
     if (!shape.bytes_shape.empty()) shape.shape = shape.bytes_shape;
+    bool fits = true;
     for (const auto& [parameter_index, part_index] : route.targets) {
       const Parameter& parameter = layout.parameters()[parameter_index];
       const ParameterPart& part = parameter.parts[part_index];
       if (!std::ranges::equal(shape.shape, part.shape)) {
+        fits = false;
         misfits.push_back(tensor.name + " has shape " + shape_text(tensor.shape) + " but parameter " + parameter.name +
                           " (part '" + part.id + "', rule " + part.rule + ") expects " + shape_text(part.shape));
       }
     }
-    if (route.targets.size() == 1) {
-      // A slice of whole rows is one contiguous byte range: read only that.
-      const ParameterPart& part = layout.parameters()[route.targets[0].first].parts[route.targets[0].second];
-      if (part.contiguous() && std::ranges::equal(shape.shape, part.shape)) {
-        uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * (dtype_bits(shape.dtype) / 8);
-        ByteRange slice{static_cast<uint64_t>(part.row_begin) * row_bytes, static_cast<uint64_t>(part.rows) * row_bytes};
-        if (slice.length == 0) {
-          plan.unused.push_back({index, "no rows on this rank"});
-          continue;
-        }
-        read.slice = slice.length < tensor.bytes;
-        read.range = slice;
-      }
+    if (!fits || tensor.bytes == 0) continue;  // a misfit fails below; an empty tensor reads nothing
+    std::vector<PlannedTensor> reads =
+        plan_tensor_reads(layout, index, tensor.bytes, dtype_bits(shape.dtype) / 8, route.targets);
+    if (reads.empty()) plan.unused.push_back({index, "no rows on this rank"});
+    for (PlannedTensor& read : reads) {
+      plan.bytes_to_read += read.request().run_bytes();
+      plan.reads.push_back(std::move(read));
     }
-    if (read.range.length == 0) continue;  // an empty tensor: nothing to read
-    plan.bytes_to_read += read.range.length;
-    plan.reads.push_back(std::move(read));
   }
   WS_EXPECT(unmatched.empty(), ErrorCode::kModel,
             std::to_string(unmatched.size()) + " tensors of " + checkpoint.uri() + " match no parameter of " +

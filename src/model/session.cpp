@@ -74,12 +74,53 @@ void quantize_blocks(std::span<const float> values, uint64_t rows, uint64_t colu
 
 using detail::join;
 
+/// Bytes of `part`'s slice (its columns of its rows) in `element`-byte elements: what a
+/// load must deliver of its tensor, whichever gaps between its rows come along.
+uint64_t slice_bytes(const ParameterPart& part, uint64_t element) { return part.elements() * element; }
+
+/// The bytes of `part`'s slice among bytes [begin, end) of its tensor (elements of `element`
+/// bytes): whole rows count their columns of the slice, a partial row what it holds of them.
+uint64_t slice_bytes_within(const ParameterPart& part, uint64_t element, uint64_t begin, uint64_t end) {
+  const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
+  const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+  const uint64_t needed_length = static_cast<uint64_t>(part.rows) * row_bytes;
+  const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
+  const uint64_t width = static_cast<uint64_t>(part.columns) * element;
+  if (row_bytes == 0) return 0;
+  // Slice bytes before position x of the needed rows.
+  auto before = [&](uint64_t position) {
+    uint64_t x = std::clamp(position, needed_begin, needed_begin + needed_length) - needed_begin;
+    uint64_t in_row = x % row_bytes;
+    return (x / row_bytes) * width + std::min(width, in_row > column_begin ? in_row - column_begin : 0);
+  };
+  return before(end) - before(begin);
+}
+
+/// Calls `copy(slice_offset, position, length)` for each row's run of `part`'s slice among
+/// bytes [begin, end) of its tensor: `position` in the tensor, `slice_offset` in the slice
+/// laid out compactly (row after row of its columns).
+template <typename Copy>
+void for_each_slice_run(const ParameterPart& part, uint64_t element, uint64_t begin, uint64_t end, Copy&& copy) {
+  const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
+  const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+  const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
+  const uint64_t width = static_cast<uint64_t>(part.columns) * element;
+  if (row_bytes == 0 || end <= begin) return;
+  for (uint64_t row = (begin - needed_begin) / row_bytes; row < static_cast<uint64_t>(part.rows); ++row) {
+    const uint64_t run = needed_begin + row * row_bytes + column_begin;
+    if (run >= end) break;
+    const uint64_t lo = std::max(begin, run), hi = std::min(end, run + width);
+    if (lo < hi) copy(row * width + (lo - run), lo, hi - lo);
+  }
+}
+
 /// One write of a checked batch: bytes [begin, end) of a tensor into one part of one
 /// parameter (checkpoint format) or into a parameter (engine format).
 struct PieceWrite {
   size_t parameter = 0;
   size_t part = 0;
   uint64_t begin = 0, end = 0;        ///< bytes of the tensor, within the needed range
+  uint64_t needed = 0;                ///< bytes of [begin, end) the part takes (its columns of those rows)
   const std::byte* source = nullptr;  ///< the bytes of [begin, end)
   Device device;
   Dtype dtype = Dtype::kBF16;
@@ -90,7 +131,8 @@ struct PieceWrite {
 
 /// Writes the bytes of `write` (in the parameter's load dtype) into one part: a run of a
 /// row slice lands where it belongs; a column slice is written as the partial rows at the
-/// piece's ends and one 2-D copy of the whole rows between them.
+/// piece's ends and one 2-D copy of the whole rows between them, which reads only the
+/// slice's columns (a piece of a strided read holds nothing else).
 void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const ParameterPart& part, uint64_t element,
                       const PieceWrite& write) {
   const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
@@ -140,9 +182,9 @@ struct LoadSession::State {
   ModelLayout& layout;
 
   struct PartState {
-    uint64_t received = 0;       ///< bytes of the needed source range accounted in this load
+    uint64_t received = 0;       ///< bytes of the slice (its columns of its rows) accounted in this load
     std::optional<Dtype> dtype;  ///< dtype its pieces arrive in (one per load)
-    std::vector<std::byte> assembly;  ///< needed rows, gathered when pieces must be converted
+    std::vector<std::byte> assembly;  ///< the slice, compactly, gathered when pieces must be converted
     uint64_t assembled = 0;           ///< bytes gathered into `assembly`
     bool complete = false;
   };
@@ -208,45 +250,35 @@ struct LoadSession::State {
     std::byte* base = parameter.processing != Processing::kNone ? parameter_state.staging.data() : parameter.data;
     base += part.element_offset * element_bytes(parameter.load_dtype);
     if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
+    // The part's slice gathers compactly (its columns of each row) until it is whole.
     PartState& part_state = parameter_state.parts[write.part];
     const uint64_t source_element = element_bytes(write.dtype);
-    const uint64_t tensor_columns = static_cast<uint64_t>(part.tensor_columns());
-    const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * tensor_columns * source_element;
-    const uint64_t needed_bytes = static_cast<uint64_t>(part.rows) * tensor_columns * source_element;
+    const uint64_t needed_bytes = slice_bytes(part, source_element);
     if (part_state.assembly.empty()) part_state.assembly.resize(needed_bytes);
-    copy_bytes(part_state.assembly.data() + (write.begin - needed_begin), kHost, write.source, write.device,
-               write.end - write.begin);
-    part_state.assembled += write.end - write.begin;
+    for_each_slice_run(part, source_element, write.begin, write.end,
+                       [&](uint64_t slice_offset, uint64_t position, uint64_t length) {
+                         copy_bytes(part_state.assembly.data() + slice_offset, kHost,
+                                    write.source + (position - write.begin), write.device, length);
+                       });
+    part_state.assembled += write.needed;
     if (part_state.assembled < needed_bytes) return;
-    const uint64_t rows = static_cast<uint64_t>(part.rows);
-    const uint64_t columns = static_cast<uint64_t>(part.columns);
-    if (quantizes_into(write.dtype, parameter)) return write_quantized(parameter, write, base, tensor_columns);
-    const uint64_t destination_element = element_bytes(parameter.load_dtype);
-    auto converted = std::make_shared<std::vector<std::byte>>(rows * columns * destination_element);
-    for (uint64_t row = 0; row < rows; ++row) {
-      convert_elements(converted->data() + row * columns * destination_element, parameter.load_dtype,
-                       part_state.assembly.data() + (row * tensor_columns + static_cast<uint64_t>(part.column_begin)) *
-                                                        source_element,
-                       write.dtype, columns);
-    }
+    if (quantizes_into(write.dtype, parameter)) return write_quantized(parameter, write, base);
+    auto converted = std::make_shared<std::vector<std::byte>>(part.elements() * element_bytes(parameter.load_dtype));
+    convert_elements(converted->data(), parameter.load_dtype, part_state.assembly.data(), write.dtype, part.elements());
     std::vector<std::byte>().swap(part_state.assembly);
     writer->copy(base, converted->data(), kHost, converted->size(), converted, write.name);
   }
 
-  /// Quantizes a floating-point part gathered whole in its PartState::assembly into the
-  /// part's E4M3 codes and its block scales (the scale parameter's part of the same index).
-  void write_quantized(const Parameter& parameter, const Write& write, std::byte* base, uint64_t tensor_columns) {
+  /// Quantizes a floating-point part's slice gathered whole (compactly) in its
+  /// PartState::assembly into the part's E4M3 codes and its block scales (the scale
+  /// parameter's part of the same index).
+  void write_quantized(const Parameter& parameter, const Write& write, std::byte* base) {
     const ParameterPart& part = parameter.parts[write.part];
     PartState& part_state = parameters[write.parameter].parts[write.part];
     const auto rows = static_cast<uint64_t>(part.rows), columns = static_cast<uint64_t>(part.columns);
-    const uint64_t source_element = element_bytes(write.dtype);
     std::vector<float> values(rows * columns);
-    for (uint64_t row = 0; row < rows; ++row) {
-      convert_elements(reinterpret_cast<std::byte*>(values.data() + row * columns), Dtype::kF32,
-                       part_state.assembly.data() +
-                           (row * tensor_columns + static_cast<uint64_t>(part.column_begin)) * source_element,
-                       write.dtype, columns);
-    }
+    convert_elements(reinterpret_cast<std::byte*>(values.data()), Dtype::kF32, part_state.assembly.data(), write.dtype,
+                     rows * columns);
     std::vector<std::byte>().swap(part_state.assembly);
     const Parameter& scale = layout.parameter(parameter.block_scale);
     const ParameterPart& scale_part = scale.parts[write.part];
@@ -478,9 +510,9 @@ void LoadSession::load(std::span<const TensorView> batch) {
                 "tensor " + std::string(tensor) + ": piece " + std::to_string(view.offset) + "+" +
                     std::to_string(view.bytes) + " lies outside its " + std::to_string(*size) + " bytes");
       WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(tensor) + ": no data");
-      auto add_write = [&](size_t parameter, size_t part, uint64_t begin, uint64_t end) {
-        writes.push_back({parameter, part, begin, end, view.data + (begin - view.offset), view.device, view.dtype,
-                          view.lifetime, view.keepalive, view.name});
+      auto add_write = [&](size_t parameter, size_t part, uint64_t begin, uint64_t end, uint64_t needed) {
+        writes.push_back({parameter, part, begin, end, needed, view.data + (begin - view.offset), view.device,
+                          view.dtype, view.lifetime, view.keepalive, view.name});
         waits = waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
       };
 
@@ -502,7 +534,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
                   ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what());
         if (pending == 0) state.batch_bytes_touched.push_back(*index);
         pending += view.bytes;
-        add_write(*index, 0, view.offset, view.offset + view.bytes);
+        add_write(*index, 0, view.offset, view.offset + view.bytes, view.bytes);
         continue;
       }
 
@@ -540,8 +572,11 @@ void LoadSession::load(std::span<const TensorView> batch) {
         uint64_t begin = std::max(view.offset, needed_begin);
         uint64_t end = std::min(view.offset + view.bytes, needed_end);
         if (begin >= end) continue;  // a piece of rows another rank holds
+        const uint64_t needed = slice_bytes_within(part, element_bytes(view.dtype), begin, end);
+        if (needed == 0) continue;  // only columns another rank holds
         uint64_t& pending = batch_bytes[{index, part_index}];
-        WS_EXPECT(!part_state.complete && part_state.received + pending + (end - begin) <= needed_end - needed_begin,
+        WS_EXPECT(!part_state.complete &&
+                      part_state.received + pending + needed <= slice_bytes(part, element_bytes(view.dtype)),
                   ErrorCode::kModel,
                   "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
         // A weight is quantized here (its scales written with it) or arrives as FP8 codes with
@@ -562,8 +597,8 @@ void LoadSession::load(std::span<const TensorView> batch) {
                         layout_.parameters()[*weight].parts[part_index].tensor + " arrived as " +
                         std::string(dtype_name(*weight_state.dtype)) + " to be quantized, in this " + what() + mixed);
         }
-        pending += end - begin;
-        add_write(index, part_index, begin, end);
+        pending += needed;
+        add_write(index, part_index, begin, end, needed);
       }
     }
 
@@ -577,7 +612,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
       const Parameter& parameter = layout_.parameters()[write.parameter];
       State::ParameterState& parameter_state = state.parameters[write.parameter];
       parameter_state.touched = true;
-      const uint64_t length = write.end - write.begin;
+      const uint64_t length = write.needed;
       state.counters.bytes_applied += length;
       if (state.format == TensorFormat::kEngine) {
         parameter_state.engine_received += length;
@@ -597,10 +632,8 @@ void LoadSession::load(std::span<const TensorView> batch) {
       }
       if (write.dtype != parameter.load_dtype) unlocked_writes = false;
       const ParameterPart& part = parameter.parts[write.part];
-      uint64_t needed = static_cast<uint64_t>(part.rows) * static_cast<uint64_t>(part.tensor_columns()) *
-                        element_bytes(write.dtype);
       part_state.received += length;
-      if (part_state.received == needed) {
+      if (part_state.received == slice_bytes(part, element_bytes(write.dtype))) {
         part_state.complete = true;
         // A tensor may fill several parts (a sectioned split): it counts once, with its last.
         if (state.tensor_complete(parameter.parts[write.part].tensor)) ++state.counters.tensors_applied;
@@ -612,9 +645,7 @@ void LoadSession::load(std::span<const TensorView> batch) {
           State::ParameterState& scale_state = state.parameters[scale_index];
           State::PartState& scale_part = scale_state.parts[write.part];
           scale_part.dtype = scale.load_dtype;
-          scale_part.received = static_cast<uint64_t>(scale.parts[write.part].rows) *
-                                static_cast<uint64_t>(scale.parts[write.part].tensor_columns()) *
-                                element_bytes(scale.load_dtype);
+          scale_part.received = slice_bytes(scale.parts[write.part], element_bytes(scale.load_dtype));
           scale_part.complete = true;
           scale_state.touched = true;
           if (++scale_state.parts_complete == scale.parts.size()) completed.push_back(scale_index);
@@ -771,8 +802,7 @@ void LoadSession::finish() {
         const State::PartState& part_state = parameter_state.parts[p];
         if (part_state.received == 0 || part_state.complete) continue;
         const ParameterPart& part = parameter.parts[p];
-        uint64_t needed = static_cast<uint64_t>(part.rows) * static_cast<uint64_t>(part.tensor_columns()) *
-                          element_bytes(part_state.dtype.value_or(parameter.load_dtype));
+        uint64_t needed = slice_bytes(part, element_bytes(part_state.dtype.value_or(parameter.load_dtype)));
         partial.push_back(part.tensor + " (" + std::to_string(part_state.received) + " of the " +
                           std::to_string(needed) + " bytes " + parameter.name + " needs)");
       }

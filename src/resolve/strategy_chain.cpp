@@ -176,22 +176,33 @@ StrategyLoad load_from_storage(LoadContext& context, const std::string& strategy
     modules.push_back(std::move(module));
   }
 
-  // One request per checkpoint tensor, whatever number of modules read it: the union of
-  // their ranges is read once and each module takes its rows from it.
+  // A checkpoint tensor read by one module is read as that module plans it (its rows, its
+  // column window, its sections). One that several modules read is one request, whatever
+  // their number: the union of their extents is read once and each module takes its bytes.
+  std::map<size_t, std::set<size_t>> modules_of_tensor;
+  for (size_t m = 0; m < modules.size(); ++m) {
+    for (const PlannedTensor& read : modules[m].plan.reads) modules_of_tensor[read.tensor].insert(m);
+  }
   std::vector<TensorRequest> requests;
   std::vector<std::vector<RoutingSink::Delivery>> routes;
-  std::map<size_t, size_t> request_of_tensor;
+  std::map<size_t, size_t> request_of_shared_tensor;
   for (size_t m = 0; m < modules.size(); ++m) {
     for (size_t r = 0; r < modules[m].plan.reads.size(); ++r) {
       const PlannedTensor& read = modules[m].plan.reads[r];
-      auto [it, inserted] = request_of_tensor.try_emplace(read.tensor, requests.size());
+      if (modules_of_tensor[read.tensor].size() == 1) {
+        requests.push_back(read.request());
+        routes.push_back({{m, r}});
+        continue;
+      }
+      const ByteRange extent = read.request().extent();
+      auto [it, inserted] = request_of_shared_tensor.try_emplace(read.tensor, requests.size());
       if (inserted) {
-        requests.push_back({read.tensor, read.range});
+        requests.push_back({read.tensor, extent});
         routes.emplace_back();
       } else {
         ByteRange& range = requests[it->second].range;
-        uint64_t end = std::max(range.offset + range.length, read.range.offset + read.range.length);
-        range.offset = std::min(range.offset, read.range.offset);
+        uint64_t end = std::max(range.offset + range.length, extent.offset + extent.length);
+        range.offset = std::min(range.offset, extent.offset);
         range.length = end - range.offset;
       }
       routes[it->second].push_back({m, r});

@@ -1,4 +1,5 @@
-// The local-file backend of Storage: pread, O_DIRECT, io_uring or copies out of a mapping.
+// The local-file backend of Storage: pread, O_DIRECT, io_uring or copies out of a mapping
+// (and, at --io auto, the runs of a strided read copied out of one).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -181,6 +182,41 @@ void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint6
   std::memcpy(destination.data(), mapping + offset, destination.size());
 }
 
+uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
+                          std::span<std::byte> destination, std::span<const ByteRange> runs, uint64_t merge_gap,
+                          bool drop) {
+  if (runs.empty()) return 0;
+  const uint64_t end = runs.back().offset + runs.back().length;
+  struct stat info {};
+  WS_EXPECT(::fstat(fd, &info) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
+  WS_EXPECT(end <= static_cast<uint64_t>(info.st_size), ErrorCode::kIo,
+            "cannot read " + range_text(runs.front().offset, end - runs.front().offset) + " bytes of " + uri +
+                ": the file is now " + std::to_string(info.st_size) + " bytes (truncated while loading?)");
+  uint64_t copied = 0;
+  size_t first = 0;
+  while (first < runs.size()) {
+    size_t last = first;
+    while (last + 1 < runs.size() && runs[last + 1].offset - (runs[last].offset + runs[last].length) <= merge_gap) {
+      ++last;
+    }
+    const uint64_t group_begin = runs[first].offset;
+    const uint64_t group_length = runs[last].offset + runs[last].length - group_begin;
+    if (!map_range(mapping, group_begin, group_length)) {
+      int error = errno;
+      WS_EXPECT(error != EFAULT, ErrorCode::kIo,
+                "cannot read " + range_text(group_begin, group_length) + " bytes of " + uri +
+                    " through its mapping: " + detail::errno_text(error) + " (truncated while loading?)");
+    }
+    for (size_t r = first; r <= last; ++r) {
+      std::memcpy(destination.data() + (runs[r].offset - offset), mapping + runs[r].offset, runs[r].length);
+      copied += runs[r].length;
+    }
+    if (drop) unmap_range(mapping, group_begin, group_length);
+    first = last + 1;
+  }
+  return copied;
+}
+
 std::optional<double> cached_fraction(int fd, uint64_t file_size, unsigned samples) {
   if (file_size == 0 || samples == 0) return 1.0;
   unsigned cached = 0;
@@ -211,7 +247,9 @@ class LocalStorage final : public Storage {
   // kAuto reads as kPread does: what it changes is a host load's choice to take its tensors
   // in place (load_checkpoint), which is not a way of reading.
   LocalStorage(std::string directory, LocalIo io)
-      : directory_(std::move(directory)), io_(io == LocalIo::kAuto ? LocalIo::kPread : io) {
+      : directory_(std::move(directory)),
+        io_(io == LocalIo::kAuto ? LocalIo::kPread : io),
+        runs_through_mapping_(io == LocalIo::kAuto || io == LocalIo::kMmap) {
     WS_EXPECT(io_ != LocalIo::kUring || local_io::uring_available(), ErrorCode::kUnsupported,
               "io_uring reads were asked for, but this build has no liburing support (use --io pread or direct)");
     while (directory_.size() > 1 && directory_.back() == '/') directory_.pop_back();
@@ -267,6 +305,29 @@ class LocalStorage final : public Storage {
                               take_populated(file.mapping.get(), offset, destination.size()));
         break;
     }
+  }
+
+  /// At --io auto and mmap, the runs are copied out of the file's mapping (no system call a
+  /// run, and no byte of a gap copied); otherwise read as every backend reads them.
+  uint64_t read_runs(std::string_view name, uint64_t offset, std::span<std::byte> destination,
+                     std::span<const ByteRange> runs) override {
+    if (!runs_through_mapping_ || runs.size() <= 1) return Storage::read_runs(name, offset, destination, runs);
+    const auto& file = open_file(name);
+    auto uri = object_uri(name);
+    WS_EXPECT(offset <= file.size && destination.size() <= file.size - offset, ErrorCode::kIo,
+              "cannot read " + std::to_string(offset) + "+" + std::to_string(destination.size()) + " bytes of " + uri +
+                  ": past the end of the " + std::to_string(file.size) + "-byte file");
+    std::shared_ptr<const local_io::FileMapping> mapping;
+    try {
+      mapping = shared_mapping(file, uri);
+    } catch (const Error& error) {
+      // A file system that cannot map files (ENODEV) is read as --io pread reads it.
+      if (error.code() != ErrorCode::kUnsupported) throw;
+      return Storage::read_runs(name, offset, destination, runs);
+    }
+    // --io mmap readers hold a view of the range that drops its pages when they are done.
+    return local_io::mapped_read_runs(mapping->data(), file.buffered.get(), uri, offset, destination, runs,
+                                      run_merge_gap(), io_ != LocalIo::kMmap);
   }
 
   bool lends_views() const override { return true; }
@@ -394,6 +455,7 @@ class LocalStorage final : public Storage {
 
   std::string directory_;
   LocalIo io_;
+  bool runs_through_mapping_;  ///< read_runs copies out of the file's mapping (--io auto, mmap)
   /// The file's shared mapping, made on first use.
   std::shared_ptr<const local_io::FileMapping> shared_mapping(const OpenFile& file, const std::string& uri) {
     std::lock_guard lock(mapping_mutex_);

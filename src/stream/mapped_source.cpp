@@ -67,7 +67,9 @@ struct Window {
 std::vector<Window> plan_windows(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
                                  uint64_t window_bytes) {
   const auto& tensors = checkpoint.tensors();
-  auto file_begin = [&](size_t r) { return tensors[requests[r].tensor].offset + requests[r].range.offset; };
+  // A request of several runs is mapped as its extent: the mapping holds the gaps' real
+  // bytes, which the sink skips, and registering a window costs the same either way.
+  auto file_begin = [&](size_t r) { return tensors[requests[r].tensor].offset + requests[r].extent().offset; };
   std::vector<size_t> order(requests.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -78,13 +80,12 @@ std::vector<Window> plan_windows(const Checkpoint& checkpoint, std::span<const T
   for (size_t r : order) {
     const CheckpointTensor& tensor = tensors[requests[r].tensor];
     uint64_t at = file_begin(r);
-    WS_EXPECT(requests[r].range.offset <= tensor.bytes &&
-                  requests[r].range.length <= tensor.bytes - requests[r].range.offset,
+    const ByteRange extent = requests[r].extent();
+    WS_EXPECT(extent.offset <= tensor.bytes && extent.length <= tensor.bytes - extent.offset,
               ErrorCode::kInvalidArgument,
-              "request for bytes " + std::to_string(requests[r].range.offset) + "+" +
-                  std::to_string(requests[r].range.length) + " of tensor " + tensor.name + " lies outside its " +
-                  std::to_string(tensor.bytes) + " bytes");
-    const uint64_t length = requests[r].range.length ? requests[r].range.length : tensor.bytes - requests[r].range.offset;
+              "request for bytes " + std::to_string(extent.offset) + "+" + std::to_string(extent.length) +
+                  " of tensor " + tensor.name + " lies outside its " + std::to_string(tensor.bytes) + " bytes");
+    const uint64_t length = extent.length ? extent.length : tensor.bytes - extent.offset;
     const uint64_t end = at + length;
     while (at < end) {
       Window* window = windows.empty() ? nullptr : &windows.back();

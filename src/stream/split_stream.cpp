@@ -15,6 +15,7 @@ namespace weightstream {
 namespace {
 
 uint64_t request_bytes(const Checkpoint& checkpoint, const TensorRequest& request) {
+  if (request.runs > 1) return request.run_bytes();
   return request.range.length ? request.range.length
                               : checkpoint.tensors()[request.tensor].bytes - request.range.offset;
 }

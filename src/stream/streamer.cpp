@@ -22,10 +22,11 @@ using Clock = std::chrono::steady_clock;
 /// Part of a read that belongs to one request.
 struct Delivery {
   size_t request;
-  uint64_t request_offset;  // where the bytes go within the requested range
+  uint64_t request_offset;  // where the bytes go within the request's extent
   uint64_t buffer_offset;   // where they are within the read
   uint64_t length;
   std::byte* direct;        // in a direct read: where the sink wants these bytes
+  uint64_t payload;         // bytes of the request's runs among them (less than length across gaps)
 };
 
 /// One read call against storage.
@@ -35,14 +36,50 @@ struct PlannedRead {
   uint64_t length;
   bool direct;  // read straight into each delivery's memory (no staging)
   std::vector<Delivery> deliveries;
+  /// A read of a request's runs: the file ranges read (by Storage::read_runs), each where it
+  /// lies in [offset, offset + length); empty when the whole range is read.
+  std::vector<ByteRange> runs;
 };
 
 struct ResolvedRequest {
   uint32_t shard;
   uint64_t start;   // absolute offset in the shard file
-  uint64_t length;
+  uint64_t length;  // of the extent
   std::byte* direct;
+  uint64_t runs;    // runs of run_length bytes, `stride` apart
+  uint64_t run_length;
+  uint64_t stride;
 };
+
+/// Reads of the runs of `request` (request `index`, several runs): as many runs as fit in
+/// `chunk` bytes of the extent per read, one piece each; a run longer than `chunk` alone in
+/// reads of `chunk` bytes. Which gaps storage reads with the runs is its choice (read_runs).
+void plan_run_reads(const ResolvedRequest& request, size_t index, uint64_t chunk, std::vector<PlannedRead>& reads) {
+  auto run_start = [&](uint64_t run) { return request.start + run * request.stride; };
+  uint64_t run = 0;
+  while (run < request.runs) {
+    const uint64_t first = run_start(run);
+    if (request.run_length > chunk) {
+      for (uint64_t done = 0; done < request.run_length; done += chunk) {
+        uint64_t length = std::min(chunk, request.run_length - done);
+        reads.push_back({request.shard, first + done, length, false,
+                         {{index, first - request.start + done, 0, length, nullptr, length}}, {}});
+      }
+      ++run;
+      continue;
+    }
+    PlannedRead read{request.shard, first, 0, false, {}, {}};
+    while (run < request.runs && run_start(run) + request.run_length - first <= chunk) {
+      read.runs.push_back({run_start(run), request.run_length});
+      ++run;
+    }
+    read.length = read.runs.back().offset + read.runs.back().length - first;
+    read.deliveries.push_back(
+        {index, first - request.start, 0, read.length, nullptr, read.runs.size() * request.run_length});
+    if (read.runs.size() == 1) read.runs.clear();  // one range: a plain read
+    reads.push_back(std::move(read));
+  }
+}
 
 uint64_t effective_chunk(const StreamOptions& options) {
   // Keep at least four buffers inside the memory limit so reads overlap, but never read in
@@ -65,11 +102,23 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
               "request " + std::to_string(i) + " names tensor #" + std::to_string(request.tensor) + " of a checkpoint with " +
                   std::to_string(checkpoint.tensors().size()) + " tensors");
     const auto& tensor = checkpoint.tensors()[request.tensor];
-    uint64_t length = request.range.length == 0 ? tensor.bytes - std::min(tensor.bytes, request.range.offset) : request.range.length;
-    WS_EXPECT(request.range.offset <= tensor.bytes && length <= tensor.bytes - request.range.offset, ErrorCode::kInvalidArgument,
-              "request for bytes " + std::to_string(request.range.offset) + "+" + std::to_string(length) + " of tensor '" +
+    if (request.runs > 1) {
+      WS_EXPECT(request.range.length > 0 && request.range.length <= tensor.bytes && request.stride >= request.range.length &&
+                    request.runs - 1 <= (tensor.bytes - request.range.length) / request.stride,
+                ErrorCode::kInvalidArgument,
+                "request " + std::to_string(i) + " for " + std::to_string(request.runs) + " runs of " +
+                    std::to_string(request.range.length) + " bytes every " + std::to_string(request.stride) +
+                    " bytes of tensor '" + tensor.name + "' does not fit its runs apart, or in the tensor");
+    }
+    const ByteRange extent = request.extent();
+    uint64_t length = extent.length == 0 ? tensor.bytes - std::min(tensor.bytes, extent.offset) : extent.length;
+    WS_EXPECT(extent.offset <= tensor.bytes && length <= tensor.bytes - extent.offset, ErrorCode::kInvalidArgument,
+              "request for bytes " + std::to_string(extent.offset) + "+" + std::to_string(length) + " of tensor '" +
                   tensor.name + "' lies outside its " + std::to_string(tensor.bytes) + " bytes");
-    resolved[i] = {tensor.shard, tensor.offset + request.range.offset, length, sink.direct_destination(i)};
+    const uint64_t runs = std::max<uint64_t>(request.runs, 1);
+    resolved[i] = {tensor.shard, tensor.offset + extent.offset, length,
+                   runs > 1 ? nullptr : sink.direct_destination(i), runs, runs > 1 ? request.range.length : length,
+                   request.stride};
   }
   std::vector<size_t> order(requests.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -82,13 +131,18 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
   for (size_t index : order) {
     const auto& request = resolved[index];
     if (request.length == 0) continue;
+    if (request.runs > 1) {
+      plan_run_reads(request, index, chunk, reads);
+      merge_open = false;
+      continue;
+    }
     const bool direct = request.direct != nullptr;
     const bool mergeable = request.length <= chunk && (!direct || merge_direct);
     if (mergeable && merge_open) {
       auto& last = reads.back();
       if (last.direct == direct && last.shard == request.shard && last.offset + last.length == request.start &&
           last.length + request.length <= chunk) {
-        last.deliveries.push_back({index, 0, last.length, request.length, request.direct});
+        last.deliveries.push_back({index, 0, last.length, request.length, request.direct, request.length});
         last.length += request.length;
         continue;
       }
@@ -96,7 +150,7 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
     for (uint64_t done = 0; done < request.length; done += chunk) {
       uint64_t length = std::min(chunk, request.length - done);
       reads.push_back({request.shard, request.start + done, length, direct,
-                       {{index, done, 0, length, direct ? request.direct + done : nullptr}}});
+                       {{index, done, 0, length, direct ? request.direct + done : nullptr, length}}, {}});
     }
     merge_open = mergeable;
   }
@@ -118,8 +172,8 @@ class StreamRun {
         workers_running_(workers) {
     for (const auto& read : reads_) {
       for (const auto& delivery : read.deliveries) {
-        remaining_[delivery.request] += delivery.length;
-        total_ += delivery.length;
+        remaining_[delivery.request] += delivery.payload;
+        total_ += delivery.payload;
       }
     }
     // The callback holds the wake-up state by shared_ptr: a sink may drop a lease after this
@@ -252,6 +306,8 @@ class StreamRun {
   double staging_wait_seconds() const { return staging_wait_.seconds(); }
 
   uint64_t delivered() const { return delivered_.load(std::memory_order_relaxed); }
+  /// Bytes Storage::read_runs read for the reads of runs (their runs, and gaps read with them).
+  uint64_t run_bytes_read() const { return run_bytes_read_.load(std::memory_order_relaxed); }
   uint64_t completed() const { return completed_.load(std::memory_order_relaxed); }
 
   /// Requests with nothing to read (empty tensors) complete at once.
@@ -272,7 +328,10 @@ class StreamRun {
     // the pages, by a helper or, where there is none or it is behind, by this reader.
     Bytes held;
     if (views_) held = storage_.borrow(shard.name, read.offset, read.length, {.drop_when_returned = true});
-    if (!read.direct) {
+    if (!read.runs.empty()) {
+      run_bytes_read_.fetch_add(storage_.read_runs(shard.name, read.offset, std::span(lease.data, read.length), read.runs),
+                                std::memory_order_relaxed);
+    } else if (!read.direct) {
       storage_.read(shard.name, read.offset, std::span(lease.data, read.length));
     } else {
       std::vector<std::span<std::byte>> segments;
@@ -320,8 +379,8 @@ class StreamRun {
         }
         wakeup_.notify_all();
       }
-      if (delivered_.fetch_add(delivery.length, std::memory_order_relaxed) + delivery.length == total_) wake_progress();
-      if (remaining_[delivery.request].fetch_sub(delivery.length) == delivery.length) {
+      if (delivered_.fetch_add(delivery.payload, std::memory_order_relaxed) + delivery.payload == total_) wake_progress();
+      if (remaining_[delivery.request].fetch_sub(delivery.payload) == delivery.payload) {
         sink_.request_complete(delivery.request);
         completed_.fetch_add(1, std::memory_order_relaxed);
       }
@@ -377,6 +436,7 @@ class StreamRun {
   ReaderTime delivering_;
   ReaderTime staging_wait_;
   std::atomic<uint64_t> delivered_{0};
+  std::atomic<uint64_t> run_bytes_read_{0};
   std::atomic<uint64_t> completed_{0};
   uint64_t total_ = 0;
   std::atomic<unsigned> workers_running_{0};
@@ -425,6 +485,10 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
                                    HostMemory staging) {
   auto start = Clock::now();
   check_stream_options(options);
+  // Pieces of a request of several runs skip its gaps: they cannot come in one ordered sequence.
+  WS_EXPECT(!sink.wants_ordered_pieces() ||
+                std::ranges::none_of(requests, [](const TensorRequest& request) { return request.runs > 1; }),
+            ErrorCode::kInvalidArgument, "a sink that wants its pieces in order cannot take requests of several runs");
   uint64_t chunk = effective_chunk(options);
   // A storage read through views pairs each populated view with one read of the same
   // range: its direct reads stay one a tensor.
@@ -434,9 +498,9 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   std::set<uint32_t> shards;
   uint64_t total = 0;
   for (const auto& read : reads) {
-    stats.bytes_read += read.length;
+    if (read.runs.empty()) stats.bytes_read += read.length;  // the others: counted as storage reads them
     shards.insert(read.shard);
-    for (const auto& delivery : read.deliveries) total += delivery.length;
+    for (const auto& delivery : read.deliveries) total += delivery.payload;
   }
   stats.reads = reads.size();
   stats.shards_read = shards.size();
@@ -503,6 +567,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
               "stream delivered " + std::to_string(run.delivered()) + " of " + std::to_string(total) + " bytes");
     stats.tensors = run.completed();
     stats.bytes = run.delivered();
+    stats.bytes_read += run.run_bytes_read();
     stats.read_seconds = run.read_seconds();
     stats.deliver_seconds = run.deliver_seconds();
     stats.staging_wait_seconds = run.staging_wait_seconds();
