@@ -6,6 +6,7 @@
 // piece, issued outside the session's lock so that reader threads copy in parallel.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -255,10 +256,17 @@ struct LoadSession::State {
     const uint64_t source_element = element_bytes(write.dtype);
     const uint64_t needed_bytes = slice_bytes(part, source_element);
     if (part_state.assembly.empty()) part_state.assembly.resize(needed_bytes);
+    // A piece on a GPU comes to the host in one copy, not one a row.
+    const std::byte* source = write.source;
+    std::vector<std::byte> host_piece;
+    if (write.device.is_cuda()) {
+      host_piece.resize(write.end - write.begin);
+      copy_bytes(host_piece.data(), kHost, write.source, write.device, host_piece.size());
+      source = host_piece.data();
+    }
     for_each_slice_run(part, source_element, write.begin, write.end,
                        [&](uint64_t slice_offset, uint64_t position, uint64_t length) {
-                         copy_bytes(part_state.assembly.data() + slice_offset, kHost,
-                                    write.source + (position - write.begin), write.device, length);
+                         std::memcpy(part_state.assembly.data() + slice_offset, source + (position - write.begin), length);
                        });
     part_state.assembled += write.needed;
     if (part_state.assembled < needed_bytes) return;

@@ -72,7 +72,7 @@ INSTANTIATE_TEST_SUITE_P(Architectures, CheckpointLoader,
                            return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
                          });
 
-TEST(CheckpointLoaderPlan, ReadsColumnSlicesAsRangesAndRowSlicesWhole) {
+TEST(CheckpointLoaderPlan, ReadsRowSlicesAsRangesAndColumnSlicesAsARunPerRow) {
   auto disk = synth_on_disk("llama");
   ModelLayout layout = testing::host_layout(disk->memory, 2, 1);
   LoadPlan plan = plan_layout_load(layout, disk->checkpoint);
@@ -87,9 +87,16 @@ TEST(CheckpointLoaderPlan, ReadsColumnSlicesAsRangesAndRowSlicesWhole) {
   EXPECT_TRUE(q.slice);
   EXPECT_EQ(q.range.offset, q_bytes / 2);
   EXPECT_EQ(q.range.length, q_bytes / 2);
+  // o_proj is split along its rows' columns: rank 1 reads the second half of every row.
   const PlannedTensor& o = find("model.layers.0.self_attn.o_proj.weight");
-  EXPECT_FALSE(o.slice);
-  EXPECT_EQ(o.range.length, disk->checkpoint.tensors()[o.tensor].bytes);
+  const CheckpointTensor& o_tensor = disk->checkpoint.tensors()[o.tensor];
+  uint64_t o_row_bytes = o_tensor.bytes / static_cast<uint64_t>(o_tensor.shape[0]);
+  EXPECT_TRUE(o.slice);
+  EXPECT_EQ(o.runs, static_cast<uint64_t>(o_tensor.shape[0]));
+  EXPECT_EQ(o.stride, o_row_bytes);
+  EXPECT_EQ(o.range.offset, o_row_bytes / 2);
+  EXPECT_EQ(o.range.length, o_row_bytes / 2);
+  EXPECT_EQ(o.request().run_bytes(), o_tensor.bytes / 2);
   // One K/V head, two ranks: both read all of k_proj.
   EXPECT_FALSE(find("model.layers.0.self_attn.k_proj.weight").slice);
 }

@@ -153,12 +153,11 @@ def test_a_weightstream_load_equals_vllms_default_loader_and_binds_everything(re
         assert any("nothing through load_weights" in message for message in result["log"]), result["log"]
         if kind == "fp8":
             assert "torch.float8_e4m3fn" in result["dtypes"], where
-        # What is read is exactly the plan: this rank's slices, and whole the tensors it takes
-        # columns of (row-split o_proj, down_proj, w2) or sections of, written strided.
-        assert load["bytes_read"] == result["planned"], (where, load["bytes_read"], result["planned"])
-        if parallel == "tp1":
-            assert result["planned"] == result["share"], where
-        else:
+        # Each rank reads its share, within 1 MiB: its row slices as ranges, and its columns of
+        # row-split tensors (o_proj, down_proj, w2 and their FP8 block scales) as a run per row.
+        assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, \
+            (where, load["bytes_read"], result["share"])
+        if parallel != "tp1":
             assert load["bytes_read"] < result["checkpoint_bytes"], where
 
 
@@ -171,8 +170,11 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kin
         # 8 experts over 2 ranks: rank r holds experts 4r to 4r + 3 (vLLM's linear placement).
         indices = {int(re.search(r"\.experts\.(\d+)\.", name).group(1)) for name in others}
         assert indices == set(range(8)) - set(range(4 * rank, 4 * rank + 4)), indices
-        # None of them is planned or read: experts are whole on their rank, read as slices.
-        assert result["load"]["bytes_read"] == result["planned"]
+        # None of them is planned or read: experts are whole on their rank, and the runs of
+        # the row-split tensors are copied out of the files' mappings (--io auto), so what is
+        # read is exactly the plan, which holds this rank's bytes only.
+        assert result["load"]["bytes_read"] == result["planned"], (result["load"]["bytes_read"], result["planned"])
+        assert result["planned"] <= result["share"] + MIB
 
 
 @pytest.mark.parametrize("family,kind,parallel", list(scenarios()))

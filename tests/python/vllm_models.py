@@ -495,9 +495,10 @@ def run_draft_scenario(scenario: Dict[str, Any], paths: Dict[str, str]) -> Dict[
 
 def rank_bytes(layout: Any, folder: str) -> Tuple[int, int]:
     """(share, planned) of a rank: the bytes of the checkpoint slices its parameters take, and
-    the bytes weightstream's plan reads for them: a tensor feeding one part of whole rows is
-    read as that slice; any other (a row-split tensor's columns, a tensor split in sections)
-    is read whole and written strided."""
+    the bytes weightstream's plan reads for them: a tensor feeding one part is read as that
+    slice (its rows as one range, its columns of a row-split tensor as a run per row), one
+    split in sections as a range per section; only a tensor whose parts share rows is read
+    whole."""
     from safetensors import safe_open  # noqa: PLC0415
 
     itemsizes = _checkpoint_itemsizes(folder)
@@ -519,8 +520,10 @@ def rank_bytes(layout: Any, folder: str) -> Tuple[int, int]:
         whole = (shape[0] if shape else 1) * columns * itemsizes[tensor]
         sliced = sum(part["rows"] * part["columns"] * itemsizes[tensor] for part in tensor_parts)
         share += sliced
-        contiguous = len(tensor_parts) == 1 and tensor_parts[0]["columns"] == columns
-        planned += (sliced if contiguous else whole) if sliced else 0
+        rows = sorted((part["row_begin"], part["row_begin"] + part["rows"]) for part in tensor_parts if part["rows"])
+        disjoint_sections = all(part["columns"] == columns for part in tensor_parts) and \
+            all(end <= begin for (_, end), (begin, _) in zip(rows, rows[1:]))
+        planned += (sliced if len(tensor_parts) == 1 or disjoint_sections else whole) if sliced else 0
     return share, planned
 
 

@@ -171,6 +171,33 @@ TEST_P(StorageContract, ReadsExactRanges) {
   EXPECT_EQ(read("small.bin", 0, 1), small_.substr(0, 1));
 }
 
+// The runs of a strided read (a column window of each row) land where they lie in the
+// range; a backend reads a gap with its runs only up to its merge gap, so what it reports
+// read lies between the runs' bytes and the whole range.
+TEST_P(StorageContract, ReadsRunsEachToItsPlaceAndReportsTheBytesItRead) {
+  const std::string name = "model-00001-of-00002.safetensors";
+  std::vector<ByteRange> runs;
+  uint64_t run_bytes = 0;
+  for (uint64_t row = 0; row < 40; ++row) runs.push_back({1000 + row * 3000, 700});  // small gaps
+  runs.push_back({400000, 5});                                                        // a gap of 280 KiB
+  runs.push_back({1024 * 1024 - 10, 13});                                              // up to the last byte
+  for (const ByteRange& run : runs) run_bytes += run.length;
+  const uint64_t offset = 900;
+  std::vector<std::byte> destination(large_.size() - offset, std::byte{0x5a});
+  uint64_t read = storage_->read_runs(name, offset, destination, runs);
+  for (const ByteRange& run : runs) {
+    std::string got(reinterpret_cast<const char*>(destination.data() + (run.offset - offset)), run.length);
+    ASSERT_EQ(got, large_.substr(run.offset, run.length)) << "run at " << run.offset;
+  }
+  EXPECT_GE(read, run_bytes);
+  EXPECT_LE(read, large_.size() - runs.front().offset);
+  if (GetParam() == "local") EXPECT_EQ(read, 39 * 3000 + 700 + 5 + 13) << "gaps up to 64 KiB read, the larger not";
+  if (GetParam() == "local_mmap") EXPECT_EQ(read, run_bytes) << "copied out of the mapping: no gap read";
+  std::vector<ByteRange> past_the_end = {{0, 10}, {large_.size() - 2, 4}};
+  std::vector<std::byte> beyond(large_.size() + 2);
+  EXPECT_THROW(storage_->read_runs(name, 0, beyond, past_the_end), Error);
+}
+
 TEST_P(StorageContract, ReadsLargeRangesWhole) {
   EXPECT_EQ(read("model-00001-of-00002.safetensors", 0, large_.size()), large_);
   EXPECT_EQ(read("model-00001-of-00002.safetensors", 12345, 700000), large_.substr(12345, 700000));
