@@ -224,7 +224,8 @@ namespace {
 /// The reads of a tensor that fills the parts `targets` of `layout` (its shape checked
 /// against theirs): one part's rows, a contiguous range; one part's column window of its
 /// rows, a run per row (`stride` the row's bytes); several parts of disjoint whole rows (a
-/// sectioned split), one range each; anything else (parts sharing rows), the whole tensor.
+/// sectioned split), one range each (sections that meet, one range); anything else (parts
+/// sharing rows), the whole tensor.
 /// Parts with no rows on this rank read nothing.
 std::vector<PlannedTensor> plan_tensor_reads(const ModelLayout& layout, size_t index, uint64_t tensor_bytes,
                                              uint64_t element_bytes,
@@ -271,7 +272,20 @@ std::vector<PlannedTensor> plan_tensor_reads(const ModelLayout& layout, size_t i
     }
     sections.push_back({index, range, range.length < tensor_bytes, {target}});
   }
-  return sections;
+  // Sections that meet (all of them at tp 1) are one read.
+  std::ranges::sort(sections, {}, [](const PlannedTensor& read) { return read.range.offset; });
+  std::vector<PlannedTensor> reads;
+  for (PlannedTensor& section : sections) {
+    if (!reads.empty() && reads.back().range.offset + reads.back().range.length == section.range.offset) {
+      PlannedTensor& read = reads.back();
+      read.range.length += section.range.length;
+      read.slice = read.range.length < tensor_bytes;
+      read.targets.push_back(section.targets[0]);
+      continue;
+    }
+    reads.push_back(std::move(section));
+  }
+  return reads;
 }
 
 }  // namespace
