@@ -20,6 +20,7 @@
 
 #include "storage/local_io.hpp"
 #include "storage/read_destination.hpp"
+#include "storage/run_groups.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
 #include "base/errno_text.hpp"
@@ -193,12 +194,7 @@ uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& u
             "cannot read " + range_text(runs.front().offset, end - runs.front().offset) + " bytes of " + uri +
                 ": the file is now " + std::to_string(info.st_size) + " bytes (truncated while loading?)");
   uint64_t copied = 0;
-  size_t first = 0;
-  while (first < runs.size()) {
-    size_t last = first;
-    while (last + 1 < runs.size() && runs[last + 1].offset - (runs[last].offset + runs[last].length) <= merge_gap) {
-      ++last;
-    }
+  storage::for_each_run_group(runs, merge_gap, [&](size_t first, size_t last) {
     const uint64_t group_begin = runs[first].offset;
     const uint64_t group_length = runs[last].offset + runs[last].length - group_begin;
     if (!map_range(mapping, group_begin, group_length)) {
@@ -212,8 +208,7 @@ uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& u
       copied += runs[r].length;
     }
     if (drop) unmap_range(mapping, group_begin, group_length);
-    first = last + 1;
-  }
+  });
   return copied;
 }
 

@@ -1,6 +1,7 @@
 // What every Storage backend shares: the scatter read by one read() per segment, runs read
 // with their small gaps by one read() each, and
 // borrowing by a read into memory of the borrower's own.
+#include "storage/run_groups.hpp"
 #include "weightstream/storage.hpp"
 
 namespace weightstream {
@@ -14,22 +15,14 @@ void Storage::read_scattered(std::string_view name, uint64_t offset, std::span<c
 
 uint64_t Storage::read_runs(std::string_view name, uint64_t offset, std::span<std::byte> destination,
                            std::span<const ByteRange> runs) {
-  const uint64_t merge_gap = run_merge_gap();
   uint64_t fetched = 0;
-  size_t first = 0;
-  while (first < runs.size()) {
-    // Runs whose gaps are small enough share one read; the gaps land in `destination` too.
-    size_t last = first;
-    while (last + 1 < runs.size() &&
-           runs[last + 1].offset - (runs[last].offset + runs[last].length) <= merge_gap) {
-      ++last;
-    }
+  // Runs whose gaps are small enough share one read; the gaps land in `destination` too.
+  storage::for_each_run_group(runs, run_merge_gap(), [&](size_t first, size_t last) {
     const uint64_t begin = runs[first].offset;
     const uint64_t end = runs[last].offset + runs[last].length;
     read(name, begin, destination.subspan(begin - offset, end - begin));
     fetched += end - begin;
-    first = last + 1;
-  }
+  });
   return fetched;
 }
 
