@@ -81,8 +81,9 @@ struct WindowCheckpoint {
     return Checkpoint::open(directory.path().string(), options);
   }
 
-  /// The layout; `parameter_dtype` converts on load when it differs from a case's dtype.
-  ModelLayout layout(std::optional<Dtype> parameter_dtype = std::nullopt) const {
+  /// The layout, on `device`; `parameter_dtype` converts on load when it differs from a
+  /// case's dtype.
+  ModelLayout layout(std::optional<Dtype> parameter_dtype = std::nullopt, const Device& device = Device{}) const {
     ModelLayout layout;
     layout.set_description("column windows");
     for (const WindowCase& c : cases) {
@@ -101,7 +102,7 @@ struct WindowCheckpoint {
       parameter.parts.push_back(std::move(part));
       layout.add_parameter(std::move(parameter));
     }
-    layout.allocate(Device{});
+    layout.allocate(device);
     return layout;
   }
 
@@ -111,13 +112,13 @@ struct WindowCheckpoint {
     return bytes;
   }
 
-  /// Checks every parameter against its hand-sliced window.
+  /// Checks every parameter (read back from its device) against its hand-sliced window.
   void expect_parameters_equal_hand_sliced(const ModelLayout& layout) const {
     for (size_t i = 0; i < cases.size(); ++i) {
-      const Parameter& parameter = layout.parameter(cases[i].name + ".parameter");
+      std::vector<std::byte> held = parameter_bytes(layout.parameter(cases[i].name + ".parameter"));
       std::vector<std::byte> expected = hand_sliced(tensors[i], cases[i]);
-      ASSERT_EQ(parameter.bytes(), expected.size()) << cases[i].name;
-      EXPECT_EQ(std::memcmp(parameter.data, expected.data(), expected.size()), 0) << cases[i].name;
+      ASSERT_EQ(held.size(), expected.size()) << cases[i].name;
+      EXPECT_TRUE(held == expected) << cases[i].name;
     }
   }
 };
@@ -239,6 +240,39 @@ TEST(StridedLoad, AWindowConvertedOnLoadGathersOnlyItsColumns) {
     ASSERT_EQ(parameter.bytes(), expected.size());
     EXPECT_EQ(std::memcmp(parameter.data, expected.data(), expected.size()), 0) << c.name;
   }
+}
+
+TEST(StridedLoad, OntoAGpuEveryPathWritesEachRunToItsPlace) {
+  if (cuda_device_count() == 0) {
+    GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA")
+                 << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";
+  }
+  const Device cuda{Device::Kind::kCuda, 0};
+  std::vector<WindowCase> cases = kProjections;
+  cases.push_back({"tiny_rows", 200, 8, 4, 4, Dtype::kF32});
+  cases.push_back({"row_end", 33, 96, 80, 16, Dtype::kBF16});
+  cases.push_back({"single_row", 1, 4096, 1024, 1024, Dtype::kBF16});
+  WindowCheckpoint disk(cases);
+  Checkpoint checkpoint = disk.open(LocalIo::kAuto);
+  for (GpuPath path : {GpuPath::kStaged, GpuPath::kMapped, GpuPath::kBoth, GpuPath::kAuto}) {
+    StreamOptions options;
+    options.gpu_path = path;
+    options.chunk_bytes = 64 * 1024;  // a tensor's runs over several reads and windows
+    options.memory_limit = 1024 * 1024;
+    ModelLayout layout = disk.layout(std::nullopt, cuda);
+    LayoutLoad load = load_layout(layout, checkpoint, LoadMode::kCold, options);
+    if (path == GpuPath::kStaged) EXPECT_EQ(load.stream.bytes_read, disk.share());
+    EXPECT_EQ(load.counters.bytes_applied, disk.share()) << gpu_path_name(path);
+    disk.expect_parameters_equal_hand_sliced(layout);
+  }
+  // Converted on the way: gathered on the host, written once whole.
+  WindowCheckpoint f32({{"f32.rank1", 40, 64, 32, 32, Dtype::kF32}});
+  ModelLayout layout = f32.layout(Dtype::kBF16, cuda);
+  load_layout(layout, f32.open(LocalIo::kAuto), LoadMode::kCold, StreamOptions{});
+  std::vector<std::byte> slice = hand_sliced(f32.tensors[0], f32.cases[0]);
+  std::vector<std::byte> expected(slice.size() / 2);
+  convert_elements(expected.data(), Dtype::kBF16, slice.data(), Dtype::kF32, slice.size() / 4);
+  EXPECT_TRUE(parameter_bytes(layout.parameter("f32.rank1.parameter")) == expected);
 }
 
 TEST(StridedLoad, AWholeTensorPieceStillFillsAWindow) {
