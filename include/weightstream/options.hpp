@@ -151,6 +151,15 @@ struct Options {
   /// Directory of temporary files and of the update receivers' fresh Unix sockets. TMPDIR;
   /// default /tmp.
   std::string temporary_directory = "/tmp";
+  /// Token presented to serving peers (peer://) and required of pullers by a server, where
+  /// no other is given (`--token-stdin`, the vLLM key `peer_token`). WEIGHTSTREAM_PEER_TOKEN;
+  /// default empty (no token). Never logged.
+  std::string peer_token;
+  /// Test hook of peer pulls: the pulling process stops itself (SIGSTOP) once this many
+  /// bytes from peers have landed, before it reads the next serving parameter, so a test
+  /// can kill a server mid-pull without timing. WEIGHTSTREAM_TEST_PULL_STOP_AFTER (bytes);
+  /// default 0, off.
+  uint64_t test_pull_stop_after = 0;
 };
 
 /// A snapshot of environment variables (name to value).

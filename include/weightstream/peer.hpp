@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -25,6 +26,7 @@
 
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/stream.hpp"
 
 namespace weightstream {
 
@@ -96,12 +98,26 @@ struct PeerServeInfo {
   std::string quantization = "none";
 };
 
-/// Publishes a loaded layout's parameters (host memory) until destroyed. Every parameter is
-/// registered with UCX for remote reads and hashed (xxh64) once; pullers connect to
-/// address(), present the token, receive the manifest and read the bytes one-sided.
+/// What a server of a layout loaded from `checkpoint` publishes besides the layout: its
+/// config.json and tensors, `parallel`, and its quantization ("fp8" for a layout that
+/// quantizes, "fp8-block" for a block-scaled checkpoint, else "none"). Throws
+/// Error(kNotFound) naming the checkpoint when it has no config.json.
+PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize);
+
+class PeerSource;
+
+/// The same for a layout pulled from the peers of `source`: their config.json and tensors
+/// (a puller serves in turn what it pulled).
+PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& parallel, Processing quantize);
+
+/// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
+/// with UCX for remote reads (ucp_mem_map; GPU memory as UCS_MEMORY_TYPE_CUDA) and hashed
+/// (xxh64; GPU memory through bounded host copies) once; pullers connect to address(),
+/// present the token, receive the manifest and read the bytes one-sided.
 class PeerServer {
  public:
-  /// Throws Error(kUnsupported) for a build without UCX or a layout on a GPU,
+  /// Throws Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
+  /// not handle CUDA memory (not a CUDA-aware UCX),
   /// Error(kNetwork) when it cannot listen, Error(kModel) for a parameter without storage.
   PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options);
   ~PeerServer();
@@ -131,6 +147,11 @@ struct PeerPullOptions {
   /// Host staging for bytes that cannot land in place (bytes of parameters that another
   /// layout holds differently); a single serving parameter larger than this is staged alone.
   uint64_t memory_limit = 1ull << 30;
+  /// Test hook: once this many bytes from peers have landed, before the
+  /// next serving parameter is read, `on_pause` runs once on the pulling thread, so that a
+  /// test can kill a serving peer mid-pull without timing. 0 (the default) never pauses.
+  uint64_t pause_after_bytes = 0;
+  std::function<void()> on_pause;
 };
 
 /// What a pull did.
@@ -165,9 +186,12 @@ class PeerSource {
   const std::vector<PeerTensor>& tensors() const noexcept;
 
   /// Pulls every part of `session`'s layout into it (the session has begun, checkpoint
-  /// format). Throws Error(kModel) naming the tensor when no peer holds part of it or a
-  /// peer holds it processed, Error(kProtocol) naming the parameter and
-  /// the peer when a digest does not match, Error(kNetwork)/Error(kTimeout) naming the peer
+  /// format). Into a layout on a GPU, parameters land in place only where this process's
+  /// UCX handles CUDA memory (each then checked against its digest through bounded host
+  /// copies); otherwise every byte is staged in host memory and the session copies it.
+  /// Throws Error(kModel) naming the tensor when no peer holds part of it or a peer holds it
+  /// processed, Error(kProtocol) naming the parameter and the peer when a digest does not
+  /// match, Error(kNetwork)/Error(kTimeout) naming the peer
   /// when it dies or stalls, Error(kProtocol) when a peer's version changed during the pull.
   PeerPullReport pull(LoadSession& session);
 

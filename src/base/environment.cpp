@@ -124,6 +124,12 @@ const Variable kVariables[] = {
     {"WEIGHTSTREAM_S3_RETRY_BASE", s3_field(&S3Options::retry_base_seconds, parse_seconds)},
     {"WEIGHTSTREAM_S3_CONNECT_TIMEOUT", s3_field(&S3Options::connect_timeout_seconds, parse_seconds)},
     {"WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", s3_field(&S3Options::first_byte_timeout_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_PEER_TOKEN", [](Options& options, std::string_view, const std::string& value) {
+       options.peer_token = value;
+     }},
+    {"WEIGHTSTREAM_TEST_PULL_STOP_AFTER", [](Options& options, std::string_view name, const std::string& value) {
+       options.test_pull_stop_after = parse_size_variable(name, value);
+     }},
     // Read below with its alias MX_MODEL_URI.
     {"WEIGHTSTREAM_MODEL_URI", [](Options&, std::string_view, const std::string&) {}},
 };

@@ -32,7 +32,7 @@ void add_serve_command(CLI::App& app) {
   add_layout_flags(*command, flags->layout);
   command->add_option("--device", flags->device,
                       "Where the served parameters live: cpu or cuda:N (GPU memory needs a CUDA-aware UCX; default cpu)");
-  command->add_flag("--token-stdin", flags->token_stdin, "Read the token pullers must present from the first line of stdin");
+  command->add_flag("--token-stdin", flags->token_stdin, "Read the token pullers must present from the first line of stdin (else WEIGHTSTREAM_PEER_TOKEN)");
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
     // Blocked before any thread starts, so every thread inherits the mask and the signals
@@ -46,20 +46,19 @@ void add_serve_command(CLI::App& app) {
     Options options = resolve_options(flags->stream);
     PeerServeOptions serve;
     serve.listen = flags->listen;
-    if (flags->token_stdin) std::getline(std::cin, serve.token);
+    if (flags->token_stdin) {
+      std::getline(std::cin, serve.token);
+    } else {
+      serve.token = options.peer_token;
+    }
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
     load_layout(layout, checkpoint, LoadMode::kCold, options.stream);
 
-    PeerServeInfo info;
-    info.config_json = *checkpoint.config_json();  // checkpoint_layout needed it
-    for (const CheckpointTensor& tensor : checkpoint.tensors()) {
-      info.tensors.push_back({tensor.name, tensor.dtype, tensor.shape, checkpoint.shards()[tensor.shard].name});
-    }
-    info.parallel = {flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0), flags->layout.ep_size,
-                     flags->layout.ep_rank};
-    ModelConfig config = parse_model_config(checkpoint.uri() + "/config.json", info.config_json);
-    info.quantization = flags->layout.quantize == "fp8" ? "fp8" : fp8_block_quantized(config) ? "fp8-block" : "none";
+    const Parallelism parallel{flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
+                               flags->layout.ep_size, flags->layout.ep_rank};
+    PeerServeInfo info = peer_serve_info(checkpoint, parallel,
+                                         flags->layout.quantize == "fp8" ? Processing::kFp8PerTensor : Processing::kNone);
     PeerServer server(layout, std::move(info), serve);
     uint64_t bytes = 0;
     for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();

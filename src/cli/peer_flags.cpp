@@ -1,5 +1,7 @@
 #include "cli/peer_flags.hpp"
 
+#include <signal.h>
+
 #include <cstdio>
 #include <iostream>
 
@@ -11,9 +13,15 @@ namespace {
 
 PeerPullOptions pull_options(const PeerFlags& flags, const Options& options) {
   PeerPullOptions pull;
-  pull.token = peer_token(flags);
+  pull.token = flags.token_stdin ? peer_token(flags) : options.peer_token;
   pull.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
   pull.memory_limit = options.stream.memory_limit;
+  if (options.test_pull_stop_after > 0) {
+    // WEIGHTSTREAM_TEST_PULL_STOP_AFTER: the test that kills a server mid-pull waits for
+    // this stop (waitpid WUNTRACED), kills the server, and continues the puller.
+    pull.pause_after_bytes = options.test_pull_stop_after;
+    pull.on_pause = [] { ::raise(SIGSTOP); };
+  }
   return pull;
 }
 
@@ -38,7 +46,7 @@ ModelLayout peer_layout(const PeerSource& source, const LayoutFlags& layout_flag
 }
 
 void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
-  if (token_flag) command.add_flag("--token-stdin", flags.token_stdin, "peer:// sources: read the serving peers' token from the first line of stdin");
+  if (token_flag) command.add_flag("--token-stdin", flags.token_stdin, "peer:// sources: read the serving peers' token from the first line of stdin (else WEIGHTSTREAM_PEER_TOKEN)");
   command.add_option("--fallback", flags.fallback,
                      "peer:// sources: a checkpoint (directory, file://, s3://) loaded instead when the peers fail");
   command.add_option("--peer-timeout", flags.timeout_seconds,
@@ -48,7 +56,7 @@ void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
 
 std::string peer_token(const PeerFlags& flags) {
   static std::optional<std::string> token;
-  if (!flags.token_stdin) return {};
+  if (!flags.token_stdin) return environment_options().peer_token;
   if (!token) {
     token.emplace();
     std::getline(std::cin, *token);

@@ -265,7 +265,16 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
   }
 
+  auto wait_all = [&] {
+    for (State::Link& link : state.links) link.endpoint->wait(timeout);
+  };
+  bool paused = false;
   auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory) {
+    if (!paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes) {
+      paused = true;
+      wait_all();  // what was read so far has landed: the pause falls between two parameters
+      if (state.options.on_pause) state.options.on_pause();
+    }
     const PeerParameter& parameter = link.manifest.parameters[served];
     for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
       link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served],
@@ -285,9 +294,6 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
                                         "): its bytes changed in the peer's memory or in transit; the pull is refused");
     }
     ++report.parameters_read;
-  };
-  auto wait_all = [&] {
-    for (State::Link& link : state.links) link.endpoint->wait(timeout);
   };
 
   {

@@ -15,6 +15,7 @@
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/ucx.hpp"
+#include "weightstream/architectures.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/peer.hpp"
 
@@ -90,6 +91,37 @@ std::string peer_checkpoint_identity(std::span<const PeerTensor> tensors, std::s
   char text[17];
   std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(digest));
   return text;
+}
+
+namespace {
+
+PeerServeInfo serve_info(std::string config_json, std::vector<PeerTensor> tensors, const Parallelism& parallel,
+                         Processing quantize, const std::string& object) {
+  PeerServeInfo info;
+  const ModelConfig config = parse_model_config(object, config_json);
+  info.quantization = quantize != Processing::kNone ? "fp8" : fp8_block_quantized(config) ? "fp8-block" : "none";
+  info.config_json = std::move(config_json);
+  info.tensors = std::move(tensors);
+  info.parallel = parallel;
+  return info;
+}
+
+}  // namespace
+
+PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize) {
+  const auto& config_json = checkpoint.config_json();
+  WS_EXPECT(config_json.has_value(), ErrorCode::kNotFound,
+            "cannot serve " + checkpoint.uri() + ": it has no config.json beside its shards (pullers build their layout from it)");
+  std::vector<PeerTensor> tensors;
+  for (const CheckpointTensor& tensor : checkpoint.tensors()) {
+    tensors.push_back({tensor.name, tensor.dtype, tensor.shape, checkpoint.shards()[tensor.shard].name});
+  }
+  return serve_info(*config_json, std::move(tensors), parallel, quantize, checkpoint.uri() + "/config.json");
+}
+
+PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& parallel, Processing quantize) {
+  return serve_info(source.config_json(), source.tensors(), parallel, quantize,
+                    source.uri() + " (config.json published by the peer)");
 }
 
 struct PeerServer::State {

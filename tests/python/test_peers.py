@@ -240,7 +240,7 @@ def test_a_flipped_byte_in_a_served_parameter_fails_the_pull_naming_it(namespace
     assert server.address in result.stderr
 
 
-def test_a_peer_killed_mid_pull_falls_back_to_storage_or_fails_in_time(namespaces, llama, tmp_path):
+def test_a_peer_killed_while_a_pull_waits_for_its_manifest_falls_back_or_fails_in_time(namespaces, llama, tmp_path):
     server_ns, puller_ns = namespaces
     expected = expected_export(llama, tmp_path / "expected.safetensors")
     for fallback in (True, False):
@@ -280,6 +280,54 @@ def test_a_peer_killed_mid_pull_falls_back_to_storage_or_fails_in_time(namespace
             assert puller.returncode == 1
             assert server.address in err and "no storage fallback given" in err
             assert elapsed < 60
+        (tmp_path / "out.safetensors").unlink(missing_ok=True)
+
+
+def test_a_peer_killed_mid_transfer_falls_back_to_storage_or_fails_naming_it(namespaces, llama, tmp_path):
+    """The server is killed while the bytes move: the puller stops itself once the first
+    serving parameter has landed, before it reads the next (WEIGHTSTREAM_TEST_PULL_STOP_AFTER,
+    a test hook), the test sees it stopped (waitpid WUNTRACED: no timing), kills the server
+    with SIGKILL and lets the puller go on into a dead peer."""
+    server_ns, puller_ns = namespaces
+    expected = expected_export(llama, tmp_path / "expected.safetensors")
+    for fallback in (True, False):
+        server = Server(server_ns, llama)
+        flags = ["--fallback", str(llama)] if fallback else []
+        puller = subprocess.Popen(
+            ["ip", "netns", "exec", puller_ns, CLI, "export", f"peer://{server.address}", str(tmp_path / "out.safetensors"),
+             "--json", "--token-stdin", "--no-progress", "--peer-timeout", "20", *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(ENV, WEIGHTSTREAM_TEST_PULL_STOP_AFTER="1"))
+        try:
+            puller.stdin.write(TOKEN + "\n")
+            puller.stdin.close()
+            _, status = os.waitpid(puller.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), f"the puller ended before the transfer was under way: {puller.stderr.read()}"
+            server.process.kill()
+            server.process.wait()
+            resumed = time.monotonic()
+            os.kill(puller.pid, signal.SIGCONT)
+            puller.wait(timeout=120)
+            out, err = puller.stdout.read(), puller.stderr.read()
+        finally:
+            if puller.poll() is None:
+                puller.kill()
+                puller.wait()
+            server.stop()
+        if fallback:
+            assert puller.returncode == 0, err
+            report = json.loads(out)
+            assert report["bytes_read"] > 0 and report["bytes_from_peers"] == 0
+            assert server.address in report["peer_failure"]
+            assert "peers failed" in err and str(llama) in err
+            assert digests(tmp_path / "out.safetensors") == expected
+        else:
+            assert puller.returncode == 1, out
+            assert f"cannot load from peer://{server.address}" in err and "no storage fallback given" in err
+            assert f"peer {server.address}" in err
+            # UCX reports the dead peer at once; --peer-timeout (20 s) bounds a silent one.
+            assert time.monotonic() - resumed < 60
+        assert TOKEN not in out + err
         (tmp_path / "out.safetensors").unlink(missing_ok=True)
 
 

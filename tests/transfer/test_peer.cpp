@@ -55,13 +55,7 @@ ModelLayout empty_layout(const Model& model, int64_t tp_size, int64_t tp_rank, c
 }
 
 PeerServeInfo serve_info(const Model& model, int64_t tp_size, int64_t tp_rank) {
-  PeerServeInfo info;
-  info.config_json = *model.checkpoint->config_json();
-  for (const CheckpointTensor& tensor : model.checkpoint->tensors()) {
-    info.tensors.push_back({tensor.name, tensor.dtype, tensor.shape, model.checkpoint->shards()[tensor.shard].name});
-  }
-  info.parallel = {tp_size, tp_rank, 1, 0};
-  return info;
+  return peer_serve_info(*model.checkpoint, {tp_size, tp_rank, 1, 0}, Processing::kNone);
 }
 
 PeerServeOptions serve_options() {
@@ -237,6 +231,30 @@ TEST_F(PeerTest, PullsIntoCudaParametersStraightFromAServerOnTheGpu) {
   LayoutComparison comparison = compare_layouts(layout, loaded_layout(model, 2, 0));
   EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
   EXPECT_EQ(comparison.compared, layout.parameters().size());
+}
+
+TEST_F(PeerTest, AServerGoneMidPullFailsNamingItAndNothingIsReported) {
+  Model model;
+  Instance instance(model, 1);
+  PeerPullOptions options = pull_options();
+  options.timeout = std::chrono::seconds(5);
+  // The first serving parameter lands, then the server goes: the next reads find it gone.
+  options.pause_after_bytes = 1;
+  bool paused = false;
+  options.on_pause = [&] {
+    paused = true;
+    instance.servers.clear();
+  };
+  PeerSource source(instance.uri(), options);
+  const std::string address = instance.servers[0]->address();
+  ModelLayout layout = empty_layout(model, 1, 0);
+  LoadSession session(layout);
+  session.begin(LoadMode::kCold);
+  std::string text = error_text([&] { source.pull(session); });
+  EXPECT_TRUE(paused);
+  EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
+  EXPECT_THAT(text, HasSubstr(address));
+  EXPECT_EQ(layout.loads_finished(), 0u);
 }
 
 TEST_F(PeerTest, PeerUrisAreParsed) {
