@@ -112,7 +112,7 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
     State::Link& link = state.links.emplace_back();
     link.address = address;
     try {
-      link.connection.emplace(connect_to(address, state.options.timeout));
+      link.connection.emplace(connect_to(address, state.options.timeout, "serving peer"));
       link.connection->set_peer("serving peer " + address);
     } catch (const Error& error) {
       WS_FAIL(error.code(), "cannot reach peer " + address + " of " + state.uri + ": " + error.what());

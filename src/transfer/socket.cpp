@@ -444,14 +444,14 @@ Connection Listener::accept(std::chrono::milliseconds timeout) {
   return Connection(std::move(fd), "tcp peer " + endpoint_text(peer));
 }
 
-Connection connect_to(const std::string& address, std::chrono::milliseconds timeout) {
+Connection connect_to(const std::string& address, std::chrono::milliseconds timeout, const std::string& what) {
   auto deadline = Clock::now() + timeout;
   if (address.find('/') != std::string::npos) {
     sockaddr_un target = unix_address(address);
     FileDescriptor fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     WS_EXPECT(static_cast<bool>(fd), ErrorCode::kNetwork, "cannot create a Unix socket: " + detail::errno_text(errno));
     WS_EXPECT(::connect(fd.get(), reinterpret_cast<const sockaddr*>(&target), sizeof(target)) == 0,
-              ErrorCode::kNetwork, "cannot connect to update receiver at Unix socket " + address + ": " +
+              ErrorCode::kNetwork, "cannot connect to " + what + " at Unix socket " + address + ": " +
                                        detail::errno_text(errno));
     return Connection(std::move(fd), "receiver at " + address);
   }
@@ -462,7 +462,7 @@ Connection connect_to(const std::string& address, std::chrono::milliseconds time
   hints.ai_flags = AI_NUMERICSERV;
   addrinfo* found = nullptr;
   int status = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-  WS_EXPECT(status == 0, ErrorCode::kNetwork, "cannot resolve update receiver " + address + ": " + ::gai_strerror(status));
+  WS_EXPECT(status == 0, ErrorCode::kNetwork, "cannot resolve " + what + " " + address + ": " + ::gai_strerror(status));
   std::unique_ptr<addrinfo, void (*)(addrinfo*)> owned(found, ::freeaddrinfo);
   std::string cause = "no address";
   for (addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
@@ -491,7 +491,7 @@ Connection connect_to(const std::string& address, std::chrono::milliseconds time
     set_nodelay(fd.get());
     return Connection(std::move(fd), "receiver at " + address);
   }
-  WS_FAIL(ErrorCode::kNetwork, "cannot connect to update receiver at " + address + ": " + cause);
+  WS_FAIL(ErrorCode::kNetwork, "cannot connect to " + what + " at " + address + ": " + cause);
 }
 
 }  // namespace weightstream::transfer

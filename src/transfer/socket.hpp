@@ -119,9 +119,11 @@ class Listener {
   bool unix_ = false;
 };
 
-/// Connects to "HOST:PORT" (TCP) or, for an address containing '/', a Unix socket path.
-/// Throws Error(kNetwork) naming the address and the errno, Error(kTimeout).
-Connection connect_to(const std::string& address, std::chrono::milliseconds timeout);
+/// Connects to "HOST:PORT" (TCP) or, for an address containing '/', a Unix socket path;
+/// `what` names the other end in errors. Throws Error(kNetwork) naming it, the address and
+/// the errno, Error(kTimeout).
+Connection connect_to(const std::string& address, std::chrono::milliseconds timeout,
+                      const std::string& what = "update receiver");
 
 /// Splits "HOST:PORT" ("[::1]:PORT" for IPv6). Throws Error(kInvalidArgument).
 std::pair<std::string, uint16_t> split_host_port(const std::string& address);
