@@ -74,7 +74,7 @@ void bind_model(nanobind::module_& m);
 ModelLayout& python_layout(nanobind::handle layout);
 
 /// The config.json the serving peers of a peer:// URI publish (model_bindings.cpp).
-std::string peer_config_json(const std::string& uri, const std::string& token, double timeout_seconds);
+std::string peer_config_json(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds);
 
 /// Adds UpdateSender and UpdateReceiver (transfer_bindings.cpp).
 void bind_transfer(nanobind::module_& m);

@@ -185,6 +185,8 @@ struct LayoutHandle {
   /// Set by model_layout(device=...): what is left unbound is allocated on the layout's
   /// device at the first load (or the first tensor() view), so binds may come first.
   bool allocate_at_first_load = false;
+  /// What from_config built it with (parallel ranks, quantize), for a peer server's manifest.
+  LayoutOptions options;
 
   ~LayoutHandle() { layouts_with_hooks().erase(this); }
   /// Drops the Python callables; a cleared hook does nothing if it runs again.
@@ -429,12 +431,13 @@ class SessionHandle {
   }
 
   /// Pulls this layout's parameters from the serving peers of `uri` (peer://, issue 31).
-  nb::dict pull_peers(const std::string& uri, const std::string& token, double timeout_seconds, uint64_t memory_limit) {
+  nb::dict pull_peers(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds,
+                      uint64_t memory_limit) {
     PeerPullReport report;
     {
       nb::gil_scoped_release release;
       PeerPullOptions options;
-      options.token = token;
+      options.token = token.value_or(environment_options().peer_token);
       options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
       options.memory_limit = memory_limit;
       PeerSource source(uri, options);
@@ -481,11 +484,79 @@ nb::object parameter_array(nb::handle layout_object, const std::string& name) {
 
 ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
 
+namespace {
+
+/// A PeerServer publishing a Python layout; it holds the layout object, so the memory it
+/// serves lives as long as the server.
+class PeerServerHandle {
+ public:
+  /// `source` is the checkpoint the layout was loaded from (a Checkpoint), or the peer://
+  /// URI it was pulled from (whose peers publish the checkpoint's config.json and tensors).
+  PeerServerHandle(nb::object layout_object, nb::object source, const std::string& listen,
+                   const std::optional<std::string>& token, double timeout_seconds)
+      : layout_object_(std::move(layout_object)) {
+    auto& handle = nb::cast<LayoutHandle&>(layout_object_);
+    WS_EXPECT(handle.layout.loads_finished() > 0, ErrorCode::kModel,
+              "cannot serve " + handle.layout.description() + ": it has not been loaded (load it, then serve it)");
+    PeerServeOptions options;
+    options.listen = listen;
+    options.token = token.value_or(environment_options().peer_token);
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
+    const Parallelism parallel = handle.options.parallel;
+    const Processing quantize = handle.options.quantize;
+    if (nb::isinstance<CheckpointHandle>(source)) {
+      const Checkpoint& checkpoint = nb::cast<const CheckpointHandle&>(source).checkpoint();
+      nb::gil_scoped_release release;
+      start(handle.layout, peer_serve_info(checkpoint, parallel, quantize), std::move(options));
+    } else {
+      const std::string uri = nb::cast<std::string>(source);
+      nb::gil_scoped_release release;
+      PeerPullOptions pull;
+      pull.token = options.token;
+      pull.timeout = options.timeout;
+      PeerSource peers(uri, pull);
+      start(handle.layout, peer_serve_info(peers, parallel, quantize), std::move(options));
+    }
+  }
+
+  const std::string& address() const { return address_; }
+  uint64_t version() const { return server_ ? server_->version() : 0; }
+  bool serving() const { return server_ != nullptr; }
+  void begin_update() { live().begin_update(); }
+  void end_update() {
+    nb::gil_scoped_release release;
+    live().end_update();  // rehashes every parameter
+  }
+  /// Stops serving (pullers' reads fail from then on); the layout is released.
+  void close() {
+    {
+      nb::gil_scoped_release release;
+      server_.reset();
+    }
+    layout_object_ = nb::none();
+  }
+
+ private:
+  void start(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options) {
+    server_ = std::make_unique<PeerServer>(layout, std::move(info), std::move(options));
+    address_ = server_->address();
+  }
+  PeerServer& live() {
+    WS_EXPECT(server_ != nullptr, ErrorCode::kInvalidArgument, "peer server " + address_ + " was closed");
+    return *server_;
+  }
+  nb::object layout_object_;
+  std::unique_ptr<PeerServer> server_;
+  std::string address_;
+};
+
+}  // namespace
+
 /// The config.json the serving peers of `uri` publish (peer://, issue 31).
-std::string peer_config_json(const std::string& uri, const std::string& token, double timeout_seconds) {
+std::string peer_config_json(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds) {
   nb::gil_scoped_release release;
   PeerPullOptions options;
-  options.token = token;
+  options.token = token.value_or(environment_options().peer_token);
   options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
   return PeerSource(uri, options).config_json();
 }
@@ -511,6 +582,7 @@ void bind_model(nb::module_& m) {
             auto config = parse_model_config("config.json", config_json);
             auto* handle = new LayoutHandle();
             handle->layout = build_model_layout(config, options);
+            handle->options = options;
             return handle;
           },
           "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
@@ -670,10 +742,23 @@ void bind_model(nb::module_& m) {
       .def("load", &SessionHandle::load, "batch"_a)
       .def("finish", &SessionHandle::finish)
       .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)
-      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a, "timeout"_a, "memory_limit"_a)
+      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a.none(), "timeout"_a, "memory_limit"_a)
       .def_prop_ro("counters", &SessionHandle::counters)
       .def_prop_ro("mode", &SessionHandle::mode)
       .def_prop_ro("completed_layers", &SessionHandle::completed_layers);
+
+  nb::class_<PeerServerHandle>(m, "PeerServer")
+      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double>(),
+           "layout"_a, "source"_a, "listen"_a = "127.0.0.1:0", "token"_a = nb::none(), "timeout"_a = 30.0)
+      .def_prop_ro("address", &PeerServerHandle::address)
+      .def_prop_ro("version", &PeerServerHandle::version)
+      .def_prop_ro("serving", &PeerServerHandle::serving)
+      .def("begin_update", &PeerServerHandle::begin_update,
+           "Before the served parameters change: pulls that overlap the change are refused.")
+      .def("end_update", &PeerServerHandle::end_update, "After they changed: rehashes and publishes a new version.")
+      .def("close", &PeerServerHandle::close, "Stops serving; pullers' reads fail from then on.")
+      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
+      .def("__exit__", [](PeerServerHandle& handle, nb::args) { handle.close(); });
 }
 
 }  // namespace weightstream::python

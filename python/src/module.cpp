@@ -19,6 +19,7 @@
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
 #include "weightstream/load.hpp"
+#include "weightstream/peer.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -323,8 +324,10 @@ NB_MODULE(_core, m) {
   bind_model(m);
   bind_transfer(m);
   bind_resolve(m);
-  m.def("peer_config", &peer_config_json, "uri"_a, "token"_a = "", "timeout"_a = 30.0,
+  m.def("peer_config", &peer_config_json, "uri"_a, "token"_a = nb::none(), "timeout"_a = 30.0,
         "The config.json text the serving peers of a peer:// URI publish (their token needed).");
+  m.def("peer_addresses", [](const std::string& uri) { return peer_addresses(uri); }, "uri"_a,
+        "The HOST:PORT addresses of a peer:// URI; weightstream.Error for a malformed one.");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");
   m.def("cuda_compiled", &cuda_compiled, "Whether this build has CUDA support compiled in.");
 

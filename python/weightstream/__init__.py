@@ -26,7 +26,7 @@ from ._api import (
 )
 from . import _core
 from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count, peer_config
-from ._model import LoadSession, ModelLayout, identity_layout, model_layout
+from ._model import LoadSession, ModelLayout, PeerServer, identity_layout, model_layout, serve
 from ._weights_iterator import safetensors_weights_iterator
 
 # Hooks of module-level layouts refer to their module: freed at exit, not leaked.
@@ -42,6 +42,7 @@ __all__ = [
     "Error",
     "LoadSession",
     "ModelLayout",
+    "PeerServer",
     "TensorInfo",
     "TensorIterator",
     "UpdateReceiver",
@@ -56,5 +57,6 @@ __all__ = [
     "peer_config",
     "resolve_options",
     "safetensors_weights_iterator",
+    "serve",
     "stream",
 ]

@@ -31,7 +31,7 @@ def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) ->
     if isinstance(config, str) and config.lstrip().startswith("{"):
         return config
     if isinstance(config, str) and config.startswith("peer://"):
-        return _core.peer_config(config)  # peers that need no token; else weightstream.peer_config(uri, token)
+        return _core.peer_config(config)  # token: WEIGHTSTREAM_PEER_TOKEN; else weightstream.peer_config(uri, token)
     if not isinstance(config, (Checkpoint, str, os.PathLike)):
         raise TypeError(f"model_layout: config must be a dict, JSON text, a path, a URI or a Checkpoint, "
                         f"not {type(config).__name__}")
@@ -133,10 +133,15 @@ class LoadSession:
         (contiguous slices read as their own byte ranges); returns the stream's counters.
         A ``peer://HOST:PORT[,HOST:PORT...]`` URI pulls them from serving peers over UCX
         instead (docs/PEERS.md; options ``token``, ``timeout`` in seconds, ``memory_limit``
-        in bytes): the counters then have ``bytes_from_peers`` and ``bytes_read`` 0."""
+        in bytes; the token defaults to WEIGHTSTREAM_PEER_TOKEN): the counters then have
+        ``bytes_from_peers`` and ``bytes_read`` 0."""
         if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
-            return self._core.pull_peers(checkpoint, options.pop("token", ""), float(options.pop("timeout", 30.0)),
-                                         int(options.pop("memory_limit", 1 << 30)))
+            unknown = sorted(set(options) - {"token", "timeout", "memory_limit"})
+            if unknown:
+                raise TypeError(f"load_checkpoint from peers: unknown option(s) {', '.join(unknown)} "
+                                f"(accepted: token, timeout, memory_limit)")
+            return self._core.pull_peers(checkpoint, options.get("token"), float(options.get("timeout", 30.0)),
+                                         int(options.get("memory_limit", 1 << 30)))
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint(checkpoint)
         return self._core.stream_checkpoint(checkpoint._core, options)
@@ -161,3 +166,35 @@ class LoadSession:
     def completed_layers(self) -> List[int]:
         """Layers whose every part arrived in this load, ascending."""
         return self._core.completed_layers
+
+
+PeerServer = _core.PeerServer
+
+
+def serve(layout: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], *, listen: str = "127.0.0.1:0",
+          token: Optional[str] = None, timeout: float = 30.0) -> PeerServer:
+    """Publishes a loaded layout's parameters to pullers (``peer://``, docs/PEERS.md), as
+    ``weightstream serve`` does: each parameter is registered with UCX and hashed (xxh64),
+    and a manifest names the layout (its tp and ep ranks, dtype, quantization) and the
+    ``checkpoint`` it was loaded from (its config.json and tensors, which pullers build their
+    layouts from; a layout pulled from peers names their ``peer://`` URI instead). ``listen`` is "HOST:PORT" (port 0: a free one; ``server.address`` says
+    which); ``token`` is what pullers must present (default WEIGHTSTREAM_PEER_TOKEN; empty
+    accepts any). The server runs on threads of its own until ``server.close()`` or until it
+    is collected; it keeps the layout alive. The layout's parameters must not change while
+    it serves, except inside ``server.begin_update()`` / ``server.end_update()``.
+    Raises weightstream.Error for a layout not yet loaded, one on a GPU in a build whose UCX
+    cannot serve it, a build without UCX, or an address it cannot listen on."""
+    if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
+        return _core.PeerServer(layout, checkpoint, listen, token, float(timeout))
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint(os.fspath(checkpoint))
+    return _core.PeerServer(layout, checkpoint._core, listen, token, float(timeout))
+
+
+def _serve_method(self: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], **options: Any) -> PeerServer:
+    return serve(self, checkpoint, **options)
+
+
+_serve_method.__doc__ = "``weightstream.serve(layout, checkpoint, ...)``: " + (serve.__doc__ or "")
+_serve_method.__name__ = "serve"
+ModelLayout.serve = _serve_method

@@ -422,3 +422,48 @@ def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):
         for process, _ in servers:
             process.terminate()
             process.wait(timeout=30)
+
+
+def test_python_serves_a_loaded_layout_and_another_layout_pulls_it(llama):
+    """weightstream.serve / layout.serve: a layout loaded in Python is published; a layout at
+    another tp size pulls from it; after close() the address is gone (loopback)."""
+    weightstream = pytest.importorskip("weightstream")
+    np = pytest.importorskip("numpy")
+    if not hasattr(weightstream, "serve"):
+        pytest.skip("the installed weightstream package predates layout.serve")
+    served = weightstream.model_layout(str(llama), device="cpu")
+    session = weightstream.LoadSession(served)
+    session.begin("cold")
+    session.load_checkpoint(str(llama))
+    session.finish()
+    try:
+        server = served.serve(str(llama), token=TOKEN)
+    except weightstream.Error as error:
+        if "build with UCX" in str(error):
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        raise
+    with server:
+        assert server.serving and server.version == 1 and server.address.startswith("127.0.0.1:")
+        uri = f"peer://{server.address}"
+        pulled = weightstream.model_layout(weightstream.peer_config(uri, token=TOKEN), tp_size=2, tp_rank=1,
+                                           device="cpu")
+        session = weightstream.LoadSession(pulled)
+        session.begin("cold")
+        report = session.load_checkpoint(uri, token=TOKEN)
+        session.finish()
+        assert report["bytes_read"] == 0 and report["bytes_from_peers"] > 0
+        expected = weightstream.model_layout(str(llama), tp_size=2, tp_rank=1, device="cpu")
+        session = weightstream.LoadSession(expected)
+        session.begin("cold")
+        session.load_checkpoint(str(llama))
+        session.finish()
+        for name in expected.parameter_names:
+            assert np.from_dlpack(pulled.tensor(name)).tobytes() == np.from_dlpack(expected.tensor(name)).tobytes(), name
+        server.begin_update()
+        server.end_update()
+        assert server.version == 3
+    assert not server.serving
+    with pytest.raises(weightstream.Error, match=f"cannot reach peer {re.escape(server.address)}"):
+        weightstream.peer_config(uri, token=TOKEN, timeout=5)
+    with pytest.raises(weightstream.Error, match="has not been loaded"):
+        weightstream.serve(weightstream.model_layout(str(llama), device="cpu"), str(llama))
