@@ -118,6 +118,35 @@ def test_unknown_or_malformed_extra_config_fails_when_the_loader_is_made():
         get_model_loader(LoadConfig(load_format="weightstream", model_loader_extra_config={"memory_limit": "12XB"}))
 
 
+def test_peer_keys_of_the_extra_config_are_checked_when_the_loader_is_made():
+    ws_vllm.register()
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from weightstream.vllm._model import serve_address
+
+    def loader(extra):
+        return get_model_loader(LoadConfig(load_format="weightstream", model_loader_extra_config=extra))
+
+    options = loader({"model_uri": "peer://10.0.0.5:7000,10.0.0.5:7001", "serve": "0.0.0.0:7100",
+                      "peer_timeout": 5, "peer_token": "secret"}).options
+    assert options.model_uri == "peer://10.0.0.5:7000,10.0.0.5:7001" and options.peer_timeout == 5.0
+    assert options.peer_token == "secret" and options.serve == "0.0.0.0:7100"
+    assert loader({}).options.peer_token is None  # WEIGHTSTREAM_PEER_TOKEN, read by the core
+    assert serve_address("0.0.0.0:7100", 3) == "0.0.0.0:7103"
+    assert serve_address("127.0.0.1:0", 3) == "127.0.0.1:0"
+    with pytest.raises(ValueError, match="serve must be HOST:PORT"):
+        loader({"serve": "7100"})
+    with pytest.raises(ValueError, match="rank 1 would serve at port 65536"):
+        serve_address("h:65535", 1)
+    with pytest.raises(ValueError, match="peer_timeout must be seconds above 0"):
+        loader({"peer_timeout": 0})
+    with pytest.raises(weightstream.Error, match="peer://10.0.0.5:7000,"):
+        loader({"model_uri": "peer://10.0.0.5:7000,"})
+    with pytest.raises(ValueError, match="peer_token must be a string") as error:
+        loader({"peer_token": 1234})
+    assert "1234" not in str(error.value)
+
+
 def test_vllm_factory_creates_our_transfer_engine():
     ws_vllm.register()
     from vllm.config import DeviceConfig, VllmConfig

@@ -57,6 +57,32 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+#: (tp, family, expert parallel) of the peer scenarios: a vLLM instance pulls from a serving one.
+PEER_SCENARIOS = ((1, "llama", False), (2, "qwen3_moe", False), (2, "qwen3_moe", True))
+
+
+def peer_id(family, tp, ep):
+    return f"{family}-peer-tp{tp}{'-ep' if ep else ''}"
+
+
+def free_ports(count) -> int:
+    """A port P with P to P + count - 1 free on loopback now (the peer servers' ports)."""
+    while True:
+        base = free_port()
+        probes = []
+        try:
+            for offset in range(1, count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+
+
 def rank_environment():
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     if S3_ENDPOINT:
@@ -88,6 +114,9 @@ def results(tmp_path_factory):
                     "id": f"{family}-{kind}-{parallel}"}
         plans[tp].append(scenario)
     plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
+    for tp, family, ep in PEER_SCENARIOS:
+        plans[tp].append({"family": family, "fp8": False, "ep": ep, "peer": True, "port": free_ports(tp),
+                          "id": peer_id(family, tp, ep)})
     if S3_ENDPOINT:
         # The seed's scenario: an FP8 MoE target with its MTP layer in one s3:// checkpoint.
         import boto3
@@ -262,3 +291,30 @@ def test_an_fp8_moe_target_and_its_mtp_draft_load_from_one_s3_checkpoint(results
         assert module["load"]["path"] == "layout" and module["differences"] == [], role
         assert module["load"]["tensors_through_load_weights"] == 0, role
         assert module["load"]["bytes_read"] <= module["share"] + MIB, role
+
+
+@pytest.mark.parametrize("tp,family,ep", PEER_SCENARIOS)
+def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, family, ep):
+    """Instance A (``serve``: HOST:PORT, port + rank) loads from the checkpoint and serves its
+    bound parameters; instance B, whose model folder holds config.json only, loads with
+    ``model_uri=peer://...``: every parameter equals vLLM's default loader's, nothing is read
+    from storage, all of it lands in place. A wrong token is refused by name, and once A's
+    model is gone its servers are too."""
+    ranks = results[peer_id(family, tp, ep)]
+    for rank, result in enumerate(ranks):
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+        where = f"{family} tp {tp} rank {rank}"
+        base = result["scenario"]["port"]
+        assert result["serving"] == f"127.0.0.1:{base + rank}", where
+        assert result["served_differences"] == [], where
+        load = result["load"]
+        assert load["source"] == result["uri"] and load["path"] == "layout", where
+        assert load["bytes_read"] == 0 and load["bytes_from_peers"] > 0, (where, load)
+        assert load["tensors_through_load_weights"] == 0 and load["parameters_through_load_weights"] == 0, where
+        assert result["unbound"] == {}, where
+        assert result["parameters"] > 0
+        assert result["load_differences"] == [], f"{where}: parameters differ from vLLM's default loader"
+        assert "refused this puller: wrong or missing token" in result["wrong_token"], result["wrong_token"]
+        assert "peer-secret" not in result["wrong_token"]
+        assert "cannot connect to serving peer at 127.0.0.1:" in result["after_stop"], result["after_stop"]
+        assert "cannot load" in result["after_stop"] and result["uri"] in result["after_stop"]

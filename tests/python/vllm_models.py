@@ -461,6 +461,67 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
     return result
 
 
+PEER_TOKEN = "peer-secret"
+
+
+def run_peer_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[str, str]) -> Dict[str, Any]:
+    """Instance A loads checkpoint A with weightstream and serves its bound parameters
+    (extra-config ``serve``, port + rank); instance B, whose model folder holds config.json
+    only, loads with ``model_uri=peer://`` A's ranks. B must equal vLLM's default load of the
+    checkpoint, reading nothing from storage. Then a wrong token is refused, and once A's
+    model is dropped its servers are gone."""
+    import gc  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+    import weightstream.vllm as ws_vllm  # noqa: PLC0415
+
+    ws_vllm.register()
+    family, ep = scenario["family"], scenario["ep"]
+    a = paths[f"{family}-bf16-a"]
+    base = scenario["port"]
+    uri = "peer://" + ",".join(f"127.0.0.1:{base + r}" for r in range(tp_size))
+    result: Dict[str, Any] = {"scenario": scenario, "uri": uri}
+    config_only = tempfile.mkdtemp(prefix="ws-peer-config-")
+    with open(os.path.join(a, "config.json")) as source, open(os.path.join(config_only, "config.json"), "w") as copy:
+        copy.write(source.read())
+
+    def failure(extra: Dict[str, Any]) -> str:
+        try:
+            build(config_only, tp_size, ep, "weightstream", extra)
+        except Exception as error:  # noqa: BLE001 - its text is the result
+            return str(error)
+        return ""
+
+    try:
+        reference, _, _ = build(a, tp_size, ep, "safetensors")
+        served, serving_loader, _ = build(a, tp_size, ep, "weightstream",
+                                          {"serve": f"127.0.0.1:{base}", "peer_token": PEER_TOKEN})
+        result["serving"] = serving_loader.last_load.get("serving")
+        result["served_differences"] = differences(served, reference)
+        dist.barrier()  # every rank of A serves before a rank of B pulls
+        pulled, loader, _ = build(config_only, tp_size, ep, "weightstream",
+                                  {"model_uri": uri, "peer_token": PEER_TOKEN})
+        result["load"] = dict(loader.last_load)
+        result["load_differences"] = differences(pulled, reference)
+        result["parameters"] = len(state_of(pulled))
+        result["unbound"] = dict(pulled._weightstream_binding.unbound)
+        result["wrong_token"] = failure({"model_uri": uri, "peer_token": "not-" + PEER_TOKEN})
+        dist.barrier()  # every rank is done with A's servers
+        del served, serving_loader
+        gc.collect()
+        dist.barrier()
+        result["after_stop"] = failure({"model_uri": uri, "peer_token": PEER_TOKEN, "peer_timeout": 10})
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        shutil.rmtree(config_only, ignore_errors=True)
+    return result
+
+
 def run_draft_scenario(scenario: Dict[str, Any], paths: Dict[str, str]) -> Dict[str, Any]:
     """A checkpoint with its MTP layer: the target (which must not read them) and vLLM's MTP
     draft module, each loaded by weightstream and by vLLM's default loader, compared."""
@@ -638,8 +699,12 @@ def main() -> None:
     with parallel_state(args.tp, args.rank, args.port):
         for index, scenario in enumerate(plan["scenarios"]):
             started = time.perf_counter()
-            result = run_draft_scenario(scenario, plan["paths"]) if scenario.get("draft") else \
-                run_scenario(scenario, args.tp, args.rank, plan["paths"])
+            if scenario.get("draft"):
+                result = run_draft_scenario(scenario, plan["paths"])
+            elif scenario.get("peer"):
+                result = run_peer_scenario(scenario, args.tp, args.rank, plan["paths"])
+            else:
+                result = run_scenario(scenario, args.tp, args.rank, plan["paths"])
             result["seconds"] = time.perf_counter() - started
             with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:
                 json.dump(result, file)

@@ -3,15 +3,18 @@ weightstream's per-rank streaming into the model's own parameters."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Dict, Optional, Set
+import weakref
+from typing import Any, Dict, Optional, Set, Union
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .._api import Checkpoint
-from .._model import LoadSession
+from .. import _core
+from .._api import Checkpoint, resolve_options
+from .._model import LoadSession, serve
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -28,6 +31,8 @@ from ._model import (
     parallel_ranks,
     resolve_module_source,
     route_checkpoint,
+    serve_address,
+    serving_peer,
     store_binding,
     stored_binding,
 )
@@ -53,6 +58,13 @@ def speculative_method() -> str:
     return str(getattr(speculative, "method", "") or "") if speculative is not None else ""
 
 
+def world_rank() -> int:
+    """This process's rank in vLLM's world group (its tp rank in a tp-only instance)."""
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+
+    return parallel_state.get_world_group().rank if parallel_state._WORLD is not None else 0
+
+
 class WeightstreamModelLoader(BaseModelLoader):
     """Loads a model's safetensors weights with weightstream.
 
@@ -64,6 +76,11 @@ class WeightstreamModelLoader(BaseModelLoader):
     architectures load entirely through ``load_weights``, fed by weightstream's streamer.
     A load into a model loaded before is a reload, in place. ``process_weights_after_loading``
     is left to vLLM.
+
+    Peers (docs/PEERS.md): with ``model_uri`` a ``peer://`` URI the target's bound layout is
+    pulled from serving instances first (the model's own sources are the fallback); with
+    ``serve`` "HOST:PORT" each rank serves its bound layout after its load, at PORT + its
+    rank, for as long as the model lives.
     """
 
     def __init__(self, load_config: Any) -> None:
@@ -99,13 +116,82 @@ class WeightstreamModelLoader(BaseModelLoader):
         mode = "reload" if bound.layout.loads_finished else "cold"
         if mode == "reload":
             check_in_place(model, bound, through_load_weights=True)
-        self._load_layout(model, model_config, sources, bound, mode, started)
+        server = serving_peer(model)
+        if server is not None:
+            server.begin_update()  # pullers that overlap the reload are refused
+        try:
+            source = self._load_from_peers_or_storage(model, model_config, sources, bound, mode, started)
+        finally:
+            if server is not None:
+                server.end_update()  # rehashed, a new version
+        if server is None and self.options.serve and bound.role == "target":
+            self._serve(model, bound, source)
+
+    def _load_from_peers_or_storage(self, model: torch.nn.Module, model_config: Any, sources: ModelSources,
+                                    bound: BoundModel, mode: str, started: float) -> Union[str, Checkpoint]:
+        """Peers first when model_uri is a peer:// URI (the target only), then the model's own
+        sources; returns what the layout was loaded from (for its server)."""
+        uri = self.options.model_uri
+        if not uri.startswith("peer://"):
+            return self._load_layout(model, model_config, sources, bound, mode, started, self.options)
+        storage = dataclasses.replace(self.options, model_uri="")  # peers serve targets: a draft loads from storage
+        if bound.role != "target":
+            return self._load_layout(model, model_config, sources, bound, mode, started, storage)
+        try:
+            self._pull_layout(model, model_config, bound, mode, started, uri)
+            return uri
+        except _core.Error as error:
+            failure = str(error)
+        logger.warning("weightstream: cannot load %s from %s (%s); loading it from the model's own sources",
+                       bound.description, uri, failure)
+        try:
+            return self._load_layout(model, model_config, sources, bound, mode, started, storage, failure)
+        except (_core.Error, FileNotFoundError) as error:
+            raise _core.Error(f"cannot load {bound.description} from any source: {uri}: {failure}; "
+                              f"the model's own sources: {error}") from error
+
+    def _pull_layout(self, model: torch.nn.Module, model_config: Any, bound: BoundModel, mode: str, started: float,
+                     uri: str) -> None:
+        """Pulls the bound layout from the serving peers of ``uri``, straight into the model's
+        parameters where the layouts agree."""
+        if bound.unbound:
+            raise _core.Error(f"cannot pull {bound.description} from {uri}: the vLLM model holds "
+                              f"{len(bound.unbound)} of its parameters otherwise, and those load through its "
+                              f"load_weights from a checkpoint: {_first_names(bound.unbound)}")
+        session = LoadSession(bound.layout)
+        session.begin(mode)
+        report = session.load_checkpoint(uri, token=self.options.peer_token, timeout=self.options.peer_timeout,
+                                         memory_limit=resolve_options(**self.options.stream)["memory_limit"])
+        session.finish()
+        bound.by_load_weights = []
+        self.last_load = {"path": "layout", "mode": mode, "role": bound.role, "source": uri, "field": "model_uri",
+                          "passed_over": [], "layout": bound.description, "tensors_streamed": report["tensors"],
+                          "bytes_streamed": report["bytes_from_peers"], "bytes_read": 0,
+                          "bytes_from_peers": report["bytes_from_peers"], "bytes_in_place": report["bytes_in_place"],
+                          "shards_read": 0, "parameters_bound": len(bound.bound), "parameters_through_load_weights": 0,
+                          "tensors_through_load_weights": 0, "seconds": time.perf_counter() - started}
+        logger.info("weightstream: %s load of the %s (%s) from %s: %d parameters bound in place, %d bytes from peers "
+                    "(%d in place, 0 read from storage), nothing through load_weights, %.2f s", mode, bound.role,
+                    bound.description, uri, len(bound.bound), report["bytes_from_peers"], report["bytes_in_place"],
+                    self.last_load["seconds"])
+        self._check_filled(model, model_config, set(bound.filled_model_names))
+
+    def _serve(self, model: torch.nn.Module, bound: BoundModel, source: Union[str, Checkpoint]) -> None:
+        """Serves the bound layout (extra-config ``serve``) while the model lives: the server
+        closes when the model is collected or at the interpreter's exit, whichever is first."""
+        address = serve_address(self.options.serve, world_rank())
+        server = serve(bound.layout, source, listen=address, token=self.options.peer_token,
+                       timeout=self.options.peer_timeout)
+        object.__setattr__(model, "_weightstream_server", server)
+        weakref.finalize(model, server.close)
+        self.last_load["serving"] = server.address
+        logger.info("weightstream: serving %s at peer://%s", bound.description, server.address)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
-                     mode: str, started: float) -> None:
+                     mode: str, started: float, options: LoaderOptions, peer_failure: str = "") -> Checkpoint:
         method = speculative_method() if bound.role == "draft" else ""
-        resolution = resolve_module_source(sources, bound.role, bound.layout, self.options, method)
-        checkpoint = Checkpoint(resolution["uri"], **self.options.stream)
+        resolution = resolve_module_source(sources, bound.role, bound.layout, options, method)
+        checkpoint = Checkpoint(resolution["uri"], **options.stream)
         by_load_weights = route_checkpoint(bound, checkpoint)
         session = LoadSession(bound.layout)
         session.begin(mode)
@@ -125,6 +211,8 @@ class WeightstreamModelLoader(BaseModelLoader):
                           "parameters_through_load_weights": len(bound.unbound),
                           "tensors_through_load_weights": through_model,
                           "seconds": time.perf_counter() - started}
+        if peer_failure:
+            self.last_load["peer_failure"] = peer_failure
         through = ("nothing through load_weights" if not by_load_weights else
                    f"{through_model} checkpoint tensors through load_weights ({_first_names(by_load_weights)})")
         logger.info("weightstream: %s load of the %s (%s) from %s (%s): %d parameters bound in place, %d tensors, "
@@ -132,6 +220,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                     resolution["uri"], resolution["field"], len(bound.bound), stats["tensors"], stats["bytes"],
                     stats["bytes_read"], through, self.last_load["seconds"])
         self._check_filled(model, model_config, loaded)
+        return checkpoint
 
     def _load_through_model(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, role: str,
                             started: float) -> None:

@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm.weightstream")
 #: weightstream's stream options, as weightstream.stream takes them.
 STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path", "mapped_share", "prefetchers")
 #: Every key ``--model-loader-extra-config`` takes.
-EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri",)
+EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri", "peer_token", "peer_timeout", "serve")
 
 #: vLLM quantization methods a layout binds: none, and FP8 (block-scaled checkpoints are
 #: held as Fp8LinearMethod holds them; an FP8 model without weight_block_size is refused by
@@ -62,8 +62,17 @@ class LoaderOptions:
 
     stream: Dict[str, Any] = field(default_factory=dict)
     #: The checkpoint URI a draft (or a target) falls back to; WEIGHTSTREAM_MODEL_URI or
-    #: MX_MODEL_URI when empty.
+    #: MX_MODEL_URI when empty. A ``peer://HOST:PORT[,...]`` URI is pulled from first, before
+    #: the model's own sources (which are then the fallback).
     model_uri: str = ""
+    #: The token serving peers require and this instance's server requires of pullers;
+    #: None: WEIGHTSTREAM_PEER_TOKEN (which keeps it off vLLM's command line).
+    peer_token: Optional[str] = None
+    #: Seconds a peer's connect, message or read may go without progress.
+    peer_timeout: float = 30.0
+    #: "HOST:PORT": after its load each rank serves its bound parameters to pullers
+    #: (peer://) at HOST, port PORT + its rank in vLLM's world (PORT 0: a free port each).
+    serve: str = ""
 
     @classmethod
     def from_extra_config(cls, extra_config: Optional[Mapping[str, Any]]) -> "LoaderOptions":
@@ -80,7 +89,34 @@ class LoaderOptions:
         model_uri = extra.get("model_uri") or ""
         if not isinstance(model_uri, str):
             raise ValueError(f"--model-loader-extra-config: model_uri must be a string, got {model_uri!r}")
-        return cls(stream=stream, model_uri=model_uri)
+        if model_uri.startswith("peer://"):
+            _core.peer_addresses(model_uri)  # raises naming a malformed address
+        peer_token = extra.get("peer_token")
+        if peer_token is not None and not isinstance(peer_token, str):
+            raise ValueError("--model-loader-extra-config: peer_token must be a string")  # never echoed
+        peer_timeout = extra.get("peer_timeout", 30.0)
+        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)) or peer_timeout <= 0:
+            raise ValueError(f"--model-loader-extra-config: peer_timeout must be seconds above 0, got {peer_timeout!r}")
+        serve = extra.get("serve") or ""
+        if serve:
+            serve_address(serve, 0)  # raises for a malformed HOST:PORT
+        return cls(stream=stream, model_uri=model_uri, peer_token=peer_token, peer_timeout=float(peer_timeout),
+                   serve=serve)
+
+
+def serve_address(serve: str, rank: int) -> str:
+    """The address rank ``rank`` serves at for the extra-config key ``serve`` "HOST:PORT":
+    PORT + rank (PORT 0: a free port). Raises ValueError for a malformed value or a port
+    past 65535."""
+    host, colon, port = serve.rpartition(":") if isinstance(serve, str) else ("", "", "")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--model-loader-extra-config: serve must be HOST:PORT (PORT + rank for each rank, 0 for "
+                         f"free ports), got {serve!r}")
+    number = int(port) + rank if int(port) else 0
+    if number > 65535:
+        raise ValueError(f"--model-loader-extra-config: serve {serve}: rank {rank} would serve at port {number}, "
+                         f"past 65535")
+    return f"{host}:{number}"
 
 
 # A Hugging Face Hub id: "org/name" or "name", no scheme, not a path on this machine.
@@ -426,6 +462,12 @@ def route_checkpoint(bound: BoundModel, checkpoint: Checkpoint) -> List[str]:
             by_load_weights.append(name)
     bound.by_load_weights = by_load_weights
     return by_load_weights
+
+
+def serving_peer(model: torch.nn.Module) -> Optional[Any]:
+    """The PeerServer a load started for ``model`` (extra-config ``serve``), while it serves."""
+    server = getattr(model, "_weightstream_server", None)
+    return server if server is not None and server.serving else None
 
 
 def stored_binding(model: torch.nn.Module) -> Optional[BoundModel]:

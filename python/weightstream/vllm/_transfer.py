@@ -34,6 +34,7 @@ from ._model import (
     config_dict,
     logger,
     parallel_ranks,
+    serving_peer,
     store_binding,
     stored_binding,
 )
@@ -147,7 +148,14 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         # Every named byte lands in the model's own memory, or nothing does: refused here,
         # before the trainer's first bucket is accepted.
         check_in_place(self.model, self._binding(self.model))
-        self.last_report = receiver.receive(accept_timeout=update_info.accept_timeout)
+        server = serving_peer(self.model)
+        if server is not None:
+            server.begin_update()  # a peer pull that overlaps the update is refused
+        try:
+            self.last_report = receiver.receive(accept_timeout=update_info.accept_timeout)
+        finally:
+            if server is not None:
+                server.end_update()
 
     def finish_weight_update(self) -> None:
         # The receiver's session ran the model hooks once, at the end of the update.
