@@ -347,9 +347,11 @@ def experts_match_torch(tensors, bf16, config, parallel, device):
     for local in (0, experts - 1):
         name = f"{prefix}.{first + local}.down_proj.weight"
         weight = next(iter(checkpoint.stream(device=device, framework="torch", names=[name])))[1].clone()
-        want_codes, want_scales = torch_block_quantize(weight)
-        if not (torch.equal(codes[local].view(torch.uint8), want_codes.view(torch.uint8)) and
-                torch.equal(scales[local], want_scales)):
+        # The oracle runs on the CPU (torch's CUDA path gave other codes in the 2026-12-05 run;
+        # the host quantizer and torch on the CPU agree bit for bit).
+        want_codes, want_scales = torch_block_quantize(weight.cpu())
+        if not (torch.equal(codes[local].cpu().view(torch.uint8), want_codes.view(torch.uint8)) and
+                torch.equal(scales[local].cpu(), want_scales)):
             log(f"expert {first + local} of layer {layer}: differs from the torch quantization")
             return False
     return True
