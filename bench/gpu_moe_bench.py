@@ -39,19 +39,10 @@ import torch
 import weightstream
 from weightstream.vllm._model import Parallel, bind_model, model_candidates
 
+from bench_process import log, run
+
 GB = 1e9
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
-
-
-def log(*parts):
-    print(*parts, flush=True)
-
-
-def run(command, **kwargs):
-    result = subprocess.run(command, capture_output=True, text=True, **kwargs)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, command))} failed ({result.returncode}): {result.stderr.strip()}")
-    return result
 
 
 def synchronize(device):

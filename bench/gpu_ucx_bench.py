@@ -28,19 +28,10 @@ import subprocess
 import sys
 import time
 
+from bench_process import log, run
+
 GB = 1e9
 TOKEN = "t0ken"
-
-
-def log(*parts):
-    print(*parts, flush=True)
-
-
-def run(command, **kwargs):
-    result = subprocess.run(command, capture_output=True, text=True, **kwargs)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, command))} failed ({result.returncode}): {result.stderr.strip()[-600:]}")
-    return result
 
 
 def perftest(test, message_bytes, iterations, port):
