@@ -33,3 +33,24 @@ def cli():
     if not Path(CLI).exists():
         pytest.skip(_MISSING)
     return CLI
+
+
+def cold_layout(checkpoint):
+    """A host layout of the checkpoint (a URI or an open Checkpoint), cold-loaded from it."""
+    import weightstream  # noqa: PLC0415 - the modules that call this skip without it
+
+    if isinstance(checkpoint, str):
+        checkpoint = weightstream.open(checkpoint)
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    session.finish()
+    return layout
+
+
+def parameter_bytes(layout):
+    """Every parameter's bytes, by name."""
+    import numpy as np  # noqa: PLC0415 - the modules that call this skip without it
+
+    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}

@@ -9,7 +9,7 @@ import textwrap
 import threading
 
 import pytest
-from conftest import CLI, requires_cli
+from conftest import CLI, requires_cli, cold_layout, parameter_bytes
 
 np = pytest.importorskip("numpy")
 weightstream = pytest.importorskip("weightstream")
@@ -21,20 +21,6 @@ def synth(directory, seed, layers=1):
     subprocess.run([CLI, "synth", str(directory), "--arch", "llama", "--layers", str(layers), "--hidden", "64",
                     "--seed", str(seed)], check=True, capture_output=True)
     return str(directory)
-
-
-def cold_layout(uri):
-    checkpoint = weightstream.open(uri)
-    layout = weightstream.model_layout(checkpoint, device="cpu")
-    session = weightstream.LoadSession(layout)
-    session.begin("cold")
-    session.load_checkpoint(checkpoint)
-    session.finish()
-    return layout
-
-
-def parameter_bytes(layout):
-    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
 
 
 def test_send_takes_raw_bf16_arrays_of_a_numpy_load(tmp_path):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, parameter_bytes
 
 np = pytest.importorskip("numpy")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -555,10 +555,6 @@ def test_abandoning_the_iterator_stops_the_stream(synth_256mib):
 @pytest.fixture(scope="module")
 def synth_llama_bf16(cli, tmp_path_factory):
     return synth(cli, tmp_path_factory.mktemp("llama_bf16"), "--arch", "llama", "--dtype", "bf16", "--seed", "2")
-
-
-def parameter_bytes(layout):
-    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
 
 
 def test_load_session_from_streamed_batches_equals_a_checkpoint_load(synth_llama_bf16):

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import parameter_bytes
 
 np = pytest.importorskip("numpy")
 weightstream = pytest.importorskip("weightstream")
@@ -32,10 +33,6 @@ def synth(cli, directory, *args):
 @pytest.fixture(scope="module")
 def llama_bf16(cli, tmp_path_factory):
     return synth(cli, tmp_path_factory.mktemp("llama_bf16"), "--arch", "llama", "--dtype", "bf16", "--seed", "4")
-
-
-def parameter_bytes(layout):
-    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
 
 
 # ---- model_layout ------------------------------------------------------------------------------

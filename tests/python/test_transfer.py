@@ -6,7 +6,7 @@ import subprocess
 import threading
 
 import pytest
-from conftest import CLI, requires_cli
+from conftest import CLI, requires_cli, cold_layout, parameter_bytes
 
 np = pytest.importorskip("numpy")
 weightstream = pytest.importorskip("weightstream")
@@ -18,19 +18,6 @@ def synth(directory, seed):
     subprocess.run([CLI, "synth", str(directory), "--arch", "llama", "--layers", "2", "--seed", str(seed)],
                    check=True, capture_output=True)
     return weightstream.open(str(directory))
-
-
-def cold_layout(checkpoint):
-    layout = weightstream.model_layout(checkpoint, device="cpu")
-    session = weightstream.LoadSession(layout)
-    session.begin("cold")
-    session.load_checkpoint(checkpoint)
-    session.finish()
-    return layout
-
-
-def parameter_bytes(layout):
-    return {name: np.from_dlpack(layout.tensor(name)).tobytes() for name in layout.parameter_names}
 
 
 def parameter_addresses(layout):
