@@ -3,6 +3,7 @@
 #include <cstring>
 #include <vector>
 
+#include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
 
 namespace weightstream::model {
@@ -29,6 +30,7 @@ void ParameterWriter::copy(std::byte* destination, const std::byte* source, cons
     return;
   }
   copy_bytes(destination, device_, source, source_device, bytes);
+  if (copier_) copied_between_devices();
 }
 
 void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
@@ -47,10 +49,33 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
   for (uint64_t row = 0; row < rows; ++row) {
     copy_bytes(destination + row * destination_pitch, device_, source + row * source_pitch, source_device, width);
   }
+  if (copier_) copied_between_devices();
+}
+
+void ParameterWriter::copy_ranges(std::span<const CopyRange> ranges, const Device& source_device,
+                                  std::vector<std::shared_ptr<const void>> keepalives) {
+  if (ranges.empty()) return;
+  if (!copier_ || !source_device.is_cuda()) return copy_batch(device_, ranges);
+  WS_EXPECT(source_device == device_, ErrorCode::kInvalidArgument,
+            "a batch of copies into " + device_.name() + " has sources on " + source_device.name() +
+                "; only sources in host memory or in " + device_.name() + " are batched");
+  std::lock_guard lock(gather_mutex_);
+  if (!gathers_) gathers_.emplace(device_);
+  gathers_->gather(ranges);
+  for (auto& keepalive : keepalives) {
+    if (keepalive) gather_keepalives_.push_back(std::move(keepalive));
+  }
 }
 
 void ParameterWriter::wait() {
-  if (copier_) copier_->synchronize();
+  if (!copier_) return;
+  copier_->synchronize();
+  {
+    std::lock_guard lock(gather_mutex_);
+    if (gathers_) gathers_->wait();
+    gather_keepalives_.clear();
+  }
+  if (between_devices_.exchange(false, std::memory_order_relaxed)) wait_for_copies(device_);
 }
 
 void copy_elements(std::byte* destination, const Device& destination_device, Dtype destination_dtype,

@@ -3,14 +3,22 @@
 // into parameter storage goes through a ParameterWriter. On the host it is a memcpy on the
 // calling thread; on a GPU, copies are asynchronous on the lanes (streams) of a
 // DeviceCopier: pinned or registered sources are read by the copy engine directly, a column
-// slice is one 2-D copy, and nothing waits per piece. wait() is the one synchronization:
-// the session calls it before per-layer processing, model hooks and the end of a load.
+// slice is one 2-D copy, a batch of engine-format tensors is one driver call or one gather
+// kernel, and nothing waits per piece. wait() is the one synchronization: the session calls
+// it before per-layer processing, model hooks, the end of a load, and before a receiver
+// hands a bucket's slot back to its sender.
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
 #include <string_view>
+#include <vector>
+
+#include "device/copies.hpp"
 
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
@@ -42,13 +50,27 @@ class ParameterWriter {
   void copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
                  const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
                  std::shared_ptr<const void> keepalive, std::string_view what);
+  /// Copies every range (destinations in the writer's device memory; sources in host memory
+  /// or, all of them, in the memory of the writer's GPU) as one batch: from the host, one
+  /// driver call that has landed when this returns; within the GPU, one gather kernel that
+  /// is only issued, its sources kept valid by `keepalives` (or by the caller) until wait().
+  /// Not for sources on another GPU: copy() them.
+  void copy_ranges(std::span<const CopyRange> ranges, const Device& source_device,
+                   std::vector<std::shared_ptr<const void>> keepalives);
   /// Waits until every copy issued so far has landed; throws the first copy's error.
   void wait();
 
  private:
+  /// Notes a copy_bytes() between two GPUs, which returns before the copy engine is done.
+  void copied_between_devices() noexcept { between_devices_.store(true, std::memory_order_relaxed); }
+
   Device device_;
   std::unique_ptr<DeviceCopier> copier_;
   std::atomic<unsigned> next_lane_{0};
+  std::atomic<bool> between_devices_{false};
+  std::mutex gather_mutex_;  ///< guards the gathers and their keepalives
+  std::vector<std::shared_ptr<const void>> gather_keepalives_;
+  std::optional<CopyQueue> gathers_;  ///< declared after its keepalives: destroyed (and waited for) first
 };
 
 /// Copies `elements` values from `source` (dtype `source_dtype`, on `source_device`) into

@@ -1,9 +1,11 @@
-// LoadSession: the one path every load takes, and its one set of checks. A batch is
-// checked whole before any byte of it is written; parts are written as they arrive (or,
-// with LayerCommit::kWholeLayer, once their layer is complete); a layer is processed when
-// its last part has landed; model hooks run once, in finish(). Every write goes through
-// the session's ParameterWriter: on a GPU, asynchronous copies that nothing waits for per
-// piece, issued outside the session's lock so that reader threads copy in parallel.
+// LoadSession: the one path every load takes, and its one set of checks. load() takes a
+// batch in five steps: check (every tensor of the batch, before any byte of it is written),
+// account (count its bytes, find the parts, parameters and layers it completes), hold (with
+// LayerCommit::kWholeLayer, pieces of a layer still incomplete wait for their layer), write,
+// and process the layers it made ready. Model hooks run once, in finish(). Every write, in
+// either tensor format, goes through the session's ParameterWriter: on a GPU, asynchronous
+// copies that nothing waits for per piece, issued outside the session's lock so that reader
+// threads copy in parallel, and one wait (settle(), or before processing and hooks).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -216,8 +218,6 @@ struct LoadSession::State {
 
   std::mutex mutex;
   std::optional<model::ParameterWriter> writer;  ///< made for the layout's device, kept across loads
-  std::optional<CopyQueue> queue;  ///< engine-format copies within the GPU of kSettle/kLoad batches
-  std::vector<std::shared_ptr<const void>> queue_keepalives;  ///< sources of gathers not yet waited for
   std::vector<size_t> batch_bytes_touched;   ///< parameters with engine bytes in the current batch
   std::vector<uint64_t> batch_engine_bytes;  ///< per parameter: engine bytes in the current batch
   bool active = false;
@@ -299,28 +299,26 @@ struct LoadSession::State {
   }
 
   /// Writes engine-format pieces as they are: one batch of copies (on a GPU one driver call
-  /// or one gather launch, not one per tensor). Copies within the GPU are only issued when
-  /// `queued` (their sources stay valid until settle()), and waited for otherwise.
-  void write_engine(std::span<const Write> writes, bool queued) {
+  /// or one gather launch, not one per tensor). Copies within the GPU are only issued; their
+  /// sources stay valid until the writer's wait().
+  void write_engine(std::span<const Write> writes) {
     std::vector<CopyRange> host_copies;    // from host memory, or all on the host
     std::vector<CopyRange> device_copies;  // from and to the layout's GPU
+    std::vector<std::shared_ptr<const void>> device_keepalives;
     for (const Write& write : writes) {
       const Parameter& parameter = layout.parameters()[write.parameter];
       const uint64_t length = write.end - write.begin;
       if (parameter.device == write.device && write.device.is_cuda()) {
         device_copies.push_back({parameter.data + write.begin, write.source, length});
-        if (queued && write.keepalive) queue_keepalives.push_back(write.keepalive);
+        device_keepalives.push_back(write.keepalive);
       } else if (parameter.device == write.device || !write.device.is_cuda()) {
         host_copies.push_back({parameter.data + write.begin, write.source, length});
       } else {
-        copy_bytes(parameter.data + write.begin, parameter.device, write.source, write.device, length);
+        writer->copy(parameter.data + write.begin, write.source, write.device, length, write.keepalive, write.name);
       }
     }
-    if (!host_copies.empty()) copy_batch(layout.device(), host_copies);
-    if (device_copies.empty()) return;
-    if (!queued) return copy_within_device(layout.device(), device_copies);
-    if (!queue) queue.emplace(layout.device());
-    queue->gather(device_copies);
+    writer->copy_ranges(host_copies, kHost, {});
+    writer->copy_ranges(device_copies, layout.device(), std::move(device_keepalives));
   }
 
   /// Runs per-layer processing of `layer`'s complete, unprocessed parameters (lock held),
@@ -350,8 +348,303 @@ struct LoadSession::State {
   /// Waits for every copy issued so far (lock held).
   void settle() {
     if (writer) writer->wait();
-    if (queue) queue->wait();
-    queue_keepalives.clear();
+  }
+
+  /// A batch checked whole: what it writes, in the order of its tensors.
+  struct CheckedBatch {
+    std::vector<Write> writes;
+    uint64_t skipped = 0;  ///< tensors the layout ignores or skips
+    bool waits = false;    ///< a view of lifetime kCall without a keepalive: wait before load() returns
+  };
+
+  /// Step 1 of load(): checks every tensor of `batch` (lock held); nothing is written or
+  /// counted until all pass.
+  CheckedBatch check(std::span<const TensorView> batch, const std::string& what) {
+    CheckedBatch checked;
+    checked.writes.reserve(batch.size());
+    std::map<std::pair<size_t, size_t>, uint64_t> part_bytes;  // checkpoint format: this batch's, per part
+    // Engine format, per parameter: a flat array reset after the batch (an update brings
+    // thousands of tensors a batch; a tree of them cost more than the checks).
+    batch_engine_bytes.resize(layout.parameters().size());
+    struct ResetEngineBytes {
+      State& state;
+      ~ResetEngineBytes() {
+        for (size_t index : state.batch_bytes_touched) state.batch_engine_bytes[index] = 0;
+        state.batch_bytes_touched.clear();
+      }
+    } reset_engine_bytes{*this};
+    for (const TensorView& view : batch) {
+      auto size = tensor_byte_size(view.dtype, view.shape);
+      WS_EXPECT(size.has_value(), ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": shape " + shape_text(view.shape) + " of " +
+                    std::string(dtype_name(view.dtype)) + " has no valid byte size");
+      WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
+                    " lies outside its " + std::to_string(*size) + " bytes");
+      WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(view.name) + ": no data");
+      if (format == TensorFormat::kEngine) {
+        check_engine(view, what, checked);
+      } else {
+        check_checkpoint(view, what, part_bytes, checked);
+      }
+    }
+    return checked;
+  }
+
+  static void add_write(CheckedBatch& checked, const TensorView& view, size_t parameter, size_t part, uint64_t begin,
+                        uint64_t end, uint64_t needed) {
+    checked.writes.push_back({parameter, part, begin, end, needed, view.data + (begin - view.offset), view.device,
+                              view.dtype, view.lifetime, view.keepalive, view.name});
+    checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
+  }
+
+  /// An engine-format tensor: a whole parameter's bytes (or a piece of them) as they are.
+  void check_engine(const TensorView& view, const std::string& what, CheckedBatch& checked) {
+    const std::string_view tensor = view.name;
+    auto index = layout.find(tensor);
+    WS_EXPECT(index.has_value(), ErrorCode::kModel,
+              "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout.description());
+    const Parameter& parameter = layout.parameters()[*index];
+    WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
+              "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but parameter " +
+                  parameter.name + " (" + layer_label(layout, parameter.layer) + ") holds " +
+                  std::string(dtype_name(parameter.dtype)));
+    WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
+              "engine-format tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but parameter " +
+                  parameter.name + " (" + layer_label(layout, parameter.layer) + ") has shape " +
+                  shape_text(parameter.shape));
+    uint64_t& pending = batch_engine_bytes[*index];
+    WS_EXPECT(parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(), ErrorCode::kModel,
+              "tensor " + std::string(tensor) + " delivered twice in this " + what);
+    if (pending == 0) batch_bytes_touched.push_back(*index);
+    pending += view.bytes;
+    add_write(checked, view, *index, 0, view.offset, view.offset + view.bytes, view.bytes);
+  }
+
+  /// A checkpoint-format tensor (or a piece of it): its bytes that each part it fills needs.
+  void check_checkpoint(const TensorView& view, const std::string& what,
+                        std::map<std::pair<size_t, size_t>, uint64_t>& part_bytes, CheckedBatch& checked) {
+    const std::string_view tensor = view.name;
+    TensorRoute route = layout.route(tensor);
+    if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) {
+      if (view.offset == 0) ++checked.skipped;
+      return;
+    }
+    WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
+              "tensor " + std::string(tensor) + " matches no parameter of " + layout.description() +
+                  " and no ignore rule; add an ignore rule if the engine does not use it");
+    for (const auto& [index, part_index] : route.targets) {
+      const Parameter& parameter = layout.parameters()[index];
+      const ParameterPart& part = parameter.parts[part_index];
+      // Built only for a message: this runs for every tensor of every load.
+      auto target_text = [&] {
+        return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout, parameter.layer) +
+               ", rule " + part.rule + ")";
+      };
+      WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
+                "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
+                    shape_text(part.shape));
+      const bool quantizes = quantizes_into(view.dtype, parameter);
+      WS_EXPECT(convertible(view.dtype, parameter.load_dtype) || quantizes, ErrorCode::kModel,
+                "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
+                    " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
+                    " (only BF16, F16 and F32 convert on copy, and quantize into FP8 block-scaled weights)");
+      const PartState& part_state = parameters[index].parts[part_index];
+      WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
+                "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
+                    " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
+      uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
+      uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
+      uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
+      uint64_t begin = std::max(view.offset, needed_begin);
+      uint64_t end = std::min(view.offset + view.bytes, needed_end);
+      if (begin >= end) continue;  // a piece of rows another rank holds
+      const uint64_t needed = slice_bytes_within(part, element_bytes(view.dtype), begin, end);
+      if (needed == 0) continue;  // only columns another rank holds
+      uint64_t& pending = part_bytes[{index, part_index}];
+      WS_EXPECT(!part_state.complete &&
+                    part_state.received + pending + needed <= slice_bytes(part, element_bytes(view.dtype)),
+                ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what + " (" + target_text() + ")");
+      check_quantization(view, parameter, part_index, quantizes, what, target_text);
+      pending += needed;
+      add_write(checked, view, index, part_index, begin, end, needed);
+    }
+  }
+
+  /// A weight is quantized here (its scales written with it) or arrives as FP8 codes with
+  /// its scales: one load cannot mix the two.
+  template <typename TargetText>
+  void check_quantization(const TensorView& view, const Parameter& parameter, size_t part_index, bool quantizes,
+                          const std::string& what, const TargetText& target_text) const {
+    const std::string mixed = ": send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone";
+    if (quantizes) {
+      const size_t scale_index = *layout.find(parameter.block_scale);
+      const PartState& scale_state = parameters[scale_index].parts[part_index];
+      WS_EXPECT(scale_state.received == 0 && !scale_state.complete, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + " arrives as " + std::string(dtype_name(view.dtype)) + " to be quantized into " +
+                    target_text() + ", but its block scales " + parameter.parts[part_index].tensor +
+                    "_scale_inv arrived in this " + what + " already" + mixed);
+    } else if (auto weight = scaled_weight(layout, parameter)) {
+      const PartState& weight_state = parameters[*weight].parts[part_index];
+      WS_EXPECT(!weight_state.dtype || !quantizes_into(*weight_state.dtype, layout.parameters()[*weight]),
+                ErrorCode::kModel,
+                "tensor " + std::string(view.name) + " (block scales) arrives after its weight " +
+                    layout.parameters()[*weight].parts[part_index].tensor + " arrived as " +
+                    std::string(dtype_name(*weight_state.dtype)) + " to be quantized, in this " + what + mixed);
+    }
+  }
+
+  /// Step 2: counts a checked batch and marks the parts, parameters and layers it completes
+  /// (lock held). Returns whether its writes may be issued outside the lock: pieces copied
+  /// as they are into their parts, as they arrive. Conversions gather on the host, and
+  /// engine batches and whole-layer commits stay under the lock.
+  bool account(const CheckedBatch& checked) {
+    counters.tensors_skipped += checked.skipped;
+    std::vector<size_t> completed;  // parameters this batch completes
+    bool unlocked = format == TensorFormat::kCheckpoint && commit == LayerCommit::kAsArrived;
+    for (const Write& write : checked.writes) {
+      const Parameter& parameter = layout.parameters()[write.parameter];
+      ParameterState& parameter_state = parameters[write.parameter];
+      parameter_state.touched = true;
+      counters.bytes_applied += write.needed;
+      if (format == TensorFormat::kEngine) {
+        parameter_state.engine_received += write.needed;
+        if (parameter_state.engine_received == parameter.bytes()) {
+          ++counters.tensors_applied;
+          completed.push_back(write.parameter);
+        }
+        continue;
+      }
+      if (write.dtype != parameter.load_dtype) unlocked = false;
+      account_part(write, completed);
+    }
+    for (size_t index : completed) {
+      parameters[index].complete = true;
+      ++counters.parameters_completed;
+      ++layers[layout.parameters()[index].layer].complete;
+    }
+    return unlocked;
+  }
+
+  /// A checkpoint-format write's bytes in its part; a part it completes goes to `completed`
+  /// with its parameter's last, and quantizing a part fills its block scales' part too.
+  void account_part(const Write& write, std::vector<size_t>& completed) {
+    const Parameter& parameter = layout.parameters()[write.parameter];
+    ParameterState& parameter_state = parameters[write.parameter];
+    PartState& part_state = parameter_state.parts[write.part];
+    part_state.dtype = write.dtype;
+    if (parameter.processing != Processing::kNone && parameter_state.staging.size() == 0) {
+      // Processed parameters take their checkpoint-format bytes in staging; the kernel-format
+      // storage is written only by processing, so a failed or partial load never leaves it half-new.
+      parameter_state.staging = Buffer(parameter.device, parameter.elements() * element_bytes(parameter.load_dtype));
+      fill_zero(parameter_state.staging.data(), parameter.device, parameter_state.staging.size());
+    }
+    const ParameterPart& part = parameter.parts[write.part];
+    part_state.received += write.needed;
+    if (part_state.received != slice_bytes(part, element_bytes(write.dtype))) return;
+    part_state.complete = true;
+    // A tensor may fill several parts (a sectioned split): it counts once, with its last.
+    if (tensor_complete(part.tensor)) ++counters.tensors_applied;
+    if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
+    if (!quantizes_into(write.dtype, parameter)) return;
+    const size_t scale_index = *layout.find(parameter.block_scale);
+    const Parameter& scale = layout.parameters()[scale_index];
+    ParameterState& scale_state = parameters[scale_index];
+    PartState& scale_part = scale_state.parts[write.part];
+    scale_part.dtype = scale.load_dtype;
+    scale_part.received = slice_bytes(scale.parts[write.part], element_bytes(scale.load_dtype));
+    scale_part.complete = true;
+    scale_state.touched = true;
+    if (++scale_state.parts_complete == scale.parts.size()) completed.push_back(scale_index);
+  }
+
+  /// The writes to issue now. `names` keeps the names of held pieces among them alive.
+  struct Ready {
+    std::vector<Write> writes;
+    std::vector<std::shared_ptr<const std::string>> names;
+  };
+
+  /// Step 3: with whole-layer commits, holds back each piece of a layer still incomplete,
+  /// and a layer this batch completes takes its held pieces along (lock held).
+  Ready hold(std::vector<Write> writes) {
+    Ready ready;
+    if (commit != LayerCommit::kWholeLayer) {
+      ready.writes = std::move(writes);
+      return ready;
+    }
+    std::set<int64_t> flushed;
+    for (Write& write : writes) {
+      LayerState& layer_state = layers[layout.parameters()[write.parameter].layer];
+      if (!layer_state.complete_now()) {
+        keep(Held{write, std::make_shared<const std::string>(write.name)});
+        continue;
+      }
+      ready.writes.push_back(write);
+      if (!flushed.insert(layout.parameters()[write.parameter].layer).second) continue;
+      for (Held& held : layer_state.held) {
+        ready.writes.push_back(held.write);
+        ready.names.push_back(held.name);
+      }
+      // The held bytes live on in the writes' keepalives.
+      layer_state.held.clear();
+    }
+    return ready;
+  }
+
+  /// Keeps a held piece with its layer: copied out of its source, which may change after
+  /// load() returns, or kept by reference when it stays valid for the whole load.
+  void keep(Held held) {
+    Write& write = held.write;
+    write.name = *held.name;
+    if (write.lifetime == SourceLifetime::kLoad) {
+      write.keepalive.reset();
+    } else if (!write.device.is_cuda()) {
+      auto copy = std::make_shared<std::vector<std::byte>>(write.source, write.source + (write.end - write.begin));
+      write.source = copy->data();
+      write.keepalive = std::move(copy);
+    } else {
+      auto copy = std::make_shared<Buffer>(write.device, std::max<uint64_t>(write.end - write.begin, 1));
+      copy_bytes(copy->data(), write.device, write.source, write.device, write.end - write.begin);
+      wait_for_copies(write.device);
+      write.source = copy->data();
+      write.keepalive = std::move(copy);
+    }
+    layers[layout.parameters()[write.parameter].layer].held.push_back(std::move(held));
+  }
+
+  /// The layer of each checkpoint-format write, each counted as writing while `unlocked`
+  /// writes are issued outside the lock (lock held).
+  std::vector<int64_t> begin_writing(std::span<const Write> writes, bool unlocked) {
+    std::vector<int64_t> written;
+    if (format != TensorFormat::kCheckpoint) return written;
+    written.reserve(writes.size());
+    for (const Write& write : writes) {
+      written.push_back(layout.parameters()[write.parameter].layer);
+      if (unlocked) ++layers[written.back()].writing;
+    }
+    return written;
+  }
+
+  /// Step 4: issues the writes, every one through the writer.
+  void write(std::span<const Write> writes) {
+    if (format == TensorFormat::kEngine) return write_engine(writes);
+    for (const Write& write : writes) write_checkpoint(write);
+  }
+
+  /// Step 5 (lock held): layers whose last write has now been issued by every load() call
+  /// are processed (cold and reload) once their copies have landed. An update may bring a
+  /// layer in several buckets; its processing waits for finish().
+  void end_writing(std::vector<int64_t> written, bool unlocked, LoadMode mode) {
+    if (unlocked) {
+      for (int64_t layer : written) --layers[layer].writing;
+    }
+    if (mode == LoadMode::kUpdate) return;
+    std::sort(written.begin(), written.end());
+    written.erase(std::unique(written.begin(), written.end()), written.end());
+    for (int64_t layer : written) {
+      LayerState& layer_state = layers[layer];
+      if (layer_state.complete_now() && layer_state.writing == 0 && !layer_state.processed) process_layer(layer);
+    }
   }
 
   model::ParameterWriter& writer_for(const Device& device) {
@@ -365,7 +658,7 @@ struct LoadSession::State {
 
 LoadSession::LoadSession(ModelLayout& layout) : layout_(layout), state_(std::make_unique<State>(layout)) {}
 
-LoadSession::~LoadSession() = default;  // the writer and the queue wait for their copies
+LoadSession::~LoadSession() = default;  // the writer waits for its copies
 
 LoadCounters LoadSession::counters() const {
   std::lock_guard lock(state_->mutex);
@@ -483,278 +776,24 @@ std::byte* LoadSession::direct_destination(std::string_view tensor, Dtype dtype,
 void LoadSession::load(std::span<const TensorView> batch) {
   std::unique_lock lock(state_->mutex);
   State& state = *state_;
-  auto what = [&] { return std::string(load_mode_name(mode_)) + " load of " + layout_.description(); };
+  const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
   WS_EXPECT(state.active, ErrorCode::kModel, "load() outside begin()/finish() on " + layout_.description());
   if (state.failure) {
-    WS_FAIL(state.failure->code, "cannot go on with the " + what() + ": an earlier batch failed (" +
+    WS_FAIL(state.failure->code, "cannot go on with the " + what + ": an earlier batch failed (" +
                                      state.failure->message + "); begin() a new load");
   }
-  model::ParameterWriter& writer = *state.writer;
   bool wrote = false;
   try {
-    // Pass 1: check every tensor of the batch; nothing is written or counted until all pass.
-    std::vector<State::Write> writes;
-    writes.reserve(batch.size());
-    std::map<std::pair<size_t, size_t>, uint64_t> batch_bytes;  // checkpoint format, per (parameter, part)
-    // Engine format, per parameter: a flat array reset after the batch (an update brings
-    // thousands of tensors a batch; a tree of them cost more than the checks).
-    state.batch_engine_bytes.resize(layout_.parameters().size());
-    struct ResetEngineBytes {
-      State& state;
-      ~ResetEngineBytes() {
-        for (size_t index : state.batch_bytes_touched) state.batch_engine_bytes[index] = 0;
-        state.batch_bytes_touched.clear();
-      }
-    } reset_engine_bytes{state};
-    uint64_t skipped = 0;
-    bool waits = false;  // a view of lifetime kCall without a keepalive: wait before returning
-    for (const TensorView& view : batch) {
-      const std::string_view tensor = view.name;
-      auto size = tensor_byte_size(view.dtype, view.shape);
-      WS_EXPECT(size.has_value(), ErrorCode::kModel,
-                "tensor " + std::string(tensor) + ": shape " + shape_text(view.shape) + " of " +
-                    std::string(dtype_name(view.dtype)) + " has no valid byte size");
-      WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
-                "tensor " + std::string(tensor) + ": piece " + std::to_string(view.offset) + "+" +
-                    std::to_string(view.bytes) + " lies outside its " + std::to_string(*size) + " bytes");
-      WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(tensor) + ": no data");
-      auto add_write = [&](size_t parameter, size_t part, uint64_t begin, uint64_t end, uint64_t needed) {
-        writes.push_back({parameter, part, begin, end, needed, view.data + (begin - view.offset), view.device,
-                          view.dtype, view.lifetime, view.keepalive, view.name});
-        waits = waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
-      };
-
-      if (state.format == TensorFormat::kEngine) {
-        auto index = layout_.find(tensor);
-        WS_EXPECT(index.has_value(), ErrorCode::kModel,
-                  "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout_.description());
-        const Parameter& parameter = layout_.parameters()[*index];
-        WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
-                  "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) +
-                      " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) + ") holds " +
-                      std::string(dtype_name(parameter.dtype)));
-        WS_EXPECT(std::ranges::equal(view.shape, parameter.shape), ErrorCode::kModel,
-                  "engine-format tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) +
-                      " but parameter " + parameter.name + " (" + layer_label(layout_, parameter.layer) +
-                      ") has shape " + shape_text(parameter.shape));
-        uint64_t& pending = state.batch_engine_bytes[*index];
-        WS_EXPECT(state.parameters[*index].engine_received + pending + view.bytes <= parameter.bytes(),
-                  ErrorCode::kModel, "tensor " + std::string(tensor) + " delivered twice in this " + what());
-        if (pending == 0) state.batch_bytes_touched.push_back(*index);
-        pending += view.bytes;
-        add_write(*index, 0, view.offset, view.offset + view.bytes, view.bytes);
-        continue;
-      }
-
-      TensorRoute route = layout_.route(tensor);
-      if (route.kind == TensorRoute::Kind::kIgnored || route.kind == TensorRoute::Kind::kSkipped) {
-        if (view.offset == 0) ++skipped;
-        continue;
-      }
-      WS_EXPECT(route.kind == TensorRoute::Kind::kParameter, ErrorCode::kModel,
-                "tensor " + std::string(tensor) + " matches no parameter of " + layout_.description() +
-                    " and no ignore rule; add an ignore rule if the engine does not use it");
-      for (const auto& [index, part_index] : route.targets) {
-        const Parameter& parameter = layout_.parameters()[index];
-        const ParameterPart& part = parameter.parts[part_index];
-        // Built only for a message: this runs for every tensor of every load.
-        auto target_text = [&] {
-          return "parameter " + parameter.name + " (part '" + part.id + "', " + layer_label(layout_, parameter.layer) +
-                 ", rule " + part.rule + ")";
-        };
-        WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
-                  "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() +
-                      " expects " + shape_text(part.shape));
-        const bool quantizes = quantizes_into(view.dtype, parameter);
-        WS_EXPECT(convertible(view.dtype, parameter.load_dtype) || quantizes, ErrorCode::kModel,
-                  "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " +
-                      target_text() + " is loaded as " + std::string(dtype_name(parameter.load_dtype)) +
-                      " (only BF16, F16 and F32 convert on copy, and quantize into FP8 block-scaled weights)");
-        const State::PartState& part_state = state.parameters[index].parts[part_index];
-        WS_EXPECT(!part_state.dtype || *part_state.dtype == view.dtype, ErrorCode::kModel,
-                  "tensor " + std::string(tensor) + ": a piece arrived as " + std::string(dtype_name(view.dtype)) +
-                      " after earlier pieces as " + std::string(dtype_name(*part_state.dtype)));
-        uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element_bytes(view.dtype);
-        uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
-        uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
-        uint64_t begin = std::max(view.offset, needed_begin);
-        uint64_t end = std::min(view.offset + view.bytes, needed_end);
-        if (begin >= end) continue;  // a piece of rows another rank holds
-        const uint64_t needed = slice_bytes_within(part, element_bytes(view.dtype), begin, end);
-        if (needed == 0) continue;  // only columns another rank holds
-        uint64_t& pending = batch_bytes[{index, part_index}];
-        WS_EXPECT(!part_state.complete &&
-                      part_state.received + pending + needed <= slice_bytes(part, element_bytes(view.dtype)),
-                  ErrorCode::kModel,
-                  "tensor " + std::string(tensor) + " delivered twice in this " + what() + " (" + target_text() + ")");
-        // A weight is quantized here (its scales written with it) or arrives as FP8 codes with
-        // its scales: one load cannot mix the two.
-        const std::string mixed = ": send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone";
-        if (quantizes) {
-          const size_t scale_index = *layout_.find(parameter.block_scale);
-          const State::PartState& scale_state = state.parameters[scale_index].parts[part_index];
-          WS_EXPECT(scale_state.received == 0 && !scale_state.complete, ErrorCode::kModel,
-                    "tensor " + std::string(tensor) + " arrives as " + std::string(dtype_name(view.dtype)) +
-                        " to be quantized into " + target_text() + ", but its block scales " + part.tensor +
-                        "_scale_inv arrived in this " + what() + " already" + mixed);
-        } else if (auto weight = scaled_weight(layout_, parameter)) {
-          const State::PartState& weight_state = state.parameters[*weight].parts[part_index];
-          WS_EXPECT(!weight_state.dtype || !quantizes_into(*weight_state.dtype, layout_.parameters()[*weight]),
-                    ErrorCode::kModel,
-                    "tensor " + std::string(tensor) + " (block scales) arrives after its weight " +
-                        layout_.parameters()[*weight].parts[part_index].tensor + " arrived as " +
-                        std::string(dtype_name(*weight_state.dtype)) + " to be quantized, in this " + what() + mixed);
-        }
-        pending += needed;
-        add_write(index, part_index, begin, end, needed);
-      }
-    }
-
-    // Pass 2, under the lock: count the batch and find what it completes. Parts that need a
-    // conversion gather into host memory here (whole rows and elements are needed first).
-    state.counters.tensors_skipped += skipped;
-    std::vector<size_t> completed;  // parameters this batch completes
-    const bool checkpoint = state.format == TensorFormat::kCheckpoint;
-    bool unlocked_writes = checkpoint && state.commit == LayerCommit::kAsArrived;
-    for (State::Write& write : writes) {
-      const Parameter& parameter = layout_.parameters()[write.parameter];
-      State::ParameterState& parameter_state = state.parameters[write.parameter];
-      parameter_state.touched = true;
-      const uint64_t length = write.needed;
-      state.counters.bytes_applied += length;
-      if (state.format == TensorFormat::kEngine) {
-        parameter_state.engine_received += length;
-        if (parameter_state.engine_received == parameter.bytes()) {
-          ++state.counters.tensors_applied;
-          completed.push_back(write.parameter);
-        }
-        continue;
-      }
-      State::PartState& part_state = parameter_state.parts[write.part];
-      part_state.dtype = write.dtype;
-      if (parameter.processing != Processing::kNone && parameter_state.staging.size() == 0) {
-        // Processed parameters take their checkpoint-format bytes in staging; the kernel-format
-        // storage is written only by processing, so a failed or partial load never leaves it half-new.
-        parameter_state.staging = Buffer(parameter.device, parameter.elements() * element_bytes(parameter.load_dtype));
-        fill_zero(parameter_state.staging.data(), parameter.device, parameter_state.staging.size());
-      }
-      if (write.dtype != parameter.load_dtype) unlocked_writes = false;
-      const ParameterPart& part = parameter.parts[write.part];
-      part_state.received += length;
-      if (part_state.received == slice_bytes(part, element_bytes(write.dtype))) {
-        part_state.complete = true;
-        // A tensor may fill several parts (a sectioned split): it counts once, with its last.
-        if (state.tensor_complete(parameter.parts[write.part].tensor)) ++state.counters.tensors_applied;
-        if (++parameter_state.parts_complete == parameter.parts.size()) completed.push_back(write.parameter);
-        if (quantizes_into(write.dtype, parameter)) {
-          // Quantizing the part writes its block scales too: their part is filled with it.
-          const size_t scale_index = *layout_.find(parameter.block_scale);
-          const Parameter& scale = layout_.parameters()[scale_index];
-          State::ParameterState& scale_state = state.parameters[scale_index];
-          State::PartState& scale_part = scale_state.parts[write.part];
-          scale_part.dtype = scale.load_dtype;
-          scale_part.received = slice_bytes(scale.parts[write.part], element_bytes(scale.load_dtype));
-          scale_part.complete = true;
-          scale_state.touched = true;
-          if (++scale_state.parts_complete == scale.parts.size()) completed.push_back(scale_index);
-        }
-      }
-    }
-    for (size_t index : completed) {
-      State::ParameterState& parameter_state = state.parameters[index];
-      parameter_state.complete = true;
-      ++state.counters.parameters_completed;
-      ++state.layers[layout_.parameters()[index].layer].complete;
-    }
-
-    // Which writes happen now. With whole-layer commits, a piece of a layer still
-    // incomplete is held, and a layer this batch completes takes its held pieces along.
-    std::vector<State::Write> now;
-    std::vector<State::Held> to_hold;
-    std::vector<std::shared_ptr<const std::string>> held_names;  // names of the held pieces in `now`
-    if (state.commit == LayerCommit::kWholeLayer) {
-      std::set<int64_t> flushed;
-      for (State::Write& write : writes) {
-        int64_t layer = layout_.parameters()[write.parameter].layer;
-        State::LayerState& layer_state = state.layers[layer];
-        if (!layer_state.complete_now()) {
-          to_hold.push_back({write, std::make_shared<const std::string>(write.name)});
-          continue;
-        }
-        now.push_back(write);
-        if (flushed.insert(layer).second) {
-          for (State::Held& held : layer_state.held) {
-            now.push_back(held.write);
-            held_names.push_back(held.name);
-          }
-        }
-      }
-      for (int64_t layer : flushed) {
-        // Moved into `now` above; the held bytes live on in the writes' keepalives.
-        state.layers[layer].held.clear();
-      }
-    } else {
-      now = std::move(writes);
-    }
-    std::vector<int64_t> now_layers;  // checkpoint format: the layer of each write of `now`
-    if (checkpoint) {
-      now_layers.reserve(now.size());
-      for (const State::Write& write : now) {
-        now_layers.push_back(layout_.parameters()[write.parameter].layer);
-        if (unlocked_writes) ++state.layers[now_layers.back()].writing;
-      }
-    }
-
-    // Pieces held back are copied out of the source, which may change after this call, or
-    // kept by reference when they stay valid for the whole load.
-    for (State::Held& held : to_hold) {
-      State::Write& write = held.write;
-      write.name = *held.name;
-      if (write.lifetime == SourceLifetime::kLoad) {
-        write.keepalive.reset();
-      } else if (!write.device.is_cuda()) {
-        auto copy = std::make_shared<std::vector<std::byte>>(write.source, write.source + (write.end - write.begin));
-        write.source = copy->data();
-        write.keepalive = std::move(copy);
-      } else {
-        auto copy = std::make_shared<Buffer>(write.device, std::max<uint64_t>(write.end - write.begin, 1));
-        copy_bytes(copy->data(), write.device, write.source, write.device, write.end - write.begin);
-        wait_for_copies(write.device);
-        write.source = copy->data();
-        write.keepalive = std::move(copy);
-      }
-      state.layers[layout_.parameters()[write.parameter].layer].held.push_back(std::move(held));
-    }
-
-    // Pass 3: write. Checkpoint-format pieces in their parameter's dtype are copied outside
-    // the lock, so the reader threads of a stream copy in parallel; conversions, engine
-    // batches and whole-layer commits stay under it.
+    State::CheckedBatch checked = state.check(batch, what);
+    const bool unlocked = state.account(checked);
+    State::Ready ready = state.hold(std::move(checked.writes));
+    std::vector<int64_t> layers = state.begin_writing(ready.writes, unlocked);
     wrote = true;
-    if (unlocked_writes) lock.unlock();
-    if (checkpoint) {
-      for (const State::Write& write : now) state.write_checkpoint(write);
-    } else {
-      state.write_engine(now, !waits);
-    }
-    if (waits && writer.asynchronous()) writer.wait();
+    if (unlocked) lock.unlock();  // the reader threads of a stream copy in parallel
+    state.write(ready.writes);
+    if (checked.waits && state.writer->asynchronous()) state.writer->wait();
     if (!lock.owns_lock()) lock.lock();
-
-    // Layers whose last write has now been issued by every load() call: process them (cold
-    // and reload) once their copies have landed. An update may bring a layer in several
-    // buckets; its processing waits for finish().
-    if (checkpoint) {
-      if (unlocked_writes) {
-        for (int64_t layer : now_layers) --state.layers[layer].writing;
-      }
-      if (mode_ != LoadMode::kUpdate) {
-        std::sort(now_layers.begin(), now_layers.end());
-        now_layers.erase(std::unique(now_layers.begin(), now_layers.end()), now_layers.end());
-        for (int64_t layer : now_layers) {
-          State::LayerState& layer_state = state.layers[layer];
-          if (layer_state.complete_now() && layer_state.writing == 0 && !layer_state.processed) state.process_layer(layer);
-        }
-      }
-    }
+    state.end_writing(std::move(layers), unlocked, mode_);
   } catch (const Error& error) {
     if (!lock.owns_lock()) lock.lock();
     if (!state.failure) state.failure = State::Failure{error.code(), error.what(), wrote};
@@ -837,7 +876,7 @@ void LoadSession::finish() {
     if (state.format == TensorFormat::kCheckpoint) {
       for (const State::Write& write : writes) state.write_checkpoint(write);
     } else {
-      state.write_engine(writes, false);
+      state.write_engine(writes);
     }
     writes.clear();
     rest.clear();

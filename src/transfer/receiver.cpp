@@ -21,7 +21,6 @@
 
 #include "base/errno_text.hpp"
 #include "base/text.hpp"
-#include "device/copies.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"
@@ -457,10 +456,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
                   "FINISH says " + std::to_string(message.buckets) + " buckets were sent but " +
                       std::to_string(buckets) + " arrived");
-        timed(phases.copying, [&] {
-          session->settle();
-          wait_for_copies(transport->device());
-        });
+        timed(phases.copying, [&] { session->settle(); });
         timed(phases.finishing, [&] { session->finish(); });
         timed(phases.closing, [&] { transport->end_update(); });
         UpdateReport report;
@@ -516,10 +512,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       if (manifest.bytes > 0) {
         // The sender refills this slot once it hears APPLIED: on a GPU the copies out of it
         // must be done by then, not merely issued.
-        timed(phases.copying, [&] {
-          session->settle();
-          wait_for_copies(transport->device());
-        });
+        timed(phases.copying, [&] { session->settle(); });
       }
       current.reset();
       ++buckets;
