@@ -130,6 +130,8 @@ if wants test; then
   # The CUDA tests must have run, not skipped.
   "$build/tests/test_device" --gtest_filter='Cuda.*' --gtest_brief=1 >"$out/cuda_tests.log" 2>&1 || status=1
   "$build/tests/test_load" --gtest_filter='*Cuda*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
+  # FP8 block quantization on the GPU: the kernel against the host quantizer, an update into GPU parameters.
+  "$build/tests/test_model" --gtest_filter='CudaFp8*' --gtest_brief=1 >>"$out/cuda_tests.log" 2>&1 || status=1
   summary "cuda tests ($((SECONDS - start)) s for all tests):" \
     "$(grep -hE '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ test' "$out/cuda_tests.log" | tr '\n' ' ')"
 fi

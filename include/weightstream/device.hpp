@@ -80,6 +80,8 @@ void copy_bytes(void* destination, const Device& destination_device, const void*
 /// they landed (cudaMemset on a GPU). Throws Error(kDevice) with the CUDA error string.
 void fill_zero(void* destination, const Device& device, size_t bytes);
 
+struct DeviceCopierAccess;  // the library's own work on a copier's lanes (src/device/quantize.hpp)
+
 /// Asynchronous host-to-device copies on a set of CUDA streams ("lanes") of one device.
 /// Each copy keeps a caller's keepalive (a staging-buffer lease, a HostRegistration) until
 /// the copy engine is done with the source; a thread of the copier releases it then, so
@@ -135,6 +137,7 @@ class DeviceCopier {
   uint64_t bytes_in_flight() const noexcept;
 
  private:
+  friend struct DeviceCopierAccess;
   struct State;
   std::unique_ptr<State> state_;
 };

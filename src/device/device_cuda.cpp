@@ -21,8 +21,10 @@
 #include "device/copies.hpp"
 #include "device/host_registration.hpp"
 #include "device/ipc.hpp"
+#include "device/quantize.hpp"
 #ifdef WS_HAVE_CUDA_KERNELS
 #include "device/copy_kernels.hpp"
+#include "device/quantize_kernels.hpp"
 #endif
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
@@ -86,6 +88,27 @@ std::string copy_text(std::string_view what, size_t bytes) {
   return (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + "copy of " + std::to_string(bytes) +
          " bytes";
 }
+
+/// What a copier's lane runs: a copy, or the FP8 quantization of a part (quantize.hpp).
+enum class LaneWork : uint8_t { kCopy, kQuantize };
+
+/// "tensor 'x': copy of N bytes to the device", or its quantization.
+std::string lane_work_text(LaneWork work, std::string_view what, size_t bytes) {
+  if (work == LaneWork::kCopy) return copy_text(what, bytes) + " to the device";
+  return (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + "FP8 E4M3 block quantization of " +
+         std::to_string(bytes) + " bytes on the device";
+}
+
+/// A copier's streams, destroyed once neither the copier nor a LaneScratch on them needs them.
+struct LaneStreams {
+  Device device;
+  std::vector<cudaStream_t> streams;
+  ~LaneStreams() {
+    if (streams.empty()) return;
+    cudaSetDevice(device.index);
+    for (auto stream : streams) cudaStreamDestroy(stream);
+  }
+};
 
 }  // namespace
 
@@ -435,10 +458,12 @@ struct DeviceCopier::State {
     std::shared_ptr<const void> keepalive;
     uint64_t bytes = 0;
     std::string what;  // for an error found when the copy is waited on
+    LaneWork work = LaneWork::kCopy;
   };
 
   Device device;
-  std::vector<cudaStream_t> streams;
+  std::shared_ptr<LaneStreams> lanes = std::make_shared<LaneStreams>();
+  std::vector<cudaStream_t>& streams = lanes->streams;
   std::mutex mutex;
   std::condition_variable changed;  // pending gained an entry, lost one, or an error was set
   std::deque<Pending> pending;
@@ -451,7 +476,6 @@ struct DeviceCopier::State {
 
   ~State() {
     for (auto event : spare_events) cudaEventDestroy(event);
-    for (auto stream : streams) cudaStreamDestroy(stream);
   }
 
   void fail_locked(std::string message) {
@@ -481,7 +505,8 @@ struct DeviceCopier::State {
   /// Issues one copy on lane `lane` through `issue` (a cudaMemcpy*Async call on the stream
   /// it is given) and records its completion; the copy's keepalive is dropped once done.
   template <typename Issue>
-  void enqueue(size_t bytes, std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what, Issue&& issue) {
+  void enqueue(size_t bytes, std::shared_ptr<const void> keepalive, unsigned lane, std::string_view what, Issue&& issue,
+               LaneWork work = LaneWork::kCopy) {
     cudaStream_t stream = streams[lane % streams.size()];
     std::unique_lock lock(mutex);
     throw_if_failed_locked();
@@ -493,12 +518,12 @@ struct DeviceCopier::State {
     lock.lock();
     if (status != cudaSuccess) {
       spare_events.push_back(done);
-      std::string message = device.name() + ": " + copy_text(what, bytes) + " to the device failed: " + cuda_error_text(status);
+      std::string message = device.name() + ": " + lane_work_text(work, what, bytes) + " failed: " + cuda_error_text(status);
       fail_locked(message);
       WS_FAIL(ErrorCode::kDevice, message);
     }
     in_flight += bytes;
-    pending.push_back({done, std::move(keepalive), bytes, std::string(what)});
+    pending.push_back({done, std::move(keepalive), bytes, std::string(what), work});
     changed.notify_all();
   }
 
@@ -520,8 +545,8 @@ struct DeviceCopier::State {
       spare_events.push_back(finished.done);
       ++releasing;
       if (status != cudaSuccess) {
-        fail_locked(device.name() + ": " + copy_text(finished.what, finished.bytes) +
-                    " to the device failed: " + cuda_error_text(status));
+        fail_locked(device.name() + ": " + lane_work_text(finished.work, finished.what, finished.bytes) +
+                    " failed: " + cuda_error_text(status));
       }
       lock.unlock();
       finished.keepalive.reset();
@@ -537,6 +562,7 @@ DeviceCopier::DeviceCopier(const Device& device, unsigned lanes) : state_(std::m
   WS_EXPECT(device.is_cuda(), ErrorCode::kInvalidArgument, "a device copier needs a CUDA device, not " + device.name());
   require_device(device);
   state_->device = device;
+  state_->lanes->device = device;
   for (unsigned i = 0; i < std::max(lanes, 1u); ++i) {
     // Non-blocking: the copies must not serialize with work on the legacy default stream.
     cudaStream_t stream = nullptr;
@@ -618,6 +644,82 @@ const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept {
   std::lock_guard lock(state_->mutex);
   return state_->in_flight;
+}
+
+// ---- FP8 block quantization on a copier's lanes (quantize.hpp) --------------------------
+
+struct DeviceCopierAccess {
+  static DeviceCopier::State& state(DeviceCopier& copier) { return *copier.state_; }
+};
+
+bool device_quantizes_e4m3() noexcept {
+#ifdef WS_HAVE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+LaneScratch::LaneScratch(DeviceCopier& copier, unsigned lane, size_t bytes) {
+  auto& state = DeviceCopierAccess::state(copier);
+  device_ = state.device;
+  stream_owner_ = state.lanes;
+  auto stream = state.streams[lane % state.streams.size()];
+  stream_ = stream;
+  set_device(device_);
+  void* data = nullptr;
+  cudaError_t error = cudaMallocAsync(&data, std::max<size_t>(bytes, 1), stream);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device_.name() + ": cannot allocate " + format_size(bytes) +
+                " of device memory for staging a part to quantize: cudaMallocAsync failed: " + cuda_error_text(error));
+  data_ = static_cast<std::byte*>(data);
+  size_ = bytes;
+}
+
+LaneScratch::~LaneScratch() {
+  if (data_ == nullptr) return;
+  cudaSetDevice(device_.index);
+  cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_));
+}
+
+void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, const E4m3BlockJob& job,
+                          std::shared_ptr<const void> keepalive, std::string_view what) {
+  const Device& device = copier.device();
+  std::string job_text = (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + std::to_string(job.rows) +
+                         " x " + std::to_string(job.columns) + " " + std::string(dtype_name(job.dtype)) + " values";
+  WS_EXPECT(job.dtype == Dtype::kBF16 || job.dtype == Dtype::kF16 || job.dtype == Dtype::kF32,
+            ErrorCode::kInvalidArgument, device.name() + ": cannot quantize " + job_text + " into FP8: only BF16, F16 and F32 quantize");
+  const uint64_t element = dtype_bits(job.dtype) / 8;
+  WS_EXPECT(job.block_rows > 0 && job.block_columns > 0 && job.block_rows * job.block_columns <= (1ull << 24),
+            ErrorCode::kInvalidArgument,
+            device.name() + ": cannot quantize " + job_text + " in blocks of " + std::to_string(job.block_rows) + " x " +
+                std::to_string(job.block_columns));
+  WS_EXPECT(reinterpret_cast<uintptr_t>(job.source) % element == 0 && job.source_pitch % element == 0 &&
+                job.source_pitch >= job.columns * element,
+            ErrorCode::kInvalidArgument,
+            device.name() + ": cannot quantize " + job_text + ": the source rows (pitch " +
+                std::to_string(job.source_pitch) + " bytes) are not aligned to their elements");
+  if (job.rows == 0 || job.columns == 0) return;
+#ifdef WS_HAVE_CUDA_KERNELS
+  detail::E4m3BlockWork work{};
+  work.source = job.source;
+  work.source_pitch = job.source_pitch;
+  work.element = job.dtype == Dtype::kBF16  ? detail::QuantizeElement::kBF16
+                 : job.dtype == Dtype::kF16 ? detail::QuantizeElement::kF16
+                                            : detail::QuantizeElement::kF32;
+  work.rows = job.rows;
+  work.columns = job.columns;
+  work.block_rows = static_cast<uint32_t>(job.block_rows);
+  work.block_columns = static_cast<uint32_t>(job.block_columns);
+  work.codes = reinterpret_cast<uint8_t*>(job.codes);
+  work.scales = job.scales;
+  DeviceCopierAccess::state(copier).enqueue(
+      job.rows * job.columns * element, std::move(keepalive), lane, what,
+      [&](cudaStream_t stream) { return detail::launch_e4m3_blocks(work, stream); }, LaneWork::kQuantize);
+#else
+  WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot quantize " + job_text +
+                                       " on the device: this build has no CUDA kernels (nvcc was not found at build time)");
+#endif
 }
 
 }  // namespace weightstream

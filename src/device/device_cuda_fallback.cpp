@@ -7,6 +7,7 @@
 #include "device/copies.hpp"
 #include "device/host_registration.hpp"
 #include "device/ipc.hpp"
+#include "device/quantize.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 
@@ -103,6 +104,14 @@ void DeviceCopier::throw_if_failed() const {}
 unsigned DeviceCopier::lanes() const noexcept { return 0; }
 const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }
+
+bool device_quantizes_e4m3() noexcept { return false; }
+LaneScratch::LaneScratch(DeviceCopier& copier, unsigned, size_t) { fail_no_cuda(copier.device()); }
+LaneScratch::~LaneScratch() = default;
+void quantize_e4m3_blocks(DeviceCopier& copier, unsigned, const E4m3BlockJob&, std::shared_ptr<const void>,
+                          std::string_view) {
+  fail_no_cuda(copier.device());
+}
 
 DeviceStream::DeviceStream(const Device& device) : device_(device) { fail_no_cuda(device); }
 DeviceStream::~DeviceStream() = default;

@@ -1,9 +1,12 @@
-// Element conversions of the model layer: BF16, F16 and F32 on copy, and FP8 E4M3
-// quantization codes. Host code; a device path converts through host memory.
+// Element conversions of the model layer: BF16, F16 and F32 on copy, FP8 E4M3 quantization
+// codes and the host quantizer of FP8 blocks. Host code; a device path converts through host
+// memory, except FP8 block quantization into GPU parameters (src/device/quantize_kernels.cu).
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
 
+#include "model/fp8_blocks.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
 
@@ -168,4 +171,31 @@ void convert_elements(std::byte* destination, Dtype destination_dtype, const std
   }
 }
 
+namespace model {
+
+void quantize_e4m3_blocks(std::span<const float> values, uint64_t rows, uint64_t columns, std::array<int64_t, 2> block,
+                          std::span<std::byte> codes, std::span<float> scales) {
+  constexpr float kE4M3Max = 448.0f;
+  const auto block_rows = static_cast<uint64_t>(block[0]), block_columns = static_cast<uint64_t>(block[1]);
+  const uint64_t scale_columns = (columns + block_columns - 1) / block_columns;
+  for (uint64_t row0 = 0; row0 < rows; row0 += block_rows) {
+    const uint64_t row1 = std::min(rows, row0 + block_rows);
+    for (uint64_t column0 = 0; column0 < columns; column0 += block_columns) {
+      const uint64_t column1 = std::min(columns, column0 + block_columns);
+      float amax = 0;
+      for (uint64_t r = row0; r < row1; ++r) {
+        for (uint64_t c = column0; c < column1; ++c) amax = std::max(amax, std::fabs(values[r * columns + c]));
+      }
+      const float scale = amax > 0 ? amax / kE4M3Max : 1.0f;
+      scales[(row0 / block_rows) * scale_columns + column0 / block_columns] = scale;
+      for (uint64_t r = row0; r < row1; ++r) {
+        for (uint64_t c = column0; c < column1; ++c) {
+          codes[r * columns + c] = std::byte{float_to_e4m3(values[r * columns + c] / scale)};
+        }
+      }
+    }
+  }
+}
+
+}  // namespace model
 }  // namespace weightstream

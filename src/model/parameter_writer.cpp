@@ -22,11 +22,11 @@ ParameterWriter::ParameterWriter(const Device& device) : device_(device) {
 ParameterWriter::~ParameterWriter() = default;  // the copier waits for its copies
 
 void ParameterWriter::copy(std::byte* destination, const std::byte* source, const Device& source_device,
-                           uint64_t bytes, std::shared_ptr<const void> keepalive, std::string_view what) {
+                           uint64_t bytes, std::shared_ptr<const void> keepalive, std::string_view what,
+                           std::optional<unsigned> lane) {
   if (bytes == 0 || destination == source) return;
   if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
-    unsigned lane = next_lane_.fetch_add(1, std::memory_order_relaxed);
-    copier_->copy_to_device(destination, source, bytes, std::move(keepalive), lane, what);
+    copier_->copy_to_device(destination, source, bytes, std::move(keepalive), lane ? *lane : take_lane(), what);
     return;
   }
   copy_bytes(destination, device_, source, source_device, bytes);
@@ -35,15 +35,15 @@ void ParameterWriter::copy(std::byte* destination, const std::byte* source, cons
 
 void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
                                 const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
-                                std::shared_ptr<const void> keepalive, std::string_view what) {
+                                std::shared_ptr<const void> keepalive, std::string_view what,
+                                std::optional<unsigned> lane) {
   if (width == 0 || rows == 0) return;
   if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
-    return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what);
+    return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what, lane);
   }
   if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
-    unsigned lane = next_lane_.fetch_add(1, std::memory_order_relaxed);
     copier_->copy_rows_to_device(destination, destination_pitch, source, source_pitch, width, rows,
-                                 std::move(keepalive), lane, what);
+                                 std::move(keepalive), lane ? *lane : take_lane(), what);
     return;
   }
   for (uint64_t row = 0; row < rows; ++row) {
@@ -65,6 +65,19 @@ void ParameterWriter::copy_ranges(std::span<const CopyRange> ranges, const Devic
   for (auto& keepalive : keepalives) {
     if (keepalive) gather_keepalives_.push_back(std::move(keepalive));
   }
+}
+
+std::shared_ptr<LaneScratch> ParameterWriter::scratch(uint64_t bytes, unsigned lane) {
+  WS_EXPECT(copier_ != nullptr, ErrorCode::kInvalidArgument, "device scratch asked of a writer into " + device_.name());
+  return std::make_shared<LaneScratch>(*copier_, lane, bytes);
+}
+
+void ParameterWriter::quantize_e4m3(const E4m3BlockJob& job, std::shared_ptr<const void> keepalive, unsigned lane,
+                                    std::string_view what) {
+  WS_EXPECT(copier_ != nullptr, ErrorCode::kUnsupported,
+            "tensor '" + std::string(what) + "': FP8 block quantization on the device asked of a writer into " +
+                device_.name());
+  quantize_e4m3_blocks(*copier_, lane, job, std::move(keepalive), what);
 }
 
 void ParameterWriter::wait() {

@@ -20,6 +20,7 @@
 
 #include "device/copies.hpp"
 
+#include "device/quantize.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 
@@ -42,14 +43,17 @@ class ParameterWriter {
   /// `destination` (memory of the writer's device). `keepalive`, when set, keeps the source
   /// valid until the copy has landed; without one the source must stay valid until wait().
   /// A source equal to the destination (bytes read there directly) copies nothing.
-  /// `what` names the tensor in errors. Throws Error(kDevice).
+  /// `what` names the tensor in errors. On a GPU the copy runs on lane `lane` when given
+  /// (after the work issued there before: see take_lane()), on the next lane otherwise.
+  /// Throws Error(kDevice).
   void copy(std::byte* destination, const std::byte* source, const Device& source_device, uint64_t bytes,
-            std::shared_ptr<const void> keepalive, std::string_view what);
+            std::shared_ptr<const void> keepalive, std::string_view what, std::optional<unsigned> lane = std::nullopt);
   /// Copies `rows` rows of `width` bytes, source rows `source_pitch` bytes apart,
   /// destination rows `destination_pitch` bytes apart (one 2-D copy on a GPU).
   void copy_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
                  const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
-                 std::shared_ptr<const void> keepalive, std::string_view what);
+                 std::shared_ptr<const void> keepalive, std::string_view what,
+                 std::optional<unsigned> lane = std::nullopt);
   /// Copies every range (destinations in the writer's device memory; sources in host memory
   /// or, all of them, in the memory of the writer's GPU) as one batch: from the host, one
   /// driver call that has landed when this returns; within the GPU, one gather kernel that
@@ -57,6 +61,23 @@ class ParameterWriter {
   /// Not for sources on another GPU: copy() them.
   void copy_ranges(std::span<const CopyRange> ranges, const Device& source_device,
                    std::vector<std::shared_ptr<const void>> keepalives);
+
+  /// True when quantize_e4m3() runs on the device: a GPU writer of a build with CUDA kernels.
+  /// A source on the host or on the writer's GPU may then be staged there and quantized
+  /// without coming back to the host.
+  bool quantizes_on_device() const noexcept { return copier_ && device_quantizes_e4m3(); }
+  /// A lane for work that must run in order: copies into a scratch (copy(..., lane)), then
+  /// the quantization that reads it. GPU writers only.
+  unsigned take_lane() noexcept { return next_lane_.fetch_add(1, std::memory_order_relaxed); }
+  /// Device memory of `bytes` for work on lane `lane`, returned in that lane's order when the
+  /// last reference goes (LaneScratch). GPU writers only. Throws Error(kDevice).
+  std::shared_ptr<LaneScratch> scratch(uint64_t bytes, unsigned lane);
+  /// Quantizes `job` (E4m3BlockJob: source, codes and scales in the writer's GPU) on lane
+  /// `lane`, asynchronously; wait() waits for it and throws its error. `keepalive` keeps the
+  /// source until it has run. Where quantizes_on_device() is false, throws
+  /// Error(kUnsupported).
+  void quantize_e4m3(const E4m3BlockJob& job, std::shared_ptr<const void> keepalive, unsigned lane,
+                     std::string_view what);
   /// Waits until every copy issued so far has landed; throws the first copy's error.
   void wait();
 

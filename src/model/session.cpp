@@ -15,6 +15,7 @@
 
 #include "base/text.hpp"
 #include "device/copies.hpp"
+#include "model/fp8_blocks.hpp"
 #include "model/parameter_writer.hpp"
 #include "model/processing.hpp"
 #include "weightstream/error.hpp"
@@ -44,35 +45,6 @@ std::optional<size_t> scaled_weight(const ModelLayout& layout, const Parameter& 
   auto weight = layout.find(std::string_view(parameter.name).substr(0, parameter.name.size() - kSuffix.size()));
   if (!weight || layout.parameters()[*weight].block_scale != parameter.name) return std::nullopt;
   return weight;
-}
-
-constexpr float kE4M3Max = 448.0f;
-
-/// Quantizes a part's slice, `values` [rows x columns] starting on a block boundary, block
-/// by block as FP8 block-scaled checkpoints are made: scale = amax / 448 (1 for an all-zero
-/// block), code = E4M3(value / scale). Codes are [rows x columns], scales [ceil(rows / block
-/// rows) x ceil(columns / block columns)].
-void quantize_blocks(std::span<const float> values, uint64_t rows, uint64_t columns, std::array<int64_t, 2> block,
-                     std::span<std::byte> codes, std::span<float> scales) {
-  const auto block_rows = static_cast<uint64_t>(block[0]), block_columns = static_cast<uint64_t>(block[1]);
-  const uint64_t scale_columns = (columns + block_columns - 1) / block_columns;
-  for (uint64_t row0 = 0; row0 < rows; row0 += block_rows) {
-    const uint64_t row1 = std::min(rows, row0 + block_rows);
-    for (uint64_t column0 = 0; column0 < columns; column0 += block_columns) {
-      const uint64_t column1 = std::min(columns, column0 + block_columns);
-      float amax = 0;
-      for (uint64_t r = row0; r < row1; ++r) {
-        for (uint64_t c = column0; c < column1; ++c) amax = std::max(amax, std::fabs(values[r * columns + c]));
-      }
-      const float scale = amax > 0 ? amax / kE4M3Max : 1.0f;
-      scales[(row0 / block_rows) * scale_columns + column0 / block_columns] = scale;
-      for (uint64_t r = row0; r < row1; ++r) {
-        for (uint64_t c = column0; c < column1; ++c) {
-          codes[r * columns + c] = std::byte{float_to_e4m3(values[r * columns + c] / scale)};
-        }
-      }
-    }
-  }
 }
 
 using detail::join;
@@ -135,14 +107,16 @@ struct PieceWrite {
 /// Writes the bytes of `write` (in the parameter's load dtype) into one part: a run of a
 /// row slice lands where it belongs; a column slice is written as the partial rows at the
 /// piece's ends and one 2-D copy of the whole rows between them, which reads only the
-/// slice's columns (a piece of a strided read holds nothing else).
+/// slice's columns (a piece of a strided read holds nothing else). On a GPU, every copy runs
+/// on lane `lane` when given.
 void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const ParameterPart& part, uint64_t element,
-                      const PieceWrite& write) {
+                      const PieceWrite& write, std::optional<unsigned> lane = std::nullopt) {
   const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
   const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
   const uint64_t length = write.end - write.begin;
   if (part.contiguous()) {
-    writer.copy(base + (write.begin - needed_begin), write.source, write.device, length, write.keepalive, write.name);
+    writer.copy(base + (write.begin - needed_begin), write.source, write.device, length, write.keepalive, write.name,
+                lane);
     return;
   }
   const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
@@ -158,7 +132,7 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
     uint64_t hi = std::min(to, columns_from + width);
     if (lo >= hi) return;
     writer.copy(base + row * width + (lo - columns_from), source_at(lo), write.device, hi - lo, write.keepalive,
-                write.name);
+                write.name, lane);
   };
   uint64_t row = first / row_bytes;
   uint64_t position = first;
@@ -171,7 +145,7 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
   uint64_t whole_rows = (last - position) / row_bytes;
   if (whole_rows > 0) {
     writer.copy_rows(base + row * width, width, source_at(position + column_begin), write.device, row_bytes, width,
-                     whole_rows, write.keepalive, write.name);
+                     whole_rows, write.keepalive, write.name, lane);
     position += whole_rows * row_bytes;
     row += whole_rows;
   }
@@ -188,7 +162,9 @@ struct LoadSession::State {
     uint64_t received = 0;       ///< bytes of the slice (its columns of its rows) accounted in this load
     std::optional<Dtype> dtype;  ///< dtype its pieces arrive in (one per load)
     std::vector<std::byte> assembly;  ///< the slice, compactly, gathered when pieces must be converted
-    uint64_t assembled = 0;           ///< bytes gathered into `assembly`
+    uint64_t assembled = 0;           ///< bytes gathered into `assembly` (or `device_assembly`)
+    std::shared_ptr<LaneScratch> device_assembly;  ///< the slice gathered on the GPU, to be quantized there
+    unsigned lane = 0;                             ///< the writer's lane that gathers and quantizes it
     bool complete = false;
   };
   struct ParameterState {
@@ -251,6 +227,10 @@ struct LoadSession::State {
     std::byte* base = parameter.processing != Processing::kNone ? parameter_state.staging.data() : parameter.data;
     base += part.element_offset * element_bytes(parameter.load_dtype);
     if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
+    if (quantizes_into(write.dtype, parameter) && writer->quantizes_on_device() && parameter.device == writer->device() &&
+        (!write.device.is_cuda() || write.device == writer->device())) {
+      return write_quantized_on_device(parameter, write, base);
+    }
     // The part's slice gathers compactly (its columns of each row) until it is whole.
     PartState& part_state = parameter_state.parts[write.part];
     const uint64_t source_element = element_bytes(write.dtype);
@@ -292,10 +272,54 @@ struct LoadSession::State {
     const ParameterPart& scale_part = scale.parts[write.part];
     auto codes = std::make_shared<std::vector<std::byte>>(rows * columns);
     auto scales = std::make_shared<std::vector<float>>(scale_part.elements());
-    quantize_blocks(values, rows, columns, parameter.scale_block, *codes, *scales);
+    model::quantize_e4m3_blocks(values, rows, columns, parameter.scale_block, *codes, *scales);
     writer->copy(base, codes->data(), kHost, codes->size(), codes, write.name);
     writer->copy(scale.data + scale_part.element_offset * sizeof(float), reinterpret_cast<const std::byte*>(scales->data()),
                  kHost, scales->size() * sizeof(float), scales, write.name);
+  }
+
+  /// write_quantized() on the GPU that holds the parameter: the part's slice gathers compactly
+  /// in device scratch (source dtype; the pieces' copies and the kernel on one lane, in order),
+  /// then one kernel writes its codes and block scales in place. Nothing waits here: the
+  /// session's wait covers the kernel as it covers the copies. A piece on this GPU that holds
+  /// the whole slice is quantized where it lies.
+  void write_quantized_on_device(const Parameter& parameter, const Write& write, std::byte* base) {
+    const ParameterPart& part = parameter.parts[write.part];
+    PartState& part_state = parameters[write.parameter].parts[write.part];
+    const uint64_t element = element_bytes(write.dtype);
+    const uint64_t needed_bytes = slice_bytes(part, element);
+    const Parameter& scale = layout.parameter(parameter.block_scale);
+    const ParameterPart& scale_part = scale.parts[write.part];
+    E4m3BlockJob job;
+    job.dtype = write.dtype;
+    job.rows = static_cast<uint64_t>(part.rows);
+    job.columns = static_cast<uint64_t>(part.columns);
+    job.block_rows = static_cast<uint64_t>(parameter.scale_block[0]);
+    job.block_columns = static_cast<uint64_t>(parameter.scale_block[1]);
+    job.codes = base;
+    job.scales = reinterpret_cast<float*>(scale.data + scale_part.element_offset * sizeof(float));
+    if (write.device.is_cuda() && part_state.assembled == 0 && write.needed == needed_bytes) {
+      const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
+      const uint64_t first = static_cast<uint64_t>(part.row_begin) * row_bytes +
+                             static_cast<uint64_t>(part.column_begin) * element;  // the slice's first byte
+      job.source = write.source + (first - write.begin);
+      job.source_pitch = row_bytes;
+      if (reinterpret_cast<uintptr_t>(job.source) % element == 0) {
+        part_state.assembled = needed_bytes;
+        return writer->quantize_e4m3(job, write.keepalive, writer->take_lane(), write.name);
+      }
+    }
+    if (!part_state.device_assembly) {
+      part_state.lane = writer->take_lane();
+      part_state.device_assembly = writer->scratch(needed_bytes, part_state.lane);
+    }
+    write_part_bytes(*writer, part_state.device_assembly->data(), part, element, write, part_state.lane);
+    part_state.assembled += write.needed;
+    if (part_state.assembled < needed_bytes) return;
+    job.source = part_state.device_assembly->data();
+    job.source_pitch = job.columns * element;
+    writer->quantize_e4m3(job, nullptr, part_state.lane, write.name);
+    part_state.device_assembly.reset();  // back to the pool after the kernel, in the lane's order
   }
 
   /// Writes engine-format pieces as they are: one batch of copies (on a GPU one driver call

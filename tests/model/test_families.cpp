@@ -588,6 +588,68 @@ TEST(Fp8Block, Bf16WeightsPushedIntoFp8ParametersAreQuantizedInPlaceAsTheCheckpo
   }
 }
 
+// The same update into parameters on a GPU: quantized there by the device kernel
+// (src/device/quantize_kernels.cu), equal byte for byte to the host path, whether the BF16
+// pieces come from host memory (staged on the GPU) or from GPU memory (quantized where they
+// lie when a piece holds a part's whole slice, staged when a tensor comes in two pieces).
+TEST(CudaFp8Block, Bf16UpdateIntoGpuParametersIsQuantizedThereAsOnTheHost) {
+  if (cuda_device_count() == 0) {
+    GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA")
+                 << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";
+  }
+  const Device cuda0{Device::Kind::kCuda, 0};
+  for (const char* arch : {"llama", "qwen3_moe"}) {
+    SCOPED_TRACE(arch);
+    auto fp8_old = fp8_checkpoint(arch);
+    MemoryCheckpoint fp8_new;
+    MemoryCheckpoint bf16 = trainer_bf16(fp8_old, 11, fp8_new);
+    // The BF16 tensors on the GPU, every third in two pieces.
+    std::vector<Buffer> on_gpu;
+    std::vector<TensorView> gpu_views;
+    for (const TensorView& view : bf16.views()) {
+      on_gpu.emplace_back(cuda0, std::max<uint64_t>(view.bytes, 1));
+      copy_bytes(on_gpu.back().data(), cuda0, view.data, Device{}, view.bytes);
+      TensorView piece = view;
+      piece.data = on_gpu.back().data();
+      piece.device = cuda0;
+      if (gpu_views.size() % 3 == 0 && view.bytes >= 4) {
+        const uint64_t half = view.bytes / 2 / 4 * 4;
+        TensorView second = piece;
+        piece.bytes = half;
+        second.offset = half;
+        second.data = piece.data + half;
+        second.bytes = view.bytes - half;
+        gpu_views.push_back(second);  // the later piece first
+      }
+      gpu_views.push_back(piece);
+    }
+    for (int64_t tp : {1, 2}) {
+      SCOPED_TRACE("tp " + std::to_string(tp));
+      LayoutOptions options = rank_options(tp, tp - 1);
+      ModelLayout host = loaded(fp8_old, options, {fp8_old.views()});
+      testing::run_load(host, LoadMode::kUpdate, {bf16.views_matching("layers.1."), bf16.views_except("layers.1.")});
+      for (bool from_gpu : {false, true}) {
+        SCOPED_TRACE(from_gpu ? "pieces on the GPU" : "pieces in host memory");
+        ModelLayout gpu = build_model_layout(fp8_old.config, options);
+        gpu.allocate(cuda0);
+        testing::run_load(gpu, LoadMode::kCold, {fp8_old.views()});
+        std::vector<const std::byte*> addresses;
+        for (const Parameter& parameter : gpu.parameters()) addresses.push_back(parameter.data);
+        if (from_gpu) {
+          testing::run_load(gpu, LoadMode::kUpdate, {gpu_views});
+        } else {
+          testing::run_load(gpu, LoadMode::kUpdate,
+                            {bf16.views_matching("layers.1."), bf16.views_except("layers.1.")});
+        }
+        LayoutComparison result = compare_layouts(host, gpu);
+        EXPECT_GT(result.compared, 0u);
+        EXPECT_EQ(result.mismatched, 0u) << (result.mismatches.empty() ? "" : result.mismatches[0]);
+        for (size_t i = 0; i < addresses.size(); ++i) EXPECT_EQ(gpu.parameters()[i].data, addresses[i]);
+      }
+    }
+  }
+}
+
 TEST(Fp8Block, ABf16WeightAfterItsScalesInOneUpdateIsRefusedBeforeItsBatchIsWritten) {
   auto fp8 = fp8_checkpoint("llama");
   MemoryCheckpoint quantized;
