@@ -1,6 +1,6 @@
 // FP8 E4M3 block quantization on the device, for a BF16 (F16, F32) update pushed into an FP8
-// block-scaled model's parameters: on the host it ran at 0.17 GB/s, one part at a time on the
-// receiver's thread. One thread block takes one quantization block (128 x 128 in the
+// block-scaled model's parameters, so that the update's bytes never come back to the host to
+// be quantized there one part at a time (bench/RESULTS.md has the rates). One thread block takes one quantization block (128 x 128 in the
 // checkpoints we load): its threads find the block's amax by a reduction, one writes the
 // scale, all write the codes. Every value goes through e4m3_rule.hpp, the rule the CPU tests
 // hold against the host quantizer; this file only arranges the work.
