@@ -26,6 +26,7 @@
 
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/options.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {
@@ -74,6 +75,13 @@ struct PeerManifest {
   std::vector<PeerTensor> tensors;
   std::vector<PeerParameter> parameters;
   std::vector<std::byte> worker_address;  ///< the server's UCX worker
+  /// What a puller presents with each request that the server send it a range (the
+  /// rendezvous path); like the remote keys, sent only to a puller that presented the token.
+  std::vector<std::byte> send_secret;
+  /// Filled by the puller, not published: how its UCX endpoint to this peer moves bytes
+  /// ("rma" or "rendezvous") and the transports of the endpoint's lanes ("tcp/eth0").
+  std::string ucx_path;
+  std::string ucx_transports;
 };
 
 /// The digest that names a checkpoint: xxh64 (16 hex digits) over its tensors' names,
@@ -147,6 +155,10 @@ struct PeerPullOptions {
   /// Host staging for bytes that cannot land in place (bytes of parameters that another
   /// layout holds differently); a single serving parameter larger than this is staged alone.
   uint64_t memory_limit = 1ull << 30;
+  /// How UCX moves the bytes from each peer (Options::ucx_path, WEIGHTSTREAM_UCX_PATH): by
+  /// default one-sided reads where the endpoint's lanes carry RMA, the peer's tagged sends
+  /// (rendezvous) where they do not (tcp).
+  UcxPath ucx_path = UcxPath::kAuto;
   /// Test hook: once this many bytes from peers have landed, before the
   /// next serving parameter is read, `on_pause` runs once on the pulling thread, so that a
   /// test can kill a serving peer mid-pull without timing. 0 (the default) never pauses.

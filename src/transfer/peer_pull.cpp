@@ -130,7 +130,11 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
   }
   state.check_agreement();
   for (State::Link& link : state.links) {
-    link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address);
+    transfer::ucx::Secret secret{};
+    std::copy(link.manifest.send_secret.begin(), link.manifest.send_secret.end(), secret.begin());
+    link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address, state.options.ucx_path, secret);
+    link.manifest.ucx_path = std::string(ucx::path_name(link.endpoint->path()));
+    link.manifest.ucx_transports = link.endpoint->transports();
     for (const PeerParameter& parameter : link.manifest.parameters) {
       link.keys.push_back(parameter.remote_key.empty() ? 0 : link.endpoint->add_remote_key(parameter.remote_key));
     }
