@@ -527,9 +527,13 @@ Endpoint::~Endpoint() {
   State& state = *state_;
   if (!state.in_flight.empty()) state.cancel_all();
   for (ucp_rkey_h key : state.keys) ucp_rkey_destroy(key);
+  // A live peer gets a flushed close: forced, its worker may tear down its end of the
+  // connection while it still tracks a request of ours, and UCX 1.13 aborts the process
+  // there (ucp_ep_destroy_base's proto_reqs assertion: the serving peer died, and the next
+  // puller met "Connection refused"). A failed peer's endpoint is forced: a flush would stall.
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_EP_CLOSE_FLAG_FORCE;  // no flush: a dead peer would stall it
+  param.flags = state.failure != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t request = ucp_ep_close_nbx(state.ep, &param);
   if (UCS_PTR_IS_PTR(request)) {
     auto until = Clock::now() + std::chrono::seconds(2);
