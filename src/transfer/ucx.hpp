@@ -108,8 +108,18 @@ class Endpoint {
   /// `key`) into `destination`: a ucp_get_nbx on kRma, a tagged receive plus a send request
   /// on kRendezvous (the peer answers from registered memory only; a range outside it fails
   /// the read at wait()). Waits first when too many reads are in flight.
+  /// When `landed_bytes` is not null, `bytes` is added to it once this read has landed
+  /// (seen by wait(), wait_until() or a later get()).
   void get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost);
+           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost,
+           uint64_t* landed_bytes = nullptr);
+  /// Cancels every queued operation, without waiting for the peer; the counters given to
+  /// get() are not touched again. For a caller that gives up (an error of its own) before
+  /// the destinations and counters go away.
+  void cancel() noexcept;
+  /// Waits until `counter` (a get()'s landed_bytes) reaches `value`, with wait()'s errors;
+  /// reads issued after it stay in flight.
+  void wait_until(const uint64_t& counter, uint64_t value, std::chrono::milliseconds timeout);
   /// Queues a one-sided write (kRma) of `bytes` from `source` (which stays unchanged until
   /// wait() or flush() returns) to the peer's `remote_address`.
   void put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,

@@ -428,6 +428,7 @@ struct Endpoint::State {
     uint64_t bytes = 0;
     uint64_t remote_address = 0;
     std::unique_ptr<std::byte[]> header;  // an active message's header, read by UCX until it ends (UCX 1.13)
+    uint64_t* landed = nullptr;           // a read's counter of bytes landed (get())
   };
   std::vector<InFlight> in_flight;
   ucs_status_t failure = UCS_OK;  // set by the error handler (the peer died or reset)
@@ -457,6 +458,7 @@ struct Endpoint::State {
                   " bytes asked for at remote address " + std::to_string(operation.remote_address) +
                   " (a range outside the memory it serves)";
       }
+      if (status == UCS_OK && operation.landed != nullptr) *operation.landed += operation.bytes;
       ucp_request_free(operation.request);
       ended = true;
       return true;
@@ -467,8 +469,14 @@ struct Endpoint::State {
   /// Progresses until at most `keep` operations are in flight; one failing, or none ending
   /// for `timeout`, throws (after cancelling the others).
   void drain(size_t keep, std::chrono::milliseconds timeout, const std::string& peer) {
+    drain_until([&] { return in_flight.size() <= keep; }, timeout, peer);
+  }
+
+  /// Progresses until `done()`, with drain()'s errors.
+  template <typename Done>
+  void drain_until(Done&& done, std::chrono::milliseconds timeout, const std::string& peer) {
     auto last_progress = Clock::now();
-    while (in_flight.size() > keep || !refusal.empty()) {
+    while (!done() || !refusal.empty()) {
       while (ucp_worker_progress(worker) != 0) {
       }
       if (reap()) last_progress = Clock::now();
@@ -482,7 +490,7 @@ struct Endpoint::State {
         WS_FAIL(ErrorCode::kNetwork, "UCX " + std::string(path == Path::kRma ? "read" : "transfer") + " from " +
                                          peer + " failed: " + status_text(status));
       }
-      if (in_flight.size() <= keep) break;
+      if (done()) break;
       if (Clock::now() - last_progress > timeout) {
         size_t pending = in_flight.size();
         cancel_all();
@@ -495,7 +503,10 @@ struct Endpoint::State {
   }
 
   void cancel_all() {
-    for (InFlight& operation : in_flight) ucp_request_cancel(worker, operation.request);
+    for (InFlight& operation : in_flight) {
+      operation.landed = nullptr;  // its owner is giving up on it, and may be gone
+      ucp_request_cancel(worker, operation.request);
+    }
     auto until = Clock::now() + std::chrono::seconds(2);
     while (!in_flight.empty() && Clock::now() < until) {
       ucp_worker_progress(worker);
@@ -514,7 +525,10 @@ struct Endpoint::State {
   }
 
   void track(ucs_status_ptr_t request, InFlight operation, std::chrono::milliseconds timeout, const std::string& peer) {
-    if (request == nullptr) return;  // ended at once
+    if (request == nullptr) {  // ended at once
+      if (operation.landed != nullptr) *operation.landed += operation.bytes;
+      return;
+    }
     operation.request = request;
     in_flight.push_back(std::move(operation));
     if (in_flight.size() >= kMaxReadsInFlight) drain(kMaxReadsInFlight / 2, timeout, peer);
@@ -555,7 +569,7 @@ uint32_t Endpoint::add_remote_key(std::span<const std::byte> packed) {
 }
 
 void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-                   std::chrono::milliseconds timeout, Memory destination_memory) {
+                   std::chrono::milliseconds timeout, Memory destination_memory, uint64_t* landed_bytes) {
   State& state = *state_;
   if (bytes == 0) return;
   state.check_alive(peer_);
@@ -573,7 +587,7 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
                peer_ + " (ucp_get_nbx)",
            UCS_PTR_STATUS(request));
     }
-    state.track(request, State::InFlight{}, timeout, peer_);
+    state.track(request, State::InFlight{nullptr, false, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
     return;
   }
   // Rendezvous: the receive is posted before the request leaves, so the answer always
@@ -584,7 +598,7 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
     fail(ErrorCode::kNetwork, "posting a receive of " + std::to_string(bytes) + " bytes from " + peer_ + " (ucp_tag_recv_nbx)",
          UCS_PTR_STATUS(receive));
   }
-  state.track(receive, State::InFlight{nullptr, true, bytes, remote_address, nullptr}, timeout, peer_);
+  state.track(receive, State::InFlight{nullptr, true, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
   auto header = std::make_unique<std::byte[]>(sizeof(SendRequest));
   const SendRequest request{state.secret, remote_address, bytes, tag};
   std::memcpy(header.get(), &request, sizeof(request));
@@ -648,6 +662,16 @@ void Endpoint::flush(std::chrono::milliseconds timeout) {
     state.in_flight.push_back(State::InFlight{request, false, 0, 0, nullptr});
     state.drain(0, timeout, peer_);
   }
+  state.check_alive(peer_);
+}
+
+void Endpoint::cancel() noexcept {
+  if (!state_->in_flight.empty()) state_->cancel_all();
+}
+
+void Endpoint::wait_until(const uint64_t& counter, uint64_t value, std::chrono::milliseconds timeout) {
+  State& state = *state_;
+  state.drain_until([&] { return counter >= value; }, timeout, peer_);
   state.check_alive(peer_);
 }
 
