@@ -86,6 +86,17 @@ def pull_once(ns, cli, address, env):
     return report
 
 
+def warm_pull_once(ns, cli, address, env):
+    """Pulls into a layout already pulled once (`audit peer:// --repeat 2`: the reloads' bytes
+    over their seconds): the destination's pages are touched, as ucx_perftest's one reused
+    buffer is; a cold pull also pays the first touch of its fresh memory."""
+    result = run("ip", "netns", "exec", ns.puller, cli, "audit", f"peer://{address}", "--repeat", "2", "--json",
+                 "--token-stdin", "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+    report = json.loads(result.stdout)
+    assert report["clean"], report
+    return report["reload_bytes"] / report["reload_seconds"] / 1e9
+
+
 def update_once(ns, cli, checkpoint, via, bucket, env):
     """A pushed update of the whole checkpoint across the namespaces; the receiver's GB/s."""
     audit = subprocess.Popen(
@@ -140,12 +151,16 @@ def main():
         try:
             pulls = [pull_once(ns, cli, address, env) for _ in range(args.repeat)]
             rma_pulls = [pull_once(ns, cli, address, rma) for _ in range(args.repeat)]
+            warm_pulls = [warm_pull_once(ns, cli, address, env) for _ in range(args.repeat)]
+            warm_rma_pulls = [warm_pull_once(ns, cli, address, rma) for _ in range(args.repeat)]
         finally:
             server.terminate()
             server.wait(timeout=60)
         path = pulls[0]["peers"][0].get("ucx_path", "?")
         rows[f"peer pull (load peer://), one rank, {path}"] = [p["gbps"] for p in pulls]
         rows["peer pull, one rank, rma (forced)"] = [p["gbps"] for p in rma_pulls]
+        rows[f"peer pull into a warm layout, {path}"] = warm_pulls
+        rows["peer pull into a warm layout, rma (forced)"] = warm_rma_pulls
         rows["pushed update, ucx"] = [update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, env)["update_gbps"]
                                       for _ in range(args.repeat)]
         rows["pushed update, ucx, rma (forced)"] = [
