@@ -2,8 +2,10 @@
 /// @file peer.hpp
 /// Peers: a process holding a loaded rank publishes its parameters (`PeerServer`), and a
 /// new instance pulls what its own layout needs from the serving ranks (`PeerSource`),
-/// one-sided over UCX (ucp_get from memory the server registered with ucp_mem_map), so the
-/// serving process's CPU copies nothing. Control (token, manifest, version) travels on a
+/// over UCX from memory the server registered with ucp_mem_map, so the serving process's CPU
+/// copies nothing: one-sided (ucp_get) where the endpoint's lanes carry RMA, else sent by the
+/// server's UCX worker on request (a tagged rendezvous send, as over UCX's tcp;
+/// PeerPullOptions::ucx_path). Control (token, manifest, version) travels on a
 /// TCP connection to the server's `HOST:PORT`; bytes travel by UCX.
 ///
 /// What a server publishes is a manifest: model_type, tp/ep size and rank, dtype,
@@ -121,7 +123,7 @@ PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& paral
 /// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
 /// with UCX for remote reads (ucp_mem_map; GPU memory as UCS_MEMORY_TYPE_CUDA) and hashed
 /// (xxh64; GPU memory through bounded host copies) once; pullers connect to address(),
-/// present the token, receive the manifest and read the bytes one-sided.
+/// present the token, receive the manifest and read the bytes (one-sided, or sent on request).
 class PeerServer {
  public:
   /// Throws Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does

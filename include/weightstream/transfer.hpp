@@ -38,8 +38,9 @@ enum class TransportKind : uint8_t {
   kTcp = 2,      ///< any host: bucket bytes follow their manifest on the TCP connection
   kCudaIpc = 3,  ///< same host, GPU: two device buckets exported once at connect (cudaIpcGetMemHandle)
   kNccl = 4,     ///< across GPUs and hosts: ncclBroadcast from the sender's bucket, TCP control
-  kUcx = 5,      ///< across hosts, host memory: the sender writes each bucket one-sided over UCX
-                 ///< (ucp_put; tcp, RDMA where present) into each receiver's registered buckets, TCP control
+  kUcx = 5,      ///< across hosts, host memory: the sender moves each bucket over UCX into each receiver's
+                 ///< registered buckets (ucp_put where the lanes carry RMA, RDMA; rendezvous active messages
+                 ///< where they do not, tcp; SenderOptions::ucx_path), TCP control
 };
 
 /// "shm", "tcp", "cuda-ipc", "nccl", "ucx".
