@@ -2,7 +2,10 @@
 """Peers across two network namespaces (issue 31): a peer pull of one rank and pushed
 updates over UCX, against UCX's own ucx_perftest (tag_bw and ucp_get at the same message
 size) and against the home-made TCP update transport, all between the same namespaces in
-one run.
+one run. The pull and the UCX update run twice: as the library picks (over tcp, rendezvous
+messages: the server's tagged sends, the sender's active messages) and forced to one-sided
+get/put (WEIGHTSTREAM_UCX_PATH=rma), so both paths are measured in one run; ucx_perftest's
+ucp_am_bw is shown beside the update.
 
 Two namespaces joined by a veth pair (192.0.2.1 serves, 192.0.2.2 pulls), loopback up in
 each; UCX_TLS picks UCX's transports (default "tcp": the bytes cross the veth as they would
@@ -83,6 +86,17 @@ def pull_once(ns, cli, address, env):
     return report
 
 
+def warm_pull_once(ns, cli, address, env):
+    """Pulls into a layout already pulled once (`audit peer:// --repeat 2`: the reloads' bytes
+    over their seconds): the destination's pages are touched, as ucx_perftest's one reused
+    buffer is; a cold pull also pays the first touch of its fresh memory."""
+    result = run("ip", "netns", "exec", ns.puller, cli, "audit", f"peer://{address}", "--repeat", "2", "--json",
+                 "--token-stdin", "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+    report = json.loads(result.stdout)
+    assert report["clean"], report
+    return report["reload_bytes"] / report["reload_seconds"] / 1e9
+
+
 def update_once(ns, cli, checkpoint, via, bucket, env):
     """A pushed update of the whole checkpoint across the namespaces; the receiver's GB/s."""
     audit = subprocess.Popen(
@@ -125,6 +139,9 @@ def main():
                                        for i in range(args.repeat)]
         rows["ucx_perftest ucp_get"] = [perftest(ns, "ucp_get", args.message_size, iterations, env, 13500 + i)
                                         for i in range(args.repeat)]
+        rows["ucx_perftest ucp_am_bw"] = [perftest(ns, "ucp_am_bw", args.message_size, iterations, env, 13600 + i)
+                                          for i in range(args.repeat)]
+        rma = dict(env, WEIGHTSTREAM_UCX_PATH="rma")
         server = subprocess.Popen(
             ["ip", "netns", "exec", ns.server, cli, "serve", args.checkpoint, "--listen", f"{SERVER}:0", "--token-stdin",
              "--no-progress"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -133,12 +150,21 @@ def main():
         address = re.search(r"peer://(\S+)", server.stdout.readline()).group(1)
         try:
             pulls = [pull_once(ns, cli, address, env) for _ in range(args.repeat)]
+            rma_pulls = [pull_once(ns, cli, address, rma) for _ in range(args.repeat)]
+            warm_pulls = [warm_pull_once(ns, cli, address, env) for _ in range(args.repeat)]
+            warm_rma_pulls = [warm_pull_once(ns, cli, address, rma) for _ in range(args.repeat)]
         finally:
             server.terminate()
             server.wait(timeout=60)
-        rows["peer pull (load peer://), one rank"] = [p["gbps"] for p in pulls]
+        path = pulls[0]["peers"][0].get("ucx_path", "?")
+        rows[f"peer pull (load peer://), one rank, {path}"] = [p["gbps"] for p in pulls]
+        rows["peer pull, one rank, rma (forced)"] = [p["gbps"] for p in rma_pulls]
+        rows[f"peer pull into a warm layout, {path}"] = warm_pulls
+        rows["peer pull into a warm layout, rma (forced)"] = warm_rma_pulls
         rows["pushed update, ucx"] = [update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, env)["update_gbps"]
                                       for _ in range(args.repeat)]
+        rows["pushed update, ucx, rma (forced)"] = [
+            update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, rma)["update_gbps"] for _ in range(args.repeat)]
         rows["pushed update, tcp (home-made)"] = [
             update_once(ns, cli, args.checkpoint, "tcp", args.bucket_size, env)["update_gbps"] for _ in range(args.repeat)]
     finally:

@@ -86,6 +86,17 @@ enum class S3Addressing {
   kVirtual,  ///< https://bucket.endpoint/key
 };
 
+/// How UCX moves the bulk bytes of peer pulls and `ucx` updates on an endpoint.
+enum class UcxPath {
+  /// The default: one-sided get/put where the endpoint's lanes carry RMA natively (rc, dc,
+  /// cuda_ipc, shared memory, cma), rendezvous messages where they do not (UCX's tcp
+  /// transport, which emulates gets and puts with active messages at about half the rate
+  /// of its tagged rendezvous).
+  kAuto,
+  kRma,         ///< always one-sided ucp_get_nbx / ucp_put_nbx
+  kRendezvous,  ///< always messages: tagged sends for pulls, active messages for updates
+};
+
 /// Options of the S3 backend. Credentials are never logged or printed.
 struct S3Options {
   /// Endpoint URL such as http://127.0.0.1:9000. AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL.
@@ -160,6 +171,9 @@ struct Options {
   /// can kill a server mid-pull without timing. WEIGHTSTREAM_TEST_PULL_STOP_AFTER (bytes);
   /// default 0, off.
   uint64_t test_pull_stop_after = 0;
+  /// How UCX moves bulk bytes on each endpoint of a pull or a `ucx` update sender.
+  /// WEIGHTSTREAM_UCX_PATH: auto, rma or rendezvous; default auto.
+  UcxPath ucx_path = UcxPath::kAuto;
 };
 
 /// A snapshot of environment variables (name to value).
@@ -197,6 +211,10 @@ std::string_view local_io_name(LocalIo io) noexcept;
 GpuPath parse_gpu_path(std::string_view text, std::string_view what = "gpu_path");
 /// "auto", "staged", "mapped" or "both".
 std::string_view gpu_path_name(GpuPath path) noexcept;
+/// Parses "auto", "rma" or "rendezvous". Throws Error(kInvalidArgument) naming `what`.
+UcxPath parse_ucx_path(std::string_view text, std::string_view what = "ucx_path");
+/// "auto", "rma" or "rendezvous".
+std::string_view ucx_path_name(UcxPath path) noexcept;
 /// Parses a fraction from 0 to 1 (StreamOptions::mapped_share). Throws
 /// Error(kInvalidArgument) naming `what`.
 double parse_share(std::string_view text, std::string_view what = "mapped_share");

@@ -2,8 +2,10 @@
 /// @file peer.hpp
 /// Peers: a process holding a loaded rank publishes its parameters (`PeerServer`), and a
 /// new instance pulls what its own layout needs from the serving ranks (`PeerSource`),
-/// one-sided over UCX (ucp_get from memory the server registered with ucp_mem_map), so the
-/// serving process's CPU copies nothing. Control (token, manifest, version) travels on a
+/// over UCX from memory the server registered with ucp_mem_map, so the serving process's CPU
+/// copies nothing: one-sided (ucp_get) where the endpoint's lanes carry RMA, else sent by the
+/// server's UCX worker on request (a tagged rendezvous send, as over UCX's tcp;
+/// PeerPullOptions::ucx_path). Control (token, manifest, version) travels on a
 /// TCP connection to the server's `HOST:PORT`; bytes travel by UCX.
 ///
 /// What a server publishes is a manifest: model_type, tp/ep size and rank, dtype,
@@ -26,6 +28,7 @@
 
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/options.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream {
@@ -74,6 +77,13 @@ struct PeerManifest {
   std::vector<PeerTensor> tensors;
   std::vector<PeerParameter> parameters;
   std::vector<std::byte> worker_address;  ///< the server's UCX worker
+  /// What a puller presents with each request that the server send it a range (the
+  /// rendezvous path); like the remote keys, sent only to a puller that presented the token.
+  std::vector<std::byte> send_secret;
+  /// Filled by the puller, not published: how its UCX endpoint to this peer moves bytes
+  /// ("rma" or "rendezvous") and the transports of the endpoint's lanes ("tcp/eth0").
+  std::string ucx_path;
+  std::string ucx_transports;
 };
 
 /// The digest that names a checkpoint: xxh64 (16 hex digits) over its tensors' names,
@@ -113,7 +123,7 @@ PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& paral
 /// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
 /// with UCX for remote reads (ucp_mem_map; GPU memory as UCS_MEMORY_TYPE_CUDA) and hashed
 /// (xxh64; GPU memory through bounded host copies) once; pullers connect to address(),
-/// present the token, receive the manifest and read the bytes one-sided.
+/// present the token, receive the manifest and read the bytes (one-sided, or sent on request).
 class PeerServer {
  public:
   /// Throws Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
@@ -147,6 +157,10 @@ struct PeerPullOptions {
   /// Host staging for bytes that cannot land in place (bytes of parameters that another
   /// layout holds differently); a single serving parameter larger than this is staged alone.
   uint64_t memory_limit = 1ull << 30;
+  /// How UCX moves the bytes from each peer (Options::ucx_path, WEIGHTSTREAM_UCX_PATH): by
+  /// default one-sided reads where the endpoint's lanes carry RMA, the peer's tagged sends
+  /// (rendezvous) where they do not (tcp).
+  UcxPath ucx_path = UcxPath::kAuto;
   /// Test hook: once this many bytes from peers have landed, before the
   /// next serving parameter is read, `on_pause` runs once on the pulling thread, so that a
   /// test can kill a serving peer mid-pull without timing. 0 (the default) never pauses.

@@ -27,6 +27,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/options.hpp"
 
 namespace weightstream {
 
@@ -37,8 +38,9 @@ enum class TransportKind : uint8_t {
   kTcp = 2,      ///< any host: bucket bytes follow their manifest on the TCP connection
   kCudaIpc = 3,  ///< same host, GPU: two device buckets exported once at connect (cudaIpcGetMemHandle)
   kNccl = 4,     ///< across GPUs and hosts: ncclBroadcast from the sender's bucket, TCP control
-  kUcx = 5,      ///< across hosts, host memory: the sender writes each bucket one-sided over UCX
-                 ///< (ucp_put; tcp, RDMA where present) into each receiver's registered buckets, TCP control
+  kUcx = 5,      ///< across hosts, host memory: the sender moves each bucket over UCX into each receiver's
+                 ///< registered buckets (ucp_put where the lanes carry RMA, RDMA; rendezvous active messages
+                 ///< where they do not, tcp; SenderOptions::ucx_path), TCP control
 };
 
 /// "shm", "tcp", "cuda-ipc", "nccl", "ucx".
@@ -103,6 +105,10 @@ struct SenderOptions {
   /// update; the default shares only large allocations (flat buffers, allocator segments).
   bool share_allocations = true;
   uint64_t share_minimum_bytes = kDefaultShareMinimumBytes;
+  /// ucx: how bucket bytes travel to each receiver (Options::ucx_path, WEIGHTSTREAM_UCX_PATH):
+  /// by default one-sided puts where the endpoint's lanes carry RMA, active messages
+  /// (rendezvous) where they do not (tcp).
+  UcxPath ucx_path = UcxPath::kAuto;
 };
 
 /// What an update did, reported by the receiver (and echoed to the sender).
@@ -240,6 +246,11 @@ class UpdateSender {
 
   /// Buckets sent so far in this update.
   uint64_t buckets_sent() const noexcept;
+
+  /// How the bytes travel to each receiver, in the order of the addresses, where the
+  /// transport chooses per receiver: over ucx "rendezvous (tcp/eth0)" or "rma (rc_mlx5/mlx5_0:1)"
+  /// (SenderOptions::ucx_path); empty for the other transports.
+  std::vector<std::string> paths() const;
 
  private:
   struct State;

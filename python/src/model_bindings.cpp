@@ -440,6 +440,7 @@ class SessionHandle {
       options.token = token.value_or(environment_options().peer_token);
       options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
       options.memory_limit = memory_limit;
+      options.ucx_path = environment_options().ucx_path;
       PeerSource source(uri, options);
       report = source.pull(session_);
     }

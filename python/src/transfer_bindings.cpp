@@ -156,6 +156,7 @@ class PySender {
     options.device = parse_device(device);
     options.share_allocations = share_allocations;
     options.share_minimum_bytes = share_minimum_bytes;
+    options.ucx_path = environment_options().ucx_path;
     // One receiver, or several fed at once (tcp, nccl): the ranks of a tensor-parallel engine.
     std::vector<std::string> addresses = std::holds_alternative<std::string>(address)
                                              ? std::vector<std::string>{std::get<std::string>(address)}

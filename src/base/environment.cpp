@@ -130,6 +130,9 @@ const Variable kVariables[] = {
     {"WEIGHTSTREAM_TEST_PULL_STOP_AFTER", [](Options& options, std::string_view name, const std::string& value) {
        options.test_pull_stop_after = parse_size_variable(name, value);
      }},
+    {"WEIGHTSTREAM_UCX_PATH", [](Options& options, std::string_view name, const std::string& value) {
+       options.ucx_path = parse_variable([&] { return parse_ucx_path(value, name); });
+     }},
     // Read below with its alias MX_MODEL_URI.
     {"WEIGHTSTREAM_MODEL_URI", [](Options&, std::string_view, const std::string&) {}},
 };
@@ -291,6 +294,25 @@ GpuPath parse_gpu_path(std::string_view text, std::string_view what) {
   if (text == "mapped") return GpuPath::kMapped;
   if (text == "both") return GpuPath::kBoth;
   WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, staged, mapped or both");
+}
+
+UcxPath parse_ucx_path(std::string_view text, std::string_view what) {
+  if (text == "auto") return UcxPath::kAuto;
+  if (text == "rma") return UcxPath::kRma;
+  if (text == "rendezvous") return UcxPath::kRendezvous;
+  WS_FAIL(ErrorCode::kInvalidArgument, quoted(what, text) + ": expected auto, rma or rendezvous");
+}
+
+std::string_view ucx_path_name(UcxPath path) noexcept {
+  switch (path) {
+    case UcxPath::kRma:
+      return "rma";
+    case UcxPath::kRendezvous:
+      return "rendezvous";
+    case UcxPath::kAuto:
+      break;
+  }
+  return "auto";
 }
 
 double parse_share(std::string_view text, std::string_view what) {

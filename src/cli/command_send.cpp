@@ -117,6 +117,7 @@ void add_send_command(CLI::App& app) {
     sender_options.transport = parse_transport(flags->via);
     sender_options.bucket_bytes = parse_size(flags->bucket_size, "--bucket-size");
     sender_options.device = parse_device(flags->device);
+    sender_options.ucx_path = options.ucx_path;
     if (flags->token_stdin) std::getline(std::cin, sender_options.token);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     UpdateSender sender(flags->to, sender_options);
@@ -136,7 +137,8 @@ void add_send_command(CLI::App& app) {
                   {"bytes", report.bytes},
                   {"seconds", report.seconds},
                   {"gbps", report.gbps()},
-                  {"model_hook_runs", report.counters.model_hook_runs}});
+                  {"model_hook_runs", report.counters.model_hook_runs},
+                  {"paths", sender.paths()}});
     } else {
       std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
                   static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),

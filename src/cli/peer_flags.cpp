@@ -16,6 +16,7 @@ PeerPullOptions pull_options(const PeerFlags& flags, const Options& options) {
   pull.token = flags.token_stdin ? peer_token(flags) : options.peer_token;
   pull.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
   pull.memory_limit = options.stream.memory_limit;
+  pull.ucx_path = options.ucx_path;
   if (options.test_pull_stop_after > 0) {
     // WEIGHTSTREAM_TEST_PULL_STOP_AFTER: the test that kills a server mid-pull waits for
     // this stop (waitpid WUNTRACED), kills the server, and continues the puller.
@@ -118,7 +119,9 @@ nlohmann::json peer_load_json(const PeerLoad& load) {
                      {"ep_rank", manifest.parallel.ep_rank},
                      {"ep_size", manifest.parallel.ep_size},
                      {"version", manifest.version},
-                     {"checkpoint_identity", manifest.checkpoint_identity}});
+                     {"checkpoint_identity", manifest.checkpoint_identity},
+                     {"ucx_path", manifest.ucx_path},
+                     {"ucx_transports", manifest.ucx_transports}});
   }
   nlohmann::json result = {{"source", load.source},
                            {"layout", load.layout.description()},

@@ -145,7 +145,8 @@ nlohmann::json manifest_json(const PeerManifest& manifest) {
           {"config_json", manifest.config_json},
           {"tensors", tensors},
           {"parameters", parameters},
-          {"worker_address", to_hex(manifest.worker_address)}};
+          {"worker_address", to_hex(manifest.worker_address)},
+          {"send_secret", to_hex(manifest.send_secret)}};
 }
 
 PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer) {
@@ -169,6 +170,9 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
     manifest.version = (field = "version", json.at("version")).get<uint64_t>();
     manifest.config_json = (field = "config_json", json.at("config_json")).get<std::string>();
     manifest.worker_address = from_hex((field = "worker_address", json.at("worker_address")).get<std::string>(), peer + ": worker_address");
+    manifest.send_secret = from_hex((field = "send_secret", json.at("send_secret")).get<std::string>(), peer + ": send_secret");
+    WS_EXPECT(manifest.send_secret.size() == 16, ErrorCode::kProtocol,
+              peer + ": send_secret of " + std::to_string(manifest.send_secret.size()) + " bytes, not 16");
     for (const nlohmann::json& tensor : (field = "tensors", json.at("tensors"))) {
       PeerTensor& entry = manifest.tensors.emplace_back();
       entry.name = (field = "tensors[].name", tensor.at("name")).get<std::string>();

@@ -1,7 +1,11 @@
 #pragma once
 // The peer control protocol, on a TCP connection to the serving peer (socket.hpp). Every
 // message is a frame: magic u32 ("WSPE"), version u16, type u16, length u64, then `length`
-// bytes of JSON. Bulk bytes never travel here: they are read one-sided over UCX.
+// bytes of JSON. Bulk bytes never travel here: they move over UCX, read one-sided
+// (ucp_get) where the puller's endpoint has native RMA, else sent by the server's UCX
+// worker in answer to the puller's requests (ucx.hpp: a tagged send straight from the
+// registered parameter, received straight into the puller's destination; the request
+// carries the manifest's send_secret).
 //
 //   HELLO    (puller -> server)  {"token"}; the server answers MANIFEST or REFUSE
 //   MANIFEST (server -> puller)  the PeerManifest (binary fields as hex)
@@ -26,7 +30,7 @@ namespace weightstream::transfer {
 enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVersion = 4 };
 
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
-inline constexpr uint16_t kPeerProtocolVersion = 1;
+inline constexpr uint16_t kPeerProtocolVersion = 2;  // 2: the manifest carries send_secret
 /// Largest message: the manifest of a rank with 100,000 parameters fits.
 inline constexpr uint64_t kMaxPeerMessageBytes = 512ull << 20;
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <set>
 
@@ -29,6 +30,10 @@ using namespace transfer;
 
 /// Reads are issued in pieces of at most this many bytes, so several are in flight.
 constexpr uint64_t kReadPieceBytes = 8ull << 20;
+
+/// Parameters read in place run this far ahead of the one being checked against its digest,
+/// so that hashing one overlaps the transfer of the next ones.
+constexpr uint64_t kReadAheadBytes = 128ull << 20;
 
 /// A rectangle [row_begin, row_end) x [column_begin, column_end) of a tensor's 2-D view.
 struct Rect {
@@ -130,7 +135,11 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
   }
   state.check_agreement();
   for (State::Link& link : state.links) {
-    link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address);
+    transfer::ucx::Secret secret{};
+    std::copy(link.manifest.send_secret.begin(), link.manifest.send_secret.end(), secret.begin());
+    link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address, state.options.ucx_path, secret);
+    link.manifest.ucx_path = std::string(ucx::path_name(link.endpoint->path()));
+    link.manifest.ucx_transports = link.endpoint->transports();
     for (const PeerParameter& parameter : link.manifest.parameters) {
       link.keys.push_back(parameter.remote_key.empty() ? 0 : link.endpoint->add_remote_key(parameter.remote_key));
     }
@@ -269,7 +278,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     for (State::Link& link : state.links) link.endpoint->wait(timeout);
   };
   bool paused = false;
-  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory) {
+  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory,
+                        uint64_t* landed = nullptr) {
     if (!paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes) {
       paused = true;
       wait_all();  // what was read so far has landed: the pause falls between two parameters
@@ -278,7 +288,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     const PeerParameter& parameter = link.manifest.parameters[served];
     for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
       link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served],
-                         std::min(kReadPieceBytes, parameter.bytes - done), timeout, memory);
+                         std::min(kReadPieceBytes, parameter.bytes - done), timeout, memory, landed);
     }
     report.bytes_from_peers += parameter.bytes;
   };
@@ -297,14 +307,39 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   };
 
   {
-    for (const Direct& direct : directs) {
-      read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data, direct_memory);
+    // Each parameter is checked as soon as it has landed, while the reads of the next ones
+    // (up to kReadAheadBytes) are in flight.
+    std::vector<uint64_t> landed(directs.size(), 0);
+    size_t issued = 0;
+    uint64_t ahead = 0;
+    // A digest that fails leaves later reads in flight, into the layout and `landed`.
+    struct CancelOnError {
+      std::vector<State::Link>& links;
+      int exceptions = std::uncaught_exceptions();
+      ~CancelOnError() {
+        if (std::uncaught_exceptions() > exceptions) {
+          for (State::Link& link : links) link.endpoint->cancel();
+        }
+      }
+    } cancel_on_error{state.links};
+    for (size_t checked = 0; checked < directs.size(); ++checked) {
+      while (issued < directs.size() && (issued == checked || ahead < kReadAheadBytes)) {
+        const Direct& direct = directs[issued];
+        read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data, direct_memory,
+                   &landed[issued]);
+        ahead += layout.parameters()[direct.parameter].bytes();
+        ++issued;
+      }
+      const Direct& direct = directs[checked];
+      const Parameter& parameter = layout.parameters()[direct.parameter];
+      state.links[direct.link].endpoint->wait_until(landed[checked], parameter.bytes(), timeout);
+      check_digest(state.links[direct.link], direct.served, parameter.data, layout.device());
+      ahead -= parameter.bytes();
     }
     wait_all();
     std::vector<TensorView> views;
     for (const Direct& direct : directs) {
       const Parameter& parameter = layout.parameters()[direct.parameter];
-      check_digest(state.links[direct.link], direct.served, parameter.data, layout.device());
       report.bytes_in_place += parameter.bytes();
       const uint64_t size = element_bytes(parameter.dtype);
       for (const ParameterPart& part : parameter.parts) {

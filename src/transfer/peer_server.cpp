@@ -1,5 +1,6 @@
 // PeerServer: publishes a loaded layout's parameters to pullers. One thread answers the
-// control connections (token, manifest, version); UCX's progress thread serves the reads.
+// control connections (token, manifest, version); UCX's progress thread serves the reads
+// (one-sided gets, and the send requests of pullers on the rendezvous path).
 #include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
@@ -170,6 +171,8 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
   manifest.config_json = std::move(info.config_json);
   manifest.tensors = std::move(info.tensors);
   manifest.worker_address = state.worker.address();
+  const transfer::ucx::Secret secret = transfer::ucx::random_secret();
+  manifest.send_secret.assign(secret.begin(), secret.end());
   for (const Parameter& parameter : layout.parameters()) {
     WS_EXPECT(parameter.data != nullptr || parameter.bytes() == 0, ErrorCode::kModel,
               "peer server: parameter " + parameter.name + " of " + layout.description() + " has no storage");
@@ -187,6 +190,7 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
     }
   }
   state.hash_parameters();
+  state.worker.answer_send_requests(secret);  // pullers whose endpoints have no native RMA
   state.worker.start_progress();
   WS_EXPECT(::pipe2(state.wake, O_CLOEXEC) == 0, ErrorCode::kIo, "peer server: cannot create a pipe: " + detail::errno_text(errno));
   state.thread = std::thread([&state] { state.serve(); });

@@ -224,7 +224,7 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   }
   for (State::Link& link : state.links) state.connections.push_back(&link.connection);
   state.transport = options.transport == TransportKind::kUcx
-                        ? make_ucx_sender(options.bucket_bytes, welcome_blobs)
+                        ? make_ucx_sender(options.bucket_bytes, welcome_blobs, options.ucx_path)
                         : make_sender_transport(options, receivers, hello.blob, first_welcome.message.blob,
                                                 std::move(first_welcome.fd));
   state.transport->join(options.timeout);
@@ -233,6 +233,8 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
 UpdateSender::~UpdateSender() = default;
 
 uint64_t UpdateSender::buckets_sent() const noexcept { return state_->next_index; }
+
+std::vector<std::string> UpdateSender::paths() const { return state_->transport->paths(); }
 
 void UpdateSender::start(TensorFormat format) {
   State& state = *state_;

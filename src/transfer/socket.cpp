@@ -241,6 +241,13 @@ bool Connection::readable() {
   return ::poll(&entry, 1, 0) > 0;
 }
 
+bool Connection::closed() {
+  if (!readable()) return false;
+  std::byte next;
+  const ssize_t got = ::recv(fd(), &next, 1, MSG_PEEK | MSG_DONTWAIT);
+  return got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 // ---- listener -------------------------------------------------------------------------------
 
 Listener Listener::tcp(const std::string& address) {

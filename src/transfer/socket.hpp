@@ -65,6 +65,9 @@ class Connection {
   void receive_bytes(std::span<std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what);
   /// True when a message (or EOF) is ready to read without waiting.
   bool readable();
+  /// True when the other end has closed or reset the connection (EOF or an error is next),
+  /// consuming nothing: a message that is ready is not an end.
+  bool closed();
 
  private:
   /// Reads exactly `bytes`; the first chunk may carry a descriptor.

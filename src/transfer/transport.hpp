@@ -88,6 +88,9 @@ class SenderTransport {
   /// each connection, NCCL broadcasts once to all).
   virtual void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
                     std::chrono::milliseconds timeout) {}
+  /// How the bytes travel to each receiver, where the transport chooses per receiver (ucx:
+  /// "rma" or "rendezvous", UpdateSender::paths()); empty otherwise.
+  virtual std::vector<std::string> paths() const { return {}; }
 };
 
 /// The HELLO blob a sender of `kind` offers (the NCCL unique id; empty otherwise).
@@ -115,7 +118,7 @@ std::unique_ptr<SenderTransport> make_cuda_ipc_sender(const SenderOptions& optio
 // UCX (ucx_transport.cpp over the ucx.hpp shim). Each receiver's WELCOME offers its
 // registered buckets; the sender writes into every receiver's, so it needs every WELCOME.
 std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes,
-                                                 std::span<const std::vector<std::byte>> welcome_blobs);
+                                                 std::span<const std::vector<std::byte>> welcome_blobs, UcxPath path);
 std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes);
 // NCCL (nccl_transport_nccl.cpp, or its fallback).
 bool nccl_compiled() noexcept;

@@ -1,22 +1,43 @@
 #pragma once
 // The one place that talks to UCX (the ucp API): a context with one worker, memory
-// registered for one-sided access (ucp_mem_map, packed remote keys), endpoints made from a
-// peer's worker address, and one-sided gets. ucx_ucx.cpp implements it where UCX was
-// found; ucx_ucx_fallback.cpp throws Error(kUnsupported) from every constructor, so the
-// rest of the library builds and runs without UCX.
+// registered for remote access (ucp_mem_map, packed remote keys), endpoints made from a
+// peer's worker address, and the two ways bulk bytes move (Path):
+//
+// - kRma: one-sided ucp_get_nbx / ucp_put_nbx into or out of the peer's registered memory.
+// - kRendezvous: messages. A read is a tagged receive posted into the destination plus a
+//   small active message asking the peer to send the range; the peer's worker answers it
+//   on its own (answer_send_requests) with ucp_tag_send_nbx straight from its registered
+//   memory. A write is an active message whose payload the peer's worker receives straight
+//   into the place its handler names (accept_messages). Both move by UCX's rendezvous
+//   protocol, zero-copy on both ends.
+//
+// UCX's tcp transport has no native RMA: it emulates gets and puts with active messages
+// and reaches about half the rate of its tagged rendezvous (ucx_perftest ucp_get against
+// tag_bw, bench/RESULTS.md), so connect() picks kRendezvous where no lane of the endpoint
+// carries RMA and kRma where one does (rc, dc, cuda_ipc, shared memory, cma), unless the
+// caller forces one (WEIGHTSTREAM_UCX_PATH).
+//
+// ucx_ucx.cpp implements it where UCX was found; ucx_ucx_fallback.cpp throws
+// Error(kUnsupported) from every constructor, so the rest of the library builds and runs
+// without UCX.
 //
 // Threading: a worker is used by one thread at a time. The serving side (memory others
-// read) registers everything first, then calls start_progress(): a thread of its own then
-// drives the worker, sleeping in ucp_worker_wait while nothing happens (UCX's tcp
-// transport emulates one-sided reads with messages the target must progress). The pulling
-// side issues gets and waits for them on its own thread.
+// read or write) registers everything and installs its handlers first, then calls
+// start_progress(): a thread of its own then drives the worker, sleeping on its event
+// descriptor while nothing happens; the handlers run on that thread. The pulling (or
+// sending) side issues its operations and waits for them on its own thread.
+#include <array>
 #include <chrono>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "weightstream/options.hpp"
 
 namespace weightstream::transfer::ucx {
 
@@ -33,7 +54,21 @@ class Worker;
 /// GPUDirect); the memory type is named to UCX rather than left to its detection.
 enum class Memory { kHost, kCuda };
 
-/// Memory registered with a worker's context for remote reads; deregistered on destruction.
+/// How an endpoint moves bulk bytes (see the top of this file).
+enum class Path { kRma, kRendezvous };
+
+/// "rma" or "rendezvous".
+std::string_view path_name(Path path) noexcept;
+
+/// A secret a peer must present with every message it sends to this worker's handlers
+/// (a send request, a bucket write): the rendezvous path's equivalent of a remote key,
+/// handed over only on the token-checked control connection.
+using Secret = std::array<std::byte, 16>;
+
+/// A fresh random secret.
+Secret random_secret();
+
+/// Memory registered with a worker's context for remote access; deregistered on destruction.
 class Registration {
  public:
   ~Registration();
@@ -46,16 +81,18 @@ class Registration {
 
  private:
   friend class Worker;
+  friend class Endpoint;
   Registration() = default;
   void* context_ = nullptr;
   void* handle_ = nullptr;
+  void* table_ = nullptr;  // the worker's list of registrations, which answers send requests
   uint64_t address_ = 0;
   uint64_t bytes_ = 0;
   std::vector<std::byte> remote_key_;
 };
 
-/// An endpoint to one peer, with the remote keys unpacked for it. Gets are queued and run
-/// concurrently; wait() returns when all have landed.
+/// An endpoint to one peer, with the remote keys unpacked for it. Reads and writes are
+/// queued and run concurrently; wait() returns when all have landed.
 class Endpoint {
  public:
   ~Endpoint();
@@ -63,18 +100,41 @@ class Endpoint {
   Endpoint& operator=(const Endpoint&) = delete;
   /// Unpacks a peer's remote key; returns its number for get().
   uint32_t add_remote_key(std::span<const std::byte> packed);
+  /// How this endpoint moves bulk bytes.
+  Path path() const noexcept;
+  /// The transports of its lanes as UCX selected them ("tcp/eth0"), for reports.
+  const std::string& transports() const noexcept;
   /// Queues a read of `bytes` at the peer's `remote_address` (inside the memory of key
-  /// `key`) into `destination`. Waits first when too many reads are in flight.
+  /// `key`) into `destination`: a ucp_get_nbx on kRma, a tagged receive plus a send request
+  /// on kRendezvous (the peer answers from registered memory only; a range outside it fails
+  /// the read at wait()). Waits first when too many reads are in flight.
+  /// When `landed_bytes` is not null, `bytes` is added to it once this read has landed
+  /// (seen by wait(), wait_until() or a later get()).
   void get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost);
-  /// Queues a write of `bytes` from `source` (which stays unchanged until wait() or
-  /// flush() returns) to the peer's `remote_address`.
+           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost,
+           uint64_t* landed_bytes = nullptr);
+  /// Cancels every queued operation, without waiting for the peer; the counters given to
+  /// get() are not touched again. For a caller that gives up (an error of its own) before
+  /// the destinations and counters go away.
+  void cancel() noexcept;
+  /// Waits until `counter` (a get()'s landed_bytes) reaches `value`, with wait()'s errors;
+  /// reads issued after it stay in flight.
+  void wait_until(const uint64_t& counter, uint64_t value, std::chrono::milliseconds timeout);
+  /// Queues a one-sided write (kRma) of `bytes` from `source` (which stays unchanged until
+  /// wait() or flush() returns) to the peer's `remote_address`.
   void put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
            std::chrono::milliseconds timeout);
+  /// Queues a message (kRendezvous) of `bytes` from `source` (unchanged until wait()
+  /// returns; registered as `source_registration` when not null) with `header` (at most 64
+  /// bytes, copied) to the peer's accept_messages() handler, which places the payload.
+  /// Its completion means the peer holds the bytes; a peer that refuses the header fails
+  /// it at wait().
+  void send_message(std::span<const std::byte> header, const std::byte* source, uint64_t bytes,
+                    const Registration* source_registration, std::chrono::milliseconds timeout);
   /// Waits until every queued write has landed in the peer's memory (remote completion),
   /// with wait()'s errors.
   void flush(std::chrono::milliseconds timeout);
-  /// Waits until every queued read has landed. Throws Error(kNetwork) naming the peer and
+  /// Waits until every queued read (or message) has landed. Throws Error(kNetwork) naming the peer and
   /// UCX's status when a read failed (the peer died or reset), Error(kTimeout) when they
   /// have not landed within `timeout` of no progress; outstanding reads are cancelled.
   void wait(std::chrono::milliseconds timeout);
@@ -106,12 +166,29 @@ class Worker {
   /// True when this UCX moves CUDA memory (its context lists the CUDA memory type).
   bool moves_cuda_memory() const;
   /// An endpoint to the worker at `address` (error handling: the peer's death fails its
-  /// requests instead of hanging them). `peer` names it in messages.
-  std::unique_ptr<Endpoint> connect(std::span<const std::byte> address, const std::string& peer);
+  /// requests instead of hanging them). `peer` names it in messages. `path` kAuto picks
+  /// kRendezvous when none of the endpoint's lanes carries RMA natively (UCX's own
+  /// description of the endpoint, ucp_ep_print_info), kRma otherwise. `secret` is what the
+  /// peer's handlers expect (its answer_send_requests or accept_messages secret).
+  std::unique_ptr<Endpoint> connect(std::span<const std::byte> address, const std::string& peer,
+                                    UcxPath path = UcxPath::kAuto, const Secret& secret = {});
+  /// Serving side, before start_progress(): answers the send requests of pullers that
+  /// present `secret` (Endpoint::get on kRendezvous) from memory registered with this worker,
+  /// with a tagged send on the progress thread; a range outside every registration is
+  /// answered with an empty message, which fails that read.
+  void answer_send_requests(const Secret& secret);
+  /// Receiving side of Endpoint::send_message, before start_progress(): for each message
+  /// that presents `secret`, `place(header, bytes)` (on the progress thread) returns where its
+  /// payload lands (host memory), or null to refuse it (the sender's message fails), and
+  /// `landed(header, bytes, ok)` runs once it has landed (or failed).
+  using Place = std::function<std::byte*(std::span<const std::byte> header, uint64_t bytes)>;
+  using Landed = std::function<void(std::span<const std::byte> header, uint64_t bytes, bool ok)>;
+  void accept_messages(const Secret& secret, Place place, Landed landed);
   /// Starts the thread that progresses the worker (serving side); stopped by
   /// stop_progress() or the destructor.
   void start_progress();
-  /// Stops that thread (before the memory it serves is deregistered).
+  /// Stops that thread (before the memory it serves is deregistered), after the sends it
+  /// started have ended (at most 2 s).
   void stop_progress();
 
  private:

@@ -1,11 +1,19 @@
 // The ucx update transport: each receiver registers its two bucket buffers (and a word per
-// buffer that counts the buckets landed in it) with UCX and offers their remote keys with
-// WELCOME; the sender writes each bucket one-sided (ucp_put) into every receiver's buffer
-// right after the bucket's manifest, flushes (remote completion), then bumps the buffer's
-// count. The receiver applies a bucket once its count says it landed, while the sender
-// writes the next one into the other buffer. Bytes cross hosts by whatever UCX picks (tcp
-// here; RDMA where present); a progress thread on the receiver serves the writes (UCX's
-// tcp transport emulates them with messages the target must progress).
+// buffer that counts the buckets landed in it) with UCX and offers their remote keys, and a
+// secret, with WELCOME. The sender moves each bucket right after its manifest, by the path
+// of its endpoint to that receiver (ucx.hpp):
+//
+// - kRma (lanes with native RMA: RDMA, shared memory, cma): it writes the bucket one-sided
+//   (ucp_put) into the receiver's buffer, flushes (remote completion), then bumps the
+//   buffer's count.
+// - kRendezvous (UCX's tcp, which only emulates puts, at half its message rate): it sends
+//   the bucket in pieces as active messages with the secret, the slot and the offset in
+//   their header; the receiver's UCX worker receives each piece straight into its place in
+//   the buffer (rendezvous, zero-copy) and counts the bytes landed.
+//
+// The receiver applies a bucket once its count (or its bytes) says it landed, while the
+// sender moves the next one into the other buffer. A progress thread on the receiver
+// serves both paths (UCX's tcp transport needs the target to progress even for puts).
 #include <poll.h>
 
 #include <atomic>
@@ -24,11 +32,19 @@ const Device kHost{};
 constexpr uint64_t kUcxPiece = 8ull << 20;
 
 /// WELCOME blob: u32 length + worker address, then for bucket 0, bucket 1 and the counts:
-/// u64 address, u32 length + remote key.
+/// u64 address, u32 length + remote key; then the 16-byte secret of the rendezvous path.
 struct Offer {
   std::vector<std::byte> worker_address;
   uint64_t addresses[3] = {0, 0, 0};
   std::vector<std::byte> keys[3];
+  ucx::Secret secret{};
+};
+
+/// The header of a bucket piece on the rendezvous path.
+struct Piece {
+  uint32_t slot = 0;
+  uint32_t reserved = 0;
+  uint64_t offset = 0;
 };
 
 void put_bytes(std::vector<std::byte>& out, const void* data, size_t bytes) {
@@ -47,6 +63,7 @@ std::vector<std::byte> encode_offer(const Offer& offer) {
     put_bytes(blob, &length, sizeof(length));
     put_bytes(blob, offer.keys[i].data(), offer.keys[i].size());
   }
+  put_bytes(blob, offer.secret.data(), offer.secret.size());
   return blob;
 }
 
@@ -70,6 +87,7 @@ Offer parse_offer(std::span<const std::byte> blob, const std::string& who) {
     take(&offer.addresses[i], sizeof(uint64_t));
     take_bytes(offer.keys[i]);
   }
+  take(offer.secret.data(), offer.secret.size());
   WS_EXPECT(at == blob.size(), ErrorCode::kProtocol, "the ucx WELCOME of " + who + " has trailing bytes");
   return offer;
 }
@@ -82,6 +100,21 @@ class UcxReceiver final : public ReceiverTransport {
     for (int i = 0; i < 3; ++i) {
       registrations_[i] = worker_.register_memory(buffers_[i].data(), i < 2 ? bucket_bytes : 64);
     }
+    // Runs on the progress thread: a piece lands only inside a bucket buffer.
+    auto place = [this, bucket_bytes](std::span<const std::byte> header, uint64_t bytes) -> std::byte* {
+      Piece piece;
+      if (header.size() != sizeof(piece)) return nullptr;
+      std::memcpy(&piece, header.data(), sizeof(piece));
+      if (piece.slot > 1 || piece.offset > bucket_bytes || bytes > bucket_bytes - piece.offset) return nullptr;
+      return buffers_[piece.slot].data() + piece.offset;
+    };
+    auto landed = [this](std::span<const std::byte> header, uint64_t bytes, bool ok) {
+      Piece piece;
+      std::memcpy(&piece, header.data(), sizeof(piece));
+      if (!ok) failed_.store(true, std::memory_order_release);
+      if (ok) landed_bytes_[piece.slot].fetch_add(bytes, std::memory_order_release);
+    };
+    worker_.accept_messages(secret_, place, landed);
     worker_.start_progress();
   }
   ~UcxReceiver() override {
@@ -95,21 +128,30 @@ class UcxReceiver final : public ReceiverTransport {
       offer.addresses[i] = registrations_[i]->address();
       offer.keys[i] = registrations_[i]->remote_key();
     }
+    offer.secret = secret_;
     return encode_offer(offer);
   }
   void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
                const std::string& what) override {
+    // The sender takes one path per receiver: the count of buckets it wrote (rma) or the
+    // bytes this worker received (rendezvous) says the bucket has landed.
     const uint64_t due = ++landed_[slot];
+    due_bytes_[slot] += bytes;
     std::atomic_ref<uint64_t> count(reinterpret_cast<uint64_t*>(buffers_[2].data())[slot]);
     const auto deadline = Clock::now() + timeout;
-    for (unsigned spins = 0; count.load(std::memory_order_acquire) < due; ++spins) {
+    for (unsigned spins = 0; count.load(std::memory_order_acquire) < due &&
+                             landed_bytes_[slot].load(std::memory_order_acquire) < due_bytes_[slot];
+         ++spins) {
+      WS_EXPECT(!failed_.load(std::memory_order_acquire), ErrorCode::kNetwork,
+                "a piece of " + what + " from " + connection.peer() + " failed to land over ucx");
       if (spins < 2000) continue;
       WS_EXPECT(Clock::now() < deadline, ErrorCode::kTimeout,
                 what + " from " + connection.peer() + " did not land over ucx within " +
                     std::to_string(timeout.count()) + " ms");
-      // Anything on the control connection now is an error or the sender leaving: the
-      // sender writes the next manifest only after this bucket has landed.
-      WS_EXPECT(!connection.readable(), ErrorCode::kNetwork,
+      // The sender may already have written the next manifest (on the rendezvous path its
+      // send ends before this worker has counted the bytes), so only the connection's end
+      // is an error here; an ERROR message is read once the bucket is due.
+      WS_EXPECT(!connection.closed(), ErrorCode::kNetwork,
                 connection.peer() + " stopped (or failed) while " + what + " was in flight over ucx");
       pollfd none{-1, 0, 0};
       (void)::poll(&none, 0, 1);
@@ -120,20 +162,25 @@ class UcxReceiver final : public ReceiverTransport {
 
  private:
   Buffer buffers_[3];  // the two buckets, then the counts of buckets landed in each
+  ucx::Secret secret_ = ucx::random_secret();
+  std::atomic<uint64_t> landed_bytes_[2] = {0, 0};  // rendezvous: bytes received into each bucket
+  std::atomic<bool> failed_{false};                 // rendezvous: a piece failed to land
   ucx::Worker worker_;
   std::unique_ptr<ucx::Registration> registrations_[3];
-  uint64_t landed_[2] = {0, 0};
+  uint64_t landed_[2] = {0, 0};     // buckets due in each buffer
+  uint64_t due_bytes_[2] = {0, 0};  // bytes due in each buffer
 };
 
 class UcxSender final : public SenderTransport {
  public:
-  UcxSender(uint64_t bucket_bytes, std::span<const std::vector<std::byte>> welcome_blobs)
+  UcxSender(uint64_t bucket_bytes, std::span<const std::vector<std::byte>> welcome_blobs, UcxPath path)
       : buffers_{Buffer(kHost, bucket_bytes), Buffer(kHost, bucket_bytes)} {
+    for (int i = 0; i < 2; ++i) registrations_[i] = worker_.register_memory(buffers_[i].data(), bucket_bytes);
     for (size_t i = 0; i < welcome_blobs.size(); ++i) {
       Target& target = targets_.emplace_back();
       const std::string who = "update receiver " + std::to_string(i);
       target.offer = parse_offer(welcome_blobs[i], who);
-      target.endpoint = worker_.connect(target.offer.worker_address, who);
+      target.endpoint = worker_.connect(target.offer.worker_address, who, path, target.offer.secret);
       for (int k = 0; k < 3; ++k) target.keys[k] = target.endpoint->add_remote_key(target.offer.keys[k]);
     }
   }
@@ -149,13 +196,27 @@ class UcxSender final : public SenderTransport {
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
             std::chrono::milliseconds timeout) override {
     for (uint64_t done = 0; done < bytes; done += kUcxPiece) {
-      for (Target& target : targets_) {
-        target.endpoint->put(buffers_[slot].data() + done, target.offer.addresses[slot] + done, target.keys[slot],
-                             std::min(kUcxPiece, bytes - done), timeout);
+      const uint64_t length = std::min(kUcxPiece, bytes - done);
+      for (size_t i = 0; i < targets_.size(); ++i) {
+        Target& target = targets_[i];
+        guarded(connections, i, [&] {
+          if (target.endpoint->path() == ucx::Path::kRma) {
+            target.endpoint->put(buffers_[slot].data() + done, target.offer.addresses[slot] + done, target.keys[slot],
+                                 length, timeout);
+          } else {
+            const Piece piece{slot, 0, done};
+            target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), buffers_[slot].data() + done, length,
+                                          registrations_[slot].get(), timeout);
+          }
+        });
       }
     }
     for (size_t i = 0; i < targets_.size(); ++i) {
       Target& target = targets_[i];
+      if (target.endpoint->path() == ucx::Path::kRendezvous) {
+        guarded(connections, i, [&] { target.endpoint->wait(timeout); });  // the receiver holds every piece
+        continue;
+      }
       guarded(connections, i, [&] { target.endpoint->flush(timeout); });
       ++target.counts[slot];
       guarded(connections, i, [&] {
@@ -165,6 +226,13 @@ class UcxSender final : public SenderTransport {
         target.endpoint->flush(timeout);
       });
     }
+  }
+  std::vector<std::string> paths() const override {
+    std::vector<std::string> names;
+    for (const Target& target : targets_) {
+      names.push_back(std::string(ucx::path_name(target.endpoint->path())) + " (" + target.endpoint->transports() + ")");
+    }
+    return names;
   }
 
  private:
@@ -185,14 +253,15 @@ class UcxSender final : public SenderTransport {
   }
   Buffer buffers_[2];
   ucx::Worker worker_;
+  std::unique_ptr<ucx::Registration> registrations_[2];  // the buckets, sent from without registering per message
   std::vector<Target> targets_;  // after the worker: endpoints close before it goes
 };
 
 }  // namespace
 
 std::unique_ptr<SenderTransport> make_ucx_sender(uint64_t bucket_bytes,
-                                                 std::span<const std::vector<std::byte>> welcome_blobs) {
-  return std::make_unique<UcxSender>(bucket_bytes, welcome_blobs);
+                                                 std::span<const std::vector<std::byte>> welcome_blobs, UcxPath path) {
+  return std::make_unique<UcxSender>(bucket_bytes, welcome_blobs, path);
 }
 
 std::unique_ptr<ReceiverTransport> make_ucx_receiver(uint64_t bucket_bytes) {

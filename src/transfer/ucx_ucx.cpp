@@ -1,9 +1,14 @@
 // The UCX shim (ucx.hpp) over the ucp API.
 #include <poll.h>
+#include <stdio.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <random>
 #include <thread>
 
 #include "transfer/ucx.hpp"
@@ -17,6 +22,22 @@ using Clock = std::chrono::steady_clock;
 /// Reads in flight on one endpoint before get() waits for the oldest: enough to keep a
 /// link busy, few enough that cancelling them at a failure is quick.
 constexpr size_t kMaxReadsInFlight = 64;
+
+/// Active message ids: a puller's request that the peer send a range (answer_send_requests),
+/// and a message whose payload the peer places (accept_messages).
+constexpr unsigned kSendRequestId = 1;
+constexpr unsigned kMessageId = 2;
+
+/// Largest header of send_message (after the secret).
+constexpr size_t kMaxMessageHeader = 64;
+
+/// A send request's header: the secret, then the range and the tag to answer with.
+struct SendRequest {
+  Secret secret;
+  uint64_t address = 0;
+  uint64_t bytes = 0;
+  uint64_t tag = 0;
+};
 
 std::string status_text(ucs_status_t status) { return ucs_status_string(status); }
 
@@ -32,14 +53,110 @@ void wait_for_events(ucp_worker_h worker, int efd, int milliseconds) {
   (void)::poll(&descriptor, 1, milliseconds);
 }
 
+/// Compares secrets in time independent of where they differ.
+bool same_secret(const Secret& a, const Secret& b) {
+  unsigned char difference = 0;
+  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return difference == 0;
+}
+
+/// The memory registered with one worker: a send request is answered only from inside it.
+struct RegionTable {
+  struct Region {
+    uint64_t address = 0;
+    uint64_t bytes = 0;
+    ucp_mem_h handle = nullptr;
+    Memory memory = Memory::kHost;
+  };
+  std::mutex mutex;
+  std::vector<Region> regions;
+
+  std::optional<Region> containing(uint64_t address, uint64_t bytes) {
+    std::lock_guard lock(mutex);
+    for (const Region& region : regions) {
+      if (address >= region.address && bytes <= region.bytes && address - region.address <= region.bytes - bytes) {
+        return region;
+      }
+    }
+    return std::nullopt;
+  }
+};
+
+/// What UCX selected for an endpoint, from its own description (ucp_ep_print_info). Each
+/// lane line reads like `lane[0]:  1:tcp/eth0.0 md[0] -> md[0]/tcp/sysdev[255] am am_bw#0
+/// keepalive wireup`: the transport and device, then what the lane is used for. A lane used
+/// for "rma" or "rma_bw" moves gets and puts natively; without one, UCX emulates them with
+/// active messages. ucp_ep_query names the transports only from UCX 1.14, and not their uses.
+struct Lanes {
+  bool rma = false;
+  std::string transports;
+};
+
+Lanes describe_lanes(ucp_ep_h ep) {
+  Lanes lanes;
+  char* text = nullptr;
+  size_t length = 0;
+  FILE* stream = ::open_memstream(&text, &length);
+  if (stream == nullptr) return lanes;
+  ucp_ep_print_info(ep, stream);
+  ::fclose(stream);
+  std::string_view all(text, length);
+  std::vector<std::string> seen;
+  while (!all.empty()) {
+    const size_t end = std::min(all.find('\n'), all.size());
+    std::string_view line = all.substr(0, end);
+    all.remove_prefix(std::min(end + 1, all.size()));
+    const size_t lane = line.find("lane[");
+    if (lane == std::string_view::npos) continue;
+    line.remove_prefix(lane);
+    const size_t colon = line.find("]:");
+    if (colon == std::string_view::npos) continue;
+    std::string_view rest = line.substr(colon + 2);
+    rest.remove_prefix(std::min(rest.find_first_not_of(' '), rest.size()));
+    std::string_view resource = rest.substr(0, rest.find(' '));      // "1:tcp/eth0.0"
+    resource.remove_prefix(std::min(resource.find(':') + 1, resource.size()));
+    const std::string name(resource.substr(0, resource.rfind('.') == std::string_view::npos
+                                                  ? resource.size()
+                                                  : resource.rfind('.')));
+    if (!name.empty() && std::find(seen.begin(), seen.end(), name) == seen.end()) seen.push_back(name);
+    const size_t arrow = rest.find("->");
+    std::string_view uses = arrow == std::string_view::npos ? std::string_view() : rest.substr(arrow);
+    for (size_t at = uses.find(" rma"); at != std::string_view::npos; at = uses.find(" rma", at + 1)) {
+      const char next = at + 4 < uses.size() ? uses[at + 4] : ' ';
+      if (next == ' ' || next == '#' || next == '_') lanes.rma = true;  // "rma", "rma#0", "rma_bw#0"
+    }
+  }
+  ::free(text);
+  for (const std::string& name : seen) lanes.transports += (lanes.transports.empty() ? "" : ",") + name;
+  return lanes;
+}
+
 }  // namespace
 
 bool compiled() noexcept { return true; }
 
 std::string library_version() { return ucp_get_version_string(); }
 
+std::string_view path_name(Path path) noexcept { return path == Path::kRma ? "rma" : "rendezvous"; }
+
+Secret random_secret() {
+  std::random_device device;  // getrandom(2) on Linux
+  Secret secret;
+  for (size_t i = 0; i < secret.size(); i += 4) {
+    const uint32_t word = device();
+    std::memcpy(secret.data() + i, &word, 4);
+  }
+  return secret;
+}
+
 Registration::~Registration() {
-  if (handle_ != nullptr) ucp_mem_unmap(static_cast<ucp_context_h>(context_), static_cast<ucp_mem_h>(handle_));
+  if (handle_ == nullptr) return;
+  if (table_ != nullptr) {
+    auto* table = static_cast<RegionTable*>(table_);
+    std::lock_guard lock(table->mutex);
+    std::erase_if(table->regions, [&](const RegionTable::Region& region) { return region.handle == handle_; });
+  }
+  ucp_mem_unmap(static_cast<ucp_context_h>(context_), static_cast<ucp_mem_h>(handle_));
 }
 
 struct Worker::State {
@@ -48,6 +165,110 @@ struct Worker::State {
   int efd = -1;
   std::thread progress;
   std::atomic<bool> stop{false};
+  RegionTable table;
+  uint64_t next_tag = 1;  // tags of this worker's rendezvous reads
+  // Serving side: send requests answered, and their sends not yet ended.
+  Secret request_secret{};
+  std::atomic<uint64_t> sends_in_flight{0};
+  // Receiving side of send_message.
+  Secret message_secret{};
+  Place place;
+  Landed landed;
+
+  struct Arrival {
+    State* state = nullptr;
+    std::vector<std::byte> header;
+    uint64_t bytes = 0;
+  };
+
+  static void on_sent(void* request, ucs_status_t, void* user_data) {
+    static_cast<State*>(user_data)->sends_in_flight.fetch_sub(1, std::memory_order_relaxed);
+    ucp_request_free(request);
+  }
+
+  /// A puller asks for a range: send it with its tag from registered memory, on the
+  /// endpoint back to the puller. A request without the secret gets nothing; a range
+  /// outside every registration gets an empty message, which fails the puller's read.
+  static ucs_status_t on_send_request(void* arg, const void* header, size_t header_length, void*, size_t,
+                                      const ucp_am_recv_param_t* param) {
+    auto* state = static_cast<State*>(arg);
+    if (header_length != sizeof(SendRequest) || (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
+      return UCS_OK;
+    }
+    SendRequest request;
+    std::memcpy(&request, header, sizeof(request));
+    if (!same_secret(request.secret, state->request_secret)) return UCS_OK;
+    std::optional<RegionTable::Region> region = state->table.containing(request.address, request.bytes);
+    ucp_request_param_t send{};
+    send.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    send.cb.send = &State::on_sent;
+    send.user_data = state;
+    const void* source = nullptr;
+    size_t bytes = 0;
+    if (region && request.bytes > 0) {
+      source = reinterpret_cast<const void*>(request.address);
+      bytes = request.bytes;
+      send.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;  // registered already: no registration per send
+      send.memh = region->handle;
+      if (region->memory == Memory::kCuda) {
+        send.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        send.memory_type = UCS_MEMORY_TYPE_CUDA;
+      }
+    }
+    ucs_status_ptr_t sending = ucp_tag_send_nbx(param->reply_ep, source, bytes, request.tag, &send);
+    if (UCS_PTR_IS_PTR(sending)) state->sends_in_flight.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;
+  }
+
+  static void on_arrived(void* request, ucs_status_t status, size_t, void* user_data) {
+    std::unique_ptr<Arrival> arrival(static_cast<Arrival*>(user_data));
+    arrival->state->landed(arrival->header, arrival->bytes, status == UCS_OK);
+    ucp_request_free(request);
+  }
+
+  /// A message for accept_messages: its payload lands where `place` says.
+  static ucs_status_t on_message(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                                 const ucp_am_recv_param_t* param) {
+    auto* state = static_cast<State*>(arg);
+    const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    // Refusing a rendezvous message with an error status fails the sender's request with it.
+    const ucs_status_t refused = rendezvous ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    if (header_length < sizeof(Secret) || header_length > sizeof(Secret) + kMaxMessageHeader) return refused;
+    Secret secret;
+    std::memcpy(secret.data(), header, secret.size());
+    if (!same_secret(secret, state->message_secret)) return refused;
+    std::span<const std::byte> user_header(static_cast<const std::byte*>(header) + secret.size(),
+                                           header_length - secret.size());
+    std::byte* destination = state->place(user_header, length);
+    if (destination == nullptr) return refused;
+    if (!rendezvous) {  // eager: the payload is here already
+      std::memcpy(destination, data, length);
+      state->landed(user_header, length, true);
+      return UCS_OK;
+    }
+    auto arrival = std::make_unique<Arrival>(Arrival{state, {user_header.begin(), user_header.end()}, length});
+    ucp_request_param_t receive{};
+    receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    receive.cb.recv_am = &State::on_arrived;
+    receive.user_data = arrival.get();
+    ucs_status_ptr_t receiving = ucp_am_recv_data_nbx(state->worker, data, destination, length, &receive);
+    if (UCS_PTR_IS_PTR(receiving)) {
+      arrival.release();  // on_arrived owns it
+    } else {
+      state->landed(user_header, length, !UCS_PTR_IS_ERR(receiving));
+    }
+    return UCS_INPROGRESS;  // the receive was started: UCX owns the descriptor
+  }
+
+  void set_handler(unsigned id, ucp_am_recv_callback_t callback) {
+    ucp_am_handler_param_t handler{};
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.id = id;
+    handler.cb = callback;
+    handler.arg = this;
+    ucs_status_t status = ucp_worker_set_am_recv_handler(worker, &handler);
+    if (status != UCS_OK) fail(ErrorCode::kNetwork, "setting an active message handler (ucp_worker_set_am_recv_handler)", status);
+  }
 };
 
 Worker::Worker() : state_(std::make_unique<State>()) {
@@ -56,7 +277,7 @@ Worker::Worker() : state_(std::make_unique<State>()) {
   if (status != UCS_OK) fail(ErrorCode::kConfig, "reading the UCX_* configuration (ucp_config_read)", status);
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   status = ucp_init(&params, config, &state_->context);
   ucp_config_release(config);
   if (status != UCS_OK) fail(ErrorCode::kNetwork, "starting a context (ucp_init)", status);
@@ -130,6 +351,11 @@ std::unique_ptr<Registration> Worker::register_memory(const std::byte* data, uin
   registration->remote_key_.resize(packed_bytes);
   std::memcpy(registration->remote_key_.data(), packed, packed_bytes);
   ucp_rkey_buffer_release(packed);
+  {
+    std::lock_guard lock(state_->table.mutex);
+    state_->table.regions.push_back({registration->address_, bytes, handle, memory});
+  }
+  registration->table_ = &state_->table;
   return registration;
 }
 
@@ -138,6 +364,20 @@ bool Worker::moves_cuda_memory() const {
   attributes.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
   if (ucp_context_query(state_->context, &attributes) != UCS_OK) return false;
   return (attributes.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+void Worker::answer_send_requests(const Secret& secret) {
+  WS_EXPECT(!state_->progress.joinable(), ErrorCode::kInternal, "UCX: answer_send_requests after start_progress");
+  state_->request_secret = secret;
+  state_->set_handler(kSendRequestId, &State::on_send_request);
+}
+
+void Worker::accept_messages(const Secret& secret, Place place, Landed landed) {
+  WS_EXPECT(!state_->progress.joinable(), ErrorCode::kInternal, "UCX: accept_messages after start_progress");
+  state_->message_secret = secret;
+  state_->place = std::move(place);
+  state_->landed = std::move(landed);
+  state_->set_handler(kMessageId, &State::on_message);
 }
 
 void Worker::start_progress() {
@@ -150,6 +390,26 @@ void Worker::start_progress() {
       // Sleeps until traffic arrives; ucp_worker_signal (the destructor) wakes it to stop.
       wait_for_events(state->worker, state->efd, 200);
     }
+    // Sends answering requests read registered memory until they end, and a rendezvous
+    // this worker received may still owe its sender an acknowledgement (UCX 1.13 asserts
+    // at ucp_worker_destroy on an endpoint with such a request): flush the worker, and let
+    // those end (a dead peer's fail at once), before the caller deregisters the memory.
+    const auto until = Clock::now() + std::chrono::seconds(2);
+    ucp_request_param_t param{};
+    ucs_status_ptr_t flush = ucp_worker_flush_nbx(state->worker, &param);
+    auto pending = [&] {
+      if (UCS_PTR_IS_PTR(flush) && ucp_request_check_status(flush) == UCS_INPROGRESS) return true;
+      return state->sends_in_flight.load(std::memory_order_relaxed) > 0;
+    };
+    while (pending() && Clock::now() < until) {
+      while (ucp_worker_progress(state->worker) != 0) {
+      }
+      wait_for_events(state->worker, state->efd, 10);
+    }
+    if (UCS_PTR_IS_PTR(flush)) {
+      if (ucp_request_check_status(flush) == UCS_INPROGRESS) ucp_request_cancel(state->worker, flush);
+      ucp_request_free(flush);
+    }
   });
 }
 
@@ -157,48 +417,84 @@ struct Endpoint::State {
   ucp_worker_h worker = nullptr;
   int efd = -1;
   ucp_ep_h ep = nullptr;
+  Path path = Path::kRma;
+  std::string transports;
+  Secret secret{};
+  uint64_t* next_tag = nullptr;  // the worker's
   std::vector<ucp_rkey_h> keys;
-  std::vector<void*> in_flight;
+  struct InFlight {
+    void* request = nullptr;
+    bool receive = false;  // a tagged receive of `bytes` (a rendezvous read)
+    uint64_t bytes = 0;
+    uint64_t remote_address = 0;
+    std::unique_ptr<std::byte[]> header;  // an active message's header, read by UCX until it ends (UCX 1.13)
+    uint64_t* landed = nullptr;           // a read's counter of bytes landed (get())
+  };
+  std::vector<InFlight> in_flight;
   ucs_status_t failure = UCS_OK;  // set by the error handler (the peer died or reset)
   ucs_status_t first_error = UCS_OK;
+  std::string refusal;  // a rendezvous read the peer answered with nothing
 
   static void on_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* state = static_cast<State*>(arg);
     if (state->failure == UCS_OK) state->failure = status;
   }
 
-  /// Frees the reads that have ended; true when at least one did.
+  /// Frees the operations that have ended; true when at least one did.
   bool reap() {
     bool ended = false;
-    std::erase_if(in_flight, [&](void* request) {
-      ucs_status_t status = ucp_request_check_status(request);
+    std::erase_if(in_flight, [&](InFlight& operation) {
+      ucs_status_t status = UCS_INPROGRESS;
+      ucp_tag_recv_info_t info{};
+      if (operation.receive) {
+        status = ucp_tag_recv_request_test(operation.request, &info);
+      } else {
+        status = ucp_request_check_status(operation.request);
+      }
       if (status == UCS_INPROGRESS) return false;
       if (status != UCS_OK && first_error == UCS_OK) first_error = status;
-      ucp_request_free(request);
+      if (status == UCS_OK && operation.receive && info.length != operation.bytes && refusal.empty()) {
+        refusal = "sent " + std::to_string(info.length) + " of the " + std::to_string(operation.bytes) +
+                  " bytes asked for at remote address " + std::to_string(operation.remote_address) +
+                  " (a range outside the memory it serves)";
+      }
+      if (status == UCS_OK && operation.landed != nullptr) *operation.landed += operation.bytes;
+      ucp_request_free(operation.request);
       ended = true;
       return true;
     });
     return ended;
   }
 
-  /// Progresses until at most `keep` reads are in flight; a read failing, or none ending
+  /// Progresses until at most `keep` operations are in flight; one failing, or none ending
   /// for `timeout`, throws (after cancelling the others).
   void drain(size_t keep, std::chrono::milliseconds timeout, const std::string& peer) {
+    drain_until([&] { return in_flight.size() <= keep; }, timeout, peer);
+  }
+
+  /// Progresses until `done()`, with drain()'s errors.
+  template <typename Done>
+  void drain_until(Done&& done, std::chrono::milliseconds timeout, const std::string& peer) {
     auto last_progress = Clock::now();
-    while (in_flight.size() > keep) {
+    while (!done() || !refusal.empty()) {
       while (ucp_worker_progress(worker) != 0) {
       }
       if (reap()) last_progress = Clock::now();
+      if (!refusal.empty()) {
+        cancel_all();
+        WS_FAIL(ErrorCode::kProtocol, "UCX read from " + peer + " failed: it " + refusal);
+      }
       if (first_error != UCS_OK || failure != UCS_OK) {
         cancel_all();
         ucs_status_t status = first_error != UCS_OK ? first_error : failure;
-        WS_FAIL(ErrorCode::kNetwork, "UCX read from " + peer + " failed: " + status_text(status));
+        WS_FAIL(ErrorCode::kNetwork, "UCX " + std::string(path == Path::kRma ? "read" : "transfer") + " from " +
+                                         peer + " failed: " + status_text(status));
       }
-      if (in_flight.size() <= keep) break;
+      if (done()) break;
       if (Clock::now() - last_progress > timeout) {
         size_t pending = in_flight.size();
         cancel_all();
-        WS_FAIL(ErrorCode::kTimeout, "UCX reads from " + peer + ": " + std::to_string(pending) +
+        WS_FAIL(ErrorCode::kTimeout, "UCX transfers with " + peer + ": " + std::to_string(pending) +
                                          " still in flight after " + std::to_string(timeout.count()) +
                                          " ms without progress (is the peer alive and reachable?)");
       }
@@ -207,15 +503,35 @@ struct Endpoint::State {
   }
 
   void cancel_all() {
-    for (void* request : in_flight) ucp_request_cancel(worker, request);
+    for (InFlight& operation : in_flight) {
+      operation.landed = nullptr;  // its owner is giving up on it, and may be gone
+      ucp_request_cancel(worker, operation.request);
+    }
     auto until = Clock::now() + std::chrono::seconds(2);
     while (!in_flight.empty() && Clock::now() < until) {
       ucp_worker_progress(worker);
       reap();
     }
     // Requests UCX did not end in time stay with it; they are freed, not waited for.
-    for (void* request : in_flight) ucp_request_free(request);
+    for (InFlight& operation : in_flight) {
+      ucp_request_free(operation.request);
+      (void)operation.header.release();  // UCX may still read it: leaked, not freed under it
+    }
     in_flight.clear();
+  }
+
+  void check_alive(const std::string& peer) const {
+    if (failure != UCS_OK) WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer + " failed: " + status_text(failure));
+  }
+
+  void track(ucs_status_ptr_t request, InFlight operation, std::chrono::milliseconds timeout, const std::string& peer) {
+    if (request == nullptr) {  // ended at once
+      if (operation.landed != nullptr) *operation.landed += operation.bytes;
+      return;
+    }
+    operation.request = request;
+    in_flight.push_back(std::move(operation));
+    if (in_flight.size() >= kMaxReadsInFlight) drain(kMaxReadsInFlight / 2, timeout, peer);
   }
 };
 
@@ -225,9 +541,13 @@ Endpoint::~Endpoint() {
   State& state = *state_;
   if (!state.in_flight.empty()) state.cancel_all();
   for (ucp_rkey_h key : state.keys) ucp_rkey_destroy(key);
+  // A live peer gets a flushed close: forced, its worker may tear down its end of the
+  // connection while it still tracks a request of ours, and UCX 1.13 aborts the process
+  // there (ucp_ep_destroy_base's proto_reqs assertion: the serving peer died, and the next
+  // puller met "Connection refused"). A failed peer's endpoint is forced: a flush would stall.
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  param.flags = UCP_EP_CLOSE_FLAG_FORCE;  // no flush: a dead peer would stall it
+  param.flags = state.failure != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t request = ucp_ep_close_nbx(state.ep, &param);
   if (UCS_PTR_IS_PTR(request)) {
     auto until = Clock::now() + std::chrono::seconds(2);
@@ -235,6 +555,10 @@ Endpoint::~Endpoint() {
     ucp_request_free(request);
   }
 }
+
+Path Endpoint::path() const noexcept { return state_->path; }
+
+const std::string& Endpoint::transports() const noexcept { return state_->transports; }
 
 uint32_t Endpoint::add_remote_key(std::span<const std::byte> packed) {
   ucp_rkey_h key = nullptr;
@@ -245,27 +569,48 @@ uint32_t Endpoint::add_remote_key(std::span<const std::byte> packed) {
 }
 
 void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-                   std::chrono::milliseconds timeout, Memory destination_memory) {
+                   std::chrono::milliseconds timeout, Memory destination_memory, uint64_t* landed_bytes) {
   State& state = *state_;
-  WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX read with an unknown remote key");
   if (bytes == 0) return;
-  if (state.failure != UCS_OK) {
-    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
-  }
+  state.check_alive(peer_);
   ucp_request_param_t param{};
   if (destination_memory == Memory::kCuda) {
     param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     param.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
-  ucs_status_ptr_t request = ucp_get_nbx(state.ep, destination, bytes, remote_address, state.keys[key], &param);
-  if (UCS_PTR_IS_ERR(request)) {
-    fail(ErrorCode::kNetwork,
-         "reading " + std::to_string(bytes) + " bytes at remote address " + std::to_string(remote_address) + " of " + peer_ +
-             " (ucp_get_nbx)",
-         UCS_PTR_STATUS(request));
+  if (state.path == Path::kRma) {
+    WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX read with an unknown remote key");
+    ucs_status_ptr_t request = ucp_get_nbx(state.ep, destination, bytes, remote_address, state.keys[key], &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      fail(ErrorCode::kNetwork,
+           "reading " + std::to_string(bytes) + " bytes at remote address " + std::to_string(remote_address) + " of " +
+               peer_ + " (ucp_get_nbx)",
+           UCS_PTR_STATUS(request));
+    }
+    state.track(request, State::InFlight{nullptr, false, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
+    return;
   }
-  if (request != nullptr) state.in_flight.push_back(request);
-  if (state.in_flight.size() >= kMaxReadsInFlight) state.drain(kMaxReadsInFlight / 2, timeout, peer_);
+  // Rendezvous: the receive is posted before the request leaves, so the answer always
+  // finds it (never an unexpected message buffered by UCX).
+  const uint64_t tag = (*state.next_tag)++;
+  ucs_status_ptr_t receive = ucp_tag_recv_nbx(state.worker, destination, bytes, tag, ~uint64_t{0}, &param);
+  if (UCS_PTR_IS_ERR(receive)) {
+    fail(ErrorCode::kNetwork, "posting a receive of " + std::to_string(bytes) + " bytes from " + peer_ + " (ucp_tag_recv_nbx)",
+         UCS_PTR_STATUS(receive));
+  }
+  state.track(receive, State::InFlight{nullptr, true, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
+  auto header = std::make_unique<std::byte[]>(sizeof(SendRequest));
+  const SendRequest request{state.secret, remote_address, bytes, tag};
+  std::memcpy(header.get(), &request, sizeof(request));
+  ucp_request_param_t send{};
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  send.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t asking = ucp_am_send_nbx(state.ep, kSendRequestId, header.get(), sizeof(SendRequest), nullptr, 0, &send);
+  if (UCS_PTR_IS_ERR(asking)) {
+    fail(ErrorCode::kNetwork, "asking " + peer_ + " to send " + std::to_string(bytes) + " bytes (ucp_am_send_nbx)",
+         UCS_PTR_STATUS(asking));
+  }
+  state.track(asking, State::InFlight{nullptr, false, 0, 0, std::move(header)}, timeout, peer_);
 }
 
 void Endpoint::put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
@@ -273,17 +618,38 @@ void Endpoint::put(const std::byte* source, uint64_t remote_address, uint32_t ke
   State& state = *state_;
   WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX write with an unknown remote key");
   if (bytes == 0) return;
-  if (state.failure != UCS_OK) {
-    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
-  }
+  state.check_alive(peer_);
   ucp_request_param_t param{};
   ucs_status_ptr_t request = ucp_put_nbx(state.ep, source, bytes, remote_address, state.keys[key], &param);
   if (UCS_PTR_IS_ERR(request)) {
     fail(ErrorCode::kNetwork, "writing " + std::to_string(bytes) + " bytes to " + peer_ + " (ucp_put_nbx)",
          UCS_PTR_STATUS(request));
   }
-  if (request != nullptr) state.in_flight.push_back(request);
-  if (state.in_flight.size() >= kMaxReadsInFlight) state.drain(kMaxReadsInFlight / 2, timeout, peer_);
+  state.track(request, State::InFlight{}, timeout, peer_);
+}
+
+void Endpoint::send_message(std::span<const std::byte> header, const std::byte* source, uint64_t bytes,
+                            const Registration* source_registration, std::chrono::milliseconds timeout) {
+  State& state = *state_;
+  WS_EXPECT(header.size() <= kMaxMessageHeader, ErrorCode::kInternal, "UCX message header over 64 bytes");
+  state.check_alive(peer_);
+  const size_t header_bytes = sizeof(Secret) + header.size();
+  auto copy = std::make_unique<std::byte[]>(header_bytes);
+  std::memcpy(copy.get(), state.secret.data(), sizeof(Secret));
+  if (!header.empty()) std::memcpy(copy.get() + sizeof(Secret), header.data(), header.size());
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  param.flags = UCP_AM_SEND_FLAG_RNDV;  // zero-copy: the payload moves once the peer has placed it
+  if (source_registration != nullptr) {
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    param.memh = static_cast<ucp_mem_h>(source_registration->handle_);
+  }
+  ucs_status_ptr_t request = ucp_am_send_nbx(state.ep, kMessageId, copy.get(), header_bytes, source, bytes, &param);
+  if (UCS_PTR_IS_ERR(request)) {
+    fail(ErrorCode::kNetwork, "sending " + std::to_string(bytes) + " bytes to " + peer_ + " (ucp_am_send_nbx)",
+         UCS_PTR_STATUS(request));
+  }
+  state.track(request, State::InFlight{nullptr, false, 0, 0, std::move(copy)}, timeout, peer_);
 }
 
 void Endpoint::flush(std::chrono::milliseconds timeout) {
@@ -293,27 +659,35 @@ void Endpoint::flush(std::chrono::milliseconds timeout) {
   ucs_status_ptr_t request = ucp_ep_flush_nbx(state.ep, &param);
   if (UCS_PTR_IS_ERR(request)) fail(ErrorCode::kNetwork, "flushing the endpoint to " + peer_, UCS_PTR_STATUS(request));
   if (request != nullptr) {
-    state.in_flight.push_back(request);
+    state.in_flight.push_back(State::InFlight{request, false, 0, 0, nullptr});
     state.drain(0, timeout, peer_);
   }
-  if (state.failure != UCS_OK) {
-    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
-  }
+  state.check_alive(peer_);
+}
+
+void Endpoint::cancel() noexcept {
+  if (!state_->in_flight.empty()) state_->cancel_all();
+}
+
+void Endpoint::wait_until(const uint64_t& counter, uint64_t value, std::chrono::milliseconds timeout) {
+  State& state = *state_;
+  state.drain_until([&] { return counter >= value; }, timeout, peer_);
+  state.check_alive(peer_);
 }
 
 void Endpoint::wait(std::chrono::milliseconds timeout) {
   State& state = *state_;
   state.drain(0, timeout, peer_);
-  // Reads that completed inline are done; a flush makes sure of the rest of the endpoint.
-  if (state.failure != UCS_OK) {
-    WS_FAIL(ErrorCode::kNetwork, "UCX endpoint to " + peer_ + " failed: " + status_text(state.failure));
-  }
+  state.check_alive(peer_);
 }
 
-std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte> address, const std::string& peer) {
+std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte> address, const std::string& peer, UcxPath path,
+                                          const Secret& secret) {
   auto state = std::make_unique<Endpoint::State>();
   state->worker = state_->worker;
   state->efd = state_->efd;
+  state->secret = secret;
+  state->next_tag = &state_->next_tag;
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -323,6 +697,19 @@ std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte> address, co
   params.err_handler.arg = state.get();
   ucs_status_t status = ucp_ep_create(state_->worker, &params, &state->ep);
   if (status != UCS_OK) fail(ErrorCode::kNetwork, "connecting to " + peer + " (ucp_ep_create)", status);
+  const Lanes lanes = describe_lanes(state->ep);
+  state->transports = lanes.transports;
+  switch (path) {
+    case UcxPath::kRma:
+      state->path = Path::kRma;
+      break;
+    case UcxPath::kRendezvous:
+      state->path = Path::kRendezvous;
+      break;
+    case UcxPath::kAuto:
+      state->path = lanes.rma ? Path::kRma : Path::kRendezvous;
+      break;
+  }
   return std::unique_ptr<Endpoint>(new Endpoint(std::move(state), peer));
 }
 

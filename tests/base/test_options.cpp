@@ -62,6 +62,11 @@ TEST(Options, MalformedValuesNameTheVariable) {
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_MAPPED_SHARE", "half"}}),
               HasSubstr("WEIGHTSTREAM_MAPPED_SHARE='half': expected a fraction from 0 to 1"));
   EXPECT_DOUBLE_EQ(options_from_environment({{"WEIGHTSTREAM_MAPPED_SHARE", "0.25"}}).stream.mapped_share, 0.25);
+  EXPECT_THAT(config_error({{"WEIGHTSTREAM_UCX_PATH", "tag"}}),
+              HasSubstr("WEIGHTSTREAM_UCX_PATH='tag': expected auto, rma or rendezvous"));
+  EXPECT_EQ(options_from_environment({}).ucx_path, UcxPath::kAuto);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_UCX_PATH", "rma"}}).ucx_path, UcxPath::kRma);
+  EXPECT_EQ(options_from_environment({{"WEIGHTSTREAM_UCX_PATH", "rendezvous"}}).ucx_path, UcxPath::kRendezvous);
   EXPECT_THAT(config_error({{"WEIGHTSTREAM_PREFETCHERS", "-1"}}),
               HasSubstr("WEIGHTSTREAM_PREFETCHERS='-1': expected a whole number from 0 to 1024"));
   EXPECT_FALSE(options_from_environment({}).stream.prefetchers.has_value());

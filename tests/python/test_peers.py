@@ -205,7 +205,7 @@ def manifest_of(namespace, address):
         "host, port = sys.argv[1].rsplit(':', 1)\n"
         "s = socket.create_connection((host, int(port)), timeout=20)\n"
         "body = json.dumps({'token': sys.argv[2]}).encode()\n"
-        "s.sendall(struct.pack('<IHHQ', 0x45505357, 1, 1, len(body)) + body)\n"
+        "s.sendall(struct.pack('<IHHQ', 0x45505357, 2, 1, len(body)) + body)\n"
         "def exact(n):\n"
         "    data = b''\n"
         "    while len(data) < n:\n"
@@ -344,7 +344,27 @@ def test_manifests_of_different_checkpoints_are_refused(namespaces, llama, tmp_p
     assert first.address in result.stderr and second.address in result.stderr
 
 
-def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namespaces, llama, tmp_path):
+@pytest.mark.parametrize("path", ["rendezvous", "rma"])
+def test_a_pull_across_the_namespaces_takes_either_ucx_path(namespaces, llama, tmp_path, path):
+    """Over tcp the library picks rendezvous (the server's tagged sends); rma (emulated
+    one-sided gets) is forced here with WEIGHTSTREAM_UCX_PATH. Both land the same bytes."""
+    server_ns, puller_ns = namespaces
+    env = dict(ENV, WEIGHTSTREAM_UCX_PATH=path)
+    with Server(server_ns, llama) as server:
+        result = subprocess.run(
+            ["ip", "netns", "exec", puller_ns, CLI, "export", f"peer://{server.address}",
+             str(tmp_path / "pulled.safetensors"), "--json", "--token-stdin", "--no-progress"],
+            input=TOKEN + "\n", capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr
+        peer = json.loads(result.stdout)["peers"][0]
+        assert peer["ucx_path"] == path and peer["ucx_transports"].startswith("tcp/"), peer
+        default = pull(puller_ns, f"peer://{server.address}", tmp_path / "default.safetensors")
+        assert json.loads(default.stdout)["peers"][0]["ucx_path"] == "rendezvous"  # tcp has no native RMA
+    assert digests(tmp_path / "pulled.safetensors") == expected_export(llama, tmp_path / "expected.safetensors")
+
+
+@pytest.mark.parametrize("path", ["auto", "rma"])
+def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namespaces, llama, tmp_path, path):
     server_ns, trainer_ns = namespaces
     reload = synth(tmp_path / "reload", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "9")
     audit = subprocess.Popen(
@@ -361,9 +381,12 @@ def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namesp
         assert match.group(1).startswith(SERVER_ADDRESS + ":")
         sender = subprocess.run(
             ["ip", "netns", "exec", trainer_ns, CLI, "send", str(reload), "--to", match.group(1), "--via", "ucx",
-             "--bucket-size", "1MiB", "--token-stdin", "--no-progress"],
-            input=TOKEN + "\n", capture_output=True, text=True, env=ENV, timeout=120)
+             "--bucket-size", "1MiB", "--token-stdin", "--no-progress", "--json"],
+            input=TOKEN + "\n", capture_output=True, text=True, env=dict(ENV, WEIGHTSTREAM_UCX_PATH=path), timeout=120)
         assert sender.returncode == 0, sender.stderr
+        # tcp has no native RMA: auto sends the buckets as rendezvous messages; rma forces puts.
+        [taken] = json.loads(sender.stdout)["paths"]
+        assert taken.startswith(("rendezvous" if path == "auto" else "rma") + " (tcp/"), taken
         audit.wait(timeout=120)
         out, err = audit.stdout.read(), audit.stderr.read()
     finally:

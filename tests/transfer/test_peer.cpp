@@ -17,6 +17,7 @@
 namespace weightstream {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::error_text;
 using testing::TempDir;
@@ -119,6 +120,104 @@ TEST_F(PeerTest, PullsTheSameLayoutInPlaceAndEqualsTheCheckpoint) {
     EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
     EXPECT_EQ(comparison.compared, layout.parameters().size());
   }
+}
+
+// Both ways UCX moves the bytes, forced: one-sided reads, and the server's tagged sends.
+class PeerPathTest : public ::testing::TestWithParam<UcxPath> {
+ protected:
+  void SetUp() override {
+    if (!transfer::ucx::compiled()) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  }
+};
+
+TEST_P(PeerPathTest, PullsInPlaceAndAcrossTpSizesEqualToTheCheckpoint) {
+  Model model;
+  Instance instance(model, 2);
+  PeerPullOptions options = pull_options();
+  options.ucx_path = GetParam();
+  const std::string path(ucx_path_name(GetParam()));
+  for (auto [tp_size, tp_rank] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {1, 0}, {4, 2}}) {
+    PeerSource source(instance.uri(), options);
+    for (const PeerManifest& manifest : source.manifests()) EXPECT_EQ(manifest.ucx_path, path);
+    ModelLayout layout = empty_layout(model, tp_size, tp_rank);
+    PeerPullReport report = pull_into(layout, source);
+    EXPECT_GT(report.bytes_from_peers, 0u);
+    if (tp_size == 2) EXPECT_GT(report.bytes_in_place, 0u);
+    LayoutComparison comparison = compare_layouts(layout, loaded_layout(model, tp_size, tp_rank));
+    EXPECT_EQ(comparison.mismatched, 0u) << path << ", tp " << tp_size << " rank " << tp_rank << ": "
+                                         << ::testing::PrintToString(comparison.mismatches);
+    EXPECT_EQ(comparison.compared, layout.parameters().size());
+  }
+}
+
+TEST_P(PeerPathTest, AFlippedServedByteFailsThePullNamingTheParameter) {
+  Model model;
+  Instance instance(model, 1);
+  const Parameter& victim = instance.layouts[0].parameters()[1];
+  victim.data[7] ^= std::byte{0x40};
+  PeerPullOptions options = pull_options();
+  options.ucx_path = GetParam();
+  PeerSource source(instance.uri(), options);
+  ModelLayout layout = empty_layout(model, 1, 0);
+  EXPECT_THAT(error_text([&] { pull_into(layout, source); }),
+              AllOf(HasSubstr("parameter " + victim.name), HasSubstr("does not match its digest")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ucx, PeerPathTest, ::testing::Values(UcxPath::kRma, UcxPath::kRendezvous),
+                         [](const auto& info) { return std::string(ucx_path_name(info.param)); });
+
+// The shim's rendezvous reads: the server answers only from registered memory, and only a
+// puller that presents its secret.
+TEST_F(PeerTest, RendezvousReadsComeOnlyFromRegisteredMemoryAndOnlyWithTheSecret) {
+  namespace ucx = transfer::ucx;
+  std::vector<std::byte> served(1 << 20);
+  for (size_t i = 0; i < served.size(); ++i) served[i] = static_cast<std::byte>(i * 131 + 7);
+  ucx::Worker server;
+  auto registration = server.register_memory(served.data(), served.size());
+  const ucx::Secret secret = ucx::random_secret();
+  server.answer_send_requests(secret);
+  server.start_progress();
+  ucx::Worker puller;
+  const auto timeout = std::chrono::milliseconds(60'000);
+  {
+    auto endpoint = puller.connect(server.address(), "the test server", UcxPath::kRendezvous, secret);
+    EXPECT_EQ(endpoint->path(), ucx::Path::kRendezvous);
+    EXPECT_FALSE(endpoint->transports().empty());
+    std::vector<std::byte> read(served.size() - 4096);
+    endpoint->get(read.data(), registration->address() + 4096, 0, read.size(), timeout);
+    endpoint->wait(timeout);
+    EXPECT_TRUE(std::equal(read.begin(), read.end(), served.begin() + 4096));
+    // One byte past the registration: refused, and the read fails naming the range.
+    EXPECT_THAT(error_text([&] {
+                  endpoint->get(read.data(), registration->address() + 4097, 0, read.size(), timeout);
+                  endpoint->wait(timeout);
+                }),
+                AllOf(HasSubstr("the test server"), HasSubstr("sent 0 of the " + std::to_string(read.size())),
+                      HasSubstr("outside the memory it serves")));
+  }
+  {
+    // Without the secret nothing is sent: the read times out.
+    auto endpoint = puller.connect(server.address(), "the test server", UcxPath::kRendezvous, ucx::Secret{});
+    std::vector<std::byte> read(4096);
+    EXPECT_THAT(error_text([&] {
+                  endpoint->get(read.data(), registration->address(), 0, read.size(), timeout);
+                  endpoint->wait(std::chrono::milliseconds(500));
+                }),
+                AllOf(HasSubstr("the test server"), HasSubstr("without progress")));
+  }
+  server.stop_progress();
+}
+
+TEST_F(PeerTest, AutoPicksRendezvousOnlyWhereNoLaneHasRma) {
+  namespace ucx = transfer::ucx;
+  ucx::Worker server, puller;
+  auto endpoint = puller.connect(server.address(), "the test server");
+  const std::string transports = endpoint->transports();
+  // A tcp-only endpoint (UCX_TLS=tcp, or workers UCX joins over tcp) has no native RMA.
+  if (transports.find_first_of(",") == std::string::npos && transports.starts_with("tcp/")) {
+    EXPECT_EQ(endpoint->path(), ucx::Path::kRendezvous) << transports;
+  }
+  EXPECT_EQ(puller.connect(server.address(), "the test server", UcxPath::kRma)->path(), ucx::Path::kRma);
 }
 
 TEST_F(PeerTest, PullsAnotherTpLayoutFromTheCheckpointCoordinates) {

@@ -180,7 +180,7 @@ GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Transports);
 
 // ---- one sender, several receivers ---------------------------------------------------------
 
-void one_sender_feeds_every_receiver(TransportKind kind) {
+void one_sender_feeds_every_receiver(TransportKind kind, UcxPath path = UcxPath::kAuto) {
   // The tensor-parallel ranks (or replicas) of an engine: each its own receiver and layout.
   // Over TCP each gets its own stream, over UCX each its own writes; NCCL (two GPUs, issue 9)
   // broadcasts once to all.
@@ -189,7 +189,13 @@ void one_sender_feeds_every_receiver(TransportKind kind) {
   UpdateReceiver second_receiver(second.layout, receiver_options(kind));
   const std::vector<std::string> addresses = {first_receiver.address(), second_receiver.address()};
   auto trainer = std::async(std::launch::async, [&] {
-    UpdateSender sender(addresses, sender_options(kind, 16 << 10));  // many buckets
+    SenderOptions options = sender_options(kind, 16 << 10);  // many buckets
+    options.ucx_path = path;
+    UpdateSender sender(addresses, options);
+    if (path != UcxPath::kAuto) {
+      for (const std::string& taken : sender.paths()) EXPECT_THAT(taken, ::testing::StartsWith(std::string(ucx_path_name(path)) + " ("));
+      EXPECT_EQ(sender.paths().size(), 2u);
+    }
     std::vector<UpdateReport> reports;
     for (uint64_t seed : {2, 3}) {
       sender.start(TensorFormat::kCheckpoint);
@@ -223,6 +229,16 @@ TEST(SeveralReceivers, OneSenderFeedsEveryReceiverUpdateAfterUpdate) { one_sende
 TEST(SeveralReceivers, OneUcxSenderFeedsEveryReceiverUpdateAfterUpdate) {
   if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
   one_sender_feeds_every_receiver(TransportKind::kUcx);
+}
+
+TEST(SeveralReceivers, OneUcxSenderFeedsEveryReceiverByOneSidedPuts) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  one_sender_feeds_every_receiver(TransportKind::kUcx, UcxPath::kRma);
+}
+
+TEST(SeveralReceivers, OneUcxSenderFeedsEveryReceiverByRendezvousMessages) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  one_sender_feeds_every_receiver(TransportKind::kUcx, UcxPath::kRendezvous);
 }
 
 TEST(SeveralReceivers, OnlyTcpNcclAndUcxFeedSeveral) {
