@@ -78,7 +78,7 @@ struct BucketManifest {
 };
 
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
-inline constexpr uint16_t kProtocolVersion = 3;
+inline constexpr uint16_t kProtocolVersion = 4;  // 4: a ucx WELCOME carries the rendezvous secret
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
