@@ -28,7 +28,6 @@ from ._model import (
     first_weights_source,
     log_once,
     logger,
-    parallel_ranks,
     resolve_module_source,
     route_checkpoint,
     serve_address,
@@ -104,7 +103,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                 quantization = getattr(model_config, "quantization", None)
                 if quantization not in BOUND_QUANTIZATIONS:
                     raise NoMappingTable(f"quantization '{quantization}'")
-                bound = bind_model(model, config, role, model_config.dtype, parallel_ranks(model))
+                bound = bind_model(model, config, role, model_config.dtype)
             except NoMappingTable as reason:
                 log_once(logging.WARNING, "weightstream: no layout for %s (%s): the %s loads through the model's "
                          "load_weights, fed by weightstream's streamer, at iterator speed",
@@ -191,7 +190,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                      mode: str, started: float, options: LoaderOptions, peer_failure: str = "") -> Checkpoint:
         method = speculative_method() if bound.role == "draft" else ""
         resolution = resolve_module_source(sources, bound.role, bound.layout, options, method)
-        checkpoint = Checkpoint(resolution["uri"], **options.stream)
+        checkpoint = resolution["checkpoint"]
         by_load_weights = route_checkpoint(bound, checkpoint)
         session = LoadSession(bound.layout)
         session.begin(mode)
