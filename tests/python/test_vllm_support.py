@@ -4,6 +4,7 @@ sharing storage, and source resolution as `weightstream resolve` does it. The vL
 itself is tests/python/test_vllm.py (scripts/vllm-test.sh)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,15 @@ def test_resolve_source_falls_back_to_the_checkpoint_uri_naming_what_it_passed_o
     assert opened["uri"] == path and opened["passed_over"] == chosen["passed_over"]
     assert len(opened["checkpoint"]) == len(weightstream.open(path))
     assert opened["checkpoint"].find("lm_head.weight") is not None
+    # One the loader opened ahead (while it bound the model) is taken as it is: no shard is
+    # listed or read again, so it resolves even once the files are gone.
+    ahead = weightstream.open(path)._core
+    (Path(path) / "model.safetensors").rename(tmp_path_factory.mktemp("gone") / "model.safetensors")
+    taken = _core.resolve_source(str(snapshot), "", "target", layout, "", path, open_checkpoint=True,
+                                 opened=(path, ahead))
+    assert taken["uri"] == path and len(taken["checkpoint"]) == len(ahead)
+    with pytest.raises(weightstream.Error, match="no \\*.safetensors files"):
+        _core.resolve_source(str(snapshot), "", "target", layout, "", path, open_checkpoint=True)
     with pytest.raises(weightstream.Error, match="Cannot find any safetensors model weights for the target: "
                                                  "model_weights: not set; model .*: no \\*.safetensors files"):
         _core.resolve_source(str(snapshot), "", "target", layout, "", "")

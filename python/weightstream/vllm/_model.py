@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
@@ -517,15 +518,47 @@ def store_binding(model: torch.nn.Module, bound: BoundModel) -> None:
     object.__setattr__(model, "_weightstream_binding", bound)
 
 
+class CheckpointAhead:
+    """Opens, on a thread of its own, the source resolution tries first (model_weights, else
+    model) while the loader binds the model: reading the index and shard headers of a MoE
+    checkpoint (thousands of tensors) is C++ that runs without the GIL, binding is Python, so
+    on two cores the two overlap. Resolution still decides: it takes this checkpoint when it
+    chooses that source (one that holds a tensor the module wants) and opens what it chooses
+    otherwise; a source that cannot be opened here gets its reason from resolution."""
+
+    def __init__(self, sources: ModelSources, options: LoaderOptions) -> None:
+        self.uri = sources.model_weights or sources.model
+        self._stream = dict(options.stream)
+        self._opened: Optional[Any] = None
+        self._thread: Optional[threading.Thread] = None
+        if self.uri:
+            self._thread = threading.Thread(target=self._open, name="weightstream-open", daemon=True)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            self._opened = _core.Checkpoint(self.uri, self._stream)
+        except _core.Error:
+            pass  # resolution probes the source again and names why it cannot be opened
+
+    def result(self) -> Optional[Tuple[str, Any]]:
+        """(uri, the compiled checkpoint), or None when nothing was opened."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return None if self._opened is None else (self.uri, self._opened)
+
+
 def resolve_module_source(sources: ModelSources, role: str, layout: ModelLayout, options: LoaderOptions,
-                          method: str = "") -> Dict[str, Any]:
+                          method: str = "", ahead: Optional[CheckpointAhead] = None) -> Dict[str, Any]:
     """Where a module's weights come from, as ``weightstream resolve`` decides: model_weights,
     then model, then the checkpoint URI (extra-config model_uri, else WEIGHTSTREAM_MODEL_URI
-    or MX_MODEL_URI). The chosen source's checkpoint, opened once by the resolution itself
-    (its index and headers read once), is under "checkpoint". Raises weightstream.Error naming
-    every source passed over."""
+    or MX_MODEL_URI). The chosen source's checkpoint, opened once (by ``ahead`` when it
+    opened that source, else by the resolution itself), is under "checkpoint". Raises
+    weightstream.Error naming every source passed over."""
     resolution = _core.resolve_source(sources.model, sources.model_weights, role, layout, method, options.model_uri,
-                                      options.stream, open_checkpoint=True)
+                                      options.stream, open_checkpoint=True,
+                                      opened=ahead.result() if ahead is not None else None)
     resolution["checkpoint"] = Checkpoint._of(resolution["checkpoint"])
     return resolution
 
