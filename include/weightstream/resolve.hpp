@@ -55,9 +55,9 @@ struct SourceCandidate {
   /// Shards that hold a wanted tensor, per the index (all shards when there is none); set
   /// for the chosen source.
   std::vector<std::string> shards;
-  /// The chosen source's checkpoint when probing had to open it (no index: only the shard
-  /// headers tell which tensors it holds), handed to the load so that they are read once.
-  /// Null otherwise.
+  /// The chosen source's checkpoint when probing opened it (no index: only the shard
+  /// headers tell which tensors it holds; or SourceProbe::kHeaders), handed to the load so
+  /// that they are read once. Null otherwise.
   std::shared_ptr<const Checkpoint> checkpoint;
   /// "model /models/glm-snapshot: no *.safetensors files", "model_weights: not set".
   std::string text() const;
@@ -78,14 +78,27 @@ struct SourceResolution {
   std::string error_text() const;
 };
 
+/// How resolution tells which shards of a source hold a module's tensors.
+enum class SourceProbe {
+  /// From the index when the source has one, reading no shard header (a draft-only load
+  /// then opens only the draft's shards); from the headers otherwise.
+  kIndex,
+  /// From the shard headers: the source's checkpoint is opened once and kept in
+  /// SourceCandidate::checkpoint, for a caller that opens every shard of it anyway (an
+  /// engine's loader that streams it), so that its index and headers are read once.
+  kHeaders,
+};
+
 /// Resolves one module's source: model_weights, then model, then options.model_uri. A
 /// source is chosen when it holds at least one safetensors file (per its index when there
-/// is one) with at least one tensor that `layout` wants. A source that `earlier` resolutions
-/// (the model's other modules) already opened is not opened again. Never throws for a source
-/// that cannot be opened: the failure becomes that candidate's reason ("cannot open: <error>").
+/// is one and `probe` is kIndex) with at least one tensor that `layout` wants. A source that
+/// `earlier` resolutions (the model's other modules) already opened is not opened again.
+/// Never throws for a source that cannot be opened: the failure becomes that candidate's
+/// reason ("cannot open: <error>").
 SourceResolution resolve_source(const ModelSource& source, ModuleRole role, const ModelLayout& layout,
                                 const Options& options, std::string method = {},
-                                const std::vector<SourceResolution>& earlier = {});
+                                const std::vector<SourceResolution>& earlier = {},
+                                SourceProbe probe = SourceProbe::kIndex);
 
 /// Throws one Error(kNotFound) that joins the error_text() of every resolution not found
 /// (so a target and a draft that both fail are reported together); returns when all were found.

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weightstream/device.hpp"
@@ -50,6 +51,10 @@ class CheckpointHandle {
     nanobind::gil_scoped_release release;
     checkpoint_ = std::make_shared<const Checkpoint>(Checkpoint::open(uri, options_));
   }
+
+  /// A checkpoint opened elsewhere (by source resolution), streamed with `options`.
+  CheckpointHandle(std::shared_ptr<const Checkpoint> checkpoint, Options options)
+      : options_(std::move(options)), checkpoint_(std::move(checkpoint)) {}
 
   const Checkpoint& checkpoint() const { return *checkpoint_; }
   const std::shared_ptr<const Checkpoint>& shared() const { return checkpoint_; }

@@ -321,6 +321,20 @@ void bind_tensors(LayoutHandle& handle, std::vector<BindingTensor>& tensors) {
   }
 }
 
+/// layout.bind_many, and layout.bind with one pair: checks every (name, tensor) pair, then
+/// binds them all at once (nothing is bound when one is refused).
+void bind_pairs(LayoutHandle& handle, nb::iterable pairs) {
+  std::vector<BindingTensor> tensors;
+  for (nb::handle entry : pairs) {
+    if (!nb::isinstance<nb::tuple>(entry) || nb::len(entry) != 2) {
+      throw nb::type_error("bind_many: expected (name, tensor) pairs");
+    }
+    nb::tuple pair = nb::borrow<nb::tuple>(entry);
+    tensors.push_back(binding_tensor(handle.layout, nb::cast<std::string>(pair[0]), pair[1]));
+  }
+  bind_tensors(handle, tensors);
+}
+
 /// "a, b, c, d, e (and 12 more)".
 std::string first_names(const std::vector<std::string>& names, size_t count = 5) {
   std::string text;
@@ -603,6 +617,18 @@ void bind_model(nb::module_& m) {
                      for (const auto& parameter : handle.layout.parameters()) names.push_back(parameter.name);
                      return names;
                    })
+      .def_prop_ro("parameters",
+                   [](const LayoutHandle& handle) {
+                     nb::list table;
+                     for (const auto& parameter : handle.layout.parameters()) {
+                       nb::list shape;
+                       for (int64_t extent : parameter.shape) shape.append(extent);
+                       table.append(nb::make_tuple(parameter.name, std::string(dtype_name(parameter.dtype)),
+                                                   nb::tuple(shape)));
+                     }
+                     return table;
+                   },
+                   "(name, safetensors dtype, shape tuple) of every parameter, in layout order.")
       .def("parameter_info",
            [](const LayoutHandle& handle, const std::string& name) {
              const auto& parameter = handle.layout.parameter(name);
@@ -656,6 +682,25 @@ void bind_model(nb::module_& m) {
            "tensor"_a,
            "Where a checkpoint tensor goes: (kind, parameter names, reason), kind one of parameter, ignored, "
            "skipped, unmatched.")
+      .def("skip_unmatched",
+           [](LayoutHandle& handle, const CheckpointHandle& checkpoint, const std::string& reason) {
+             // One pass in C++ over every tensor of the checkpoint (thousands for a MoE model).
+             std::vector<std::string> names;
+             for (const CheckpointTensor& tensor : checkpoint.checkpoint().tensors()) {
+               TensorRoute route = handle.layout.route(tensor.name);
+               if (route.kind == TensorRoute::Kind::kUnmatched) {
+                 handle.layout.add_skipped_tensor(tensor.name, reason);
+                 names.push_back(tensor.name);
+               } else if (route.kind == TensorRoute::Kind::kSkipped && route.reason == reason) {
+                 names.push_back(tensor.name);
+               }
+             }
+             return names;
+           },
+           "checkpoint"_a, "reason"_a,
+           "Declares every tensor of `checkpoint` that the layout has no parameter or rule for as skipped "
+           "with `reason` (add_skipped_tensor), and returns, in file order, those and the tensors skipped "
+           "with `reason` before: the tensors a load leaves to the caller for that reason.")
       .def("add_skipped_tensor",
            [](LayoutHandle& handle, const std::string& tensor, const std::string& reason) {
              handle.layout.add_skipped_tensor(tensor, reason);
@@ -689,13 +734,14 @@ void bind_model(nb::module_& m) {
            "(model_layout(device=...) calls this).")
       .def("bind",
            [](LayoutHandle& handle, const std::string& name, nb::handle tensor) {
-             std::vector<BindingTensor> tensors;
-             tensors.push_back(binding_tensor(handle.layout, name, tensor));
-             bind_tensors(handle, tensors);
+             bind_pairs(handle, nb::borrow<nb::iterable>(nb::make_tuple(nb::make_tuple(name, tensor))));
            },
            "name"_a, "tensor"_a,
            "Binds an engine's tensor (any writable, contiguous DLPack tensor: torch, numpy, cupy; host or "
            "CUDA) to parameter `name`: every load writes into it in place.")
+      .def("bind_many", &bind_pairs, "pairs"_a,
+           "Binds every (name, tensor) pair as bind() does, in one call: all are checked first, and "
+           "nothing is bound when one is refused (its error names it).")
       .def("bind_module", &bind_module, "module"_a, "prefix"_a = "",
            "Binds every parameter and buffer of `module` (named_parameters(), named_buffers()) whose "
            "prefixed name is a parameter of the layout; returns the names bound.")

@@ -50,7 +50,23 @@ class Checkpoint:
 
     def __init__(self, uri: str, **options: Any) -> None:
         self._core = _core.Checkpoint(str(uri), options)
-        self._tensors: List[TensorInfo] = [self._core.info(i) for i in range(len(self._core))]
+        self._infos: Optional[List[TensorInfo]] = None
+
+    @classmethod
+    def _of(cls, core: Any) -> "Checkpoint":
+        """Wraps a checkpoint the compiled core opened already (source resolution does, for
+        the vLLM loader), so that its headers are read once."""
+        checkpoint = cls.__new__(cls)
+        checkpoint._core = core
+        checkpoint._infos = None
+        return checkpoint
+
+    @property
+    def _tensors(self) -> List[TensorInfo]:
+        # Made on first use: a load that streams by name never needs thousands of them.
+        if self._infos is None:
+            self._infos = [self._core.info(i) for i in range(len(self._core))]
+        return self._infos
 
     @property
     def uri(self) -> str:
@@ -99,7 +115,7 @@ class Checkpoint:
         return None if text is None else json.loads(text)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._core)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

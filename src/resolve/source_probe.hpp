@@ -26,9 +26,9 @@ struct SourceListing {
   std::optional<CheckpointIndex> index;  ///< parsed model.safetensors.index.json
 };
 
-/// Opens and lists `uri`, reading and parsing its index when there is one. Throws the
-/// storage's or the index's Error.
-SourceListing list_source(const std::string& uri, const Options& options);
+/// Opens and lists `uri`, reading and parsing its index when there is one and `read_index`
+/// (else only has_index says it is there). Throws the storage's or the index's Error.
+SourceListing list_source(const std::string& uri, const Options& options, bool read_index = true);
 
 /// Shards of an opened checkpoint that hold at least one tensor `layout` wants, in natural order.
 std::vector<std::string> shards_holding(const Checkpoint& checkpoint, const ModelLayout& layout);

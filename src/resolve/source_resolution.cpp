@@ -39,7 +39,7 @@ std::shared_ptr<const Checkpoint> opened_by(const std::vector<SourceResolution>&
 
 namespace resolve {
 
-SourceListing list_source(const std::string& uri, const Options& options) {
+SourceListing list_source(const std::string& uri, const Options& options, bool read_index) {
   SourceListing listing;
   listing.storage = std::shared_ptr<Storage>(open_storage(parse_uri(uri), options, &listing.object));
   if (!listing.object.empty()) {
@@ -54,7 +54,7 @@ SourceListing list_source(const std::string& uri, const Options& options) {
   }
   std::sort(listing.safetensors.begin(), listing.safetensors.end(),
             [](const std::string& a, const std::string& b) { return natural_less(a, b); });
-  if (listing.has_index) {
+  if (listing.has_index && read_index) {
     std::string text = read_object(*listing.storage, kIndexFileName, kMaxIndexBytes);
     listing.index = parse_checkpoint_index(listing.storage->object_uri(kIndexFileName), text);
   }
@@ -129,7 +129,8 @@ std::string SourceResolution::error_text() const {
 }
 
 SourceResolution resolve_source(const ModelSource& source, ModuleRole role, const ModelLayout& layout,
-                                const Options& options, std::string method, const std::vector<SourceResolution>& earlier) {
+                                const Options& options, std::string method, const std::vector<SourceResolution>& earlier,
+                                SourceProbe probe) {
   SourceResolution resolution;
   resolution.role = role;
   resolution.method = std::move(method);
@@ -143,8 +144,9 @@ SourceResolution resolve_source(const ModelSource& source, ModuleRole role, cons
       else candidate.checkpoint = std::move(opened);
     } else {
       try {
-        resolve::SourceListing listing = resolve::list_source(candidate.uri, options);
-        if (listing.safetensors.empty() && !listing.index) {
+        // Without the index, wanted_shards opens the checkpoint: its headers say it all.
+        resolve::SourceListing listing = resolve::list_source(candidate.uri, options, probe == SourceProbe::kIndex);
+        if (listing.safetensors.empty() && !listing.has_index) {
           candidate.reason = "no *.safetensors files";
         } else {
           std::optional<Checkpoint> opened;

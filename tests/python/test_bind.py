@@ -354,6 +354,23 @@ def test_bind_module_binds_nothing_when_one_tensor_is_refused(checkpoint):
     assert layout.bound_names == []
 
 
+def test_bind_many_binds_every_pair_in_one_call_and_nothing_when_one_is_refused(checkpoint):
+    layout, shape = layout_and_shape(checkpoint)
+    assert [name for name, _, _ in layout.parameters] == layout.parameter_names
+    assert dict((name, (dtype, shape)) for name, dtype, shape in layout.parameters)[NAME] == ("F32", tuple(shape))
+    arrays = {name: engine_array(layout, name) for name in layout.parameter_names}
+    bad = np.zeros((shape[1], shape[0]), dtype=np.float32)
+    with pytest.raises(weightstream.Error, match=f"cannot bind parameter {NAME} .*expected shape"):
+        layout.bind_many([(name, bad if name == NAME else array) for name, array in arrays.items()])
+    assert layout.bound_names == [], "one refused pair binds nothing"
+    with pytest.raises(TypeError, match=r"\(name, tensor\) pairs"):
+        layout.bind_many([(NAME,)])
+    layout.bind_many(list(arrays.items()))
+    assert layout.bound_names == layout.parameter_names
+    for name, array in arrays.items():
+        assert np.from_dlpack(layout.tensor(name)).ctypes.data == array.ctypes.data
+
+
 def test_the_layout_keeps_bound_tensors_alive(checkpoint):
     layout, shape = layout_and_shape(checkpoint)
     array = np.zeros(shape, dtype=np.float32)

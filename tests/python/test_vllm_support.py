@@ -4,6 +4,7 @@ sharing storage, and source resolution as `weightstream resolve` does it. The vL
 itself is tests/python/test_vllm.py (scripts/vllm-test.sh)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +76,18 @@ def test_layout_routes_checkpoint_tensors_and_skips_what_it_is_told(checkpoint):
     assert session.counters["parameters_completed"] == len(layout.parameter_names)
 
 
+def test_skip_unmatched_skips_every_unmatched_tensor_of_a_checkpoint_in_one_call(checkpoint):
+    path, _ = checkpoint
+    layout = weightstream.model_layout(CONFIG, dtype="F32")
+    opened = weightstream.open(path)
+    reason = "loaded by the model's load_weights"
+    assert layout.skip_unmatched(opened._core, reason) == ["model.layers.0.mlp.extra_bias"]
+    assert layout.route("model.layers.0.mlp.extra_bias") == ("skipped", [], reason)
+    # Again: nothing is unmatched now, and what it skipped for that reason is still named.
+    assert layout.skip_unmatched(opened._core, reason) == ["model.layers.0.mlp.extra_bias"]
+    assert layout.skip_unmatched(opened._core, "another reason") == []
+
+
 def test_an_unskipped_unmatched_tensor_still_fails_the_load(checkpoint):
     path, _ = checkpoint
     layout = weightstream.model_layout(CONFIG, dtype="F32", device="cpu")
@@ -106,6 +119,21 @@ def test_resolve_source_falls_back_to_the_checkpoint_uri_naming_what_it_passed_o
     chosen = _core.resolve_source(str(snapshot), "", "target", layout, "", path)
     assert chosen["uri"] == path and chosen["field"] == "model_uri option"
     assert chosen["passed_over"] == ["model_weights: not set", f"model {snapshot}: no *.safetensors files"]
+    assert "checkpoint" not in chosen
+    # A loader that streams the source takes the checkpoint the resolution opened.
+    opened = _core.resolve_source(str(snapshot), "", "target", layout, "", path, open_checkpoint=True)
+    assert opened["uri"] == path and opened["passed_over"] == chosen["passed_over"]
+    assert len(opened["checkpoint"]) == len(weightstream.open(path))
+    assert opened["checkpoint"].find("lm_head.weight") is not None
+    # One the loader opened ahead (while it bound the model) is taken as it is: no shard is
+    # listed or read again, so it resolves even once the files are gone.
+    ahead = weightstream.open(path)._core
+    (Path(path) / "model.safetensors").rename(tmp_path_factory.mktemp("gone") / "model.safetensors")
+    taken = _core.resolve_source(str(snapshot), "", "target", layout, "", path, open_checkpoint=True,
+                                 opened=(path, ahead))
+    assert taken["uri"] == path and len(taken["checkpoint"]) == len(ahead)
+    with pytest.raises(weightstream.Error, match="no \\*.safetensors files"):
+        _core.resolve_source(str(snapshot), "", "target", layout, "", path, open_checkpoint=True)
     with pytest.raises(weightstream.Error, match="Cannot find any safetensors model weights for the target: "
                                                  "model_weights: not set; model .*: no \\*.safetensors files"):
         _core.resolve_source(str(snapshot), "", "target", layout, "", "")

@@ -377,6 +377,27 @@ TEST_F(SourceResolutionTest, ASourceWithoutAnIndexHasItsShardHeadersReadOnce) {
   EXPECT_EQ(compare_layouts(draft, draft_reference).mismatched, 0u);
 }
 
+TEST_F(SourceResolutionTest, ProbingByHeadersKeepsTheOpenedCheckpointOfAnIndexedSource) {
+  Options options = testing::with_checkpoint_uri(options_, weights());
+  ModelConfig config = find_model_config({snapshot(), ""}, options).config;
+  ModelLayout target = build_module_layout(config, ModuleRole::kTarget);
+  // By the index (the default) no shard header is read: nothing to hand to the load.
+  SourceResolution by_index = resolve_source({snapshot(), ""}, ModuleRole::kTarget, target, options);
+  ASSERT_TRUE(by_index.found()) << by_index.error_text();
+  EXPECT_EQ(by_index.chosen().checkpoint, nullptr);
+  // By the headers the checkpoint is opened once, for the load (an engine's loader), and
+  // tells the same shards.
+  SourceResolution by_headers =
+      resolve_source({snapshot(), ""}, ModuleRole::kTarget, target, options, "", {}, SourceProbe::kHeaders);
+  ASSERT_TRUE(by_headers.found()) << by_headers.error_text();
+  ASSERT_NE(by_headers.chosen().checkpoint, nullptr);
+  EXPECT_EQ(by_headers.chosen().shards, by_index.chosen().shards);
+  Checkpoint reference = Checkpoint::open(weights(), options_);
+  EXPECT_EQ(by_headers.chosen().checkpoint->tensors().size(), reference.tensors().size());
+  EXPECT_TRUE(by_headers.chosen().checkpoint->index().has_value()) << "the index is read with the headers";
+  EXPECT_EQ(by_headers.candidates[1].text(), "model " + snapshot() + ": no *.safetensors files");
+}
+
 /// A strategy that is always available and always fails, to show the chain keeps going and
 /// the error keeps every cause.
 class FailingStrategy final : public LoadStrategy {

@@ -18,6 +18,7 @@ from .._model import LoadSession, serve
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
+    CheckpointAhead,
     LoaderOptions,
     ModelSources,
     NoMappingTable,
@@ -28,7 +29,6 @@ from ._model import (
     first_weights_source,
     log_once,
     logger,
-    parallel_ranks,
     resolve_module_source,
     route_checkpoint,
     serve_address,
@@ -98,13 +98,15 @@ class WeightstreamModelLoader(BaseModelLoader):
         sources = ModelSources.of(model_config, self.load_config)
         role = "draft" if is_draft(model_config) else "target"
         bound = stored_binding(model)
+        # The checkpoint's headers are read while the model is bound (peers serve no headers).
+        ahead = None if self.options.model_uri.startswith("peer://") else CheckpointAhead(sources, self.options)
         if bound is None:
             config = config_dict(sources, model_config)
             try:
                 quantization = getattr(model_config, "quantization", None)
                 if quantization not in BOUND_QUANTIZATIONS:
                     raise NoMappingTable(f"quantization '{quantization}'")
-                bound = bind_model(model, config, role, model_config.dtype, parallel_ranks(model))
+                bound = bind_model(model, config, role, model_config.dtype)
             except NoMappingTable as reason:
                 log_once(logging.WARNING, "weightstream: no layout for %s (%s): the %s loads through the model's "
                          "load_weights, fed by weightstream's streamer, at iterator speed",
@@ -120,7 +122,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         if server is not None:
             server.begin_update()  # pullers that overlap the reload are refused
         try:
-            source = self._load_from_peers_or_storage(model, model_config, sources, bound, mode, started)
+            source = self._load_from_peers_or_storage(model, model_config, sources, bound, mode, started, ahead)
         finally:
             if server is not None:
                 server.end_update()  # rehashed, a new version
@@ -128,12 +130,13 @@ class WeightstreamModelLoader(BaseModelLoader):
             self._serve(model, bound, source)
 
     def _load_from_peers_or_storage(self, model: torch.nn.Module, model_config: Any, sources: ModelSources,
-                                    bound: BoundModel, mode: str, started: float) -> Union[str, Checkpoint]:
+                                    bound: BoundModel, mode: str, started: float,
+                                    ahead: Optional[CheckpointAhead] = None) -> Union[str, Checkpoint]:
         """Peers first when model_uri is a peer:// URI (the target only), then the model's own
         sources; returns what the layout was loaded from (for its server)."""
         uri = self.options.model_uri
         if not uri.startswith("peer://"):
-            return self._load_layout(model, model_config, sources, bound, mode, started, self.options)
+            return self._load_layout(model, model_config, sources, bound, mode, started, self.options, ahead=ahead)
         storage = dataclasses.replace(self.options, model_uri="")  # peers serve targets: a draft loads from storage
         if bound.role != "target":
             return self._load_layout(model, model_config, sources, bound, mode, started, storage)
@@ -188,10 +191,11 @@ class WeightstreamModelLoader(BaseModelLoader):
         logger.info("weightstream: serving %s at peer://%s", bound.description, server.address)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
-                     mode: str, started: float, options: LoaderOptions, peer_failure: str = "") -> Checkpoint:
+                     mode: str, started: float, options: LoaderOptions, peer_failure: str = "",
+                     ahead: Optional[CheckpointAhead] = None) -> Checkpoint:
         method = speculative_method() if bound.role == "draft" else ""
-        resolution = resolve_module_source(sources, bound.role, bound.layout, options, method)
-        checkpoint = Checkpoint(resolution["uri"], **options.stream)
+        resolution = resolve_module_source(sources, bound.role, bound.layout, options, method, ahead)
+        checkpoint = resolution["checkpoint"]
         by_load_weights = route_checkpoint(bound, checkpoint)
         session = LoadSession(bound.layout)
         session.begin(mode)

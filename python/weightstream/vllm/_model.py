@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
@@ -272,21 +273,60 @@ class BoundModel:
         return set(self.bound.values())
 
 
-def _routed_experts(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """vLLM's RoutedExperts modules of the model (the stacked experts of each MoE layer)."""
-    return [module for module in model.modules()
-            if hasattr(module, "expert_map_manager") and hasattr(module, "global_num_experts")]
+@dataclass
+class ModelTensors:
+    """A vLLM model's tensors, from one walk of its modules."""
+
+    #: Every parameter, then every buffer, by name (the first name of a tensor reached twice
+    #: comes first), as named_parameters(remove_duplicate=False) and named_buffers name them.
+    tensors: Dict[str, torch.Tensor]
+    #: The parameters as named_parameters() names them: each tensor once, at its first name.
+    parameter_names: List[str]
+    #: vLLM's RoutedExperts modules (the stacked experts of each MoE layer), in module order.
+    routed_experts: List[torch.nn.Module]
 
 
-def parallel_ranks(model: Optional[torch.nn.Module] = None) -> Parallel:
+def model_tensors(model: torch.nn.Module) -> ModelTensors:
+    """Walks ``model``'s modules once (torch's named_parameters, named_buffers and modules
+    would walk them three times, which costs milliseconds on a MoE model of thousands of
+    modules)."""
+    parameters: Dict[str, torch.Tensor] = {}
+    buffers: Dict[str, torch.Tensor] = {}
+    parameter_names: List[str] = []
+    seen: Set[int] = set()
+    experts: List[torch.nn.Module] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, parameter in module._parameters.items():
+            if parameter is None:
+                continue
+            parameters.setdefault(dot + name, parameter)
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                parameter_names.append(dot + name)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                buffers.setdefault(dot + name, buffer)
+        if hasattr(module, "expert_map_manager") and hasattr(module, "global_num_experts") and \
+                all(module is not other for other in experts):
+            experts.append(module)
+    for name, buffer in buffers.items():
+        parameters.setdefault(name, buffer)
+    return ModelTensors(tensors=parameters, parameter_names=parameter_names, routed_experts=experts)
+
+
+def parallel_ranks(model: Optional[torch.nn.Module] = None, walked: Optional[ModelTensors] = None) -> Parallel:
     """This process's tensor-parallel rank in vLLM, and, for a MoE model whose experts vLLM
-    divides by expert parallelism, its expert-parallel rank. Raises NoMappingTable for an
-    expert placement other than vLLM's linear one (whole experts in order, as many on each
-    rank), which the layout does not describe."""
+    divides by expert parallelism, its expert-parallel rank (``walked``: the model's tensors
+    when walked already). Raises NoMappingTable for an expert placement other than vLLM's
+    linear one (whole experts in order, as many on each rank), which the layout does not
+    describe."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size  # noqa: PLC0415
 
     parallel = Parallel(tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank())
-    for experts in _routed_experts(model) if model is not None else []:
+    if walked is None and model is not None:
+        walked = model_tensors(model)
+    for experts in walked.routed_experts if walked is not None else []:
         config = experts.moe_config.moe_parallel_config
         if not config.use_ep:
             return parallel
@@ -307,15 +347,6 @@ def parallel_ranks(model: Optional[torch.nn.Module] = None) -> Parallel:
     return parallel
 
 
-def _model_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    tensors: Dict[str, torch.Tensor] = {}
-    for tensor_name, tensor in model.named_parameters(remove_duplicate=False):
-        tensors.setdefault(tensor_name, tensor)
-    for tensor_name, tensor in model.named_buffers(remove_duplicate=False):
-        tensors.setdefault(tensor_name, tensor)
-    return tensors
-
-
 def parameter_dtype(tensors: Mapping[str, torch.Tensor], role: str, model_type: str,
                     fallback: torch.dtype) -> torch.dtype:
     """The dtype vLLM built the model's unquantized parameters in, read from its embedding
@@ -329,29 +360,34 @@ def parameter_dtype(tensors: Mapping[str, torch.Tensor], role: str, model_type: 
     return fallback
 
 
-def _mismatch(target: str, tensor: Optional[torch.Tensor], info: Mapping[str, Any]) -> Optional[str]:
-    """Why the model's tensor cannot be bound to a layout parameter, or None."""
+def _mismatch(target: str, tensor: Optional[torch.Tensor], dtype: str, shape: Tuple[int, ...]) -> Optional[str]:
+    """Why the model's tensor cannot be bound to a layout parameter of ``dtype`` and
+    ``shape``, or None."""
     if tensor is None:
         return f"the model has no tensor {target}"
-    if tuple(tensor.shape) != tuple(info["shape"]) or safetensors_dtype(tensor.dtype) != info["dtype"]:
-        return f"{target} is {tensor.dtype} {list(tensor.shape)}, the layout's {info['dtype']} {list(info['shape'])}"
+    if tensor.shape != shape or _TORCH_DTYPES.get(tensor.dtype) != dtype:
+        return f"{target} is {tensor.dtype} {list(tensor.shape)}, the layout's {dtype} {list(shape)}"
     if not tensor.is_contiguous():
         return f"{target} is not contiguous"
     return None
 
 
 def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype: torch.dtype,
-               parallel: Parallel) -> BoundModel:
+               parallel: Optional[Parallel] = None) -> BoundModel:
     """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
     MTP layers) in the dtype of the model's own parameters, and binds every layout parameter
     to the model's parameter or buffer of the same name (vLLM's names: renamed for a draft,
-    experts under routed_experts), dtype and shape. A layout parameter the model holds
-    otherwise is removed from the layout, never allocated: the checkpoint tensors that fill
-    it go through the model's load_weights. Raises NoMappingTable for an architecture,
-    quantization or dtype weightstream has no table for, and weightstream.Error when
-    nothing binds, saying why for the first parameters."""
+    experts under routed_experts), dtype and shape, in one call. A layout parameter the model
+    holds otherwise is removed from the layout, never allocated: the checkpoint tensors that
+    fill it go through the model's load_weights. ``parallel``: this process's ranks (read
+    from vLLM and the model when None). Raises NoMappingTable for an architecture,
+    quantization or dtype weightstream has no table for, and weightstream.Error when nothing
+    binds, saying why for the first parameters."""
     model_type = str(config.get("model_type", ""))
-    tensors = _model_tensors(model)
+    walked = model_tensors(model)
+    tensors = walked.tensors
+    if parallel is None:
+        parallel = parallel_ranks(walked=walked)
     dtype = parameter_dtype(tensors, role, model_type, dtype)
     name = safetensors_dtype(dtype)
     if name is None:
@@ -368,13 +404,13 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype:
         raise
     matched: Dict[str, Tuple[str, torch.Tensor]] = {}
     unbound: Dict[str, str] = {}
-    for layout_name in layout.parameter_names:
-        info = layout.parameter_info(layout_name)
+    for layout_name, layout_dtype, shape in layout.parameters:
         candidates = model_candidates(layout_name, role, model_type)
         target = next((candidate for candidate in candidates if candidate in tensors), candidates[0])
-        why = _mismatch(target, tensors.get(target), info)
+        tensor = tensors.get(target)
+        why = _mismatch(target, tensor, layout_dtype, shape)
         if why is None:
-            matched[layout_name] = (target, tensors[target])
+            matched[layout_name] = (target, tensor)
         else:
             unbound[layout_name] = why
     if not matched:
@@ -389,25 +425,31 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], role: str, dtype:
     bound: Dict[str, str] = {}
     owners: Dict[Tuple[int, Tuple[int, ...], torch.dtype], str] = {}
     addresses: Dict[str, Tuple[int, Tuple[int, ...], torch.dtype]] = {}
+    to_bind: List[Tuple[str, torch.Tensor]] = []
+    shared: List[Tuple[str, str, str]] = []
     device = "cpu"
     # A tied lm_head comes after the embedding in the layout: it finds it bound already.
     for layout_name, (target, tensor) in matched.items():
         key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
         bound[layout_name] = target
         addresses[layout_name] = key
-        if key in owners:
+        owner = owners.get(key)
+        if owner is not None:
             # The model ties it to a tensor bound already (lm_head to the embedding): share it.
-            layout.share_storage(layout_name, owners[key], f"the model's {target} is its {bound[owners[key]]}")
+            shared.append((layout_name, owner, f"the model's {target} is its {bound[owner]}"))
             continue
-        layout.bind(layout_name, tensor)
+        to_bind.append((layout_name, tensor))
         owners[key] = layout_name
         device = device_name(tensor)
+    layout.bind_many(to_bind)
+    for layout_name, owner, reason in shared:
+        layout.share_storage(layout_name, owner, reason)
     if unbound:
         log_once(logging.WARNING, "weightstream: %d of %d parameters of %s are held otherwise by the vLLM model; "
                  "they load through its load_weights, the rest in place: %s", len(unbound),
                  len(unbound) + len(bound), layout.description,
                  _first_names(f"{n}: {why}" for n, why in unbound.items()))
-    model_only = {name for name, _ in model.named_parameters()} - set(bound.values())
+    model_only = set(walked.parameter_names) - set(bound.values())
     return BoundModel(layout=layout, role=role, bound=bound, unbound=unbound, device=device,
                       description=layout.description, addresses=addresses, unbound_tensors=unbound_tensors,
                       model_only=model_only)
@@ -427,7 +469,7 @@ def check_in_place(model: torch.nn.Module, bound: BoundModel, through_load_weigh
     if bound.by_load_weights and not through_load_weights:
         problems.append("checkpoint tensors loaded through the model's load_weights: " +
                         _first_names(bound.by_load_weights))
-    tensors = _model_tensors(model)
+    tensors = model_tensors(model).tensors
     replaced = []
     for layout_name, target in bound.bound.items():
         tensor = tensors.get(target)
@@ -444,22 +486,18 @@ def check_in_place(model: torch.nn.Module, bound: BoundModel, through_load_weigh
 
 
 def route_checkpoint(bound: BoundModel, checkpoint: Checkpoint) -> List[str]:
-    """The checkpoint tensors that must go through the model's load_weights: those the
-    layout has no parameter or ignore rule for (marked skipped in the layout, so that its
-    load leaves them alone), and those that fill a parameter the model holds otherwise.
-    Recorded in ``bound.by_load_weights``."""
-    by_load_weights = []
-    for name in checkpoint.names:
-        kind, _, reason = bound.layout.route(name)
-        if kind == "unmatched":
-            bound.layout.add_skipped_tensor(name, BY_LOAD_WEIGHTS)
-            by_load_weights.append(name)
-        elif kind == "skipped" and reason == BY_LOAD_WEIGHTS:  # marked by an earlier load or the binding
-            by_load_weights.append(name)
-        elif name in bound.unbound_tensors:  # also fills a parameter the layout still holds
-            by_load_weights.append(name)
-        elif kind == "skipped" and name in bound.model_only:  # the other module's, and this model's too
-            by_load_weights.append(name)
+    """The checkpoint tensors that must go through the model's load_weights, in file order:
+    those the layout has no parameter or ignore rule for (marked skipped in the layout, so
+    that its load leaves them alone), and those that fill a parameter the model holds
+    otherwise. Recorded in ``bound.by_load_weights``."""
+    # The layout routes every tensor in one call; the few names the model holds otherwise
+    # are looked at one by one.
+    chosen = set(bound.layout.skip_unmatched(checkpoint._core, BY_LOAD_WEIGHTS))
+    chosen.update(name for name in bound.unbound_tensors if name in checkpoint)  # also fills a kept parameter
+    chosen.update(name for name in bound.model_only  # the other module's, and this model's too
+                  if name in checkpoint and bound.layout.route(name)[0] == "skipped")
+    core = checkpoint._core
+    by_load_weights = sorted(chosen, key=core.find)
     bound.by_load_weights = by_load_weights
     return by_load_weights
 
@@ -480,13 +518,49 @@ def store_binding(model: torch.nn.Module, bound: BoundModel) -> None:
     object.__setattr__(model, "_weightstream_binding", bound)
 
 
+class CheckpointAhead:
+    """Opens, on a thread of its own, the source resolution tries first (model_weights, else
+    model) while the loader binds the model: reading the index and shard headers of a MoE
+    checkpoint (thousands of tensors) is C++ that runs without the GIL, binding is Python, so
+    on two cores the two overlap. Resolution still decides: it takes this checkpoint when it
+    chooses that source (one that holds a tensor the module wants) and opens what it chooses
+    otherwise; a source that cannot be opened here gets its reason from resolution."""
+
+    def __init__(self, sources: ModelSources, options: LoaderOptions) -> None:
+        self.uri = sources.model_weights or sources.model
+        self._stream = dict(options.stream)
+        self._opened: Optional[Any] = None
+        self._thread: Optional[threading.Thread] = None
+        if self.uri:
+            self._thread = threading.Thread(target=self._open, name="weightstream-open", daemon=True)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            self._opened = _core.Checkpoint(self.uri, self._stream)
+        except _core.Error:
+            pass  # resolution probes the source again and names why it cannot be opened
+
+    def result(self) -> Optional[Tuple[str, Any]]:
+        """(uri, the compiled checkpoint), or None when nothing was opened."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return None if self._opened is None else (self.uri, self._opened)
+
+
 def resolve_module_source(sources: ModelSources, role: str, layout: ModelLayout, options: LoaderOptions,
-                          method: str = "") -> Dict[str, Any]:
+                          method: str = "", ahead: Optional[CheckpointAhead] = None) -> Dict[str, Any]:
     """Where a module's weights come from, as ``weightstream resolve`` decides: model_weights,
     then model, then the checkpoint URI (extra-config model_uri, else WEIGHTSTREAM_MODEL_URI
-    or MX_MODEL_URI). Raises weightstream.Error naming every source passed over."""
-    return _core.resolve_source(sources.model, sources.model_weights, role, layout, method, options.model_uri,
-                                options.stream)
+    or MX_MODEL_URI). The chosen source's checkpoint, opened once (by ``ahead`` when it
+    opened that source, else by the resolution itself), is under "checkpoint". Raises
+    weightstream.Error naming every source passed over."""
+    resolution = _core.resolve_source(sources.model, sources.model_weights, role, layout, method, options.model_uri,
+                                      options.stream, open_checkpoint=True,
+                                      opened=ahead.result() if ahead is not None else None)
+    resolution["checkpoint"] = Checkpoint._of(resolution["checkpoint"])
+    return resolution
 
 
 def first_weights_source(sources: ModelSources, options: LoaderOptions) -> str:

@@ -100,8 +100,7 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
             quantization = getattr(model_config, "quantization", None)
             if quantization not in BOUND_QUANTIZATIONS:
                 raise NoMappingTable(f"quantization '{quantization}'")
-            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype,
-                               parallel_ranks(model))
+            bound = bind_model(model, config_dict(sources, model_config), "target", model_config.dtype)
         except NoMappingTable as reason:
             raise _core.Error(f"the weightstream weight-transfer backend needs a model weightstream has a layout "
                               f"for ({_core.supported_model_types()}); {type(model).__name__} has none "
