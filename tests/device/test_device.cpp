@@ -17,6 +17,7 @@
 #include "device/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
+#include "support/skip_without_gpu.hpp"
 
 namespace weightstream {
 namespace {
@@ -25,13 +26,6 @@ using ::testing::HasSubstr;
 
 const Device kCpu{};
 const Device kCuda0{Device::Kind::kCuda, 0};
-
-#define WS_SKIP_WITHOUT_GPU()                                                                          \
-  do {                                                                                                 \
-    if (cuda_device_count() == 0)                                                                      \
-      GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA")      \
-                   << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";                  \
-  } while (0)
 
 /// The message and code of the Error that `call` throws.
 template <typename Call>

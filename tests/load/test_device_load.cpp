@@ -16,6 +16,7 @@
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
+#include "support/skip_without_gpu.hpp"
 
 namespace weightstream {
 namespace {
@@ -24,13 +25,6 @@ using ::testing::HasSubstr;
 using testing::TempDir;
 
 const Device kCuda0{Device::Kind::kCuda, 0};
-
-#define WS_SKIP_WITHOUT_GPU()                                                                     \
-  do {                                                                                            \
-    if (cuda_device_count() == 0)                                                                 \
-      GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA") \
-                   << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";             \
-  } while (0)
 
 /// Writes `shards` shard files of `count` tensors with sizes from `seed`: mostly small,
 /// every fifth up to `max_bytes` (so tensors straddle staging buffers and mapped windows),

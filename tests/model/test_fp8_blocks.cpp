@@ -15,18 +15,12 @@
 #include "model/fp8_blocks.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/model.hpp"
+#include "support/skip_without_gpu.hpp"
 
 namespace weightstream {
 namespace {
 
 const Device kCuda0{Device::Kind::kCuda, 0};
-
-#define WS_SKIP_WITHOUT_GPU()                                                                     \
-  do {                                                                                            \
-    if (cuda_device_count() == 0)                                                                 \
-      GTEST_SKIP() << (cuda_compiled() ? "no CUDA device on this machine" : "built without CUDA") \
-                   << ": the CUDA path is tested by scripts/gpu.sh on a GPU machine";             \
-  } while (0)
 
 uint16_t bf16_bits(float value) { return static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16); }
 float bf16_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
