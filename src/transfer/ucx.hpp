@@ -11,11 +11,11 @@
 //   into the place its handler names (accept_messages). Both move by UCX's rendezvous
 //   protocol, zero-copy on both ends.
 //
-// UCX's tcp transport has no native RMA: it emulates gets and puts with active messages
-// and reaches about half the rate of its tagged rendezvous (ucx_perftest ucp_get against
-// tag_bw, bench/RESULTS.md), so connect() picks kRendezvous where no lane of the endpoint
-// carries RMA and kRma where one does (rc, dc, cuda_ipc, shared memory, cma), unless the
-// caller forces one (WEIGHTSTREAM_UCX_PATH).
+// connect() picks kRma where a lane of the endpoint moves gets and puts over an RDMA NIC
+// (rc, dc) and kRendezvous everywhere else, unless the caller forces one
+// (WEIGHTSTREAM_UCX_PATH): UCX's tcp emulates gets with active messages at about half the
+// rate of its tagged rendezvous, and gets of GPU memory between two processes of one GPU
+// ran at under 0.1% of it (ucx_perftest ucp_get against tag_bw, bench/RESULTS.md).
 //
 // ucx_ucx.cpp implements it where UCX was found; ucx_ucx_fallback.cpp throws
 // Error(kUnsupported) from every constructor, so the rest of the library builds and runs
@@ -167,8 +167,8 @@ class Worker {
   bool moves_cuda_memory() const;
   /// An endpoint to the worker at `address` (error handling: the peer's death fails its
   /// requests instead of hanging them). `peer` names it in messages. `path` kAuto picks
-  /// kRendezvous when none of the endpoint's lanes carries RMA natively (UCX's own
-  /// description of the endpoint, ucp_ep_print_info), kRma otherwise. `secret` is what the
+  /// kRma where a lane of the endpoint moves gets and puts over an RDMA NIC (rc, dc; UCX's
+  /// own description of the endpoint, ucp_ep_print_info), kRendezvous otherwise. `secret` is what the
   /// peer's handlers expect (its answer_send_requests or accept_messages secret).
   std::unique_ptr<Endpoint> connect(std::span<const std::byte> address, const std::string& peer,
                                     UcxPath path = UcxPath::kAuto, const Secret& secret = {});
