@@ -321,7 +321,10 @@ void UpdateSender::State::send(const TensorView& tensor) {
 void UpdateSender::flush() {
   State& state = *state_;
   WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: flush() outside start()/finish()");
-  state.on_connection([&] { state.flush(); });
+  state.on_connection([&] {
+    state.flush();
+    state.guarded([&] { state.transport->drain(state.connections, state.options.timeout); });
+  });
 }
 
 UpdateReport UpdateSender::finish() {
@@ -329,6 +332,7 @@ UpdateReport UpdateSender::finish() {
   WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: finish() without start(), or twice");
   return state.on_connection([&] {
     state.flush();
+    state.guarded([&] { state.transport->drain(state.connections, state.options.timeout); });
     Message message;
     message.type = MessageType::kFinish;
     message.buckets = state.next_index;

@@ -85,9 +85,14 @@ class SenderTransport {
     return std::nullopt;
   }
   /// Moves the bucket's bytes to every receiver after its BUCKET message (TCP writes them on
-  /// each connection, NCCL broadcasts once to all).
+  /// each connection, NCCL broadcasts once to all; ucx starts the move and returns, and the
+  /// bucket has reached every receiver by the next push() or drain()).
   virtual void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
                     std::chrono::milliseconds timeout) {}
+  /// Waits until every bucket push() started has reached every receiver. A transport whose
+  /// push() returns with the bytes still moving (ucx: they move while the next bucket
+  /// fills) finishes them here; called before FINISH and when the caller flushes.
+  virtual void drain(std::span<Connection* const> connections, std::chrono::milliseconds timeout) {}
   /// How the bytes travel to each receiver, where the transport chooses per receiver (ucx:
   /// "rma" or "rendezvous", UpdateSender::paths()); empty otherwise.
   virtual std::vector<std::string> paths() const { return {}; }

@@ -134,6 +134,12 @@ class Endpoint {
   /// Waits until every queued write has landed in the peer's memory (remote completion),
   /// with wait()'s errors.
   void flush(std::chrono::milliseconds timeout);
+  /// Moves what is queued along without waiting (the worker's progress, the ended operations
+  /// freed), with wait()'s errors for an operation that failed: a sender calls it between
+  /// the pieces of other work, so the transfer runs meanwhile (UCX has no thread of its own).
+  void progress();
+  /// True while operations are queued that have not ended.
+  bool busy() const noexcept;
   /// Waits until every queued read (or message) has landed. Throws Error(kNetwork) naming the peer and
   /// UCX's status when a read failed (the peer died or reset), Error(kTimeout) when they
   /// have not landed within `timeout` of no progress; outstanding reads are cancelled.

@@ -12,7 +12,9 @@
 //   the buffer (rendezvous, zero-copy) and counts the bytes landed.
 //
 // The receiver applies a bucket once its count (or its bytes) says it landed, while the
-// sender moves the next one into the other buffer. A progress thread on the receiver
+// sender moves the next one into the other buffer. The sender's push() returns with the
+// bucket still moving and fills the next one meanwhile, turning its worker every MiB; the
+// bucket is finished (and on kRma counted) at the next push() or at drain(). A progress thread on the receiver
 // serves both paths (UCX's tcp transport needs the target to progress even for puts).
 #include <poll.h>
 
@@ -30,6 +32,10 @@ const Device kHost{};
 
 /// Pieces of one bucket written at once: several in flight keep the link busy.
 constexpr uint64_t kUcxPiece = 8ull << 20;
+
+/// How much of a bucket the sender copies between two turns of its worker's progress: small
+/// enough that the link (a socket's buffer drains in a few milliseconds) does not go idle.
+constexpr uint64_t kFillStep = 1ull << 20;
 
 /// WELCOME blob: u32 length + worker address, then for bucket 0, bucket 1 and the counts:
 /// u64 address, u32 length + remote key; then the 16-byte secret of the rendezvous path.
@@ -189,12 +195,21 @@ class UcxSender final : public SenderTransport {
     std::byte* destination = buffers_[slot].data() + offset;
     if (source_device.is_cuda()) {
       copy_bytes(destination, kHost, source, source_device, bytes);
-    } else {
-      std::memcpy(destination, source, bytes);
+      return;
+    }
+    // The previous bucket moves while this one fills: UCX has no thread of its own, so the
+    // copy stops every kFillStep to let the worker feed the link.
+    for (uint64_t done = 0; done < bytes; done += kFillStep) {
+      std::memcpy(destination + done, source + done, std::min(kFillStep, bytes - done));
+      if (pending_) progress();
     }
   }
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
             std::chrono::milliseconds timeout) override {
+    drain(connections, timeout);  // the previous bucket first: a receiver takes buckets in order
+    connections_ = connections;
+    pending_slot_ = slot;
+    pending_ = true;
     for (uint64_t done = 0; done < bytes; done += kUcxPiece) {
       const uint64_t length = std::min(kUcxPiece, bytes - done);
       for (size_t i = 0; i < targets_.size(); ++i) {
@@ -211,6 +226,11 @@ class UcxSender final : public SenderTransport {
         });
       }
     }
+  }
+  void drain(std::span<Connection* const> connections, std::chrono::milliseconds timeout) override {
+    if (!pending_) return;
+    pending_ = false;  // a failure below ends the update: the bucket is not finished twice
+    const uint32_t slot = pending_slot_;
     for (size_t i = 0; i < targets_.size(); ++i) {
       Target& target = targets_[i];
       if (target.endpoint->path() == ucx::Path::kRendezvous) {
@@ -242,6 +262,12 @@ class UcxSender final : public SenderTransport {
     uint32_t keys[3] = {0, 0, 0};
     uint64_t counts[2] = {0, 0};
   };
+  /// Moves the pending bucket along (fill() calls it between its steps).
+  void progress() {
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      if (targets_[i].endpoint->busy()) guarded(connections_, i, [&] { targets_[i].endpoint->progress(); });
+    }
+  }
   template <typename Step>
   static void guarded(std::span<Connection* const> connections, size_t i, Step&& step) {
     try {
@@ -255,6 +281,9 @@ class UcxSender final : public SenderTransport {
   ucx::Worker worker_;
   std::unique_ptr<ucx::Registration> registrations_[2];  // the buckets, sent from without registering per message
   std::vector<Target> targets_;  // after the worker: endpoints close before it goes
+  bool pending_ = false;         // a bucket push() started has not yet reached every receiver
+  uint32_t pending_slot_ = 0;    // its buffer
+  std::span<Connection* const> connections_;  // of the pending bucket, to name a receiver in errors
 };
 
 }  // namespace

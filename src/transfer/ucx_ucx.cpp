@@ -473,6 +473,25 @@ struct Endpoint::State {
     return ended;
   }
 
+  /// One round of the worker's progress; frees what ended (true when something did) and
+  /// throws, after cancelling the rest, when an operation failed or the peer refused a read.
+  bool progress_once(const std::string& peer) {
+    while (ucp_worker_progress(worker) != 0) {
+    }
+    const bool ended = reap();
+    if (!refusal.empty()) {
+      cancel_all();
+      WS_FAIL(ErrorCode::kProtocol, "UCX read from " + peer + " failed: it " + refusal);
+    }
+    if (first_error != UCS_OK || failure != UCS_OK) {
+      cancel_all();
+      ucs_status_t status = first_error != UCS_OK ? first_error : failure;
+      WS_FAIL(ErrorCode::kNetwork, "UCX " + std::string(path == Path::kRma ? "read" : "transfer") + " from " + peer +
+                                       " failed: " + status_text(status));
+    }
+    return ended;
+  }
+
   /// Progresses until at most `keep` operations are in flight; one failing, or none ending
   /// for `timeout`, throws (after cancelling the others).
   void drain(size_t keep, std::chrono::milliseconds timeout, const std::string& peer) {
@@ -484,19 +503,7 @@ struct Endpoint::State {
   void drain_until(Done&& done, std::chrono::milliseconds timeout, const std::string& peer) {
     auto last_progress = Clock::now();
     while (!done() || !refusal.empty()) {
-      while (ucp_worker_progress(worker) != 0) {
-      }
-      if (reap()) last_progress = Clock::now();
-      if (!refusal.empty()) {
-        cancel_all();
-        WS_FAIL(ErrorCode::kProtocol, "UCX read from " + peer + " failed: it " + refusal);
-      }
-      if (first_error != UCS_OK || failure != UCS_OK) {
-        cancel_all();
-        ucs_status_t status = first_error != UCS_OK ? first_error : failure;
-        WS_FAIL(ErrorCode::kNetwork, "UCX " + std::string(path == Path::kRma ? "read" : "transfer") + " from " +
-                                         peer + " failed: " + status_text(status));
-      }
+      if (progress_once(peer)) last_progress = Clock::now();
       if (done()) break;
       if (Clock::now() - last_progress > timeout) {
         size_t pending = in_flight.size();
@@ -681,6 +688,15 @@ void Endpoint::wait_until(const uint64_t& counter, uint64_t value, std::chrono::
   state.drain_until([&] { return counter >= value; }, timeout, peer_);
   state.check_alive(peer_);
 }
+
+void Endpoint::progress() {
+  State& state = *state_;
+  if (state.in_flight.empty()) return;
+  state.progress_once(peer_);
+  state.check_alive(peer_);
+}
+
+bool Endpoint::busy() const noexcept { return !state_->in_flight.empty(); }
 
 void Endpoint::wait(std::chrono::milliseconds timeout) {
   State& state = *state_;

@@ -22,6 +22,8 @@ uint32_t Endpoint::add_remote_key(std::span<const std::byte>) { return 0; }
 void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds, Memory, uint64_t*) {}
 void Endpoint::cancel() noexcept {}
 void Endpoint::wait_until(const uint64_t&, uint64_t, std::chrono::milliseconds) {}
+void Endpoint::progress() {}
+bool Endpoint::busy() const noexcept { return false; }
 void Endpoint::wait(std::chrono::milliseconds) {}
 void Endpoint::put(const std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
 void Endpoint::send_message(std::span<const std::byte>, const std::byte*, uint64_t, const Registration*,
