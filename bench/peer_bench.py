@@ -132,6 +132,7 @@ def main():
     env = environment(args.tls)
     ns = Namespaces()
     rows = {}
+    phases = {}  # per update row: each run's update_phases
     try:
         total = args.size
         iterations = max(16, (1 << 30) // args.message_size)
@@ -161,18 +162,17 @@ def main():
         rows["peer pull, one rank, rma (forced)"] = [p["gbps"] for p in rma_pulls]
         rows[f"peer pull into a warm layout, {path}"] = warm_pulls
         rows["peer pull into a warm layout, rma (forced)"] = warm_rma_pulls
-        rows["pushed update, ucx"] = [update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, env)["update_gbps"]
-                                      for _ in range(args.repeat)]
-        rows["pushed update, ucx, rma (forced)"] = [
-            update_once(ns, cli, args.checkpoint, "ucx", args.bucket_size, rma)["update_gbps"] for _ in range(args.repeat)]
-        rows["pushed update, tcp (home-made)"] = [
-            update_once(ns, cli, args.checkpoint, "tcp", args.bucket_size, env)["update_gbps"] for _ in range(args.repeat)]
+        for name, via, update_env in (("pushed update, ucx", "ucx", env), ("pushed update, ucx, rma (forced)", "ucx", rma),
+                                      ("pushed update, tcp (home-made)", "tcp", env)):
+            reports = [update_once(ns, cli, args.checkpoint, via, args.bucket_size, update_env) for _ in range(args.repeat)]
+            rows[name] = [report["update_gbps"] for report in reports]
+            phases[name] = [report.get("update_phases", {}) for report in reports]
     finally:
         ns.close()
     medians = {name: statistics.median(values) for name, values in rows.items()}
     best = max(medians["ucx_perftest tag_bw"], medians["ucx_perftest ucp_get"])
     result = {"tls": args.tls, "message_bytes": args.message_size, "bytes": pulls[0]["bytes_from_peers"],
-              "rows": rows, "medians": medians, "best_perftest": best}
+              "rows": rows, "medians": medians, "best_perftest": best, "update_phases": phases}
     if args.json:
         print(json.dumps(result, indent=2))
     print(f"UCX_TLS={args.tls}, {pulls[0]['bytes_from_peers'] / 1e9:.2f} GB rank, perftest message {args.message_size} bytes")
@@ -182,6 +182,12 @@ def main():
     for name, values in rows.items():
         runs = ", ".join(f"{v:.3f}" for v in values)
         print(f"| {name} | {medians[name]:.3f} | {runs} | {medians[name] / best:.0%} | {medians[name] / tcp:.2f}× |")
+    # Where each update's receiver spent its seconds (the run of the median rate).
+    for name, reports in phases.items():
+        median_run = sorted(range(len(rows[name])), key=lambda i: rows[name][i])[len(rows[name]) // 2]
+        spent = ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in reports[median_run].items()
+                          if seconds >= 0.001 and phase != "first_bucket")
+        print(f"{name}: receiver's seconds: {spent}")
 
 
 if __name__ == "__main__":

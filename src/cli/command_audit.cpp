@@ -339,12 +339,14 @@ void add_audit_command(CLI::App& app) {
     double reload_seconds = 0;
     uint64_t reload_bytes = 0;
     double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
+    UpdatePhases update_phases;  // --via: where those seconds went, summed over repeats
     for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
       // ---- --via (issue 8): the reload arrives as buckets from a `weightstream send` process
       if (flags->via.requested()) {
         ViaUpdate update = receive_update_via(layout, reload_uri, flags->via, device, flags->stream);
         reload_seconds += update.seconds;
         update_seconds += update.report.seconds;
+        for (const auto& [name, phase] : kUpdatePhases) update_phases.*phase += update.report.phases.*phase;
         reload_bytes += update.report.bytes;
         progress.finished(plan.bytes_to_read);
         watch.loaded();
@@ -375,6 +377,9 @@ void add_audit_command(CLI::App& app) {
       result["bucket_size"] = flags->via.bucket_size;
       result["update_seconds"] = update_seconds;
       result["update_gbps"] = update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0;
+      nlohmann::json phases = nlohmann::json::object();
+      for (const auto& [name, phase] : kUpdatePhases) phases[name] = update_phases.*phase;
+      result["update_phases"] = phases;
     }
     // ---- end of the --via block ----
     if (flags->json) {

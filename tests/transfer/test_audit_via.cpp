@@ -52,6 +52,17 @@ void expect_clean(const nlohmann::json& report, const std::string& via) {
   EXPECT_EQ(report["memory_growth_bytes"], 0);
   EXPECT_GT(report["update_seconds"].get<double>(), 0.0);
   EXPECT_GT(report["update_gbps"].get<double>(), 0.0);
+  // Where the receiver's seconds went: every phase named, none negative, their sum within them.
+  const nlohmann::json& phases = report["update_phases"];
+  ASSERT_TRUE(phases.is_object());
+  double counted = 0;
+  for (const auto& [name, phase] : kUpdatePhases) {
+    ASSERT_TRUE(phases.contains(name)) << name;
+    EXPECT_GE(phases[name].get<double>(), 0.0) << name;
+    if (std::string_view(name) != "first_bucket") counted += phases[name].get<double>();
+  }
+  EXPECT_GT(phases["waiting"].get<double>() + phases["checking"].get<double>(), 0.0);
+  EXPECT_LE(counted, report["update_seconds"].get<double>() * 1.01 + 1e-3);
   EXPECT_EQ(report["clean"], true);
 }
 
