@@ -1,5 +1,7 @@
 // UpdateSender: packs tensors into two alternating buckets and sends each with its
 // manifest; waits only when both buckets are with the receiver.
+#include <poll.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -167,11 +169,25 @@ struct UpdateSender::State {
     if (slot_claimed) return;
     guarded([&] {
       for (Link& link : links) {
-        while (link.in_flight[slot]) take_applied(link, "the release of bucket buffer " + std::to_string(slot));
+        while (link.in_flight[slot]) {
+          await_message(link);
+          take_applied(link, "the release of bucket buffer " + std::to_string(slot));
+        }
       }
     });
     current.slot = slot;
     slot_claimed = true;
+  }
+
+  /// Until a message from `link` is ready, turns the transport while a bucket is still
+  /// moving (at most the update's timeout; receive() then waits on with its own).
+  void await_message(Link& link) {
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    pollfd entry{link.connection.fd(), POLLIN, 0};
+    const timespec turn{0, 50'000};  // 50 us: the link's socket buffers drain in a few ms
+    while (transport->progress() && std::chrono::steady_clock::now() < deadline) {
+      if (::ppoll(&entry, 1, &turn, nullptr) > 0) return;
+    }
   }
 };
 

@@ -89,6 +89,10 @@ class SenderTransport {
   /// bucket has reached every receiver by the next push() or drain()).
   virtual void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
                     std::chrono::milliseconds timeout) {}
+  /// Moves along, without waiting, a bucket push() left moving; true while one still is. The
+  /// sender calls it while it waits for a receiver's APPLIED, so the next bucket keeps moving
+  /// meanwhile (ucx: UCX moves bytes over tcp only while this process turns its worker).
+  virtual bool progress() { return false; }
   /// Waits until every bucket push() started has reached every receiver. A transport whose
   /// push() returns with the bytes still moving (ucx: they move while the next bucket
   /// fills) finishes them here; called before FINISH and when the caller flushes.

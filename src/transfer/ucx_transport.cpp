@@ -201,7 +201,7 @@ class UcxSender final : public SenderTransport {
     // copy stops every kFillStep to let the worker feed the link.
     for (uint64_t done = 0; done < bytes; done += kFillStep) {
       std::memcpy(destination + done, source + done, std::min(kFillStep, bytes - done));
-      if (pending_) progress();
+      if (pending_) (void)progress();
     }
   }
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
@@ -262,11 +262,15 @@ class UcxSender final : public SenderTransport {
     uint32_t keys[3] = {0, 0, 0};
     uint64_t counts[2] = {0, 0};
   };
-  /// Moves the pending bucket along (fill() calls it between its steps).
-  void progress() {
+  bool progress() override {
+    if (!pending_) return false;
+    bool moving = false;
     for (size_t i = 0; i < targets_.size(); ++i) {
-      if (targets_[i].endpoint->busy()) guarded(connections_, i, [&] { targets_[i].endpoint->progress(); });
+      if (!targets_[i].endpoint->busy()) continue;
+      guarded(connections_, i, [&] { targets_[i].endpoint->progress(); });
+      moving = moving || targets_[i].endpoint->busy();
     }
+    return moving;
   }
   template <typename Step>
   static void guarded(std::span<Connection* const> connections, size_t i, Step&& step) {
