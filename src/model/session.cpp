@@ -159,7 +159,9 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
 /// pushed update of a 1 GiB llama in 64 MiB buckets holds about 60% of its bytes, and the
 /// receiver applied it at 2.1 GB/s). Memory comes back when its last holder lets go; free
 /// memory is kept up to the most ever in use at once, so the pool stays within twice the peak
-/// of held bytes, and release() gives it all back when the load ends.
+/// of held bytes, and release() gives it all back when the load ends. (The stream's
+/// StagingPool does not fit: its buffers are of one size and capped, and a held piece may
+/// neither wait nor be refused.)
 class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
  public:
   /// `bytes` of host memory, unwritten (or holding an earlier piece's bytes).

@@ -13,9 +13,10 @@
 //
 // The receiver applies a bucket once its count (or its bytes) says it landed, while the
 // sender moves the next one into the other buffer. The sender's push() returns with the
-// bucket still moving and fills the next one meanwhile, turning its worker every MiB; the
-// bucket is finished (and on kRma counted) at the next push() or at drain(). A progress thread on the receiver
-// serves both paths (UCX's tcp transport needs the target to progress even for puts).
+// bucket still moving; the sender turns its worker while it fills the next bucket (every
+// MiB) and while it waits for an APPLIED (progress()), and finishes the bucket (on kRma,
+// counts it) at the next push() or at drain(). A progress thread on the receiver serves
+// both paths (UCX's tcp transport needs the target to progress even for puts).
 #include <poll.h>
 
 #include <atomic>
@@ -201,7 +202,7 @@ class UcxSender final : public SenderTransport {
     // copy stops every kFillStep to let the worker feed the link.
     for (uint64_t done = 0; done < bytes; done += kFillStep) {
       std::memcpy(destination + done, source + done, std::min(kFillStep, bytes - done));
-      if (pending_) (void)progress();
+      (void)progress();
     }
   }
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,

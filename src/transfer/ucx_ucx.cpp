@@ -691,9 +691,7 @@ void Endpoint::wait_until(const uint64_t& counter, uint64_t value, std::chrono::
 
 void Endpoint::progress() {
   State& state = *state_;
-  if (state.in_flight.empty()) return;
-  state.progress_once(peer_);
-  state.check_alive(peer_);
+  if (!state.in_flight.empty()) state.progress_once(peer_);  // throws, as wait() does, on a failure
 }
 
 bool Endpoint::busy() const noexcept { return !state_->in_flight.empty(); }
