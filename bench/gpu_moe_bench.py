@@ -13,6 +13,8 @@ Rows, all in one run and one process (the CLI runs as subprocesses):
             the bound loads are held against (goal: each rank >= 85% of it)
   tp2 r0/r1 a bound tp-2 rank (experts divided by TP), cold LoadSession.load_checkpoint
   ep r0/r1  a bound tp-2 rank with EP 2 (whole experts, half of them per rank)
+  tp2 r0 / ep r0 host  the same ranks bound into host memory: the reads and host copies
+            without the device, which tells a slow rank's bound apart
   check     every bound parameter of one rank equals a host load of the same rank
   update    checkpoint B in BF16 pushed by `weightstream send --via cuda-ipc` into the bound EP
             rank 0: data_ptr() unchanged, a CUDA graph captured before the update reads the new
@@ -222,6 +224,23 @@ def main():
             del model, bound
         save()
 
+    # The same ranks bound into host memory: what the reads and the host copies cost without
+    # the device, which tells a slow rank's bound apart (the strided reads or the copies into
+    # the device)
+    if device != "cpu":
+        for key, parallel in (("tp2_r0_host", Parallel(2, 0)), ("ep_r0_host", Parallel(2, 0, 2, 0))):
+            host_model, host_bound = bound_rank(config, parallel, "cpu")
+            times = []
+            for _ in range(args.repeats):
+                seconds, counters = timed_load(host_bound, fp8, "cpu")
+                times.append(seconds)
+            row = median_row(times, counters)
+            row["of_raw"] = row["gbps"] / rows["raw"]["gbps"]
+            rows[key] = row
+            log(f"{key}: {row['seconds']:.3f} s, {row['gbps']:.2f} GB/s into host memory (runs {times})")
+            del host_model, host_bound
+            save()
+
     model, bound, parallel = kept["model"], kept["bound"], kept["parallel"]
     bad = differing(model, bound, host_reference(config, parallel, fp8))
     checks["ep_r0 equals a host load of A"] = not bad
@@ -375,7 +394,7 @@ def report(results):
     rows, checks = results["rows"], results["checks"]
     lines = [f"FP8 block-scaled qwen3_moe ({results.get('checkpoint_bytes', 0) / GB:.2f} GB) on {results['device']}",
              "", "| row | median s | runs (s) | bytes read (GB) | GB/s | of raw |", "| --- | ---: | --- | ---: | ---: | ---: |"]
-    for key in ("raw", "tp2_r0", "tp2_r1", "ep_r0", "ep_r1"):
+    for key in ("raw", "tp2_r0", "tp2_r1", "ep_r0", "ep_r1", "tp2_r0_host", "ep_r0_host"):
         if key in rows:
             row = rows[key]
             lines.append(f"| {key} | {row['seconds']:.3f} | {', '.join(f'{t:.3f}' for t in row['runs'])} | "
