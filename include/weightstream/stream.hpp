@@ -119,6 +119,12 @@ class TensorSink {
   virtual std::byte* direct_destination(size_t /*request*/) { return nullptr; }
   /// Whether pieces of one request must arrive in offset order (hashing needs this).
   virtual bool wants_ordered_pieces() const { return false; }
+  /// Whether every piece must arrive in the stream's read order, one at a time: shard by
+  /// shard, by offset, which is file order (and offset order within each request). An
+  /// update sender wants it: its receiver writes a layer once all of it has arrived, and a
+  /// checkpoint stores a layer's tensors together, so in file order layers complete one
+  /// after another; in the readers' order they interleave, and most of each bucket waits.
+  virtual bool wants_file_order() const { return false; }
   /// Consumes one piece. An exception fails the stream and cancels the other readers.
   virtual void consume(TensorPiece&& piece) = 0;
   /// All pieces of request `request` were consumed.

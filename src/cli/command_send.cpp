@@ -38,11 +38,13 @@ struct SendFlags {
   StreamFlags stream;
 };
 
-/// Hands streamed pieces to the sender; pieces of one tensor arrive in order.
+/// Hands streamed pieces to the sender in file order, as a trainer pushes a model layer
+/// after layer: the receiver then holds back only the layer a bucket ends inside.
 class SenderSink final : public TensorSink {
  public:
   SenderSink(UpdateSender& sender, const Checkpoint& checkpoint) : sender_(sender), checkpoint_(checkpoint) {}
   bool wants_ordered_pieces() const override { return true; }
+  bool wants_file_order() const override { return true; }
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
     std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends

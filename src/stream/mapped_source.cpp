@@ -399,8 +399,8 @@ StreamStats stream_tensors_for_device(const Device& device, const Checkpoint& ch
                     const ProgressCallback& subset_progress) {
     return stream_mapped(device, checkpoint, subset, subset_sink, subset_options, subset_progress);
   };
-  // Ordered pieces (hashing) need the streamer: windows are handed out by several workers.
-  GpuPath path = sink.wants_ordered_pieces() ? GpuPath::kStaged : choose_path(checkpoint, options);
+  // Ordered pieces (hashing, senders) need the streamer: windows are handed out by several workers.
+  GpuPath path = sink.wants_ordered_pieces() || sink.wants_file_order() ? GpuPath::kStaged : choose_path(checkpoint, options);
   switch (path) {
     case GpuPath::kMapped: return mapped(requests, sink, options, progress);
     case GpuPath::kBoth: {

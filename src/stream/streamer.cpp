@@ -168,7 +168,9 @@ class StreamRun {
         sink_(sink),
         reads_(std::move(reads)),
         pool_(std::move(pool)),
-        ordered_(sink.wants_ordered_pieces()), remaining_(requests.size()), next_offset_(requests.size(), 0),
+        file_ordered_(sink.wants_file_order()),
+        ordered_(sink.wants_ordered_pieces() || file_ordered_),
+        remaining_(requests.size()), next_offset_(requests.size(), 0),
         workers_running_(workers) {
     for (const auto& read : reads_) {
       for (const auto& delivery : read.deliveries) {
@@ -214,7 +216,7 @@ class StreamRun {
       }
       try {
         if (reserved) lease = pool_->allocate_reserved();
-        execute(reads_[read_index], lease);
+        execute(read_index, lease);
       } catch (...) {
         fail(std::current_exception());
         return;
@@ -321,7 +323,8 @@ class StreamRun {
   }
 
  private:
-  void execute(const PlannedRead& read, const StagingPool::Lease& lease) {
+  void execute(size_t read_index, const StagingPool::Lease& lease) {
+    const PlannedRead& read = reads_[read_index];
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
     // Through views, the reader holds its range's view while it reads: returning it drops
@@ -358,6 +361,13 @@ class StreamRun {
     }
     auto deliver_from = Clock::now();
     ReaderTime::AddOnExit delivering{delivering_, deliver_from};
+    if (file_ordered_) {
+      // Reads hold their staging in plan order, so the read due next always holds its own:
+      // waiting for it cannot deadlock.
+      std::unique_lock lock(mutex_);
+      wakeup_.wait(lock, [&] { return error_ || next_delivered_read_ == read_index; });
+      if (error_) return;
+    }
     for (const auto& delivery : read.deliveries) {
       TensorPiece piece;
       piece.request = delivery.request;
@@ -384,6 +394,13 @@ class StreamRun {
         sink_.request_complete(delivery.request);
         completed_.fetch_add(1, std::memory_order_relaxed);
       }
+    }
+    if (file_ordered_) {
+      {
+        std::lock_guard lock(mutex_);
+        next_delivered_read_ = read_index + 1;
+      }
+      wakeup_.notify_all();
     }
   }
 
@@ -424,13 +441,15 @@ class StreamRun {
   TensorSink& sink_;
   std::vector<PlannedRead> reads_;
   std::shared_ptr<StagingPool> pool_;
-  bool ordered_;
+  bool file_ordered_;  ///< every piece in plan order (sink.wants_file_order())
+  bool ordered_;       ///< pieces of each request in offset order
   std::vector<std::atomic<uint64_t>> remaining_;
   std::vector<uint64_t> next_offset_;
   std::shared_ptr<WakeState> wake_ = std::make_shared<WakeState>();
   std::mutex& mutex_ = wake_->mutex;
   std::condition_variable& wakeup_ = wake_->condition;
   size_t next_read_ = 0;
+  size_t next_delivered_read_ = 0;  ///< with file_ordered_: the read whose pieces go next
   std::exception_ptr error_;
   ReaderTime reading_;
   ReaderTime delivering_;
@@ -486,7 +505,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   auto start = Clock::now();
   check_stream_options(options);
   // Pieces of a request of several runs skip its gaps: they cannot come in one ordered sequence.
-  WS_EXPECT(!sink.wants_ordered_pieces() ||
+  WS_EXPECT(!(sink.wants_ordered_pieces() || sink.wants_file_order()) ||
                 std::ranges::none_of(requests, [](const TensorRequest& request) { return request.runs > 1; }),
             ErrorCode::kInvalidArgument, "a sink that wants its pieces in order cannot take requests of several runs");
   uint64_t chunk = effective_chunk(options);

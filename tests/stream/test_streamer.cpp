@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -85,6 +86,41 @@ TEST(Streamer, PartialRangesOfTensorsAreDeliveredExactly) {
   auto stats = stream_tensors(checkpoint, requests, sink, options);
   sink.expect_exactly_once();
   EXPECT_LT(stats.bytes_read, checkpoint.tensor_bytes());
+}
+
+/// Records where in the files each piece came from, and wants every piece in file order.
+class FileOrderSink final : public RecordingSink {
+ public:
+  using RecordingSink::RecordingSink;
+  bool wants_file_order() const override { return true; }
+  void consume(TensorPiece&& piece) override {
+    {
+      std::lock_guard lock(order_mutex_);
+      positions.emplace_back(piece.tensor->shard, piece.tensor->offset + piece.offset);
+    }
+    RecordingSink::consume(std::move(piece));
+  }
+  std::vector<std::pair<uint32_t, uint64_t>> positions;  ///< (shard, file offset) of each piece
+
+ private:
+  std::mutex order_mutex_;
+};
+
+TEST(Streamer, ASinkThatWantsFileOrderGetsEveryPieceInShardAndOffsetOrder) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 80, 3, 11);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  auto requests = all_tensors(checkpoint);
+  FileOrderSink sink(checkpoint, requests, false, false);
+  StreamOptions options;
+  options.concurrency = 8;  // readers finish out of order; the pieces must not
+  options.memory_limit = 256 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  stream_tensors(checkpoint, requests, sink, options);
+  sink.expect_exactly_once();
+  ASSERT_GT(sink.positions.size(), 100u);
+  EXPECT_TRUE(std::is_sorted(sink.positions.begin(), sink.positions.end()));
+  EXPECT_EQ(std::adjacent_find(sink.positions.begin(), sink.positions.end()), sink.positions.end());
 }
 
 TEST(Streamer, RequestOutsideTensorIsRejected) {
