@@ -5,7 +5,9 @@ size) and against the home-made TCP update transport, all between the same names
 one run. The pull and the UCX update run twice: as the library picks (over tcp, rendezvous
 messages: the server's tagged sends, the sender's active messages) and forced to one-sided
 get/put (WEIGHTSTREAM_UCX_PATH=rma), so both paths are measured in one run; ucx_perftest's
-ucp_am_bw is shown beside the update.
+ucp_am_bw is shown beside the update. Each update row runs --updates updates from one
+sender over one connection: the row is the first (both processes' buffers still fresh), the
+steady row the median of the later ones (a trainer pushes every step over one connection).
 
 Two namespaces joined by a veth pair (192.0.2.1 serves, 192.0.2.2 pulls), loopback up in
 each; UCX_TLS picks UCX's transports (default "tcp": the bytes cross the veth as they would
@@ -53,6 +55,22 @@ class Namespaces:
             run("ip", "netns", "del", namespace, check=False)
 
 
+def busy_core_seconds():
+    """CPU seconds every core of this machine has spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as file:
+        ticks = [int(value) for value in file.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+CPU = {}  # row -> [busy core-seconds, bytes] summed over its runs: what a GB costs this machine's cores
+
+
+def count_cpu(row, seconds, size):
+    spent = CPU.setdefault(row, [0.0, 0])
+    spent[0] += seconds
+    spent[1] += size
+
+
 def environment(tls):
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     if tls != "auto":
@@ -68,8 +86,10 @@ def perftest(ns, test, message_bytes, iterations, env, port):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         time.sleep(1.0)
+        busy = busy_core_seconds()
         out = run("ip", "netns", "exec", ns.puller, "ucx_perftest", SERVER, "-p", str(port), "-t", test, "-s",
                   str(message_bytes), "-n", str(iterations), env=env, timeout=300).stdout
+        count_cpu(f"ucx_perftest {test}", busy_core_seconds() - busy, message_bytes * iterations)
     finally:
         server.wait(timeout=60)
     final = [line for line in out.splitlines() if line.startswith("Final:")][-1].split()
@@ -97,21 +117,27 @@ def warm_pull_once(ns, cli, address, env):
     return report["reload_bytes"] / report["reload_seconds"] / 1e9
 
 
-def update_once(ns, cli, checkpoint, via, bucket, env):
-    """A pushed update of the whole checkpoint across the namespaces; the receiver's GB/s."""
+def update_once(ns, cli, checkpoint, via, bucket, env, updates=1, row=None):
+    """`updates` pushed updates of the whole checkpoint across the namespaces, one after
+    another from one sender over one connection (as a trainer pushes every step); the
+    receiver's audit report (update_seconds_each: each update's seconds)."""
     audit = subprocess.Popen(
         ["ip", "netns", "exec", ns.server, cli, "audit", checkpoint, "--via", via, "--listen", f"{SERVER}:0",
-         "--await-sender", "--token-stdin", "--bucket-size", bucket, "--json", "--no-progress"],
+         "--await-sender", "--token-stdin", "--bucket-size", bucket, "--repeat", str(updates), "--json", "--no-progress"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     audit.stdin.write(TOKEN + "\n")
     audit.stdin.close()
     line = audit.stderr.readline()
     address = re.search(r"awaiting a sender at (\S+)", line).group(1)
+    busy = busy_core_seconds()
     run("ip", "netns", "exec", ns.puller, cli, "send", checkpoint, "--to", address, "--via", via, "--bucket-size", bucket,
-        "--token-stdin", "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+        "--repeat", str(updates), "--token-stdin", "--no-progress", input=TOKEN + "\n", env=env, timeout=600)
+    busy = busy_core_seconds() - busy
     audit.wait(timeout=600)
     report = json.loads(audit.stdout.read())
     assert report["clean"], report
+    if row:
+        count_cpu(row, busy, report["reload_bytes"])
     return report
 
 
@@ -124,6 +150,9 @@ def main():
     parser.add_argument("--message-size", type=int, default=8 << 20, help="ucx_perftest -s: the pull's read size (8 MiB)")
     parser.add_argument("--tls", default="tcp", help="UCX_TLS for every UCX row: tcp (default) or auto")
     parser.add_argument("--bucket-size", default="64MiB")
+    parser.add_argument("--updates", type=int, default=4,
+                        help="updates per sender connection: the first pays the fresh buffers of both processes, "
+                             "the later ones are the steady rate (default 4)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     cli = os.path.abspath(args.cli)
@@ -135,7 +164,7 @@ def main():
     phases = {}  # per update row: each run's update_phases
     try:
         total = args.size
-        iterations = max(16, (1 << 30) // args.message_size)
+        iterations = max(16, (4 << 30) // args.message_size)  # 4 GiB: the CPU counts see little of the start
         rows["ucx_perftest tag_bw"] = [perftest(ns, "tag_bw", args.message_size, iterations, env, 13400 + i)
                                        for i in range(args.repeat)]
         rows["ucx_perftest ucp_get"] = [perftest(ns, "ucp_get", args.message_size, iterations, env, 13500 + i)
@@ -164,15 +193,23 @@ def main():
         rows["peer pull into a warm layout, rma (forced)"] = warm_rma_pulls
         for name, via, update_env in (("pushed update, ucx", "ucx", env), ("pushed update, ucx, rma (forced)", "ucx", rma),
                                       ("pushed update, tcp (home-made)", "tcp", env)):
-            reports = [update_once(ns, cli, args.checkpoint, via, args.bucket_size, update_env) for _ in range(args.repeat)]
-            rows[name] = [report["update_gbps"] for report in reports]
-            phases[name] = [report.get("update_phases", {}) for report in reports]
+            reports = [update_once(ns, cli, args.checkpoint, via, args.bucket_size, update_env, args.updates, name)
+                       for _ in range(args.repeat)]
+            each = [(report["reload_bytes"] / args.updates, report["update_seconds_each"]) for report in reports]
+            rows[name] = [size / seconds[0] / 1e9 for size, seconds in each]
+            phases[name] = [{phase: seconds / args.updates for phase, seconds in report.get("update_phases", {}).items()}
+                            for report in reports]
+            if args.updates > 1:
+                rows[f"{name}, steady (updates 2-{args.updates} of a connection)"] = [
+                    size / statistics.median(seconds[1:]) / 1e9 for size, seconds in each]
     finally:
         ns.close()
     medians = {name: statistics.median(values) for name, values in rows.items()}
     best = max(medians["ucx_perftest tag_bw"], medians["ucx_perftest ucp_get"])
+    cpu = {row: seconds / size * 1e9 for row, (seconds, size) in CPU.items()}
     result = {"tls": args.tls, "message_bytes": args.message_size, "bytes": pulls[0]["bytes_from_peers"],
-              "rows": rows, "medians": medians, "best_perftest": best, "update_phases": phases}
+              "rows": rows, "medians": medians, "best_perftest": best, "update_phases": phases,
+              "cpu_core_seconds_per_gb": cpu, "cores": os.cpu_count()}
     if args.json:
         print(json.dumps(result, indent=2))
     print(f"UCX_TLS={args.tls}, {pulls[0]['bytes_from_peers'] / 1e9:.2f} GB rank, perftest message {args.message_size} bytes")
@@ -182,12 +219,17 @@ def main():
     for name, values in rows.items():
         runs = ", ".join(f"{v:.3f}" for v in values)
         print(f"| {name} | {medians[name]:.3f} | {runs} | {medians[name] / best:.0%} | {medians[name] / tcp:.2f}× |")
-    # Where each update's receiver spent its seconds (the run of the median rate).
+    # Where each update's receiver spent its seconds (the run of the median rate; per update).
     for name, reports in phases.items():
         median_run = sorted(range(len(rows[name])), key=lambda i: rows[name][i])[len(rows[name]) // 2]
         spent = ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in reports[median_run].items()
                           if seconds >= 0.001 and phase != "first_bucket")
         print(f"{name}: receiver's seconds: {spent}")
+    # What a GB costs this machine's cores (every core, busy time from /proc/stat: the two
+    # namespaces share them), and the rate that cost allows with every core busy.
+    cores = os.cpu_count()
+    for row, seconds in cpu.items():
+        print(f"CPU: {row}: {seconds:.2f} core-seconds per GB; {cores} cores allow {cores / seconds:.2f} GB/s")
 
 
 if __name__ == "__main__":

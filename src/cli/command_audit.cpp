@@ -296,7 +296,7 @@ void add_audit_command(CLI::App& app) {
   command->add_option("--batches", flags->batches, "Load calls per reload (default 3)")->check(CLI::Range(1, 1 << 20));
   command->add_option("--order", flags->order, "Order of tensors across batches: file, shuffled or reversed")
       ->check(CLI::IsMember({"file", "shuffled", "reversed"}));
-  command->add_option("--repeat", flags->repeat, "Reloads (default 1)")->check(CLI::Range(1, 1 << 20));
+  command->add_option("--repeat", flags->repeat, "Reloads (default 1); with --via, updates from one sender over one connection")->check(CLI::Range(1, 1 << 20));
   command->add_option("--seed", flags->seed, "Seed of the shuffled order (default 0)");
   command->add_flag("--json", flags->json,
                     "Print JSON: compared, mismatched, address_changes, model_hook_runs_per_load, memory_growth_bytes");
@@ -339,22 +339,29 @@ void add_audit_command(CLI::App& app) {
     double reload_seconds = 0;
     uint64_t reload_bytes = 0;
     double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
+    nlohmann::json update_seconds_each = nlohmann::json::array();  // --via: each update's
     UpdatePhases update_phases;  // --via: where those seconds went, summed over repeats
-    for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
-      // ---- --via (issue 8): the reload arrives as buckets from a `weightstream send` process
-      if (flags->via.requested()) {
-        ViaUpdate update = receive_update_via(layout, reload_uri, flags->via, device, flags->stream);
-        reload_seconds += update.seconds;
-        update_seconds += update.report.seconds;
-        for (const auto& [name, phase] : kUpdatePhases) update_phases.*phase += update.report.phases.*phase;
-        reload_bytes += update.report.bytes;
-        progress.finished(plan.bytes_to_read);
-        watch.loaded();
-        continue;
-      }
+    if (flags->via.requested()) {
+      // ---- --via (issue 8): the reloads arrive as buckets from one `weightstream send`
+      // process, one update after another over one connection
+      receive_updates_via(layout, reload_uri, flags->via, device, flags->stream, flags->repeat,
+                          [&](const ViaUpdate& update) {
+                            reload_seconds += update.seconds;
+                            update_seconds += update.report.seconds;
+                            update_seconds_each.push_back(update.report.seconds);
+                            for (const auto& [name, phase] : kUpdatePhases) {
+                              update_phases.*phase += update.report.phases.*phase;
+                            }
+                            reload_bytes += update.report.bytes;
+                            progress.finished(plan.bytes_to_read);
+                            watch.loaded();
+                          });
       // ---- end of the --via block ----------------------------------------------------------
-      reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds, &progress);
-      watch.loaded();
+    } else {
+      for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
+        reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds, &progress);
+        watch.loaded();
+      }
     }
 
     // The reload's model as the audited layout holds it: a BF16 reload of an FP8 block-scaled
@@ -376,6 +383,7 @@ void add_audit_command(CLI::App& app) {
       result["via"] = flags->via.via;
       result["bucket_size"] = flags->via.bucket_size;
       result["update_seconds"] = update_seconds;
+      result["update_seconds_each"] = update_seconds_each;
       result["update_gbps"] = update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0;
       nlohmann::json phases = nlohmann::json::object();
       for (const auto& [name, phase] : kUpdatePhases) phases[name] = update_phases.*phase;

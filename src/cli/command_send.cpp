@@ -35,6 +35,7 @@ struct SendFlags {
   std::string device = "cpu";
   bool token_stdin = false;
   bool json = false;
+  int64_t repeat = 1;
   StreamFlags stream;
 };
 
@@ -111,7 +112,12 @@ void add_send_command(CLI::App& app) {
   command->add_option("--device", flags->device, "GPU of the bucket staging for cuda-ipc and nccl");
   command->add_flag("--token-stdin", flags->token_stdin, "Read the shared token from the first line of stdin");
   command->add_flag("--json", flags->json,
-                    "Print the receiver's report as JSON: tensors, bytes, buckets, seconds, gbps, model_hook_runs");
+                    "Print the receiver's report as JSON: tensors, bytes, buckets, seconds, gbps, model_hook_runs "
+                    "(of the last update; `updates` lists each one's seconds and gbps)");
+  command->add_option("--repeat", flags->repeat,
+                      "Updates to send, one after another over one connection, as a trainer pushes every step "
+                      "(default 1)")
+      ->check(CLI::Range(1, 1 << 20));
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
     Options options = resolve_options(flags->stream);
@@ -123,12 +129,24 @@ void add_send_command(CLI::App& app) {
     if (flags->token_stdin) std::getline(std::cin, sender_options.token);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     UpdateSender sender(flags->to, sender_options);
-    sender.start(flags->format == "engine" ? TensorFormat::kEngine : TensorFormat::kCheckpoint);
+    const TensorFormat format = flags->format == "engine" ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
     SenderSink sink(sender, checkpoint);
     auto requests = all_tensors(checkpoint);
-    stream_tensors(checkpoint, requests, sink, options.stream);
-    UpdateReport report = sender.finish();  // the receiver's report, echoed back
     const std::string to = join_addresses(flags->to);
+    UpdateReport report;
+    nlohmann::json updates = nlohmann::json::array();
+    for (int64_t update = 0; update < flags->repeat; ++update) {
+      sender.start(format);
+      stream_tensors(checkpoint, requests, sink, options.stream);
+      report = sender.finish();  // the receiver's report, echoed back
+      updates.push_back({{"seconds", report.seconds}, {"gbps", report.gbps()}});
+      if (!flags->json) {
+        std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
+                    static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),
+                    static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
+                    flags->via.c_str(), report.seconds, report.gbps());
+      }
+    }
     if (flags->json) {
       print_json({{"uri", checkpoint.uri()},
                   {"to", flags->to},
@@ -140,18 +158,14 @@ void add_send_command(CLI::App& app) {
                   {"seconds", report.seconds},
                   {"gbps", report.gbps()},
                   {"model_hook_runs", report.counters.model_hook_runs},
-                  {"paths", sender.paths()}});
-    } else {
-      std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
-                  static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),
-                  static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
-                  flags->via.c_str(), report.seconds, report.gbps());
+                  {"paths", sender.paths()},
+                  {"updates", updates}});
     }
   });
 }
 
-ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags,
-                             const Device& device, const StreamFlags& stream) {
+void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update) {
   ReceiverOptions options;
   options.transport = parse_transport(flags.via);
   options.token = random_token();
@@ -174,10 +188,15 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
                  receiver.address().c_str());
     std::fflush(stderr);
     auto started = std::chrono::steady_clock::now();
-    ViaUpdate result;
-    result.report = receiver.receive(std::chrono::minutes(5));
-    result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    return result;
+    for (int64_t update = 0; update < count; ++update) {
+      ViaUpdate result;
+      result.report = receiver.receive(std::chrono::minutes(5));
+      const auto ended = std::chrono::steady_clock::now();
+      result.seconds = std::chrono::duration<double>(ended - started).count();
+      started = ended;
+      on_update(result);
+    }
+    return;
   }
   UpdateReceiver receiver(layout, options);
 
@@ -188,7 +207,8 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
   }
   std::vector<std::string> arguments = {"weightstream", "send", reload_uri, "--to", receiver.address(), "--via",
                                         flags.via, "--bucket-size", flags.bucket_size, "--token-stdin",
-                                        "--no-progress", "--device", sender_device.name()};
+                                        "--no-progress", "--device", sender_device.name(), "--repeat",
+                                        std::to_string(count)};
   if (stream.concurrency) arguments.insert(arguments.end(), {"--concurrency", std::to_string(*stream.concurrency)});
   if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
   if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
@@ -236,9 +256,15 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
     }
     return status;
   };
-  ViaUpdate result;
   try {
-    result.report = receiver.receive(std::chrono::minutes(5));
+    for (int64_t update = 0; update < count; ++update) {
+      ViaUpdate result;
+      result.report = receiver.receive(std::chrono::minutes(5));
+      const auto ended = std::chrono::steady_clock::now();
+      result.seconds = std::chrono::duration<double>(ended - started).count();
+      started = ended;
+      on_update(result);
+    }
   } catch (const Error& error) {
     ::kill(child, SIGTERM);
     int status = reap();
@@ -255,11 +281,9 @@ ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri,
     reap();  // joins the watcher too: a joinable std::thread must not be destroyed
     throw;
   }
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   int status = reap();
   WS_EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, ErrorCode::kInternal,
             "the update was applied but the sender process failed afterwards (status " + std::to_string(status) + ")");
-  return result;
 }
 
 }  // namespace weightstream::cli

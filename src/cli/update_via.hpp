@@ -4,6 +4,7 @@
 // flags of `audit`, which run the reload through a transport from such a process.
 
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <string>
 
 #include "cli/command.hpp"
@@ -31,14 +32,18 @@ void add_via_flags(CLI::App& command, ViaFlags& flags);
 /// One update received through a transport.
 struct ViaUpdate {
   UpdateReport report;
-  double seconds = 0;  ///< from spawning the sender to the receiver's end of finish()
+  /// The first update: from spawning the sender (or from listening, with --await-sender) to
+  /// the receiver's end of finish(); each later one: from the end of the one before.
+  double seconds = 0;
 };
 
-/// Receives one update of `layout` from a `weightstream send` process spawned for
-/// `reload_uri`, through the transport of `flags`, with a fresh random token. Throws the
-/// receiver's error, with the sender's exit status when it failed first.
-ViaUpdate receive_update_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags,
-                             const Device& device, const StreamFlags& stream);
+/// Receives `count` updates of `layout`, one after another over one connection, from one
+/// `weightstream send --repeat COUNT` process spawned for `reload_uri` (or, with
+/// --await-sender, from a sender elsewhere), through the transport of `flags`, with a fresh
+/// random token; calls `on_update` after each. Throws the receiver's error, with the
+/// sender's exit status when it failed first.
+void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update);
 
 /// Registers the hidden `send` subcommand.
 void add_send_command(CLI::App& app);

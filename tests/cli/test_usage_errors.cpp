@@ -375,6 +375,43 @@ TEST(SendSummary, PrintsWhatWasSentAndTheJsonReport) {
   }
 }
 
+TEST(SendSummary, RepeatSendsEachUpdateOverOneConnectionAndListsThem) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", 1, 64, 1);
+  Checkpoint opened = Checkpoint::open(checkpoint, Options{});
+  ModelLayout layout = identity_layout(opened);
+  layout.allocate(Device{});
+  load_layout(layout, opened, LoadMode::kCold, StreamOptions{});
+  UpdateReceiver receiver(layout, ReceiverOptions{});
+  std::vector<UpdateReport> reports;
+  std::exception_ptr failure;
+  std::thread receiving([&] {
+    try {
+      for (int update = 0; update < 3; ++update) reports.push_back(receiver.receive(std::chrono::minutes(2)));
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  auto result = run_cli({"send", checkpoint, "--to", receiver.address(), "--via", "tcp", "--bucket-size", "64KiB",
+                         "--repeat", "3", "--no-progress", "--json"});
+  if (result.exit_code != 0) receiver.cancel();
+  receiving.join();
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  ASSERT_FALSE(failure);
+  ASSERT_EQ(reports.size(), 3u);
+  for (const UpdateReport& report : reports) EXPECT_EQ(report.tensors, opened.tensors().size());
+  auto report = nlohmann::json::parse(result.out);
+  ASSERT_EQ(report["updates"].size(), 3u);
+  for (const auto& update : report["updates"]) EXPECT_GT(update["seconds"].get<double>(), 0.0);
+  EXPECT_EQ(report["tensors"], opened.tensors().size());
+}
+
+TEST(SendSummary, RepeatBelowOneIsRefused) {
+  auto result = run_cli({"send", "/nonexistent", "--to", "127.0.0.1:1", "--repeat", "0"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_THAT(result.err, HasSubstr("--repeat"));
+}
+
 TEST(AuditProgress, ForcedIntoAPipeItEndsWithOneDoneLine) {
   TempDir directory;
   std::string checkpoint = synth(directory, "a", 1, 64, 1);

@@ -63,6 +63,12 @@ void expect_clean(const nlohmann::json& report, const std::string& via) {
   }
   EXPECT_GT(phases["waiting"].get<double>() + phases["checking"].get<double>(), 0.0);
   EXPECT_LE(counted, report["update_seconds"].get<double>() * 1.01 + 1e-3);
+  // --repeat 2: two updates from one sender over one connection, each timed.
+  const nlohmann::json& each = report["update_seconds_each"];
+  ASSERT_EQ(each.size(), 2u);
+  EXPECT_GT(each[0].get<double>(), 0.0);
+  EXPECT_GT(each[1].get<double>(), 0.0);
+  EXPECT_NEAR(each[0].get<double>() + each[1].get<double>(), report["update_seconds"].get<double>(), 1e-6);
   EXPECT_EQ(report["clean"], true);
 }
 
