@@ -125,6 +125,12 @@ class TensorSink {
   /// checkpoint stores a layer's tensors together, so in file order layers complete one
   /// after another; in the readers' order they interleave, and most of each bucket waits.
   virtual bool wants_file_order() const { return false; }
+  /// Whether pieces may point straight into storage's views of the files (its mapping of
+  /// them) instead of staging: for a sink that copies the bytes elsewhere anyway (an update
+  /// sender, into its bucket). Where storage lends views (local files), reads of whole
+  /// ranges then cost no copy into staging and no staging memory; a piece's keepalive holds
+  /// its view.
+  virtual bool takes_views() const { return false; }
   /// Consumes one piece. An exception fails the stream and cancels the other readers.
   virtual void consume(TensorPiece&& piece) = 0;
   /// All pieces of request `request` were consumed.

@@ -46,6 +46,7 @@ class SenderSink final : public TensorSink {
   SenderSink(UpdateSender& sender, const Checkpoint& checkpoint) : sender_(sender), checkpoint_(checkpoint) {}
   bool wants_ordered_pieces() const override { return true; }
   bool wants_file_order() const override { return true; }
+  bool takes_views() const override { return true; }  // copied into the bucket in consume()
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
     std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends

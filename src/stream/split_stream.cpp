@@ -31,6 +31,7 @@ class SubsetSink final : public TensorSink {
   std::byte* direct_destination(size_t request) override { return outer_.direct_destination(original_[request]); }
   bool wants_ordered_pieces() const override { return outer_.wants_ordered_pieces(); }
   bool wants_file_order() const override { return outer_.wants_file_order(); }
+  bool takes_views() const override { return outer_.takes_views(); }
   void consume(TensorPiece&& piece) override {
     piece.request = original_[piece.request];
     outer_.consume(std::move(piece));

@@ -169,6 +169,7 @@ class StreamRun {
         reads_(std::move(reads)),
         pool_(std::move(pool)),
         file_ordered_(sink.wants_file_order()),
+        lends_views_(sink.takes_views() && storage.lends_views()),
         ordered_(sink.wants_ordered_pieces() || file_ordered_),
         remaining_(requests.size()), next_offset_(requests.size(), 0),
         workers_running_(workers) {
@@ -197,7 +198,7 @@ class StreamRun {
         std::unique_lock lock(mutex_);
         while (true) {
           if (error_ || next_read_ >= reads_.size()) return;
-          if (reads_[next_read_].direct) break;
+          if (reads_[next_read_].direct || lent(reads_[next_read_])) break;
           lease = pool_->try_acquire();
           if (lease.data) break;
           reserved = pool_->try_reserve();
@@ -328,10 +329,16 @@ class StreamRun {
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
     // Through views, the reader holds its range's view while it reads: returning it drops
-    // the pages, by a helper or, where there is none or it is behind, by this reader.
+    // the pages, by a helper or, where there is none or it is behind, by this reader. A
+    // range lent to the sink is that view, held until its pieces are consumed.
+    const bool lent_read = lent(read);
     Bytes held;
-    if (views_) held = storage_.borrow(shard.name, read.offset, read.length, {.drop_when_returned = true});
-    if (!read.runs.empty()) {
+    if (views_ || lent_read) {
+      held = storage_.borrow(shard.name, read.offset, read.length, {.populate = lent_read, .drop_when_returned = true});
+    }
+    if (lent_read) {
+      // Nothing to copy: the pieces point into the view.
+    } else if (!read.runs.empty()) {
       run_bytes_read_.fetch_add(storage_.read_runs(shard.name, read.offset, std::span(lease.data, read.length), read.runs),
                                 std::memory_order_relaxed);
     } else if (!read.direct) {
@@ -343,7 +350,7 @@ class StreamRun {
       storage_.read_scattered(shard.name, read.offset, segments);
     }
     reading_.add_since(read_from);
-    if (views_) {
+    if (views_ && !lent_read) {
       // A helper's backlog is at most one view each: the mapped pages this process holds
       // stay near the reads in flight, not the whole checkpoint, and nothing is left for
       // the unmap at the end.
@@ -362,8 +369,8 @@ class StreamRun {
     auto deliver_from = Clock::now();
     ReaderTime::AddOnExit delivering{delivering_, deliver_from};
     if (file_ordered_) {
-      // Reads hold their staging in plan order, so the read due next always holds its own:
-      // waiting for it cannot deadlock.
+      // Reads take their staging in plan order (a lent read needs none), so the read due
+      // next always has what it needs: waiting for it cannot deadlock.
       std::unique_lock lock(mutex_);
       wakeup_.wait(lock, [&] { return error_ || next_delivered_read_ == read_index; });
       if (error_) return;
@@ -372,9 +379,10 @@ class StreamRun {
       TensorPiece piece;
       piece.request = delivery.request;
       piece.offset = delivery.request_offset;
-      piece.bytes = std::span<const std::byte>(read.direct ? delivery.direct : lease.data + delivery.buffer_offset,
+      const std::byte* staged = lent_read ? held.span.data() : lease.data;
+      piece.bytes = std::span<const std::byte>(read.direct ? delivery.direct : staged + delivery.buffer_offset,
                                                delivery.length);
-      piece.keepalive = read.direct ? nullptr : lease.keepalive;
+      piece.keepalive = read.direct ? nullptr : lent_read ? held.keepalive : lease.keepalive;
       if (ordered_) {
         std::unique_lock lock(mutex_);
         wakeup_.wait(lock, [&] { return error_ || next_offset_[delivery.request] == delivery.request_offset; });
@@ -441,7 +449,11 @@ class StreamRun {
   TensorSink& sink_;
   std::vector<PlannedRead> reads_;
   std::shared_ptr<StagingPool> pool_;
+  /// Whether `read` is delivered straight from storage's view of it (no staging).
+  bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct && read.runs.empty(); }
+
   bool file_ordered_;  ///< every piece in plan order (sink.wants_file_order())
+  bool lends_views_;   ///< sink.takes_views() and storage lends views
   bool ordered_;       ///< pieces of each request in offset order
   std::vector<std::atomic<uint64_t>> remaining_;
   std::vector<uint64_t> next_offset_;

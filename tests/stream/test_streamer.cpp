@@ -123,6 +123,31 @@ TEST(Streamer, ASinkThatWantsFileOrderGetsEveryPieceInShardAndOffsetOrder) {
   EXPECT_EQ(std::adjacent_find(sink.positions.begin(), sink.positions.end()), sink.positions.end());
 }
 
+/// Takes pieces straight from storage's views (an update sender's way: it copies them into
+/// its bucket), in file order.
+class ViewTakingSink final : public RecordingSink {
+ public:
+  using RecordingSink::RecordingSink;
+  bool wants_file_order() const override { return true; }
+  bool takes_views() const override { return true; }
+};
+
+TEST(Streamer, ASinkThatTakesViewsOfLocalFilesGetsEveryByteWithoutStaging) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 60, 3, 5);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  auto requests = all_tensors(checkpoint);
+  ViewTakingSink sink(checkpoint, requests, true, false);
+  StreamOptions options;
+  options.concurrency = 8;
+  options.memory_limit = 256 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  auto stats = stream_tensors(checkpoint, requests, sink, options);
+  sink.expect_exactly_once();
+  EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
+  EXPECT_EQ(stats.peak_staging_bytes, 0u);  // every piece pointed into the files' mapping
+}
+
 TEST(Streamer, RequestOutsideTensorIsRejected) {
   TempDir directory;
   write_checkpoint(directory.path(), 5, 1, 1);
