@@ -43,13 +43,16 @@ struct SendFlags {
 /// after layer: the receiver then holds back only the layer a bucket ends inside.
 class SenderSink final : public TensorSink {
  public:
-  SenderSink(UpdateSender& sender, const Checkpoint& checkpoint) : sender_(sender), checkpoint_(checkpoint) {}
+  SenderSink(UpdateSender& sender, const Checkpoint& checkpoint)
+      : sender_(sender), checkpoint_(checkpoint), views_(checkpoint.storage().lends_views()) {}
   bool wants_ordered_pieces() const override { return true; }
   bool wants_file_order() const override { return true; }
   bool takes_views() const override { return true; }  // copied into the bucket in consume()
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
     std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends
+    // Where storage lends views, every piece is one (takes_views), unchanged while its
+    // keepalive lives: the transport may send it from there rather than copy it.
     sender_.send(TensorView{.name = tensor.name,
                             .dtype = tensor.dtype,
                             .shape = tensor.shape,
@@ -57,12 +60,14 @@ class SenderSink final : public TensorSink {
                             .device = Device{},
                             .offset = piece.offset,
                             .bytes = piece.bytes.size(),
-                            .keepalive = nullptr});
+                            .lifetime = views_ ? SourceLifetime::kLoad : SourceLifetime::kCall,
+                            .keepalive = views_ ? piece.keepalive : nullptr});
   }
 
  private:
   UpdateSender& sender_;
   const Checkpoint& checkpoint_;
+  const bool views_;  ///< pieces point into the checkpoint's mapping
   std::mutex mutex_;
 };
 

@@ -38,6 +38,10 @@ constexpr uint64_t kUcxPiece = 8ull << 20;
 /// enough that the link (a socket's buffer drains in a few milliseconds) does not go idle.
 constexpr uint64_t kFillStep = 1ull << 20;
 
+/// The smallest piece the rendezvous path sends from where it lies (take_in_place) rather
+/// than copying it into the bucket: below it a message of its own costs more than the copy.
+constexpr uint64_t kInPlaceMinimum = 256ull << 10;
+
 /// WELCOME blob: u32 length + worker address, then for bucket 0, bucket 1 and the counts:
 /// u64 address, u32 length + remote key; then the 16-byte secret of the rendezvous path.
 struct Offer {
@@ -205,28 +209,41 @@ class UcxSender final : public SenderTransport {
       (void)progress();
     }
   }
+  bool take_in_place(uint32_t slot, uint64_t offset, const std::byte* source, uint64_t bytes,
+                     std::shared_ptr<const void> keepalive) override {
+    // Only as messages: a put from memory UCX has not registered would be registered on an
+    // RDMA NIC's lanes, where a read-only file mapping may be refused.
+    if (bytes < kInPlaceMinimum) return false;
+    for (const Target& target : targets_) {
+      if (target.endpoint->path() != ucx::Path::kRendezvous) return false;
+    }
+    in_place_[slot].push_back({offset, bytes, source, std::move(keepalive)});
+    (void)progress();  // the bucket before moves on while this one is gathered
+    return true;
+  }
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
             std::chrono::milliseconds timeout) override {
     drain(connections, timeout);  // the previous bucket first: a receiver takes buckets in order
     connections_ = connections;
     pending_slot_ = slot;
     pending_ = true;
-    for (uint64_t done = 0; done < bytes; done += kUcxPiece) {
-      const uint64_t length = std::min(kUcxPiece, bytes - done);
-      for (size_t i = 0; i < targets_.size(); ++i) {
-        Target& target = targets_[i];
-        guarded(connections, i, [&] {
-          if (target.endpoint->path() == ucx::Path::kRma) {
-            target.endpoint->put(buffers_[slot].data() + done, target.offer.addresses[slot] + done, target.keys[slot],
-                                 length, timeout);
-          } else {
-            const Piece piece{slot, 0, done};
-            target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), buffers_[slot].data() + done, length,
-                                          registrations_[slot].get(), timeout);
-          }
-        });
+    // The bucket's bytes in order: what fill() copied into the buffer (alignment gaps too),
+    // and the pieces take_in_place() left where they lie.
+    auto send = [&](uint64_t offset, const std::byte* source, uint64_t length, const ucx::Registration* registration) {
+      for (uint64_t done = 0; done < length; done += kUcxPiece) {
+        send_piece(slot, offset + done, source + done, std::min(kUcxPiece, length - done), registration, connections,
+                   timeout);
       }
+    };
+    uint64_t sent = 0;
+    for (const InPlace& piece : in_place_[slot]) {
+      if (piece.offset > sent) send(sent, buffers_[slot].data() + sent, piece.offset - sent, registrations_[slot].get());
+      send(piece.offset, piece.source, piece.bytes, nullptr);
+      sent = piece.offset + piece.bytes;
     }
+    if (bytes > sent) send(sent, buffers_[slot].data() + sent, bytes - sent, registrations_[slot].get());
+    moving_in_place_ = std::move(in_place_[slot]);  // kept until the bucket has landed (drain)
+    in_place_[slot].clear();
   }
   void drain(std::span<Connection* const> connections, std::chrono::milliseconds timeout) override {
     if (!pending_) return;
@@ -236,6 +253,7 @@ class UcxSender final : public SenderTransport {
       Target& target = targets_[i];
       if (target.endpoint->path() == ucx::Path::kRendezvous) {
         guarded(connections, i, [&] { target.endpoint->wait(timeout); });  // the receiver holds every piece
+        if (i + 1 == targets_.size()) moving_in_place_.clear();
         continue;
       }
       guarded(connections, i, [&] { target.endpoint->flush(timeout); });
@@ -263,6 +281,30 @@ class UcxSender final : public SenderTransport {
     uint32_t keys[3] = {0, 0, 0};
     uint64_t counts[2] = {0, 0};
   };
+  /// A piece of a bucket sent from where it lies (take_in_place).
+  struct InPlace {
+    uint64_t offset = 0;  ///< in the bucket
+    uint64_t bytes = 0;
+    const std::byte* source = nullptr;
+    std::shared_ptr<const void> keepalive;
+  };
+  /// Starts `length` bytes at `source` towards every receiver as bytes [offset, offset +
+  /// length) of its buffer `slot`.
+  void send_piece(uint32_t slot, uint64_t offset, const std::byte* source, uint64_t length,
+                  const ucx::Registration* registration, std::span<Connection* const> connections,
+                  std::chrono::milliseconds timeout) {
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      Target& target = targets_[i];
+      guarded(connections, i, [&] {
+        if (target.endpoint->path() == ucx::Path::kRma) {
+          target.endpoint->put(source, target.offer.addresses[slot] + offset, target.keys[slot], length, timeout);
+        } else {
+          const Piece piece{slot, 0, offset};
+          target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), source, length, registration, timeout);
+        }
+      });
+    }
+  }
   bool progress() override {
     if (!pending_) return false;
     bool moving = false;
@@ -282,6 +324,9 @@ class UcxSender final : public SenderTransport {
       WS_FAIL(error.code(), "writing a bucket to " + peer + " over ucx: " + error.what());
     }
   }
+  // Declared first, so the pieces they keep outlive every endpoint that may still read them.
+  std::vector<InPlace> in_place_[2];     // pieces of the bucket being gathered in each buffer
+  std::vector<InPlace> moving_in_place_;  // those of the bucket push() started, until drain()
   Buffer buffers_[2];
   ucx::Worker worker_;
   std::unique_ptr<ucx::Registration> registrations_[2];  // the buckets, sent from without registering per message

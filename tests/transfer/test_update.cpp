@@ -241,6 +241,42 @@ TEST(SeveralReceivers, OneUcxSenderFeedsEveryReceiverByRendezvousMessages) {
   one_sender_feeds_every_receiver(TransportKind::kUcx, UcxPath::kRendezvous);
 }
 
+TEST(UcxRendezvous, PiecesThatStayValidTravelFromWhereTheyLieAndAreLetGoOnceLanded) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  // `weightstream send` hands pieces of the checkpoint's mapping this way: valid and unchanged
+  // until finish() (kLoad), kept by their keepalive. The large ones are sent from where they
+  // lie (no copy into the bucket); the transport keeps them until their bucket has landed.
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kUcx));
+  auto keepalive = std::make_shared<int>(0);
+  std::vector<TensorView> views = checkpoint_of(2).views();
+  uint64_t large = 0;
+  for (TensorView& view : views) {
+    view.lifetime = SourceLifetime::kLoad;
+    view.keepalive = keepalive;
+    large += view.bytes >= (256 << 10) ? 1 : 0;
+  }
+  ASSERT_GT(large, 0u) << "the test model needs pieces large enough to travel in place";
+  auto trainer = std::async(std::launch::async, [&] {
+    SenderOptions options = sender_options(TransportKind::kUcx, 1 << 20);
+    options.ucx_path = UcxPath::kRendezvous;
+    UpdateSender sender(receiver.address(), options);
+    sender.start(TensorFormat::kCheckpoint);
+    for (const TensorView& view : views) sender.send(view);
+    const long held = keepalive.use_count();  // this test's, the views', and the transport's
+    UpdateReport report = sender.finish();
+    return std::make_pair(held, report);
+  });
+  receiver.receive(10s);
+  auto [held, report] = trainer.get();
+  EXPECT_GT(held, static_cast<long>(views.size()) + 1);  // some pieces were still travelling from their place
+  views.clear();
+  EXPECT_EQ(keepalive.use_count(), 1);  // all let go once their buckets landed
+  EXPECT_EQ(report.tensors, checkpoint_of(2).tensors.size());
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+}
+
 TEST(SeveralReceivers, OnlyTcpNcclAndUcxFeedSeveral) {
   LoadedModel model(1);
   UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kShm));
