@@ -88,6 +88,20 @@ std::string random_token() {
   return token;
 }
 
+/// Receives `count` updates, calling `on_update` after each; the first is timed from
+/// `started`, each later one from the end of the one before.
+void receive_each(UpdateReceiver& receiver, int64_t count, std::chrono::steady_clock::time_point started,
+                  const std::function<void(const ViaUpdate&)>& on_update) {
+  for (int64_t update = 0; update < count; ++update) {
+    ViaUpdate result;
+    result.report = receiver.receive(std::chrono::minutes(5));
+    const auto ended = std::chrono::steady_clock::now();
+    result.seconds = std::chrono::duration<double>(ended - started).count();
+    started = ended;
+    on_update(result);
+  }
+}
+
 }  // namespace
 
 void add_via_flags(CLI::App& command, ViaFlags& flags) {
@@ -193,15 +207,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());
     std::fflush(stderr);
-    auto started = std::chrono::steady_clock::now();
-    for (int64_t update = 0; update < count; ++update) {
-      ViaUpdate result;
-      result.report = receiver.receive(std::chrono::minutes(5));
-      const auto ended = std::chrono::steady_clock::now();
-      result.seconds = std::chrono::duration<double>(ended - started).count();
-      started = ended;
-      on_update(result);
-    }
+    receive_each(receiver, count, std::chrono::steady_clock::now(), on_update);
     return;
   }
   UpdateReceiver receiver(layout, options);
@@ -263,14 +269,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     return status;
   };
   try {
-    for (int64_t update = 0; update < count; ++update) {
-      ViaUpdate result;
-      result.report = receiver.receive(std::chrono::minutes(5));
-      const auto ended = std::chrono::steady_clock::now();
-      result.seconds = std::chrono::duration<double>(ended - started).count();
-      started = ended;
-      on_update(result);
-    }
+    receive_each(receiver, count, started, on_update);
   } catch (const Error& error) {
     ::kill(child, SIGTERM);
     int status = reap();

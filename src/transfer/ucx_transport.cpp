@@ -253,7 +253,6 @@ class UcxSender final : public SenderTransport {
       Target& target = targets_[i];
       if (target.endpoint->path() == ucx::Path::kRendezvous) {
         guarded(connections, i, [&] { target.endpoint->wait(timeout); });  // the receiver holds every piece
-        if (i + 1 == targets_.size()) moving_in_place_.clear();
         continue;
       }
       guarded(connections, i, [&] { target.endpoint->flush(timeout); });
@@ -265,6 +264,7 @@ class UcxSender final : public SenderTransport {
         target.endpoint->flush(timeout);
       });
     }
+    moving_in_place_.clear();  // every receiver holds the bucket: its in-place pieces may go
   }
   std::vector<std::string> paths() const override {
     std::vector<std::string> names;
