@@ -67,6 +67,10 @@ struct BorrowOptions {
   /// Drop the view's pages from this process when the bytes are returned (they stay in the
   /// page cache): a reader holding only the ranges in flight keeps its resident set small.
   bool drop_when_returned = false;
+  /// With populate: a range the object no longer holds (a file cut short since it was
+  /// opened) throws Error(kIo) naming it, as a read would, instead of being left for a read
+  /// to report: a view lent to a sink is read by no one who would.
+  bool checked = false;
 };
 
 /// A byte range [offset, offset + length) of an object, a tensor or a buffer.
@@ -122,6 +126,10 @@ class Storage {
   /// drop_when_returned, and helpers may borrow ranges ahead of the readers with populate:
   /// a read of a range populated that way only copies.
   virtual bool reads_through_views() const { return false; }
+  /// Whether a reader may take its bytes from borrow()'s views instead of read() (local files
+  /// at --io auto or mmap; never where the caller chose pread, O_DIRECT or io_uring): the
+  /// stream then lends a sink that takes views (TensorSink::takes_views) its ranges as views.
+  virtual bool views_serve_reads() const { return false; }
   /// Reads in flight that this backend serves well (a hint for the stream layer).
   virtual unsigned preferred_concurrency() const { return 16; }
   /// The share (0 to 1) of `name` that the page cache holds now, from a few probes that

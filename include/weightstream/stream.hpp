@@ -127,9 +127,10 @@ class TensorSink {
   virtual bool wants_file_order() const { return false; }
   /// Whether pieces may point straight into storage's views of the files (its mapping of
   /// them) instead of staging: for a sink that copies the bytes elsewhere anyway (an update
-  /// sender, into its bucket). Where storage lends views (local files), reads of whole
-  /// ranges then cost no copy into staging and no staging memory; a piece's keepalive holds
-  /// its view.
+  /// sender into its bucket, a session into host parameters). Where views serve reads
+  /// (Storage::views_serve_reads: local files at --io auto or mmap), reads that are not
+  /// direct then cost no copy into staging and no staging memory (a read of runs: the view of
+  /// its whole range); a piece's keepalive holds its view.
   virtual bool takes_views() const { return false; }
   /// Consumes one piece. An exception fails the stream and cancels the other readers.
   virtual void consume(TensorPiece&& piece) = 0;

@@ -44,14 +44,14 @@ struct SendFlags {
 class SenderSink final : public TensorSink {
  public:
   SenderSink(UpdateSender& sender, const Checkpoint& checkpoint)
-      : sender_(sender), checkpoint_(checkpoint), views_(checkpoint.storage().lends_views()) {}
+      : sender_(sender), checkpoint_(checkpoint), views_(checkpoint.storage().views_serve_reads()) {}
   bool wants_ordered_pieces() const override { return true; }
   bool wants_file_order() const override { return true; }
   bool takes_views() const override { return true; }  // copied into the bucket in consume()
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = checkpoint_.tensors()[piece.request];
     std::lock_guard lock(mutex_);  // readers deliver from several threads; one sends
-    // Where storage lends views, every piece is one (takes_views), unchanged while its
+    // Where views serve reads, every piece is one (takes_views), unchanged while its
     // keepalive lives: the transport may send it from there rather than copy it.
     sender_.send(TensorView{.name = tensor.name,
                             .dtype = tensor.dtype,

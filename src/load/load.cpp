@@ -54,6 +54,11 @@ class SessionSink final : public TensorSink {
                                        read.range.offset, read.range.length);
   }
 
+  /// Host parameters take their bytes by a copy on the CPU: straight out of the file's
+  /// mapping, rather than read into staging first and copied again (a tensor-parallel rank's
+  /// column slices). A GPU's copies want pinned staging.
+  bool takes_views() const override { return !session_.layout().device().is_cuda(); }
+
   void consume(TensorPiece&& piece) override {
     const CheckpointTensor& tensor = *piece.tensor;
     const TensorShape& shape = shapes_[piece.request];

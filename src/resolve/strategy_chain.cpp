@@ -47,6 +47,7 @@ class ShardSubsetStorage final : public Storage {
     return storage_->borrow(name, offset, length, options);
   }
   bool lends_views() const override { return storage_->lends_views(); }
+  bool views_serve_reads() const override { return storage_->views_serve_reads(); }
   std::optional<double> cached_share(std::string_view name) override { return storage_->cached_share(name); }
 
  private:

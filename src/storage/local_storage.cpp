@@ -327,6 +327,7 @@ class LocalStorage final : public Storage {
 
   bool lends_views() const override { return true; }
   bool reads_through_views() const override { return io_ == LocalIo::kMmap; }
+  bool views_serve_reads() const override { return runs_through_mapping_; }
 
   Bytes borrow(std::string_view name, uint64_t offset, uint64_t length, const BorrowOptions& options) override {
     const auto& file = open_file(name);
@@ -353,9 +354,23 @@ class LocalStorage final : public Storage {
                 uri + " is " + std::to_string(now.st_size) + " bytes, not the " + std::to_string(file.size) +
                     " it had when the checkpoint was opened: it changed since it was opened");
     }
-    if (options.populate && length > 0 && local_io::map_range(mapping->data(), offset, length)) {
-      std::lock_guard lock(views_->mutex);
-      views_->populated.insert({mapping.get(), offset, length});
+    if (options.checked) {
+      struct stat now {};
+      WS_EXPECT(::fstat(file.buffered.get(), &now) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
+      WS_EXPECT(offset + length <= static_cast<uint64_t>(now.st_size), ErrorCode::kIo,
+                "cannot read " + std::to_string(offset) + "+" + std::to_string(length) + " bytes of " + uri + ": the file is now " +
+                    std::to_string(now.st_size) + " bytes (truncated while loading?)");
+    }
+    if (options.populate && length > 0) {
+      if (local_io::map_range(mapping->data(), offset, length)) {
+        std::lock_guard lock(views_->mutex);
+        views_->populated.insert({mapping.get(), offset, length});
+      } else {
+        const int error = errno;
+        WS_EXPECT(!options.checked || error != EFAULT, ErrorCode::kIo,
+                  "cannot read " + std::to_string(offset) + "+" + std::to_string(length) + " bytes of " + uri + " through its mapping: " +
+                      detail::errno_text(error) + " (truncated while loading?)");
+      }
     }
     std::shared_ptr<const void> keepalive = mapping;
     if (options.drop_when_returned && length > 0) {

@@ -169,7 +169,7 @@ class StreamRun {
         reads_(std::move(reads)),
         pool_(std::move(pool)),
         file_ordered_(sink.wants_file_order()),
-        lends_views_(sink.takes_views() && storage.lends_views()),
+        lends_views_(sink.takes_views() && storage.views_serve_reads()),
         ordered_(sink.wants_ordered_pieces() || file_ordered_),
         remaining_(requests.size()), next_offset_(requests.size(), 0),
         workers_running_(workers) {
@@ -334,10 +334,13 @@ class StreamRun {
     const bool lent_read = lent(read);
     Bytes held;
     if (views_ || lent_read) {
-      held = storage_.borrow(shard.name, read.offset, read.length, {.populate = lent_read, .drop_when_returned = true});
+      held = storage_.borrow(shard.name, read.offset, read.length,
+                             {.populate = lent_read, .drop_when_returned = true, .checked = lent_read});
     }
     if (lent_read) {
-      // Nothing to copy: the pieces point into the view.
+      // Nothing to copy: the pieces point into the view (a read of runs: the runs where they
+      // lie, the gaps between them the file's bytes).
+      for (const ByteRange& run : read.runs) run_bytes_read_.fetch_add(run.length, std::memory_order_relaxed);
     } else if (!read.runs.empty()) {
       run_bytes_read_.fetch_add(storage_.read_runs(shard.name, read.offset, std::span(lease.data, read.length), read.runs),
                                 std::memory_order_relaxed);
@@ -450,7 +453,7 @@ class StreamRun {
   std::vector<PlannedRead> reads_;
   std::shared_ptr<StagingPool> pool_;
   /// Whether `read` is delivered straight from storage's view of it (no staging).
-  bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct && read.runs.empty(); }
+  bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct; }
 
   bool file_ordered_;  ///< every piece in plan order (sink.wants_file_order())
   bool lends_views_;   ///< sink.takes_views() and storage lends views

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <condition_variable>
 #include <mutex>
 #include <random>
@@ -146,6 +147,65 @@ TEST(Streamer, ASinkThatTakesViewsOfLocalFilesGetsEveryByteWithoutStaging) {
   sink.expect_exactly_once();
   EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
   EXPECT_EQ(stats.peak_staging_bytes, 0u);  // every piece pointed into the files' mapping
+}
+
+/// Gathers the runs of each request (of several runs) from the pieces, as a session's
+/// column slice does, taking pieces straight from storage's views.
+class RunGatheringSink final : public TensorSink {
+ public:
+  explicit RunGatheringSink(std::span<const TensorRequest> requests) : requests_(requests) {
+    for (const TensorRequest& request : requests) gathered.emplace_back(request.run_bytes());
+  }
+  bool takes_views() const override { return true; }
+  void consume(TensorPiece&& piece) override {
+    const TensorRequest& request = requests_[piece.request];
+    std::lock_guard lock(mutex_);
+    for (uint64_t run = 0; run < request.runs; ++run) {
+      const uint64_t begin = run * request.stride, end = begin + request.range.length;  // in the extent
+      const uint64_t lo = std::max(begin, piece.offset), hi = std::min(end, piece.offset + piece.bytes.size());
+      if (lo >= hi) continue;
+      std::memcpy(gathered[piece.request].data() + run * request.range.length + (lo - begin),
+                  piece.bytes.data() + (lo - piece.offset), hi - lo);
+    }
+  }
+  std::vector<std::vector<std::byte>> gathered;  ///< the runs of each request, one after another
+
+ private:
+  std::span<const TensorRequest> requests_;
+  std::mutex mutex_;
+};
+
+TEST(Streamer, ASinkThatTakesViewsGetsTheRunsOfAStridedRequestWithoutStaging) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 30, 2, 9, 2 * kMiB);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  std::vector<TensorRequest> requests;
+  for (size_t i = 0; i < checkpoint.tensors().size(); ++i) {
+    const uint64_t bytes = checkpoint.tensors()[i].bytes;
+    if (bytes < 4096) continue;
+    // The right half of each 512-byte row, as a tensor-parallel rank's column slice.
+    requests.push_back({i, {256, 256}, bytes / 512, 512});
+  }
+  ASSERT_GT(requests.size(), 2u);
+  RunGatheringSink sink(requests);
+  StreamOptions options;
+  options.concurrency = 4;
+  options.memory_limit = 256 * kKiB;
+  options.chunk_bytes = 64 * kKiB;
+  auto stats = stream_tensors(checkpoint, requests, sink, options);
+  EXPECT_EQ(stats.peak_staging_bytes, 0u);
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const TensorRequest& request = requests[r];
+    const size_t source = std::stoul(checkpoint.tensors()[request.tensor].name.substr(1));
+    uint64_t wrong = 0;
+    for (uint64_t run = 0; run < request.runs; ++run) {
+      for (uint64_t i = 0; i < request.range.length; ++i) {
+        const uint64_t offset = request.range.offset + run * request.stride + i;
+        wrong += sink.gathered[r][run * request.range.length + i] != expected_byte(source, offset);
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "request " << r;
+  }
 }
 
 TEST(Streamer, RequestOutsideTensorIsRejected) {
