@@ -16,7 +16,7 @@ import time
 import uuid
 
 import pytest
-from conftest import CLI, requires_cli
+from conftest import CLI, cold_load, parameter_bytes, requires_cli
 
 pytestmark = requires_cli
 
@@ -405,7 +405,7 @@ def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):
     """Python: model_layout from the peers' config.json, LoadSession.load_checkpoint("peer://...")
     (loopback: no namespaces needed)."""
     weightstream = pytest.importorskip("weightstream")
-    np = pytest.importorskip("numpy")
+    pytest.importorskip("numpy")
     if not hasattr(weightstream, "peer_config"):
         pytest.skip("the installed weightstream package predates peers")
     servers = []
@@ -427,18 +427,11 @@ def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):
         config = weightstream.peer_config(uri, token=TOKEN)
         assert json.loads(config)["model_type"] == "llama"
         layout = weightstream.model_layout(config, tp_size=2, tp_rank=1, device="cpu")
-        session = weightstream.LoadSession(layout)
-        session.begin("cold")
-        report = session.load_checkpoint(uri, token=TOKEN)
-        session.finish()
+        report = cold_load(layout, uri, token=TOKEN)
         assert report["bytes_read"] == 0 and report["bytes_from_peers"] > 0
         expected = weightstream.model_layout(str(llama), tp_size=2, tp_rank=1, device="cpu")
-        session = weightstream.LoadSession(expected)
-        session.begin("cold")
-        session.load_checkpoint(str(llama))
-        session.finish()
-        for name in expected.parameter_names:
-            assert np.from_dlpack(layout.tensor(name)).tobytes() == np.from_dlpack(expected.tensor(name)).tobytes(), name
+        cold_load(expected, str(llama))
+        assert parameter_bytes(layout) == parameter_bytes(expected)
         with pytest.raises(weightstream.Error, match="wrong or missing token"):
             weightstream.peer_config(uri, token="not-" + TOKEN)
     finally:
@@ -451,14 +444,11 @@ def test_python_serves_a_loaded_layout_and_another_layout_pulls_it(llama):
     """weightstream.serve / layout.serve: a layout loaded in Python is published; a layout at
     another tp size pulls from it; after close() the address is gone (loopback)."""
     weightstream = pytest.importorskip("weightstream")
-    np = pytest.importorskip("numpy")
+    pytest.importorskip("numpy")
     if not hasattr(weightstream, "serve"):
         pytest.skip("the installed weightstream package predates layout.serve")
     served = weightstream.model_layout(str(llama), device="cpu")
-    session = weightstream.LoadSession(served)
-    session.begin("cold")
-    session.load_checkpoint(str(llama))
-    session.finish()
+    cold_load(served, str(llama))
     try:
         server = served.serve(str(llama), token=TOKEN)
     except weightstream.Error as error:
@@ -470,18 +460,11 @@ def test_python_serves_a_loaded_layout_and_another_layout_pulls_it(llama):
         uri = f"peer://{server.address}"
         pulled = weightstream.model_layout(weightstream.peer_config(uri, token=TOKEN), tp_size=2, tp_rank=1,
                                            device="cpu")
-        session = weightstream.LoadSession(pulled)
-        session.begin("cold")
-        report = session.load_checkpoint(uri, token=TOKEN)
-        session.finish()
+        report = cold_load(pulled, uri, token=TOKEN)
         assert report["bytes_read"] == 0 and report["bytes_from_peers"] > 0
         expected = weightstream.model_layout(str(llama), tp_size=2, tp_rank=1, device="cpu")
-        session = weightstream.LoadSession(expected)
-        session.begin("cold")
-        session.load_checkpoint(str(llama))
-        session.finish()
-        for name in expected.parameter_names:
-            assert np.from_dlpack(pulled.tensor(name)).tobytes() == np.from_dlpack(expected.tensor(name)).tobytes(), name
+        cold_load(expected, str(llama))
+        assert parameter_bytes(pulled) == parameter_bytes(expected)
         server.begin_update()
         server.end_update()
         assert server.version == 3
