@@ -33,7 +33,11 @@ def checkpoint(tmp_path_factory):
 
 
 def interrupted_after(seconds, call):
-    """Runs `call` with a SIGINT sent to this process after `seconds`; returns how long it ran."""
+    """Runs `call` with a SIGINT sent to this process after `seconds`; returns how long it ran.
+    Python's own handler (KeyboardInterrupt) is installed meanwhile: a process a shell starts in
+    the background (`cmd &`, as scripts and CI drivers do) inherits SIGINT ignored, and Python
+    then leaves it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
     start = time.monotonic()
     timer.start()
@@ -42,6 +46,7 @@ def interrupted_after(seconds, call):
             call()
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     return time.monotonic() - start
 
 
