@@ -1,6 +1,7 @@
 // The peer control protocol's frames and the manifest's JSON (peer_protocol.hpp).
 #include "transfer/peer_protocol.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -222,16 +223,16 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
   }
 }
 
-uint64_t parameter_digest(const std::byte* data, const Device& device, uint64_t bytes) {
+uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, uint64_t bytes) {
   if (!device.is_cuda()) return XXH64(data, bytes, 0);
   constexpr uint64_t kPieceBytes = 64ull << 20;
-  std::vector<std::byte> piece(std::min(bytes, kPieceBytes));
+  if (scratch_.size() == 0) scratch_ = Buffer(Device{}, kPieceBytes, HostMemory::kPinned);
   std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
   XXH64_reset(state.get(), 0);
   for (uint64_t done = 0; done < bytes; done += kPieceBytes) {
     const uint64_t length = std::min(kPieceBytes, bytes - done);
-    copy_bytes(piece.data(), Device{}, data + done, device, length);
-    XXH64_update(state.get(), piece.data(), length);
+    copy_bytes(scratch_.data(), Device{}, data + done, device, length);
+    XXH64_update(state.get(), scratch_.data(), length);
   }
   return XXH64_digest(state.get());
 }

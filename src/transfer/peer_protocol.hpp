@@ -53,8 +53,16 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
 std::string to_hex(std::span<const std::byte> bytes);
 std::vector<std::byte> from_hex(std::string_view text, const std::string& what);
 
-/// xxh64 (seed 0) of a parameter's bytes on `device`: GPU memory is hashed from bounded host
-/// copies (64 MiB at a time), never a whole-parameter copy.
-uint64_t parameter_digest(const std::byte* data, const Device& device, uint64_t bytes);
+/// xxh64 (seed 0) of parameters' bytes: the manifest's digests, and a pull's checks of what
+/// landed. GPU memory is read back in bounded pieces (64 MiB) into one pinned host buffer,
+/// allocated at the first GPU digest and reused by every later one (a pageable copy out of
+/// the GPU runs at a fraction of the link, and pinning per call costs more than the copy).
+class ParameterDigester {
+ public:
+  uint64_t digest(const std::byte* data, const Device& device, uint64_t bytes);
+
+ private:
+  Buffer scratch_;
+};
 
 }  // namespace weightstream::transfer

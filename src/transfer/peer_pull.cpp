@@ -292,9 +292,10 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
     report.bytes_from_peers += parameter.bytes;
   };
+  ParameterDigester digester;
   auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes, const Device& device) {
     const PeerParameter& parameter = link.manifest.parameters[served];
-    const uint64_t digest = parameter_digest(bytes, device, parameter.bytes);
+    const uint64_t digest = digester.digest(bytes, device, parameter.bytes);
     if (digest != parameter.xxh64) {
       char text[96];
       std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",

@@ -143,9 +143,10 @@ struct PeerServer::State {
       : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)) {}
 
   void hash_parameters() {
+    ParameterDigester digester;
     for (size_t i = 0; i < manifest.parameters.size(); ++i) {
       const Parameter& parameter = layout.parameters()[i];
-      manifest.parameters[i].xxh64 = parameter.data ? parameter_digest(parameter.data, layout.device(), parameter.bytes()) : 0;
+      manifest.parameters[i].xxh64 = parameter.data ? digester.digest(parameter.data, layout.device(), parameter.bytes()) : 0;
     }
   }
 
