@@ -15,7 +15,9 @@
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
 #   WS_JOBS             build and test parallelism (default: the core count)
-#   WS_GPU_PYTHON_TESTS    0: the python stage builds and imports the package, without pytest
+#   WS_GPU_PYTHON_TESTS    1 (default): the python stage runs every Python test; gpu: only
+#                          those that use the GPU (test_bind_gpu.py, and the tests named for
+#                          cuda or gpu elsewhere; CI runs the rest on every commit); 0: none
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -245,10 +247,15 @@ if wants python; then
     if [ "${WS_GPU_PYTHON_TESTS:-1}" = 1 ]; then
       WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -rs -p no:cacheprovider "$source_dir/tests/python" \
         >>"$out/python.log" 2>&1 || status=1
+    elif [ "${WS_GPU_PYTHON_TESTS}" = gpu ]; then
+      WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -rs -p no:cacheprovider \
+        "$source_dir/tests/python/test_bind_gpu.py" >>"$out/python.log" 2>&1 || status=1
+      WS_CLI="$build/weightstream" PYTHONPATH="$site" python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or gpu" \
+        --ignore="$source_dir/tests/python/test_bind_gpu.py" "$source_dir/tests/python" >>"$out/python.log" 2>&1 || status=1
     else
       echo "pytest: not run (WS_GPU_PYTHON_TESTS=0)" >>"$out/python.log"
     fi
-    summary "python ($((SECONDS - start)) s): imports$imports; pytest: $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tail -1)"
+    summary "python ($((SECONDS - start)) s): imports$imports; pytest: $(grep -E '[0-9]+ (passed|failed)' "$out/python.log" | tr '\n' ' ')"
   else
     tail -30 "$out/python.log"
     summary "python: pip install FAILED (see python.log)"
