@@ -671,7 +671,7 @@ LaneScratch::LaneScratch(DeviceCopier& copier, unsigned lane, size_t bytes) {
   cudaError_t error = cudaMallocAsync(&data, std::max<size_t>(bytes, 1), stream);
   WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
             device_.name() + ": cannot allocate " + format_size(bytes) +
-                " of device memory for staging a part to quantize: cudaMallocAsync failed: " + cuda_error_text(error));
+                " of device scratch (staging a part to quantize or to pick rows from): cudaMallocAsync failed: " + cuda_error_text(error));
   data_ = static_cast<std::byte*>(data);
   size_ = bytes;
 }

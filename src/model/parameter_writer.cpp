@@ -13,6 +13,14 @@ const Device kHost{};
 
 uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
 
+/// Rows narrower than this cross from the host as their whole span, not as a 2-D copy: a
+/// DMA of rows a few hundred bytes long runs at a fraction of the link (H100, ccafe98: a tp-2
+/// rank of an FP8 MoE, whose w2 rows are 384 bytes of 768, bound at 14 GB/s against 32 raw).
+constexpr uint64_t kNarrowRowBytes = 4096;
+/// ... unless the span holds more than this many times the rows' bytes (a rank of tp 8):
+/// then the extra bytes over the link cost more than the short DMAs.
+constexpr uint64_t kMostSpanPerRowBytes = 4;
+
 }  // namespace
 
 ParameterWriter::ParameterWriter(const Device& device) : device_(device) {
@@ -40,6 +48,18 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
   if (width == 0 || rows == 0) return;
   if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
     return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what, lane);
+  }
+  if (copier_ && !source_device.is_cuda() && width < kNarrowRowBytes && source_pitch <= kMostSpanPerRowBytes * width) {
+    // Narrow rows from the host: the span that holds them (the other ranks' columns too)
+    // crosses in one copy into device scratch, and a 2-D copy within the GPU, at its memory's
+    // rate, picks the rows out. The same lane orders the two copies.
+    const unsigned chosen = lane ? *lane : take_lane();
+    const uint64_t span = (rows - 1) * source_pitch + width;
+    std::shared_ptr<LaneScratch> staged = scratch(span, chosen);
+    copier_->copy_to_device(staged->data(), source, span, std::move(keepalive), chosen, what);
+    copier_->copy_rows_to_device(destination, destination_pitch, staged->data(), source_pitch, width, rows, staged,
+                                 chosen, what);
+    return;
   }
   if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
     copier_->copy_rows_to_device(destination, destination_pitch, source, source_pitch, width, rows,
