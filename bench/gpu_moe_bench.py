@@ -15,7 +15,8 @@ Rows, all in one run and one process (the CLI runs as subprocesses):
   ep r0/r1  a bound tp-2 rank with EP 2 (whole experts, half of them per rank)
   tp2 r0 / ep r0 host  the same ranks bound into host memory: the reads and host copies
             without the device, which tells a slow rank's bound apart
-  check     every bound parameter of one rank equals a host load of the same rank
+  check     every bound parameter of the tp-2 rank 0 and the EP rank 0 equals a host load of
+            the same rank
   update    checkpoint B in BF16 pushed by `weightstream send --via cuda-ipc` into the bound EP
             rank 0: data_ptr() unchanged, a CUDA graph captured before the update reads the new
             values, every parameter equals a host load of B into the same FP8 layout, the
@@ -218,6 +219,8 @@ def main():
         rows[key] = row
         log(f"{key}: {row['seconds']:.3f} s, {row['bytes_read'] / GB:.2f} GB read, {row['gbps']:.2f} GB/s = "
             f"{row['of_raw']:.0%} of raw (runs {times})")
+        if key == "tp2_r0":  # its experts' w2 are column slices: narrow rows onto the device
+            checks["tp2_r0 equals a host load of A"] = not differing(model, bound, host_reference(config, parallel, fp8))
         if key == "ep_r0":
             kept = {"model": model, "bound": bound, "parallel": parallel}
         else:
