@@ -35,6 +35,17 @@ def cli():
     return CLI
 
 
+def cold_layout(checkpoint):
+    """A host layout of the checkpoint (a URI or an open Checkpoint), cold-loaded from it."""
+    import weightstream  # noqa: PLC0415 - the modules that call this skip without it
+
+    if isinstance(checkpoint, str):
+        checkpoint = weightstream.open(checkpoint)
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    cold_load(layout, checkpoint)
+    return layout
+
+
 def cold_load(layout, source, **options):
     """Cold-loads `source` (a URI or an open Checkpoint) into `layout`, with load_checkpoint's
     `options` (token=...); the load's report."""
