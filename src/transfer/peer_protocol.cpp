@@ -223,16 +223,26 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
   }
 }
 
-uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, uint64_t bytes) {
-  if (!device.is_cuda()) return XXH64(data, bytes, 0);
+uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, uint64_t bytes,
+                                   const std::function<void()>& between) {
+  if (!device.is_cuda() && !between) return XXH64(data, bytes, 0);
+  // Host bytes are hashed where they lie, a step at a time; GPU bytes through the pinned
+  // scratch, a piece at a time.
+  constexpr uint64_t kHostStepBytes = 4ull << 20;
   constexpr uint64_t kPieceBytes = 64ull << 20;
-  if (scratch_.size() == 0) scratch_ = Buffer(Device{}, kPieceBytes, HostMemory::kPinned);
+  const uint64_t step = device.is_cuda() ? kPieceBytes : kHostStepBytes;
+  if (device.is_cuda() && scratch_.size() == 0) scratch_ = Buffer(Device{}, kPieceBytes, HostMemory::kPinned);
   std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
   XXH64_reset(state.get(), 0);
-  for (uint64_t done = 0; done < bytes; done += kPieceBytes) {
-    const uint64_t length = std::min(kPieceBytes, bytes - done);
-    copy_bytes(scratch_.data(), Device{}, data + done, device, length);
-    XXH64_update(state.get(), scratch_.data(), length);
+  for (uint64_t done = 0; done < bytes; done += step) {
+    const uint64_t length = std::min(step, bytes - done);
+    const std::byte* piece = data + done;
+    if (device.is_cuda()) {
+      copy_bytes(scratch_.data(), Device{}, piece, device, length);
+      piece = scratch_.data();
+    }
+    XXH64_update(state.get(), piece, length);
+    if (between) between();
   }
   return XXH64_digest(state.get());
 }

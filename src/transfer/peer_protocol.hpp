@@ -17,6 +17,7 @@
 // Error(kProtocol) naming the peer and the field).
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -59,7 +60,10 @@ std::vector<std::byte> from_hex(std::string_view text, const std::string& what);
 /// the GPU runs at a fraction of the link, and pinning per call costs more than the copy).
 class ParameterDigester {
  public:
-  uint64_t digest(const std::byte* data, const Device& device, uint64_t bytes);
+  /// `between`, when given, runs after every few MiB hashed: a puller turns its UCX worker
+  /// there, so the reads in flight go on landing while a parameter is checked.
+  uint64_t digest(const std::byte* data, const Device& device, uint64_t bytes,
+                  const std::function<void()>& between = {});
 
  private:
   Buffer scratch_;

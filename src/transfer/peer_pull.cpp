@@ -293,9 +293,14 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     report.bytes_from_peers += parameter.bytes;
   };
   ParameterDigester digester;
+  // Reads ahead keep landing while a parameter is hashed: UCX moves bytes over tcp only while
+  // this process turns its worker.
+  auto turn_workers = [&] {
+    for (State::Link& link : state.links) link.endpoint->progress();
+  };
   auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes, const Device& device) {
     const PeerParameter& parameter = link.manifest.parameters[served];
-    const uint64_t digest = digester.digest(bytes, device, parameter.bytes);
+    const uint64_t digest = digester.digest(bytes, device, parameter.bytes, turn_workers);
     if (digest != parameter.xxh64) {
       char text[96];
       std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",
