@@ -15,7 +15,10 @@
 #include <exception>
 #include <map>
 #include <set>
+#include <stop_token>
+#include <thread>
 
+#include "storage/read_destination.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/ucx.hpp"
@@ -313,6 +316,19 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   };
 
   {
+    // A fresh host layout's pages would be first touched as the bytes land, by the thread that
+    // turns UCX; a helper populates them ahead of the reads instead, on a core the pull leaves
+    // idle (populating never changes a byte, so it may overlap a read into the same pages).
+    std::jthread populator;
+    if (!layout.device().is_cuda()) {
+      populator = std::jthread([&](const std::stop_token& stop) {
+        for (const Direct& direct : directs) {
+          if (stop.stop_requested()) return;
+          const Parameter& parameter = layout.parameters()[direct.parameter];
+          storage::populate_destination(std::span(parameter.data, parameter.bytes()));
+        }
+      });
+    }
     // Each parameter is checked as soon as it has landed, while the reads of the next ones
     // (up to kReadAheadBytes) are in flight.
     std::vector<uint64_t> landed(directs.size(), 0);
