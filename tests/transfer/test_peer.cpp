@@ -12,6 +12,7 @@
 #include "weightstream/options.hpp"
 #include "weightstream/peer.hpp"
 #include "weightstream/synth.hpp"
+#include "transfer/peer_protocol.hpp"
 #include "transfer/ucx.hpp"
 
 namespace weightstream {
@@ -359,6 +360,21 @@ TEST_F(PeerTest, AServerGoneMidPullFailsNamingItAndNothingIsReported) {
   EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
   EXPECT_THAT(text, HasSubstr(address));
   EXPECT_EQ(layout.loads_finished(), 0u);
+}
+
+TEST(ParameterDigest, HashedInStepsWithTheWorkerTurnedBetweenEqualsOneCall) {
+  // A pull hashes a landed parameter a few MiB at a time, turning its UCX worker in between.
+  std::vector<std::byte> bytes((9ull << 20) + 123);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  transfer::ParameterDigester digester;
+  const uint64_t whole = digester.digest(bytes.data(), Device{}, bytes.size());
+  int turns = 0;
+  EXPECT_EQ(digester.digest(bytes.data(), Device{}, bytes.size(), [&] { ++turns; }), whole);
+  EXPECT_EQ(turns, 3);  // 4 + 4 + 1 MiB and change
+  bytes[bytes.size() - 1] ^= std::byte{1};
+  EXPECT_NE(digester.digest(bytes.data(), Device{}, bytes.size(), [] {}), whole);
+  EXPECT_EQ(digester.digest(bytes.data(), Device{}, 0, [&] { ++turns; }), digester.digest(bytes.data(), Device{}, 0));
+  EXPECT_EQ(turns, 3);
 }
 
 TEST_F(PeerTest, PeerUrisAreParsed) {
