@@ -348,18 +348,16 @@ class LocalStorage final : public Storage {
       // A whole object lent for a while (the mapped GPU path registers windows of it): a
       // file that changed size since it was opened is refused here, by name, rather than
       // failing later in a registration or a copy.
-      struct stat now {};
-      WS_EXPECT(::fstat(file.buffered.get(), &now) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
-      WS_EXPECT(static_cast<uint64_t>(now.st_size) == file.size, ErrorCode::kIo,
-                uri + " is " + std::to_string(now.st_size) + " bytes, not the " + std::to_string(file.size) +
+      const uint64_t now = current_size(file, uri);
+      WS_EXPECT(now == file.size, ErrorCode::kIo,
+                uri + " is " + std::to_string(now) + " bytes, not the " + std::to_string(file.size) +
                     " it had when the checkpoint was opened: it changed since it was opened");
     }
     if (options.checked) {
-      struct stat now {};
-      WS_EXPECT(::fstat(file.buffered.get(), &now) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
-      WS_EXPECT(offset + length <= static_cast<uint64_t>(now.st_size), ErrorCode::kIo,
+      const uint64_t now = current_size(file, uri);
+      WS_EXPECT(offset + length <= now, ErrorCode::kIo,
                 "cannot read " + std::to_string(offset) + "+" + std::to_string(length) + " bytes of " + uri + ": the file is now " +
-                    std::to_string(now.st_size) + " bytes (truncated while loading?)");
+                    std::to_string(now) + " bytes (truncated while loading?)");
     }
     if (options.populate && length > 0) {
       if (local_io::map_range(mapping->data(), offset, length)) {
@@ -425,6 +423,13 @@ class LocalStorage final : public Storage {
 
   // Descriptors are opened once per file and shared by all reader threads (pread is
   // position-free, so one descriptor serves concurrent reads).
+  /// The size `file` has now (it may have changed since it was opened).
+  static uint64_t current_size(const OpenFile& file, const std::string& uri) {
+    struct stat now {};
+    WS_EXPECT(::fstat(file.buffered.get(), &now) == 0, ErrorCode::kIo, "cannot stat " + uri + ": " + detail::errno_text(errno));
+    return static_cast<uint64_t>(now.st_size);
+  }
+
   const OpenFile& open_file(std::string_view name) {
     {
       std::shared_lock lock(mutex_);

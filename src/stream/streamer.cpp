@@ -456,7 +456,7 @@ class StreamRun {
   bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct; }
 
   bool file_ordered_;  ///< every piece in plan order (sink.wants_file_order())
-  bool lends_views_;   ///< sink.takes_views() and storage lends views
+  bool lends_views_;   ///< sink.takes_views() and storage.views_serve_reads()
   bool ordered_;       ///< pieces of each request in offset order
   std::vector<std::atomic<uint64_t>> remaining_;
   std::vector<uint64_t> next_offset_;
