@@ -450,6 +450,10 @@ class LoadSession {
   /// abandons such a load and starts a new one.
   void load(std::span<const TensorView> batch);
   void load(const TensorView& tensor) { load(std::span<const TensorView>(&tensor, 1)); }
+  /// Checks a batch as load() would, writing and counting nothing; throws load()'s errors
+  /// (without failing the load). A source that lands a batch's bytes in the parameters
+  /// (direct_destination) checks it first, so that a bad batch fails before its first byte.
+  void check(std::span<const TensorView> batch) const;
   /// Where bytes [offset, offset + bytes) of checkpoint tensor `tensor` belong, when a
   /// source may read them straight into parameter storage (host storage, or GPU storage
   /// too when the source writes GPU memory itself, `gpu_source`: a CUDA-aware UCX; a tensor
@@ -474,6 +478,9 @@ class LoadSession {
   LoadCounters counters() const;
   /// Layers whose every part arrived in this load, ascending.
   std::vector<int64_t> completed_layers() const;
+  /// Layers of which this load has written (or holds, LayerCommit::kWholeLayer) any byte,
+  /// complete or not, ascending.
+  std::vector<int64_t> touched_layers() const;
 
  private:
   struct State;

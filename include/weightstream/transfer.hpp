@@ -147,6 +147,9 @@ struct UpdateReport {
   uint64_t tensors = 0;      ///< distinct tensors received whole
   uint64_t bytes = 0;        ///< bucket bytes received
   uint64_t shared_bytes = 0; ///< bytes read in place from the sender's shared regions (CUDA IPC)
+  /// Bucket bytes that landed straight in their parameters (ucx's messages), not copied
+  /// there out of the receiver's buffer.
+  uint64_t placed_bytes = 0;
   uint64_t regions = 0;      ///< shared regions opened
   double seconds = 0;        ///< from START to the end of finish()
   /// Set-up of the connection (buffers allocated, exported and opened; NCCL joined), for

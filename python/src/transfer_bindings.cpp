@@ -231,6 +231,7 @@ class PySender {
     result["tensors"] = report.tensors;
     result["bytes"] = report.bytes;
     result["shared_bytes"] = report.shared_bytes;
+    result["placed_bytes"] = report.placed_bytes;
     result["regions"] = report.regions;
     result["seconds"] = report.seconds;
     result["connect_seconds"] = report.connect_seconds;

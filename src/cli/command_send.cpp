@@ -175,6 +175,7 @@ void add_send_command(CLI::App& app) {
                   {"buckets", report.buckets},
                   {"tensors", report.tensors},
                   {"bytes", report.bytes},
+                  {"placed_bytes", report.placed_bytes},
                   {"seconds", report.seconds},
                   {"gbps", report.gbps()},
                   {"model_hook_runs", report.counters.model_hook_runs},

@@ -765,6 +765,15 @@ std::vector<int64_t> LoadSession::completed_layers() const {
   return result;
 }
 
+std::vector<int64_t> LoadSession::touched_layers() const {
+  std::lock_guard lock(state_->mutex);
+  std::set<int64_t> layers;
+  for (size_t i = 0; i < state_->parameters.size(); ++i) {
+    if (state_->parameters[i].touched) layers.insert(layout_.parameters()[i].layer);
+  }
+  return {layers.begin(), layers.end()};
+}
+
 void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) {
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
@@ -862,6 +871,14 @@ std::byte* LoadSession::direct_destination(std::string_view tensor, Dtype dtype,
   uint64_t needed_end = needed_begin + static_cast<uint64_t>(part.rows) * row_bytes;
   if (offset < needed_begin || offset + bytes > needed_end) return nullptr;
   return parameter.data + part.element_offset * element_bytes(dtype) + (offset - needed_begin);
+}
+
+void LoadSession::check(std::span<const TensorView> batch) const {
+  std::lock_guard lock(state_->mutex);
+  State& state = *state_;
+  const std::string what = std::string(load_mode_name(mode_)) + " load of " + layout_.description();
+  WS_EXPECT(state.active, ErrorCode::kModel, "check() outside begin()/finish() on " + layout_.description());
+  (void)state.check(batch, what);
 }
 
 void LoadSession::load(std::span<const TensorView> batch) {

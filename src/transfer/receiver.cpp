@@ -1,7 +1,9 @@
 // UpdateReceiver: accepts a sender, decodes each bucket's manifest into views of its bytes
 // and hands them to a LoadSession in update mode, which checks them against the layout and
 // writes each layer once all of it has arrived (LayerCommit::kWholeLayer). Layers the update
-// covers only in part are written at FINISH.
+// covers only in part are written at FINISH. Over ucx the bucket is checked first, its
+// entries that the session takes as they are land straight in their parameters, and the
+// session writes the rest as it arrives (LayerCommit::kAsArrived).
 
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -154,9 +156,12 @@ struct UpdateReceiver::State {
   double connect_seconds = 0;  // set-up of the current connection, reported with its first update
   uint64_t updates = 0;        // updates finished on the current connection
   // One session for every update: begin() per update; its copy queue (and the arrays it
-  // has grown) stays. Made anew after a failed update, which leaves it mid-load. It writes
-  // a layer only once all of it has arrived (LayerCommit::kWholeLayer): if a sender dies
-  // after half of a layer's tensors, that layer keeps its old values, not a mix.
+  // has grown) stays. Made anew after a failed update, which leaves it mid-load. Over
+  // transports that land bytes in a buffer, it writes a layer only once all of it has
+  // arrived (LayerCommit::kWholeLayer): if a sender dies after half of a layer's tensors,
+  // that layer keeps its old values, not a mix. Over ucx, a bucket's tensors land straight
+  // in their parameters once its manifest is checked (LayerCommit::kAsArrived): no copy
+  // out of a buffer, and a sender that dies mid-layer leaves that layer part new.
   std::optional<LoadSession> session;
   // The next update, begun before its START arrives (while the trainer computes it) in the
   // format of the last update: with 10,000 tensors it is about half a millisecond that
@@ -177,9 +182,13 @@ struct UpdateReceiver::State {
     if (prepared == format) return;
     discard_prepared();
     if (!session) session.emplace(layout);
-    session->begin(LoadMode::kUpdate, format, LayerCommit::kWholeLayer);
+    session->begin(LoadMode::kUpdate, format, commit());
     prepared = format;
   }
+
+  /// How the session writes layers: as their tensors arrive where the transport lands
+  /// bucket bytes straight in the parameters (ucx), whole layers otherwise.
+  LayerCommit commit() const { return transport && transport->places() ? LayerCommit::kAsArrived : LayerCommit::kWholeLayer; }
 
   /// Prepares the next update of the connection ahead of its START, when an update in some
   /// format ran before; a failure here is left for that update to meet and report.
@@ -231,6 +240,49 @@ struct UpdateReceiver::State {
   bool handshake(Connection accepted, Clock::time_point hello_deadline);
   /// Runs one update on the connection, from its START to its REPORT.
   UpdateReport run_update(const Message& start, Clock::time_point started);
+
+  /// The layers of the bucket being received whose bytes may be landing in place (for a
+  /// failure's report).
+  std::vector<int64_t> placing_layers;
+
+  /// Where the entries of a checked bucket land when the session takes their bytes where
+  /// they are (LoadSession::direct_destination), by offset in the bucket; `entries` gets
+  /// each one's index in the manifest. A bucket whose entries share bytes lands whole in
+  /// the buffer.
+  std::vector<ReceiverTransport::Placement> bucket_placements(const BucketManifest& manifest,
+                                                              std::vector<size_t>& entries) const {
+    std::vector<size_t> order;
+    for (size_t i = 0; i < manifest.entries.size(); ++i) {
+      if (manifest.entries[i].source == 0 && manifest.entries[i].bytes > 0) order.push_back(i);
+    }
+    std::ranges::sort(order, {}, [&](size_t i) { return manifest.entries[i].source_offset; });
+    std::vector<ReceiverTransport::Placement> placements;
+    uint64_t end = 0;
+    for (size_t i : order) {
+      const BucketEntry& entry = manifest.entries[i];
+      if (entry.source_offset < end) {
+        entries.clear();
+        return {};
+      }
+      end = entry.source_offset + entry.bytes;
+      std::byte* destination =
+          session->direct_destination(entry.name, entry.dtype, entry.shape, entry.tensor_offset, entry.bytes);
+      if (destination == nullptr) continue;
+      placements.push_back({entry.source_offset, entry.bytes, destination});
+      entries.push_back(i);
+    }
+    return placements;
+  }
+
+  /// The layers of the parameters the entries `entries` of `manifest` land in.
+  std::vector<int64_t> placed_layers(const BucketManifest& manifest, const std::vector<size_t>& entries) const {
+    std::vector<int64_t> layers;
+    for (size_t index : entries) {
+      TensorRoute route = layout.route(manifest.entries[index].name);
+      for (const auto& target : route.targets) layers.push_back(layout.parameters()[target.first].layer);
+    }
+    return layers;
+  }
 };
 
 namespace {
@@ -426,6 +478,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   uint64_t buckets = 0;       // buckets received and applied
   uint64_t bytes = 0;
   uint64_t shared_bytes = 0;  // bytes read in place from shared regions
+  uint64_t placed_bytes = 0;  // bucket bytes that landed straight in their parameters
   uint32_t regions_open = 0;  // regions the sender shared in this update
   UpdatePhases phases;
 
@@ -464,6 +517,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         report.buckets = buckets;
         report.bytes = bytes;
         report.shared_bytes = shared_bytes;
+        report.placed_bytes = placed_bytes;
         report.regions = regions_open;
         report.tensors = session->counters().tensors_applied;
         report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
@@ -496,6 +550,25 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         timed(phases.opening, [&] { transport->open_region(region); });
         ++regions_open;
       }
+      std::vector<TensorView> views = bucket_views(manifest, transport->slot(manifest.slot), *transport);
+      // Where the transport lands bytes where they belong: the bucket is checked whole,
+      // then its entries bound as they are to one place of a host parameter are received
+      // there (its other bytes land in the buffer).
+      std::vector<size_t> placed_entries;  // indices into views, by offset in the bucket
+      std::vector<ReceiverTransport::Placement> placements;
+      if (manifest.bytes > 0 && transport->places()) {
+        timed(phases.checking, [&] {
+          try {
+            session->check(views);
+            placements = bucket_placements(manifest, placed_entries);
+          } catch (const Error&) {
+            transport->place(manifest.slot, {});  // the pieces land in the buffer, unread
+            throw;
+          }
+        });
+        placing_layers = placed_layers(manifest, placed_entries);
+        transport->place(manifest.slot, placements);
+      }
       if (manifest.bytes > 0) {
         timed(phases.waiting, [&] {
           transport->receive(link, manifest.slot, manifest.bytes, timeout,
@@ -506,9 +579,18 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       timed(phases.checking, [&] {
         // The session checks every entry before any byte of the bucket is written (or held
         // back); copies within the GPU are only issued, so the next bucket's checks overlap them.
-        std::vector<TensorView> views = bucket_views(manifest, transport->slot(manifest.slot), *transport);
+        // Entries that landed in place are checked and counted, not copied.
+        if (!placements.empty()) {
+          std::vector<bool> landed_in_place = transport->placed(manifest.slot);
+          for (size_t i = 0; i < placed_entries.size(); ++i) {
+            if (!landed_in_place[i]) continue;
+            views[placed_entries[i]].data = placements[i].destination;
+            placed_bytes += placements[i].bytes;
+          }
+        }
         if (!views.empty()) session->load(views);
       });
+      placing_layers.clear();
       if (manifest.bytes > 0) {
         // The sender refills this slot once it hears APPLIED: on a GPU the copies out of it
         // must be done by then, not merely issued.
@@ -529,6 +611,16 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     // where the other stands.
     tell_peer(link, error);
     std::string applied = session ? join_layers(layout, session->completed_layers()) : "none";
+    std::string part_new;  // over ucx, layers whose tensors landed in part
+    if (session && commit() == LayerCommit::kAsArrived) {
+      std::vector<int64_t> completed = session->completed_layers();
+      std::set<int64_t> touched(placing_layers.begin(), placing_layers.end());
+      for (int64_t layer : session->touched_layers()) touched.insert(layer);
+      std::vector<int64_t> partial;
+      std::ranges::set_difference(touched, completed, std::back_inserter(partial));
+      part_new = "; layers written in part (over ucx, tensors land in their parameters as they arrive): " +
+                 join_layers(layout, partial);
+    }
     session.reset();  // waits for copies issued from the sender's regions before closing them
     drop_connection();  // closes the regions
     const bool stopped = cancelled.load();
@@ -536,7 +628,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
             "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +
                 (stopped ? "cancelled (the receiver was cancelled, which shut the connection down)"
                          : std::string(error.what())) + "; layers completed and applied before the failure: " + applied +
-                              "; every other layer keeps its old values (a reload restores a consistent model)");
+                              part_new + "; every other layer keeps its old values (a reload restores a consistent model)");
   }
 }
 

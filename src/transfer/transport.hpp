@@ -34,6 +34,25 @@ class ReceiverTransport {
   /// connection, NCCL receives the broadcast; shared-memory transports have them already.
   virtual void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
                        const std::string& what) {}
+  /// A range of the next bucket that may land straight at `destination` (in the parameters)
+  /// instead of in the buffer: bytes [offset, offset + bytes) of the bucket.
+  struct Placement {
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+    std::byte* destination = nullptr;
+  };
+  /// Whether a bucket's bytes may land where the receiver names (place()) rather than in
+  /// its buffer: ucx's messages, each received where it belongs.
+  virtual bool places() const { return false; }
+  /// Names, before receive() of the next bucket (into buffer `slot`), where ranges of it
+  /// land; its bytes wait (UCX keeps them at the sender) until this is called, so nothing
+  /// lands before the receiver has checked the bucket's manifest. An empty list: all in the
+  /// buffer. Called once for every bucket with bytes when places().
+  virtual void place(uint32_t slot, std::vector<Placement> placements) {}
+  /// After receive(): for each placement of the bucket in `slot`, whether its bytes landed
+  /// at its destination (true) or in the buffer (false). Throws Error(kProtocol) for a
+  /// placement whose bytes landed in part at each.
+  virtual std::vector<bool> placed(uint32_t slot) const { return {}; }
   /// Start of buffer `slot` (0 or 1).
   virtual const std::byte* slot(uint32_t index) const = 0;
   /// Where the buffers live.

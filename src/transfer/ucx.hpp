@@ -183,13 +183,22 @@ class Worker {
   /// with a tagged send on the progress thread; a range outside every registration is
   /// answered with an empty message, which fails that read.
   void answer_send_requests(const Secret& secret);
+  /// Where a message's payload lands: `destination` (host memory); or, with `later`, not
+  /// known yet: the worker keeps the message and asks again after each wake(); or neither:
+  /// refused (the sender's message fails).
+  struct Landing {
+    std::byte* destination = nullptr;
+    bool later = false;
+  };
   /// Receiving side of Endpoint::send_message, before start_progress(): for each message
-  /// that presents `secret`, `place(header, bytes)` (on the progress thread) returns where its
-  /// payload lands (host memory), or null to refuse it (the sender's message fails), and
-  /// `landed(header, bytes, ok)` runs once it has landed (or failed).
-  using Place = std::function<std::byte*(std::span<const std::byte> header, uint64_t bytes)>;
+  /// that presents `secret`, `place(header, bytes)` (on the progress thread) says where its
+  /// payload lands, and `landed(header, bytes, ok)` runs once it has landed (or failed).
+  using Place = std::function<Landing(std::span<const std::byte> header, uint64_t bytes)>;
   using Landed = std::function<void(std::span<const std::byte> header, uint64_t bytes, bool ok)>;
   void accept_messages(const Secret& secret, Place place, Landed landed);
+  /// From any thread: the progress thread asks `place` again for the messages it keeps for
+  /// later (what place() answers has changed).
+  void wake();
   /// Starts the thread that progresses the worker (serving side); stopped by
   /// stop_progress() or the destructor.
   void start_progress();

@@ -7,9 +7,13 @@
 //   (ucp_put) into the receiver's buffer, flushes (remote completion), then bumps the
 //   buffer's count.
 // - kRendezvous (UCX's tcp, which only emulates puts, at half its message rate): it sends
-//   the bucket in pieces as active messages with the secret, the slot and the offset in
-//   their header; the receiver's UCX worker receives each piece straight into its place in
-//   the buffer (rendezvous, zero-copy) and counts the bytes landed.
+//   the bucket in pieces as active messages with the secret, the slot, the offset and the
+//   bucket's number in their header; a large piece (a tensor, or its part in the bucket)
+//   travels as messages of its own. The receiver's UCX worker keeps each piece until the
+//   receiver has checked the bucket's manifest and named where its entries land (place()):
+//   a message inside one entry that the session takes as it is lands straight in that
+//   parameter, any other in the buffer (rendezvous, zero-copy either way), and it counts the
+//   bytes landed.
 //
 // The receiver applies a bucket once its count (or its bytes) says it landed, while the
 // sender moves the next one into the other buffer. The sender's push() returns with the
@@ -19,8 +23,10 @@
 // both paths (UCX's tcp transport needs the target to progress even for puts).
 #include <poll.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "transfer/transport.hpp"
 #include "transfer/ucx.hpp"
@@ -51,11 +57,14 @@ struct Offer {
   ucx::Secret secret{};
 };
 
-/// The header of a bucket piece on the rendezvous path.
+/// The header of a bucket piece on the rendezvous path: its buffer, where in the bucket it
+/// belongs, and which bucket it is (counted from 1 on the connection), so that a receiver
+/// keeps a piece that comes before it has placed its bucket.
 struct Piece {
   uint32_t slot = 0;
   uint32_t reserved = 0;
   uint64_t offset = 0;
+  uint64_t bucket = 0;
 };
 
 void put_bytes(std::vector<std::byte>& out, const void* data, size_t bytes) {
@@ -111,13 +120,27 @@ class UcxReceiver final : public ReceiverTransport {
     for (int i = 0; i < 3; ++i) {
       registrations_[i] = worker_.register_memory(buffers_[i].data(), i < 2 ? bucket_bytes : 64);
     }
-    // Runs on the progress thread: a piece lands only inside a bucket buffer.
-    auto place = [this, bucket_bytes](std::span<const std::byte> header, uint64_t bytes) -> std::byte* {
+    // Runs on the progress thread: a piece lands inside its bucket (in the buffer, or where
+    // place() put that range of it), once its bucket is placed.
+    auto place = [this, bucket_bytes](std::span<const std::byte> header, uint64_t bytes) -> ucx::Worker::Landing {
       Piece piece;
-      if (header.size() != sizeof(piece)) return nullptr;
+      if (header.size() != sizeof(piece)) return {};
       std::memcpy(&piece, header.data(), sizeof(piece));
-      if (piece.slot > 1 || piece.offset > bucket_bytes || bytes > bucket_bytes - piece.offset) return nullptr;
-      return buffers_[piece.slot].data() + piece.offset;
+      if (piece.slot > 1 || piece.offset > bucket_bytes || bytes > bucket_bytes - piece.offset) return {};
+      if (piece.bucket > placed_through_.load(std::memory_order_acquire)) return {.later = true};
+      Table& table = tables_[piece.slot];
+      if (piece.bucket == table.bucket && bytes > 0) {
+        auto after = std::upper_bound(table.placements.begin(), table.placements.end(), piece.offset,
+                                      [](uint64_t offset, const Placement& placement) { return offset < placement.offset; });
+        if (after != table.placements.begin()) {
+          const Placement& placement = *std::prev(after);
+          if (piece.offset + bytes <= placement.offset + placement.bytes) {
+            table.routed[static_cast<size_t>(std::prev(after) - table.placements.begin())] += bytes;
+            return {.destination = placement.destination + (piece.offset - placement.offset)};
+          }
+        }
+      }
+      return {.destination = buffers_[piece.slot].data() + piece.offset};
     };
     auto landed = [this](std::span<const std::byte> header, uint64_t bytes, bool ok) {
       Piece piece;
@@ -168,16 +191,51 @@ class UcxReceiver final : public ReceiverTransport {
       (void)::poll(&none, 0, 1);
     }
   }
+  bool places() const override { return true; }
+  void place(uint32_t slot, std::vector<Placement> placements) override {
+    // The pieces of the bucket placed before this one in `slot` have all landed (receive()),
+    // so none reads the table now; those of this bucket are kept until it is published.
+    WS_EXPECT(std::ranges::is_sorted(placements, {}, &Placement::offset), ErrorCode::kInternal,
+              "ucx receiver: placements not in the order of the bucket");
+    Table& table = tables_[slot];
+    table.bucket = ++buckets_placed_;
+    table.routed.assign(placements.size(), 0);
+    table.placements = std::move(placements);
+    placed_through_.store(table.bucket, std::memory_order_release);
+    worker_.wake();
+  }
+  std::vector<bool> placed(uint32_t slot) const override {
+    const Table& table = tables_[slot];
+    std::vector<bool> result(table.placements.size());
+    for (size_t i = 0; i < result.size(); ++i) {
+      const uint64_t routed = table.routed[i];
+      WS_EXPECT(routed == 0 || routed == table.placements[i].bytes, ErrorCode::kProtocol,
+                "bytes " + std::to_string(table.placements[i].offset) + "+" + std::to_string(table.placements[i].bytes) +
+                    " of bucket " + std::to_string(table.bucket) + " of the connection came in pieces that straddle " +
+                    "its entries: " + std::to_string(routed) + " of them landed in place, the rest in the buffer");
+      result[i] = routed != 0;
+    }
+    return result;
+  }
   const std::byte* slot(uint32_t index) const override { return buffers_[index].data(); }
   Device device() const override { return kHost; }
 
  private:
+  /// Where the pieces of the bucket last placed in a buffer land.
+  struct Table {
+    uint64_t bucket = 0;  // counted from 1 on the connection; 0: none yet
+    std::vector<Placement> placements;  // by offset, disjoint
+    std::vector<uint64_t> routed;       // bytes of each landed (or landing) at its destination: the progress thread's
+  };
   Buffer buffers_[3];  // the two buckets, then the counts of buckets landed in each
   ucx::Secret secret_ = ucx::random_secret();
   std::atomic<uint64_t> landed_bytes_[2] = {0, 0};  // rendezvous: bytes received into each bucket
   std::atomic<bool> failed_{false};                 // rendezvous: a piece failed to land
   ucx::Worker worker_;
   std::unique_ptr<ucx::Registration> registrations_[3];
+  Table tables_[2];
+  uint64_t buckets_placed_ = 0;                // place() calls: the last bucket placed
+  std::atomic<uint64_t> placed_through_{0};   // published to the progress thread
   uint64_t landed_[2] = {0, 0};     // buckets due in each buffer
   uint64_t due_bytes_[2] = {0, 0};  // bytes due in each buffer
 };
@@ -198,6 +256,9 @@ class UcxSender final : public SenderTransport {
   void fill(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
             uint64_t bytes) override {
     std::byte* destination = buffers_[slot].data() + offset;
+    // A large piece travels as messages of its own, so that a receiver may land it where it
+    // belongs (a message spanning several pieces lands in the receiver's buffer).
+    if (bytes >= kInPlaceMinimum) own_messages_[slot].push_back({offset, bytes, destination});
     if (source_device.is_cuda()) {
       copy_bytes(destination, kHost, source, source_device, bytes);
       return;
@@ -218,6 +279,7 @@ class UcxSender final : public SenderTransport {
       if (target.endpoint->path() != ucx::Path::kRendezvous) return false;
     }
     in_place_[slot].push_back({offset, bytes, source, std::move(keepalive)});
+    own_messages_[slot].push_back({offset, bytes, source});
     (void)progress();  // the bucket before moves on while this one is gathered
     return true;
   }
@@ -227,21 +289,28 @@ class UcxSender final : public SenderTransport {
     connections_ = connections;
     pending_slot_ = slot;
     pending_ = true;
-    // The bucket's bytes in order: what fill() copied into the buffer (alignment gaps too),
-    // and the pieces take_in_place() left where they lie.
+    ++buckets_pushed_;
+    // The bucket's bytes in order: the large pieces as messages of their own (those
+    // take_in_place() left where they lie, and large fills), and between them what fill()
+    // copied into the buffer (alignment gaps too).
     auto send = [&](uint64_t offset, const std::byte* source, uint64_t length, const ucx::Registration* registration) {
       for (uint64_t done = 0; done < length; done += kUcxPiece) {
         send_piece(slot, offset + done, source + done, std::min(kUcxPiece, length - done), registration, connections,
                    timeout);
       }
     };
+    std::vector<OwnMessages>& own = own_messages_[slot];
+    std::sort(own.begin(), own.end(), [](const OwnMessages& a, const OwnMessages& b) { return a.offset < b.offset; });
+    const ucx::Registration* buffer_registration = registrations_[slot].get();
     uint64_t sent = 0;
-    for (const InPlace& piece : in_place_[slot]) {
-      if (piece.offset > sent) send(sent, buffers_[slot].data() + sent, piece.offset - sent, registrations_[slot].get());
-      send(piece.offset, piece.source, piece.bytes, nullptr);
+    for (const OwnMessages& piece : own) {
+      if (piece.offset > sent) send(sent, buffers_[slot].data() + sent, piece.offset - sent, buffer_registration);
+      const bool in_buffer = piece.source == buffers_[slot].data() + piece.offset;
+      send(piece.offset, piece.source, piece.bytes, in_buffer ? buffer_registration : nullptr);
       sent = piece.offset + piece.bytes;
     }
-    if (bytes > sent) send(sent, buffers_[slot].data() + sent, bytes - sent, registrations_[slot].get());
+    if (bytes > sent) send(sent, buffers_[slot].data() + sent, bytes - sent, buffer_registration);
+    own.clear();
     moving_in_place_ = std::move(in_place_[slot]);  // kept until the bucket has landed (drain)
     in_place_[slot].clear();
   }
@@ -281,6 +350,13 @@ class UcxSender final : public SenderTransport {
     uint32_t keys[3] = {0, 0, 0};
     uint64_t counts[2] = {0, 0};
   };
+  /// A piece of a bucket sent as messages of its own: from where it lies (take_in_place) or
+  /// from the buffer (a large fill).
+  struct OwnMessages {
+    uint64_t offset = 0;  ///< in the bucket
+    uint64_t bytes = 0;
+    const std::byte* source = nullptr;
+  };
   /// A piece of a bucket sent from where it lies (take_in_place).
   struct InPlace {
     uint64_t offset = 0;  ///< in the bucket
@@ -299,7 +375,7 @@ class UcxSender final : public SenderTransport {
         if (target.endpoint->path() == ucx::Path::kRma) {
           target.endpoint->put(source, target.offer.addresses[slot] + offset, target.keys[slot], length, timeout);
         } else {
-          const Piece piece{slot, 0, offset};
+          const Piece piece{slot, 0, offset, buckets_pushed_};
           target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), source, length, registration, timeout);
         }
       });
@@ -327,6 +403,8 @@ class UcxSender final : public SenderTransport {
   // Declared first, so the pieces they keep outlive every endpoint that may still read them.
   std::vector<InPlace> in_place_[2];     // pieces of the bucket being gathered in each buffer
   std::vector<InPlace> moving_in_place_;  // those of the bucket push() started, until drain()
+  std::vector<OwnMessages> own_messages_[2];  // the large pieces of the bucket in each buffer
+  uint64_t buckets_pushed_ = 0;               // push() calls: the bucket being pushed, counted from 1
   Buffer buffers_[2];
   ucx::Worker worker_;
   std::unique_ptr<ucx::Registration> registrations_[2];  // the buckets, sent from without registering per message

@@ -186,7 +186,19 @@ struct Worker::State {
     State* state = nullptr;
     std::vector<std::byte> header;
     uint64_t bytes = 0;
+    std::unique_ptr<std::byte[]> discarded;  // a refused payload's landing place: it is received, then dropped
   };
+  /// A message whose place was not known yet (Landing::later), until it is: the progress
+  /// thread's alone.
+  struct Kept {
+    std::vector<std::byte> header;   // the caller's part of the header
+    uint64_t bytes = 0;
+    void* data = nullptr;            // rendezvous: UCX's descriptor of the payload
+    std::vector<std::byte> payload;  // eager: the payload, copied
+  };
+  std::vector<Kept> kept;
+  uint64_t receives_in_flight = 0;  // payloads being received: the progress thread's
+  std::atomic<bool> woken{false};  // wake() was called: ask place() again for the kept messages
 
   static void on_sent(void* request, ucs_status_t, void* user_data) {
     static_cast<State*>(user_data)->sends_in_flight.fetch_sub(1, std::memory_order_relaxed);
@@ -229,11 +241,33 @@ struct Worker::State {
 
   static void on_arrived(void* request, ucs_status_t status, size_t, void* user_data) {
     std::unique_ptr<Arrival> arrival(static_cast<Arrival*>(user_data));
-    arrival->state->landed(arrival->header, arrival->bytes, status == UCS_OK);
+    --arrival->state->receives_in_flight;
+    arrival->state->landed(arrival->header, arrival->bytes, status == UCS_OK && !arrival->discarded);
     ucp_request_free(request);
   }
 
-  /// A message for accept_messages: its payload lands where `place` says.
+  /// Starts the landing of a rendezvous message's payload (UCX's descriptor `data`) at
+  /// `destination`; `landed` runs once it is there.
+  void receive_into(std::byte* destination, std::span<const std::byte> header, void* data, uint64_t bytes) {
+    auto arrival = std::make_unique<Arrival>(Arrival{this, {header.begin(), header.end()}, bytes, nullptr});
+    if (destination == nullptr) {  // refused after it was kept: received, so that its sender's request ends
+      arrival->discarded = std::make_unique<std::byte[]>(std::max<uint64_t>(bytes, 1));
+      destination = arrival->discarded.get();
+    }
+    ucp_request_param_t receive{};
+    receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    receive.cb.recv_am = &State::on_arrived;
+    receive.user_data = arrival.get();
+    ucs_status_ptr_t receiving = ucp_am_recv_data_nbx(worker, data, destination, bytes, &receive);
+    if (UCS_PTR_IS_PTR(receiving)) {
+      arrival.release();  // on_arrived owns it
+      ++receives_in_flight;
+    } else {
+      landed(header, bytes, !UCS_PTR_IS_ERR(receiving) && !arrival->discarded);
+    }
+  }
+
+  /// A message for accept_messages: its payload lands where `place` says, or waits for it.
   static ucs_status_t on_message(void* arg, const void* header, size_t header_length, void* data, size_t length,
                                  const ucp_am_recv_param_t* param) {
     auto* state = static_cast<State*>(arg);
@@ -246,25 +280,58 @@ struct Worker::State {
     if (!same_secret(secret, state->message_secret)) return refused;
     std::span<const std::byte> user_header(static_cast<const std::byte*>(header) + secret.size(),
                                            header_length - secret.size());
-    std::byte* destination = state->place(user_header, length);
-    if (destination == nullptr) return refused;
+    const Landing landing = state->place(user_header, length);
+    if (landing.later) {
+      Kept message{{user_header.begin(), user_header.end()}, length};
+      if (rendezvous) {
+        message.data = data;  // UCX keeps the payload at the sender until it is received
+      } else {
+        const auto* bytes = static_cast<const std::byte*>(data);
+        message.payload.assign(bytes, bytes + length);
+      }
+      state->kept.push_back(std::move(message));
+      return rendezvous ? UCS_INPROGRESS : UCS_OK;
+    }
+    if (landing.destination == nullptr) return refused;
     if (!rendezvous) {  // eager: the payload is here already
-      std::memcpy(destination, data, length);
+      std::memcpy(landing.destination, data, length);
       state->landed(user_header, length, true);
       return UCS_OK;
     }
-    auto arrival = std::make_unique<Arrival>(Arrival{state, {user_header.begin(), user_header.end()}, length});
-    ucp_request_param_t receive{};
-    receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    receive.cb.recv_am = &State::on_arrived;
-    receive.user_data = arrival.get();
-    ucs_status_ptr_t receiving = ucp_am_recv_data_nbx(state->worker, data, destination, length, &receive);
-    if (UCS_PTR_IS_PTR(receiving)) {
-      arrival.release();  // on_arrived owns it
-    } else {
-      state->landed(user_header, length, !UCS_PTR_IS_ERR(receiving));
-    }
+    state->receive_into(landing.destination, user_header, data, length);
     return UCS_INPROGRESS;  // the receive was started: UCX owns the descriptor
+  }
+
+  /// After wake(): asks `place` again for each kept message, and lands those it now places.
+  /// True when it was woken (receives may have started: progress the worker).
+  bool retry_kept() {
+    if (!woken.exchange(false, std::memory_order_acq_rel)) return false;
+    std::vector<Kept> waiting;
+    waiting.swap(kept);
+    for (Kept& message : waiting) {
+      const Landing landing = place(message.header, message.bytes);
+      if (landing.later) {
+        kept.push_back(std::move(message));
+      } else {
+        land_kept(message, landing.destination);
+      }
+    }
+    return true;
+  }
+
+  /// Lands a kept message at `destination`; null: refused, its payload received and dropped.
+  void land_kept(Kept& message, std::byte* destination) {
+    if (message.data != nullptr) return receive_into(destination, message.header, message.data, message.bytes);
+    if (destination != nullptr) std::memcpy(destination, message.payload.data(), message.bytes);
+    landed(message.header, message.bytes, destination != nullptr);
+  }
+
+  /// Refuses the messages still kept (the worker stops): each is received and dropped, so
+  /// that its sender's request ends (UCX 1.13 asserts when an endpoint with a rendezvous
+  /// still pending goes).
+  void drop_kept() {
+    for (Kept& message : kept) land_kept(message, nullptr);
+    kept.clear();
   }
 
   void set_handler(unsigned id, ucp_am_recv_callback_t callback) {
@@ -302,6 +369,11 @@ Worker::Worker() : state_(std::make_unique<State>()) {
     ucp_cleanup(state_->context);
     fail(ErrorCode::kNetwork, "getting the worker's event descriptor (ucp_worker_get_efd)", status);
   }
+}
+
+void Worker::wake() {
+  state_->woken.store(true, std::memory_order_release);
+  ucp_worker_signal(state_->worker);
 }
 
 void Worker::stop_progress() {
@@ -394,19 +466,22 @@ void Worker::start_progress() {
     while (!state->stop.load(std::memory_order_relaxed)) {
       while (ucp_worker_progress(state->worker) != 0) {
       }
-      // Sleeps until traffic arrives; ucp_worker_signal (the destructor) wakes it to stop.
+      if (state->retry_kept()) continue;
+      // Sleeps until traffic arrives; ucp_worker_signal (wake(), the destructor) wakes it.
       wait_for_events(state->worker, state->efd, 200);
     }
+    state->drop_kept();
     // Sends answering requests read registered memory until they end, and a rendezvous
-    // this worker received may still owe its sender an acknowledgement (UCX 1.13 asserts
-    // at ucp_worker_destroy on an endpoint with such a request): flush the worker, and let
-    // those end (a dead peer's fail at once), before the caller deregisters the memory.
+    // this worker received (or is receiving) may still owe its sender an acknowledgement
+    // (UCX 1.13 asserts at ucp_worker_destroy on an endpoint with such a request): flush the
+    // worker, and let those end (a dead peer's fail at once), before the caller deregisters
+    // the memory.
     const auto until = Clock::now() + std::chrono::seconds(2);
     ucp_request_param_t param{};
     ucs_status_ptr_t flush = ucp_worker_flush_nbx(state->worker, &param);
     auto pending = [&] {
       if (UCS_PTR_IS_PTR(flush) && ucp_request_check_status(flush) == UCS_INPROGRESS) return true;
-      return state->sends_in_flight.load(std::memory_order_relaxed) > 0;
+      return state->sends_in_flight.load(std::memory_order_relaxed) > 0 || state->receives_in_flight > 0;
     };
     while (pending() && Clock::now() < until) {
       while (ucp_worker_progress(state->worker) != 0) {

@@ -45,6 +45,7 @@ std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte>, const std:
 }
 void Worker::answer_send_requests(const Secret&) {}
 void Worker::accept_messages(const Secret&, Place, Landed) {}
+void Worker::wake() {}
 void Worker::start_progress() {}
 void Worker::stop_progress() {}
 

@@ -206,6 +206,7 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.tensors);
       out.put(report.bytes);
       out.put(report.shared_bytes);
+      out.put(report.placed_bytes);
       out.put(report.regions);
       out.put(report.seconds);
       out.put(report.connect_seconds);
@@ -355,6 +356,7 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.tensors = in.get<uint64_t>("tensors");
       report.bytes = in.get<uint64_t>("bytes");
       report.shared_bytes = in.get<uint64_t>("shared_bytes");
+      report.placed_bytes = in.get<uint64_t>("placed_bytes");
       report.regions = in.get<uint64_t>("regions");
       report.seconds = in.get<double>("seconds");
       report.connect_seconds = in.get<double>("connect_seconds");

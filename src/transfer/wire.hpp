@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 3. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 5. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -23,7 +23,7 @@
 //   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled (a bucket with
 //                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
-//   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, regions u64, seconds,
+//   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, placed_bytes, regions u64, seconds,
 //                                 connect_seconds f64, nine phases f64 (preparing,
 //                                 first_bucket, waiting, parsing, opening, checking, copying,
 //                                 finishing, closing), six counters u64,
@@ -78,7 +78,9 @@ struct BucketManifest {
 };
 
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
-inline constexpr uint16_t kProtocolVersion = 4;  // 4: a ucx WELCOME carries the rendezvous secret
+// 4: a ucx WELCOME carries the rendezvous secret; 5: REPORT carries placed_bytes (and a ucx
+// piece's header its bucket)
+inline constexpr uint16_t kProtocolVersion = 5;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;

@@ -368,6 +368,35 @@ TEST(LoadSession, EngineFormatCopiesParametersInPlace) {
   EXPECT_EQ(compare_layouts(source, target).mismatched, 0u);
 }
 
+TEST(LoadSession, CheckThrowsALoadsErrorsAndWritesNothing) {
+  // A source that lands bytes in the parameters itself checks the batch first: the same
+  // errors as load(), nothing counted or written, and the load goes on.
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = host_layout(checkpoint);
+  LoadSession session(layout);
+  session.begin(LoadMode::kCold);
+  const auto& norm = checkpoint.tensor("model.norm.weight");
+  std::vector<int64_t> wrong = {norm.shape[0] / 2};
+  TensorView half{norm.name, norm.dtype, wrong, norm.bytes.data(), Device{}, 0, norm.bytes.size() / 2};
+  std::vector<TensorView> batch = checkpoint.views();
+  batch.push_back(half);
+  try {
+    session.check(batch);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    EXPECT_THAT(error.what(), HasSubstr("tensor model.norm.weight has shape"));
+  }
+  session.check(checkpoint.views());  // twice: a check delivers nothing
+  session.check(checkpoint.views());
+  EXPECT_EQ(session.counters().bytes_applied, 0u);
+  EXPECT_TRUE(session.touched_layers().empty());
+  session.load(checkpoint.views());
+  session.finish();
+  EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(checkpoint)).mismatched, 0u);
+  EXPECT_EQ(session.touched_layers(), session.completed_layers());
+}
+
 TEST(LoadSession, FinishAfterAFailedBatchRefusesWithTheFirstError) {
   const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
   ModelLayout layout = host_layout(checkpoint);

@@ -273,8 +273,63 @@ TEST(UcxRendezvous, PiecesThatStayValidTravelFromWhereTheyLieAndAreLetGoOnceLand
   views.clear();
   EXPECT_EQ(keepalive.use_count(), 1);  // all let go once their buckets landed
   EXPECT_EQ(report.tensors, checkpoint_of(2).tensors.size());
+  EXPECT_GT(report.placed_bytes, 0u);  // and landed straight in their parameters
   EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
   EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+}
+
+constexpr uint64_t kOwnMessage = 256 << 10;  // the ucx sender's smallest piece sent as messages of its own
+
+/// Sends seed 2 over ucx by `path`: its small tensors, then each large one in a bucket of
+/// its own (16 MiB buckets: none is split); the receiver's report.
+UpdateReport ucx_update_large_ones_whole(LoadedModel& model, UcxPath path) {
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kUcx));
+  SenderOptions options = sender_options(TransportKind::kUcx, 16 << 20);
+  options.ucx_path = path;
+  auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
+    UpdateSender sender(address, options);
+    sender.start(TensorFormat::kCheckpoint);
+    std::vector<TensorView> views = checkpoint_of(2).views();
+    for (const TensorView& view : views) {
+      if (view.bytes < kOwnMessage) sender.send(view);
+    }
+    sender.flush();
+    for (const TensorView& view : views) {
+      if (view.bytes < kOwnMessage) continue;
+      sender.send(view);
+      sender.flush();
+    }
+    return sender.finish();
+  });
+  UpdateReport report = receiver.receive(10s);
+  sent.get();
+  return report;
+}
+
+TEST(UcxRendezvous, LargeTensorsLandStraightInTheirParameters) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  // Tensors the session takes as they are (one place of one host parameter, its dtype)
+  // travel as messages of their own, each received where it belongs: no copy out of the
+  // receiver's buffer. The small ones share messages and are copied from the buffer.
+  uint64_t large = 0;
+  for (const TensorView& view : checkpoint_of(2).views()) large += view.bytes >= kOwnMessage ? view.bytes : 0;
+  ASSERT_GT(large, 0u) << "the test model needs tensors large enough for messages of their own";
+  LoadedModel model(1);
+  UpdateReport report = ucx_update_large_ones_whole(model, UcxPath::kRendezvous);
+  EXPECT_GE(report.placed_bytes, large);
+  EXPECT_LT(report.placed_bytes, report.bytes);  // the small ones came through the buffer
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
+  EXPECT_EQ(model.hook_runs, 2);
+}
+
+TEST(UcxRendezvous, OneSidedPutsLandInTheBufferAndAreCopiedFromIt) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  LoadedModel model(1);
+  UpdateReport report = ucx_update_large_ones_whole(model, UcxPath::kRma);
+  EXPECT_EQ(report.placed_bytes, 0u);
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
+  EXPECT_EQ(model.hook_runs, 2);
 }
 
 TEST(SeveralReceivers, OnlyTcpNcclAndUcxFeedSeveral) {
@@ -310,11 +365,12 @@ TEST(SeveralReceivers, ARefusingReceiverIsNamed) {
 
 /// Runs an update whose tensors are `before`, a flush, then `bad`; returns the receiver's error.
 std::string failed_update(LoadedModel& model, const std::vector<TensorView>& before, const std::vector<TensorView>& bad,
-                          TensorFormat format = TensorFormat::kCheckpoint, std::string* sender_error = nullptr) {
-  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+                          TensorFormat format = TensorFormat::kCheckpoint, std::string* sender_error = nullptr,
+                          TransportKind transport = TransportKind::kTcp, uint64_t bucket_bytes = 64 << 10) {
+  UpdateReceiver receiver(model.layout, receiver_options(transport));
   auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
     return error_text([&] {
-      UpdateSender sender(address, sender_options(TransportKind::kTcp));
+      UpdateSender sender(address, sender_options(transport, bucket_bytes));
       sender.start(format);
       for (const TensorView& view : before) sender.send(view);
       sender.flush();
@@ -425,7 +481,8 @@ TEST(Manifest, ATensorDeliveredTwiceIsRejected) {
 struct DyingSender {
   pid_t pid = -1;
   int pipe_read = -1;
-  DyingSender(const std::string& address, const std::vector<TensorView>& views, bool stall) {
+  DyingSender(const std::string& address, const std::vector<TensorView>& views, bool stall,
+              TransportKind transport = TransportKind::kTcp) {
     int fds[2];
     EXPECT_EQ(::pipe(fds), 0);
     pid = ::fork();
@@ -433,7 +490,7 @@ struct DyingSender {
       ::close(fds[0]);
       uint64_t sent = UINT64_MAX;
       try {
-        UpdateSender sender(address, sender_options(TransportKind::kTcp, 16 << 10));
+        UpdateSender sender(address, sender_options(transport, 16 << 10));
         sender.start(TensorFormat::kCheckpoint);
         for (const TensorView& view : views) sender.send(view);
         sent = sender.buckets_sent();
@@ -458,6 +515,37 @@ struct DyingSender {
     ::close(pipe_read);
   }
 };
+
+TEST(Manifest, OverUcxABadBucketFailsBeforeAnyOfItsBytesLand) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  // Over ucx a bucket's large tensors land straight in their parameters, but only once the
+  // whole bucket's manifest has passed the session's checks: a bucket that names an unknown
+  // tensor beside a good large one leaves the good one's parameter as it was.
+  LoadedModel model(1);
+  const MemoryCheckpoint& update = checkpoint_of(2);
+  std::vector<TensorView> layer1 = layer_views(update, "model.layers.1.");
+  auto large = std::ranges::find_if(layer1, [](const TensorView& view) { return view.bytes >= kOwnMessage; });
+  ASSERT_NE(large, layer1.end());
+  std::vector<int64_t> shape = {4, 4};
+  std::vector<std::byte> junk(32);
+  TensorView unknown{"model.layers.1.self_attn.rotary_blob", Dtype::kBF16, shape, junk.data(), Device{}, 0, 32};
+  std::string text = failed_update(model, layer_views(update, "model.layers.0."), {*large, unknown},
+                                   TensorFormat::kCheckpoint, nullptr, TransportKind::kUcx, 16 << 20);
+  EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob matches no parameter of"));
+  EXPECT_THAT(text, HasSubstr(") failed at bucket "));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
+  EXPECT_THAT(text, HasSubstr("layers written in part (over ucx, tensors land in their parameters as they arrive): "
+                              "none;"));
+  ModelLayout old_values = fresh_layout(1);
+  ModelLayout new_values = fresh_layout(2);
+  for (const Parameter& parameter : model.layout.parameters()) {
+    if (parameter.layer == 1) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(old_values, parameter.name)) << parameter.name;
+    } else if (parameter.layer == 0) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name)) << parameter.name;
+    }
+  }
+}
 
 /// Layer 0 whole and the first half of layer 1's tensors of the seed-2 checkpoint.
 std::vector<TensorView> partial_update() {
@@ -497,6 +585,30 @@ TEST(DeadSender, KilledMidUpdateNamesTheLastBucketAndKeepsIncompleteLayers) {
   EXPECT_THAT(text, HasSubstr("every other layer keeps its old values"));
   expect_old_layer1_new_layer0_then_reload_restores(model);
   EXPECT_EQ(model.hook_runs, 2);  // cold load and the reload; the failed update ran none
+}
+
+TEST(DeadSender, OverUcxKilledMidUpdateNamesTheLayersWrittenInPart) {
+  if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  // Over ucx, tensors land in their parameters as they arrive: the layer the sender was
+  // sending when it died holds some new tensors, and the error says so.
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kUcx));
+  DyingSender sender(receiver.address(), partial_update(), /*stall=*/false, TransportKind::kUcx);
+  std::string text = error_text([&] { receiver.receive(10s); });
+  uint64_t buckets = sender.buckets_sent();
+  ASSERT_GT(buckets, 2u);
+  ASSERT_NE(buckets, UINT64_MAX);
+  EXPECT_THAT(text, StartsWith("network: update from tcp peer 127.0.0.1:"));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
+  EXPECT_THAT(text, HasSubstr("layers written in part (over ucx, tensors land in their parameters as they arrive): "
+                              "layer 1;"));
+  ModelLayout new_values = fresh_layout(2);
+  for (const Parameter& parameter : model.layout.parameters()) {
+    if (parameter.layer == 0) EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name));
+  }
+  run_load(model.layout, LoadMode::kReload, {checkpoint_of(2).views()});  // a reload restores a consistent model
+  EXPECT_EQ(compare_layouts(model.layout, new_values).mismatched, 0u);
+  EXPECT_EQ(storage_addresses(model.layout), model.addresses);
 }
 
 TEST(DeadSender, StalledSenderTimesOutNamingTheLastBucket) {

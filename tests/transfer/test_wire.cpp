@@ -124,6 +124,7 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   report.report.buckets = 3;
   report.report.seconds = 0.25;
   report.report.shared_bytes = 1ull << 34;
+  report.report.placed_bytes = 1ull << 33;
   report.report.regions = 2;
   report.report.connect_seconds = 0.125;
   report.report.phases.first_bucket = 0.5;
@@ -135,6 +136,7 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   EXPECT_EQ(parsed.report.counters.model_hook_runs, 1u);
   EXPECT_EQ(parsed.report.seconds, 0.25);
   EXPECT_EQ(parsed.report.shared_bytes, 1ull << 34);
+  EXPECT_EQ(parsed.report.placed_bytes, 1ull << 33);
   EXPECT_EQ(parsed.report.regions, 2u);
   EXPECT_EQ(parsed.report.connect_seconds, 0.125);
   EXPECT_EQ(parsed.report.phases.first_bucket, 0.5);
