@@ -80,6 +80,8 @@ struct PeerManifest {
   /// What a puller presents with each request that the server send it a range (the
   /// rendezvous path); like the remote keys, sent only to a puller that presented the token.
   std::vector<std::byte> send_secret;
+  /// The server's UCX tcp receive segment size, which a puller's must equal (ucx.hpp).
+  uint64_t ucx_segment_bytes = 0;
   /// Filled by the puller, not published: how its UCX endpoint to this peer moves bytes
   /// ("rma" or "rendezvous") and the transports of the endpoint's lanes ("tcp/eth0").
   std::string ucx_path;

@@ -147,7 +147,8 @@ nlohmann::json manifest_json(const PeerManifest& manifest) {
           {"tensors", tensors},
           {"parameters", parameters},
           {"worker_address", to_hex(manifest.worker_address)},
-          {"send_secret", to_hex(manifest.send_secret)}};
+          {"send_secret", to_hex(manifest.send_secret)},
+          {"ucx_segment_bytes", manifest.ucx_segment_bytes}};
 }
 
 PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer) {
@@ -174,6 +175,7 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
     manifest.send_secret = from_hex((field = "send_secret", json.at("send_secret")).get<std::string>(), peer + ": send_secret");
     WS_EXPECT(manifest.send_secret.size() == 16, ErrorCode::kProtocol,
               peer + ": send_secret of " + std::to_string(manifest.send_secret.size()) + " bytes, not 16");
+    manifest.ucx_segment_bytes = (field = "ucx_segment_bytes", json.at("ucx_segment_bytes")).get<uint64_t>();
     for (const nlohmann::json& tensor : (field = "tensors", json.at("tensors"))) {
       PeerTensor& entry = manifest.tensors.emplace_back();
       entry.name = (field = "tensors[].name", tensor.at("name")).get<std::string>();

@@ -31,7 +31,8 @@ namespace weightstream::transfer {
 enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVersion = 4 };
 
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
-inline constexpr uint16_t kPeerProtocolVersion = 2;  // 2: the manifest carries send_secret
+// 2: the manifest carries send_secret; 3: and ucx_segment_bytes
+inline constexpr uint16_t kPeerProtocolVersion = 3;
 /// Largest message: the manifest of a rank with 100,000 parameters fits.
 inline constexpr uint64_t kMaxPeerMessageBytes = 512ull << 20;
 

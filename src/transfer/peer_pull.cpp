@@ -140,6 +140,8 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
   for (State::Link& link : state.links) {
     transfer::ucx::Secret secret{};
     std::copy(link.manifest.send_secret.begin(), link.manifest.send_secret.end(), secret.begin());
+    // Before the endpoint exists: the server's fragments must fit this process's segments.
+    transfer::ucx::check_receive_segments(link.manifest.ucx_segment_bytes, "peer " + link.address);
     link.endpoint = state.worker->connect(link.manifest.worker_address, "peer " + link.address, state.options.ucx_path, secret);
     link.manifest.ucx_path = std::string(ucx::path_name(link.endpoint->path()));
     link.manifest.ucx_transports = link.endpoint->transports();

@@ -174,6 +174,7 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
   manifest.worker_address = state.worker.address();
   const transfer::ucx::Secret secret = transfer::ucx::random_secret();
   manifest.send_secret.assign(secret.begin(), secret.end());
+  manifest.ucx_segment_bytes = transfer::ucx::receive_segment_bytes();
   for (const Parameter& parameter : layout.parameters()) {
     WS_EXPECT(parameter.data != nullptr || parameter.bytes() == 0, ErrorCode::kModel,
               "peer server: parameter " + parameter.name + " of " + layout.description() + " has no storage");

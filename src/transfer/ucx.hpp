@@ -49,6 +49,16 @@ std::string library_version();
 
 class Worker;
 
+/// The size of UCX's tcp receive segments in this process: UCX_TCP_RX_SEG_SIZE where the
+/// environment sets it, else 1 MiB (every Worker asks for it). UCX's tcp carries a rendezvous
+/// message in fragments of the sender's segment, and UCX 1.13 aborts the process whose
+/// segments are smaller than a fragment it receives: the two ends of a link must agree, so
+/// handshakes carry it and check_receive_segments() refuses a peer that differs.
+uint64_t receive_segment_bytes();
+/// Throws Error(kConfig) naming `peer` when `theirs` (its receive_segment_bytes()) differs
+/// from this process's.
+void check_receive_segments(uint64_t theirs, const std::string& peer);
+
 /// Where memory handed to UCX lives. GPU memory moves only through a CUDA-aware UCX
 /// (Worker::moves_cuda_memory(): cuda_ipc between processes of a host, cuda_copy, RDMA with
 /// GPUDirect); the memory type is named to UCX rather than left to its detection.

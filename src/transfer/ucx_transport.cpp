@@ -49,12 +49,14 @@ constexpr uint64_t kFillStep = 1ull << 20;
 constexpr uint64_t kInPlaceMinimum = 256ull << 10;
 
 /// WELCOME blob: u32 length + worker address, then for bucket 0, bucket 1 and the counts:
-/// u64 address, u32 length + remote key; then the 16-byte secret of the rendezvous path.
+/// u64 address, u32 length + remote key; then the 16-byte secret of the rendezvous path and
+/// the receiver's UCX tcp receive segment size (u64), which the sender's must equal.
 struct Offer {
   std::vector<std::byte> worker_address;
   uint64_t addresses[3] = {0, 0, 0};
   std::vector<std::byte> keys[3];
   ucx::Secret secret{};
+  uint64_t segment_bytes = 0;
 };
 
 /// The header of a bucket piece on the rendezvous path: its buffer, where in the bucket it
@@ -84,6 +86,7 @@ std::vector<std::byte> encode_offer(const Offer& offer) {
     put_bytes(blob, offer.keys[i].data(), offer.keys[i].size());
   }
   put_bytes(blob, offer.secret.data(), offer.secret.size());
+  put_bytes(blob, &offer.segment_bytes, sizeof(offer.segment_bytes));
   return blob;
 }
 
@@ -108,6 +111,7 @@ Offer parse_offer(std::span<const std::byte> blob, const std::string& who) {
     take_bytes(offer.keys[i]);
   }
   take(offer.secret.data(), offer.secret.size());
+  take(&offer.segment_bytes, sizeof(offer.segment_bytes));
   WS_EXPECT(at == blob.size(), ErrorCode::kProtocol, "the ucx WELCOME of " + who + " has trailing bytes");
   return offer;
 }
@@ -163,6 +167,7 @@ class UcxReceiver final : public ReceiverTransport {
       offer.keys[i] = registrations_[i]->remote_key();
     }
     offer.secret = secret_;
+    offer.segment_bytes = ucx::receive_segment_bytes();
     return encode_offer(offer);
   }
   void receive(Connection& connection, uint32_t slot, uint64_t bytes, std::chrono::milliseconds timeout,
@@ -249,6 +254,7 @@ class UcxSender final : public SenderTransport {
       Target& target = targets_.emplace_back();
       const std::string who = "update receiver " + std::to_string(i);
       target.offer = parse_offer(welcome_blobs[i], who);
+      ucx::check_receive_segments(target.offer.segment_bytes, who);  // before a byte can reach it
       target.endpoint = worker_.connect(target.offer.worker_address, who, path, target.offer.secret);
       for (int k = 0; k < 3; ++k) target.keys[k] = target.endpoint->add_remote_key(target.offer.keys[k]);
     }

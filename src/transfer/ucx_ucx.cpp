@@ -345,15 +345,61 @@ struct Worker::State {
   }
 };
 
+namespace {
+
+constexpr const char* kSegmentVariable = "UCX_TCP_RX_SEG_SIZE";
+constexpr uint64_t kDefaultSegmentBytes = 1ull << 20;
+
+/// UCX's memory units: a number, then optionally k, m or g (any case) and a b.
+std::optional<uint64_t> parse_memory_units(std::string_view text) {
+  uint64_t value = 0;
+  size_t at = 0;
+  for (; at < text.size() && text[at] >= '0' && text[at] <= '9'; ++at) {
+    if (value > (UINT64_MAX - 9) / 10) return std::nullopt;
+    value = value * 10 + static_cast<uint64_t>(text[at] - '0');
+  }
+  if (at == 0) return std::nullopt;
+  std::string_view suffix = text.substr(at);
+  unsigned shift = 0;
+  if (!suffix.empty() && std::string_view("kKmMgG").find(suffix[0]) != std::string_view::npos) {
+    shift = suffix[0] == 'k' || suffix[0] == 'K' ? 10 : suffix[0] == 'm' || suffix[0] == 'M' ? 20 : 30;
+    suffix.remove_prefix(1);
+  }
+  if (suffix == "b" || suffix == "B") suffix.remove_prefix(1);
+  if (!suffix.empty() || value > (UINT64_MAX >> shift)) return std::nullopt;
+  return value << shift;
+}
+
+}  // namespace
+
+uint64_t receive_segment_bytes() {
+  const Environment environment = process_environment();
+  auto found = environment.find(kSegmentVariable);
+  if (found == environment.end()) return kDefaultSegmentBytes;
+  std::optional<uint64_t> bytes = parse_memory_units(found->second);
+  WS_EXPECT(bytes.has_value(), ErrorCode::kConfig,
+            std::string(kSegmentVariable) + "=" + found->second + " is not a size UCX reads (a number, then k, m or g)");
+  return *bytes;
+}
+
+void check_receive_segments(uint64_t theirs, const std::string& peer) {
+  const uint64_t ours = receive_segment_bytes();
+  WS_EXPECT(theirs == ours, ErrorCode::kConfig,
+            peer + " receives UCX tcp segments of " + std::to_string(theirs) + " bytes and this process " +
+                std::to_string(ours) + ": UCX aborts a process sent fragments larger than its segments, so both ends need "
+                "the same " + kSegmentVariable + " (weightstream's default is 1m)");
+}
+
 Worker::Worker() : state_(std::make_unique<State>()) {
   ucp_config_t* config = nullptr;
   ucs_status_t status = ucp_config_read(nullptr, nullptr, &config);
   if (status != UCS_OK) fail(ErrorCode::kConfig, "reading the UCX_* configuration (ucp_config_read)", status);
   // UCX's tcp carries a rendezvous active message in fragments of its receive segment
-  // (64 KiB by default): a bucket moved in 1 MiB fragments crossed two network namespaces
-  // at 1.72-1.79 GB/s against 1.25-1.46 in 64 KiB ones (bench/RESULTS.md). A value the
-  // environment sets is kept; a UCX without the setting ignores it.
-  if (!process_environment().contains("UCX_TCP_RX_SEG_SIZE")) (void)ucp_config_modify(config, "RX_SEG_SIZE", "1M");
+  // (64 KiB by default): updates moved in 1 MiB fragments cross two network namespaces at
+  // about 1.45 times the rate (bench/RESULTS.md). A value the environment sets is kept.
+  if (!process_environment().contains(kSegmentVariable)) {
+    (void)ucp_config_modify(config, "RX_SEG_SIZE", std::to_string(kDefaultSegmentBytes).c_str());
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -6,6 +6,8 @@ namespace weightstream::transfer::ucx {
 
 bool compiled() noexcept { return false; }
 std::string library_version() { return {}; }
+uint64_t receive_segment_bytes() { return 0; }
+void check_receive_segments(uint64_t, const std::string&) {}
 std::string_view path_name(Path path) noexcept { return path == Path::kRma ? "rma" : "rendezvous"; }
 Secret random_secret() { return {}; }
 

@@ -95,11 +95,11 @@ class Server:
         self.stop()
 
 
-def pull(namespace, uri, output, *flags, token=TOKEN):
+def pull(namespace, uri, output, *flags, token=TOKEN, env=ENV):
     return subprocess.run(
         ["ip", "netns", "exec", namespace, CLI, "export", uri, str(output), "--json", "--token-stdin", "--no-progress",
          "--peer-timeout", "20", *flags],
-        input=token + "\n", capture_output=True, text=True, env=ENV, timeout=300)
+        input=token + "\n", capture_output=True, text=True, env=env, timeout=300)
 
 
 def digests(path):
@@ -205,7 +205,7 @@ def manifest_of(namespace, address):
         "host, port = sys.argv[1].rsplit(':', 1)\n"
         "s = socket.create_connection((host, int(port)), timeout=20)\n"
         "body = json.dumps({'token': sys.argv[2]}).encode()\n"
-        "s.sendall(struct.pack('<IHHQ', 0x45505357, 2, 1, len(body)) + body)\n"
+        "s.sendall(struct.pack('<IHHQ', 0x45505357, 3, 1, len(body)) + body)\n"
         "def exact(n):\n"
         "    data = b''\n"
         "    while len(data) < n:\n"
@@ -384,9 +384,15 @@ def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namesp
              "--bucket-size", "1MiB", "--token-stdin", "--no-progress", "--json"],
             input=TOKEN + "\n", capture_output=True, text=True, env=dict(ENV, WEIGHTSTREAM_UCX_PATH=path), timeout=120)
         assert sender.returncode == 0, sender.stderr
-        # tcp has no native RMA: auto sends the buckets as rendezvous messages; rma forces puts.
-        [taken] = json.loads(sender.stdout)["paths"]
+        # tcp has no native RMA: auto sends the buckets as rendezvous messages, its large
+        # tensors received straight into their parameters; rma forces puts into the buffer.
+        sent = json.loads(sender.stdout)
+        [taken] = sent["paths"]
         assert taken.startswith(("rendezvous" if path == "auto" else "rma") + " (tcp/"), taken
+        if path == "auto":
+            assert 0 < sent["placed_bytes"] < sent["bytes"], sent
+        else:
+            assert sent["placed_bytes"] == 0, sent
         audit.wait(timeout=120)
         out, err = audit.stdout.read(), audit.stderr.read()
     finally:
@@ -399,6 +405,40 @@ def test_a_pushed_update_crosses_the_namespaces_over_ucx_and_audits_clean(namesp
     assert report["compared"] > 10 and report["mismatched"] == 0
     assert report["address_changes"] == 0 and report["model_hook_runs_per_load"] == 1
     assert TOKEN not in out + err + sender.stdout + sender.stderr
+
+
+def test_ends_whose_ucx_segments_differ_are_refused_before_a_byte_moves(namespaces, llama, tmp_path):
+    """UCX's tcp sends a rendezvous message in fragments of the sender's receive segment, and
+    UCX 1.13 aborts a process sent fragments larger than its own: a pull from a server, and an
+    update into a receiver, whose UCX_TCP_RX_SEG_SIZE differs from this end's are refused by
+    name before their endpoints connect (weightstream's default is 1m)."""
+    server_ns, puller_ns = namespaces
+    small = dict(ENV, UCX_TCP_RX_SEG_SIZE="64k")
+    with Server(server_ns, llama) as server:
+        result = pull(puller_ns, f"peer://{server.address}", tmp_path / "out.safetensors", env=small)
+        assert server.process.poll() is None  # the server lives on
+    assert result.returncode == 1, result.stderr
+    assert (f"peer {server.address} receives UCX tcp segments of 1048576 bytes and this process 65536: UCX aborts "
+            "a process sent fragments larger than its segments, so both ends need the same UCX_TCP_RX_SEG_SIZE") \
+        in result.stderr
+    audit = subprocess.Popen(
+        ["ip", "netns", "exec", server_ns, CLI, "audit", str(llama), "--via", "ucx", "--listen", f"{SERVER_ADDRESS}:0",
+         "--await-sender", "--token-stdin", "--no-progress"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=small)
+    audit.stdin.write(TOKEN + "\n")
+    audit.stdin.close()
+    try:
+        match = re.search(r"awaiting a sender at (\S+)", audit.stderr.readline())
+        assert match
+        sender = subprocess.run(
+            ["ip", "netns", "exec", puller_ns, CLI, "send", str(llama), "--to", match.group(1), "--via", "ucx",
+             "--token-stdin", "--no-progress"],
+            input=TOKEN + "\n", capture_output=True, text=True, env=ENV, timeout=120)
+    finally:
+        audit.kill()
+        audit.wait()
+    assert sender.returncode == 1, sender.stderr
+    assert "receives UCX tcp segments of 65536 bytes and this process 1048576" in sender.stderr
 
 
 def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):

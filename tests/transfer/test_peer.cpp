@@ -4,6 +4,7 @@
 // a server that goes away between the manifest and the reads. The cross-namespace runs of
 // the command are in tests/python/test_peers.py.
 #include <gmock/gmock.h>
+#include <stdlib.h>
 #include <gtest/gtest.h>
 
 #include "support/test_support.hpp"
@@ -375,6 +376,40 @@ TEST(ParameterDigest, HashedInStepsWithTheWorkerTurnedBetweenEqualsOneCall) {
   EXPECT_NE(digester.digest(bytes.data(), Device{}, bytes.size(), [] {}), whole);
   EXPECT_EQ(digester.digest(bytes.data(), Device{}, 0, [&] { ++turns; }), digester.digest(bytes.data(), Device{}, 0));
   EXPECT_EQ(turns, 3);
+}
+
+TEST(UcxSegments, TheEnvironmentsSizeIsReadAsUcxReadsItAndEndsThatDifferAreRefused) {
+  if (!transfer::ucx::compiled()) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
+  // Restores the variable as it was (ctest runs without it).
+  struct Restore {
+    std::optional<std::string> was;
+    Restore() {
+      if (const char* value = std::getenv("UCX_TCP_RX_SEG_SIZE")) was = value;
+    }
+    ~Restore() {
+      if (was) {
+        ::setenv("UCX_TCP_RX_SEG_SIZE", was->c_str(), 1);
+      } else {
+        ::unsetenv("UCX_TCP_RX_SEG_SIZE");
+      }
+    }
+  } restore;
+  ::unsetenv("UCX_TCP_RX_SEG_SIZE");
+  EXPECT_EQ(transfer::ucx::receive_segment_bytes(), 1u << 20);  // weightstream's default
+  for (const auto& [text, bytes] : std::vector<std::pair<std::string, uint64_t>>{
+           {"65536", 65536}, {"64k", 65536}, {"64K", 65536}, {"2M", 2u << 20}, {"1mb", 1u << 20}, {"1g", 1ull << 30}}) {
+    ::setenv("UCX_TCP_RX_SEG_SIZE", text.c_str(), 1);
+    EXPECT_EQ(transfer::ucx::receive_segment_bytes(), bytes) << text;
+  }
+  ::setenv("UCX_TCP_RX_SEG_SIZE", "64q", 1);
+  EXPECT_THAT(error_text([] { transfer::ucx::receive_segment_bytes(); }),
+              HasSubstr("config: UCX_TCP_RX_SEG_SIZE=64q is not a size UCX reads"));
+  ::setenv("UCX_TCP_RX_SEG_SIZE", "64k", 1);
+  EXPECT_NO_THROW(transfer::ucx::check_receive_segments(65536, "peer 192.0.2.1:7000"));
+  EXPECT_THAT(error_text([] { transfer::ucx::check_receive_segments(1u << 20, "peer 192.0.2.1:7000"); }),
+              HasSubstr("config: peer 192.0.2.1:7000 receives UCX tcp segments of 1048576 bytes and this process "
+                        "65536: UCX aborts a process sent fragments larger than its segments, so both ends need the "
+                        "same UCX_TCP_RX_SEG_SIZE"));
 }
 
 TEST_F(PeerTest, PeerUrisAreParsed) {
