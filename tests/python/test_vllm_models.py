@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -66,12 +67,21 @@ def peer_id(family, tp, ep):
 
 
 def free_ports(count) -> int:
-    """A port P with P to P + count - 1 free on loopback now (the peer servers' ports)."""
+    """A port P with P to P + count - 1 free on loopback now (the peer servers' ports), below
+    the kernel's ephemeral range: the scenario binds them minutes later, and by then a port the
+    kernel hands out (a gloo or UCX connection's) may hold one (a run failed so: "cannot listen
+    on 127.0.0.1:53098: Address already in use")."""
+    lowest_ephemeral = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            lowest_ephemeral = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
     while True:
-        base = free_port()
+        base = random.randrange(10000, max(10001, lowest_ephemeral - count))
         probes = []
         try:
-            for offset in range(1, count):
+            for offset in range(count):
                 probe = socket.socket()
                 probes.append(probe)
                 probe.bind(("127.0.0.1", base + offset))
