@@ -188,7 +188,9 @@ struct UpdateReceiver::State {
 
   /// How the session writes layers: as their tensors arrive where the transport lands
   /// bucket bytes straight in the parameters (ucx), whole layers otherwise.
-  LayerCommit commit() const { return transport && transport->places() ? LayerCommit::kAsArrived : LayerCommit::kWholeLayer; }
+  LayerCommit commit() const {
+    return transport && transport->places() ? LayerCommit::kAsArrived : LayerCommit::kWholeLayer;
+  }
 
   /// Prepares the next update of the connection ahead of its START, when an update in some
   /// format ran before; a failure here is left for that update to meet and report.
@@ -481,6 +483,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   uint64_t placed_bytes = 0;  // bucket bytes that landed straight in their parameters
   uint32_t regions_open = 0;  // regions the sender shared in this update
   UpdatePhases phases;
+  placing_layers.clear();
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
   auto last_bucket_text = [&] {

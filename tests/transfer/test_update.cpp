@@ -606,6 +606,18 @@ TEST(DeadSender, OverUcxKilledMidUpdateNamesTheLayersWrittenInPart) {
   for (const Parameter& parameter : model.layout.parameters()) {
     if (parameter.layer == 0) EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name));
   }
+  // The next sender's update fails at its first bucket's checks: no layer is written, and
+  // none of the failed update's is reported again.
+  std::vector<int64_t> shape = {4, 4};
+  std::vector<std::byte> junk(32);
+  auto refused = send_async(receiver.address(), sender_options(TransportKind::kUcx),
+                            {TensorView{"model.layers.1.self_attn.rotary_blob", Dtype::kBF16, shape, junk.data(),
+                                        Device{}, 0, 32}});
+  std::string second = error_text([&] { receiver.receive(10s); });
+  EXPECT_THAT(error_text([&] { refused.get(); }), HasSubstr("rotary_blob"));
+  EXPECT_THAT(second, HasSubstr("matches no parameter of"));
+  EXPECT_THAT(second, HasSubstr("layers completed and applied before the failure: none; layers written in part "
+                                "(over ucx, tensors land in their parameters as they arrive): none;"));
   run_load(model.layout, LoadMode::kReload, {checkpoint_of(2).views()});  // a reload restores a consistent model
   EXPECT_EQ(compare_layouts(model.layout, new_values).mismatched, 0u);
   EXPECT_EQ(storage_addresses(model.layout), model.addresses);
