@@ -264,7 +264,7 @@ class UcxSender final : public SenderTransport {
     std::byte* destination = buffers_[slot].data() + offset;
     // A large piece travels as messages of its own, so that a receiver may land it where it
     // belongs (a message spanning several pieces lands in the receiver's buffer).
-    if (bytes >= kInPlaceMinimum) own_messages_[slot].push_back({offset, bytes, destination});
+    if (bytes >= kInPlaceMinimum) own_messages_[slot].push_back({offset, bytes, destination, nullptr});
     if (source_device.is_cuda()) {
       copy_bytes(destination, kHost, source, source_device, bytes);
       return;
@@ -284,8 +284,7 @@ class UcxSender final : public SenderTransport {
     for (const Target& target : targets_) {
       if (target.endpoint->path() != ucx::Path::kRendezvous) return false;
     }
-    in_place_[slot].push_back({offset, bytes, source, std::move(keepalive)});
-    own_messages_[slot].push_back({offset, bytes, source});
+    own_messages_[slot].push_back({offset, bytes, source, std::move(keepalive)});
     (void)progress();  // the bucket before moves on while this one is gathered
     return true;
   }
@@ -316,9 +315,8 @@ class UcxSender final : public SenderTransport {
       sent = piece.offset + piece.bytes;
     }
     if (bytes > sent) send(sent, buffers_[slot].data() + sent, bytes - sent, buffer_registration);
+    moving_ = std::move(own);  // what lies outside the buffer is kept until the bucket has landed (drain)
     own.clear();
-    moving_in_place_ = std::move(in_place_[slot]);  // kept until the bucket has landed (drain)
-    in_place_[slot].clear();
   }
   void drain(std::span<Connection* const> connections, std::chrono::milliseconds timeout) override {
     if (!pending_) return;
@@ -339,7 +337,7 @@ class UcxSender final : public SenderTransport {
         target.endpoint->flush(timeout);
       });
     }
-    moving_in_place_.clear();  // every receiver holds the bucket: its in-place pieces may go
+    moving_.clear();  // every receiver holds the bucket: its in-place pieces may go
   }
   std::vector<std::string> paths() const override {
     std::vector<std::string> names;
@@ -356,19 +354,13 @@ class UcxSender final : public SenderTransport {
     uint32_t keys[3] = {0, 0, 0};
     uint64_t counts[2] = {0, 0};
   };
-  /// A piece of a bucket sent as messages of its own: from where it lies (take_in_place) or
-  /// from the buffer (a large fill).
+  /// A large piece of a bucket, sent as messages of its own: from where it lies
+  /// (take_in_place, kept alive by `keepalive`) or from the buffer (a large fill).
   struct OwnMessages {
     uint64_t offset = 0;  ///< in the bucket
     uint64_t bytes = 0;
     const std::byte* source = nullptr;
-  };
-  /// A piece of a bucket sent from where it lies (take_in_place).
-  struct InPlace {
-    uint64_t offset = 0;  ///< in the bucket
-    uint64_t bytes = 0;
-    const std::byte* source = nullptr;
-    std::shared_ptr<const void> keepalive;
+    std::shared_ptr<const void> keepalive;  ///< null for a fill
   };
   /// Starts `length` bytes at `source` towards every receiver as bytes [offset, offset +
   /// length) of its buffer `slot`.
@@ -407,9 +399,8 @@ class UcxSender final : public SenderTransport {
     }
   }
   // Declared first, so the pieces they keep outlive every endpoint that may still read them.
-  std::vector<InPlace> in_place_[2];     // pieces of the bucket being gathered in each buffer
-  std::vector<InPlace> moving_in_place_;  // those of the bucket push() started, until drain()
-  std::vector<OwnMessages> own_messages_[2];  // the large pieces of the bucket in each buffer
+  std::vector<OwnMessages> own_messages_[2];  // the large pieces of the bucket gathered in each buffer
+  std::vector<OwnMessages> moving_;           // those of the bucket push() started, until drain()
   uint64_t buckets_pushed_ = 0;               // push() calls: the bucket being pushed, counted from 1
   Buffer buffers_[2];
   ucx::Worker worker_;

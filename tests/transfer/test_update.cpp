@@ -363,6 +363,19 @@ TEST(SeveralReceivers, ARefusingReceiverIsNamed) {
 
 // ---- manifest validation ------------------------------------------------------------------
 
+/// Layer 1 of `model` holds seed 1's values, layer 0 seed 2's.
+void expect_old_layer1_new_layer0(const LoadedModel& model) {
+  ModelLayout old_values = fresh_layout(1);
+  ModelLayout new_values = fresh_layout(2);
+  for (const Parameter& parameter : model.layout.parameters()) {
+    if (parameter.layer == 1) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(old_values, parameter.name)) << parameter.name;
+    } else if (parameter.layer == 0) {
+      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name)) << parameter.name;
+    }
+  }
+}
+
 /// Runs an update whose tensors are `before`, a flush, then `bad`; returns the receiver's error.
 std::string failed_update(LoadedModel& model, const std::vector<TensorView>& before, const std::vector<TensorView>& bad,
                           TensorFormat format = TensorFormat::kCheckpoint, std::string* sender_error = nullptr,
@@ -536,15 +549,7 @@ TEST(Manifest, OverUcxABadBucketFailsBeforeAnyOfItsBytesLand) {
   EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
   EXPECT_THAT(text, HasSubstr("layers written in part (over ucx, tensors land in their parameters as they arrive): "
                               "none;"));
-  ModelLayout old_values = fresh_layout(1);
-  ModelLayout new_values = fresh_layout(2);
-  for (const Parameter& parameter : model.layout.parameters()) {
-    if (parameter.layer == 1) {
-      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(old_values, parameter.name)) << parameter.name;
-    } else if (parameter.layer == 0) {
-      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name)) << parameter.name;
-    }
-  }
+  expect_old_layer1_new_layer0(model);
 }
 
 /// Layer 0 whole and the first half of layer 1's tensors of the seed-2 checkpoint.
@@ -556,15 +561,8 @@ std::vector<TensorView> partial_update() {
 }
 
 void expect_old_layer1_new_layer0_then_reload_restores(LoadedModel& model) {
-  ModelLayout old_values = fresh_layout(1);
+  expect_old_layer1_new_layer0(model);
   ModelLayout new_values = fresh_layout(2);
-  for (const Parameter& parameter : model.layout.parameters()) {
-    if (parameter.layer == 1) {
-      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(old_values, parameter.name)) << parameter.name;
-    } else if (parameter.layer == 0) {
-      EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name)) << parameter.name;
-    }
-  }
   run_load(model.layout, LoadMode::kReload, {checkpoint_of(2).views()});
   EXPECT_EQ(compare_layouts(model.layout, new_values).mismatched, 0u);
   EXPECT_EQ(storage_addresses(model.layout), model.addresses);
