@@ -249,4 +249,27 @@ uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, 
   return XXH64_digest(state.get());
 }
 
+LandingDigest::LandingDigest(const std::byte* data, uint64_t bytes, uint64_t piece_bytes)
+    : data_(data),
+      bytes_(bytes),
+      piece_bytes_(piece_bytes),
+      landed_((bytes + piece_bytes - 1) / piece_bytes, false),
+      state_(XXH64_createState()) {
+  WS_EXPECT(state_ != nullptr, ErrorCode::kInternal, "cannot allocate an xxh64 state");
+  XXH64_reset(state_.get(), 0);
+}
+
+void LandingDigest::FreeState::operator()(XXH64_state_s* state) const noexcept { XXH64_freeState(state); }
+
+void LandingDigest::landed(size_t index) noexcept {
+  landed_[index] = true;
+  while (hashed_ < landed_.size() && landed_[hashed_]) {
+    const uint64_t offset = hashed_ * piece_bytes_;
+    XXH64_update(state_.get(), data_ + offset, std::min(piece_bytes_, bytes_ - offset));
+    ++hashed_;
+  }
+}
+
+uint64_t LandingDigest::digest() const noexcept { return XXH64_digest(state_.get()); }
+
 }  // namespace weightstream::transfer

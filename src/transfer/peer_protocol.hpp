@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +26,8 @@
 #include "transfer/socket.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/peer.hpp"
+
+struct XXH64_state_s;  // xxhash.h's XXH64_state_t
 
 namespace weightstream::transfer {
 
@@ -68,6 +71,33 @@ class ParameterDigester {
 
  private:
   Buffer scratch_;
+};
+
+/// The xxh64 (seed 0) of bytes that land in host memory in pieces of `piece_bytes`, in any
+/// order: each piece is hashed as it lands, while its bytes are still in the cache, once
+/// every piece in front of it is hashed (one that lands early waits, and is hashed then).
+class LandingDigest {
+ public:
+  LandingDigest(const std::byte* data, uint64_t bytes, uint64_t piece_bytes);
+  /// Piece `index` (bytes [index * piece_bytes, ...)) has landed. Never throws: it runs
+  /// inside UCX's progress, as an Endpoint::Landed.
+  void landed(size_t index) noexcept;
+  /// Pieces hashed so far (a counter for Endpoint::wait_until), and how many there are.
+  const uint64_t& hashed() const noexcept { return hashed_; }
+  uint64_t pieces() const noexcept { return landed_.size(); }
+  /// The digest, once every piece is hashed.
+  uint64_t digest() const noexcept;
+
+ private:
+  const std::byte* data_;
+  uint64_t bytes_;
+  uint64_t piece_bytes_;
+  std::vector<bool> landed_;
+  uint64_t hashed_ = 0;
+  struct FreeState {
+    void operator()(XXH64_state_s* state) const noexcept;
+  };
+  std::unique_ptr<XXH64_state_s, FreeState> state_;
 };
 
 }  // namespace weightstream::transfer

@@ -31,8 +31,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace transfer;
 
-/// Reads are issued in pieces of at most this many bytes, so several are in flight.
+/// Reads into GPU memory are issued in pieces of at most this many bytes, so several are in
+/// flight.
 constexpr uint64_t kReadPieceBytes = 8ull << 20;
+
+/// Reads into host memory are issued in pieces of this many bytes, each hashed as it lands
+/// (LandingDigest): half a UCX tcp receive segment, so a piece arrives whole in one segment
+/// and is still in this core's cache when its Landed runs. Pieces of 1 MiB or 8 MiB were
+/// hashed from memory instead, 256 KiB pieces cost more in messages than they saved
+/// (bench/RESULTS.md).
+constexpr uint64_t kHostReadPieceBytes = 512ull << 10;
 
 /// Parameters read in place run this far ahead of the one being checked against its digest,
 /// so that hashing one overlaps the transfer of the next ones.
@@ -279,33 +287,49 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
   }
 
+  // Ends the reads still in flight when a scope is left by an exception: they land in
+  // memory, and run Landed callbacks on digests, that the scope is about to free.
+  struct CancelOnError {
+    std::vector<State::Link>& links;
+    int exceptions = std::uncaught_exceptions();
+    ~CancelOnError() {
+      if (std::uncaught_exceptions() > exceptions) {
+        for (State::Link& link : links) link.endpoint->cancel();
+      }
+    }
+  };
   auto wait_all = [&] {
     for (State::Link& link : state.links) link.endpoint->wait(timeout);
   };
   bool paused = false;
+  // Reads a served parameter whole into `destination`: into host memory hashed as it lands
+  // (`digest`), into GPU memory counted in `landed_bytes`.
   auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory,
-                        uint64_t* landed = nullptr) {
+                        LandingDigest* digest, uint64_t* landed_bytes) {
     if (!paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes) {
       paused = true;
       wait_all();  // what was read so far has landed: the pause falls between two parameters
       if (state.options.on_pause) state.options.on_pause();
     }
     const PeerParameter& parameter = link.manifest.parameters[served];
-    for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
-      link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served],
-                         std::min(kReadPieceBytes, parameter.bytes - done), timeout, memory, landed);
+    const uint64_t piece_bytes = digest != nullptr ? kHostReadPieceBytes : kReadPieceBytes;
+    for (uint64_t done = 0, piece = 0; done < parameter.bytes; done += piece_bytes, ++piece) {
+      const uint64_t bytes = std::min(piece_bytes, parameter.bytes - done);
+      ucx::Endpoint::Landed landed = [digest, piece] { digest->landed(piece); };
+      if (digest == nullptr) landed = [landed_bytes, bytes] { *landed_bytes += bytes; };
+      link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served], bytes, timeout, memory,
+                         std::move(landed));
     }
     report.bytes_from_peers += parameter.bytes;
   };
   ParameterDigester digester;
-  // Reads ahead keep landing while a parameter is hashed: UCX moves bytes over tcp only while
-  // this process turns its worker.
+  // Reads ahead keep landing while a GPU parameter is hashed: UCX moves bytes over tcp only
+  // while this process turns its worker.
   auto turn_workers = [&] {
     for (State::Link& link : state.links) link.endpoint->progress();
   };
-  auto check_digest = [&](const State::Link& link, size_t served, const std::byte* bytes, const Device& device) {
+  auto check_digest = [&](const State::Link& link, size_t served, uint64_t digest) {
     const PeerParameter& parameter = link.manifest.parameters[served];
-    const uint64_t digest = digester.digest(bytes, device, parameter.bytes, turn_workers);
     if (digest != parameter.xxh64) {
       char text[96];
       std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",
@@ -333,31 +357,35 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
     // Each parameter is checked as soon as it has landed, while the reads of the next ones
     // (up to kReadAheadBytes) are in flight.
-    std::vector<uint64_t> landed(directs.size(), 0);
+    std::vector<std::unique_ptr<LandingDigest>> digests(directs.size());  // host parameters in flight
+    std::vector<uint64_t> landed_bytes(directs.size(), 0);                 // GPU parameters
     size_t issued = 0;
     uint64_t ahead = 0;
-    // A digest that fails leaves later reads in flight, into the layout and `landed`.
-    struct CancelOnError {
-      std::vector<State::Link>& links;
-      int exceptions = std::uncaught_exceptions();
-      ~CancelOnError() {
-        if (std::uncaught_exceptions() > exceptions) {
-          for (State::Link& link : links) link.endpoint->cancel();
-        }
-      }
-    } cancel_on_error{state.links};
+    // A digest that fails leaves later reads in flight, into the layout, `digests` and
+    // `landed_bytes`.
+    CancelOnError cancel_on_error{state.links};
     for (size_t checked = 0; checked < directs.size(); ++checked) {
       while (issued < directs.size() && (issued == checked || ahead < kReadAheadBytes)) {
         const Direct& direct = directs[issued];
-        read_whole(state.links[direct.link], direct.served, layout.parameters()[direct.parameter].data, direct_memory,
-                   &landed[issued]);
-        ahead += layout.parameters()[direct.parameter].bytes();
+        const Parameter& parameter = layout.parameters()[direct.parameter];
+        if (!gpu_direct) digests[issued] = std::make_unique<LandingDigest>(parameter.data, parameter.bytes(), kHostReadPieceBytes);
+        read_whole(state.links[direct.link], direct.served, parameter.data, direct_memory, digests[issued].get(),
+                   &landed_bytes[issued]);
+        ahead += parameter.bytes();
         ++issued;
       }
       const Direct& direct = directs[checked];
       const Parameter& parameter = layout.parameters()[direct.parameter];
-      state.links[direct.link].endpoint->wait_until(landed[checked], parameter.bytes(), timeout);
-      check_digest(state.links[direct.link], direct.served, parameter.data, layout.device());
+      ucx::Endpoint& endpoint = *state.links[direct.link].endpoint;
+      if (const std::unique_ptr<LandingDigest>& digest = digests[checked]) {
+        endpoint.wait_until(digest->hashed(), digest->pieces(), timeout);
+        check_digest(state.links[direct.link], direct.served, digest->digest());
+        digests[checked].reset();
+      } else {
+        endpoint.wait_until(landed_bytes[checked], parameter.bytes(), timeout);
+        check_digest(state.links[direct.link], direct.served,
+                     digester.digest(parameter.data, layout.device(), parameter.bytes(), turn_workers));
+      }
       ahead -= parameter.bytes();
     }
     wait_all();
@@ -454,7 +482,12 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
 
   // Batches of assemblies whose staging fits the memory limit (at least one each).
   for (size_t first = 0; first < assemblies.size();) {
-    std::map<std::pair<size_t, size_t>, std::unique_ptr<std::byte[]>> staged;
+    struct Staged {
+      std::unique_ptr<std::byte[]> bytes;
+      std::unique_ptr<LandingDigest> digest;
+    };
+    std::map<std::pair<size_t, size_t>, Staged> staged;
+    CancelOnError cancel_on_error{state.links};
     uint64_t staging = 0;
     size_t end = first;
     while (end < assemblies.size()) {
@@ -470,16 +503,17 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       }
       if (end > first && staging + more > state.options.memory_limit) break;
       staging += more;
-      for (auto key : fresh) staged.emplace(key, nullptr);
+      for (auto key : fresh) staged.emplace(key, Staged{});
       ++end;
     }
     for (auto& [key, buffer] : staged) {
       const PeerParameter& served = state.links[key.first].manifest.parameters[key.second];
-      buffer.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
-      read_whole(state.links[key.first], key.second, buffer.get(), ucx::Memory::kHost);
+      buffer.bytes.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
+      buffer.digest = std::make_unique<LandingDigest>(buffer.bytes.get(), served.bytes, kHostReadPieceBytes);
+      read_whole(state.links[key.first], key.second, buffer.bytes.get(), ucx::Memory::kHost, buffer.digest.get(), nullptr);
     }
     wait_all();
-    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.get(), Device{});
+    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.digest->digest());
     std::vector<std::unique_ptr<std::byte[]>> rows_held;
     std::vector<TensorView> views;
     for (size_t a = first; a < end; ++a) {
@@ -491,7 +525,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       const uint64_t bytes = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * row_bytes;
       auto& rows = rows_held.emplace_back(new std::byte[std::max<uint64_t>(bytes, 1)]);
       for (const Piece& piece : assembly.pieces) {
-        const std::byte* source = staged.at({piece.link, piece.served}).get();
+        const std::byte* source = staged.at({piece.link, piece.served}).bytes.get();
         const ParameterPart& part = *piece.part;
         const uint64_t width = static_cast<uint64_t>(piece.rect.column_end - piece.rect.column_begin) * size;
         if (part.column_begin == 0 && part.columns == columns && piece.rect.column_begin == 0 &&

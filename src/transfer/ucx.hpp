@@ -28,9 +28,9 @@
 // sending) side issues its operations and waits for them on its own thread.
 #include <array>
 #include <chrono>
-#include <functional>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -114,21 +114,23 @@ class Endpoint {
   Path path() const noexcept;
   /// The transports of its lanes as UCX selected them ("tcp/eth0"), for reports.
   const std::string& transports() const noexcept;
+  /// Runs once a read has landed whole, inside the worker's progress (a later get(),
+  /// wait(), wait_until() or progress()), right after UCX wrote its last bytes: while they
+  /// are still in this core's cache. Never for a read that failed or was cancelled. It must
+  /// not throw.
+  using Landed = std::function<void()>;
   /// Queues a read of `bytes` at the peer's `remote_address` (inside the memory of key
   /// `key`) into `destination`: a ucp_get_nbx on kRma, a tagged receive plus a send request
   /// on kRendezvous (the peer answers from registered memory only; a range outside it fails
   /// the read at wait()). Waits first when too many reads are in flight.
-  /// When `landed_bytes` is not null, `bytes` is added to it once this read has landed
-  /// (seen by wait(), wait_until() or a later get()).
   void get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost,
-           uint64_t* landed_bytes = nullptr);
-  /// Cancels every queued operation, without waiting for the peer; the counters given to
-  /// get() are not touched again. For a caller that gives up (an error of its own) before
-  /// the destinations and counters go away.
+           std::chrono::milliseconds timeout, Memory destination_memory = Memory::kHost, Landed landed = {});
+  /// Cancels every queued operation, without waiting for the peer; no Landed given to get()
+  /// runs again. For a caller that gives up (an error of its own) before the destinations
+  /// and what its Landed callbacks touch go away.
   void cancel() noexcept;
-  /// Waits until `counter` (a get()'s landed_bytes) reaches `value`, with wait()'s errors;
-  /// reads issued after it stay in flight.
+  /// Waits until `counter` (which get()'s Landed callbacks advance) reaches `value`, with
+  /// wait()'s errors; reads issued after it stay in flight.
   void wait_until(const uint64_t& counter, uint64_t value, std::chrono::milliseconds timeout);
   /// Queues a one-sided write (kRma) of `bytes` from `source` (which stays unchanged until
   /// wait() or flush() returns) to the peer's `remote_address`.

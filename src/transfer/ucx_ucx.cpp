@@ -554,13 +554,23 @@ struct Endpoint::State {
   Secret secret{};
   uint64_t* next_tag = nullptr;  // the worker's
   std::vector<ucp_rkey_h> keys;
+  /// What a read's completion callback reads: at a stable address while UCX holds the read.
+  struct Completion {
+    Landed landed;
+    uint64_t bytes = 0;
+    bool abandoned = false;  // cancelled by its owner, who may be gone
+
+    void ended(ucs_status_t status, uint64_t length) const {
+      if (status == UCS_OK && length == bytes && !abandoned && landed) landed();
+    }
+  };
   struct InFlight {
     void* request = nullptr;
     bool receive = false;  // a tagged receive of `bytes` (a rendezvous read)
     uint64_t bytes = 0;
     uint64_t remote_address = 0;
-    std::unique_ptr<std::byte[]> header;  // an active message's header, read by UCX until it ends (UCX 1.13)
-    uint64_t* landed = nullptr;           // a read's counter of bytes landed (get())
+    std::unique_ptr<std::byte[]> header;     // an active message's header, read by UCX until it ends (UCX 1.13)
+    std::unique_ptr<Completion> completion;  // a read's Landed (get())
   };
   std::vector<InFlight> in_flight;
   ucs_status_t failure = UCS_OK;  // set by the error handler (the peer died or reset)
@@ -590,7 +600,6 @@ struct Endpoint::State {
                   " bytes asked for at remote address " + std::to_string(operation.remote_address) +
                   " (a range outside the memory it serves)";
       }
-      if (status == UCS_OK && operation.landed != nullptr) *operation.landed += operation.bytes;
       ucp_request_free(operation.request);
       ended = true;
       return true;
@@ -643,7 +652,7 @@ struct Endpoint::State {
 
   void cancel_all() {
     for (InFlight& operation : in_flight) {
-      operation.landed = nullptr;  // its owner is giving up on it, and may be gone
+      if (operation.completion) operation.completion->abandoned = true;  // its owner is giving up on it
       ucp_request_cancel(worker, operation.request);
     }
     auto until = Clock::now() + std::chrono::seconds(2);
@@ -654,7 +663,8 @@ struct Endpoint::State {
     // Requests UCX did not end in time stay with it; they are freed, not waited for.
     for (InFlight& operation : in_flight) {
       ucp_request_free(operation.request);
-      (void)operation.header.release();  // UCX may still read it: leaked, not freed under it
+      (void)operation.header.release();  // UCX may still read them: leaked, not freed under it
+      (void)operation.completion.release();
     }
     in_flight.clear();
   }
@@ -664,10 +674,7 @@ struct Endpoint::State {
   }
 
   void track(ucs_status_ptr_t request, InFlight operation, std::chrono::milliseconds timeout, const std::string& peer) {
-    if (request == nullptr) {  // ended at once
-      if (operation.landed != nullptr) *operation.landed += operation.bytes;
-      return;
-    }
+    if (request == nullptr) return;  // ended at once (never a read: they ask for a callback)
     operation.request = request;
     in_flight.push_back(std::move(operation));
     if (in_flight.size() >= kMaxReadsInFlight) drain(kMaxReadsInFlight / 2, timeout, peer);
@@ -708,16 +715,24 @@ uint32_t Endpoint::add_remote_key(std::span<const std::byte> packed) {
 }
 
 void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key, uint64_t bytes,
-                   std::chrono::milliseconds timeout, Memory destination_memory, uint64_t* landed_bytes) {
+                   std::chrono::milliseconds timeout, Memory destination_memory, Landed landed) {
   State& state = *state_;
   if (bytes == 0) return;
   state.check_alive(peer_);
+  // Every read ends in its callback (never at once), which runs Landed where UCX finished it.
+  auto completion = std::make_unique<State::Completion>(State::Completion{std::move(landed), bytes});
   ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  param.user_data = completion.get();
   if (destination_memory == Memory::kCuda) {
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     param.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
   if (state.path == Path::kRma) {
+    param.cb.send = [](void*, ucs_status_t status, void* user) {
+      const auto* read = static_cast<const State::Completion*>(user);
+      read->ended(status, read->bytes);
+    };
     WS_EXPECT(key < state.keys.size(), ErrorCode::kInternal, "UCX read with an unknown remote key");
     ucs_status_ptr_t request = ucp_get_nbx(state.ep, destination, bytes, remote_address, state.keys[key], &param);
     if (UCS_PTR_IS_ERR(request)) {
@@ -726,9 +741,13 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
                peer_ + " (ucp_get_nbx)",
            UCS_PTR_STATUS(request));
     }
-    state.track(request, State::InFlight{nullptr, false, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
+    state.track(request, State::InFlight{nullptr, false, bytes, remote_address, nullptr, std::move(completion)}, timeout,
+                peer_);
     return;
   }
+  param.cb.recv = [](void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+    static_cast<const State::Completion*>(user)->ended(status, info->length);
+  };
   // Rendezvous: the receive is posted before the request leaves, so the answer always
   // finds it (never an unexpected message buffered by UCX).
   const uint64_t tag = (*state.next_tag)++;
@@ -737,7 +756,8 @@ void Endpoint::get(std::byte* destination, uint64_t remote_address, uint32_t key
     fail(ErrorCode::kNetwork, "posting a receive of " + std::to_string(bytes) + " bytes from " + peer_ + " (ucp_tag_recv_nbx)",
          UCS_PTR_STATUS(receive));
   }
-  state.track(receive, State::InFlight{nullptr, true, bytes, remote_address, nullptr, landed_bytes}, timeout, peer_);
+  state.track(receive, State::InFlight{nullptr, true, bytes, remote_address, nullptr, std::move(completion)}, timeout,
+              peer_);
   auto header = std::make_unique<std::byte[]>(sizeof(SendRequest));
   const SendRequest request{state.secret, remote_address, bytes, tag};
   std::memcpy(header.get(), &request, sizeof(request));

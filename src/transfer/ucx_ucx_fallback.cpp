@@ -21,7 +21,7 @@ Endpoint::~Endpoint() = default;
 Path Endpoint::path() const noexcept { return Path::kRma; }
 const std::string& Endpoint::transports() const noexcept { return state_->transports; }
 uint32_t Endpoint::add_remote_key(std::span<const std::byte>) { return 0; }
-void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds, Memory, uint64_t*) {}
+void Endpoint::get(std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds, Memory, Landed) {}
 void Endpoint::cancel() noexcept {}
 void Endpoint::wait_until(const uint64_t&, uint64_t, std::chrono::milliseconds) {}
 void Endpoint::progress() {}

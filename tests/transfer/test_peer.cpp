@@ -378,6 +378,31 @@ TEST(ParameterDigest, HashedInStepsWithTheWorkerTurnedBetweenEqualsOneCall) {
   EXPECT_EQ(turns, 3);
 }
 
+TEST(LandingDigest, PiecesLandingInAnyOrderGiveTheDigestOfTheWhole) {
+  // A pull hashes each host piece as it lands; one that lands early waits for those in front.
+  std::vector<std::byte> bytes((5ull << 10) + 77);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  transfer::ParameterDigester digester;
+  const uint64_t whole = digester.digest(bytes.data(), Device{}, bytes.size());
+  transfer::LandingDigest digest(bytes.data(), bytes.size(), 1024);
+  ASSERT_EQ(digest.pieces(), 6u);  // 5 whole pieces and 77 bytes
+  for (size_t piece : {5, 3, 4, 1}) digest.landed(piece);
+  EXPECT_EQ(digest.hashed(), 0u);  // piece 0 has not landed: nothing in order yet
+  digest.landed(0);
+  EXPECT_EQ(digest.hashed(), 2u);  // 0 and 1; piece 2 is missing
+  digest.landed(2);
+  EXPECT_EQ(digest.hashed(), 6u);
+  EXPECT_EQ(digest.digest(), whole);
+
+  bytes[4000] ^= std::byte{1};
+  transfer::LandingDigest changed(bytes.data(), bytes.size(), 1024);
+  for (size_t piece = 0; piece < changed.pieces(); ++piece) changed.landed(piece);
+  EXPECT_NE(changed.digest(), whole);
+  transfer::LandingDigest empty(bytes.data(), 0, 1024);
+  EXPECT_EQ(empty.pieces(), 0u);
+  EXPECT_EQ(empty.digest(), digester.digest(bytes.data(), Device{}, 0));
+}
+
 TEST(UcxSegments, TheEnvironmentsSizeIsReadAsUcxReadsItAndEndsThatDifferAreRefused) {
   if (!transfer::ucx::compiled()) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
   // Restores the variable as it was (ctest runs without it).
