@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Peers across two network namespaces (issue 31): a peer pull of one rank and pushed
 updates over UCX, against UCX's own ucx_perftest (tag_bw and ucp_get at the same message
-size) and against the home-made TCP update transport, all between the same namespaces in
-one run. The pull and the UCX update run twice: as the library picks (over tcp, rendezvous
+size: the pull's host read piece, 512 KiB, for the pull rows; the update's piece, 8 MiB, for
+the update rows) and against the home-made TCP update transport, all between the same
+namespaces in one run. The pull and the UCX update run twice: as the library picks (over tcp, rendezvous
 messages: the server's tagged sends, the sender's active messages) and forced to one-sided
 get/put (WEIGHTSTREAM_UCX_PATH=rma), so both paths are measured in one run; ucx_perftest's
 ucp_am_bw is shown beside the update. Each update row runs --updates updates from one
@@ -65,6 +66,10 @@ def busy_core_seconds():
 CPU = {}  # row -> [busy core-seconds, bytes] summed over its runs: what a GB costs this machine's cores
 
 
+def size_text(size):
+    return f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size >> 10} KiB"
+
+
 def count_cpu(row, seconds, size):
     spent = CPU.setdefault(row, [0.0, 0])
     spent[0] += seconds
@@ -89,7 +94,7 @@ def perftest(ns, test, message_bytes, iterations, env, port):
         busy = busy_core_seconds()
         out = run("ip", "netns", "exec", ns.puller, "ucx_perftest", SERVER, "-p", str(port), "-t", test, "-s",
                   str(message_bytes), "-n", str(iterations), env=env, timeout=300).stdout
-        count_cpu(f"ucx_perftest {test}", busy_core_seconds() - busy, message_bytes * iterations)
+        count_cpu(f"ucx_perftest {test}, {size_text(message_bytes)}", busy_core_seconds() - busy, message_bytes * iterations)
     finally:
         server.wait(timeout=60)
     final = [line for line in out.splitlines() if line.startswith("Final:")][-1].split()
@@ -147,7 +152,10 @@ def main():
     parser.add_argument("--checkpoint", default="/tmp/weightstream-peer-bench")
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--message-size", type=int, default=8 << 20, help="ucx_perftest -s: the pull's read size (8 MiB)")
+    parser.add_argument("--pull-message-size", type=int, default=512 << 10,
+                        help="ucx_perftest -s for the pull rows: the pull's read piece into host memory (512 KiB)")
+    parser.add_argument("--update-message-size", type=int, default=8 << 20,
+                        help="ucx_perftest -s for the update rows: the ucx update's piece (8 MiB)")
     parser.add_argument("--tls", default="tcp", help="UCX_TLS for every UCX row: tcp (default) or auto")
     parser.add_argument("--bucket-size", default="64MiB")
     parser.add_argument("--updates", type=int, default=4,
@@ -163,14 +171,13 @@ def main():
     rows = {}
     phases = {}  # per update row: each run's update_phases
     try:
-        total = args.size
-        iterations = max(16, (4 << 30) // args.message_size)  # 4 GiB: the CPU counts see little of the start
-        rows["ucx_perftest tag_bw"] = [perftest(ns, "tag_bw", args.message_size, iterations, env, 13400 + i)
-                                       for i in range(args.repeat)]
-        rows["ucx_perftest ucp_get"] = [perftest(ns, "ucp_get", args.message_size, iterations, env, 13500 + i)
-                                        for i in range(args.repeat)]
-        rows["ucx_perftest ucp_am_bw"] = [perftest(ns, "ucp_am_bw", args.message_size, iterations, env, 13600 + i)
-                                          for i in range(args.repeat)]
+        port = 13400
+        for kind, size in (("pull", args.pull_message_size), ("update", args.update_message_size)):
+            iterations = max(16, (4 << 30) // size)  # 4 GiB: the CPU counts see little of the start
+            for test in ("tag_bw", "ucp_get") + (("ucp_am_bw",) if kind == "update" else ()):
+                rows[f"ucx_perftest {test}, {size_text(size)}"] = [
+                    perftest(ns, test, size, iterations, env, port + i) for i in range(args.repeat)]
+                port += 100
         rma = dict(env, WEIGHTSTREAM_UCX_PATH="rma")
         server = subprocess.Popen(
             ["ip", "netns", "exec", ns.server, cli, "serve", args.checkpoint, "--listen", f"{SERVER}:0", "--token-stdin",
@@ -205,20 +212,30 @@ def main():
     finally:
         ns.close()
     medians = {name: statistics.median(values) for name, values in rows.items()}
-    best = max(medians["ucx_perftest tag_bw"], medians["ucx_perftest ucp_get"])
+    # Each row against the better of tag_bw and ucp_get at its own message size.
+    best = {kind: max(medians[f"ucx_perftest tag_bw, {size_text(size)}"], medians[f"ucx_perftest ucp_get, {size_text(size)}"])
+            for kind, size in (("pull", args.pull_message_size), ("update", args.update_message_size))}
+
+    def baseline(name):
+        if name.startswith("ucx_perftest"):
+            return best["pull" if name.endswith(size_text(args.pull_message_size)) else "update"]
+        return best["pull" if "pull" in name else "update"]
+
     cpu = {row: seconds / size * 1e9 for row, (seconds, size) in CPU.items()}
-    result = {"tls": args.tls, "message_bytes": args.message_size, "bytes": pulls[0]["bytes_from_peers"],
+    result = {"tls": args.tls, "pull_message_bytes": args.pull_message_size,
+              "update_message_bytes": args.update_message_size, "bytes": pulls[0]["bytes_from_peers"],
               "rows": rows, "medians": medians, "best_perftest": best, "update_phases": phases,
               "cpu_core_seconds_per_gb": cpu, "cores": os.cpu_count()}
     if args.json:
         print(json.dumps(result, indent=2))
-    print(f"UCX_TLS={args.tls}, {pulls[0]['bytes_from_peers'] / 1e9:.2f} GB rank, perftest message {args.message_size} bytes")
-    print("| row | median GB/s | runs | ÷ best perftest | ÷ tcp update |")
+    print(f"UCX_TLS={args.tls}, {pulls[0]['bytes_from_peers'] / 1e9:.2f} GB rank; perftest messages: "
+          f"pull rows {size_text(args.pull_message_size)}, update rows {size_text(args.update_message_size)}")
+    print("| row | median GB/s | runs | ÷ best perftest at its size | ÷ tcp update |")
     print("| --- | ---: | --- | ---: | ---: |")
     tcp = medians["pushed update, tcp (home-made)"]
     for name, values in rows.items():
         runs = ", ".join(f"{v:.3f}" for v in values)
-        print(f"| {name} | {medians[name]:.3f} | {runs} | {medians[name] / best:.0%} | {medians[name] / tcp:.2f}× |")
+        print(f"| {name} | {medians[name]:.3f} | {runs} | {medians[name] / baseline(name):.0%} | {medians[name] / tcp:.2f}× |")
     # Where each update's receiver spent its seconds (the run of the median rate; per update).
     for name, reports in phases.items():
         median_run = sorted(range(len(rows[name])), key=lambda i: rows[name][i])[len(rows[name]) // 2]
