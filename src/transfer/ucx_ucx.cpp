@@ -674,7 +674,10 @@ struct Endpoint::State {
   }
 
   void track(ucs_status_ptr_t request, InFlight operation, std::chrono::milliseconds timeout, const std::string& peer) {
-    if (request == nullptr) return;  // ended at once (never a read: they ask for a callback)
+    if (request == nullptr) {  // ended at once: a message, or a read of a UCX that ignored NO_IMM_CMPL
+      if (operation.completion) operation.completion->ended(UCS_OK, operation.bytes);
+      return;
+    }
     operation.request = request;
     in_flight.push_back(std::move(operation));
     if (in_flight.size() >= kMaxReadsInFlight) drain(kMaxReadsInFlight / 2, timeout, peer);
