@@ -58,6 +58,10 @@ struct PeerParameter {
   std::vector<int64_t> shape;
   uint64_t bytes = 0;
   uint64_t xxh64 = 0;  ///< of the parameter's bytes as served
+  /// xxh64 of each piece of the manifest's digest_piece_bytes, in order (empty for a
+  /// parameter without bytes): a puller that needs part of a parameter reads and checks
+  /// only the pieces that hold it.
+  std::vector<uint64_t> piece_xxh64;
   Processing processing = Processing::kNone;
   std::vector<ParameterPart> parts;  ///< checkpoint rectangles it holds (empty: derived)
   uint64_t remote_address = 0;       ///< where the peer registered it
@@ -73,6 +77,7 @@ struct PeerManifest {
   std::string quantization;   ///< "none", "fp8" (per-tensor, processed), "fp8-block" (checkpoint)
   std::string checkpoint_identity;  ///< xxh64 hex of the tensor index and config.json
   uint64_t version = 1;             ///< changes with every update of the served parameters
+  uint64_t digest_piece_bytes = 0;  ///< the pieces of PeerParameter::piece_xxh64
   std::string config_json;
   std::vector<PeerTensor> tensors;
   std::vector<PeerParameter> parameters;
@@ -100,6 +105,9 @@ struct PeerServeOptions {
   std::string token;
   /// How long a connected puller has for each message (its HELLO, a version request).
   std::chrono::milliseconds timeout{30'000};
+  /// The pieces each parameter's bytes are also hashed in (PeerParameter::piece_xxh64);
+  /// 0: the default, 512 KiB. A power of two from 4 KiB to 4 MiB.
+  uint64_t digest_piece_bytes = 0;
 };
 
 /// What a PeerServer publishes besides the layout.

@@ -130,7 +130,7 @@ nlohmann::json manifest_json(const PeerManifest& manifest) {
                        {"element_offset", part.element_offset}});
     }
     parameters.push_back({{"name", parameter.name}, {"dtype", dtype_name(parameter.dtype)}, {"shape", parameter.shape},
-                          {"bytes", parameter.bytes}, {"xxh64", parameter.xxh64},
+                          {"bytes", parameter.bytes}, {"xxh64", parameter.xxh64}, {"piece_xxh64", parameter.piece_xxh64},
                           {"processing", processing_name(parameter.processing)}, {"parts", parts},
                           {"remote_address", parameter.remote_address}, {"remote_key", to_hex(parameter.remote_key)}});
   }
@@ -143,6 +143,7 @@ nlohmann::json manifest_json(const PeerManifest& manifest) {
           {"quantization", manifest.quantization},
           {"checkpoint_identity", manifest.checkpoint_identity},
           {"version", manifest.version},
+          {"digest_piece_bytes", manifest.digest_piece_bytes},
           {"config_json", manifest.config_json},
           {"tensors", tensors},
           {"parameters", parameters},
@@ -170,6 +171,8 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
     manifest.quantization = (field = "quantization", json.at("quantization")).get<std::string>();
     manifest.checkpoint_identity = (field = "checkpoint_identity", json.at("checkpoint_identity")).get<std::string>();
     manifest.version = (field = "version", json.at("version")).get<uint64_t>();
+    manifest.digest_piece_bytes = (field = "digest_piece_bytes", json.at("digest_piece_bytes")).get<uint64_t>();
+    WS_EXPECT(manifest.digest_piece_bytes > 0, ErrorCode::kProtocol, peer + ": manifest has digest pieces of 0 bytes");
     manifest.config_json = (field = "config_json", json.at("config_json")).get<std::string>();
     manifest.worker_address = from_hex((field = "worker_address", json.at("worker_address")).get<std::string>(), peer + ": worker_address");
     manifest.send_secret = from_hex((field = "send_secret", json.at("send_secret")).get<std::string>(), peer + ": send_secret");
@@ -194,6 +197,11 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
       WS_EXPECT(size && *size == entry.bytes, ErrorCode::kProtocol,
                 what + ": " + std::to_string(entry.bytes) + " bytes do not match its dtype and shape");
       entry.xxh64 = (field = "parameters[].xxh64", parameter.at("xxh64")).get<uint64_t>();
+      entry.piece_xxh64 = (field = "parameters[].piece_xxh64", parameter.at("piece_xxh64")).get<std::vector<uint64_t>>();
+      const uint64_t pieces = (entry.bytes + manifest.digest_piece_bytes - 1) / manifest.digest_piece_bytes;
+      WS_EXPECT(entry.piece_xxh64.empty() || entry.piece_xxh64.size() == pieces, ErrorCode::kProtocol,
+                what + ": " + std::to_string(entry.piece_xxh64.size()) + " piece digests for " + std::to_string(pieces) +
+                    " pieces of " + std::to_string(manifest.digest_piece_bytes) + " bytes");
       entry.processing = parse_processing((field = "parameters[].processing", parameter.at("processing")).get<std::string>(), what);
       entry.remote_address = (field = "parameters[].remote_address", parameter.at("remote_address")).get<uint64_t>();
       entry.remote_key = from_hex((field = "parameters[].remote_key", parameter.at("remote_key")).get<std::string>(), what);
@@ -225,17 +233,42 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
   }
 }
 
+uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, uint64_t bytes, uint64_t piece_bytes,
+                                   std::vector<uint64_t>& pieces) {
+  pieces.clear();
+  pieces.reserve((bytes + piece_bytes - 1) / piece_bytes);
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
+  XXH64_reset(state.get(), 0);
+  // Each step is read (out of the GPU, through the pinned scratch) once, and hashed whole and
+  // by pieces while in the cache.
+  digest_steps(data, device, bytes, [&](const std::byte* step, uint64_t length) {
+    for (uint64_t done = 0; done < length; done += piece_bytes) {
+      const uint64_t piece = std::min(piece_bytes, length - done);
+      pieces.push_back(XXH64(step + done, piece, 0));
+      XXH64_update(state.get(), step + done, piece);
+    }
+  });
+  return XXH64_digest(state.get());
+}
+
 uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, uint64_t bytes,
                                    const std::function<void()>& between) {
   if (!device.is_cuda() && !between) return XXH64(data, bytes, 0);
-  // Host bytes are hashed where they lie, a step at a time; GPU bytes through the pinned
-  // scratch, a piece at a time.
-  constexpr uint64_t kHostStepBytes = 4ull << 20;
-  constexpr uint64_t kPieceBytes = 64ull << 20;
-  const uint64_t step = device.is_cuda() ? kPieceBytes : kHostStepBytes;
-  if (device.is_cuda() && scratch_.size() == 0) scratch_ = Buffer(Device{}, kPieceBytes, HostMemory::kPinned);
   std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(), &XXH64_freeState);
   XXH64_reset(state.get(), 0);
+  digest_steps(data, device, bytes, [&](const std::byte* step, uint64_t length) {
+    XXH64_update(state.get(), step, length);
+    if (between) between();
+  });
+  return XXH64_digest(state.get());
+}
+
+void ParameterDigester::digest_steps(const std::byte* data, const Device& device, uint64_t bytes,
+                                     const std::function<void(const std::byte*, uint64_t)>& hash) {
+  // Host bytes are hashed where they lie, a step at a time; GPU bytes through the pinned
+  // scratch, a step at a time.
+  const uint64_t step = device.is_cuda() ? kGpuStepBytes : kHostStepBytes;
+  if (device.is_cuda() && scratch_.size() == 0) scratch_ = Buffer(Device{}, kGpuStepBytes, HostMemory::kPinned);
   for (uint64_t done = 0; done < bytes; done += step) {
     const uint64_t length = std::min(step, bytes - done);
     const std::byte* piece = data + done;
@@ -243,10 +276,8 @@ uint64_t ParameterDigester::digest(const std::byte* data, const Device& device, 
       copy_bytes(scratch_.data(), Device{}, piece, device, length);
       piece = scratch_.data();
     }
-    XXH64_update(state.get(), piece, length);
-    if (between) between();
+    hash(piece, length);
   }
-  return XXH64_digest(state.get());
 }
 
 LandingDigest::LandingDigest(const std::byte* data, uint64_t bytes, uint64_t piece_bytes)

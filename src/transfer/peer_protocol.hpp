@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -35,7 +36,9 @@ enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVer
 
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
 // 2: the manifest carries send_secret; 3: and ucx_segment_bytes
-inline constexpr uint16_t kPeerProtocolVersion = 3;
+inline constexpr uint16_t kPeerProtocolVersion = 4;
+/// The pieces a server hashes each parameter in besides the whole (PeerParameter::piece_xxh64).
+inline constexpr uint64_t kPeerDigestPieceBytes = 512ull << 10;
 /// Largest message: the manifest of a rank with 100,000 parameters fits.
 inline constexpr uint64_t kMaxPeerMessageBytes = 512ull << 20;
 
@@ -68,8 +71,18 @@ class ParameterDigester {
   /// there, so the reads in flight go on landing while a parameter is checked.
   uint64_t digest(const std::byte* data, const Device& device, uint64_t bytes,
                   const std::function<void()>& between = {});
+  /// The digest of the whole, and in `pieces` the xxh64 of each `piece_bytes` piece (a
+  /// divisor of both step sizes: a power of two up to 4 MiB), in one pass.
+  uint64_t digest(const std::byte* data, const Device& device, uint64_t bytes, uint64_t piece_bytes,
+                  std::vector<uint64_t>& pieces);
+
+  static constexpr uint64_t kHostStepBytes = 4ull << 20;
+  static constexpr uint64_t kGpuStepBytes = 64ull << 20;
 
  private:
+  /// Hands `hash` the bytes a step at a time (GPU bytes copied into the scratch first).
+  void digest_steps(const std::byte* data, const Device& device, uint64_t bytes,
+                    const std::function<void(const std::byte*, uint64_t)>& hash);
   Buffer scratch_;
 };
 

@@ -18,6 +18,8 @@
 #include <stop_token>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "storage/read_destination.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
@@ -75,6 +77,36 @@ struct Rect {
     return "rows " + std::to_string(row_begin) + "-" + std::to_string(row_end) + ", columns " +
            std::to_string(column_begin) + "-" + std::to_string(column_end);
   }
+};
+
+/// The digest pieces of a serving parameter that hold some byte ranges of it, read and
+/// hashed one by one as each lands (a puller that needs part of a parameter).
+struct PieceDigests {
+  PieceDigests(uint64_t piece_bytes_, const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t bytes_)
+      : piece_bytes(piece_bytes_), bytes(bytes_) {
+    std::set<uint64_t> wanted;
+    for (auto [begin, end] : ranges) {
+      for (uint64_t index = begin / piece_bytes; index * piece_bytes < end; ++index) wanted.insert(index);
+    }
+    indices.assign(wanted.begin(), wanted.end());
+    digests.assign(indices.size(), 0);
+  }
+  /// Offset and size of the k-th piece read.
+  std::pair<uint64_t, uint64_t> range(size_t k) const {
+    const uint64_t offset = indices[k] * piece_bytes;
+    return {offset, std::min(piece_bytes, bytes - offset)};
+  }
+  /// The k-th piece read has landed in `data` (the whole parameter's staging): an
+  /// Endpoint::Landed, never throws.
+  void landed(size_t k, const std::byte* data) noexcept {
+    const auto [offset, size] = range(k);
+    digests[k] = XXH64(data + offset, size, 0);
+  }
+
+  uint64_t piece_bytes;
+  uint64_t bytes;
+  std::vector<uint64_t> indices;  // of the pieces read, ascending
+  std::vector<uint64_t> digests;  // of each piece read, once landed
 };
 
 uint64_t element_bytes(Dtype dtype) { return std::max<uint64_t>(dtype_bits(dtype) / 8, 1); }
@@ -302,15 +334,18 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     for (State::Link& link : state.links) link.endpoint->wait(timeout);
   };
   bool paused = false;
-  // Reads a served parameter whole into `destination`: into host memory hashed as it lands
-  // (`digest`), into GPU memory counted in `landed_bytes`.
-  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory,
-                        LandingDigest* digest, uint64_t* landed_bytes) {
+  auto pause_if_asked = [&] {
     if (!paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes) {
       paused = true;
       wait_all();  // what was read so far has landed: the pause falls between two parameters
       if (state.options.on_pause) state.options.on_pause();
     }
+  };
+  // Reads a served parameter whole into `destination`: into host memory hashed as it lands
+  // (`digest`), into GPU memory counted in `landed_bytes`.
+  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory,
+                        LandingDigest* digest, uint64_t* landed_bytes) {
+    pause_if_asked();
     const PeerParameter& parameter = link.manifest.parameters[served];
     const uint64_t piece_bytes = digest != nullptr ? kHostReadPieceBytes : kReadPieceBytes;
     for (uint64_t done = 0, piece = 0; done < parameter.bytes; done += piece_bytes, ++piece) {
@@ -328,16 +363,19 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   auto turn_workers = [&] {
     for (State::Link& link : state.links) link.endpoint->progress();
   };
+  // `what` names the bytes checked when they are part of the parameter ("bytes 0-65536: ").
+  auto fail_digest = [&](const State::Link& link, const PeerParameter& parameter, const std::string& what,
+                         uint64_t digest, uint64_t expected) {
+    char text[96];
+    std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx", static_cast<unsigned long long>(digest),
+                  static_cast<unsigned long long>(expected));
+    WS_FAIL(ErrorCode::kProtocol, "parameter " + parameter.name + " read from " + peer_text(link.manifest) +
+                                      " does not match its digest (" + what + text +
+                                      "): its bytes changed in the peer's memory or in transit; the pull is refused");
+  };
   auto check_digest = [&](const State::Link& link, size_t served, uint64_t digest) {
     const PeerParameter& parameter = link.manifest.parameters[served];
-    if (digest != parameter.xxh64) {
-      char text[96];
-      std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx",
-                    static_cast<unsigned long long>(digest), static_cast<unsigned long long>(parameter.xxh64));
-      WS_FAIL(ErrorCode::kProtocol, "parameter " + parameter.name + " read from " + peer_text(link.manifest) +
-                                        " does not match its digest (" + text +
-                                        "): its bytes changed in the peer's memory or in transit; the pull is refused");
-    }
+    if (digest != parameter.xxh64) fail_digest(link, parameter, "", digest, parameter.xxh64);
     ++report.parameters_read;
   };
 
@@ -484,7 +522,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   for (size_t first = 0; first < assemblies.size();) {
     struct Staged {
       std::unique_ptr<std::byte[]> bytes;
-      std::unique_ptr<LandingDigest> digest;
+      std::unique_ptr<LandingDigest> digest;  // a parameter read whole
+      std::unique_ptr<PieceDigests> pieces;   // a parameter read in part: the pieces read
     };
     std::map<std::pair<size_t, size_t>, Staged> staged;
     CancelOnError cancel_on_error{state.links};
@@ -506,14 +545,58 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       for (auto key : fresh) staged.emplace(key, Staged{});
       ++end;
     }
+    // The bytes of each serving parameter that this batch's assemblies copy from: whole rows
+    // of its parts, so each is one range of the parameter.
+    std::map<std::pair<size_t, size_t>, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+    for (size_t a = first; a < end; ++a) {
+      for (const Piece& piece : assemblies[a].pieces) {
+        const ParameterPart& part = *piece.part;
+        const uint64_t row_bytes = static_cast<uint64_t>(part.columns) * element_bytes(assemblies[a].dtype);
+        const uint64_t start = part.element_offset * element_bytes(assemblies[a].dtype);
+        ranges[{piece.link, piece.served}].emplace_back(
+            start + static_cast<uint64_t>(piece.rect.row_begin - part.row_begin) * row_bytes,
+            start + static_cast<uint64_t>(piece.rect.row_end - part.row_begin) * row_bytes);
+      }
+    }
     for (auto& [key, buffer] : staged) {
-      const PeerParameter& served = state.links[key.first].manifest.parameters[key.second];
+      State::Link& link = state.links[key.first];
+      const PeerParameter& served = link.manifest.parameters[key.second];
       buffer.bytes.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
-      buffer.digest = std::make_unique<LandingDigest>(buffer.bytes.get(), served.bytes, kHostReadPieceBytes);
-      read_whole(state.links[key.first], key.second, buffer.bytes.get(), ucx::Memory::kHost, buffer.digest.get(), nullptr);
+      if (!served.piece_xxh64.empty()) {
+        // Only the digest pieces that hold what the assemblies need, each checked by its own
+        // digest as it lands.
+        buffer.pieces = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, ranges[key], served.bytes);
+        pause_if_asked();
+        for (size_t k = 0; k < buffer.pieces->indices.size(); ++k) {
+          const auto [offset, bytes] = buffer.pieces->range(k);
+          link.endpoint->get(buffer.bytes.get() + offset, served.remote_address + offset, link.keys[key.second], bytes,
+                             timeout, ucx::Memory::kHost, [pieces = buffer.pieces.get(), data = buffer.bytes.get(), k] {
+                               pieces->landed(k, data);
+                             });
+          report.bytes_from_peers += bytes;
+        }
+      } else {
+        buffer.digest = std::make_unique<LandingDigest>(buffer.bytes.get(), served.bytes, kHostReadPieceBytes);
+        read_whole(link, key.second, buffer.bytes.get(), ucx::Memory::kHost, buffer.digest.get(), nullptr);
+      }
     }
     wait_all();
-    for (auto& [key, buffer] : staged) check_digest(state.links[key.first], key.second, buffer.digest->digest());
+    for (auto& [key, buffer] : staged) {
+      const State::Link& link = state.links[key.first];
+      if (!buffer.pieces) {
+        check_digest(link, key.second, buffer.digest->digest());
+        continue;
+      }
+      const PeerParameter& served = link.manifest.parameters[key.second];
+      for (size_t k = 0; k < buffer.pieces->indices.size(); ++k) {
+        const uint64_t index = buffer.pieces->indices[k];
+        if (buffer.pieces->digests[k] == served.piece_xxh64[index]) continue;
+        const auto [offset, bytes] = buffer.pieces->range(k);
+        fail_digest(link, served, "bytes " + std::to_string(offset) + "-" + std::to_string(offset + bytes) + ": ",
+                    buffer.pieces->digests[k], served.piece_xxh64[index]);
+      }
+      ++report.parameters_read;
+    }
     std::vector<std::unique_ptr<std::byte[]>> rows_held;
     std::vector<TensorView> views;
     for (size_t a = first; a < end; ++a) {

@@ -146,7 +146,11 @@ struct PeerServer::State {
     ParameterDigester digester;
     for (size_t i = 0; i < manifest.parameters.size(); ++i) {
       const Parameter& parameter = layout.parameters()[i];
-      manifest.parameters[i].xxh64 = parameter.data ? digester.digest(parameter.data, layout.device(), parameter.bytes()) : 0;
+      PeerParameter& served = manifest.parameters[i];
+      served.piece_xxh64.clear();
+      served.xxh64 = parameter.data ? digester.digest(parameter.data, layout.device(), parameter.bytes(),
+                                                      manifest.digest_piece_bytes, served.piece_xxh64)
+                                    : 0;
     }
   }
 
@@ -169,6 +173,11 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
   manifest.quantization = info.quantization;
   manifest.checkpoint_identity = peer_checkpoint_identity(info.tensors, info.config_json);
   manifest.version = 1;
+  const uint64_t piece = state.options.digest_piece_bytes == 0 ? transfer::kPeerDigestPieceBytes : state.options.digest_piece_bytes;
+  WS_EXPECT(piece >= 4096 && piece <= transfer::ParameterDigester::kHostStepBytes && (piece & (piece - 1)) == 0,
+            ErrorCode::kInvalidArgument,
+            "peer server: digest pieces of " + std::to_string(piece) + " bytes; they must be a power of two from 4 KiB to 4 MiB");
+  manifest.digest_piece_bytes = piece;
   manifest.config_json = std::move(info.config_json);
   manifest.tensors = std::move(info.tensors);
   manifest.worker_address = state.worker.address();

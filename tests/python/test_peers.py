@@ -205,7 +205,7 @@ def manifest_of(namespace, address):
         "host, port = sys.argv[1].rsplit(':', 1)\n"
         "s = socket.create_connection((host, int(port)), timeout=20)\n"
         "body = json.dumps({'token': sys.argv[2]}).encode()\n"
-        "s.sendall(struct.pack('<IHHQ', 0x45505357, 3, 1, len(body)) + body)\n"
+        "s.sendall(struct.pack('<IHHQ', 0x45505357, 4, 1, len(body)) + body)\n"
         "def exact(n):\n"
         "    data = b''\n"
         "    while len(data) < n:\n"

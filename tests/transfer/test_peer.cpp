@@ -79,10 +79,12 @@ PeerPullOptions pull_options(std::string token = "peer-secret") {
 struct Instance {
   std::vector<ModelLayout> layouts;
   std::vector<std::unique_ptr<PeerServer>> servers;
-  Instance(const Model& model, int64_t tp_size) {
+  Instance(const Model& model, int64_t tp_size, uint64_t digest_piece_bytes = 0) {
     for (int64_t rank = 0; rank < tp_size; ++rank) layouts.push_back(loaded_layout(model, tp_size, rank));
+    PeerServeOptions options = serve_options();
+    options.digest_piece_bytes = digest_piece_bytes;
     for (int64_t rank = 0; rank < tp_size; ++rank) {
-      servers.push_back(std::make_unique<PeerServer>(layouts[rank], serve_info(model, tp_size, rank), serve_options()));
+      servers.push_back(std::make_unique<PeerServer>(layouts[rank], serve_info(model, tp_size, rank), options));
     }
   }
   std::string uri() const {
@@ -240,6 +242,46 @@ TEST_F(PeerTest, PullsAnotherTpLayoutFromTheCheckpointCoordinates) {
   ModelLayout layout = empty_layout(model, 4, 3);
   pull_into(layout, source);
   EXPECT_EQ(compare_layouts(layout, loaded_layout(model, 4, 3)).mismatched, 0u);
+}
+
+TEST_F(PeerTest, ARankOfALargerTpSizeReadsOnlyThePiecesHoldingItsRowsAndChecksEach) {
+  Model model;
+  uint64_t bytes_whole = 0;  // the serving parameters read whole (digest pieces larger than any)
+  {
+    Instance narrow(model, 2, 4ull << 20);
+    PeerSource source(narrow.uri(), pull_options());
+    ModelLayout layout = empty_layout(model, 4, 3);
+    bytes_whole = pull_into(layout, source).bytes_from_peers;
+  }
+  Instance narrow(model, 2, 4096);
+  ASSERT_EQ(PeerSource(narrow.uri(), pull_options()).manifests()[0].digest_piece_bytes, 4096u);
+  PeerSource source(narrow.uri(), pull_options());
+  ModelLayout layout = empty_layout(model, 4, 3);
+  const PeerPullReport report = pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, loaded_layout(model, 4, 3)).mismatched, 0u);
+  uint64_t own = 0;
+  for (const Parameter& parameter : layout.parameters()) own += parameter.bytes();
+  // Whole serving parameters are twice a tp-4 rank's share of the split ones; pieces of 4 KiB
+  // read its share and what rounding to pieces adds.
+  EXPECT_GT(bytes_whole, own * 3 / 2);
+  EXPECT_LE(report.bytes_from_peers, own * 5 / 4) << "whole parameters: " << bytes_whole;
+  EXPECT_GE(report.bytes_from_peers, own);
+
+  // A byte the rank does not need, changed in the server's memory, is not read; one it needs
+  // fails the pull, naming the parameter and the piece.
+  const Parameter& served = narrow.layouts[1].parameter("model.layers.0.mlp.gate_up_proj.weight");
+  const uint64_t half = served.bytes() / 2;
+  served.data[half / 4] ^= std::byte{0x10};  // in gate's rows of tp-4 rank 2
+  ModelLayout again = empty_layout(model, 4, 3);
+  PeerSource second(narrow.uri(), pull_options());
+  pull_into(again, second);
+  served.data[half - 1] ^= std::byte{0x10};  // gate's last row: tp-4 rank 3's
+  PeerSource third(narrow.uri(), pull_options());
+  ModelLayout failing = empty_layout(model, 4, 3);
+  const std::string text = error_text([&] { pull_into(failing, third); });
+  EXPECT_THAT(text, HasSubstr("model.layers.0.mlp.gate_up_proj.weight"));
+  EXPECT_THAT(text, HasSubstr("does not match its digest (bytes "));
+  EXPECT_THAT(text, HasSubstr(narrow.servers[1]->address()));
 }
 
 TEST_F(PeerTest, AFlippedByteInAServedParameterFailsThePullNamingIt) {
