@@ -280,27 +280,27 @@ void ParameterDigester::digest_steps(const std::byte* data, const Device& device
   }
 }
 
-LandingDigest::LandingDigest(const std::byte* data, uint64_t bytes, uint64_t piece_bytes)
-    : data_(data),
-      bytes_(bytes),
-      piece_bytes_(piece_bytes),
-      landed_((bytes + piece_bytes - 1) / piece_bytes, false),
-      state_(XXH64_createState()) {
-  WS_EXPECT(state_ != nullptr, ErrorCode::kInternal, "cannot allocate an xxh64 state");
-  XXH64_reset(state_.get(), 0);
-}
-
-void LandingDigest::FreeState::operator()(XXH64_state_s* state) const noexcept { XXH64_freeState(state); }
-
-void LandingDigest::landed(size_t index) noexcept {
-  landed_[index] = true;
-  while (hashed_ < landed_.size() && landed_[hashed_]) {
-    const uint64_t offset = hashed_ * piece_bytes_;
-    XXH64_update(state_.get(), data_ + offset, std::min(piece_bytes_, bytes_ - offset));
-    ++hashed_;
+PieceDigests::PieceDigests(uint64_t piece_bytes, uint64_t bytes, std::span<const std::pair<uint64_t, uint64_t>> ranges)
+    : piece_bytes_(piece_bytes), bytes_(bytes) {
+  for (auto [begin, end] : ranges) {
+    for (uint64_t index = begin / piece_bytes; index * piece_bytes < std::min(end, bytes); ++index) {
+      indices_.push_back(index);
+    }
   }
+  std::sort(indices_.begin(), indices_.end());
+  indices_.erase(std::unique(indices_.begin(), indices_.end()), indices_.end());
+  digests_.assign(indices_.size(), 0);
 }
 
-uint64_t LandingDigest::digest() const noexcept { return XXH64_digest(state_.get()); }
+std::pair<uint64_t, uint64_t> PieceDigests::range(size_t k) const noexcept {
+  const uint64_t offset = indices_[k] * piece_bytes_;
+  return {offset, std::min(piece_bytes_, bytes_ - offset)};
+}
+
+void PieceDigests::landed(size_t k, const std::byte* data) noexcept {
+  const auto [offset, size] = range(k);
+  digests_[k] = XXH64(data + offset, size, 0);
+  ++landed_;
+}
 
 }  // namespace weightstream::transfer

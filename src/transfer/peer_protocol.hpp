@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -28,8 +30,6 @@
 #include "weightstream/device.hpp"
 #include "weightstream/peer.hpp"
 
-struct XXH64_state_s;  // xxhash.h's XXH64_state_t
-
 namespace weightstream::transfer {
 
 enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVersion = 4 };
@@ -37,7 +37,11 @@ enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVer
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
 // 2: the manifest carries send_secret; 3: and ucx_segment_bytes
 inline constexpr uint16_t kPeerProtocolVersion = 4;
-/// The pieces a server hashes each parameter in besides the whole (PeerParameter::piece_xxh64).
+/// The pieces a server hashes each parameter in besides the whole (PeerParameter::piece_xxh64),
+/// and a puller reads host memory in: half a UCX tcp receive segment, so a piece arrives whole
+/// in one segment and is still in the cache when it is hashed. Reads of 1 MiB or 8 MiB were
+/// hashed from memory instead, 256 KiB reads cost more in messages than they saved
+/// (bench/RESULTS.md).
 inline constexpr uint64_t kPeerDigestPieceBytes = 512ull << 10;
 /// Largest message: the manifest of a rank with 100,000 parameters fits.
 inline constexpr uint64_t kMaxPeerMessageBytes = 512ull << 20;
@@ -86,31 +90,32 @@ class ParameterDigester {
   Buffer scratch_;
 };
 
-/// The xxh64 (seed 0) of bytes that land in host memory in pieces of `piece_bytes`, in any
-/// order: each piece is hashed as it lands, while its bytes are still in the cache, once
-/// every piece in front of it is hashed (one that lands early waits, and is hashed then).
-class LandingDigest {
+/// The digest pieces of a served parameter that a puller reads into host memory (all of
+/// them, or those that hold the ranges it needs), each hashed as it lands, inside UCX's
+/// completion of its read, while its bytes are still in this core's cache.
+class PieceDigests {
  public:
-  LandingDigest(const std::byte* data, uint64_t bytes, uint64_t piece_bytes);
-  /// Piece `index` (bytes [index * piece_bytes, ...)) has landed. Never throws: it runs
-  /// inside UCX's progress, as an Endpoint::Landed.
-  void landed(size_t index) noexcept;
-  /// Pieces hashed so far (a counter for Endpoint::wait_until), and how many there are.
-  const uint64_t& hashed() const noexcept { return hashed_; }
-  uint64_t pieces() const noexcept { return landed_.size(); }
-  /// The digest, once every piece is hashed.
-  uint64_t digest() const noexcept;
+  /// The pieces of `piece_bytes` of a `bytes`-byte parameter that hold any of `ranges`
+  /// ([begin, end) byte offsets).
+  PieceDigests(uint64_t piece_bytes, uint64_t bytes, std::span<const std::pair<uint64_t, uint64_t>> ranges);
+  /// How many pieces are read; offset and size of the k-th, and its index among the
+  /// parameter's pieces (for PeerParameter::piece_xxh64).
+  size_t size() const noexcept { return indices_.size(); }
+  std::pair<uint64_t, uint64_t> range(size_t k) const noexcept;
+  uint64_t index(size_t k) const noexcept { return indices_[k]; }
+  /// The k-th piece has landed in `data` (the whole parameter's memory). Never throws: it
+  /// runs inside UCX's progress, as an Endpoint::Landed.
+  void landed(size_t k, const std::byte* data) noexcept;
+  /// Pieces landed so far (a counter for Endpoint::wait_until), and the k-th one's xxh64.
+  const uint64_t& landed_count() const noexcept { return landed_; }
+  uint64_t digest(size_t k) const noexcept { return digests_[k]; }
 
  private:
-  const std::byte* data_;
-  uint64_t bytes_;
   uint64_t piece_bytes_;
-  std::vector<bool> landed_;
-  uint64_t hashed_ = 0;
-  struct FreeState {
-    void operator()(XXH64_state_s* state) const noexcept;
-  };
-  std::unique_ptr<XXH64_state_s, FreeState> state_;
+  uint64_t bytes_;
+  std::vector<uint64_t> indices_;  // of the pieces read, ascending
+  std::vector<uint64_t> digests_;  // of each piece read, once landed
+  uint64_t landed_ = 0;
 };
 
 }  // namespace weightstream::transfer

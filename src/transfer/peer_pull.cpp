@@ -18,8 +18,6 @@
 #include <stop_token>
 #include <thread>
 
-#include <xxhash.h>
-
 #include "storage/read_destination.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
@@ -34,15 +32,8 @@ using Clock = std::chrono::steady_clock;
 using namespace transfer;
 
 /// Reads into GPU memory are issued in pieces of at most this many bytes, so several are in
-/// flight.
+/// flight; reads into host memory go by the manifest's digest pieces (PieceDigests).
 constexpr uint64_t kReadPieceBytes = 8ull << 20;
-
-/// Reads into host memory are issued in pieces of this many bytes, each hashed as it lands
-/// (LandingDigest): half a UCX tcp receive segment, so a piece arrives whole in one segment
-/// and is still in this core's cache when its Landed runs. Pieces of 1 MiB or 8 MiB were
-/// hashed from memory instead, 256 KiB pieces cost more in messages than they saved
-/// (bench/RESULTS.md).
-constexpr uint64_t kHostReadPieceBytes = 512ull << 10;
 
 /// Parameters read in place run this far ahead of the one being checked against its digest,
 /// so that hashing one overlaps the transfer of the next ones.
@@ -77,36 +68,6 @@ struct Rect {
     return "rows " + std::to_string(row_begin) + "-" + std::to_string(row_end) + ", columns " +
            std::to_string(column_begin) + "-" + std::to_string(column_end);
   }
-};
-
-/// The digest pieces of a serving parameter that hold some byte ranges of it, read and
-/// hashed one by one as each lands (a puller that needs part of a parameter).
-struct PieceDigests {
-  PieceDigests(uint64_t piece_bytes_, const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t bytes_)
-      : piece_bytes(piece_bytes_), bytes(bytes_) {
-    std::set<uint64_t> wanted;
-    for (auto [begin, end] : ranges) {
-      for (uint64_t index = begin / piece_bytes; index * piece_bytes < end; ++index) wanted.insert(index);
-    }
-    indices.assign(wanted.begin(), wanted.end());
-    digests.assign(indices.size(), 0);
-  }
-  /// Offset and size of the k-th piece read.
-  std::pair<uint64_t, uint64_t> range(size_t k) const {
-    const uint64_t offset = indices[k] * piece_bytes;
-    return {offset, std::min(piece_bytes, bytes - offset)};
-  }
-  /// The k-th piece read has landed in `data` (the whole parameter's staging): an
-  /// Endpoint::Landed, never throws.
-  void landed(size_t k, const std::byte* data) noexcept {
-    const auto [offset, size] = range(k);
-    digests[k] = XXH64(data + offset, size, 0);
-  }
-
-  uint64_t piece_bytes;
-  uint64_t bytes;
-  std::vector<uint64_t> indices;  // of the pieces read, ascending
-  std::vector<uint64_t> digests;  // of each piece read, once landed
 };
 
 uint64_t element_bytes(Dtype dtype) { return std::max<uint64_t>(dtype_bits(dtype) / 8, 1); }
@@ -287,7 +248,6 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // GPU parameters are read into straight from the peers only by a CUDA-aware UCX; otherwise
   // their bytes come through host staging like anything assembled.
   const bool gpu_direct = layout.device().is_cuda() && state.worker->moves_cuda_memory();
-  const ucx::Memory direct_memory = gpu_direct ? ucx::Memory::kCuda : ucx::Memory::kHost;
   for (size_t p = 0; p < layout.parameters().size(); ++p) {
     const Parameter& parameter = layout.parameters()[p];
     if (parameter.parts.empty() || parameter.processing != Processing::kNone || parameter.data == nullptr) continue;
@@ -341,21 +301,30 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       if (state.options.on_pause) state.options.on_pause();
     }
   };
-  // Reads a served parameter whole into `destination`: into host memory hashed as it lands
-  // (`digest`), into GPU memory counted in `landed_bytes`.
-  auto read_whole = [&](State::Link& link, size_t served, std::byte* destination, ucx::Memory memory,
-                        LandingDigest* digest, uint64_t* landed_bytes) {
+  // Reads a served parameter whole into GPU memory at `destination`, counted in `landed_bytes`.
+  auto read_into_gpu = [&](State::Link& link, size_t served, std::byte* destination, uint64_t* landed_bytes) {
     pause_if_asked();
     const PeerParameter& parameter = link.manifest.parameters[served];
-    const uint64_t piece_bytes = digest != nullptr ? kHostReadPieceBytes : kReadPieceBytes;
-    for (uint64_t done = 0, piece = 0; done < parameter.bytes; done += piece_bytes, ++piece) {
-      const uint64_t bytes = std::min(piece_bytes, parameter.bytes - done);
-      ucx::Endpoint::Landed landed = [digest, piece] { digest->landed(piece); };
-      if (digest == nullptr) landed = [landed_bytes, bytes] { *landed_bytes += bytes; };
-      link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served], bytes, timeout, memory,
-                         std::move(landed));
+    for (uint64_t done = 0; done < parameter.bytes; done += kReadPieceBytes) {
+      const uint64_t bytes = std::min(kReadPieceBytes, parameter.bytes - done);
+      link.endpoint->get(destination + done, parameter.remote_address + done, link.keys[served], bytes, timeout,
+                         ucx::Memory::kCuda, [landed_bytes, bytes] { *landed_bytes += bytes; });
     }
     report.bytes_from_peers += parameter.bytes;
+  };
+  // Reads the digest pieces `pieces` of a served parameter into host memory at `destination`
+  // (where the whole parameter lies), each hashed as it lands.
+  auto read_pieces = [&](State::Link& link, size_t served, std::byte* destination, PieceDigests& pieces) {
+    pause_if_asked();
+    const PeerParameter& parameter = link.manifest.parameters[served];
+    WS_EXPECT(!parameter.piece_xxh64.empty() || parameter.bytes == 0, ErrorCode::kProtocol,
+              "parameter " + parameter.name + " served by " + peer_text(link.manifest) + " has no piece digests");
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const auto [offset, bytes] = pieces.range(k);
+      link.endpoint->get(destination + offset, parameter.remote_address + offset, link.keys[served], bytes, timeout,
+                         ucx::Memory::kHost, [&pieces, destination, k] { pieces.landed(k, destination); });
+      report.bytes_from_peers += bytes;
+    }
   };
   ParameterDigester digester;
   // Reads ahead keep landing while a GPU parameter is hashed: UCX moves bytes over tcp only
@@ -378,6 +347,17 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     if (digest != parameter.xxh64) fail_digest(link, parameter, "", digest, parameter.xxh64);
     ++report.parameters_read;
   };
+  auto check_pieces = [&](const State::Link& link, size_t served, const PieceDigests& pieces) {
+    const PeerParameter& parameter = link.manifest.parameters[served];
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const uint64_t expected = parameter.piece_xxh64[pieces.index(k)];
+      if (pieces.digest(k) == expected) continue;
+      const auto [offset, bytes] = pieces.range(k);
+      fail_digest(link, parameter, "bytes " + std::to_string(offset) + "-" + std::to_string(offset + bytes) + ": ",
+                  pieces.digest(k), expected);
+    }
+    ++report.parameters_read;
+  };
 
   {
     // A fresh host layout's pages would be first touched as the bytes land, by the thread that
@@ -395,8 +375,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
     // Each parameter is checked as soon as it has landed, while the reads of the next ones
     // (up to kReadAheadBytes) are in flight.
-    std::vector<std::unique_ptr<LandingDigest>> digests(directs.size());  // host parameters in flight
-    std::vector<uint64_t> landed_bytes(directs.size(), 0);                 // GPU parameters
+    std::vector<std::unique_ptr<PieceDigests>> digests(directs.size());  // host parameters in flight
+    std::vector<uint64_t> landed_bytes(directs.size(), 0);                // GPU parameters
     size_t issued = 0;
     uint64_t ahead = 0;
     // A digest that fails leaves later reads in flight, into the layout, `digests` and
@@ -406,18 +386,24 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       while (issued < directs.size() && (issued == checked || ahead < kReadAheadBytes)) {
         const Direct& direct = directs[issued];
         const Parameter& parameter = layout.parameters()[direct.parameter];
-        if (!gpu_direct) digests[issued] = std::make_unique<LandingDigest>(parameter.data, parameter.bytes(), kHostReadPieceBytes);
-        read_whole(state.links[direct.link], direct.served, parameter.data, direct_memory, digests[issued].get(),
-                   &landed_bytes[issued]);
+        State::Link& link = state.links[direct.link];
+        if (gpu_direct) {
+          read_into_gpu(link, direct.served, parameter.data, &landed_bytes[issued]);
+        } else {
+          const std::pair<uint64_t, uint64_t> whole{0, parameter.bytes()};
+          digests[issued] = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, parameter.bytes(),
+                                                           std::span(&whole, 1));
+          read_pieces(link, direct.served, parameter.data, *digests[issued]);
+        }
         ahead += parameter.bytes();
         ++issued;
       }
       const Direct& direct = directs[checked];
       const Parameter& parameter = layout.parameters()[direct.parameter];
       ucx::Endpoint& endpoint = *state.links[direct.link].endpoint;
-      if (const std::unique_ptr<LandingDigest>& digest = digests[checked]) {
-        endpoint.wait_until(digest->hashed(), digest->pieces(), timeout);
-        check_digest(state.links[direct.link], direct.served, digest->digest());
+      if (const std::unique_ptr<PieceDigests>& pieces = digests[checked]) {
+        endpoint.wait_until(pieces->landed_count(), pieces->size(), timeout);
+        check_pieces(state.links[direct.link], direct.served, *pieces);
         digests[checked].reset();
       } else {
         endpoint.wait_until(landed_bytes[checked], parameter.bytes(), timeout);
@@ -522,8 +508,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   for (size_t first = 0; first < assemblies.size();) {
     struct Staged {
       std::unique_ptr<std::byte[]> bytes;
-      std::unique_ptr<LandingDigest> digest;  // a parameter read whole
-      std::unique_ptr<PieceDigests> pieces;   // a parameter read in part: the pieces read
+      std::unique_ptr<PieceDigests> pieces;  // the pieces read
     };
     std::map<std::pair<size_t, size_t>, Staged> staged;
     CancelOnError cancel_on_error{state.links};
@@ -562,41 +547,12 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       State::Link& link = state.links[key.first];
       const PeerParameter& served = link.manifest.parameters[key.second];
       buffer.bytes.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
-      if (!served.piece_xxh64.empty()) {
-        // Only the digest pieces that hold what the assemblies need, each checked by its own
-        // digest as it lands.
-        buffer.pieces = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, ranges[key], served.bytes);
-        pause_if_asked();
-        for (size_t k = 0; k < buffer.pieces->indices.size(); ++k) {
-          const auto [offset, bytes] = buffer.pieces->range(k);
-          link.endpoint->get(buffer.bytes.get() + offset, served.remote_address + offset, link.keys[key.second], bytes,
-                             timeout, ucx::Memory::kHost, [pieces = buffer.pieces.get(), data = buffer.bytes.get(), k] {
-                               pieces->landed(k, data);
-                             });
-          report.bytes_from_peers += bytes;
-        }
-      } else {
-        buffer.digest = std::make_unique<LandingDigest>(buffer.bytes.get(), served.bytes, kHostReadPieceBytes);
-        read_whole(link, key.second, buffer.bytes.get(), ucx::Memory::kHost, buffer.digest.get(), nullptr);
-      }
+      // Only the digest pieces that hold what the assemblies need.
+      buffer.pieces = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, served.bytes, ranges[key]);
+      read_pieces(link, key.second, buffer.bytes.get(), *buffer.pieces);
     }
     wait_all();
-    for (auto& [key, buffer] : staged) {
-      const State::Link& link = state.links[key.first];
-      if (!buffer.pieces) {
-        check_digest(link, key.second, buffer.digest->digest());
-        continue;
-      }
-      const PeerParameter& served = link.manifest.parameters[key.second];
-      for (size_t k = 0; k < buffer.pieces->indices.size(); ++k) {
-        const uint64_t index = buffer.pieces->indices[k];
-        if (buffer.pieces->digests[k] == served.piece_xxh64[index]) continue;
-        const auto [offset, bytes] = buffer.pieces->range(k);
-        fail_digest(link, served, "bytes " + std::to_string(offset) + "-" + std::to_string(offset + bytes) + ": ",
-                    buffer.pieces->digests[k], served.piece_xxh64[index]);
-      }
-      ++report.parameters_read;
-    }
+    for (auto& [key, buffer] : staged) check_pieces(state.links[key.first], key.second, *buffer.pieces);
     std::vector<std::unique_ptr<std::byte[]>> rows_held;
     std::vector<TensorView> views;
     for (size_t a = first; a < end; ++a) {

@@ -420,29 +420,28 @@ TEST(ParameterDigest, HashedInStepsWithTheWorkerTurnedBetweenEqualsOneCall) {
   EXPECT_EQ(turns, 3);
 }
 
-TEST(LandingDigest, PiecesLandingInAnyOrderGiveTheDigestOfTheWhole) {
-  // A pull hashes each host piece as it lands; one that lands early waits for those in front.
+TEST(PieceDigests, ThePiecesHoldingTheRangesLandInAnyOrderEachHashed) {
+  // A pull reads the digest pieces that hold what it needs and hashes each as it lands.
   std::vector<std::byte> bytes((5ull << 10) + 77);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
-  transfer::ParameterDigester digester;
-  const uint64_t whole = digester.digest(bytes.data(), Device{}, bytes.size());
-  transfer::LandingDigest digest(bytes.data(), bytes.size(), 1024);
-  ASSERT_EQ(digest.pieces(), 6u);  // 5 whole pieces and 77 bytes
-  for (size_t piece : {5, 3, 4, 1}) digest.landed(piece);
-  EXPECT_EQ(digest.hashed(), 0u);  // piece 0 has not landed: nothing in order yet
-  digest.landed(0);
-  EXPECT_EQ(digest.hashed(), 2u);  // 0 and 1; piece 2 is missing
-  digest.landed(2);
-  EXPECT_EQ(digest.hashed(), 6u);
-  EXPECT_EQ(digest.digest(), whole);
+  const std::vector<std::pair<uint64_t, uint64_t>> ranges{{4000, 4100}, {100, 200}, {5200, 6000}};
+  transfer::PieceDigests pieces(1024, bytes.size(), ranges);
+  ASSERT_EQ(pieces.size(), 4u);  // pieces 0, 3, 4 and 5 (the last 77 bytes); 1 and 2 are not needed
+  EXPECT_EQ(pieces.index(0), 0u);
+  EXPECT_EQ(pieces.index(3), 5u);
+  EXPECT_EQ(pieces.range(3), std::make_pair(uint64_t{5120}, uint64_t{77}));
+  for (size_t k : {3, 1, 0, 2}) pieces.landed(k, bytes.data());
+  EXPECT_EQ(pieces.landed_count(), 4u);
+  std::vector<uint64_t> expected;
+  transfer::ParameterDigester().digest(bytes.data(), Device{}, bytes.size(), 1024, expected);
+  ASSERT_EQ(expected.size(), 6u);
+  for (size_t k = 0; k < pieces.size(); ++k) EXPECT_EQ(pieces.digest(k), expected[pieces.index(k)]) << k;
 
-  bytes[4000] ^= std::byte{1};
-  transfer::LandingDigest changed(bytes.data(), bytes.size(), 1024);
-  for (size_t piece = 0; piece < changed.pieces(); ++piece) changed.landed(piece);
-  EXPECT_NE(changed.digest(), whole);
-  transfer::LandingDigest empty(bytes.data(), 0, 1024);
-  EXPECT_EQ(empty.pieces(), 0u);
-  EXPECT_EQ(empty.digest(), digester.digest(bytes.data(), Device{}, 0));
+  const std::pair<uint64_t, uint64_t> whole{0, bytes.size()};
+  transfer::PieceDigests all(1024, bytes.size(), std::span(&whole, 1));
+  EXPECT_EQ(all.size(), 6u);
+  transfer::PieceDigests empty(1024, 0, std::span(&whole, 0));
+  EXPECT_EQ(empty.size(), 0u);
 }
 
 TEST(UcxSegments, TheEnvironmentsSizeIsReadAsUcxReadsItAndEndsThatDifferAreRefused) {
