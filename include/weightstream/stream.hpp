@@ -134,6 +134,13 @@ class TensorSink {
   virtual bool takes_views() const { return false; }
   /// Consumes one piece. An exception fails the stream and cancels the other readers.
   virtual void consume(TensorPiece&& piece) = 0;
+  /// Consumes the pieces of one read together (a sink that copies them to a GPU lands a
+  /// read's many small tensors in one copy). The stream calls it instead of consume() for
+  /// every read whose pieces may arrive together (none wants ordered pieces); by default
+  /// it consumes them one by one.
+  virtual void consume_batch(std::span<TensorPiece> pieces) {
+    for (TensorPiece& piece : pieces) consume(std::move(piece));
+  }
   /// All pieces of request `request` were consumed.
   virtual void request_complete(size_t /*request*/) {}
   /// Every request completed; waits for work the sink still has in flight.

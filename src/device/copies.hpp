@@ -5,6 +5,7 @@
 // fallback in device_cuda_fallback.cpp.
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
@@ -61,6 +62,38 @@ class CopyQueue {
   struct State;
   std::unique_ptr<State> state_;
 };
+
+/// One rectangle written out of a landing buffer (land_and_scatter()): `rows` rows of
+/// `width` bytes, read `source_pitch` bytes apart from `source_offset` in the landed bytes,
+/// written `destination_pitch` bytes apart from `destination` (device memory). One row is
+/// a contiguous run.
+struct ScatterRange {
+  void* destination = nullptr;
+  uint64_t destination_pitch = 0;
+  uint64_t source_offset = 0;
+  uint64_t source_pitch = 0;
+  uint64_t width = 0;
+  uint64_t rows = 1;
+};
+
+/// The most bytes a ScatterRange's width, rows and pitches may each be.
+constexpr uint64_t kMostScatterField = 0xffffffffull;
+
+/// True where land_and_scatter() runs on the device: a build with CUDA kernels.
+bool device_scatters() noexcept;
+
+/// Lands `bytes` of host memory at `source` (pinned or registered) on `copier`'s device in
+/// one copy, into device scratch on lane `lane`, then writes every range out of it with
+/// one kernel launch per 120 ranges, on the same lane, and returns at once: many small
+/// tensors, or the narrow rows of a column window, cost one copy and a launch instead of a
+/// copy each. `keepalive` keeps the source until the landing copy is done;
+/// DeviceCopier::synchronize() waits for it all and throws its error. `what` names the
+/// batch in errors. Throws Error(kInvalidArgument) for a range outside the landed bytes or
+/// a field above kMostScatterField, Error(kDevice) when CUDA fails, Error(kUnsupported)
+/// where device_scatters() is false.
+void land_and_scatter(DeviceCopier& copier, unsigned lane, const void* source, uint64_t bytes,
+                      std::span<const ScatterRange> ranges, std::shared_ptr<const void> keepalive,
+                      std::string_view what);
 
 /// Waits until every copy_bytes() copy involving `device` has finished. A device-to-device
 /// copy_bytes() returns before the copy engine is done (CUDA's rule for cudaMemcpy between

@@ -89,24 +89,34 @@ std::string copy_text(std::string_view what, size_t bytes) {
          " bytes";
 }
 
-/// What a copier's lane runs: a copy, or the FP8 quantization of a part (quantize.hpp).
-enum class LaneWork : uint8_t { kCopy, kQuantize };
+/// What a copier's lane runs: a copy, a scatter out of landed bytes, or the FP8 quantization of a part.
+enum class LaneWork : uint8_t { kCopy, kScatter, kQuantize };
 
 /// "tensor 'x': copy of N bytes to the device", or its quantization.
 std::string lane_work_text(LaneWork work, std::string_view what, size_t bytes) {
   if (work == LaneWork::kCopy) return copy_text(what, bytes) + " to the device";
+  if (work == LaneWork::kScatter) {
+    return (what.empty() ? std::string() : std::string(what) + ": ") + "scatter of " + std::to_string(bytes) +
+           " bytes out of their landing copy on the device";
+  }
   return (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + "FP8 E4M3 block quantization of " +
          std::to_string(bytes) + " bytes on the device";
 }
 
-/// A copier's streams, destroyed once neither the copier nor a LaneScratch on them needs them.
+/// A copier's streams and the memory pool of its scratch, destroyed once neither the copier
+/// nor a LaneScratch on them needs them. The pool keeps what it was given back (up to the
+/// most in use at once) until it is destroyed: the default pool hands freed memory back to
+/// the driver at every synchronization, and a load that lands each read in scratch would map
+/// and unmap device memory for every read.
 struct LaneStreams {
   Device device;
   std::vector<cudaStream_t> streams;
+  cudaMemPool_t pool = nullptr;
   ~LaneStreams() {
-    if (streams.empty()) return;
+    if (streams.empty() && pool == nullptr) return;
     cudaSetDevice(device.index);
     for (auto stream : streams) cudaStreamDestroy(stream);
+    if (pool != nullptr) cudaMemPoolDestroy(pool);  // its memory goes back once the last free has run
   }
 };
 
@@ -571,6 +581,18 @@ DeviceCopier::DeviceCopier(const Device& device, unsigned lanes) : state_(std::m
               device.name() + ": cudaStreamCreate failed: " + cuda_error_text(status));
     state_->streams.push_back(stream);
   }
+  cudaMemPoolProps pool{};
+  pool.allocType = cudaMemAllocationTypePinned;
+  pool.location.type = cudaMemLocationTypeDevice;
+  pool.location.id = device.index;
+  cudaError_t status = cudaMemPoolCreate(&state_->lanes->pool, &pool);
+  WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": cudaMemPoolCreate for the copier's scratch failed: " + cuda_error_text(status));
+  uint64_t keep = UINT64_MAX;
+  status = cudaMemPoolSetAttribute(state_->lanes->pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": setting the release threshold of the copier's scratch pool failed: " +
+                cuda_error_text(status));
   state_->reaper = std::thread([state = state_.get()] { state->reap(); });
 }
 
@@ -668,10 +690,10 @@ LaneScratch::LaneScratch(DeviceCopier& copier, unsigned lane, size_t bytes) {
   stream_ = stream;
   set_device(device_);
   void* data = nullptr;
-  cudaError_t error = cudaMallocAsync(&data, std::max<size_t>(bytes, 1), stream);
+  cudaError_t error = cudaMallocFromPoolAsync(&data, std::max<size_t>(bytes, 1), state.lanes->pool, stream);
   WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
             device_.name() + ": cannot allocate " + format_size(bytes) +
-                " of device scratch (staging a part to quantize or to pick rows from): cudaMallocAsync failed: " + cuda_error_text(error));
+                " of device scratch (landing reads to scatter, staging a part to quantize): cudaMallocFromPoolAsync failed: " + cuda_error_text(error));
   data_ = static_cast<std::byte*>(data);
   size_ = bytes;
 }
@@ -680,6 +702,60 @@ LaneScratch::~LaneScratch() {
   if (data_ == nullptr) return;
   cudaSetDevice(device_.index);
   cudaFreeAsync(data_, static_cast<cudaStream_t>(stream_));
+}
+
+bool device_scatters() noexcept {
+#ifdef WS_HAVE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+void land_and_scatter(DeviceCopier& copier, unsigned lane, const void* source, uint64_t bytes,
+                      std::span<const ScatterRange> ranges, std::shared_ptr<const void> keepalive,
+                      std::string_view what) {
+  const Device& device = copier.device();
+  const std::string batch_text = (what.empty() ? std::string() : std::string(what) + ": ") + std::to_string(ranges.size()) +
+                                 " ranges landed in " + std::to_string(bytes) + " bytes";
+  for (const ScatterRange& range : ranges) {
+    WS_EXPECT(range.width <= kMostScatterField && range.rows <= kMostScatterField &&
+                  range.source_pitch <= kMostScatterField && range.destination_pitch <= kMostScatterField,
+              ErrorCode::kInvalidArgument,
+              device.name() + ": cannot scatter " + batch_text + ": a range of " + std::to_string(range.rows) +
+                  " rows of " + std::to_string(range.width) + " bytes has a field above 4 GiB");
+    const uint64_t extent = range.rows == 0 ? 0 : (range.rows - 1) * range.source_pitch + range.width;
+    WS_EXPECT(range.source_offset <= bytes && extent <= bytes - range.source_offset, ErrorCode::kInvalidArgument,
+              device.name() + ": cannot scatter " + batch_text + ": a range reads bytes " +
+                  std::to_string(range.source_offset) + "+" + std::to_string(extent) + ", outside them");
+  }
+  if (bytes == 0 || ranges.empty()) return;
+#ifdef WS_HAVE_CUDA_KERNELS
+  auto& state = DeviceCopierAccess::state(copier);
+  LaneScratch landing(copier, lane, bytes);  // given back after the launches below, in the lane's order
+  state.enqueue(bytes, std::move(keepalive), lane, what, [&](cudaStream_t stream) {
+    return cudaMemcpyAsync(landing.data(), source, bytes, cudaMemcpyHostToDevice, stream);
+  });
+  for (size_t first = 0; first < ranges.size(); first += detail::kScatterItemsPerLaunch) {
+    detail::ScatterBatch batch{};
+    batch.landing = landing.data();
+    uint64_t written = 0;
+    for (size_t i = first; i < std::min(ranges.size(), first + detail::kScatterItemsPerLaunch); ++i) {
+      const ScatterRange& range = ranges[i];
+      if (range.width == 0 || range.rows == 0) continue;
+      batch.items[batch.count++] = {static_cast<std::byte*>(range.destination), range.source_offset,
+                                    static_cast<uint32_t>(range.width), static_cast<uint32_t>(range.rows),
+                                    static_cast<uint32_t>(range.destination_pitch),
+                                    static_cast<uint32_t>(range.source_pitch)};
+      written += range.width * range.rows;
+    }
+    state.enqueue(written, nullptr, lane, what,
+                  [&](cudaStream_t stream) { return detail::launch_scatter_work(batch, stream); }, LaneWork::kScatter);
+  }
+#else
+  WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot scatter " + batch_text +
+                                       " on the device: this build has no CUDA kernels (nvcc was not found at build time)");
+#endif
 }
 
 void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, const E4m3BlockJob& job,

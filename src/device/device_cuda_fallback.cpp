@@ -105,6 +105,12 @@ unsigned DeviceCopier::lanes() const noexcept { return 0; }
 const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }
 
+bool device_scatters() noexcept { return false; }
+void land_and_scatter(DeviceCopier& copier, unsigned, const void*, uint64_t, std::span<const ScatterRange>,
+                      std::shared_ptr<const void>, std::string_view) {
+  fail_no_cuda(copier.device());
+}
+
 bool device_quantizes_e4m3() noexcept { return false; }
 LaneScratch::LaneScratch(DeviceCopier& copier, unsigned, size_t) { fail_no_cuda(copier.device()); }
 LaneScratch::~LaneScratch() = default;

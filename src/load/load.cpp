@@ -59,22 +59,32 @@ class SessionSink final : public TensorSink {
   /// column slices). A GPU's copies want pinned staging.
   bool takes_views() const override { return !session_.layout().device().is_cuda(); }
 
-  void consume(TensorPiece&& piece) override {
-    const CheckpointTensor& tensor = *piece.tensor;
-    const TensorShape& shape = shapes_[piece.request];
-    TensorView view{.name = tensor.name,
-                    .dtype = shape.dtype,
-                    .shape = shape.shape,
-                    .data = piece.bytes.data(),
-                    .offset = plan_.reads[piece.request].range.offset + piece.offset,
-                    .bytes = piece.bytes.size(),
-                    .keepalive = std::move(piece.keepalive)};
-    session_.load(view);
+  void consume(TensorPiece&& piece) override { session_.load(view_of(std::move(piece))); }
+
+  /// A read's pieces are one batch of the session: on a GPU its small tensors and column
+  /// windows land in one copy and are written out by one kernel.
+  void consume_batch(std::span<TensorPiece> pieces) override {
+    std::vector<TensorView> views;
+    views.reserve(pieces.size());
+    for (TensorPiece& piece : pieces) views.push_back(view_of(std::move(piece)));
+    session_.load(views);
   }
 
   void finish() override { session_.settle(); }
 
  private:
+  TensorView view_of(TensorPiece&& piece) const {
+    const CheckpointTensor& tensor = *piece.tensor;
+    const TensorShape& shape = shapes_[piece.request];
+    return TensorView{.name = tensor.name,
+                      .dtype = shape.dtype,
+                      .shape = shape.shape,
+                      .data = piece.bytes.data(),
+                      .offset = plan_.reads[piece.request].range.offset + piece.offset,
+                      .bytes = piece.bytes.size(),
+                      .keepalive = std::move(piece.keepalive)};
+  }
+
   const LoadPlan& plan_;
   LoadSession& session_;
   std::vector<TensorShape> shapes_;  // parallel to plan_.reads

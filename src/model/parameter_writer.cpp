@@ -1,10 +1,12 @@
 #include "model/parameter_writer.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
+#include "weightstream/options.hpp"
 
 namespace weightstream::model {
 namespace {
@@ -20,6 +22,16 @@ constexpr uint64_t kNarrowRowBytes = 4096;
 /// ... unless the span holds more than this many times the rows' bytes (a rank of tp 8):
 /// then the extra bytes over the link cost more than the short DMAs.
 constexpr uint64_t kMostSpanPerRowBytes = 4;
+/// copy_from_host(): runs this large cross on their own (a landing would add a pass through
+/// device memory and hold scratch for nothing), and a landing copy is at most this large...
+constexpr uint64_t kLandingBytes = 4 * kMiB;
+/// ... and spans gaps of at most this many bytes between the sources it lands.
+constexpr uint64_t kLandingGapBytes = 64 * 1024;
+
+/// The first byte past a rectangle's source.
+const std::byte* source_end(const ParameterWriter::HostCopy& copy) {
+  return copy.source + (copy.rows - 1) * copy.source_pitch + copy.width;
+}
 
 }  // namespace
 
@@ -49,16 +61,13 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
   if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
     return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what, lane);
   }
-  if (copier_ && !source_device.is_cuda() && width < kNarrowRowBytes && source_pitch <= kMostSpanPerRowBytes * width) {
+  if (copier_ && !source_device.is_cuda() && lands(width, rows, source_pitch, destination_pitch)) {
     // Narrow rows from the host: the span that holds them (the other ranks' columns too)
-    // crosses in one copy into device scratch, and a 2-D copy within the GPU, at its memory's
-    // rate, picks the rows out. The same lane orders the two copies.
-    const unsigned chosen = lane ? *lane : take_lane();
+    // crosses in one copy into device scratch, and a kernel picks the rows out at the
+    // device memory's rate. The same lane orders the two.
     const uint64_t span = (rows - 1) * source_pitch + width;
-    std::shared_ptr<LaneScratch> staged = scratch(span, chosen);
-    copier_->copy_to_device(staged->data(), source, span, std::move(keepalive), chosen, what);
-    copier_->copy_rows_to_device(destination, destination_pitch, staged->data(), source_pitch, width, rows, staged,
-                                 chosen, what);
+    const ScatterRange range{destination, destination_pitch, 0, source_pitch, width, rows};
+    land_and_scatter(*copier_, lane ? *lane : take_lane(), source, span, std::span(&range, 1), std::move(keepalive), what);
     return;
   }
   if (copier_ && (!source_device.is_cuda() || source_device == device_)) {
@@ -70,6 +79,57 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
     copy_bytes(destination + row * destination_pitch, device_, source + row * source_pitch, source_device, width);
   }
   if (copier_) copied_between_devices();
+}
+
+bool ParameterWriter::lands(uint64_t width, uint64_t rows, uint64_t source_pitch, uint64_t destination_pitch) const {
+  if (!copier_ || !device_scatters() || width == 0 || rows == 0) return false;
+  if (width > kMostScatterField || rows > kMostScatterField || source_pitch > kMostScatterField ||
+      destination_pitch > kMostScatterField) {
+    return false;
+  }
+  if (rows == 1) return width < kLandingBytes;
+  return width < kNarrowRowBytes && source_pitch <= kMostSpanPerRowBytes * width;
+}
+
+void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shared_ptr<const void> keepalive,
+                                     std::string_view what) {
+  std::vector<const HostCopy*> landed;
+  for (const HostCopy& copy : copies) {
+    if (copy.width == 0 || copy.rows == 0) continue;
+    if (copies.size() > 1 && lands(copy.width, copy.rows, copy.source_pitch, copy.destination_pitch) &&
+        static_cast<uint64_t>(source_end(copy) - copy.source) <= kLandingBytes) {
+      landed.push_back(&copy);
+      continue;
+    }
+    copy_rows(copy.destination, copy.destination_pitch, copy.source, kHost, copy.source_pitch, copy.width, copy.rows,
+              keepalive, what);
+  }
+  // The rest in groups of close sources, in source order: one landing copy and one launch each.
+  std::sort(landed.begin(), landed.end(), [](const HostCopy* a, const HostCopy* b) { return a->source < b->source; });
+  std::vector<ScatterRange> ranges;
+  for (size_t first = 0; first < landed.size();) {
+    const std::byte* begin = landed[first]->source;
+    const std::byte* end = source_end(*landed[first]);
+    size_t last = first + 1;
+    for (; last < landed.size(); ++last) {
+      const std::byte* next_end = std::max(end, source_end(*landed[last]));
+      if (landed[last]->source > end + kLandingGapBytes || static_cast<uint64_t>(next_end - begin) > kLandingBytes) break;
+      end = next_end;
+    }
+    if (last - first == 1 && landed[first]->rows == 1) {
+      const HostCopy& copy = *landed[first];
+      this->copy(copy.destination, copy.source, kHost, copy.width, keepalive, what);
+    } else {
+      ranges.clear();
+      for (size_t i = first; i < last; ++i) {
+        const HostCopy& copy = *landed[i];
+        ranges.push_back({copy.destination, copy.destination_pitch, static_cast<uint64_t>(copy.source - begin),
+                          copy.source_pitch, copy.width, copy.rows});
+      }
+      land_and_scatter(*copier_, take_lane(), begin, static_cast<uint64_t>(end - begin), ranges, keepalive, what);
+    }
+    first = last;
+  }
 }
 
 void ParameterWriter::copy_ranges(std::span<const CopyRange> ranges, const Device& source_device,

@@ -54,6 +54,22 @@ class ParameterWriter {
                  const Device& source_device, uint64_t source_pitch, uint64_t width, uint64_t rows,
                  std::shared_ptr<const void> keepalive, std::string_view what,
                  std::optional<unsigned> lane = std::nullopt);
+  /// One rectangle of copy_from_host(): as copy_rows() takes it (one row: a contiguous run).
+  struct HostCopy {
+    std::byte* destination = nullptr;
+    uint64_t destination_pitch = 0;
+    const std::byte* source = nullptr;
+    uint64_t source_pitch = 0;
+    uint64_t width = 0;
+    uint64_t rows = 1;
+  };
+  /// Copies every rectangle from host memory (pinned or registered, kept valid by
+  /// `keepalive` until the copies land) into the writer's device memory, as copy_rows() would
+  /// each. On a GPU whose build has kernels, the small ones (runs under 4 MiB, narrow rows)
+  /// whose sources lie close together land in one copy a group, written out by one kernel:
+  /// a read of many small tensors (MoE experts, their scales) or of a column window costs a
+  /// copy, not one per tensor or row. `what` names the batch in errors. Throws Error(kDevice).
+  void copy_from_host(std::span<const HostCopy> copies, std::shared_ptr<const void> keepalive, std::string_view what);
   /// Copies every range (destinations in the writer's device memory; sources in host memory
   /// or, all of them, in the memory of the writer's GPU) as one batch: from the host, one
   /// driver call that has landed when this returns; within the GPU, one gather kernel that
@@ -82,6 +98,10 @@ class ParameterWriter {
   void wait();
 
  private:
+  /// Whether a rectangle from the host lands in device scratch to be written out by a kernel
+  /// (a run under 4 MiB; narrow rows whose span carries few other bytes) rather than copied
+  /// on its own.
+  bool lands(uint64_t width, uint64_t rows, uint64_t source_pitch, uint64_t destination_pitch) const;
   /// Notes a copy_bytes() between two GPUs, which returns before the copy engine is done.
   void copied_between_devices() noexcept { between_devices_.store(true, std::memory_order_relaxed); }
 

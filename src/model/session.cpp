@@ -106,19 +106,20 @@ struct PieceWrite {
   std::string_view name;
 };
 
-/// Writes the bytes of `write` (in the parameter's load dtype) into one part: a run of a
-/// row slice lands where it belongs; a column slice is written as the partial rows at the
-/// piece's ends and one 2-D copy of the whole rows between them, which reads only the
-/// slice's columns (a piece of a strided read holds nothing else). On a GPU, every copy runs
-/// on lane `lane` when given.
-void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const ParameterPart& part, uint64_t element,
-                      const PieceWrite& write, std::optional<unsigned> lane = std::nullopt) {
+/// Calls `rectangle(destination, destination_pitch, source, source_pitch, width, rows)` for
+/// each copy that writes the bytes of `write` (in the parameter's load dtype) into one part
+/// at `base`: a run of a row slice lands where it belongs; a column slice is written as the
+/// partial rows at the piece's ends (one row each) and one rectangle of the whole rows
+/// between them, which reads only the slice's columns (a piece of a strided read holds
+/// nothing else).
+template <typename Rectangle>
+void for_each_part_copy(std::byte* base, const ParameterPart& part, uint64_t element, const PieceWrite& write,
+                        Rectangle&& rectangle) {
   const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
   const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
   const uint64_t length = write.end - write.begin;
   if (part.contiguous()) {
-    writer.copy(base + (write.begin - needed_begin), write.source, write.device, length, write.keepalive, write.name,
-                lane);
+    rectangle(base + (write.begin - needed_begin), length, write.source, length, length, 1);
     return;
   }
   const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
@@ -133,8 +134,7 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
     uint64_t lo = std::max(from, columns_from);
     uint64_t hi = std::min(to, columns_from + width);
     if (lo >= hi) return;
-    writer.copy(base + row * width + (lo - columns_from), source_at(lo), write.device, hi - lo, write.keepalive,
-                write.name, lane);
+    rectangle(base + row * width + (lo - columns_from), hi - lo, source_at(lo), hi - lo, hi - lo, 1);
   };
   uint64_t row = first / row_bytes;
   uint64_t position = first;
@@ -146,12 +146,23 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
   }
   uint64_t whole_rows = (last - position) / row_bytes;
   if (whole_rows > 0) {
-    writer.copy_rows(base + row * width, width, source_at(position + column_begin), write.device, row_bytes, width,
-                     whole_rows, write.keepalive, write.name, lane);
+    rectangle(base + row * width, width, source_at(position + column_begin), row_bytes, width, whole_rows);
     position += whole_rows * row_bytes;
     row += whole_rows;
   }
   if (position < last) write_partial_row(row, position, last);
+}
+
+/// Writes the bytes of `write` (in the parameter's load dtype) into one part through
+/// `writer` (for_each_part_copy()). On a GPU, every copy runs on lane `lane` when given.
+void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const ParameterPart& part, uint64_t element,
+                      const PieceWrite& write, std::optional<unsigned> lane = std::nullopt) {
+  for_each_part_copy(base, part, element, write,
+                     [&](std::byte* destination, uint64_t destination_pitch, const std::byte* source,
+                         uint64_t source_pitch, uint64_t width, uint64_t rows) {
+                       writer.copy_rows(destination, destination_pitch, source, write.device, source_pitch, width, rows,
+                                        write.keepalive, write.name, lane);
+                     });
 }
 
 /// Host memory for held pieces, reused within a load. A held piece's copy in fresh memory
@@ -290,8 +301,7 @@ struct LoadSession::State {
     Parameter& parameter = layout.mutable_parameter(write.parameter);
     const ParameterPart& part = parameter.parts[write.part];
     ParameterState& parameter_state = parameters[write.parameter];
-    std::byte* base = parameter.processing != Processing::kNone ? parameter_state.staging.data() : parameter.data;
-    base += part.element_offset * element_bytes(parameter.load_dtype);
+    std::byte* base = part_base(write);
     if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
     if (quantizes_into(write.dtype, parameter) && writer->quantizes_on_device() && parameter.device == writer->device() &&
         (!write.device.is_cuda() || write.device == writer->device())) {
@@ -719,7 +729,57 @@ struct LoadSession::State {
   /// Step 4: issues the writes, every one through the writer.
   void write(std::span<const Write> writes) {
     if (format == TensorFormat::kEngine) return write_engine(writes);
+    if (writes.size() > 1 && writer->asynchronous()) return write_checkpoint_batch(writes);
     for (const Write& write : writes) write_checkpoint(write);
+  }
+
+  /// Writes a batch of checkpoint-format pieces into a GPU's parameters: the plain ones (from
+  /// the host, in the parameter's dtype) go to the writer together, so a read's small tensors
+  /// and column windows land in one copy (ParameterWriter::copy_from_host()); the rest one by
+  /// one (write_checkpoint()).
+  void write_checkpoint_batch(std::span<const Write> writes) {
+    std::vector<model::ParameterWriter::HostCopy> copies;
+    std::vector<std::shared_ptr<const void>> keepalives;
+    const Write* first = nullptr;
+    const Write* last = nullptr;
+    for (const Write& write : writes) {
+      Parameter& parameter = layout.mutable_parameter(write.parameter);
+      if (write.device.is_cuda() || write.dtype != parameter.load_dtype || parameter.device != writer->device()) {
+        write_checkpoint(write);
+        continue;
+      }
+      const uint64_t element = element_bytes(write.dtype);
+      for_each_part_copy(part_base(write), parameter.parts[write.part], element, write,
+                         [&](std::byte* destination, uint64_t destination_pitch, const std::byte* source,
+                             uint64_t source_pitch, uint64_t width, uint64_t rows) {
+                           copies.push_back({destination, destination_pitch, source, source_pitch, width, rows});
+                         });
+      if (write.keepalive && (keepalives.empty() || keepalives.back() != write.keepalive)) {
+        keepalives.push_back(write.keepalive);
+      }
+      if (!first) first = &write;
+      last = &write;
+    }
+    if (copies.empty()) return;
+    std::shared_ptr<const void> keepalive;
+    if (keepalives.size() == 1) {
+      keepalive = std::move(keepalives.front());
+    } else if (!keepalives.empty()) {
+      keepalive = std::make_shared<std::vector<std::shared_ptr<const void>>>(std::move(keepalives));
+    }
+    const std::string what = first == last ? "tensor '" + std::string(first->name) + "'"
+                                           : "tensors '" + std::string(first->name) + "' to '" +
+                                                 std::string(last->name) + "' of one read";
+    writer->copy_from_host(copies, std::move(keepalive), what);
+  }
+
+  /// Where a checkpoint-format write's part begins: in its parameter, or in the parameter's
+  /// staging for processing.
+  std::byte* part_base(const Write& write) {
+    Parameter& parameter = layout.mutable_parameter(write.parameter);
+    std::byte* base = parameter.processing != Processing::kNone ? parameters[write.parameter].staging.data()
+                                                                 : parameter.data;
+    return base + parameter.parts[write.part].element_offset * element_bytes(parameter.load_dtype);
   }
 
   /// Step 5 (lock held): layers whose last write has now been issued by every load() call

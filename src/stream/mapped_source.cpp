@@ -268,12 +268,17 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
                                           std::to_string(bytes) + " of " +
                                           checkpoint.storage().object_uri(shards[window.shard].name));
         }
+        // The window's pieces go to the sink together (one landing copy for its small tensors).
+        std::vector<TensorPiece> delivered;
+        delivered.reserve(window.pieces.size());
         for (const auto& piece : window.pieces) {
           const TensorRequest& request = requests[piece.request];
           const CheckpointTensor& tensor = tensors[request.tensor];
-          TensorPiece delivered{piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
-                                std::span<const std::byte>(file + piece.file_offset, piece.length), registration};
-          sink.consume(std::move(delivered));
+          delivered.push_back({piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
+                               std::span<const std::byte>(file + piece.file_offset, piece.length), registration});
+        }
+        sink.consume_batch(delivered);
+        for (const auto& piece : window.pieces) {
           enqueued.fetch_add(piece.length, std::memory_order_relaxed);
           if (remaining[piece.request].fetch_sub(piece.length) == piece.length) sink.request_complete(piece.request);
         }

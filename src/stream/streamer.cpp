@@ -378,7 +378,7 @@ class StreamRun {
       wakeup_.wait(lock, [&] { return error_ || next_delivered_read_ == read_index; });
       if (error_) return;
     }
-    for (const auto& delivery : read.deliveries) {
+    auto piece_of = [&](const auto& delivery) {
       TensorPiece piece;
       piece.request = delivery.request;
       piece.offset = delivery.request_offset;
@@ -386,24 +386,39 @@ class StreamRun {
       piece.bytes = std::span<const std::byte>(read.direct ? delivery.direct : staged + delivery.buffer_offset,
                                                delivery.length);
       piece.keepalive = read.direct ? nullptr : lent_read ? held.keepalive : lease.keepalive;
-      if (ordered_) {
-        std::unique_lock lock(mutex_);
-        wakeup_.wait(lock, [&] { return error_ || next_offset_[delivery.request] == delivery.request_offset; });
-        if (error_) return;
-      }
       piece.tensor = &checkpoint_.tensors()[requests_[delivery.request].tensor];
-      sink_.consume(std::move(piece));
-      if (ordered_) {
-        {
-          std::lock_guard lock(mutex_);
-          next_offset_[delivery.request] += delivery.length;
-        }
-        wakeup_.notify_all();
-      }
+      return piece;
+    };
+    auto delivered = [&](const auto& delivery) {
       if (delivered_.fetch_add(delivery.payload, std::memory_order_relaxed) + delivery.payload == total_) wake_progress();
       if (remaining_[delivery.request].fetch_sub(delivery.payload) == delivery.payload) {
         sink_.request_complete(delivery.request);
         completed_.fetch_add(1, std::memory_order_relaxed);
+      }
+    };
+    if (!ordered_ && read.deliveries.size() > 1) {
+      // The read's pieces go together: a sink copying to a GPU lands them in one copy.
+      std::vector<TensorPiece> pieces;
+      pieces.reserve(read.deliveries.size());
+      for (const auto& delivery : read.deliveries) pieces.push_back(piece_of(delivery));
+      sink_.consume_batch(pieces);
+      for (const auto& delivery : read.deliveries) delivered(delivery);
+    } else {
+      for (const auto& delivery : read.deliveries) {
+        if (ordered_) {
+          std::unique_lock lock(mutex_);
+          wakeup_.wait(lock, [&] { return error_ || next_offset_[delivery.request] == delivery.request_offset; });
+          if (error_) return;
+        }
+        sink_.consume(piece_of(delivery));
+        if (ordered_) {
+          {
+            std::lock_guard lock(mutex_);
+            next_offset_[delivery.request] += delivery.length;
+          }
+          wakeup_.notify_all();
+        }
+        delivered(delivery);
       }
     }
     if (file_ordered_) {

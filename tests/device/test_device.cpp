@@ -17,6 +17,7 @@
 #include "device/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/options.hpp"
 #include "support/skip_without_gpu.hpp"
 
 namespace weightstream {
@@ -221,6 +222,66 @@ TEST(Cuda, CopyQueueOverlapsGathersAndWaitsForAll) {
   for (const Buffer& target : targets) {
     copy_bytes(back.data(), kCpu, target.data(), kCuda0, total);
     ASSERT_EQ(std::memcmp(back.data(), source.data(), total), 0);
+  }
+}
+
+TEST(Cuda, LandAndScatterWritesEveryRectangleOfOneLandedCopy) {
+  WS_SKIP_WITHOUT_GPU();
+  // 300 rectangles (more than one launch takes) out of one pinned source: runs of every
+  // alignment and narrow rows of a column window, from 1 byte wide to 4 KiB.
+  auto source = pattern(4 * kMiB, 11);
+  Buffer pinned(kCpu, source.size(), HostMemory::kPinned);
+  std::memcpy(pinned.data(), source.data(), source.size());
+  Buffer target(kCuda0, 8 * kMiB);
+  fill_zero(target.data(), kCuda0, target.size());
+  std::vector<std::byte> expected(target.size(), std::byte{0});
+  std::vector<ScatterRange> ranges;
+  uint64_t read = 0, written = 0;
+  for (unsigned i = 0; i < 300; ++i) {
+    ScatterRange range;
+    range.width = i % 3 == 2 ? 1 + (i * 37) % 4096 : 1 + (i * 97) % 9000;
+    range.rows = i % 3 == 2 ? 1 + i % 17 : 1;
+    range.source_pitch = range.width + (range.rows > 1 ? i % 29 : 0);
+    range.destination_pitch = range.width + (i % 5);
+    range.source_offset = read + i % 16;
+    written += i % 16;  // destinations of every alignment too
+    range.destination = target.data() + written;
+    const uint64_t extent = (range.rows - 1) * range.source_pitch + range.width;
+    const uint64_t landed_extent = (range.rows - 1) * range.destination_pitch + range.width;
+    ASSERT_LE(range.source_offset + extent, source.size());
+    ASSERT_LE(written + landed_extent, target.size());
+    for (uint64_t row = 0; row < range.rows; ++row) {
+      std::memcpy(expected.data() + written + row * range.destination_pitch,
+                  source.data() + range.source_offset + row * range.source_pitch, range.width);
+    }
+    read = range.source_offset + extent;
+    written += landed_extent;
+    ranges.push_back(range);
+  }
+  DeviceCopier copier(kCuda0);
+  std::atomic<bool> released{false};
+  auto keepalive = std::shared_ptr<const void>(pinned.data(), [&](const void*) { released = true; });
+  land_and_scatter(copier, 1, pinned.data(), read, ranges, std::move(keepalive), "test batch");
+  copier.synchronize();
+  EXPECT_TRUE(released.load());
+  std::vector<std::byte> back(target.size());
+  copy_bytes(back.data(), kCpu, target.data(), kCuda0, back.size());
+  EXPECT_EQ(std::memcmp(back.data(), expected.data(), back.size()), 0);
+}
+
+TEST(Cuda, LandAndScatterRefusesARangeOutsideTheLandedBytes) {
+  WS_SKIP_WITHOUT_GPU();
+  Buffer pinned(kCpu, 4096, HostMemory::kPinned);
+  Buffer target(kCuda0, 4096);
+  DeviceCopier copier(kCuda0);
+  ScatterRange range{target.data(), 100, 4000, 200, 100, 2};  // reads 4000+300 of 4096
+  try {
+    land_and_scatter(copier, 0, pinned.data(), 4096, std::span(&range, 1), nullptr, "batch 'x'");
+    FAIL() << "a range past the landed bytes was scattered";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_THAT(error.what(), HasSubstr("cuda:0: cannot scatter batch 'x': 1 ranges landed in 4096 bytes: a range reads "
+                                        "bytes 4000+300, outside them"));
   }
 }
 

@@ -16,6 +16,8 @@
 #include "support/test_support.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/stream.hpp"
+#include "weightstream/synth.hpp"
+#include "weightstream/model.hpp"
 #include "support/skip_without_gpu.hpp"
 
 namespace weightstream {
@@ -196,6 +198,51 @@ TEST(CudaLoad, DigestsEqualHostDigests) {
       }
       EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
       EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
+    }
+  }
+}
+
+// The ranks of an FP8 block-scaled MoE land their small tensors (experts, block scales) and
+// column windows (down_proj, the experts' w2 and their scales) through one landing copy per
+// read and a scatter kernel: every parameter equals the same rank's host load, on every GPU
+// path and with reads that split tensors and rows.
+TEST(CudaLoad, RanksOfAnFp8MoeEqualTheirHostLoads) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir directory;
+  SynthOptions synth;
+  synth.arch = "qwen3_moe";
+  synth.quantize = SynthOptions::Quantization::kFp8Block;
+  synth.hidden = 512;
+  synth.layers = 2;
+  synth.experts = 4;
+  synth.shards = 3;
+  synth.seed = 5;
+  synthesize_checkpoint(directory.path(), synth);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  const ModelConfig config = checkpoint_model_config(checkpoint);
+  StreamOptions pieces;
+  pieces.chunk_bytes = 4096;  // reads that split rows and tensors
+  pieces.memory_limit = 256 * kKiB;
+  pieces.gpu_path = GpuPath::kStaged;
+  for (Parallelism parallel : {Parallelism{2, 0, 1, 0}, Parallelism{2, 1, 1, 0}, Parallelism{4, 3, 1, 0},
+                               Parallelism{2, 1, 2, 1}}) {
+    SCOPED_TRACE("tp " + std::to_string(parallel.tp_size) + " rank " + std::to_string(parallel.tp_rank) + ", ep " +
+                 std::to_string(parallel.ep_size) + " rank " + std::to_string(parallel.ep_rank));
+    ModelLayout reference = build_model_layout(config, {.parallel = parallel});
+    reference.allocate(Device{});
+    load_layout(reference, checkpoint, LoadMode::kCold, StreamOptions{});
+    for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged, GpuPath::kMapped}) {
+      for (const StreamOptions& base : {StreamOptions{}, pieces}) {
+        StreamOptions options = base;
+        options.gpu_path = path;
+        ModelLayout layout = build_model_layout(config, {.parallel = parallel});
+        layout.allocate(kCuda0, ModelLayout::ArenaContents::kUnwritten);
+        load_layout(layout, checkpoint, LoadMode::kCold, options);
+        LayoutComparison comparison = compare_layouts(layout, reference);
+        EXPECT_EQ(comparison.mismatched, 0u)
+            << gpu_path_name(path) << " path, chunks of " << options.chunk_bytes << ": "
+            << (comparison.mismatches.empty() ? "" : comparison.mismatches[0]);
+      }
     }
   }
 }
