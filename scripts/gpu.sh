@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|pythonpath|all]...   (default: all)
 #   WS_GPU_MOE_SIZE        the FP8 MoE checkpoint of the moe stage (default 8GiB)
 #   WS_GPU_UCX_SIZE        the checkpoint of the ucx stage (default 4GiB)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
@@ -167,8 +167,11 @@ fi
 run_gpu_bench() {  # sections
   local site=$build/python-site peer_site=/tmp/peer-site
   if compgen -G "$root/.whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$peer_site" \
-      "$root"/.whl/*.whl >>"$out/bench.log" 2>&1 || echo "installing the wheels in .whl/ failed (see bench.log)"
+    # By name from .whl/, so pip takes the one wheel of each peer that fits this python (.whl/
+    # may hold cp311, cp312 and cp313 builds of one version).
+    python3 -m pip install -q --no-index --find-links "$root/.whl" --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$peer_site" $(ls "$root"/.whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u) \
+      >>"$out/bench.log" 2>&1 || echo "installing the wheels in .whl/ failed (see bench.log)"
   else
     echo "no .whl/ folder of peer wheels: the Run:ai, fastsafetensors and InstantTensor rows will fail"
   fi
@@ -336,6 +339,21 @@ if wants ucx; then
     --size "${WS_GPU_UCX_SIZE:-4GiB}" 2>&1 | tee "$out/ucx.log" || status=1
   summary "ucx ($((SECONDS - start)) s): $(grep -c ': yes$' "$out/gpu_ucx.md" 2>/dev/null) checks passed," \
     "$(grep -c ': NO$' "$out/gpu_ucx.md" 2>/dev/null) failed (gpu_ucx.md)"
+fi
+
+# ---- pythonpath (issue 44): where the Python front ends' time goes against `load --raw`, on a
+# synth llama of WS_GPU_PYTHONPATH_SIZE (default 16GiB, 4 shards), each contender in a fresh
+# process, interleaved (bench/python_path_probe.py) ------------------------------------------
+if wants pythonpath; then
+  start=$SECONDS
+  checkpoint=${WS_GPU_PYTHONPATH_DIR:-/tmp/ws-python-path}
+  [ -f "$checkpoint/config.json" ] || "$build/weightstream" synth "$checkpoint" --arch llama \
+    --size "${WS_GPU_PYTHONPATH_SIZE:-16GiB}" --shards 4 >/dev/null
+  cat "$checkpoint"/*.safetensors >/dev/null  # warm
+  PYTHONUNBUFFERED=1 python3 "$root/bench/python_path_probe.py" "$checkpoint" --cli "$build/weightstream" \
+    --python-site "$build/python-site" --rounds "${WS_GPU_PYTHONPATH_ROUNDS:-3}" --out "$out/python_path_probe.json" \
+    2>&1 | tee "$out/python_path.md" || status=1
+  summary "pythonpath ($((SECONDS - start)) s): python_path.md"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------

@@ -29,6 +29,28 @@ Options resolve_options(const Options& base, nanobind::dict overrides);
 /// uint8 of shape [*shape, itemsize], or flat bytes for sub-byte dtypes (F4, F6).
 nanobind::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const Device& device, nanobind::handle owner);
 
+/// Which tensors the core hands over as torch.Tensor itself instead of as an array for
+/// Python to import: each is made from a DLPack capsule in one call into torch, with
+/// BF16 in torch's own dtype, where the array path costs torch.from_dlpack's protocol calls
+/// (device query, current stream, __dlpack__) and, for BF16, a view and a reshape per tensor.
+/// The F8, F6 and F4 kinds always cross as raw bytes (python/weightstream/_tensors.py views them).
+enum class TorchTensors {
+  kNone,  ///< every tensor as an array (framework="numpy", or no torch)
+  kBf16,  ///< BF16 tensors as torch tensors, the rest as arrays (the default framework with torch)
+  kAll,   ///< every tensor torch can import directly (framework="torch")
+};
+
+/// TorchTensors from its Python spelling: "none", "bf16" or "all".
+TorchTensors parse_torch_tensors(const std::string& text);
+
+/// What Python receives for one tensor: a torch.Tensor where `torch` says so, else
+/// tensor_array(); both hold `owner`.
+nanobind::object tensor_object(std::byte* data, const CheckpointTensor& tensor, const Device& device,
+                               nanobind::handle owner, TorchTensors torch);
+
+/// A report's named counters as a dict, named as `weightstream load --json` names them.
+nanobind::dict stats_dict(const std::vector<StatField>& fields);
+
 /// The safetensors dtype of raw uint8 bytes at `data` (`bytes` long) that tensor_array()
 /// made for a dtype numpy lacks and that are still alive: LoadSession.load takes them
 /// without the caller naming the dtype. nullopt for any other memory.

@@ -153,15 +153,6 @@ TensorFormat parse_format(const std::string& text) {
   WS_FAIL(ErrorCode::kInvalidArgument, "tensor format '" + text + "' is not one of checkpoint, engine");
 }
 
-/// A report's named counters as a dict, named as `weightstream load --json` names them.
-nb::dict stats_dict(const std::vector<StatField>& fields) {
-  nb::dict result;
-  for (const StatField& field : fields) {
-    std::visit([&](auto value) { result[nb::str(field.name.data(), field.name.size())] = value; }, field.value);
-  }
-  return result;
-}
-
 struct LayoutHandle;
 
 /// Every live layout that holds Python hooks (touched only with the GIL).
@@ -496,6 +487,14 @@ nb::object parameter_array(nb::handle layout_object, const std::string& name) {
 }
 
 }  // namespace
+
+nb::dict stats_dict(const std::vector<StatField>& fields) {
+  nb::dict result;
+  for (const StatField& field : fields) {
+    std::visit([&](auto value) { result[nb::str(field.name.data(), field.name.size())] = value; }, field.value);
+  }
+  return result;
+}
 
 ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
 

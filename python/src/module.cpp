@@ -212,6 +212,34 @@ nb::object tensor_array(std::byte* data, const CheckpointTensor& tensor, const D
   return array.cast();
 }
 
+TorchTensors parse_torch_tensors(const std::string& text) {
+  if (text == "none") return TorchTensors::kNone;
+  if (text == "bf16") return TorchTensors::kBf16;
+  if (text == "all") return TorchTensors::kAll;
+  WS_FAIL(ErrorCode::kInvalidArgument, "torch tensors '" + text + "' is not one of none, bf16, all");
+}
+
+nb::object tensor_object(std::byte* data, const CheckpointTensor& tensor, const Device& device, nb::handle owner,
+                         TorchTensors torch) {
+  bool bf16 = tensor.dtype == Dtype::kBF16;
+  bool as_torch = torch == TorchTensors::kAll ? bf16 || numpy_dtype(tensor.dtype).has_value()
+                                              : torch == TorchTensors::kBf16 && bf16;
+  if (!as_torch) return tensor_array(data, tensor, device, owner);
+  alignas(256) static std::byte empty_tensor[1];
+  if (tensor.bytes == 0) data = empty_tensor;
+  std::vector<size_t> shape(tensor.shape.begin(), tensor.shape.end());
+  auto dtype = bf16 ? nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1}
+                    : *numpy_dtype(tensor.dtype);
+  int device_type = device.is_cuda() ? nb::device::cuda::value : nb::device::cpu::value;
+  // A bare DLPack capsule, which torch imports without the __dlpack__ protocol's calls: the
+  // bytes are complete (a load returns, and a stream hands out a tensor, only once every
+  // copy to the device landed), so there is no stream to order against.
+  nb::ndarray<nb::no_framework> array(data, shape.size(), shape.data(), owner, nullptr, dtype, device_type, device.index);
+  // Looked up once, and never released: it outlives every call (as the module does).
+  static PyObject* from_dlpack = nb::object(nb::module_::import_("torch.utils.dlpack").attr("from_dlpack")).release().ptr();
+  return nb::handle(from_dlpack)(array.cast());
+}
+
 ProgressCallback interruptible_progress() {
   return [](uint64_t, uint64_t) {
     nb::gil_scoped_acquire acquire;
@@ -228,7 +256,8 @@ namespace {
 class StreamIterator {
  public:
   StreamIterator(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides,
-                 std::vector<size_t> selection) {
+                 std::vector<size_t> selection, const std::string& torch)
+      : torch_(parse_torch_tensors(torch)) {
     auto options = checkpoint.options(overrides);
     auto parsed = parse_device(device);
     nb::gil_scoped_release release;
@@ -245,7 +274,7 @@ class StreamIterator {
     const auto& info = stream_->checkpoint().tensors()[tensor->tensor];
     std::byte* data = tensor->buffer ? tensor->buffer->data() : nullptr;
     nb::capsule owner(tensor->buffer.release(), [](void* buffer) noexcept { delete static_cast<Buffer*>(buffer); });
-    return nb::make_tuple(tensor->tensor, tensor_array(data, info, stream_->device(), owner));
+    return nb::make_tuple(tensor->tensor, tensor_object(data, info, stream_->device(), owner, torch_));
   }
 
   void close() {
@@ -257,10 +286,16 @@ class StreamIterator {
   uint64_t peak_queued_bytes() const { return stream_->peak_queued_bytes(); }
 
  private:
+  TorchTensors torch_;
   std::unique_ptr<TensorStream> stream_;
 };
 
-nb::list load(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides) {
+/// (list of (name, tensor) in file order, the load's counters as `weightstream load --json`
+/// reports them: "seconds" is the library's own time, from the arena's allocation to the
+/// last byte landed).
+nb::tuple load(const CheckpointHandle& checkpoint, const std::string& device, nb::dict overrides,
+               const std::string& torch) {
+  auto torch_tensors = parse_torch_tensors(torch);
   auto options = checkpoint.options(overrides);
   auto parsed = parse_device(device);
   auto loaded = call_interruptibly([&](const ProgressCallback& progress) {
@@ -272,9 +307,9 @@ nb::list load(const CheckpointHandle& checkpoint, const std::string& device, nb:
     nb::capsule owner(new std::shared_ptr<LoadedCheckpoint>(loaded),
                       [](void* arena) noexcept { delete static_cast<std::shared_ptr<LoadedCheckpoint>*>(arena); });
     const auto& info = checkpoint.checkpoint().tensors()[tensor.tensor];
-    result.append(nb::make_tuple(info.name, tensor_array(tensor.data, info, parsed, owner)));
+    result.append(nb::make_tuple(info.name, tensor_object(tensor.data, info, parsed, owner, torch_tensors)));
   }
-  return result;
+  return nb::make_tuple(result, stats_dict(stat_fields(loaded->stats)));
 }
 
 std::vector<std::pair<std::string, std::string>> digest(const CheckpointHandle& checkpoint, const std::string& hash,
@@ -363,12 +398,12 @@ NB_MODULE(_core, m) {
                    })
       .def_prop_ro("tensor_bytes", [](const CheckpointHandle& handle) { return handle.checkpoint().tensor_bytes(); })
       .def_prop_ro("config_json", [](const CheckpointHandle& handle) { return handle.checkpoint().config_json(); })
-      .def("load", &load, "device"_a, "options"_a)
+      .def("load", &load, "device"_a, "options"_a, "torch"_a = "none")
       .def("digest", &digest, "hash"_a, "device"_a, "options"_a);
 
   nb::class_<StreamIterator>(m, "TensorStream")
-      .def(nb::init<const CheckpointHandle&, const std::string&, nb::dict, std::vector<size_t>>(), "checkpoint"_a,
-           "device"_a, "options"_a, "selection"_a = std::vector<size_t>{})
+      .def(nb::init<const CheckpointHandle&, const std::string&, nb::dict, std::vector<size_t>, const std::string&>(),
+           "checkpoint"_a, "device"_a, "options"_a, "selection"_a = std::vector<size_t>{}, "torch"_a = "none")
       .def("__iter__", [](nb::handle self) { return self; })
       .def("__next__", &StreamIterator::next)
       .def("close", &StreamIterator::close, "Stops the stream and waits for its reader thread.")

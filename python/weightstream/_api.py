@@ -6,7 +6,7 @@ import json
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from . import _core
-from ._tensors import check_framework, present
+from ._tensors import check_framework, core_torch_tensors, present
 
 Error = _core.Error
 TensorInfo = _core.TensorInfo
@@ -67,6 +67,11 @@ class Checkpoint:
         if self._infos is None:
             self._infos = [self._core.info(i) for i in range(len(self._core))]
         return self._infos
+
+    @property
+    def _dtype_names(self) -> "set[str]":
+        """The safetensors dtypes the checkpoint's tensors have."""
+        return {info.dtype for info in self._tensors}
 
     @property
     def uri(self) -> str:
@@ -148,13 +153,15 @@ class Checkpoint:
             if not selection:
                 return TensorIterator(self, _EmptyStream(), framework, 0)
         count = len(set(selection)) if names is not None else len(self)
-        return TensorIterator(self, _core.TensorStream(self._core, device, options, selection), framework, count)
+        dtypes = {self._core.info(i).dtype for i in selection} if names is not None else self._dtype_names
+        torch = core_torch_tensors(framework, dtypes)
+        return TensorIterator(self, _core.TensorStream(self._core, device, options, selection, torch), framework, count)
 
     def load(self, device: str = "cpu", framework: Optional[str] = None, **options: Any) -> Dict[str, Any]:
         """Loads every tensor into one arena on ``device`` (on the CPU, at the default io,
         views of the page cache); see weightstream.load()."""
         check_framework(framework)
-        loaded = self._core.load(device, options)
+        loaded, _ = self._core.load(device, options, core_torch_tensors(framework, self._dtype_names))
         return {name: present(array, info.dtype, info.shape, framework)
                 for (name, array), info in zip(loaded, self._tensors)}
 

@@ -10,7 +10,7 @@ bytes are reinterpreted, without a copy, as torch's own dtype where torch has on
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 # safetensors dtypes that cross as raw bytes, and the torch dtype each is viewed as.
 _TORCH_DTYPE_NAMES = {
@@ -64,6 +64,19 @@ def check_framework(framework: Optional[str]) -> None:
         require_torch()
 
 
+def core_torch_tensors(framework: Optional[str], dtypes: Iterable[str]) -> str:
+    """Which tensors the compiled core should hand over as torch.Tensor itself (made from
+    a bare DLPack capsule in one call, BF16 in torch's dtype) for ``framework``, given the
+    checkpoint's safetensors ``dtypes``: "all" for framework="torch", "bf16" for the default
+    framework when there is BF16 and torch imports, else "none". present() passes those
+    through and makes the others."""
+    if framework == "torch":
+        return "all"
+    if framework is None and "BF16" in dtypes and torch_or_none() is not None:
+        return "bf16"
+    return "none"
+
+
 def to_torch(array: Any, dtype: str, shape: Sequence[int]):
     """A torch.Tensor over ``array``'s memory with the checkpoint's dtype and shape."""
     torch = require_torch()
@@ -91,7 +104,10 @@ def to_numpy(array: Any):
 def present(array: Any, dtype: str, shape: Sequence[int], framework: Optional[str]):
     """The object a caller receives for one tensor, as the ``framework`` rule says:
     None keeps the DLPack array except that raw-byte dtypes become torch tensors when
-    torch is importable; "torch" always gives torch.Tensor; "numpy" numpy.ndarray."""
+    torch is importable; "torch" always gives torch.Tensor; "numpy" numpy.ndarray. A
+    torch.Tensor the core made already (core_torch_tensors) is returned as it is."""
+    if _torch_module is not None and framework != "numpy" and isinstance(array, _torch_module.Tensor):
+        return array
     if framework == "torch":
         return to_torch(array, dtype, shape)
     if framework == "numpy":
