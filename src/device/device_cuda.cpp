@@ -19,11 +19,13 @@
 
 #include "device/host_memory.hpp"
 #include "device/copies.hpp"
+#include "device/digests.hpp"
 #include "device/host_registration.hpp"
 #include "device/ipc.hpp"
 #include "device/quantize.hpp"
 #ifdef WS_HAVE_CUDA_KERNELS
 #include "device/copy_kernels.hpp"
+#include "device/digest_kernels.hpp"
 #include "device/quantize_kernels.hpp"
 #endif
 #include "weightstream/device.hpp"
@@ -755,6 +757,50 @@ void land_and_scatter(DeviceCopier& copier, unsigned lane, const void* source, u
 #else
   WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot scatter " + batch_text +
                                        " on the device: this build has no CUDA kernels (nvcc was not found at build time)");
+#endif
+}
+
+bool device_hashes_xxh64() noexcept {
+#ifdef WS_HAVE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<uint64_t> xxh64_on_device(const Device& device, std::span<const DeviceDigestRange> ranges) {
+  std::vector<uint64_t> digests(ranges.size());
+  if (ranges.empty()) return digests;
+#ifdef WS_HAVE_CUDA_KERNELS
+  require_device(device);
+  OwnedStream owned = batch_stream(device);
+  cudaStream_t stream = owned.get();
+  std::vector<detail::DigestWork> work;
+  work.reserve(ranges.size());
+  for (const DeviceDigestRange& range : ranges) work.push_back({range.data, range.bytes});
+  const size_t range_bytes = work.size() * sizeof(detail::DigestWork);
+  const size_t digest_bytes = ranges.size() * sizeof(uint64_t);
+  void* on_device = nullptr;
+  cudaError_t error = cudaMallocAsync(&on_device, range_bytes + digest_bytes, stream);
+  if (error == cudaSuccess) {
+    auto* device_ranges = static_cast<detail::DigestWork*>(on_device);
+    auto* device_digests = reinterpret_cast<uint64_t*>(static_cast<std::byte*>(on_device) + range_bytes);
+    error = cudaMemcpyAsync(device_ranges, work.data(), range_bytes, cudaMemcpyHostToDevice, stream);
+    if (error == cudaSuccess) error = detail::launch_xxh64(device_ranges, device_digests, ranges.size(), stream);
+    if (error == cudaSuccess) {
+      error = cudaMemcpyAsync(digests.data(), device_digests, digest_bytes, cudaMemcpyDeviceToHost, stream);
+    }
+    cudaError_t freed = cudaFreeAsync(on_device, stream);
+    if (error == cudaSuccess) error = freed;
+  }
+  if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+  WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
+            device.name() + ": xxh64 of " + std::to_string(ranges.size()) + " ranges on the device failed: " +
+                cuda_error_text(error));
+  return digests;
+#else
+  WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot hash " + std::to_string(ranges.size()) +
+                                       " ranges on the device: this build has no CUDA kernels (nvcc was not found at build time)");
 #endif
 }
 

@@ -5,6 +5,7 @@
 
 #include "device/host_memory.hpp"
 #include "device/copies.hpp"
+#include "device/digests.hpp"
 #include "device/host_registration.hpp"
 #include "device/ipc.hpp"
 #include "device/quantize.hpp"
@@ -104,6 +105,12 @@ void DeviceCopier::throw_if_failed() const {}
 unsigned DeviceCopier::lanes() const noexcept { return 0; }
 const Device& DeviceCopier::device() const noexcept { return state_->device; }
 uint64_t DeviceCopier::bytes_in_flight() const noexcept { return 0; }
+
+bool device_hashes_xxh64() noexcept { return false; }
+std::vector<uint64_t> xxh64_on_device(const Device& device, std::span<const DeviceDigestRange> ranges) {
+  if (ranges.empty()) return {};
+  fail_no_cuda(device);
+}
 
 bool device_scatters() noexcept { return false; }
 void land_and_scatter(DeviceCopier& copier, unsigned, const void*, uint64_t, std::span<const ScatterRange>,

@@ -18,6 +18,7 @@
 #include <stop_token>
 #include <thread>
 
+#include "device/digests.hpp"
 #include "storage/read_destination.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
@@ -38,6 +39,10 @@ constexpr uint64_t kReadPieceBytes = 8ull << 20;
 /// Parameters read in place run this far ahead of the one being checked against its digest,
 /// so that hashing one overlaps the transfer of the next ones.
 constexpr uint64_t kReadAheadBytes = 128ull << 20;
+/// GPU parameters that have landed are checked on the device, piece by piece against the
+/// manifest, in launches of about this many bytes (one thread hashes a piece: a launch wants
+/// thousands of pieces to keep the device busy).
+constexpr uint64_t kDeviceCheckBytes = 1ull << 30;
 
 /// A rectangle [row_begin, row_end) x [column_begin, column_end) of a tensor's 2-D view.
 struct Rect {
@@ -359,6 +364,57 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     ++report.parameters_read;
   };
 
+  // GPU parameters landed and waiting to be checked on the device (device_hashes_xxh64()):
+  // each digest piece of each, hashed in one launch, compared with the manifest's pieces.
+  struct DeviceCheck {
+    size_t link = 0;
+    size_t served = 0;
+    size_t first_range = 0;  ///< its first piece in `ranges`
+  };
+  std::vector<DeviceCheck> device_checks;
+  std::vector<DeviceDigestRange> device_ranges;
+  uint64_t device_check_bytes = 0;
+  const bool check_on_device = gpu_direct && device_hashes_xxh64();
+  auto run_device_checks = [&] {
+    if (device_checks.empty()) return;
+    const std::vector<uint64_t> digests = xxh64_on_device(layout.device(), device_ranges);
+    for (size_t c = 0; c < device_checks.size(); ++c) {
+      const DeviceCheck& check = device_checks[c];
+      const PeerParameter& parameter = state.links[check.link].manifest.parameters[check.served];
+      const size_t end = c + 1 < device_checks.size() ? device_checks[c + 1].first_range : device_ranges.size();
+      const uint64_t piece_bytes = state.links[check.link].manifest.digest_piece_bytes;
+      for (size_t r = check.first_range; r < end; ++r) {
+        const size_t k = r - check.first_range;
+        if (digests[r] == parameter.piece_xxh64[k]) continue;
+        fail_digest(state.links[check.link], parameter,
+                    "bytes " + std::to_string(k * piece_bytes) + "-" +
+                        std::to_string(k * piece_bytes + device_ranges[r].bytes) + ": ",
+                    digests[r], parameter.piece_xxh64[k]);
+      }
+      ++report.parameters_read;
+    }
+    device_checks.clear();
+    device_ranges.clear();
+    device_check_bytes = 0;
+  };
+  // Queues a landed GPU parameter's pieces for run_device_checks().
+  auto check_on_device_later = [&](size_t link_index, size_t served, const std::byte* data) {
+    const State::Link& link = state.links[link_index];
+    const PeerParameter& parameter = link.manifest.parameters[served];
+    const uint64_t piece_bytes = link.manifest.digest_piece_bytes;
+    const uint64_t pieces = piece_bytes == 0 ? 0 : (parameter.bytes + piece_bytes - 1) / piece_bytes;
+    WS_EXPECT(parameter.piece_xxh64.size() == pieces, ErrorCode::kProtocol,
+              "parameter " + parameter.name + " served by " + peer_text(link.manifest) + " has " +
+                  std::to_string(parameter.piece_xxh64.size()) + " piece digests for " + std::to_string(pieces) +
+                  " pieces");
+    device_checks.push_back({link_index, served, device_ranges.size()});
+    for (uint64_t k = 0; k < pieces; ++k) {
+      device_ranges.push_back({data + k * piece_bytes, std::min(piece_bytes, parameter.bytes - k * piece_bytes)});
+    }
+    device_check_bytes += parameter.bytes;
+    if (device_check_bytes >= kDeviceCheckBytes) run_device_checks();
+  };
+
   {
     // A fresh host layout's pages would be first touched as the bytes land, by the thread that
     // turns UCX; a helper populates them ahead of the reads instead, on a core the pull leaves
@@ -407,11 +463,16 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
         digests[checked].reset();
       } else {
         endpoint.wait_until(landed_bytes[checked], parameter.bytes(), timeout);
-        check_digest(state.links[direct.link], direct.served,
-                     digester.digest(parameter.data, layout.device(), parameter.bytes(), turn_workers));
+        if (check_on_device) {
+          check_on_device_later(direct.link, direct.served, parameter.data);
+        } else {
+          check_digest(state.links[direct.link], direct.served,
+                       digester.digest(parameter.data, layout.device(), parameter.bytes(), turn_workers));
+        }
       }
       ahead -= parameter.bytes();
     }
+    run_device_checks();
     wait_all();
     std::vector<TensorView> views;
     for (const Direct& direct : directs) {

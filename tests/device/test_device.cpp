@@ -12,8 +12,11 @@
 #include <thread>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "support/test_support.hpp"
 #include "device/copies.hpp"
+#include "device/digests.hpp"
 #include "device/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
@@ -283,6 +286,25 @@ TEST(Cuda, LandAndScatterRefusesARangeOutsideTheLandedBytes) {
     EXPECT_THAT(error.what(), HasSubstr("cuda:0: cannot scatter batch 'x': 1 ranges landed in 4096 bytes: a range reads "
                                         "bytes 4000+300, outside them"));
   }
+}
+
+TEST(Cuda, Xxh64OnDeviceEqualsTheHostLibrary) {
+  WS_SKIP_WITHOUT_GPU();
+  auto data = pattern(3 * kMiB, 13);
+  Buffer on_device(kCuda0, data.size());
+  copy_bytes(on_device.data(), kCuda0, data.data(), kCpu, data.size());
+  // Every tail length of the algorithm (stripes of 32, words of 8 and 4, single bytes), at
+  // aligned and unaligned starts, and pieces of the manifest's 512 KiB.
+  std::vector<DeviceDigestRange> ranges;
+  std::vector<uint64_t> expected;
+  for (uint64_t length : {0ull, 1ull, 3ull, 4ull, 7ull, 8ull, 12ull, 31ull, 32ull, 33ull, 63ull, 64ull, 100ull,
+                          1000ull, 4096ull, 512ull * 1024, 512ull * 1024 + 5}) {
+    for (uint64_t offset : {0ull, 1ull, 4ull, 8ull, 13ull}) {
+      ranges.push_back({on_device.data() + offset * 1000, length});
+      expected.push_back(XXH64(data.data() + offset * 1000, length, 0));
+    }
+  }
+  EXPECT_EQ(xxh64_on_device(kCuda0, ranges), expected);
 }
 
 TEST(Cuda, DeviceBatchCopiesThousandsOfRanges) {
