@@ -95,7 +95,8 @@ void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shar
                                      std::string_view what) {
   std::vector<const HostCopy*> landed;
   for (const HostCopy& copy : copies) {
-    if (copy.width == 0 || copy.rows == 0) continue;
+    // Bytes a transport landed in place already (source == destination) copy nothing.
+    if (copy.width == 0 || copy.rows == 0 || copy.source == copy.destination) continue;
     if (copies.size() > 1 && lands(copy.width, copy.rows, copy.source_pitch, copy.destination_pitch) &&
         static_cast<uint64_t>(source_end(copy) - copy.source) <= kLandingBytes) {
       landed.push_back(&copy);
