@@ -259,6 +259,9 @@ struct UpdateReceiver::State {
     }
     std::ranges::sort(order, {}, [&](size_t i) { return manifest.entries[i].source_offset; });
     std::vector<ReceiverTransport::Placement> placements;
+    // GPU parameters take their bytes straight from a transport that moves GPU memory.
+    const Device device = layout.device();
+    const bool into_gpu = device.is_cuda() && transport->places_on(device);
     uint64_t end = 0;
     for (size_t i : order) {
       const BucketEntry& entry = manifest.entries[i];
@@ -267,10 +270,10 @@ struct UpdateReceiver::State {
         return {};
       }
       end = entry.source_offset + entry.bytes;
-      std::byte* destination =
-          session->direct_destination(entry.name, entry.dtype, entry.shape, entry.tensor_offset, entry.bytes);
+      std::byte* destination = session->direct_destination(entry.name, entry.dtype, entry.shape, entry.tensor_offset,
+                                                           entry.bytes, into_gpu);
       if (destination == nullptr) continue;
-      placements.push_back({entry.source_offset, entry.bytes, destination});
+      placements.push_back({entry.source_offset, entry.bytes, destination, device});
       entries.push_back(i);
     }
     return placements;
@@ -588,6 +591,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
           for (size_t i = 0; i < placed_entries.size(); ++i) {
             if (!landed_in_place[i]) continue;
             views[placed_entries[i]].data = placements[i].destination;
+            views[placed_entries[i]].device = placements[i].device;
             placed_bytes += placements[i].bytes;
           }
         }

@@ -40,10 +40,14 @@ class ReceiverTransport {
     uint64_t offset = 0;
     uint64_t bytes = 0;
     std::byte* destination = nullptr;
+    Device device{};  ///< where `destination` lies
   };
   /// Whether a bucket's bytes may land where the receiver names (place()) rather than in
   /// its buffer: ucx's messages, each received where it belongs.
   virtual bool places() const { return false; }
+  /// Whether place() may name destinations in the memory of `device`: the host's always
+  /// where places(); a GPU's where the transport moves its memory itself (a CUDA-aware UCX).
+  virtual bool places_on(const Device& device) const { return places() && !device.is_cuda(); }
   /// Names, before receive() of the next bucket (into buffer `slot`), where ranges of it
   /// land; its bytes wait (UCX keeps them at the sender) until this is called, so nothing
   /// lands before the receiver has checked the bucket's manifest. An empty list: all in the

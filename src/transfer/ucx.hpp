@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weightstream/device.hpp"
 #include "weightstream/options.hpp"
 
 namespace weightstream::transfer::ucx {
@@ -201,6 +202,9 @@ class Worker {
   struct Landing {
     std::byte* destination = nullptr;
     bool later = false;
+    /// Where `destination` lies: a GPU's memory takes rendezvous payloads straight from
+    /// UCX (a CUDA-aware build: moves_cuda_memory()) and eager ones by a copy to the device.
+    Device device{};
   };
   /// Receiving side of Endpoint::send_message, before start_progress(): for each message
   /// that presents `secret`, `place(header, bytes)` (on the progress thread) says where its

@@ -140,7 +140,8 @@ class UcxReceiver final : public ReceiverTransport {
           const Placement& placement = *std::prev(after);
           if (piece.offset + bytes <= placement.offset + placement.bytes) {
             table.routed[static_cast<size_t>(std::prev(after) - table.placements.begin())] += bytes;
-            return {.destination = placement.destination + (piece.offset - placement.offset)};
+            return {.destination = placement.destination + (piece.offset - placement.offset),
+                    .device = placement.device};
           }
         }
       }
@@ -197,6 +198,7 @@ class UcxReceiver final : public ReceiverTransport {
     }
   }
   bool places() const override { return true; }
+  bool places_on(const Device& device) const override { return !device.is_cuda() || worker_.moves_cuda_memory(); }
   void place(uint32_t slot, std::vector<Placement> placements) override {
     // The pieces of the bucket placed before this one in `slot` have all landed (receive()),
     // so none reads the table now; those of this bucket are kept until it is published.

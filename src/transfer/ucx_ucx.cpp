@@ -248,7 +248,8 @@ struct Worker::State {
 
   /// Starts the landing of a rendezvous message's payload (UCX's descriptor `data`) at
   /// `destination`; `landed` runs once it is there.
-  void receive_into(std::byte* destination, std::span<const std::byte> header, void* data, uint64_t bytes) {
+  void receive_into(std::byte* destination, std::span<const std::byte> header, void* data, uint64_t bytes,
+                    const Device& device = {}) {
     auto arrival = std::make_unique<Arrival>(Arrival{this, {header.begin(), header.end()}, bytes, nullptr});
     if (destination == nullptr) {  // refused after it was kept: received, so that its sender's request ends
       arrival->discarded = std::make_unique<std::byte[]>(std::max<uint64_t>(bytes, 1));
@@ -258,6 +259,10 @@ struct Worker::State {
     receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     receive.cb.recv_am = &State::on_arrived;
     receive.user_data = arrival.get();
+    if (device.is_cuda() && !arrival->discarded) {
+      receive.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      receive.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     ucs_status_ptr_t receiving = ucp_am_recv_data_nbx(worker, data, destination, bytes, &receive);
     if (UCS_PTR_IS_PTR(receiving)) {
       arrival.release();  // on_arrived owns it
@@ -294,11 +299,10 @@ struct Worker::State {
     }
     if (landing.destination == nullptr) return refused;
     if (!rendezvous) {  // eager: the payload is here already
-      std::memcpy(landing.destination, data, length);
-      state->landed(user_header, length, true);
+      state->landed(user_header, length, copy_eager(landing, data, length));
       return UCS_OK;
     }
-    state->receive_into(landing.destination, user_header, data, length);
+    state->receive_into(landing.destination, user_header, data, length, landing.device);
     return UCS_INPROGRESS;  // the receive was started: UCX owns the descriptor
   }
 
@@ -313,24 +317,41 @@ struct Worker::State {
       if (landing.later) {
         kept.push_back(std::move(message));
       } else {
-        land_kept(message, landing.destination);
+        land_kept(message, landing);
       }
     }
     return true;
   }
 
   /// Lands a kept message at `destination`; null: refused, its payload received and dropped.
-  void land_kept(Kept& message, std::byte* destination) {
-    if (message.data != nullptr) return receive_into(destination, message.header, message.data, message.bytes);
-    if (destination != nullptr) std::memcpy(destination, message.payload.data(), message.bytes);
-    landed(message.header, message.bytes, destination != nullptr);
+  void land_kept(Kept& message, const Landing& landing) {
+    if (message.data != nullptr) {
+      return receive_into(landing.destination, message.header, message.data, message.bytes, landing.device);
+    }
+    landed(message.header, message.bytes,
+           landing.destination != nullptr && copy_eager(landing, message.payload.data(), message.bytes));
+  }
+
+  /// Copies an eager payload to where it lands (a GPU's memory by a copy to the device).
+  /// False when that copy failed: the piece did not land.
+  static bool copy_eager(const Landing& landing, const void* data, uint64_t bytes) {
+    if (!landing.device.is_cuda()) {
+      std::memcpy(landing.destination, data, bytes);
+      return true;
+    }
+    try {
+      copy_bytes(landing.destination, landing.device, data, Device{}, bytes);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
   }
 
   /// Refuses the messages still kept (the worker stops): each is received and dropped, so
   /// that its sender's request ends (UCX 1.13 asserts when an endpoint with a rendezvous
   /// still pending goes).
   void drop_kept() {
-    for (Kept& message : kept) land_kept(message, nullptr);
+    for (Kept& message : kept) land_kept(message, Landing{});
     kept.clear();
   }
 
