@@ -10,6 +10,7 @@
 #
 # Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|pythonpath|all]...   (default: all)
 #   WS_GPU_MOE_SIZE        the FP8 MoE checkpoint of the moe stage (default 8GiB)
+#   WS_GPU_MOE_ROWS        its rows, comma-separated (default all: raw,tp2,ep,host,update,update_gpu,update_local,audit)
 #   WS_GPU_UCX_SIZE        the checkpoint of the ucx stage (default 4GiB)
 #   WS_GPU_BENCH_SECTIONS  sections of bench/gpu_bench.py for the bench stage (default all)
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
@@ -326,7 +327,8 @@ fi
 if wants moe; then
   start=$SECONDS
   PYTHONUNBUFFERED=1 PYTHONPATH="$build/python-site" python3 "$root/bench/gpu_moe_bench.py" --cli "$build/weightstream" \
-    --out "$out" --size "${WS_GPU_MOE_SIZE:-8GiB}" 2>&1 | tee "$out/moe.log" || status=1
+    --out "$out" --size "${WS_GPU_MOE_SIZE:-8GiB}" ${WS_GPU_MOE_ROWS:+--rows "$WS_GPU_MOE_ROWS"} 2>&1 |
+    tee "$out/moe.log" || status=1
   summary "moe ($((SECONDS - start)) s): $(grep -c ': yes$' "$out/gpu_moe.md" 2>/dev/null) checks passed," \
     "$(grep -c ': NO$' "$out/gpu_moe.md" 2>/dev/null) failed; $(grep '^Goal' "$out/gpu_moe.md" 2>/dev/null)"
 fi
