@@ -101,7 +101,7 @@ std::string lane_work_text(LaneWork work, std::string_view what, size_t bytes) {
     return (what.empty() ? std::string() : std::string(what) + ": ") + "scatter of " + std::to_string(bytes) +
            " bytes out of their landing copy on the device";
   }
-  return (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + "FP8 E4M3 block quantization of " +
+  return (what.empty() ? std::string() : std::string(what) + ": ") + "FP8 E4M3 block quantization of " +
          std::to_string(bytes) + " bytes on the device";
 }
 
@@ -806,41 +806,62 @@ std::vector<uint64_t> xxh64_on_device(const Device& device, std::span<const Devi
 
 void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, const E4m3BlockJob& job,
                           std::shared_ptr<const void> keepalive, std::string_view what) {
+  quantize_e4m3_blocks(copier, lane, std::span(&job, 1), std::move(keepalive), what);
+}
+
+void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, std::span<const E4m3BlockJob> jobs,
+                          std::shared_ptr<const void> keepalive, std::string_view what) {
   const Device& device = copier.device();
-  std::string job_text = (what.empty() ? std::string() : "tensor '" + std::string(what) + "': ") + std::to_string(job.rows) +
-                         " x " + std::to_string(job.columns) + " " + std::string(dtype_name(job.dtype)) + " values";
-  WS_EXPECT(job.dtype == Dtype::kBF16 || job.dtype == Dtype::kF16 || job.dtype == Dtype::kF32,
-            ErrorCode::kInvalidArgument, device.name() + ": cannot quantize " + job_text + " into FP8: only BF16, F16 and F32 quantize");
-  const uint64_t element = dtype_bits(job.dtype) / 8;
-  WS_EXPECT(job.block_rows > 0 && job.block_columns > 0 && job.block_rows * job.block_columns <= (1ull << 24),
-            ErrorCode::kInvalidArgument,
-            device.name() + ": cannot quantize " + job_text + " in blocks of " + std::to_string(job.block_rows) + " x " +
-                std::to_string(job.block_columns));
-  WS_EXPECT(reinterpret_cast<uintptr_t>(job.source) % element == 0 && job.source_pitch % element == 0 &&
-                job.source_pitch >= job.columns * element,
-            ErrorCode::kInvalidArgument,
-            device.name() + ": cannot quantize " + job_text + ": the source rows (pitch " +
-                std::to_string(job.source_pitch) + " bytes) are not aligned to their elements");
-  if (job.rows == 0 || job.columns == 0) return;
+  uint64_t source_bytes = 0;
 #ifdef WS_HAVE_CUDA_KERNELS
-  detail::E4m3BlockWork work{};
-  work.source = job.source;
-  work.source_pitch = job.source_pitch;
-  work.element = job.dtype == Dtype::kBF16  ? detail::QuantizeElement::kBF16
-                 : job.dtype == Dtype::kF16 ? detail::QuantizeElement::kF16
-                                            : detail::QuantizeElement::kF32;
-  work.rows = job.rows;
-  work.columns = job.columns;
-  work.block_rows = static_cast<uint32_t>(job.block_rows);
-  work.block_columns = static_cast<uint32_t>(job.block_columns);
-  work.codes = reinterpret_cast<uint8_t*>(job.codes);
-  work.scales = job.scales;
-  DeviceCopierAccess::state(copier).enqueue(
-      job.rows * job.columns * element, std::move(keepalive), lane, what,
-      [&](cudaStream_t stream) { return detail::launch_e4m3_blocks(work, stream); }, LaneWork::kQuantize);
+  std::vector<detail::E4m3BlockWork> works;
+  works.reserve(jobs.size());
+#endif
+  for (const E4m3BlockJob& job : jobs) {
+    std::string job_text = (what.empty() ? std::string() : std::string(what) + ": ") + std::to_string(job.rows) + " x " + std::to_string(job.columns) + " " +
+                           std::string(dtype_name(job.dtype)) + " values";
+    WS_EXPECT(job.dtype == Dtype::kBF16 || job.dtype == Dtype::kF16 || job.dtype == Dtype::kF32,
+              ErrorCode::kInvalidArgument,
+              device.name() + ": cannot quantize " + job_text + " into FP8: only BF16, F16 and F32 quantize");
+    const uint64_t element = dtype_bits(job.dtype) / 8;
+    WS_EXPECT(job.block_rows > 0 && job.block_columns > 0 && job.block_rows * job.block_columns <= (1ull << 24),
+              ErrorCode::kInvalidArgument,
+              device.name() + ": cannot quantize " + job_text + " in blocks of " + std::to_string(job.block_rows) +
+                  " x " + std::to_string(job.block_columns));
+    WS_EXPECT(reinterpret_cast<uintptr_t>(job.source) % element == 0 && job.source_pitch % element == 0 &&
+                  job.source_pitch >= job.columns * element,
+              ErrorCode::kInvalidArgument,
+              device.name() + ": cannot quantize " + job_text + ": the source rows (pitch " +
+                  std::to_string(job.source_pitch) + " bytes) are not aligned to their elements");
+#ifdef WS_HAVE_CUDA_KERNELS
+    if (job.rows == 0 || job.columns == 0) continue;
+    detail::E4m3BlockWork work{};
+    work.source = job.source;
+    work.source_pitch = job.source_pitch;
+    work.element = job.dtype == Dtype::kBF16  ? detail::QuantizeElement::kBF16
+                   : job.dtype == Dtype::kF16 ? detail::QuantizeElement::kF16
+                                              : detail::QuantizeElement::kF32;
+    work.rows = job.rows;
+    work.columns = job.columns;
+    work.block_rows = static_cast<uint32_t>(job.block_rows);
+    work.block_columns = static_cast<uint32_t>(job.block_columns);
+    work.codes = reinterpret_cast<uint8_t*>(job.codes);
+    work.scales = job.scales;
+    works.push_back(work);
+    source_bytes += job.rows * job.columns * element;
 #else
-  WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot quantize " + job_text +
-                                       " on the device: this build has no CUDA kernels (nvcc was not found at build time)");
+    WS_FAIL(ErrorCode::kUnsupported, device.name() + ": cannot quantize " + job_text +
+                                         " on the device: this build has no CUDA kernels (nvcc was not found at build time)");
+#endif
+  }
+#ifdef WS_HAVE_CUDA_KERNELS
+  if (works.empty()) return;
+  DeviceCopierAccess::state(copier).enqueue(
+      source_bytes, std::move(keepalive), lane, what,
+      [&](cudaStream_t stream) { return detail::launch_e4m3_blocks(works.data(), works.size(), stream); },
+      LaneWork::kQuantize);
+#else
+  (void)source_bytes;
 #endif
 }
 

@@ -125,6 +125,10 @@ void quantize_e4m3_blocks(DeviceCopier& copier, unsigned, const E4m3BlockJob&, s
                           std::string_view) {
   fail_no_cuda(copier.device());
 }
+void quantize_e4m3_blocks(DeviceCopier& copier, unsigned, std::span<const E4m3BlockJob>, std::shared_ptr<const void>,
+                          std::string_view) {
+  fail_no_cuda(copier.device());
+}
 
 DeviceStream::DeviceStream(const Device& device) : device_(device) { fail_no_cuda(device); }
 DeviceStream::~DeviceStream() = default;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 
 #include "weightstream/device.hpp"
@@ -62,10 +63,15 @@ class LaneScratch {
 /// Enqueues the quantization of `job` on lane `lane % lanes()` of `copier`, after the copies
 /// enqueued on that lane before it, and returns at once. `keepalive` is dropped once it is
 /// done; DeviceCopier::synchronize() waits for it and throws its error. `what` names the
-/// tensor in errors. Throws Error(kInvalidArgument) for a job the kernel cannot take,
+/// work in errors ("tensor 'x'"). Throws Error(kInvalidArgument) for a job the kernel cannot take,
 /// Error(kDevice) when the launch fails, Error(kUnsupported) where device_quantizes_e4m3()
 /// is false.
 void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, const E4m3BlockJob& job,
+                          std::shared_ptr<const void> keepalive, std::string_view what);
+/// quantize_e4m3_blocks() of every job of `jobs`, in as few launches as their kinds allow (up
+/// to 44 jobs a launch): a bucket of thousands of experts costs tens of launches. `what`
+/// names the batch in errors.
+void quantize_e4m3_blocks(DeviceCopier& copier, unsigned lane, std::span<const E4m3BlockJob> jobs,
                           std::shared_ptr<const void> keepalive, std::string_view what);
 
 }  // namespace weightstream

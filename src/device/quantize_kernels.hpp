@@ -25,7 +25,9 @@ struct E4m3BlockWork {
   float* scales;
 };
 
-/// Launches the kernel on `stream`: one thread block per quantization block.
-cudaError_t launch_e4m3_blocks(const E4m3BlockWork& work, cudaStream_t stream);
+/// Launches the kernel on `stream` for every job of `works` (host memory): one thread block
+/// per quantization block, up to 44 jobs of one element type a launch, so that thousands of
+/// experts cost tens of launches, not thousands.
+cudaError_t launch_e4m3_blocks(const E4m3BlockWork* works, size_t count, cudaStream_t stream);
 
 }  // namespace weightstream::detail

@@ -153,12 +153,12 @@ std::shared_ptr<LaneScratch> ParameterWriter::scratch(uint64_t bytes, unsigned l
   return std::make_shared<LaneScratch>(*copier_, lane, bytes);
 }
 
-void ParameterWriter::quantize_e4m3(const E4m3BlockJob& job, std::shared_ptr<const void> keepalive, unsigned lane,
+void ParameterWriter::quantize_e4m3(std::span<const E4m3BlockJob> jobs, std::shared_ptr<const void> keepalive, unsigned lane,
                                     std::string_view what) {
   WS_EXPECT(copier_ != nullptr, ErrorCode::kUnsupported,
-            "tensor '" + std::string(what) + "': FP8 block quantization on the device asked of a writer into " +
+            std::string(what) + ": FP8 block quantization on the device asked of a writer into " +
                 device_.name());
-  quantize_e4m3_blocks(*copier_, lane, job, std::move(keepalive), what);
+  quantize_e4m3_blocks(*copier_, lane, jobs, std::move(keepalive), what);
 }
 
 void ParameterWriter::wait() {

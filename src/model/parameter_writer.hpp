@@ -88,11 +88,11 @@ class ParameterWriter {
   /// Device memory of `bytes` for work on lane `lane`, returned in that lane's order when the
   /// last reference goes (LaneScratch). GPU writers only. Throws Error(kDevice).
   std::shared_ptr<LaneScratch> scratch(uint64_t bytes, unsigned lane);
-  /// Quantizes `job` (E4m3BlockJob: source, codes and scales in the writer's GPU) on lane
-  /// `lane`, asynchronously; wait() waits for it and throws its error. `keepalive` keeps the
+  /// Quantizes every job (E4m3BlockJob: source, codes and scales in the writer's GPU) on lane
+  /// `lane`, asynchronously, in as few launches as they allow; wait() waits for it and throws its error. `keepalive` keeps the
   /// source until it has run. Where quantizes_on_device() is false, throws
   /// Error(kUnsupported).
-  void quantize_e4m3(const E4m3BlockJob& job, std::shared_ptr<const void> keepalive, unsigned lane,
+  void quantize_e4m3(std::span<const E4m3BlockJob> jobs, std::shared_ptr<const void> keepalive, unsigned lane,
                      std::string_view what);
   /// Waits until every copy issued so far has landed; throws the first copy's error.
   void wait();

@@ -359,7 +359,10 @@ struct LoadSession::State {
   /// then one kernel writes its codes and block scales in place. Nothing waits here: the
   /// session's wait covers the kernel as it covers the copies. A piece on this GPU that holds
   /// the whole slice is quantized where it lies.
-  void write_quantized_on_device(const Parameter& parameter, const Write& write, std::byte* base) {
+  /// With `batch`, a piece quantized where it lies adds its job there instead, for the caller
+  /// to launch with the rest of its batch (write_checkpoint_batch()).
+  void write_quantized_on_device(const Parameter& parameter, const Write& write, std::byte* base,
+                                 std::vector<E4m3BlockJob>* batch = nullptr) {
     const ParameterPart& part = parameter.parts[write.part];
     PartState& part_state = parameters[write.parameter].parts[write.part];
     const uint64_t element = element_bytes(write.dtype);
@@ -382,7 +385,9 @@ struct LoadSession::State {
       job.source_pitch = row_bytes;
       if (reinterpret_cast<uintptr_t>(job.source) % element == 0) {
         part_state.assembled = needed_bytes;
-        return writer->quantize_e4m3(job, write.keepalive, writer->take_lane(), write.name);
+        if (batch) return batch->push_back(job);
+        return writer->quantize_e4m3(std::span(&job, 1), write.keepalive, writer->take_lane(),
+                                     "tensor '" + std::string(write.name) + "'");
       }
     }
     if (!part_state.device_assembly) {
@@ -394,7 +399,7 @@ struct LoadSession::State {
     if (part_state.assembled < needed_bytes) return;
     job.source = part_state.device_assembly->data();
     job.source_pitch = job.columns * element;
-    writer->quantize_e4m3(job, nullptr, part_state.lane, write.name);
+    writer->quantize_e4m3(std::span(&job, 1), nullptr, part_state.lane, "tensor '" + std::string(write.name) + "'");
     part_state.device_assembly.reset();  // back to the pool after the kernel, in the lane's order
   }
 
@@ -735,32 +740,38 @@ struct LoadSession::State {
 
   /// Writes a batch of checkpoint-format pieces into a GPU's parameters: the plain ones (from
   /// the host, in the parameter's dtype) go to the writer together, so a read's small tensors
-  /// and column windows land in one copy (ParameterWriter::copy_from_host()); the rest one by
-  /// one (write_checkpoint()).
+  /// and column windows land in one copy (ParameterWriter::copy_from_host()); pieces on this
+  /// GPU quantized where they lie (a pushed BF16 update of an FP8 model) in as few launches
+  /// as they allow; the rest one by one (write_checkpoint()).
   void write_checkpoint_batch(std::span<const Write> writes) {
     std::vector<model::ParameterWriter::HostCopy> copies;
     std::vector<std::shared_ptr<const void>> keepalives;
     const Write* first = nullptr;
     const Write* last = nullptr;
+    std::vector<E4m3BlockJob> quantized;  // pieces on this GPU quantized where they lie
     for (const Write& write : writes) {
       Parameter& parameter = layout.mutable_parameter(write.parameter);
-      if (write.device.is_cuda() || write.dtype != parameter.load_dtype || parameter.device != writer->device()) {
+      if (write.device == writer->device() && parameter.device == writer->device() &&
+          quantizes_into(write.dtype, parameter) && writer->quantizes_on_device()) {
+        write_quantized_on_device(parameter, write, part_base(write), &quantized);
+      } else if (write.device.is_cuda() || write.dtype != parameter.load_dtype || parameter.device != writer->device()) {
         write_checkpoint(write);
         continue;
       }
+      if (write.keepalive && (keepalives.empty() || keepalives.back() != write.keepalive)) {
+        keepalives.push_back(write.keepalive);
+      }
+      if (!first) first = &write;
+      last = &write;
+      if (write.device.is_cuda()) continue;
       const uint64_t element = element_bytes(write.dtype);
       for_each_part_copy(part_base(write), parameter.parts[write.part], element, write,
                          [&](std::byte* destination, uint64_t destination_pitch, const std::byte* source,
                              uint64_t source_pitch, uint64_t width, uint64_t rows) {
                            copies.push_back({destination, destination_pitch, source, source_pitch, width, rows});
                          });
-      if (write.keepalive && (keepalives.empty() || keepalives.back() != write.keepalive)) {
-        keepalives.push_back(write.keepalive);
-      }
-      if (!first) first = &write;
-      last = &write;
     }
-    if (copies.empty()) return;
+    if (copies.empty() && quantized.empty()) return;
     std::shared_ptr<const void> keepalive;
     if (keepalives.size() == 1) {
       keepalive = std::move(keepalives.front());
@@ -769,8 +780,9 @@ struct LoadSession::State {
     }
     const std::string what = first == last ? "tensor '" + std::string(first->name) + "'"
                                            : "tensors '" + std::string(first->name) + "' to '" +
-                                                 std::string(last->name) + "' of one read";
-    writer->copy_from_host(copies, std::move(keepalive), what);
+                                                 std::string(last->name) + "' of one batch";
+    if (!copies.empty()) writer->copy_from_host(copies, keepalive, what);
+    if (!quantized.empty()) writer->quantize_e4m3(quantized, std::move(keepalive), writer->take_lane(), what);
   }
 
   /// Where a checkpoint-format write's part begins: in its parameter, or in the parameter's
