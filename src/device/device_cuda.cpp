@@ -587,14 +587,15 @@ DeviceCopier::DeviceCopier(const Device& device, unsigned lanes) : state_(std::m
   pool.allocType = cudaMemAllocationTypePinned;
   pool.location.type = cudaMemLocationTypeDevice;
   pool.location.id = device.index;
-  cudaError_t status = cudaMemPoolCreate(&state_->lanes->pool, &pool);
-  WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
-            device.name() + ": cudaMemPoolCreate for the copier's scratch failed: " + cuda_error_text(status));
+  // A device without memory pools of its own (cudaErrorNotSupported) takes scratch from the
+  // default pool instead.
   uint64_t keep = UINT64_MAX;
-  status = cudaMemPoolSetAttribute(state_->lanes->pool, cudaMemPoolAttrReleaseThreshold, &keep);
-  WS_EXPECT(status == cudaSuccess, ErrorCode::kDevice,
-            device.name() + ": setting the release threshold of the copier's scratch pool failed: " +
-                cuda_error_text(status));
+  if (cudaMemPoolCreate(&state_->lanes->pool, &pool) != cudaSuccess ||
+      cudaMemPoolSetAttribute(state_->lanes->pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess) {
+    cudaGetLastError();
+    if (state_->lanes->pool != nullptr) cudaMemPoolDestroy(state_->lanes->pool);
+    state_->lanes->pool = nullptr;
+  }
   state_->reaper = std::thread([state = state_.get()] { state->reap(); });
 }
 
@@ -692,10 +693,12 @@ LaneScratch::LaneScratch(DeviceCopier& copier, unsigned lane, size_t bytes) {
   stream_ = stream;
   set_device(device_);
   void* data = nullptr;
-  cudaError_t error = cudaMallocFromPoolAsync(&data, std::max<size_t>(bytes, 1), state.lanes->pool, stream);
+  cudaError_t error = state.lanes->pool != nullptr
+                          ? cudaMallocFromPoolAsync(&data, std::max<size_t>(bytes, 1), state.lanes->pool, stream)
+                          : cudaMallocAsync(&data, std::max<size_t>(bytes, 1), stream);
   WS_EXPECT(error == cudaSuccess, ErrorCode::kDevice,
             device_.name() + ": cannot allocate " + format_size(bytes) +
-                " of device scratch (landing reads to scatter, staging a part to quantize): cudaMallocFromPoolAsync failed: " + cuda_error_text(error));
+                " of device scratch (landing reads to scatter, staging a part to quantize): cudaMallocAsync failed: " + cuda_error_text(error));
   data_ = static_cast<std::byte*>(data);
   size_ = bytes;
 }
