@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "weightstream/error.hpp"
@@ -28,6 +29,14 @@ constexpr uint64_t kLandingBytes = 4 * kMiB;
 /// ... and spans gaps of at most this many bytes between the sources it lands.
 constexpr uint64_t kLandingGapBytes = 64 * 1024;
 
+/// Narrow rows further apart than kMostSpanPerRowBytes times their width are gathered on the
+/// CPU into pinned buffers of this size (a rank of tp 8 keeps an eighth of every row of
+/// o_proj and down_proj: a 2-D copy of such rows runs at a fraction of the link, and a span
+/// would carry eight times the bytes) ...
+constexpr uint64_t kGatherBufferBytes = 4 * kMiB;
+/// ... of which a writer keeps at most this many; rows that find none free take a 2-D copy.
+constexpr size_t kMostGatherBuffers = 16;
+
 /// The first byte past a rectangle's source.
 const std::byte* source_end(const ParameterWriter::HostCopy& copy) {
   return copy.source + (copy.rows - 1) * copy.source_pitch + copy.width;
@@ -35,8 +44,70 @@ const std::byte* source_end(const ParameterWriter::HostCopy& copy) {
 
 }  // namespace
 
+/// Pinned host buffers of kGatherBufferBytes, made on demand up to kMostGatherBuffers and
+/// lent out; a buffer comes back when the last holder of what lent it lets go (the copy out
+/// of it has landed).
+class ParameterWriter::GatherPool : public std::enable_shared_from_this<GatherPool> {
+ public:
+  /// A free buffer, or null when all kMostGatherBuffers are lent. Throws Error(kDevice) when
+  /// pinning a new one fails.
+  std::shared_ptr<std::byte> take() {
+    Buffer buffer;
+    {
+      std::lock_guard lock(mutex_);
+      if (!free_.empty()) {
+        buffer = std::move(free_.back());
+        free_.pop_back();
+      } else if (made_ < kMostGatherBuffers) {
+        ++made_;
+      } else {
+        return nullptr;
+      }
+    }
+    if (buffer.size() == 0) {
+      try {
+        buffer = Buffer(kHost, kGatherBufferBytes, HostMemory::kPinned);
+      } catch (...) {
+        std::lock_guard lock(mutex_);
+        --made_;
+        throw;
+      }
+    }
+    auto* held = new Buffer(std::move(buffer));
+    return std::shared_ptr<std::byte>(held->data(), [pool = shared_from_this(), held](std::byte*) {
+      std::lock_guard lock(pool->mutex_);
+      pool->free_.push_back(std::move(*held));
+      delete held;
+    });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<Buffer> free_;
+  size_t made_ = 0;
+};
+
 ParameterWriter::ParameterWriter(const Device& device) : device_(device) {
-  if (device.is_cuda()) copier_ = std::make_unique<DeviceCopier>(device);
+  if (device.is_cuda()) {
+    copier_ = std::make_unique<DeviceCopier>(device);
+    gather_pool_ = std::make_shared<GatherPool>();
+  }
+}
+
+bool ParameterWriter::gather_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source,
+                                  uint64_t source_pitch, uint64_t width, uint64_t rows, unsigned lane,
+                                  std::string_view what) {
+  std::shared_ptr<std::byte> gathered = gather_pool_->take();
+  if (!gathered) return false;
+  for (uint64_t row = 0; row < rows; ++row) std::memcpy(gathered.get() + row * width, source + row * source_pitch, width);
+  if (destination_pitch == width) {
+    // A compact part (every part is, in its parameter or its staging): one contiguous copy.
+    copier_->copy_to_device(destination, gathered.get(), rows * width, gathered, lane, what);
+  } else {
+    const ScatterRange range{destination, destination_pitch, 0, width, width, rows};
+    land_and_scatter(*copier_, lane, gathered.get(), rows * width, std::span(&range, 1), gathered, what);
+  }
+  return true;
 }
 
 ParameterWriter::~ParameterWriter() = default;  // the copier waits for its copies
@@ -60,6 +131,11 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
   if (width == 0 || rows == 0) return;
   if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
     return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what, lane);
+  }
+  if (copier_ && !source_device.is_cuda() && width < kNarrowRowBytes && source_pitch > kMostSpanPerRowBytes * width &&
+      rows * width <= kGatherBufferBytes && (destination_pitch == width || device_scatters()) &&
+      gather_rows(destination, destination_pitch, source, source_pitch, width, rows, lane ? *lane : take_lane(), what)) {
+    return;  // the source is no longer needed: its rows were copied out on the CPU
   }
   if (copier_ && !source_device.is_cuda() && lands(width, rows, source_pitch, destination_pitch)) {
     // Narrow rows from the host: the span that holds them (the other ranks' columns too)

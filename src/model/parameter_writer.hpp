@@ -105,8 +105,17 @@ class ParameterWriter {
   /// Notes a copy_bytes() between two GPUs, which returns before the copy engine is done.
   void copied_between_devices() noexcept { between_devices_.store(true, std::memory_order_relaxed); }
 
+  /// Pinned host buffers that narrow rows far apart are gathered into (copy_rows()).
+  class GatherPool;
+  /// Copies narrow rows far apart (a rank's few columns of wide rows) by gathering them on
+  /// the CPU into a pinned buffer and sending only their bytes; false when no buffer is free
+  /// (the caller copies them another way).
+  bool gather_rows(std::byte* destination, uint64_t destination_pitch, const std::byte* source, uint64_t source_pitch,
+                   uint64_t width, uint64_t rows, unsigned lane, std::string_view what);
+
   Device device_;
   std::unique_ptr<DeviceCopier> copier_;
+  std::shared_ptr<GatherPool> gather_pool_;  ///< shared with the buffers it lends
   std::atomic<unsigned> next_lane_{0};
   std::atomic<bool> between_devices_{false};
   std::mutex gather_mutex_;  ///< guards the gathers and their keepalives

@@ -247,6 +247,39 @@ TEST(CudaLoad, RanksOfAnFp8MoeEqualTheirHostLoads) {
   }
 }
 
+// A rank of tp 8 keeps an eighth of every row of o_proj and down_proj: those rows are
+// gathered on the CPU into pinned buffers and land in one copy each; every parameter equals the
+// same rank's host load.
+TEST(CudaLoad, RanksOfTp8EqualTheirHostLoads) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir directory;
+  SynthOptions synth;
+  synth.arch = "llama";
+  synth.hidden = 1024;
+  synth.layers = 2;
+  synth.shards = 2;
+  synth.seed = 8;
+  synthesize_checkpoint(directory.path(), synth);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  const ModelConfig config = checkpoint_model_config(checkpoint);
+  for (int64_t rank : {0, 5}) {
+    SCOPED_TRACE("tp 8 rank " + std::to_string(rank));
+    ModelLayout reference = build_model_layout(config, {.parallel = {8, rank, 1, 0}});
+    reference.allocate(Device{});
+    load_layout(reference, checkpoint, LoadMode::kCold, StreamOptions{});
+    for (GpuPath path : {GpuPath::kAuto, GpuPath::kStaged}) {
+      StreamOptions options;
+      options.gpu_path = path;
+      ModelLayout layout = build_model_layout(config, {.parallel = {8, rank, 1, 0}});
+      layout.allocate(kCuda0, ModelLayout::ArenaContents::kUnwritten);
+      load_layout(layout, checkpoint, LoadMode::kCold, options);
+      LayoutComparison comparison = compare_layouts(layout, reference);
+      EXPECT_EQ(comparison.mismatched, 0u)
+          << gpu_path_name(path) << " path: " << (comparison.mismatches.empty() ? "" : comparison.mismatches[0]);
+    }
+  }
+}
+
 TEST(CudaLoad, MappedPathNeedsLocalFiles) {
   WS_SKIP_WITHOUT_GPU();
   TempDir directory;
