@@ -8,7 +8,7 @@
 # packages and no registry: scripts/gpu-deps.sh, run beforehand on a machine that has
 # them, fills .deps/, which travels with the tree and is found through WS_DEPS_DIR.
 #
-# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|pythonpath|all]...   (default: all)
+# Usage: scripts/gpu.sh [build|test|digest|pinned|probe|python|bench|layout|sweep|smallload|update|families|audits|gdn|moe|ucx|pythonpath|ranks|all]...   (default: all)
 #   WS_GPU_MOE_SIZE        the FP8 MoE checkpoint of the moe stage (default 8GiB)
 #   WS_GPU_MOE_ROWS        its rows, comma-separated (default all: raw,tp2,ep,host,update,update_gpu,update_local,audit)
 #   WS_GPU_UCX_SIZE        the checkpoint of the ucx stage (default 4GiB)
@@ -356,6 +356,25 @@ if wants pythonpath; then
     --python-site "$build/python-site" --rounds "${WS_GPU_PYTHONPATH_ROUNDS:-3}" --out "$out/python_path_probe.json" \
     2>&1 | tee "$out/python_path.md" || status=1
   summary "pythonpath ($((SECONDS - start)) s): python_path.md"
+fi
+
+# ---- ranks (issue 44): `load --raw` against a tp-2 and a tp-8 rank of the pythonpath stage's
+# checkpoint, CLI, warm, 3 runs each interleaved: each rank's time against its share of raw ---
+if wants ranks; then
+  checkpoint=${WS_GPU_PYTHONPATH_DIR:-/tmp/ws-python-path}
+  [ -f "$checkpoint/config.json" ] || "$build/weightstream" synth "$checkpoint" --arch llama \
+    --size "${WS_GPU_PYTHONPATH_SIZE:-16GiB}" --shards 4 >/dev/null
+  cat "$checkpoint"/*.safetensors >/dev/null  # warm
+  for run in 1 2 3; do
+    for flags in "--raw" "--tp-size 1 --tp-rank 0" "--tp-size 2 --tp-rank 1" "--tp-size 8 --tp-rank 3"; do
+      # shellcheck disable=SC2086  # flags is a list
+      "$build/weightstream" load "$checkpoint" $flags --device cuda:0 --no-progress --json 2>&1 |
+        python3 -c "import json,sys; r=json.load(sys.stdin); print('ranks: $flags run $run', round(r['seconds'],4), 's', round(r['bytes']/1e9,3), 'GB', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
+        >>"$out/ranks.txt" 2>&1 || echo "ranks: $flags run $run FAILED" >>"$out/ranks.txt"
+    done
+  done
+  cat "$out/ranks.txt"
+  summary "ranks: ranks.txt"
 fi
 
 # ---- pushed updates (issue 8, transfer layer): CUDA IPC tests and benchmark ------------------
