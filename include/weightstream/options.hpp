@@ -164,7 +164,8 @@ struct Options {
   std::string temporary_directory = "/tmp";
   /// Token presented to serving peers (peer://) and required of pullers by a server, where
   /// no other is given (`--token-stdin`, the vLLM key `peer_token`). WEIGHTSTREAM_PEER_TOKEN;
-  /// default empty (no token). Never logged.
+  /// default empty: a server then refuses to start, and a puller is served only by an open
+  /// server (an empty token never means "no authentication"). Never logged.
   std::string peer_token;
   /// Test hook of peer pulls: the pulling process stops itself (SIGSTOP) once this many
   /// bytes from peers have landed, before it reads the next serving parameter, so a test

@@ -83,7 +83,7 @@ struct PeerManifest {
   std::vector<PeerParameter> parameters;
   std::vector<std::byte> worker_address;  ///< the server's UCX worker
   /// What a puller presents with each request that the server send it a range (the
-  /// rendezvous path); like the remote keys, sent only to a puller that presented the token.
+  /// rendezvous path); like the remote keys, sent only to a puller that proved the token.
   std::vector<std::byte> send_secret;
   /// The server's UCX tcp receive segment size, which a puller's must equal (ucx.hpp).
   uint64_t ucx_segment_bytes = 0;
@@ -101,8 +101,13 @@ std::string peer_checkpoint_identity(std::span<const PeerTensor> tensors, std::s
 struct PeerServeOptions {
   /// "HOST:PORT" to listen on (port 0 picks a free one); default "127.0.0.1:0".
   std::string listen;
-  /// Token a puller must present; empty accepts any puller. Never logged or published.
+  /// Token a puller must prove it knows (a mutual challenge-response: the token never
+  /// crosses the wire). Required: a server with an empty token refuses to start
+  /// (Error(kInvalidArgument)) unless `open_without_token` is set. Never logged or published.
   std::string token;
+  /// Serve any puller, with no token. Must be asked for in so many words; warned about on
+  /// stderr once, when the server starts. Set together with a token, Error(kInvalidArgument).
+  bool open_without_token = false;
   /// How long a connected puller has for each message (its HELLO, a version request).
   std::chrono::milliseconds timeout{30'000};
   /// The pieces each parameter's bytes are also hashed in (PeerParameter::piece_xxh64);
@@ -133,10 +138,11 @@ PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& paral
 /// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
 /// with UCX for remote reads (ucp_mem_map; GPU memory as UCS_MEMORY_TYPE_CUDA) and hashed
 /// (xxh64; GPU memory through bounded host copies) once; pullers connect to address(),
-/// present the token, receive the manifest and read the bytes (one-sided, or sent on request).
+/// prove the token, receive the manifest and read the bytes (one-sided, or sent on request).
 class PeerServer {
  public:
-  /// Throws Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
+  /// Throws Error(kInvalidArgument) for an empty token without `open_without_token`,
+  /// Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
   /// not handle CUDA memory (not a CUDA-aware UCX),
   /// Error(kNetwork) when it cannot listen, Error(kModel) for a parameter without storage.
   PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options);
@@ -161,6 +167,8 @@ class PeerServer {
 
 /// Options of a pull.
 struct PeerPullOptions {
+  /// The serving peers' token, proven (after each peer has proven it), never sent. Empty:
+  /// only an open server (PeerServeOptions::open_without_token) serves this puller.
   std::string token;
   /// How long a connect, a message or a read may go without progress before the pull fails.
   std::chrono::milliseconds timeout{30'000};
@@ -192,9 +200,9 @@ struct PeerPullReport {
 /// UCX endpoints.
 class PeerSource {
  public:
-  /// Connects to every address of `uri` (peer://...), presents the token and fetches the
-  /// manifests. Throws Error(kNetwork)/Error(kTimeout) naming the peer, Error(kProtocol)
-  /// when a peer refuses (a wrong token), Error(kModel) naming both peers and the field
+  /// Connects to every address of `uri` (peer://...), proves the token and fetches the
+  /// manifests. Throws Error(kNetwork)/Error(kTimeout) naming the peer, Error(kPermission)
+  /// when a peer cannot prove the token or refuses this puller's proof, Error(kModel) naming both peers and the field
   /// when manifests disagree (checkpoint identity, model_type, dtype, quantization, tp/ep
   /// size, version) or two peers serve the same rank.
   PeerSource(std::string_view uri, PeerPullOptions options);

@@ -7,7 +7,7 @@
 /// through a `LoadSession` in update mode. Two bucket buffers alternate: the sender fills
 /// one while the receiver applies the other.
 ///
-/// Phases on the wire: connect (with the shared token), start (checkpoint or engine
+/// Phases on the wire: connect (both sides prove the shared token, which is never sent), start (checkpoint or engine
 /// format), any number of buckets, finish (the model hooks run once). A layer's tensors are
 /// written into its parameters only when every tensor of the layer has arrived (or at
 /// finish, for a layer the update covers in part): when the sender disappears mid-update,
@@ -60,6 +60,13 @@ inline constexpr uint64_t kMinBucketBytes = 4096;
 /// Smallest sender allocation shared in place over CUDA IPC (SenderOptions).
 inline constexpr uint64_t kDefaultShareMinimumBytes = 256ull << 20;
 
+/// The one rule of every listener (UpdateReceiver, PeerServer): it starts only with a
+/// non-empty token, or with `open_without_token` asked for explicitly, never both. `listener`
+/// names it in the message ("peer server on 10.0.0.5:7000"). Throws Error(kInvalidArgument)
+/// otherwise. The listeners apply it themselves when they start (and warn once on stderr
+/// when open); a command calls it too to refuse before a long load.
+void require_listener_token(const std::string& token, bool open_without_token, const std::string& listener);
+
 /// Options of the receiving side.
 struct ReceiverOptions {
   TransportKind transport = TransportKind::kTcp;
@@ -69,9 +76,14 @@ struct ReceiverOptions {
   /// destruction and when SIGTERM ends the process; a stale socket file nobody listens on
   /// is replaced, a live one or another kind of file is Error(kNetwork).
   std::string listen;
-  /// Shared token a sender must present; empty accepts any sender (then only the loopback
-  /// or Unix-socket binding protects the receiver).
+  /// Shared token a sender must prove it knows (a mutual challenge-response: the token never
+  /// crosses the wire). Required: a receiver with an empty token refuses to start
+  /// (Error(kInvalidArgument)) unless `open_without_token` is set.
   std::string token;
+  /// Accept any sender, with no token: only the loopback or Unix-socket binding then
+  /// protects the receiver. Must be asked for in so many words; warned about on stderr once,
+  /// when the receiver starts. Set together with a token, Error(kInvalidArgument).
+  bool open_without_token = false;
   /// Largest bucket a sender may ask for (the receiver allocates two of them).
   uint64_t max_bucket_bytes = 4ull << 30;
   /// How long to wait for the next message of a connected sender before the update fails.
@@ -89,7 +101,8 @@ struct ReceiverOptions {
 /// Options of the sending side.
 struct SenderOptions {
   TransportKind transport = TransportKind::kTcp;
-  /// Token the receiver expects (empty when it expects none).
+  /// Token the receiver expects; proven, never sent. Empty: only an open receiver
+  /// (ReceiverOptions::open_without_token) accepts this sender.
   std::string token;
   /// Bytes per bucket; a tensor larger than a bucket travels in pieces over several.
   uint64_t bucket_bytes = kDefaultBucketBytes;
@@ -173,7 +186,8 @@ struct UpdateReport {
 /// complete as they were, lists those it did, and drops the connection.
 class UpdateReceiver {
  public:
-  /// Binds the listener (loopback by default). Throws Error(kNetwork) naming the address,
+  /// Binds the listener (loopback by default). Throws Error(kInvalidArgument) for an empty
+  /// token without `open_without_token`, Error(kNetwork) naming the address,
   /// Error(kUnsupported) when the build lacks the transport.
   UpdateReceiver(ModelLayout& layout, ReceiverOptions options);
   ~UpdateReceiver();
@@ -184,9 +198,9 @@ class UpdateReceiver {
   const std::string& address() const noexcept;
   /// Runs the next update to its end, waiting at most `accept_timeout` for it to start (and
   /// for a sender to connect, when none is). Peers that connect are heard concurrently: one
-  /// silent for the options' handshake_timeout is dropped and delays no other. A sender with
-  /// the wrong token or protocol version is refused with a message and the call throws
-  /// Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
+  /// silent for the options' handshake_timeout is dropped and delays no other. A sender that
+  /// cannot prove the token is refused with a message and the call throws Error(kPermission);
+  /// one of another protocol version, Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
@@ -209,10 +223,12 @@ class UpdateReceiver {
 /// After an error the sender is unusable: make a new one. Not thread-safe: one thread sends.
 class UpdateSender {
  public:
-  /// Connects to `address` ("HOST:PORT" or a Unix socket path), presents the token and
-  /// sets up the transport (maps the shared buckets, opens the CUDA IPC handles once, joins
-  /// the NCCL communicator). Throws Error(kNetwork) when it cannot connect, Error(kProtocol)
-  /// when the receiver refuses (its reason is in the message).
+  /// Connects to `address` ("HOST:PORT" or a Unix socket path), proves the token (after the
+  /// receiver has proven it) and sets up the transport (maps the shared buckets, opens the
+  /// CUDA IPC handles once, joins the NCCL communicator). Throws Error(kNetwork) when it
+  /// cannot connect, Error(kPermission) when the receiver cannot prove the token (nothing
+  /// derived from the token is sent then) or refuses this sender's proof, Error(kProtocol)
+  /// when the receiver refuses otherwise (its reason is in the message).
   UpdateSender(const std::string& address, SenderOptions options);
   /// Feeds several receivers at once (the tensor-parallel ranks of one engine, every
   /// replica): each update goes to all of them, over NCCL as one broadcast of each bucket

@@ -18,6 +18,7 @@
 #include "weightstream/model.hpp"
 #include "weightstream/peer.hpp"
 #include "weightstream/stream.hpp"
+#include "weightstream/transfer.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -507,14 +508,18 @@ class PeerServerHandle {
   /// `source` is the checkpoint the layout was loaded from (a Checkpoint), or the peer://
   /// URI it was pulled from (whose peers publish the checkpoint's config.json and tensors).
   PeerServerHandle(nb::object layout_object, nb::object source, const std::string& listen,
-                   const std::optional<std::string>& token, double timeout_seconds)
+                   const std::optional<std::string>& token, double timeout_seconds, bool open_without_token)
       : layout_object_(std::move(layout_object)) {
     auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     WS_EXPECT(handle.layout.loads_finished() > 0, ErrorCode::kModel,
               "cannot serve " + handle.layout.description() + ": it has not been loaded (load it, then serve it)");
     PeerServeOptions options;
     options.listen = listen;
-    options.token = token.value_or(environment_options().peer_token);
+    // An open server asked for takes no token from the environment (the two would conflict).
+    options.token = token.value_or(open_without_token ? std::string() : environment_options().peer_token);
+    options.open_without_token = open_without_token;
+    // Refused before a pull from peer:// (the server refuses it too, when it starts).
+    require_listener_token(options.token, options.open_without_token, "peer server on " + listen);
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
     const Parallelism parallel = handle.options.parallel;
     const Processing quantize = handle.options.quantize;
@@ -794,8 +799,9 @@ void bind_model(nb::module_& m) {
       .def_prop_ro("completed_layers", &SessionHandle::completed_layers);
 
   nb::class_<PeerServerHandle>(m, "PeerServer")
-      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double>(),
-           "layout"_a, "source"_a, "listen"_a = "127.0.0.1:0", "token"_a = nb::none(), "timeout"_a = 30.0)
+      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double, bool>(),
+           "layout"_a, "source"_a, "listen"_a = "127.0.0.1:0", "token"_a = nb::none(), "timeout"_a = 30.0,
+           nb::kw_only(), "open_without_token"_a = false)
       .def_prop_ro("address", &PeerServerHandle::address)
       .def_prop_ro("version", &PeerServerHandle::version)
       .def_prop_ro("serving", &PeerServerHandle::serving)

@@ -253,12 +253,13 @@ class PySender {
 class PyReceiver {
  public:
   PyReceiver(nb::object layout, const std::string& transport, const std::string& listen, const std::string& token,
-             double timeout, const std::string& device, double handshake_timeout)
+             double timeout, const std::string& device, double handshake_timeout, bool open_without_token)
       : layout_object_(std::move(layout)) {
     ReceiverOptions options;
     options.transport = parse_transport(transport);
     options.listen = listen;
     options.token = token;
+    options.open_without_token = open_without_token;
     options.timeout = milliseconds(timeout);
     options.handshake_timeout = milliseconds(handshake_timeout);
     options.device = parse_device(device);
@@ -326,9 +327,11 @@ void bind_transfer(nb::module_& m) {
   nb::class_<PyReceiver>(m, "UpdateReceiver",
                          "Listens (loopback by default) and applies pushed updates to a ModelLayout.")
       .def(nb::init<nb::object, const std::string&, const std::string&, const std::string&, double, const std::string&,
-                    double>(),
+                    double, bool>(),
            "layout"_a, "transport"_a = "tcp", "listen"_a = "", "token"_a = "", "timeout"_a = 30.0, "device"_a = "cpu",
-           "handshake_timeout"_a = 3.0)
+           "handshake_timeout"_a = 3.0, nb::kw_only(), "open_without_token"_a = false,
+           "A non-empty token (which senders must prove, never sent) is required; open_without_token=True accepts "
+           "any sender instead (warned about on stderr).")
       .def_prop_ro("address", &PyReceiver::address)
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
       .def("cancel", &PyReceiver::cancel,

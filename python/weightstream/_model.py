@@ -172,23 +172,27 @@ PeerServer = _core.PeerServer
 
 
 def serve(layout: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], *, listen: str = "127.0.0.1:0",
-          token: Optional[str] = None, timeout: float = 30.0) -> PeerServer:
+          token: Optional[str] = None, timeout: float = 30.0, open_without_token: bool = False) -> PeerServer:
     """Publishes a loaded layout's parameters to pullers (``peer://``, docs/PEERS.md), as
     ``weightstream serve`` does: each parameter is registered with UCX and hashed (xxh64),
     and a manifest names the layout (its tp and ep ranks, dtype, quantization) and the
     ``checkpoint`` it was loaded from (its config.json and tensors, which pullers build their
     layouts from; a layout pulled from peers names their ``peer://`` URI instead). ``listen`` is "HOST:PORT" (port 0: a free one; ``server.address`` says
-    which); ``token`` is what pullers must present (default WEIGHTSTREAM_PEER_TOKEN; empty
-    accepts any). The server runs on threads of its own until ``server.close()`` or until it
+    which); ``token`` is what pullers must prove they know (proven both ways, never sent;
+    default WEIGHTSTREAM_PEER_TOKEN). Without a non-empty token the server refuses to start,
+    unless ``open_without_token=True`` asks for one that serves any puller (warned about on
+    stderr). The server runs on threads of its own until ``server.close()`` or until it
     is collected; it keeps the layout alive. The layout's parameters must not change while
     it serves, except inside ``server.begin_update()`` / ``server.end_update()``.
     Raises weightstream.Error for a layout not yet loaded, one on a GPU in a build whose UCX
     cannot serve it, a build without UCX, or an address it cannot listen on."""
     if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
-        return _core.PeerServer(layout, checkpoint, listen, token, float(timeout))
+        return _core.PeerServer(layout, checkpoint, listen, token, float(timeout),
+                                open_without_token=bool(open_without_token))
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint(os.fspath(checkpoint))
-    return _core.PeerServer(layout, checkpoint._core, listen, token, float(timeout))
+    return _core.PeerServer(layout, checkpoint._core, listen, token, float(timeout),
+                            open_without_token=bool(open_without_token))
 
 
 def _serve_method(self: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], **options: Any) -> PeerServer:

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <variant>
 
 #include "weightstream/error.hpp"
@@ -154,6 +155,21 @@ std::string pad_to(std::string_view text, size_t width) {
   size_t columns = display_width(text);
   if (columns < width) padded.append(width - columns, ' ');
   return padded;
+}
+
+const std::string& token_from_stdin() {
+  static std::optional<std::string> token;
+  if (!token) {
+    std::string line;
+    const bool got = static_cast<bool>(std::getline(std::cin, line));
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    WS_EXPECT(got, ErrorCode::kInvalidArgument,
+              "--token-stdin: stdin ended before a line with the token (the token read from stdin is empty)");
+    WS_EXPECT(!line.empty(), ErrorCode::kInvalidArgument,
+              "--token-stdin: the token read from stdin is empty (an empty token never means \"no token\")");
+    token = std::move(line);
+  }
+  return *token;
 }
 
 }  // namespace weightstream::cli

@@ -35,6 +35,11 @@ void add_stream_flags(CLI::App& command, StreamFlags& flags);
 /// The environment's options with `flags` applied. Throws Error(kInvalidArgument).
 Options resolve_options(const StreamFlags& flags);
 
+/// The token of --token-stdin: the first line of stdin, read once per process (every later
+/// call returns it again). Throws Error(kInvalidArgument) when the line is empty or stdin
+/// ends before one: no command takes an empty token for "no token".
+const std::string& token_from_stdin();
+
 /// Whether progress goes to stderr: --progress, WEIGHTSTREAM_PROGRESS=1, or a terminal.
 bool progress_enabled(const StreamFlags& flags, const Options& options);
 

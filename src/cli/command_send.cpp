@@ -171,7 +171,13 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
   command.add_option("--listen", flags.listen, "--via tcp, nccl, ucx: HOST:PORT the receiver listens on (default loopback)");
   command.add_flag("--await-sender", flags.await_sender,
                    "--via: spawn no sender; print the receiver's address on stderr and wait for one (another host)");
-  command.add_flag("--token-stdin", flags.token_stdin, "--await-sender, peer:// sources: read the token from the first line of stdin");
+  auto* token_stdin = command.add_flag(
+      "--token-stdin", flags.token_stdin,
+      "--await-sender, peer:// sources: read the token from the first line of stdin (--await-sender requires it "
+      "unless --open-without-token)");
+  command.add_flag("--open-without-token", flags.open_without_token,
+                   "--await-sender: accept any sender, with no token (warned about on stderr)")
+      ->excludes(token_stdin);
 }
 
 void add_send_command(CLI::App& app) {
@@ -204,7 +210,7 @@ void add_send_command(CLI::App& app) {
     sender_options.bucket_bytes = parse_size(flags->bucket_size, "--bucket-size");
     sender_options.device = parse_device(flags->device);
     sender_options.ucx_path = options.ucx_path;
-    if (flags->token_stdin) std::getline(std::cin, sender_options.token);
+    if (flags->token_stdin) sender_options.token = token_from_stdin();
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     UpdateSender sender(flags->to, sender_options);
     const TensorFormat format = flags->format == "engine" ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
@@ -259,10 +265,11 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   options.listen = flags.listen;
   if (flags.await_sender) {
     // A sender on another host: the token comes from stdin (never the command line).
-    static std::optional<std::string> token;
-    WS_EXPECT(flags.token_stdin, ErrorCode::kInvalidArgument, "--await-sender needs --token-stdin: the sender's token");
-    if (!token) std::getline(std::cin, token.emplace());
-    options.token = *token;
+    WS_EXPECT(flags.token_stdin || flags.open_without_token, ErrorCode::kInvalidArgument,
+              "--await-sender needs --token-stdin (the token the sender must prove), or --open-without-token to "
+              "accept any sender");
+    options.token = flags.open_without_token ? std::string() : token_from_stdin();
+    options.open_without_token = flags.open_without_token;
     UpdateReceiver receiver(layout, options);
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());

@@ -1,4 +1,5 @@
-// weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N] [--token-stdin]
+// weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N]
+//                    --token-stdin | (WEIGHTSTREAM_PEER_TOKEN) | --open-without-token
 // Loads one rank's parameters into host memory (or a GPU's, served through a CUDA-aware UCX)
 // and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with its
 // address once ready.
@@ -9,6 +10,7 @@
 
 #include "cli/peer_flags.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/transfer.hpp"
 
 namespace weightstream::cli {
 namespace {
@@ -19,6 +21,7 @@ struct ServeFlags {
   std::string device = "cpu";
   LayoutFlags layout;
   bool token_stdin = false;
+  bool open_without_token = false;
   StreamFlags stream;
 };
 
@@ -32,7 +35,14 @@ void add_serve_command(CLI::App& app) {
   add_layout_flags(*command, flags->layout);
   command->add_option("--device", flags->device,
                       "Where the served parameters live: cpu or cuda:N (GPU memory needs a CUDA-aware UCX; default cpu)");
-  command->add_flag("--token-stdin", flags->token_stdin, "Read the token pullers must present from the first line of stdin (else WEIGHTSTREAM_PEER_TOKEN)");
+  auto* token_stdin = command->add_flag(
+      "--token-stdin", flags->token_stdin,
+      "Read the token pullers must prove from the first line of stdin (else WEIGHTSTREAM_PEER_TOKEN); required "
+      "unless --open-without-token");
+  command->add_flag("--open-without-token", flags->open_without_token,
+                    "Serve any puller, with no token (warned about on stderr); without it, serve refuses to start "
+                    "without a token")
+      ->excludes(token_stdin);
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
     // Blocked before any thread starts, so every thread inherits the mask and the signals
@@ -46,11 +56,14 @@ void add_serve_command(CLI::App& app) {
     Options options = resolve_options(flags->stream);
     PeerServeOptions serve;
     serve.listen = flags->listen;
+    serve.open_without_token = flags->open_without_token;
     if (flags->token_stdin) {
-      std::getline(std::cin, serve.token);
-    } else {
+      serve.token = token_from_stdin();
+    } else if (!serve.open_without_token) {
       serve.token = options.peer_token;
     }
+    // Refused here, before the load, as the server would refuse it once loaded.
+    require_listener_token(serve.token, serve.open_without_token, "serve --listen " + serve.listen);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
     load_layout(layout, checkpoint, LoadMode::kCold, options.stream);

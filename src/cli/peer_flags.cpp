@@ -56,13 +56,7 @@ void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
 }
 
 std::string peer_token(const PeerFlags& flags) {
-  static std::optional<std::string> token;
-  if (!flags.token_stdin) return environment_options().peer_token;
-  if (!token) {
-    token.emplace();
-    std::getline(std::cin, *token);
-  }
-  return *token;
+  return flags.token_stdin ? token_from_stdin() : environment_options().peer_token;
 }
 
 PeerLoad load_from_peers(const std::string& uri, const LayoutFlags& layout_flags, const Device& device,

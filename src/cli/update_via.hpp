@@ -23,6 +23,8 @@ struct ViaFlags {
   /// sender elsewhere (another host) connects with the token read by --token-stdin.
   bool await_sender = false;
   bool token_stdin = false;
+  /// --open-without-token: --await-sender accepts any sender, with no token (warned about).
+  bool open_without_token = false;
   bool requested() const noexcept { return !via.empty(); }
 };
 

@@ -7,7 +7,8 @@
 // registered parameter, received straight into the puller's destination; the request
 // carries the manifest's send_secret).
 //
-//   HELLO    (puller -> server)  {"token"}; the server answers MANIFEST or REFUSE
+//   (a connection opens with the handshake of handshake.hpp: the token is proven, never sent)
+//   HELLO    (puller -> server)  {}; the server answers MANIFEST or REFUSE
 //   MANIFEST (server -> puller)  the PeerManifest (binary fields as hex)
 //   REFUSE   (server -> puller)  {"reason"}; the server then closes
 //   VERSION  (puller -> server)  {}; the server answers VERSION {"version", "updating"}
@@ -26,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/peer.hpp"
@@ -35,8 +37,10 @@ namespace weightstream::transfer {
 enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVersion = 4 };
 
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
-// 2: the manifest carries send_secret; 3: and ucx_segment_bytes
-inline constexpr uint16_t kPeerProtocolVersion = 4;
+// 2: the manifest carries send_secret; 3: and ucx_segment_bytes; 5: the handshake
+// (handshake.hpp) proves the token, HELLO no longer carries it
+inline constexpr uint16_t kPeerProtocolVersion = 5;
+inline constexpr HandshakeProtocol kPeerHandshake{kPeerMagic, kPeerProtocolVersion, "peer", "puller"};
 /// The pieces a server hashes each parameter in besides the whole (PeerParameter::piece_xxh64),
 /// and a puller reads host memory in: half a UCX tcp receive segment, so a piece arrives whole
 /// in one segment and is still in the cache when it is hashed. Reads of 1 MiB or 8 MiB were

@@ -131,7 +131,8 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
     } catch (const Error& error) {
       WS_FAIL(error.code(), "cannot reach peer " + address + " of " + state.uri + ": " + error.what());
     }
-    send_peer_message(*link.connection, PeerMessage::kHello, {{"token", state.options.token}}, state.options.timeout);
+    prove_to_server(*link.connection, kPeerHandshake, state.options.token, state.options.timeout, "peer " + address);
+    send_peer_message(*link.connection, PeerMessage::kHello, nlohmann::json::object(), state.options.timeout);
     PeerFrame answer = receive_peer_message(*link.connection, state.options.timeout, "its manifest");
     if (answer.type == PeerMessage::kRefuse) {
       WS_FAIL(ErrorCode::kProtocol, "peer " + address + " refused this puller: " + answer.body.value("reason", std::string("no reason given")));

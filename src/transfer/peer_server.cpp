@@ -26,13 +26,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace transfer;
 
-/// Compares two strings in time independent of where they differ (token checks).
-bool same_secret(std::string_view a, std::string_view b) {
-  unsigned char difference = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(b.size(), 1)]);
-  return difference == 0;
-}
-
 /// The dtype most of the layout's bytes have, or "mixed" when none has most of them.
 std::string layout_dtype(const ModelLayout& layout) {
   std::map<Dtype, uint64_t> bytes;
@@ -129,6 +122,7 @@ struct PeerServer::State {
   const ModelLayout& layout;
   PeerServeOptions options;
   Listener listener;
+  ListenerAuth auth;  // what a puller must prove (handshake.hpp)
   // Declared before the registrations: they are deregistered before the worker goes.
   transfer::ucx::Worker worker;
   std::vector<std::unique_ptr<transfer::ucx::Registration>> registrations;
@@ -140,7 +134,8 @@ struct PeerServer::State {
   int wake[2] = {-1, -1};
 
   State(const ModelLayout& layout_, PeerServeOptions options_)
-      : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)) {}
+      : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)),
+        auth(listener_auth(options.token, options.open_without_token, "peer server on " + listener.address())) {}
 
   void hash_parameters() {
     ParameterDigester digester;
@@ -243,6 +238,7 @@ void PeerServer::State::serve() {
   struct Peer {
     Connection connection;
     Clock::time_point hello_deadline;
+    ServerHandshake handshake;  // the token proven both ways, before HELLO
     bool greeted = false;
   };
   std::vector<Peer> peers;
@@ -261,17 +257,14 @@ void PeerServer::State::serve() {
         continue;
       }
       try {
+        if (!peer.handshake.done()) {
+          peer.handshake.step(peer.connection, options.timeout);  // refuses a puller that cannot prove the token
+          continue;
+        }
         PeerFrame frame = receive_peer_message(peer.connection, options.timeout, "a peer request");
         if (!peer.greeted) {
           if (frame.type != PeerMessage::kHello) {
             send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", "expected HELLO"}}, options.timeout);
-            drop[i] = true;
-            continue;
-          }
-          std::string token = frame.body.value("token", std::string());
-          if (!options.token.empty() && !same_secret(token, options.token)) {
-            send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", "wrong or missing token"}},
-                              options.timeout);
             drop[i] = true;
             continue;
           }
@@ -301,7 +294,8 @@ void PeerServer::State::serve() {
     }
     if ((waits[1].revents & POLLIN) != 0) {
       try {
-        peers.push_back(Peer{listener.accept(std::chrono::milliseconds(0)), Clock::now() + options.timeout});
+        peers.push_back(Peer{listener.accept(std::chrono::milliseconds(0)), Clock::now() + options.timeout,
+                             ServerHandshake(kPeerHandshake, auth)});
       } catch (const Error&) {
       }
     }

@@ -23,6 +23,7 @@
 
 #include "base/errno_text.hpp"
 #include "base/text.hpp"
+#include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"
@@ -44,13 +45,6 @@ decltype(auto) timed(double& total, Step&& step) {
     ~AddElapsed() { total += std::chrono::duration<double>(Clock::now() - begun).count(); }
   } add{total};
   return step();
-}
-
-/// Compares two strings in time independent of where they differ (token checks).
-bool same_secret(std::string_view a, std::string_view b) {
-  unsigned char difference = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) difference |= static_cast<unsigned char>(a[i] ^ b[i % std::max<size_t>(b.size(), 1)]);
-  return difference == 0;
 }
 
 std::string join_layers(const ModelLayout& layout, const std::vector<int64_t>& layers) {
@@ -127,6 +121,7 @@ struct UpdateReceiver::State {
   ModelLayout& layout;
   ReceiverOptions options;
   Listener listener;
+  ListenerAuth auth;  // what a sender must prove (handshake.hpp)
   // cancel(): the flag, and an eventfd that the waits for a sender and for START poll with
   // their sockets, so that they return at once. An update under way is stopped by shutting
   // its connection down: `live_fd` is the connected sender's socket, published under
@@ -309,6 +304,7 @@ UpdateReceiver::UpdateReceiver(ModelLayout& layout, ReceiverOptions options)
                                      options.transport == TransportKind::kShm || options.transport == TransportKind::kCudaIpc
                                          ? Listener::unix_socket(unix_socket_path(options))
                                          : Listener::tcp(options.listen))) {
+  state_->auth = listener_auth(options.token, options.open_without_token, "update receiver on " + address());
   WS_EXPECT(transport_compiled(options.transport), ErrorCode::kUnsupported,
             "update receiver: the " + std::string(transport_name(options.transport)) +
                 " transport is not compiled into this build");
@@ -400,10 +396,19 @@ bool UpdateReceiver::State::handshake(Connection accepted, Clock::time_point hel
 
   Received hello;
   try {
-    // The HELLO is (at least in part) here already: the rest must come by the deadline.
-    const auto hello_left = std::max(std::chrono::milliseconds(100), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                        hello_deadline - Clock::now()));
-    hello = accepted.receive(hello_left, "HELLO");
+    // The handshake (the token proven both ways) and the HELLO are (at least in part) here
+    // already: the rest must come by the deadline.
+    const auto hello_left = [&] {
+      return std::max(std::chrono::milliseconds(100),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(hello_deadline - Clock::now()));
+    };
+    try {
+      ServerHandshake(kUpdateHandshake, auth).run(accepted, hello_left());
+    } catch (const Error& error) {
+      if (error.code() != ErrorCode::kPermission && error.code() != ErrorCode::kProtocol) throw;
+      WS_FAIL(error.code(), self() + " refused " + error.what());
+    }
+    hello = accepted.receive(hello_left(), "HELLO");
   } catch (const Error& error) {
     // A peer that leaves or stalls before saying who it is was no sender: it is dropped,
     // and the receiver goes on waiting for one.
@@ -413,7 +418,6 @@ bool UpdateReceiver::State::handshake(Connection accepted, Clock::time_point hel
   if (hello.message.type != MessageType::kHello) {
     refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
   }
-  if (!options.token.empty() && !same_secret(hello.message.token, options.token)) refuse("wrong or missing token");
   if (hello.message.transport != options.transport) {
     refuse("the sender asked for transport " + std::string(transport_name(hello.message.transport)) +
            " but this receiver serves " + std::string(transport_name(options.transport)));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/wire.hpp"
@@ -214,7 +215,6 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   const auto receivers = static_cast<uint32_t>(addresses.size());
   Message hello;
   hello.type = MessageType::kHello;
-  hello.token = options.token;
   hello.transport = options.transport;
   hello.bucket_bytes = options.bucket_bytes;
   hello.receivers = receivers;
@@ -224,6 +224,7 @@ UpdateSender::UpdateSender(const std::vector<std::string>& addresses, SenderOpti
   // Every receiver is greeted before the transport joins them: NCCL's join waits for all.
   for (uint32_t index = 0; index < receivers; ++index) {
     State::Link link{addresses[index], connect_to(addresses[index], options.timeout), {}};
+    prove_to_server(link.connection, kUpdateHandshake, options.token, options.timeout, link.receiver());
     hello.receiver_index = index;
     link.connection.send(hello, options.timeout);
     Received welcome = link.connection.receive(options.timeout, "WELCOME");

@@ -152,7 +152,6 @@ std::vector<std::byte> encode_body(const Message& message) {
   Writer out;
   switch (message.type) {
     case MessageType::kHello:
-      out.put_string(message.token);
       out.put(static_cast<uint8_t>(message.transport));
       out.put(message.bucket_bytes);
       out.put(message.receivers);
@@ -234,7 +233,6 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
   message.type = type;
   switch (type) {
     case MessageType::kHello: {
-      message.token = in.get_string("token", kMaxTokenBytes);
       auto transport = in.get<uint8_t>("transport");
       if (transport < 1 || transport > 5) in.fail("transport", "unknown transport " + std::to_string(transport));
       message.transport = static_cast<TransportKind>(transport);

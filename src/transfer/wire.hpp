@@ -1,12 +1,13 @@
 #pragma once
-// The update protocol's wire format, version 5. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 6. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
 //   string: u32 length, then that many bytes (no terminator)
 //   blob:   u32 length, then that many bytes
 //
-//   HELLO   (sender -> receiver)  token string, transport u8, bucket_bytes u64, receivers u32 (the
+//   (a connection opens with the handshake of handshake.hpp: the token is proven, never sent)
+//   HELLO   (sender -> receiver)  transport u8, bucket_bytes u64, receivers u32 (the
 //                                 receivers this sender feeds at once), receiver_index u32 (this
 //                                 one's, below receivers), blob (NCCL unique id)
 //   WELCOME (receiver -> sender)  bucket_bytes u64, slots u32, blob (CUDA IPC handles; ucx: the
@@ -79,13 +80,13 @@ struct BucketManifest {
 
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
 // 4: a ucx WELCOME carries the rendezvous secret; 5: REPORT carries placed_bytes (and a ucx
-// piece's header its bucket)
-inline constexpr uint16_t kProtocolVersion = 5;
+// piece's header its bucket); 6: the handshake (handshake.hpp) proves the token, HELLO
+// no longer carries it
+inline constexpr uint16_t kProtocolVersion = 6;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 inline constexpr uint32_t kMaxNameBytes = 4096;
-inline constexpr uint32_t kMaxTokenBytes = 4096;
 inline constexpr uint32_t kMaxTextBytes = 64 << 10;
 inline constexpr uint32_t kMaxBlobBytes = 64 << 10;
 inline constexpr uint32_t kMaxEntries = 1 << 20;
@@ -121,7 +122,6 @@ struct FrameHeader {
 struct Message {
   MessageType type = MessageType::kError;
   // HELLO
-  std::string token;
   TransportKind transport = TransportKind::kTcp;
   uint32_t receivers = 1;       ///< receivers the sender feeds at once (NCCL: one broadcast to all)
   uint32_t receiver_index = 0;  ///< this receiver's place among them (NCCL rank - 1)

@@ -109,6 +109,37 @@ TEST(AuditVia, ABucketTooSmallIsRefusedBeforeASenderStarts) {
                      "--bucket-size requires --via");
 }
 
+// ---- issue 45: no listener starts without a token unless asked to ---------------------------
+TEST(ListenerToken, ServeAndAwaitSenderRefuseToStartWithoutAToken) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", 1, 64, 1);
+  testing::ScopedEnv no_token("WEIGHTSTREAM_PEER_TOKEN", std::nullopt);
+  // No token anywhere: refused before the load, naming what to give.
+  auto serve = run_cli({"serve", checkpoint, "--listen", "127.0.0.1:0", "--no-progress"});
+  EXPECT_NE(serve.exit_code, 0);
+  EXPECT_THAT(serve.err, HasSubstr("serve --listen 127.0.0.1:0 refuses to start without a token"));
+  EXPECT_THAT(serve.err, HasSubstr("--open-without-token"));
+  EXPECT_EQ(serve.out, "");  // never served
+  // --token-stdin with stdin at its end (run_cli's stdin is /dev/null).
+  for (const std::vector<std::string>& arguments :
+       {std::vector<std::string>{"serve", checkpoint, "--token-stdin", "--no-progress"},
+        std::vector<std::string>{"audit", checkpoint, "--via", "tcp", "--await-sender", "--token-stdin", "--no-progress"},
+        std::vector<std::string>{"send", checkpoint, "--to", "127.0.0.1:9", "--token-stdin", "--no-progress"},
+        std::vector<std::string>{"export", "peer://127.0.0.1:9", (directory / "out.safetensors").string(),
+                                 "--token-stdin", "--no-progress"}}) {
+    auto result = run_cli(arguments);
+    EXPECT_NE(result.exit_code, 0) << arguments[0];
+    EXPECT_THAT(result.err, HasSubstr("the token read from stdin is empty")) << arguments[0];
+  }
+  auto await = run_cli({"audit", checkpoint, "--via", "tcp", "--await-sender", "--no-progress"});
+  EXPECT_NE(await.exit_code, 0);
+  EXPECT_THAT(await.err, HasSubstr("--await-sender needs --token-stdin (the token the sender must prove), or "
+                                   "--open-without-token to accept any sender"));
+  auto both = run_cli({"serve", checkpoint, "--token-stdin", "--open-without-token", "--no-progress"});
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_THAT(both.err, HasSubstr("--token-stdin excludes --open-without-token"));
+}
+
 // ---- item 6: malformed and out-of-range flag values are usage errors ------------------------
 
 TEST(UsageExitCode, MalformedAndOutOfRangeValuesExitTwo) {
@@ -342,8 +373,10 @@ TEST(SendSummary, PrintsWhatWasSentAndTheJsonReport) {
   load_layout(layout, opened, LoadMode::kCold, StreamOptions{});
   const uint64_t tensors = opened.tensors().size();
   for (bool json : {false, true}) {
-    // No token: run_cli's stdin is /dev/null, and a loopback receiver may take any sender.
-    UpdateReceiver receiver(layout, ReceiverOptions{});
+    // No token: run_cli's stdin is /dev/null, so the loopback receiver is open, asked for.
+    ReceiverOptions open;
+    open.open_without_token = true;
+    UpdateReceiver receiver(layout, open);
     std::exception_ptr failure;
     std::thread receiving([&] {
       try {
@@ -382,7 +415,9 @@ TEST(SendSummary, RepeatSendsEachUpdateOverOneConnectionAndListsThem) {
   ModelLayout layout = identity_layout(opened);
   layout.allocate(Device{});
   load_layout(layout, opened, LoadMode::kCold, StreamOptions{});
-  UpdateReceiver receiver(layout, ReceiverOptions{});
+  ReceiverOptions open;  // the sender below runs without --token-stdin
+  open.open_without_token = true;
+  UpdateReceiver receiver(layout, open);
   std::vector<UpdateReport> reports;
   std::exception_ptr failure;
   std::thread receiving([&] {

@@ -73,7 +73,7 @@ def test_send_still_refuses_plain_uint8_that_does_not_fit(tmp_path):
 
 def test_cancel_stops_a_receive_in_another_thread(tmp_path):
     live = cold_layout(synth(tmp_path / "a", 1))
-    receiver = weightstream.UpdateReceiver(live)
+    receiver = weightstream.UpdateReceiver(live, token="t")
     errors = []
 
     def receive():
@@ -105,7 +105,7 @@ EXIT_WHILE_RECEIVING = textwrap.dedent("""
     session.begin("cold")
     session.load_checkpoint(checkpoint)
     session.finish()
-    receiver = weightstream.UpdateReceiver(layout)
+    receiver = weightstream.UpdateReceiver(layout, token="t")
     host, port = receiver.address.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port))) for _ in range(20)]
     started = threading.Event()

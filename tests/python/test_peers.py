@@ -193,19 +193,33 @@ def test_a_wrong_token_is_refused_and_never_printed(namespaces, llama, tmp_path)
         result = pull(puller_ns, f"peer://{server.address}", tmp_path / "out.safetensors", token="wrong-" + TOKEN[::-1])
         logs = server.stop()
     assert result.returncode == 1
-    assert "refused this puller: wrong or missing token" in result.stderr
+    # The server proves first: the puller finds it cannot, and sends nothing derived from its token.
+    assert f"peer {server.address} could not prove the token" in result.stderr
     assert TOKEN not in result.stdout + result.stderr + logs
     assert TOKEN[::-1] not in result.stdout + result.stderr + logs
+
+
+# The peer protocol's handshake (src/transfer/handshake.hpp), written again from its
+# description: the server proves the token first, then this side; the token is never sent.
+HANDSHAKE = (
+    "token = sys.argv[2].encode()\n"
+    "label = b'weightstream peer protocol 5\\0'\n"
+    "client_nonce = os.urandom(32)\n"
+    "frame(0x4801, client_nonce)\n"
+    "challenge = answer()\n"
+    "server_nonce, server_proof = challenge[1:33], challenge[33:65]\n"
+    "mac = lambda role: hmac.new(token, label + client_nonce + server_nonce + role, hashlib.sha256).digest()\n"
+    "assert challenge[0] == 0 and hmac.compare_digest(server_proof, mac(b'server')), 'the server cannot prove it'\n"
+    "frame(0x4803, mac(b'client'))\n"
+    "assert answer()[0] == 1, 'refused'\n")
 
 
 def manifest_of(namespace, address):
     """The manifest a server publishes, fetched over its control protocol from `namespace`."""
     script = (
-        "import json, socket, struct, sys\n"
+        "import hashlib, hmac, json, os, socket, struct, sys\n"
         "host, port = sys.argv[1].rsplit(':', 1)\n"
         "s = socket.create_connection((host, int(port)), timeout=20)\n"
-        "body = json.dumps({'token': sys.argv[2]}).encode()\n"
-        "s.sendall(struct.pack('<IHHQ', 0x45505357, 4, 1, len(body)) + body)\n"
         "def exact(n):\n"
         "    data = b''\n"
         "    while len(data) < n:\n"
@@ -213,8 +227,14 @@ def manifest_of(namespace, address):
         "        assert chunk\n"
         "        data += chunk\n"
         "    return data\n"
-        "magic, version, kind, length = struct.unpack('<IHHQ', exact(16))\n"
-        "sys.stdout.write(exact(length).decode())\n")
+        "def frame(kind, body):\n"
+        "    s.sendall(struct.pack('<IHHQ', 0x45505357, 5, kind, len(body)) + body)\n"
+        "def answer():\n"
+        "    magic, version, kind, length = struct.unpack('<IHHQ', exact(16))\n"
+        "    return exact(length)\n"
+        + HANDSHAKE +
+        "frame(1, b'{}')\n"
+        "sys.stdout.write(answer().decode())\n")
     out = subprocess.run(["ip", "netns", "exec", namespace, "python3", "-c", script, address, TOKEN],
                          check=True, capture_output=True, text=True, timeout=60).stdout
     return json.loads(out)
@@ -472,7 +492,7 @@ def test_python_pulls_a_rank_from_peers_into_a_load_session(llama, tmp_path):
         expected = weightstream.model_layout(str(llama), tp_size=2, tp_rank=1, device="cpu")
         cold_load(expected, str(llama))
         assert parameter_bytes(layout) == parameter_bytes(expected)
-        with pytest.raises(weightstream.Error, match="wrong or missing token"):
+        with pytest.raises(weightstream.Error, match="could not prove the token"):
             weightstream.peer_config(uri, token="not-" + TOKEN)
     finally:
         for process, _ in servers:

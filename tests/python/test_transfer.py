@@ -89,12 +89,50 @@ def test_a_sender_without_the_token_is_refused(tmp_path):
 
     thread = threading.Thread(target=receive)
     thread.start()
-    with pytest.raises(weightstream.Error, match="token"):
+    # The receiver proves first: a sender with another token stops before it sends its proof.
+    with pytest.raises(weightstream.Error, match="could not prove the token") as refused:
         sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
         sender.start("checkpoint")
         sender.finish()
+    assert "wrong" not in str(refused.value).replace("a wrong or missing", "")
+    assert "right" not in str(refused.value)
+    with pytest.raises(weightstream.Error, match="requires a token, and this side has none"):
+        weightstream.UpdateSender(receiver.address, transport="tcp")
+    receiver.cancel()
     thread.join(timeout=30)
     assert receiver.address.startswith("127.0.0.1:") or "127.0.0.1" in receiver.address
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_a_receiver_without_a_token_refuses_to_start(tmp_path, token):
+    live = cold_layout(synth(tmp_path / "m", 3))
+    arguments = {} if token is None else {"token": token}
+    with pytest.raises(weightstream.Error, match="refuses to start without a token") as refused:
+        weightstream.UpdateReceiver(live, transport="tcp", **arguments)
+    assert "open_without_token=True" in str(refused.value)
+    with pytest.raises(weightstream.Error, match="both a token and an open listener"):
+        weightstream.UpdateReceiver(live, transport="tcp", token="t", open_without_token=True)
+
+
+def test_an_open_receiver_is_asked_for_warns_once_and_takes_a_sender_without_a_token(tmp_path, capfd):
+    live = cold_layout(synth(tmp_path / "old", 1))
+    new = synth(tmp_path / "new", 2)
+    expected = parameter_bytes(cold_layout(new))
+    capfd.readouterr()
+    receiver = weightstream.UpdateReceiver(live, transport="tcp", open_without_token=True, timeout=30.0)
+    reports = []
+    thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
+    thread.start()
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", bucket_bytes=1 << 20)
+    sender.start("checkpoint")
+    for name, tensor in new.stream(framework="numpy"):
+        sender.send(name, tensor, new.dtypes[name])
+    sender.finish()
+    thread.join(timeout=60)
+    assert reports and parameter_bytes(live) == expected
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "listens without a token" in line]
+    assert warnings == [f"weightstream: warning: update receiver on {receiver.address} listens without a token "
+                        f"(open_without_token): anyone who can reach it is accepted"]
 
 
 def test_one_sender_feeds_several_receivers(tmp_path):

@@ -324,7 +324,7 @@ def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, famil
         assert result["unbound"] == {}, where
         assert result["parameters"] > 0
         assert result["load_differences"] == [], f"{where}: parameters differ from vLLM's default loader"
-        assert "refused this puller: wrong or missing token" in result["wrong_token"], result["wrong_token"]
+        assert "could not prove the token" in result["wrong_token"], result["wrong_token"]
         assert "peer-secret" not in result["wrong_token"]
         assert "cannot connect to serving peer at 127.0.0.1:" in result["after_stop"], result["after_stop"]
         assert "cannot load" in result["after_stop"] and result["uri"] in result["after_stop"]

@@ -70,6 +70,7 @@ TEST(CudaIpc, SharedAndCopiedTensorsLandExactly) {
   ModelLayout layout = receiver_layout(device);
   ReceiverOptions options;
   options.transport = TransportKind::kCudaIpc;
+  options.token = "shared-secret";
   options.device = device;
   options.timeout = 20s;
   UpdateReceiver receiver(layout, options);
@@ -124,6 +125,7 @@ TEST(CudaIpcChild, Sender) {
   }
   SenderOptions options;
   options.transport = TransportKind::kCudaIpc;
+  options.token = "shared-secret";
   options.device = device;
   options.bucket_bytes = kBucketBytes;
   options.share_minimum_bytes = kShareMinimumBytes;

@@ -301,9 +301,54 @@ TEST_F(PeerTest, AWrongTokenIsRefusedAndNeverEchoed) {
   Model model;
   Instance instance(model, 1);
   std::string text = error_text([&] { PeerSource source(instance.uri(), pull_options("guess-1234")); });
-  EXPECT_THAT(text, HasSubstr("refused this puller: wrong or missing token"));
+  // The server proves first: the puller finds it cannot, and sends nothing derived from its token.
+  EXPECT_THAT(text, HasSubstr("permission: peer " + instance.servers[0]->address() +
+                              " could not prove the token: it holds another token"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("guess-1234")));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("peer-secret")));
+}
+
+TEST_F(PeerTest, TheTokenNeverCrossesTheWire) {
+  Model model;
+  Instance instance(model, 1);
+  testing::RecordingProxy proxy(instance.servers[0]->address());
+  PeerSource source(std::string(kPeerScheme) + proxy.address(), pull_options());
+  ModelLayout layout = empty_layout(model, 1, 0);
+  pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, instance.layouts[0]).mismatched, 0u);
+  EXPECT_THAT(proxy.from_server(), HasSubstr("\"parameters\""));  // the manifest came through the proxy
+  EXPECT_THAT(proxy.from_client(), ::testing::Not(HasSubstr("peer-secret")));
+  EXPECT_THAT(proxy.from_server(), ::testing::Not(HasSubstr("peer-secret")));
+}
+
+TEST_F(PeerTest, AServerWithoutATokenStartsOnlyWhenAskedAndWarns) {
+  Model model;
+  ModelLayout layout = loaded_layout(model, 1, 0);
+  PeerServeOptions options = serve_options();
+  options.token.clear();
+  EXPECT_THAT(error_text([&] { PeerServer server(layout, serve_info(model, 1, 0), options); }),
+              AllOf(HasSubstr("invalid_argument: peer server on 127.0.0.1:"), HasSubstr("refuses to start without a token")));
+  options.open_without_token = true;
+  ::testing::internal::CaptureStderr();
+  PeerServer server(layout, serve_info(model, 1, 0), options);
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("warning: peer server on " + server.address() + " listens without a token"));
+  const std::string uri = std::string(kPeerScheme) + server.address();
+  // A puller that holds a token does not trust a server that proves none.
+  EXPECT_THAT(error_text([&] { PeerSource source(uri, pull_options()); }),
+              HasSubstr("could not prove the token: it says it listens without one"));
+  PeerSource source(uri, pull_options(""));
+  ModelLayout pulled = empty_layout(model, 1, 0);
+  pull_into(pulled, source);
+  EXPECT_EQ(compare_layouts(pulled, layout).mismatched, 0u);
+}
+
+TEST_F(PeerTest, APullerWithoutATokenIsToldTheServerRequiresOne) {
+  Model model;
+  Instance instance(model, 1);
+  EXPECT_THAT(error_text([&] { PeerSource source(instance.uri(), pull_options("")); }),
+              HasSubstr("permission: peer " + instance.servers[0]->address() +
+                        " requires a token, and this side has none"));
 }
 
 TEST_F(PeerTest, ManifestsOfAnotherCheckpointAreRefusedByName) {

@@ -19,6 +19,7 @@
 #include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
 #include "transfer/transfer_fixtures.hpp"
+#include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/wire.hpp"
 #include "weightstream/error.hpp"
@@ -103,14 +104,25 @@ TEST(ReceiverPeers, DescriptorsPassedBeforeTheTokenCheckAreClosed) {
   transfer::FileDescriptor pipe_read(pipe_fds[0]);
   transfer::FileDescriptor pipe_write(pipe_fds[1]);
 
-  // A HELLO with the wrong token whose first byte carries two descriptors.
-  transfer::Message hello;
-  hello.type = transfer::MessageType::kHello;
-  hello.token = "guess";
-  hello.transport = TransportKind::kShm;
-  hello.bucket_bytes = 1 << 20;
-  std::vector<std::byte> body = transfer::encode_body(hello);
-  auto header = transfer::encode_header(hello.type, body.size());
+  // A handshake whose first byte carries two descriptors, and a proof made without the
+  // token, sent at once behind it.
+  auto record = [](transfer::HandshakeRecord type, size_t bytes) {
+    std::vector<std::byte> frame(16 + bytes);
+    const uint32_t magic = transfer::kMagic;
+    const uint16_t version = transfer::kProtocolVersion;
+    const auto kind = static_cast<uint16_t>(type);
+    const uint64_t length = bytes;
+    std::memcpy(frame.data(), &magic, 4);
+    std::memcpy(frame.data() + 4, &version, 2);
+    std::memcpy(frame.data() + 6, &kind, 2);
+    std::memcpy(frame.data() + 8, &length, 8);
+    return frame;
+  };
+  std::vector<std::byte> header = record(transfer::HandshakeRecord::kHello, transfer::kHandshakeNonceBytes);
+  std::vector<std::byte> body(header.begin() + 16, header.end());  // the nonce
+  header.resize(16);
+  const std::vector<std::byte> proof = record(transfer::HandshakeRecord::kProof, transfer::kHandshakeProofBytes);
+  body.insert(body.end(), proof.begin(), proof.end());
 
   const size_t before = open_descriptors();
   for (int i = 0; i < 100; ++i) {
@@ -130,7 +142,7 @@ TEST(ReceiverPeers, DescriptorsPassedBeforeTheTokenCheckAreClosed) {
     ASSERT_EQ(::sendmsg(peer.get(), &envelope, MSG_NOSIGNAL), static_cast<ssize_t>(header.size()));
     ASSERT_EQ(::send(peer.get(), body.data(), body.size(), MSG_NOSIGNAL), static_cast<ssize_t>(body.size()));
     std::string text = error_text([&] { receiver.receive(5s); });
-    ASSERT_THAT(text, HasSubstr("wrong or missing token")) << "connection " << i;
+    ASSERT_THAT(text, HasSubstr("the sender could not prove the token")) << "connection " << i;
   }
   EXPECT_EQ(open_descriptors(), before);  // 100 connections, 200 descriptors passed: none kept
 

@@ -100,13 +100,11 @@ TEST(Wire, HostileRegionsAreRejectedWithTheField) {
 TEST(Wire, HelloReportAndErrorRoundTrip) {
   Message hello;
   hello.type = MessageType::kHello;
-  hello.token = "secret";
   hello.transport = TransportKind::kShm;
   hello.bucket_bytes = 1 << 20;
   hello.receivers = 3;
   hello.receiver_index = 2;
   Message parsed = parse_body(MessageType::kHello, encode_body(hello), "peer");
-  EXPECT_EQ(parsed.token, "secret");
   EXPECT_EQ(parsed.transport, TransportKind::kShm);
   EXPECT_EQ(parsed.receivers, 3u);
   EXPECT_EQ(parsed.receiver_index, 2u);

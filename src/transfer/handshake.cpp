@@ -1,0 +1,292 @@
+// The mutual token proof both protocols open a connection with (handshake.hpp).
+#include "transfer/handshake.hpp"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+#include <vector>
+
+#include "base/text.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/transfer.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Largest handshake record body: a result with its reason.
+constexpr uint64_t kMaxRecordBytes = 1024;
+constexpr uint8_t kModeProves = 0;
+constexpr uint8_t kModeOpen = 1;
+
+std::string_view record_name(HandshakeRecord type) {
+  switch (type) {
+    case HandshakeRecord::kHello: return "AUTH_HELLO";
+    case HandshakeRecord::kChallenge: return "AUTH_CHALLENGE";
+    case HandshakeRecord::kProof: return "AUTH_PROOF";
+    case HandshakeRecord::kResult: return "AUTH_RESULT";
+  }
+  return "unknown";
+}
+
+std::chrono::milliseconds left_until(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
+uint64_t get_le(const std::byte* at, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(at[i]) << (8 * i);
+  return value;
+}
+
+void put_le(std::byte* at, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) at[i] = static_cast<std::byte>(value >> (8 * i));
+}
+
+void send_record(Connection& connection, const HandshakeProtocol& protocol, HandshakeRecord type,
+                 std::span<const std::byte> body, std::chrono::milliseconds timeout) {
+  std::vector<std::byte> frame(16 + body.size());
+  put_le(frame.data(), protocol.magic, 4);
+  put_le(frame.data() + 4, protocol.version, 2);
+  put_le(frame.data() + 6, static_cast<uint16_t>(type), 2);
+  put_le(frame.data() + 8, body.size(), 8);
+  std::copy(body.begin(), body.end(), frame.begin() + 16);
+  connection.send_bytes(frame, timeout, "the handshake's " + std::string(record_name(type)));
+}
+
+/// What went wrong with a record's header, or empty when it is the record expected.
+struct HeaderCheck {
+  std::string problem;
+  bool other_version = false;  ///< same protocol, another version: worth telling the peer
+};
+
+HeaderCheck check_header(const std::byte* header, const HandshakeProtocol& protocol, HandshakeRecord expected,
+                         uint64_t body_bytes, bool exact) {
+  const uint64_t magic = get_le(header, 4);
+  const uint64_t version = get_le(header + 4, 2);
+  const uint64_t type = get_le(header + 6, 2);
+  const uint64_t length = get_le(header + 8, 8);
+  if (magic != protocol.magic) return {"does not speak the weightstream " + std::string(protocol.name) + " protocol (bad magic)"};
+  if (version != protocol.version) {
+    return {"speaks " + std::string(protocol.name) + " protocol version " + std::to_string(version) +
+                ", this build speaks " + std::to_string(protocol.version) + " (upgrade both ends to the same release)",
+            true};
+  }
+  if (type != static_cast<uint16_t>(expected)) {
+    return {"sent message type " + std::to_string(type) + " where the handshake's " +
+            std::string(record_name(expected)) + " belongs"};
+  }
+  if (exact ? length != body_bytes : length > body_bytes) {
+    return {"sent a " + std::to_string(length) + "-byte " + std::string(record_name(expected)) + " (expected " +
+            (exact ? "" : "at most ") + std::to_string(body_bytes) + ")"};
+  }
+  return {};
+}
+
+}  // namespace
+
+}  // namespace weightstream::transfer
+
+namespace weightstream {
+
+void require_listener_token(const std::string& token, bool open_without_token, const std::string& listener) {
+  WS_EXPECT(!(open_without_token && !token.empty()), ErrorCode::kInvalidArgument,
+            listener + ": both a token and an open listener (open_without_token) were asked for; give one of them");
+  WS_EXPECT(open_without_token || !token.empty(), ErrorCode::kInvalidArgument,
+            listener + " refuses to start without a token: give it a non-empty token (C++ `token`, Python `token=`, "
+                       "CLI --token-stdin or WEIGHTSTREAM_PEER_TOKEN), or ask for an open listener in so many words "
+                       "(C++ `open_without_token`, Python `open_without_token=True`, CLI --open-without-token)");
+}
+
+}  // namespace weightstream
+
+namespace weightstream::transfer {
+
+ListenerAuth listener_auth(const std::string& token, bool open_without_token, const std::string& listener) {
+  require_listener_token(token, open_without_token, listener);
+  if (open_without_token) {
+    std::cerr << "weightstream: warning: " << listener
+              << " listens without a token (open_without_token): anyone who can reach it is accepted\n"
+              << std::flush;
+  }
+  return ListenerAuth{token, open_without_token};
+}
+
+HandshakeNonce fresh_nonce() {
+  HandshakeNonce nonce;
+  WS_EXPECT(RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), static_cast<int>(nonce.size())) == 1,
+            ErrorCode::kInternal, "cannot draw a handshake nonce: OpenSSL's RAND_bytes failed");
+  return nonce;
+}
+
+HandshakeProof handshake_proof(const HandshakeProtocol& protocol, std::string_view token,
+                               const HandshakeNonce& client_nonce, const HandshakeNonce& server_nonce,
+                               std::string_view role) {
+  const std::string label =
+      "weightstream " + std::string(protocol.name) + " protocol " + std::to_string(protocol.version);
+  std::vector<unsigned char> message;
+  message.reserve(label.size() + 1 + 2 * kHandshakeNonceBytes + role.size());
+  message.insert(message.end(), label.begin(), label.end());
+  message.push_back(0);  // the label's end: no label is a prefix of another's input
+  for (const HandshakeNonce* nonce : {&client_nonce, &server_nonce}) {
+    for (std::byte byte : *nonce) message.push_back(static_cast<unsigned char>(byte));
+  }
+  message.insert(message.end(), role.begin(), role.end());
+  HandshakeProof proof{};
+  unsigned int length = 0;
+  const unsigned char* made = HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()), message.data(),
+                                   message.size(), reinterpret_cast<unsigned char*>(proof.data()), &length);
+  WS_EXPECT(made != nullptr && length == proof.size(), ErrorCode::kInternal, "HMAC-SHA256 of the handshake failed");
+  return proof;
+}
+
+namespace {
+
+bool same_proof(const HandshakeProof& a, const std::byte* b) {
+  return CRYPTO_memcmp(a.data(), b, a.size()) == 0;
+}
+
+}  // namespace
+
+void prove_to_server(Connection& connection, const HandshakeProtocol& protocol, std::string_view token,
+                     std::chrono::milliseconds timeout, const std::string& what) {
+  const auto deadline = Clock::now() + timeout;
+  const HandshakeNonce client_nonce = fresh_nonce();
+  send_record(connection, protocol, HandshakeRecord::kHello, client_nonce, timeout);
+
+  // The challenge, or the result of a server that refuses at once (another version).
+  std::byte header[16];
+  connection.receive_bytes(header, left_until(deadline), "the handshake's AUTH_CHALLENGE");
+  if (get_le(header + 6, 2) == static_cast<uint16_t>(HandshakeRecord::kResult) &&
+      get_le(header, 4) == protocol.magic) {
+    const uint64_t length = get_le(header + 8, 8);
+    std::string reason(std::min<uint64_t>(length, kMaxRecordBytes), '\0');
+    if (length >= 3 && length <= kMaxRecordBytes) {
+      connection.receive_bytes(std::as_writable_bytes(std::span(reason)), left_until(deadline),
+                               "the handshake's AUTH_RESULT");
+      reason = reason.substr(3);
+    } else {
+      reason = "no reason given";
+    }
+    WS_FAIL(ErrorCode::kProtocol, what + " refused this " + std::string(protocol.client) + ": " + reason);
+  }
+  constexpr uint64_t kChallengeBytes = 1 + kHandshakeNonceBytes + kHandshakeProofBytes;
+  HeaderCheck check = check_header(header, protocol, HandshakeRecord::kChallenge, kChallengeBytes, true);
+  WS_EXPECT(check.problem.empty(), ErrorCode::kProtocol, what + " " + check.problem);
+  std::array<std::byte, kChallengeBytes> challenge;
+  connection.receive_bytes(challenge, left_until(deadline), "the handshake's AUTH_CHALLENGE");
+  const auto mode = static_cast<uint8_t>(challenge[0]);
+  HandshakeNonce server_nonce;
+  std::memcpy(server_nonce.data(), challenge.data() + 1, server_nonce.size());
+  WS_EXPECT(mode == kModeProves || mode == kModeOpen, ErrorCode::kProtocol,
+            what + " sent an AUTH_CHALLENGE of unknown mode " + std::to_string(mode));
+
+  HandshakeProof proof{};
+  if (mode == kModeOpen) {
+    // An open listener proves nothing: one that holds a token never claims to be open.
+    WS_EXPECT(token.empty(), ErrorCode::kPermission,
+              what + " could not prove the token: it says it listens without one, and this side holds a token "
+                     "(nothing derived from the token was sent)");
+  } else {
+    WS_EXPECT(!token.empty(), ErrorCode::kPermission,
+              what + " requires a token, and this side has none (give it with --token-stdin, "
+                     "WEIGHTSTREAM_PEER_TOKEN or the `token` option)");
+    const HandshakeProof expected = handshake_proof(protocol, token, client_nonce, server_nonce, "server");
+    WS_EXPECT(same_proof(expected, challenge.data() + 1 + kHandshakeNonceBytes), ErrorCode::kPermission,
+              what + " could not prove the token: it holds another token, or is not the server meant "
+                     "(nothing derived from this side's token was sent)");
+    proof = handshake_proof(protocol, token, client_nonce, server_nonce, "client");
+  }
+  send_record(connection, protocol, HandshakeRecord::kProof, proof, left_until(deadline));
+
+  connection.receive_bytes(header, left_until(deadline), "the handshake's AUTH_RESULT");
+  check = check_header(header, protocol, HandshakeRecord::kResult, kMaxRecordBytes, false);
+  WS_EXPECT(check.problem.empty(), ErrorCode::kProtocol, what + " " + check.problem);
+  const uint64_t length = get_le(header + 8, 8);
+  WS_EXPECT(length >= 3, ErrorCode::kProtocol, what + " sent a truncated AUTH_RESULT");
+  std::vector<std::byte> result(length);
+  connection.receive_bytes(result, left_until(deadline), "the handshake's AUTH_RESULT");
+  if (static_cast<uint8_t>(result[0]) == 1) return;
+  const uint64_t reason_bytes = std::min<uint64_t>(get_le(result.data() + 1, 2), length - 3);
+  const std::string reason(reinterpret_cast<const char*>(result.data() + 3), reason_bytes);
+  WS_FAIL(ErrorCode::kPermission, what + " refused this " + std::string(protocol.client) + ": " + reason);
+}
+
+ServerHandshake::ServerHandshake(const HandshakeProtocol& protocol, const ListenerAuth& auth)
+    : protocol_(protocol), auth_(&auth) {}
+
+void ServerHandshake::refuse(Connection& connection, std::chrono::milliseconds timeout, const std::string& reason) {
+  const std::string text = reason.substr(0, kMaxRecordBytes - 3);
+  std::vector<std::byte> body(3 + text.size());
+  body[0] = std::byte{0};
+  put_le(body.data() + 1, text.size(), 2);
+  std::memcpy(body.data() + 3, text.data(), text.size());
+  try {
+    send_record(connection, protocol_, HandshakeRecord::kResult, body, timeout);
+  } catch (const Error&) {
+    // The client may already be gone; the refusal is reported here either way.
+  }
+}
+
+bool ServerHandshake::step(Connection& connection, std::chrono::milliseconds timeout) {
+  if (done_) return true;
+  const HandshakeRecord expected = challenged_ ? HandshakeRecord::kProof : HandshakeRecord::kHello;
+  const uint64_t body_bytes = challenged_ ? kHandshakeProofBytes : kHandshakeNonceBytes;
+  const std::string awaiting = "the handshake's " + std::string(record_name(expected));
+  std::byte header[16];
+  connection.receive_bytes(header, timeout, awaiting);
+  const HeaderCheck check = check_header(header, protocol_, expected, body_bytes, true);
+  if (!check.problem.empty()) {
+    // A peer of another version hears this side's version in the refusal's header.
+    if (check.other_version) {
+      refuse(connection, timeout,
+             "it speaks " + std::string(protocol_.name) + " protocol version " + std::to_string(protocol_.version) +
+                 ", this side version " + std::to_string(get_le(header + 4, 2)) +
+                 " (upgrade both ends to the same release)");
+    }
+    WS_FAIL(ErrorCode::kProtocol, connection.peer() + ": it " + check.problem);
+  }
+  std::array<std::byte, std::max(kHandshakeNonceBytes, kHandshakeProofBytes)> body;
+  connection.receive_bytes(std::span(body).first(body_bytes), timeout, awaiting);
+  if (!challenged_) {
+    std::memcpy(client_nonce_.data(), body.data(), client_nonce_.size());
+    server_nonce_ = fresh_nonce();
+    std::array<std::byte, 1 + kHandshakeNonceBytes + kHandshakeProofBytes> challenge{};
+    challenge[0] = std::byte{auth_->open ? kModeOpen : kModeProves};
+    std::memcpy(challenge.data() + 1, server_nonce_.data(), server_nonce_.size());
+    if (!auth_->open) {
+      const HandshakeProof proof = handshake_proof(protocol_, auth_->token, client_nonce_, server_nonce_, "server");
+      std::memcpy(challenge.data() + 1 + kHandshakeNonceBytes, proof.data(), proof.size());
+    }
+    send_record(connection, protocol_, HandshakeRecord::kChallenge, challenge, timeout);
+    challenged_ = true;
+    return false;
+  }
+  if (!auth_->open) {
+    const HandshakeProof expected = handshake_proof(protocol_, auth_->token, client_nonce_, server_nonce_, "client");
+    if (!same_proof(expected, body.data())) {
+      const std::string reason = "the " + std::string(protocol_.client) + " could not prove the token (a wrong or missing token)";
+      refuse(connection, timeout, reason);
+      WS_FAIL(ErrorCode::kPermission, connection.peer() + ": " + reason);
+    }
+  }
+  const std::byte accepted[3] = {std::byte{1}, std::byte{0}, std::byte{0}};
+  send_record(connection, protocol_, HandshakeRecord::kResult, accepted, timeout);
+  done_ = true;
+  return true;
+}
+
+void ServerHandshake::run(Connection& connection, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (!step(connection, left_until(deadline))) {
+  }
+}
+
+}  // namespace weightstream::transfer
