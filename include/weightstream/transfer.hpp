@@ -88,8 +88,9 @@ struct ReceiverOptions {
   uint64_t max_bucket_bytes = 4ull << 30;
   /// How long to wait for the next message of a connected sender before the update fails.
   std::chrono::milliseconds timeout{30'000};
-  /// How long a peer that connected has to send its HELLO. Peers are heard concurrently, so
-  /// one that connects and stays silent delays no other; it is dropped after this long.
+  /// How long a peer that connected has for its whole handshake and HELLO (one deadline,
+  /// not one per byte). Peers are heard concurrently, so one that connects and stays silent
+  /// or trickles delays no other; it is dropped after this long.
   std::chrono::milliseconds handshake_timeout{3'000};
   /// shm and CUDA IPC with an empty `listen`: the directory of the fresh socket. Empty: the
   /// one Options::temporary_directory names (TMPDIR, default /tmp).
@@ -197,10 +198,14 @@ class UpdateReceiver {
   /// The address a sender connects to: "HOST:PORT" or a Unix socket path.
   const std::string& address() const noexcept;
   /// Runs the next update to its end, waiting at most `accept_timeout` for it to start (and
-  /// for a sender to connect, when none is). Peers that connect are heard concurrently: one
-  /// silent for the options' handshake_timeout is dropped and delays no other. A sender that
-  /// cannot prove the token is refused with a message and the call throws Error(kPermission);
-  /// one of another protocol version, Error(kProtocol). Throws Error(kTimeout) when a connected sender goes
+  /// for a sender to connect, when none is). Peers that connect are heard concurrently (at
+  /// most 64 mid-handshake; one more evicts the oldest): one silent for the options'
+  /// handshake_timeout, one that cannot prove the token, speaks another protocol or version,
+  /// or sends a HELLO this receiver refuses (another transport, too large a bucket) is told
+  /// why where it can be, logged once on stderr ("weightstream: refused a connection from
+  /// ADDR ..."), and dropped; the call goes on waiting for the next sender. Throws
+  /// Error(kTimeout) when none came within `accept_timeout` (counting those dropped, with
+  /// the last refusal's reason), Error(kTimeout) when a connected sender goes
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));

@@ -5,8 +5,10 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <poll.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <iostream>
 #include <vector>
@@ -117,6 +119,20 @@ ListenerAuth listener_auth(const std::string& token, bool open_without_token, co
               << std::flush;
   }
   return ListenerAuth{token, open_without_token};
+}
+
+void log_refused(const Connection& connection, const std::string& listener, const std::string& reason) {
+  // Errors name the connection first ("tcp peer A: it ...", "tcp peer A disconnected ..."):
+  // the line names it already.
+  std::string text = reason;
+  const std::string& named = connection.peer();
+  if (text.starts_with(named + ": ")) {
+    text.erase(0, named.size() + 2);
+  } else if (text.starts_with(named + " ")) {
+    text.replace(0, named.size(), "it");
+  }
+  std::cerr << "weightstream: refused a connection from " + connection.address() + " to " + listener + ": " + text + "\n"
+            << std::flush;
 }
 
 HandshakeNonce fresh_nonce() {
@@ -235,28 +251,41 @@ void ServerHandshake::refuse(Connection& connection, std::chrono::milliseconds t
   }
 }
 
-bool ServerHandshake::step(Connection& connection, std::chrono::milliseconds timeout) {
-  if (done_) return true;
-  const HandshakeRecord expected = challenged_ ? HandshakeRecord::kProof : HandshakeRecord::kHello;
-  const uint64_t body_bytes = challenged_ ? kHandshakeProofBytes : kHandshakeNonceBytes;
-  const std::string awaiting = "the handshake's " + std::string(record_name(expected));
-  std::byte header[16];
-  connection.receive_bytes(header, timeout, awaiting);
-  const HeaderCheck check = check_header(header, protocol_, expected, body_bytes, true);
-  if (!check.problem.empty()) {
-    // A peer of another version hears this side's version in the refusal's header.
-    if (check.other_version) {
-      refuse(connection, timeout,
-             "it speaks " + std::string(protocol_.name) + " protocol version " + std::to_string(protocol_.version) +
-                 ", this side version " + std::to_string(get_le(header + 4, 2)) +
-                 " (upgrade both ends to the same release)");
+bool ServerHandshake::advance(Connection& connection, std::chrono::milliseconds send_timeout) {
+  while (!done_) {
+    const HandshakeRecord expected = challenged_ ? HandshakeRecord::kProof : HandshakeRecord::kHello;
+    const size_t body_bytes = challenged_ ? kHandshakeProofBytes : kHandshakeNonceBytes;
+    const size_t want = have_ < 16 ? 16 : 16 + body_bytes;
+    const size_t got = connection.receive_ready(std::span(record_).subspan(have_, want - have_),
+                                                "the handshake's " + std::string(record_name(expected)));
+    if (got == 0) return false;
+    have_ += got;
+    if (have_ == 16) {
+      // The header alone decides whether a body follows: its length is checked before any of it is read.
+      const HeaderCheck check = check_header(record_.data(), protocol_, expected, body_bytes, true);
+      if (!check.problem.empty()) {
+        // A peer of another version hears this side's version in the refusal's header.
+        if (check.other_version) {
+          refuse(connection, send_timeout,
+                 "it speaks " + std::string(protocol_.name) + " protocol version " + std::to_string(protocol_.version) +
+                     ", this side version " + std::to_string(get_le(record_.data() + 4, 2)) +
+                     " (upgrade both ends to the same release)");
+        }
+        WS_FAIL(ErrorCode::kProtocol, connection.peer() + ": it " + check.problem);
+      }
     }
-    WS_FAIL(ErrorCode::kProtocol, connection.peer() + ": it " + check.problem);
+    if (have_ == 16 + body_bytes) {
+      have_ = 0;
+      answer(connection, send_timeout);
+    }
   }
-  std::array<std::byte, std::max(kHandshakeNonceBytes, kHandshakeProofBytes)> body;
-  connection.receive_bytes(std::span(body).first(body_bytes), timeout, awaiting);
+  return true;
+}
+
+void ServerHandshake::answer(Connection& connection, std::chrono::milliseconds timeout) {
+  const std::byte* body = record_.data() + 16;
   if (!challenged_) {
-    std::memcpy(client_nonce_.data(), body.data(), client_nonce_.size());
+    std::memcpy(client_nonce_.data(), body, client_nonce_.size());
     server_nonce_ = fresh_nonce();
     std::array<std::byte, 1 + kHandshakeNonceBytes + kHandshakeProofBytes> challenge{};
     challenge[0] = std::byte{auth_->open ? kModeOpen : kModeProves};
@@ -267,11 +296,11 @@ bool ServerHandshake::step(Connection& connection, std::chrono::milliseconds tim
     }
     send_record(connection, protocol_, HandshakeRecord::kChallenge, challenge, timeout);
     challenged_ = true;
-    return false;
+    return;
   }
   if (!auth_->open) {
     const HandshakeProof expected = handshake_proof(protocol_, auth_->token, client_nonce_, server_nonce_, "client");
-    if (!same_proof(expected, body.data())) {
+    if (!same_proof(expected, body)) {
       const std::string reason = "the " + std::string(protocol_.client) + " could not prove the token (a wrong or missing token)";
       refuse(connection, timeout, reason);
       WS_FAIL(ErrorCode::kPermission, connection.peer() + ": " + reason);
@@ -280,7 +309,25 @@ bool ServerHandshake::step(Connection& connection, std::chrono::milliseconds tim
   const std::byte accepted[3] = {std::byte{1}, std::byte{0}, std::byte{0}};
   send_record(connection, protocol_, HandshakeRecord::kResult, accepted, timeout);
   done_ = true;
-  return true;
+}
+
+bool ServerHandshake::step(Connection& connection, std::chrono::milliseconds timeout) {
+  // One deadline for the whole record: a client that trickles a byte at a time gains nothing.
+  const auto deadline = Clock::now() + timeout;
+  const bool was_challenged = challenged_;
+  for (;;) {
+    if (advance(connection, left_until(deadline))) return true;
+    if (challenged_ != was_challenged) return false;  // one record answered
+    const std::string awaiting = challenged_ ? "AUTH_PROOF" : "AUTH_HELLO";
+    pollfd entry{connection.fd(), POLLIN, 0};
+    int ready;
+    do {
+      ready = ::poll(&entry, 1, static_cast<int>(std::min<int64_t>(left_until(deadline).count(), 1 << 30)));
+    } while (ready < 0 && errno == EINTR);
+    WS_EXPECT(ready != 0 && Clock::now() < deadline, ErrorCode::kTimeout,
+              "timed out after " + detail::seconds_text(timeout) + " waiting for " + connection.peer() +
+                  "'s handshake record " + awaiting + " (" + std::to_string(have_) + " bytes of it came)");
+  }
 }
 
 void ServerHandshake::run(Connection& connection, std::chrono::milliseconds timeout) {

@@ -24,6 +24,7 @@
 //
 // Note: a connecting party receives the server's proof for nonces it chose, so it can test
 // guesses of a weak token offline: tokens should be random (`openssl rand -hex 32`).
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>
@@ -84,12 +85,27 @@ HandshakeProof handshake_proof(const HandshakeProtocol& protocol, std::string_vi
 void prove_to_server(Connection& connection, const HandshakeProtocol& protocol, std::string_view token,
                      std::chrono::milliseconds timeout, const std::string& what);
 
+/// How long a stranger has for its whole side of the handshake on a peer server, from the
+/// moment it is accepted (an update receiver takes ReceiverOptions::handshake_timeout).
+inline constexpr std::chrono::milliseconds kHandshakeTimeout{5'000};
+/// Connections a listener holds mid-handshake at once. One more evicts the oldest (the one
+/// nearest its deadline), so a flood of idle strangers cannot lock a real peer out for long:
+/// each costs the listener one socket, a 48-byte record buffer and a deadline.
+inline constexpr size_t kMaxHandshakingConnections = 64;
+
+/// Logs, once, on stderr, that `listener` dropped `connection` before (or at) its first
+/// request: "weightstream: refused a connection from ADDR to LISTENER: REASON". `reason` is
+/// an error's text; a leading "PEER: " naming the connection again is left out.
+void log_refused(const Connection& connection, const std::string& listener, const std::string& reason);
+
 /// Server side of one connection, a record at a time, so a server that hears many
-/// connections from one thread (poll) never waits on one of them.
+/// connections from one thread (poll) never waits on one of them. Before the client has
+/// proven the token it costs this fixed-size record buffer only: lengths are checked
+/// against the record expected before a byte of the body is read.
 class ServerHandshake {
  public:
   ServerHandshake(const HandshakeProtocol& protocol, const ListenerAuth& auth);
-  /// Reads the client's next record (it is ready, or comes within `timeout`) and answers it.
+  /// Reads the client's next record (all of it must come within `timeout`) and answers it.
   /// True once the client has proven the token (or the listener is open). Throws
   /// Error(kPermission) when the client cannot prove it, Error(kProtocol) for another
   /// protocol or version (the client is told why first, where it speaks one), as
@@ -97,14 +113,25 @@ class ServerHandshake {
   bool step(Connection& connection, std::chrono::milliseconds timeout);
   /// Runs every step on a blocking connection, within `timeout` in total.
   void run(Connection& connection, std::chrono::milliseconds timeout);
+  /// Never waits for the client: takes what has arrived (never a byte past the handshake)
+  /// and answers each record once it is whole. True once the client has proven the token.
+  /// Throws as step() does, Error(kNetwork) when the client has closed; `send_timeout`
+  /// bounds the answers (records of a few dozen bytes, which a fresh socket always takes).
+  bool advance(Connection& connection, std::chrono::milliseconds send_timeout);
   bool done() const noexcept { return done_; }
+  /// True once any byte of the handshake has come (a port probe that closes at once has sent none).
+  bool heard() const noexcept { return challenged_ || have_ > 0; }
 
  private:
+  /// Answers the whole record in `record_`.
+  void answer(Connection& connection, std::chrono::milliseconds timeout);
   void refuse(Connection& connection, std::chrono::milliseconds timeout, const std::string& reason);
   HandshakeProtocol protocol_;
   const ListenerAuth* auth_;
   HandshakeNonce client_nonce_{};
   HandshakeNonce server_nonce_{};
+  std::array<std::byte, 16 + std::max(kHandshakeNonceBytes, kHandshakeProofBytes)> record_{};
+  size_t have_ = 0;  // bytes of the current record in record_
   bool challenged_ = false;
   bool done_ = false;
 };

@@ -88,7 +88,8 @@ void send_peer_message(Connection& connection, PeerMessage type, const nlohmann:
   connection.send_bytes(frame, timeout, "a peer control message");
 }
 
-PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting) {
+PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting,
+                               uint64_t max_bytes) {
   std::byte header[16];
   connection.receive_bytes(header, timeout, awaiting);
   const std::string& peer = connection.peer();
@@ -100,9 +101,9 @@ PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds
   const uint64_t type = get_le(header + 6, 2);
   WS_EXPECT(type >= 1 && type <= 4, ErrorCode::kProtocol, peer + " sent unknown peer message type " + std::to_string(type));
   const uint64_t length = get_le(header + 8, 8);
-  WS_EXPECT(length <= kMaxPeerMessageBytes, ErrorCode::kProtocol,
+  WS_EXPECT(length <= max_bytes, ErrorCode::kProtocol,
             peer + " sent a " + std::to_string(length) + "-byte message, over the limit of " +
-                std::to_string(kMaxPeerMessageBytes));
+                std::to_string(max_bytes));
   std::string text(length, '\0');
   connection.receive_bytes(std::as_writable_bytes(std::span(text)), timeout, awaiting);
   PeerFrame frame;

@@ -58,9 +58,11 @@ struct PeerFrame {
 /// Sends one message.
 void send_peer_message(Connection& connection, PeerMessage type, const nlohmann::json& body,
                        std::chrono::milliseconds timeout);
-/// Receives one message. Throws Error(kProtocol) naming the peer for a bad frame or JSON,
+/// Receives one message of at most `max_bytes`. Throws Error(kProtocol) naming the peer for
+/// a bad frame or JSON, or a longer one (refused before anything is allocated),
 /// Error(kTimeout)/Error(kNetwork) as Connection does.
-PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting);
+PeerFrame receive_peer_message(Connection& connection, std::chrono::milliseconds timeout, const std::string& awaiting,
+                               uint64_t max_bytes = kMaxPeerMessageBytes);
 
 nlohmann::json manifest_json(const PeerManifest& manifest);
 /// Parses a manifest. Throws Error(kProtocol) naming `peer` and the field.

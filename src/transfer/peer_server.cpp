@@ -1,18 +1,25 @@
-// PeerServer: publishes a loaded layout's parameters to pullers. One thread answers the
-// control connections (token, manifest, version); UCX's progress thread serves the reads
+// PeerServer: publishes a loaded layout's parameters to pullers. One thread accepts control
+// connections and runs their handshakes side by side without ever waiting on one (poll and
+// ServerHandshake::advance, each with one whole-handshake deadline); a puller that has
+// proven the token gets a thread of its own for its requests (manifest, version), so a
+// slow one delays no other. Both kinds are bounded. UCX's progress thread serves the reads
 // (one-sided gets, and the send requests of pullers on the rendezvous path).
 #include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
+#include <list>
 #include <map>
 #include <mutex>
 #include <thread>
 
 #include "base/errno_text.hpp"
+#include "base/text.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/ucx.hpp"
@@ -39,6 +46,11 @@ std::string layout_dtype(const ModelLayout& layout) {
   }
   return "mixed";
 }
+
+/// Pullers served at once by one server, past their handshakes; one more is refused.
+constexpr size_t kMaxPullers = 64;
+/// Largest request a puller sends (HELLO and VERSION are empty objects).
+constexpr uint64_t kMaxPullerRequestBytes = 64 << 10;
 
 }  // namespace
 
@@ -132,6 +144,16 @@ struct PeerServer::State {
   std::thread thread;
   std::atomic<bool> stop{false};
   int wake[2] = {-1, -1};
+  /// A puller past its handshake, on a thread of its own. Only `thread` (the accepting one)
+  /// adds and removes them, and the connection is closed only once its thread has ended,
+  /// so the destructor's shutdown() never reaches a reused descriptor.
+  struct Puller {
+    Connection connection;
+    std::thread thread;
+    std::atomic<bool> finished{false};
+    explicit Puller(Connection accepted) : connection(std::move(accepted)) {}
+  };
+  std::list<Puller> pullers;
 
   State(const ModelLayout& layout_, PeerServeOptions options_)
       : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)),
@@ -149,7 +171,11 @@ struct PeerServer::State {
     }
   }
 
+  std::string self() const { return "peer server on " + listener.address(); }
   void serve();
+  void serve_puller(Puller& puller);
+  /// Joins and forgets the pullers whose threads have ended.
+  void reap_pullers();
 };
 
 PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options)
@@ -207,6 +233,10 @@ PeerServer::~PeerServer() {
   state.stop = true;
   if (state.wake[1] >= 0) (void)!::write(state.wake[1], "x", 1);
   if (state.thread.joinable()) state.thread.join();
+  // Pullers' threads wait on their sockets: shut down, every wait and send ends at once.
+  for (State::Puller& puller : state.pullers) ::shutdown(puller.connection.fd(), SHUT_RDWR);
+  for (State::Puller& puller : state.pullers) puller.thread.join();
+  state.pullers.clear();
   state.worker.stop_progress();  // no read may be in flight while the memory is deregistered
   state.registrations.clear();
   for (int fd : state.wake) {
@@ -234,69 +264,130 @@ void PeerServer::end_update() {
   ++state_->manifest.version;
 }
 
+void PeerServer::State::reap_pullers() {
+  for (auto it = pullers.begin(); it != pullers.end();) {
+    if (!it->finished.load()) {
+      ++it;
+      continue;
+    }
+    it->thread.join();
+    it = pullers.erase(it);
+  }
+}
+
+void PeerServer::State::serve_puller(Puller& puller) {
+  Connection& connection = puller.connection;
+  try {
+    PeerFrame frame = receive_peer_message(connection, options.timeout, "HELLO", kMaxPullerRequestBytes);
+    if (frame.type != PeerMessage::kHello) {
+      send_peer_message(connection, PeerMessage::kRefuse, {{"reason", "expected HELLO"}}, options.timeout);
+      WS_FAIL(ErrorCode::kProtocol, "it sent peer message type " + std::to_string(static_cast<int>(frame.type)) +
+                                        " where HELLO belongs");
+    }
+    nlohmann::json body;
+    {
+      std::lock_guard lock(mutex);
+      body = manifest_json(manifest);
+    }
+    send_peer_message(connection, PeerMessage::kManifest, body, options.timeout);
+    // A puller keeps its connection for the pull and asks for the version at its end: it
+    // may stay quiet as long as it likes between requests.
+    for (;;) {
+      pollfd entry{connection.fd(), POLLIN, 0};
+      if (::poll(&entry, 1, -1) < 0 && errno != EINTR) break;
+      if (stop.load()) break;
+      frame = receive_peer_message(connection, options.timeout, "a peer request", kMaxPullerRequestBytes);
+      WS_EXPECT(frame.type == PeerMessage::kVersion, ErrorCode::kProtocol,
+                "it sent peer message type " + std::to_string(static_cast<int>(frame.type)) +
+                    " where only VERSION belongs");
+      {
+        std::lock_guard lock(mutex);
+        body = {{"version", manifest.version}, {"updating", updating}};
+      }
+      send_peer_message(connection, PeerMessage::kVersion, body, options.timeout);
+    }
+  } catch (const Error& error) {
+    // A puller that leaves is done; one that stalls or breaks the protocol is dropped, and said so.
+    if (error.code() != ErrorCode::kNetwork && !stop.load()) log_refused(connection, self(), error.what());
+  }
+  puller.finished = true;
+}
+
 void PeerServer::State::serve() {
-  struct Peer {
+  // Connections not yet past the handshake: a fixed record buffer and a deadline each.
+  struct Handshaking {
     Connection connection;
-    Clock::time_point hello_deadline;
-    ServerHandshake handshake;  // the token proven both ways, before HELLO
-    bool greeted = false;
+    Clock::time_point deadline;
+    ServerHandshake handshake;
   };
-  std::vector<Peer> peers;
+  std::vector<Handshaking> handshaking;
+  constexpr auto kSendTimeout = std::chrono::milliseconds(500);
   while (!stop.load()) {
+    reap_pullers();
     std::vector<pollfd> waits{{wake[0], POLLIN, 0}, {listener.fd(), POLLIN, 0}};
-    for (const Peer& peer : peers) waits.push_back({peer.connection.fd(), POLLIN, 0});
-    int ready = ::poll(waits.data(), waits.size(), 200);
+    auto wake_at = Clock::now() + std::chrono::milliseconds(200);  // also reaps pullers that ended
+    for (const Handshaking& peer : handshaking) {
+      waits.push_back({peer.connection.fd(), POLLIN, 0});
+      wake_at = std::min(wake_at, peer.deadline);
+    }
+    const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(wake_at - Clock::now()).count();
+    int ready = ::poll(waits.data(), waits.size(), static_cast<int>(std::clamp<long long>(wait, 0, 200)));
     if (ready < 0 && errno != EINTR) break;
     if (stop.load()) break;
     const auto now = Clock::now();
-    std::vector<bool> drop(peers.size(), false);
-    for (size_t i = 0; i < peers.size(); ++i) {
-      Peer& peer = peers[i];
-      if ((waits[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-        if (!peer.greeted && now > peer.hello_deadline) drop[i] = true;  // silent: never said who it is
-        continue;
-      }
+    std::vector<bool> drop(handshaking.size(), false);
+    for (size_t i = 0; i < handshaking.size(); ++i) {
+      Handshaking& peer = handshaking[i];
       try {
-        if (!peer.handshake.done()) {
-          peer.handshake.step(peer.connection, options.timeout);  // refuses a puller that cannot prove the token
-          continue;
-        }
-        PeerFrame frame = receive_peer_message(peer.connection, options.timeout, "a peer request");
-        if (!peer.greeted) {
-          if (frame.type != PeerMessage::kHello) {
-            send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", "expected HELLO"}}, options.timeout);
-            drop[i] = true;
+        if (ready > 0 && (waits[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) != 0 &&
+            peer.handshake.advance(peer.connection, kSendTimeout)) {
+          drop[i] = true;  // leaves the handshaking, proven
+          reap_pullers();
+          if (pullers.size() >= kMaxPullers) {
+            const std::string reason = "it serves " + std::to_string(kMaxPullers) + " pullers already; try again later";
+            try {
+              send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", reason}}, kSendTimeout);
+            } catch (const Error&) {
+            }
+            log_refused(peer.connection, self(), reason);
             continue;
           }
-          nlohmann::json body;
-          {
-            std::lock_guard lock(mutex);
-            body = manifest_json(manifest);
-          }
-          send_peer_message(peer.connection, PeerMessage::kManifest, body, options.timeout);
-          peer.greeted = true;
-        } else if (frame.type == PeerMessage::kVersion) {
-          nlohmann::json body;
-          {
-            std::lock_guard lock(mutex);
-            body = {{"version", manifest.version}, {"updating", updating}};
-          }
-          send_peer_message(peer.connection, PeerMessage::kVersion, body, options.timeout);
-        } else {
-          drop[i] = true;
+          Puller& puller = pullers.emplace_back(std::move(peer.connection));
+          puller.thread = std::thread([this, &puller] { serve_puller(puller); });
+          continue;
         }
-      } catch (const Error&) {
-        drop[i] = true;  // the puller left, or broke the protocol: it alone is dropped
+        if (now >= peer.deadline) {
+          drop[i] = true;
+          log_refused(peer.connection, self(),
+                      "no handshake within " + detail::seconds_text(kHandshakeTimeout) + " of connecting");
+        }
+      } catch (const Error& error) {
+        drop[i] = true;
+        // One that leaves before a byte (a port probe) is not worth a line; the rest are.
+        if (error.code() != ErrorCode::kNetwork || peer.handshake.heard()) {
+          log_refused(peer.connection, self(), error.what());
+        }
       }
     }
-    for (size_t i = peers.size(); i-- > 0;) {
-      if (drop[i]) peers.erase(peers.begin() + static_cast<ptrdiff_t>(i));
+    for (size_t i = handshaking.size(); i-- > 0;) {
+      if (drop[i]) handshaking.erase(handshaking.begin() + static_cast<ptrdiff_t>(i));
     }
-    if ((waits[1].revents & POLLIN) != 0) {
+    // Every connection queued is taken at once (up to a bound per turn), so the kernel's
+    // queue never fills behind a flood.
+    for (int taken = 0; ready > 0 && (waits[1].revents & POLLIN) != 0 && taken < 64; ++taken) {
       try {
-        peers.push_back(Peer{listener.accept(std::chrono::milliseconds(0)), Clock::now() + options.timeout,
-                             ServerHandshake(kPeerHandshake, auth)});
+        Connection accepted = listener.accept(std::chrono::milliseconds(0));
+        if (handshaking.size() >= kMaxHandshakingConnections) {
+          // The oldest makes room: a flood of idle strangers keeps no real puller out.
+          log_refused(handshaking.front().connection, self(),
+                      "dropped mid-handshake to make room (" + std::to_string(kMaxHandshakingConnections) +
+                          " connections at once were mid-handshake)");
+          handshaking.erase(handshaking.begin());
+        }
+        handshaking.push_back(Handshaking{std::move(accepted), Clock::now() + kHandshakeTimeout,
+                                          ServerHandshake(kPeerHandshake, auth)});
       } catch (const Error&) {
+        break;  // none left (or accept() failed: the peer reset first, descriptors ran out): the next poll retries
       }
     }
   }

@@ -139,11 +139,14 @@ struct UpdateReceiver::State {
   }
   // The connected sender, kept between its updates (one connection carries any number).
   std::optional<Connection> connection;
-  // Peers that connected and have not been heard yet, each with the time by which its HELLO
-  // must come. All are waited on at once: a silent one delays no other.
+  // Peers that connected and have not proven the token yet, each with the time by which its
+  // HELLO must come. All are heard at once, never waited on one by one (ServerHandshake::
+  // advance): a silent, slow or lying one delays no other. At most
+  // kMaxHandshakingConnections; one more evicts the oldest.
   struct Handshaking {
     Connection connection;
     Clock::time_point deadline;
+    ServerHandshake handshake;
   };
   std::vector<Handshaking> handshaking;
   std::unique_ptr<ReceiverTransport> transport;
@@ -229,12 +232,21 @@ struct UpdateReceiver::State {
     }
   }
 
-  /// Accepts peers until one presents a HELLO, then sets up its transport: token,
-  /// WELCOME, join. Peers silent for the handshake timeout are dropped meanwhile.
+  /// Accepts peers until one proves the token and presents a HELLO this receiver takes,
+  /// then sets up its transport: WELCOME, join. A peer that stays silent past the handshake
+  /// timeout, cannot prove the token or speaks garbage is dropped and logged once, and the
+  /// receiver goes on waiting for the next until `accept_timeout`.
   void connect(std::chrono::milliseconds accept_timeout);
-  /// Hears one peer's HELLO and sets up its transport. False when the peer left or stayed
-  /// silent before its HELLO was complete (it is dropped); throws when it is refused.
-  bool handshake(Connection accepted, Clock::time_point hello_deadline);
+  /// Hears the HELLO of a peer that has proven the token and sets up its transport. False,
+  /// with `dropped` saying why, when the peer left, stalled or sent what this receiver
+  /// refuses before its HELLO was taken (the peer is told why, where it can be); throws
+  /// when setting up the transport fails.
+  bool greet(Connection accepted, Clock::time_point hello_deadline, std::string& dropped);
+  /// Peers dropped by connect() meanwhile, for its timeout's message.
+  uint64_t silent = 0;   // sent no HELLO within the handshake timeout
+  uint64_t left = 0;     // disconnected before their HELLO
+  uint64_t refused = 0;  // failed the handshake or sent garbage
+  std::string last_refusal;
   /// Runs one update on the connection, from its START to its REPORT.
   UpdateReport run_update(const Message& start, Clock::time_point started);
 
@@ -327,13 +339,21 @@ const std::string& UpdateReceiver::address() const noexcept { return state_->lis
 
 void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
   const auto deadline = Clock::now() + accept_timeout;
-  uint64_t silent = 0;  // peers dropped for sending no HELLO in time
-  uint64_t left = 0;    // peers that disconnected before their HELLO
+  silent = left = refused = 0;
+  last_refusal.clear();
+  constexpr auto kSendTimeout = std::chrono::milliseconds(500);
+  auto drop = [&](const Connection& peer, const std::string& reason) {
+    log_refused(peer, self(), reason);
+    ++refused;
+    last_refusal = reason;
+  };
   for (;;) {
     check_cancelled("a sender to connect");
     auto now = Clock::now();
     std::erase_if(handshaking, [&](Handshaking& peer) {
-      if (peer.deadline > now || peer.connection.readable()) return false;
+      if (peer.deadline > now) return false;
+      log_refused(peer.connection, self(),
+                  "no handshake and HELLO within the handshake timeout of " + seconds_text(options.handshake_timeout));
       ++silent;
       return true;
     });
@@ -358,73 +378,101 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
                    seconds_text(options.handshake_timeout) + " and were dropped";
       }
       if (left > 0) dropped += "; " + std::to_string(left) + " peer(s) disconnected before their HELLO";
+      if (refused > 0) dropped += "; " + std::to_string(refused) + " peer(s) were refused (the last: " + last_refusal + ")";
       WS_FAIL(ErrorCode::kTimeout, "no sender connected to " + listener.address() + " within " +
                                        seconds_text(accept_timeout) + dropped);
     }
-    // Peers already waiting are heard first, in the order they connected.
+    // Every peer with bytes waiting is heard, in the order they connected; none is waited on.
+    std::vector<bool> gone(handshaking.size(), false);
     for (size_t i = 0; i < handshaking.size(); ++i) {
       if ((waits[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-      Handshaking peer = std::move(handshaking[i]);
-      handshaking.erase(handshaking.begin() + static_cast<ptrdiff_t>(i));
-      if (handshake(std::move(peer.connection), peer.deadline)) return;
-      ++left;  // or silent in the middle of its HELLO
-      break;   // the indices of `waits` no longer match: poll again
+      Handshaking& peer = handshaking[i];
+      try {
+        if (!peer.handshake.advance(peer.connection, kSendTimeout)) continue;
+      } catch (const Error& error) {
+        gone[i] = true;
+        if (error.code() == ErrorCode::kNetwork) {
+          ++left;  // a sender that stopped at the receiver's proof (another token), or a port probe
+          if (peer.handshake.heard()) log_refused(peer.connection, self(), error.what());
+        } else {
+          drop(peer.connection, error.what());
+        }
+        continue;
+      }
+      // Proven: its HELLO comes next, by the same deadline.
+      gone[i] = true;
+      std::string reason;
+      if (greet(std::move(peer.connection), peer.deadline, reason)) break;
+      if (reason.empty()) {
+        ++left;
+      } else {
+        ++refused;
+        last_refusal = reason;
+      }
     }
+    for (size_t i = gone.size(); i-- > 0;) {
+      if (gone[i]) handshaking.erase(handshaking.begin() + static_cast<ptrdiff_t>(i));
+    }
+    if (connection) return;  // the others wait for the next receive() (their deadlines go on)
     if ((waits[0].revents & POLLIN) != 0) {
-      handshaking.push_back(Handshaking{listener.accept(std::chrono::milliseconds(0)),
-                                        Clock::now() + options.handshake_timeout});
+      Connection accepted = listener.accept(std::chrono::milliseconds(0));
+      if (handshaking.size() >= kMaxHandshakingConnections) {
+        // The oldest makes room: a flood of idle strangers keeps no real sender out.
+        drop(handshaking.front().connection, "dropped mid-handshake to make room (" +
+                                                 std::to_string(kMaxHandshakingConnections) +
+                                                 " connections at once were mid-handshake)");
+        handshaking.erase(handshaking.begin());
+      }
+      handshaking.push_back(Handshaking{std::move(accepted), Clock::now() + options.handshake_timeout,
+                                        ServerHandshake(kUpdateHandshake, auth)});
     }
   }
 }
 
-bool UpdateReceiver::State::handshake(Connection accepted, Clock::time_point hello_deadline) {
+bool UpdateReceiver::State::greet(Connection accepted, Clock::time_point hello_deadline, std::string& dropped) {
   const auto timeout = options.timeout;
   const auto started = Clock::now();
   const std::string peer = accepted.peer();
 
+  // Refuses the HELLO: the sender is told why, the refusal logged, and the receiver waits on.
   auto refuse = [&](const std::string& reason) {
     Message refusal;
     refusal.type = MessageType::kRefuse;
     refusal.text = reason;
     try {
-      accepted.send(refusal, timeout);
+      accepted.send(refusal, std::chrono::milliseconds(1000));
     } catch (const Error&) {
-      // The peer may already be gone; the refusal is reported here either way.
+      // The peer may already be gone; the refusal is logged here either way.
     }
-    WS_FAIL(ErrorCode::kProtocol, self() + " refused " + peer + ": " + reason);
+    log_refused(accepted, self(), reason);
+    dropped = reason;
+    return false;
   };
 
   Received hello;
   try {
-    // The handshake (the token proven both ways) and the HELLO are (at least in part) here
-    // already: the rest must come by the deadline.
-    const auto hello_left = [&] {
-      return std::max(std::chrono::milliseconds(100),
-                      std::chrono::duration_cast<std::chrono::milliseconds>(hello_deadline - Clock::now()));
-    };
-    try {
-      ServerHandshake(kUpdateHandshake, auth).run(accepted, hello_left());
-    } catch (const Error& error) {
-      if (error.code() != ErrorCode::kPermission && error.code() != ErrorCode::kProtocol) throw;
-      WS_FAIL(error.code(), self() + " refused " + error.what());
-    }
-    hello = accepted.receive(hello_left(), "HELLO");
+    // The HELLO of a peer that has proven the token must come by the same deadline.
+    const auto hello_left = std::max(std::chrono::milliseconds(100), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                         hello_deadline - Clock::now()));
+    hello = accepted.receive(hello_left, "HELLO");
   } catch (const Error& error) {
-    // A peer that leaves or stalls before saying who it is was no sender: it is dropped,
-    // and the receiver goes on waiting for one.
-    if (error.code() == ErrorCode::kNetwork || error.code() == ErrorCode::kTimeout) return false;
-    throw;
+    // A peer that leaves before its HELLO was no sender; one that stalls or sends garbage is
+    // dropped and logged. Either way the receiver goes on waiting for one.
+    if (error.code() == ErrorCode::kNetwork) return false;
+    log_refused(accepted, self(), error.what());
+    dropped = error.what();
+    return false;
   }
   if (hello.message.type != MessageType::kHello) {
-    refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
+    return refuse("expected HELLO, got " + std::string(message_type_name(hello.message.type)));
   }
   if (hello.message.transport != options.transport) {
-    refuse("the sender asked for transport " + std::string(transport_name(hello.message.transport)) +
-           " but this receiver serves " + std::string(transport_name(options.transport)));
+    return refuse("the sender asked for transport " + std::string(transport_name(hello.message.transport)) +
+                  " but this receiver serves " + std::string(transport_name(options.transport)));
   }
   if (hello.message.bucket_bytes > options.max_bucket_bytes) {
-    refuse("bucket size " + std::to_string(hello.message.bucket_bytes) + " bytes exceeds this receiver's limit of " +
-           std::to_string(options.max_bucket_bytes));
+    return refuse("bucket size " + std::to_string(hello.message.bucket_bytes) +
+                  " bytes exceeds this receiver's limit of " + std::to_string(options.max_bucket_bytes));
   }
   try {
     auto made = make_receiver_transport(options.transport, hello.message.bucket_bytes, options.device, hello.message.blob,

@@ -27,6 +27,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// Connections the kernel queues before they are accepted: the most it allows (capped by
+/// net.core.somaxconn). Listeners accept at once and bound what they keep themselves
+/// (handshake.hpp), so a burst of strangers never fills the queue before a real peer.
+constexpr int kListenBacklog = SOMAXCONN;
+
 /// Descriptors one received message has room for (the protocol passes at most one).
 constexpr size_t kMaxPassedDescriptors = 16;
 
@@ -236,6 +241,19 @@ void Connection::receive_bytes(std::span<std::byte> bytes, std::chrono::millisec
   read_exact(bytes, timeout, what, nullptr);
 }
 
+size_t Connection::receive_ready(std::span<std::byte> bytes, const std::string& what) {
+  for (;;) {
+    const ssize_t got = ::recv(fd(), bytes.data(), bytes.size(), MSG_DONTWAIT);
+    if (got > 0) return static_cast<size_t>(got);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    WS_EXPECT(got < 0, ErrorCode::kNetwork, peer_ + " disconnected (the peer has gone) while this side waited for " + what);
+    const int cause = errno;
+    WS_FAIL(ErrorCode::kNetwork, "connection to " + peer_ + " failed waiting for " + what + ": " +
+                                     detail::errno_text(cause) + (cause == ECONNRESET ? " (the peer has gone)" : ""));
+  }
+}
+
 bool Connection::readable() {
   pollfd entry{fd(), POLLIN, 0};
   return ::poll(&entry, 1, 0) > 0;
@@ -271,7 +289,7 @@ Listener Listener::tcp(const std::string& address) {
     }
     int one = 1;
     ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 || ::listen(fd.get(), 64) != 0) {
+    if (::bind(fd.get(), candidate->ai_addr, candidate->ai_addrlen) != 0 || ::listen(fd.get(), kListenBacklog) != 0) {
       last_errno = errno;
       continue;
     }
@@ -428,7 +446,7 @@ Listener Listener::unix_socket(const std::string& path) {
   listener.socket_file_->owner = ::getpid();
   listener.socket_file_->slot = register_socket_file(path);
   ::chmod(path.c_str(), 0600);  // connecting needs write permission only; nobody needs execute
-  WS_EXPECT(::listen(fd.get(), 64) == 0, ErrorCode::kNetwork,
+  WS_EXPECT(::listen(fd.get(), kListenBacklog) == 0, ErrorCode::kNetwork,
             "cannot listen on Unix socket " + path + ": " + detail::errno_text(errno));
   listener.fd_ = std::move(fd);
   listener.address_ = path;
@@ -446,9 +464,10 @@ Connection Listener::accept(std::chrono::milliseconds timeout) {
   socklen_t length = sizeof(peer);
   FileDescriptor fd(::accept4(fd_.get(), reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC));
   WS_EXPECT(static_cast<bool>(fd), ErrorCode::kNetwork, "cannot accept on " + address_ + ": " + detail::errno_text(errno));
-  if (unix_) return Connection(std::move(fd), "unix peer on " + address_);
+  if (unix_) return Connection(std::move(fd), "unix peer on " + address_, "unix socket " + address_);
   set_nodelay(fd.get());
-  return Connection(std::move(fd), "tcp peer " + endpoint_text(peer));
+  const std::string remote = endpoint_text(peer);
+  return Connection(std::move(fd), "tcp peer " + remote, remote);
 }
 
 Connection connect_to(const std::string& address, std::chrono::milliseconds timeout, const std::string& what) {

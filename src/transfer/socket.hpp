@@ -46,9 +46,13 @@ struct Received {
 /// One connected socket carrying framed messages and raw payload bytes.
 class Connection {
  public:
-  Connection(FileDescriptor fd, std::string peer) : fd_(std::move(fd)), peer_(std::move(peer)) {}
+  /// `address`: the other end's bare address, for logs ("127.0.0.1:5555"); empty: `peer`.
+  Connection(FileDescriptor fd, std::string peer, std::string address = {})
+      : fd_(std::move(fd)), peer_(std::move(peer)), address_(std::move(address)) {}
   /// Who is at the other end, for messages: "tcp peer 127.0.0.1:5555", "unix peer /tmp/x.sock".
   const std::string& peer() const noexcept { return peer_; }
+  /// The other end's address as accepted ("127.0.0.1:5555", "unix socket /tmp/x.sock"), for logs.
+  const std::string& address() const noexcept { return address_.empty() ? peer_ : address_; }
   /// Renames the other end for messages (a serving peer, not an update receiver).
   void set_peer(std::string peer) { peer_ = std::move(peer); }
   int fd() const noexcept { return fd_.get(); }
@@ -61,8 +65,11 @@ class Connection {
   Received receive(std::chrono::milliseconds timeout, const std::string& awaiting);
   /// Writes raw bytes (a TCP bucket payload).
   void send_bytes(std::span<const std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what);
-  /// Reads exactly `bytes.size()` raw bytes.
+  /// Reads exactly `bytes.size()` raw bytes. `timeout` bounds each wait (silence), not the whole.
   void receive_bytes(std::span<std::byte> bytes, std::chrono::milliseconds timeout, const std::string& what);
+  /// Reads what has arrived, up to `bytes.size()`, without waiting: the count read (0 when
+  /// nothing is ready). Throws Error(kNetwork) when the peer has closed or reset.
+  size_t receive_ready(std::span<std::byte> bytes, const std::string& what);
   /// True when a message (or EOF) is ready to read without waiting.
   bool readable();
   /// True when the other end has closed or reset the connection (EOF or an error is next),
@@ -75,6 +82,7 @@ class Connection {
                   FileDescriptor* received_fd);
   FileDescriptor fd_;
   std::string peer_;
+  std::string address_;
 };
 
 /// A listening socket (TCP or Unix).

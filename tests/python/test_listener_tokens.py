@@ -182,3 +182,47 @@ def test_python_listeners_refuse_an_empty_token_and_open_only_when_asked(llama, 
         assert "listens without a token" in capfd.readouterr().err
         config = weightstream.peer_config(f"peer://{server.address}", token="")
         assert '"llama"' in config
+
+
+def test_an_awaiting_audit_survives_garbage_and_a_wrong_token_and_audits_the_real_sender(llama, tmp_path):
+    """A bad client harms no one: `audit --await-sender` logs each bad connection once and
+    goes on to the sender that proves the token."""
+    reload = tmp_path / "reload"
+    subprocess.run([CLI, "synth", str(reload), "--arch", "llama", "--layers", "2", "--seed", "4"], check=True,
+                   capture_output=True)
+    audit = subprocess.Popen([CLI, "audit", str(llama), "--reload", str(reload), "--via", "tcp", "--listen",
+                              "127.0.0.1:0", "--await-sender", "--token-stdin", "--json", "--no-progress"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    audit.stdin.write(TOKEN + "\n")
+    audit.stdin.close()
+    try:
+        match = re.search(r"awaiting a sender at (\S+)", audit.stderr.readline())
+        assert match
+        host, port = match.group(1).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=20) as garbage:
+            try:
+                garbage.sendall(os.urandom(100 << 10))
+            except OSError:
+                pass  # refused at its first bytes and closed: the rest cannot be sent
+            garbage.settimeout(20)
+            try:
+                assert garbage.recv(1) == b""  # closed by the receiver
+            except ConnectionResetError:
+                pass
+        wrong = run(["send", str(reload), "--to", match.group(1), "--via", "tcp", "--token-stdin", "--no-progress"],
+                    "wrong-" + TOKEN + "\n")
+        assert wrong.returncode != 0 and "could not prove the token" in wrong.stderr
+        sender = run(["send", str(reload), "--to", match.group(1), "--via", "tcp", "--token-stdin", "--no-progress"],
+                     TOKEN + "\n")
+        assert sender.returncode == 0, sender.stderr
+        audit.wait(timeout=120)
+        out, err = audit.stdout.read(), audit.stderr.read()
+    finally:
+        if audit.poll() is None:
+            audit.kill()
+            audit.wait()
+    assert audit.returncode == 0, err
+    assert re.search(r'"clean":\s*true', out), out
+    assert err.count("weightstream: refused a connection from 127.0.0.1:") == 2, err
+    assert "does not speak the weightstream update protocol (bad magic)" in err
+    assert TOKEN not in out + err + wrong.stderr + sender.stderr

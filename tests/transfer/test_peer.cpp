@@ -6,6 +6,10 @@
 #include <gmock/gmock.h>
 #include <stdlib.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <thread>
 
 #include "support/test_support.hpp"
 #include "transfer/transfer_fixtures.hpp"
@@ -393,6 +397,103 @@ TEST_F(PeerTest, AServerGoneBeforeTheReadsFailsWithinTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(60));
   EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
   EXPECT_THAT(text, HasSubstr(address));
+}
+
+// ---- bad clients harm no one ------------------------------------------------------------------
+
+/// A raw connection to `address` that sends `bytes` (what it can of them) and stays open.
+transfer::Connection connect_raw(const std::string& address, std::span<const std::byte> bytes = {}) {
+  transfer::Connection peer = transfer::connect_to(address, std::chrono::seconds(10), "peer server");
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t sent = ::send(peer.fd(), bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent <= 0) break;  // refused and closed by the server, or its buffers are full: enough
+    done += static_cast<size_t>(sent);
+  }
+  return peer;
+}
+
+/// A peer-protocol frame header of `type` claiming `length` bytes of body.
+std::vector<std::byte> peer_header(uint16_t type, uint64_t length) {
+  std::vector<std::byte> header(16);
+  const uint32_t magic = transfer::kPeerMagic;
+  const uint16_t version = transfer::kPeerProtocolVersion;
+  std::memcpy(header.data(), &magic, 4);
+  std::memcpy(header.data() + 4, &version, 2);
+  std::memcpy(header.data() + 6, &type, 2);
+  std::memcpy(header.data() + 8, &length, 8);
+  return header;
+}
+
+size_t occurrences(const std::string& text, const std::string& part) {
+  size_t count = 0;
+  for (size_t at = 0; (at = text.find(part, at)) != std::string::npos; at += part.size()) ++count;
+  return count;
+}
+
+TEST_F(PeerTest, AStrangerThatSendsAHeaderAndStallsDelaysNoPullAndIsDroppedAtItsDeadline) {
+  Model model;
+  Instance instance(model, 1);  // the server's message timeout is 60 s: the handshake's own 5 s applies
+  ::testing::internal::CaptureStderr();
+  const auto hello = static_cast<uint16_t>(transfer::HandshakeRecord::kHello);
+  transfer::Connection staller = connect_raw(instance.servers[0]->address(), peer_header(hello, 32));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the server has read its header by now
+  const auto begun = std::chrono::steady_clock::now();
+  PeerSource source(instance.uri(), pull_options());
+  ModelLayout layout = empty_layout(model, 1, 0);
+  pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, instance.layouts[0]).mismatched, 0u);
+  // The pull did not wait for the staller: it is still connected, its 5 s not yet up.
+  EXPECT_FALSE(staller.closed()) << "the pull took "
+                                 << std::chrono::duration<double>(std::chrono::steady_clock::now() - begun).count() << " s";
+  // Then it is dropped at its deadline, and said so once.
+  EXPECT_THAT(error_text([&] {
+                std::byte byte;
+                staller.receive_bytes(std::span(&byte, 1), std::chrono::seconds(30), "the end");
+              }),
+              HasSubstr("disconnected"));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(occurrences(log, "weightstream: refused a connection from 127.0.0.1:"), 1u) << log;
+  EXPECT_THAT(log, HasSubstr(" to peer server on " + instance.servers[0]->address() +
+                             ": no handshake within 5 s of connecting"));
+}
+
+TEST_F(PeerTest, SeventyIdleAndHalfOpenConnectionsAndGarbageLeaveAPullServed) {
+  Model model;
+  Instance instance(model, 1);
+  const std::string address = instance.servers[0]->address();
+  ::testing::internal::CaptureStderr();
+  const auto hello = static_cast<uint16_t>(transfer::HandshakeRecord::kHello);
+  std::vector<transfer::Connection> strangers;
+  for (int i = 0; i < 35; ++i) strangers.push_back(connect_raw(address));                           // idle
+  for (int i = 0; i < 35; ++i) strangers.push_back(connect_raw(address, peer_header(hello, 32)));  // half-open
+  // A header claiming 512 MiB, and 100 KB of noise: each refused at its header.
+  transfer::Connection claims = connect_raw(address, peer_header(hello, 512ull << 20));
+  std::vector<std::byte> noise(100 << 10);
+  uint64_t state = 0x2545f4914f6cdd1dull;
+  for (std::byte& byte : noise) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    byte = static_cast<std::byte>(state >> 56);
+  }
+  transfer::Connection garbage = connect_raw(address, noise);
+
+  PeerSource source(instance.uri(), pull_options());
+  ModelLayout layout = empty_layout(model, 1, 0);
+  pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, instance.layouts[0]).mismatched, 0u);
+  for (transfer::Connection* refused : {&claims, &garbage}) {
+    EXPECT_THAT(error_text([&] {
+                  std::byte byte;
+                  refused->receive_bytes(std::span(&byte, 1), std::chrono::seconds(30), "the end");
+                }),
+                ::testing::AnyOf(HasSubstr("disconnected"), HasSubstr("reset")));
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(occurrences(log, "sent a 536870912-byte AUTH_HELLO (expected 32)"), 1u) << log;
+  EXPECT_EQ(occurrences(log, "does not speak the weightstream peer protocol (bad magic)"), 1u) << log;
+  // 64 at most wait mid-handshake: the oldest made room for the newest, each said so once.
+  EXPECT_GE(occurrences(log, "dropped mid-handshake to make room (64 connections at once were mid-handshake)"), 6u)
+      << log;
 }
 
 TEST_F(PeerTest, GpuMemoryNeedsACudaAwareUcx) {

@@ -125,32 +125,115 @@ TEST(ReceiverPeers, DescriptorsPassedBeforeTheTokenCheckAreClosed) {
   body.insert(body.end(), proof.begin(), proof.end());
 
   const size_t before = open_descriptors();
-  for (int i = 0; i < 100; ++i) {
-    transfer::FileDescriptor peer = connect_unix(receiver.address());
-    iovec part{header.data(), header.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-    msghdr envelope{};
-    envelope.msg_iov = &part;
-    envelope.msg_iovlen = 1;
-    envelope.msg_control = control;
-    envelope.msg_controllen = sizeof(control);
-    cmsghdr* item = CMSG_FIRSTHDR(&envelope);
-    item->cmsg_level = SOL_SOCKET;
-    item->cmsg_type = SCM_RIGHTS;
-    item->cmsg_len = CMSG_LEN(2 * sizeof(int));
-    std::memcpy(CMSG_DATA(item), pipe_fds, 2 * sizeof(int));
-    ASSERT_EQ(::sendmsg(peer.get(), &envelope, MSG_NOSIGNAL), static_cast<ssize_t>(header.size()));
-    ASSERT_EQ(::send(peer.get(), body.data(), body.size(), MSG_NOSIGNAL), static_cast<ssize_t>(body.size()));
-    std::string text = error_text([&] { receiver.receive(5s); });
-    ASSERT_THAT(text, HasSubstr("the sender could not prove the token")) << "connection " << i;
+  {
+    UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
+    ::testing::internal::CaptureStderr();
+    // Each is refused, logged, and dropped; the receiver goes on to the real sender behind them.
+    std::vector<transfer::FileDescriptor> peers;
+    for (int i = 0; i < 100; ++i) {
+      transfer::FileDescriptor& peer = peers.emplace_back(connect_unix(receiver.address()));
+      iovec part{header.data(), header.size()};
+      alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+      msghdr envelope{};
+      envelope.msg_iov = &part;
+      envelope.msg_iovlen = 1;
+      envelope.msg_control = control;
+      envelope.msg_controllen = sizeof(control);
+      cmsghdr* item = CMSG_FIRSTHDR(&envelope);
+      item->cmsg_level = SOL_SOCKET;
+      item->cmsg_type = SCM_RIGHTS;
+      item->cmsg_len = CMSG_LEN(2 * sizeof(int));
+      std::memcpy(CMSG_DATA(item), pipe_fds, 2 * sizeof(int));
+      ASSERT_EQ(::sendmsg(peer.get(), &envelope, MSG_NOSIGNAL), static_cast<ssize_t>(header.size()));
+      ASSERT_EQ(::send(peer.get(), body.data(), body.size(), MSG_NOSIGNAL), static_cast<ssize_t>(body.size()));
+    }
+    auto sent = send_async(receiver.address(), TransportKind::kShm);
+    UpdateReport report = receiver.receive(20s);
+    sent.get();
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(report.tensors, checkpoint_of(2).tensors.size());
+    expect_updated_to_seed_2(layout);
+    size_t refusals = 0;
+    for (size_t at = 0; (at = log.find("the sender could not prove the token", at)) != std::string::npos; ++at) ++refusals;
+    EXPECT_EQ(refusals, 100u) << log;
+    EXPECT_THAT(log, HasSubstr("weightstream: refused a connection from unix socket " + receiver.address() +
+                               " to update receiver at " + receiver.address()));
   }
   EXPECT_EQ(open_descriptors(), before);  // 100 connections, 200 descriptors passed: none kept
+}
 
-  auto sent = send_async(receiver.address(), TransportKind::kShm);
-  UpdateReport report = receiver.receive(10s);
+// ---- bad peers do not stop the receiver -----------------------------------------------------
+
+/// A raw TCP connection to `address` that sends `bytes` (what it can of them) and stays open.
+transfer::Connection send_raw(const std::string& address, std::span<const std::byte> bytes) {
+  transfer::Connection peer = transfer::connect_to(address, 5s, "receiver");
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t sent = ::send(peer.fd(), bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent <= 0) break;  // refused and closed by the receiver, or its buffers are full: enough
+    done += static_cast<size_t>(sent);
+  }
+  return peer;
+}
+
+TEST(ReceiverPeers, WrongTokensGarbageAndRefusedHellosAreLoggedAndTheNextSenderIsServed) {
+  ModelLayout layout = cold_loaded_layout(checkpoint_of(1));
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  ::testing::internal::CaptureStderr();
+  auto received = std::async(std::launch::async, [&] { return receiver.receive(60s); });
+
+  // A sender with another token: the receiver proves first, so the sender stops and says so.
+  SenderOptions wrong;
+  wrong.transport = TransportKind::kTcp;
+  wrong.token = "another-secret";
+  wrong.timeout = 10s;
+  EXPECT_THAT(error_text([&] { UpdateSender sender(receiver.address(), wrong); }),
+              HasSubstr("could not prove the token"));
+  // 100 KB of random bytes: refused at their first 16, and closed.
+  std::vector<std::byte> noise(100 << 10);
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  for (std::byte& byte : noise) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    byte = static_cast<std::byte>(state >> 56);
+  }
+  transfer::Connection garbage = send_raw(receiver.address(), noise);
+  // A header claiming 512 MiB: refused on its length, nothing allocated.
+  std::vector<std::byte> huge(16);
+  const uint32_t magic = transfer::kMagic;
+  const uint16_t version = transfer::kProtocolVersion;
+  const auto kind = static_cast<uint16_t>(transfer::HandshakeRecord::kHello);
+  const uint64_t length = 512ull << 20;
+  std::memcpy(huge.data(), &magic, 4);
+  std::memcpy(huge.data() + 4, &version, 2);
+  std::memcpy(huge.data() + 6, &kind, 2);
+  std::memcpy(huge.data() + 8, &length, 8);
+  transfer::Connection claims = send_raw(receiver.address(), huge);
+  // A sender with the token asking for a transport this receiver does not serve.
+  SenderOptions other = wrong;
+  other.token = "shared-secret";
+  other.transport = TransportKind::kShm;
+  EXPECT_THAT(error_text([&] { UpdateSender sender(receiver.address(), other); }),
+              HasSubstr("but this receiver serves tcp"));
+  // Both raw peers were closed by the receiver.
+  EXPECT_THAT(error_text([&] { garbage.receive_bytes(std::span(huge).first(1), 10s, "the end"); }),
+              ::testing::AnyOf(HasSubstr("disconnected"), HasSubstr("reset")));
+  EXPECT_THAT(error_text([&] { claims.receive_bytes(std::span(huge).first(1), 10s, "the end"); }),
+              ::testing::AnyOf(HasSubstr("disconnected"), HasSubstr("reset")));
+
+  auto sent = send_async(receiver.address(), TransportKind::kTcp);
+  UpdateReport report = received.get();
   sent.get();
+  const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(report.tensors, checkpoint_of(2).tensors.size());
   expect_updated_to_seed_2(layout);
+  const std::string refused = "weightstream: refused a connection from 127.0.0.1:";
+  EXPECT_THAT(log, HasSubstr("does not speak the weightstream update protocol (bad magic)"));
+  EXPECT_THAT(log, HasSubstr("sent a 536870912-byte AUTH_HELLO (expected 32)"));
+  EXPECT_THAT(log, HasSubstr("while this side waited for the handshake's AUTH_PROOF"));  // the wrong token's sender
+  EXPECT_THAT(log, HasSubstr("but this receiver serves tcp"));
+  size_t lines = 0;
+  for (size_t at = 0; (at = log.find(refused, at)) != std::string::npos; ++at) ++lines;
+  EXPECT_EQ(lines, 4u) << log;  // each bad peer once
 }
 
 // ---- peers that never speak -----------------------------------------------------------------
