@@ -173,7 +173,8 @@ void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shar
   for (const HostCopy& copy : copies) {
     // Bytes a transport landed in place already (source == destination) copy nothing.
     if (copy.width == 0 || copy.rows == 0 || copy.source == copy.destination) continue;
-    if (copies.size() > 1 && lands(copy.width, copy.rows, copy.source_pitch, copy.destination_pitch) &&
+    if (copies.size() > 1 && copy.allocation != nullptr &&
+        lands(copy.width, copy.rows, copy.source_pitch, copy.destination_pitch) &&
         static_cast<uint64_t>(source_end(copy) - copy.source) <= kLandingBytes) {
       landed.push_back(&copy);
       continue;
@@ -182,7 +183,9 @@ void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shar
               keepalive, what);
   }
   // The rest in groups of close sources, in source order: one landing copy and one launch each.
-  std::sort(landed.begin(), landed.end(), [](const HostCopy* a, const HostCopy* b) { return a->source < b->source; });
+  std::sort(landed.begin(), landed.end(), [](const HostCopy* a, const HostCopy* b) {
+    return a->allocation != b->allocation ? std::less<const void*>()(a->allocation, b->allocation) : a->source < b->source;
+  });
   std::vector<ScatterRange> ranges;
   for (size_t first = 0; first < landed.size();) {
     const std::byte* begin = landed[first]->source;
@@ -190,7 +193,10 @@ void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shar
     size_t last = first + 1;
     for (; last < landed.size(); ++last) {
       const std::byte* next_end = std::max(end, source_end(*landed[last]));
-      if (landed[last]->source > end + kLandingGapBytes || static_cast<uint64_t>(next_end - begin) > kLandingBytes) break;
+      if (landed[last]->allocation != landed[first]->allocation || landed[last]->source > end + kLandingGapBytes ||
+          static_cast<uint64_t>(next_end - begin) > kLandingBytes) {
+        break;
+      }
       end = next_end;
     }
     if (last - first == 1 && landed[first]->rows == 1) {

@@ -62,11 +62,15 @@ class ParameterWriter {
     uint64_t source_pitch = 0;
     uint64_t width = 0;
     uint64_t rows = 1;
+    /// The allocation the source lies in (its keepalive's), or null when unknown: only
+    /// rectangles of one allocation share a landing copy, whose span may cover bytes between
+    /// them (never memory between two allocations, which may not be mapped).
+    const void* allocation = nullptr;
   };
   /// Copies every rectangle from host memory (pinned or registered, kept valid by
   /// `keepalive` until the copies land) into the writer's device memory, as copy_rows() would
   /// each. On a GPU whose build has kernels, the small ones (runs under 4 MiB, narrow rows)
-  /// whose sources lie close together land in one copy a group, written out by one kernel:
+  /// whose sources lie close together in one allocation land in one copy a group, written out by one kernel:
   /// a read of many small tensors (MoE experts, their scales) or of a column window costs a
   /// copy, not one per tensor or row. `what` names the batch in errors. Throws Error(kDevice).
   void copy_from_host(std::span<const HostCopy> copies, std::shared_ptr<const void> keepalive, std::string_view what);

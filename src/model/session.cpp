@@ -768,7 +768,8 @@ struct LoadSession::State {
       for_each_part_copy(part_base(write), parameter.parts[write.part], element, write,
                          [&](std::byte* destination, uint64_t destination_pitch, const std::byte* source,
                              uint64_t source_pitch, uint64_t width, uint64_t rows) {
-                           copies.push_back({destination, destination_pitch, source, source_pitch, width, rows});
+                           copies.push_back(
+                               {destination, destination_pitch, source, source_pitch, width, rows, write.keepalive.get()});
                          });
     }
     if (copies.empty() && quantized.empty()) return;
