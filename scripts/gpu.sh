@@ -360,33 +360,33 @@ fi
 
 # ---- ranks (issue 44): `load --raw` against a tp-2 and a tp-8 rank of the pythonpath stage's
 # checkpoint, CLI, warm, 3 runs each interleaved: each rank's time against its share of raw ---
+# Appends to ranks.txt one line per run of `load CHECKPOINT FLAGS --device cuda:0`, 3 runs of
+# each flag set, interleaved.  Usage: time_ranks LABEL CHECKPOINT FLAGS...
+time_ranks() {
+  local label=$1 checkpoint=$2 run flags
+  shift 2
+  cat "$checkpoint"/*.safetensors >/dev/null  # warm
+  for run in 1 2 3; do
+    for flags in "$@"; do
+      # shellcheck disable=SC2086  # flags is a list
+      "$build/weightstream" load "$checkpoint" $flags --device cuda:0 --no-progress --json 2>&1 |
+        python3 -c "import json,sys; r=json.load(sys.stdin); print('$label: $flags run $run', round(r['seconds'],4), 's', round(r['bytes']/1e9,3), 'GB', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
+        >>"$out/ranks.txt" 2>&1 || echo "$label: $flags run $run FAILED" >>"$out/ranks.txt"
+    done
+  done
+}
 if wants ranks; then
   checkpoint=${WS_GPU_PYTHONPATH_DIR:-/tmp/ws-python-path}
   [ -f "$checkpoint/config.json" ] || "$build/weightstream" synth "$checkpoint" --arch llama \
     --size "${WS_GPU_PYTHONPATH_SIZE:-16GiB}" --shards 4 >/dev/null
-  cat "$checkpoint"/*.safetensors >/dev/null  # warm
-  for run in 1 2 3; do
-    for flags in "--raw" "--tp-size 1 --tp-rank 0" "--tp-size 2 --tp-rank 1" "--tp-size 8 --tp-rank 3"; do
-      # shellcheck disable=SC2086  # flags is a list
-      "$build/weightstream" load "$checkpoint" $flags --device cuda:0 --no-progress --json 2>&1 |
-        python3 -c "import json,sys; r=json.load(sys.stdin); print('ranks: $flags run $run', round(r['seconds'],4), 's', round(r['bytes']/1e9,3), 'GB', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
-        >>"$out/ranks.txt" 2>&1 || echo "ranks: $flags run $run FAILED" >>"$out/ranks.txt"
-    done
-  done
+  time_ranks ranks "$checkpoint" "--raw" "--tp-size 1 --tp-rank 0" "--tp-size 2 --tp-rank 1" "--tp-size 8 --tp-rank 3"
   # The FP8 block-scaled MoE of the moe stage (its checkpoint A, kept for it): raw against the
   # ranks the CLI builds from config.json at tp 2 and tp 2 + EP 2.
   moe=${WS_GPU_MOE_DIR:-/tmp/ws-moe}/fp8
   [ -f "$moe/config.json" ] || "$build/weightstream" synth "$moe" --arch qwen3_moe --quantize fp8-block \
     --size "${WS_GPU_MOE_SIZE:-8GiB}" --hidden 2048 --experts 16 --shards 8 --seed 1 >/dev/null
-  cat "$moe"/*.safetensors >/dev/null  # warm
-  for run in 1 2 3; do
-    for flags in "--raw" "--tp-size 2 --tp-rank 0" "--tp-size 2 --tp-rank 1" "--tp-size 2 --tp-rank 0 --ep-size 2 --ep-rank 0"; do
-      # shellcheck disable=SC2086  # flags is a list
-      "$build/weightstream" load "$moe" $flags --device cuda:0 --no-progress --json 2>&1 |
-        python3 -c "import json,sys; r=json.load(sys.stdin); print('moe ranks: $flags run $run', round(r['seconds'],4), 's', round(r['bytes']/1e9,3), 'GB', round(r['bytes']/r['seconds']/1e9,2), 'GB/s')" \
-        >>"$out/ranks.txt" 2>&1 || echo "moe ranks: $flags run $run FAILED" >>"$out/ranks.txt"
-    done
-  done
+  time_ranks "moe ranks" "$moe" "--raw" "--tp-size 2 --tp-rank 0" "--tp-size 2 --tp-rank 1" \
+    "--tp-size 2 --tp-rank 0 --ep-size 2 --ep-rank 0"
   cat "$out/ranks.txt"
   summary "ranks: ranks.txt"
 fi

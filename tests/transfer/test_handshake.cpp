@@ -263,12 +263,7 @@ TEST(ListenerToken, AnOpenReceiverTakesASenderWithoutAToken) {
   UpdateReceiver receiver(layout, options);
   SenderOptions sender_options = testing::sender_options(TransportKind::kTcp);
   sender_options.token.clear();
-  auto sent = std::async(std::launch::async, [&] {
-    UpdateSender sender(receiver.address(), sender_options);
-    sender.start(TensorFormat::kCheckpoint);
-    for (const TensorView& view : testing::cached_checkpoint("llama", 2).views()) sender.send(view);
-    return sender.finish();
-  });
+  auto sent = testing::send_async(receiver.address(), sender_options, testing::cached_checkpoint("llama", 2).views());
   EXPECT_GT(receiver.receive(10s).tensors, 0u);
   EXPECT_GT(sent.get().tensors, 0u);
 }
@@ -281,12 +276,7 @@ TEST(ListenerToken, AnUpdateCarriesNoTokenOnTheWire) {
   RecordingProxy proxy(receiver.address());
   SenderOptions sender_options = testing::sender_options(TransportKind::kTcp);
   sender_options.token = kToken;
-  auto sent = std::async(std::launch::async, [&] {
-    UpdateSender sender(proxy.address(), sender_options);
-    sender.start(TensorFormat::kCheckpoint);
-    for (const TensorView& view : testing::cached_checkpoint("llama", 2).views()) sender.send(view);
-    return sender.finish();
-  });
+  auto sent = testing::send_async(proxy.address(), sender_options, testing::cached_checkpoint("llama", 2).views());
   EXPECT_GT(receiver.receive(10s).tensors, 0u);
   EXPECT_GT(sent.get().tensors, 0u);
   EXPECT_GT(proxy.from_client().size(), 1000u);  // the whole update went through the proxy

@@ -43,17 +43,7 @@ const testing::MemoryCheckpoint& checkpoint_of(uint64_t seed) { return cached_ch
 
 /// A real update of the seed-2 checkpoint from a thread; the future holds the sender's report.
 std::future<UpdateReport> send_async(const std::string& address, TransportKind kind) {
-  return std::async(std::launch::async, [=] {
-    SenderOptions options;
-    options.transport = kind;
-    options.token = "shared-secret";
-    options.bucket_bytes = 1 << 20;
-    options.timeout = 10s;
-    UpdateSender sender(address, options);
-    sender.start(TensorFormat::kCheckpoint);
-    for (const TensorView& view : checkpoint_of(2).views()) sender.send(view);
-    return sender.finish();
-  });
+  return testing::send_async(address, testing::sender_options(kind, 1 << 20), checkpoint_of(2).views());
 }
 
 void expect_updated_to_seed_2(const ModelLayout& layout) {

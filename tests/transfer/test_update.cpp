@@ -25,6 +25,7 @@ using ::testing::StartsWith;
 using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
 using testing::error_text;
+using testing::send_async;
 using testing::host_layout;
 using testing::MemoryCheckpoint;
 using testing::receiver_options;
@@ -50,16 +51,6 @@ struct LoadedModel {
 
 ModelLayout fresh_layout(uint64_t seed) { return cold_loaded_layout(checkpoint_of(seed)); }
 
-/// Sends `views` in `format` from a thread; the future holds the sender's report or error.
-std::future<UpdateReport> send_async(std::string address, SenderOptions options, std::vector<TensorView> views,
-                                     TensorFormat format = TensorFormat::kCheckpoint) {
-  return std::async(std::launch::async, [=] {
-    UpdateSender sender(address, options);
-    sender.start(format);
-    for (const TensorView& view : views) sender.send(view);
-    return sender.finish();
-  });
-}
 
 std::vector<TensorView> layer_views(const MemoryCheckpoint& checkpoint, const std::string& prefix) {
   return checkpoint.views_matching(prefix);

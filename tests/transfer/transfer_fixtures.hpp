@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -43,6 +44,17 @@ inline SenderOptions sender_options(TransportKind kind, uint64_t bucket_bytes = 
   options.bucket_bytes = bucket_bytes;
   options.timeout = std::chrono::seconds(10);
   return options;
+}
+
+/// Sends `views` in `format` from a thread; the future holds the sender's report or error.
+inline std::future<UpdateReport> send_async(std::string address, SenderOptions options, std::vector<TensorView> views,
+                                            TensorFormat format = TensorFormat::kCheckpoint) {
+  return std::async(std::launch::async, [=] {
+    UpdateSender sender(address, options);
+    sender.start(format);
+    for (const TensorView& view : views) sender.send(view);
+    return sender.finish();
+  });
 }
 
 /// A TCP proxy on loopback that relays every connection to `target` and records the bytes
