@@ -132,8 +132,7 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
   if (rows == 1 || (width == source_pitch && width == destination_pitch)) {
     return copy(destination, source, source_device, (rows - 1) * source_pitch + width, std::move(keepalive), what, lane);
   }
-  if (copier_ && !source_device.is_cuda() && width < kNarrowRowBytes && source_pitch > kMostSpanPerRowBytes * width &&
-      rows * width <= kGatherBufferBytes && (destination_pitch == width || device_scatters()) &&
+  if (copier_ && !source_device.is_cuda() && gathers(width, rows, source_pitch, destination_pitch) &&
       gather_rows(destination, destination_pitch, source, source_pitch, width, rows, lane ? *lane : take_lane(), what)) {
     return;  // the source is no longer needed: its rows were copied out on the CPU
   }
@@ -155,6 +154,11 @@ void ParameterWriter::copy_rows(std::byte* destination, uint64_t destination_pit
     copy_bytes(destination + row * destination_pitch, device_, source + row * source_pitch, source_device, width);
   }
   if (copier_) copied_between_devices();
+}
+
+bool ParameterWriter::gathers(uint64_t width, uint64_t rows, uint64_t source_pitch, uint64_t destination_pitch) const {
+  return copier_ && width < kNarrowRowBytes && source_pitch > kMostSpanPerRowBytes * width &&
+         rows * width <= kGatherBufferBytes && (destination_pitch == width || device_scatters());
 }
 
 bool ParameterWriter::lands(uint64_t width, uint64_t rows, uint64_t source_pitch, uint64_t destination_pitch) const {

@@ -102,6 +102,9 @@ class ParameterWriter {
   void wait();
 
  private:
+  /// Whether narrow rows from the host far apart are gathered on the CPU (gather_rows()): a
+  /// few columns of wide rows, whose span would carry many times their bytes.
+  bool gathers(uint64_t width, uint64_t rows, uint64_t source_pitch, uint64_t destination_pitch) const;
   /// Whether a rectangle from the host lands in device scratch to be written out by a kernel
   /// (a run under 4 MiB; narrow rows whose span carries few other bytes) rather than copied
   /// on its own.

@@ -396,7 +396,7 @@ class StreamRun {
         completed_.fetch_add(1, std::memory_order_relaxed);
       }
     };
-    if (!ordered_ && read.deliveries.size() > 1) {
+    if (!ordered_) {
       // The read's pieces go together: a sink copying to a GPU lands them in one copy.
       std::vector<TensorPiece> pieces;
       pieces.reserve(read.deliveries.size());
