@@ -1,13 +1,42 @@
 // weightstream export URI OUT.safetensors [--tp-size T] [--tp-rank R] [--quantize fp8]
 // Writes this rank's parameters as loaded (engine layout, after processing and hooks), so
 // a rank can later load a pre-sharded checkpoint directly (TensorFormat::kEngine).
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <system_error>
 
 #include "cli/layout_flags.hpp"
 #include "cli/peer_flags.hpp"
+#include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
 
 namespace weightstream::cli {
 namespace {
+
+/// Throws Error(kInvalidArgument) when `output` is the local checkpoint `uri` (a file) or
+/// lies inside it (a directory): written over, a shard the index names would hold the
+/// export instead, and the checkpoint would be broken. Symbolic links and `..` are
+/// resolved first; a hard link to the checkpoint file is caught by its inode.
+void refuse_output_inside_input(const std::string& uri, const std::string& output) {
+  if (is_peer_uri(uri)) return;
+  Uri input = parse_uri(uri);
+  if (input.scheme != Uri::Scheme::kFile) return;
+  namespace fs = std::filesystem;
+  std::error_code error;
+  fs::path source = fs::weakly_canonical(fs::absolute(input.path), error);
+  fs::path target = fs::weakly_canonical(fs::absolute(output), error);
+  if (error) return;  // an unresolvable path is reported by the read or the write itself
+  bool inside = fs::is_directory(source, error)
+                    ? std::mismatch(source.begin(), source.end(), target.begin(), target.end()).first == source.end()
+                    : target == source || fs::equivalent(source, target, error);
+  if (inside) {
+    throw Error(ErrorCode::kInvalidArgument,
+                              "export: the output " + output + " is " + (target == source ? "" : "inside ") +
+                                  "the checkpoint " + uri +
+                                  " that it reads; writing it would replace the checkpoint's own bytes. Write it elsewhere");
+  }
+}
 
 struct ExportFlags {
   std::string uri;
@@ -30,6 +59,7 @@ void add_export_command(CLI::App& app) {
   add_stream_flags(*command, flags->stream);
   add_peer_flags(*command, flags->peer);
   command->callback([flags] {
+    refuse_output_inside_input(flags->uri, flags->output);
     Options options = resolve_options(flags->stream);
     std::optional<PeerLoad> from_peers;  // peer:// (cli/peer_flags.hpp)
     std::optional<Checkpoint> checkpoint;

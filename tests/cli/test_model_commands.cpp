@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
+
 #include "support/test_support.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/synth.hpp"
@@ -217,6 +219,37 @@ TEST(ExportCommand, WritesTheRanksParametersAsLoaded) {
   }
   EXPECT_TRUE(quantized);
   EXPECT_TRUE(scale);
+}
+
+TEST(ExportCommand, RefusesAnOutputThatIsOrIsInsideTheCheckpointItReads) {
+  TempDir directory;
+  std::string checkpoint = synth(directory, "a", "llama", 1);
+  std::filesystem::path shard;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoint)) {
+    if (entry.path().extension() == ".safetensors") shard = entry.path();
+  }
+  ASSERT_FALSE(shard.empty());
+  std::string before = testing::read_file(shard.string());
+  std::filesystem::create_directory_symlink(checkpoint, directory / "link");
+  // A shard of the checkpoint, a new file inside it, the same through a symbolic link and
+  // `..`, and a one-file checkpoint exported over itself.
+  std::vector<std::pair<std::string, std::string>> cases = {
+      {checkpoint, shard.string()},
+      {checkpoint, checkpoint + "/rank0.safetensors"},
+      {(directory / "link").string(), checkpoint + "/../a/" + shard.filename().string()},
+      {"file://" + shard.string(), shard.string()},
+  };
+  for (const auto& [input, output] : cases) {
+    auto result = run_cli({"export", input, output, "--no-progress"});
+    EXPECT_EQ(result.exit_code, 2) << input << " -> " << output << ": " << result.err;
+    EXPECT_THAT(result.err, AllOf(HasSubstr("export: the output " + output), HasSubstr("the checkpoint " + input),
+                                  HasSubstr("that it reads"), HasSubstr("Write it elsewhere")));
+  }
+  EXPECT_EQ(testing::read_file(shard.string()), before);
+  EXPECT_FALSE(std::filesystem::exists(checkpoint + "/rank0.safetensors"));
+  // Beside the checkpoint is fine.
+  auto beside = run_cli({"export", checkpoint, (directory / "a-rank0.safetensors").string(), "--no-progress"});
+  EXPECT_EQ(beside.exit_code, 0) << beside.err;
 }
 
 }  // namespace
