@@ -364,9 +364,10 @@ void add_audit_command(CLI::App& app) {
       }
     }
 
-    // The reload's model as the audited layout holds it: a BF16 reload of an FP8 block-scaled
-    // model is quantized into FP8 parameters on both sides.
-    ModelLayout fresh = checkpoint_layout(second, flags->layout, device, checkpoint_layout_config(first).quantization);
+    // The reload's bytes as the audited layout holds them: a layout built from the audited
+    // checkpoint's config (its dtypes and quantization), so an F16 reload of a BF16 model is
+    // converted and a BF16 reload of an FP8 block-scaled model quantized on both sides.
+    ModelLayout fresh = checkpoint_layout(first, flags->layout, device);
     load_layout(fresh, second, LoadMode::kCold, options.stream, progress.part());
     progress.done();
     nlohmann::json result = {{"uri", first.uri()},

@@ -75,6 +75,20 @@ TEST(AuditCommand, ABf16ReloadOfAnFp8ModelIsQuantizedInPlaceAndComparedWithTheSa
   EXPECT_EQ(json["model_hook_runs_per_load"], 1);
 }
 
+TEST(AuditCommand, AReloadInAnotherDtypeIsComparedInTheAuditedLayoutsDtypes) {
+  TempDir directory;
+  std::string bf16 = synth(directory, "bf16", "llama", 1);
+  std::string f16 = (directory / "f16").string();
+  auto written = run_cli({"synth", f16, "--arch", "llama", "--layers", "2", "--hidden", "256", "--vocab", "1000",
+                          "--seed", "2", "--dtype", "f16"});
+  ASSERT_EQ(written.exit_code, 0) << written.err;
+  auto result = run_cli({"audit", bf16, "--reload", f16, "--batches", "3", "--json", "--no-progress"});
+  ASSERT_EQ(result.exit_code, 0) << result.out << result.err;
+  auto json = nlohmann::json::parse(result.out);
+  EXPECT_GT(json["compared"].get<uint64_t>(), 0u);
+  EXPECT_EQ(json["mismatched"], 0);
+}
+
 TEST(AuditCommand, QuantizedLayoutAndReversedOrder) {
   TempDir directory;
   std::string first = synth(directory, "a", "llama", 1);
