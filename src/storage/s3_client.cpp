@@ -359,9 +359,11 @@ void S3Client::with_retries(const std::string& operation,
   }
   ErrorCode code = last.code;
   if (last.silent && silent_in_a_row >= kSilentAttemptsToGiveUp && attempts < options_.max_attempts) {
-    message += "; the endpoint answered none of the last " + std::to_string(silent_in_a_row) +
-               " attempts, so it was not tried again: check that " + endpoint_.scheme + "://" + endpoint_.authority +
-               " is an S3 endpoint that is up";
+    // Say what was measured: a server too slow for the timeouts looks the same as one that is down.
+    message += "; the endpoint " + endpoint_.scheme + "://" + endpoint_.authority + " answered none of the last " +
+               std::to_string(silent_in_a_row) +
+               " attempts within the timeouts above, so it was not tried again (a server slower than that needs "
+               "longer WEIGHTSTREAM_S3_CONNECT_TIMEOUT / WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT)";
   }
   if (deadline_passed) {
     char seconds[32];

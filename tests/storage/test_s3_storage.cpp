@@ -464,7 +464,9 @@ TEST(S3DeadEndpoint, AnEndpointThatAcceptsAndNeverAnswersFailsWithinTenSecondsBy
                       HasSubstr("first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT): no response within 3 s of "
                                 "sending the request"),
                       HasSubstr("after 2 attempts (first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT): 2 times)"),
-                      HasSubstr("the endpoint answered none of the last 2 attempts"), HasSubstr(dead.endpoint())));
+                      HasSubstr("answered none of the last 2 attempts within the timeouts above"),
+                      HasSubstr("needs longer WEIGHTSTREAM_S3_CONNECT_TIMEOUT / WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT"),
+                      HasSubstr(dead.endpoint()), Not(HasSubstr("is an S3 endpoint that is up"))));
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LE(seconds, 10.0);
@@ -570,7 +572,7 @@ TEST(S3Retries, TwoUnansweredAttemptsInARowEndTheRequest) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kTimeout);
     EXPECT_THAT(error.what(), AllOf(HasSubstr("after 4 attempts (first-byte timeout: 4 times)"),
-                                    HasSubstr("the endpoint answered none of the last 2 attempts")));
+                                    HasSubstr("answered none of the last 2 attempts")));
   }
   EXPECT_EQ(attempt, 4);
 }
