@@ -179,9 +179,11 @@ struct PeerPullOptions {
   /// default one-sided reads where the endpoint's lanes carry RMA, the peer's tagged sends
   /// (rendezvous) where they do not (tcp).
   UcxPath ucx_path = UcxPath::kAuto;
-  /// Test hook: once this many bytes from peers have landed, before the
-  /// next serving parameter is read, `on_pause` runs once on the pulling thread, so that a
-  /// test can kill a serving peer mid-pull without timing. 0 (the default) never pauses.
+  /// Test hook: once this many bytes from peers have landed, `on_pause` runs once on the
+  /// pulling thread, so that a test can kill or freeze a serving peer mid-pull without
+  /// timing: into host memory, in the middle of the next parameter of at least 16 digest
+  /// pieces (its reads issued, one landed, the rest in flight); into GPU memory, before
+  /// the next serving parameter is read. 0 (the default) never pauses.
   uint64_t pause_after_bytes = 0;
   std::function<void()> on_pause;
 };

@@ -29,6 +29,11 @@
 namespace weightstream {
 namespace {
 
+/// PeerPullOptions::pause_after_bytes on host reads: the pause waits for a parameter of at
+/// least this many digest pieces (8 MiB at 512 KiB), more than the sockets between two
+/// processes buffer, so the peer is still sending it when the pull pauses.
+constexpr size_t kPausePieces = 16;
+
 using Clock = std::chrono::steady_clock;
 using namespace transfer;
 
@@ -300,13 +305,20 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     for (State::Link& link : state.links) link.endpoint->wait(timeout);
   };
   bool paused = false;
+  auto pause_due = [&] {
+    return !paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes;
+  };
   auto pause_if_asked = [&] {
-    if (!paused && state.options.pause_after_bytes > 0 && report.bytes_from_peers >= state.options.pause_after_bytes) {
+    if (pause_due()) {
       paused = true;
       wait_all();  // what was read so far has landed: the pause falls between two parameters
       if (state.options.on_pause) state.options.on_pause();
     }
   };
+  // Host reads pause in the middle of a parameter instead: its reads issued, one landed and
+  // the others in flight (the peer still sending), as a peer that freezes or dies mid-read
+  // finds them. Counted here, not in the lambda: the reads' callbacks outlive it.
+  uint64_t pieces_landed_before_pause = 0;
   // Reads a served parameter whole into GPU memory at `destination`, counted in `landed_bytes`.
   auto read_into_gpu = [&](State::Link& link, size_t served, std::byte* destination, uint64_t* landed_bytes) {
     pause_if_asked();
@@ -321,15 +333,24 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // Reads the digest pieces `pieces` of a served parameter into host memory at `destination`
   // (where the whole parameter lies), each hashed as it lands.
   auto read_pieces = [&](State::Link& link, size_t served, std::byte* destination, PieceDigests& pieces) {
-    pause_if_asked();
+    const bool pause_here = pause_due() && pieces.size() >= kPausePieces;
     const PeerParameter& parameter = link.manifest.parameters[served];
     WS_EXPECT(!parameter.piece_xxh64.empty() || parameter.bytes == 0, ErrorCode::kProtocol,
               "parameter " + parameter.name + " served by " + peer_text(link.manifest) + " has no piece digests");
+    uint64_t* landed = pause_here ? &pieces_landed_before_pause : nullptr;
     for (size_t k = 0; k < pieces.size(); ++k) {
       const auto [offset, bytes] = pieces.range(k);
       link.endpoint->get(destination + offset, parameter.remote_address + offset, link.keys[served], bytes, timeout,
-                         ucx::Memory::kHost, [&pieces, destination, k] { pieces.landed(k, destination); });
+                         ucx::Memory::kHost, [&pieces, destination, k, landed] {
+                           pieces.landed(k, destination);
+                           if (landed) ++*landed;
+                         });
       report.bytes_from_peers += bytes;
+    }
+    if (pause_here) {
+      paused = true;
+      link.endpoint->wait_until(pieces_landed_before_pause, 1, timeout);
+      if (state.options.on_pause) state.options.on_pause();
     }
   };
   ParameterDigester digester;

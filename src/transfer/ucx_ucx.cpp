@@ -662,6 +662,11 @@ struct Endpoint::State {
       if (done()) break;
       if (Clock::now() - last_progress > timeout) {
         size_t pending = in_flight.size();
+        // A peer that stopped answering (frozen, unplugged: its TCP connection may still
+        // look open) is a failed peer: its endpoint is closed by force, which ends the
+        // requests it still tracks. A flushed close would wait on them, and the worker's
+        // destruction would then find them and abort the process (ucp_ep.c proto_reqs).
+        if (failure == UCS_OK) failure = UCS_ERR_TIMED_OUT;
         cancel_all();
         WS_FAIL(ErrorCode::kTimeout, "UCX transfers with " + peer + ": " + std::to_string(pending) +
                                          " still in flight after " + std::to_string(timeout.count()) +

@@ -122,6 +122,14 @@ def llama(tmp_path_factory):
                  "--seed", "3")
 
 
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A llama whose embeddings (16 MiB, 32 digest pieces) are more than the sockets buffer:
+    the pull's test hook pauses in the middle of reading them, the peer still sending."""
+    return synth(tmp_path_factory.mktemp("peers") / "wide-llama", "--arch", "llama", "--layers", "1", "--hidden",
+                 "512", "--vocab", "16384", "--seed", "3")
+
+
 def tp_flags(size, rank):
     return ["--tp-size", str(size), "--tp-rank", str(rank)]
 
@@ -303,16 +311,16 @@ def test_a_peer_killed_while_a_pull_waits_for_its_manifest_falls_back_or_fails_i
         (tmp_path / "out.safetensors").unlink(missing_ok=True)
 
 
-def test_a_peer_killed_mid_transfer_falls_back_to_storage_or_fails_naming_it(namespaces, llama, tmp_path):
-    """The server is killed while the bytes move: the puller stops itself once the first
-    serving parameter has landed, before it reads the next (WEIGHTSTREAM_TEST_PULL_STOP_AFTER,
-    a test hook), the test sees it stopped (waitpid WUNTRACED: no timing), kills the server
+def test_a_peer_killed_mid_transfer_falls_back_to_storage_or_fails_naming_it(namespaces, wide_llama, tmp_path):
+    """The server is killed while the bytes move: the puller stops itself in the middle of
+    reading the embeddings, one piece landed and the others in flight
+    (WEIGHTSTREAM_TEST_PULL_STOP_AFTER, a test hook), the test sees it stopped (waitpid WUNTRACED: no timing), kills the server
     with SIGKILL and lets the puller go on into a dead peer."""
     server_ns, puller_ns = namespaces
-    expected = expected_export(llama, tmp_path / "expected.safetensors")
+    expected = expected_export(wide_llama, tmp_path / "expected.safetensors")
     for fallback in (True, False):
-        server = Server(server_ns, llama)
-        flags = ["--fallback", str(llama)] if fallback else []
+        server = Server(server_ns, wide_llama)
+        flags = ["--fallback", str(wide_llama)] if fallback else []
         puller = subprocess.Popen(
             ["ip", "netns", "exec", puller_ns, CLI, "export", f"peer://{server.address}", str(tmp_path / "out.safetensors"),
              "--json", "--token-stdin", "--no-progress", "--peer-timeout", "20", *flags],
@@ -339,7 +347,7 @@ def test_a_peer_killed_mid_transfer_falls_back_to_storage_or_fails_naming_it(nam
             report = json.loads(out)
             assert report["bytes_read"] > 0 and report["bytes_from_peers"] == 0
             assert server.address in report["peer_failure"]
-            assert "peers failed" in err and str(llama) in err
+            assert "peers failed" in err and str(wide_llama) in err
             assert digests(tmp_path / "out.safetensors") == expected
         else:
             assert puller.returncode == 1, out
@@ -348,6 +356,57 @@ def test_a_peer_killed_mid_transfer_falls_back_to_storage_or_fails_naming_it(nam
             # UCX reports the dead peer at once; --peer-timeout (20 s) bounds a silent one.
             assert time.monotonic() - resumed < 60
         assert TOKEN not in out + err
+        (tmp_path / "out.safetensors").unlink(missing_ok=True)
+
+
+def test_a_peer_frozen_mid_transfer_ends_in_an_error_or_the_fallback_never_an_abort(namespaces, wide_llama, tmp_path):
+    """The server freezes (SIGSTOP: its connections stay open, nothing answers) while the
+    bytes move, as the killed peer above: the puller stops itself in the middle of reading
+    the embeddings (WEIGHTSTREAM_TEST_PULL_STOP_AFTER), the test freezes the server and lets
+    the puller go on. UCX requests to the frozen peer never end; the pull must fail within
+    --peer-timeout with a clear error (or fall back), where it used to abort inside UCX
+    (ucp_ep.c `proto_reqs` assertion, exit 134)."""
+    server_ns, puller_ns = namespaces
+    expected = expected_export(wide_llama, tmp_path / "expected.safetensors")
+    for fallback in (True, False):
+        server = Server(server_ns, wide_llama)
+        flags = ["--fallback", str(wide_llama)] if fallback else []
+        puller = subprocess.Popen(
+            ["ip", "netns", "exec", puller_ns, CLI, "export", f"peer://{server.address}", str(tmp_path / "out.safetensors"),
+             "--json", "--token-stdin", "--no-progress", "--peer-timeout", "3", *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(ENV, WEIGHTSTREAM_TEST_PULL_STOP_AFTER="1"))
+        frozen = [server.process.pid] + [
+            int(child) for child in run("pgrep", "-P", str(server.process.pid), check=False).stdout.split()]
+        try:
+            puller.stdin.write(TOKEN + "\n")
+            puller.stdin.close()
+            _, status = os.waitpid(puller.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), f"the puller ended before the transfer was under way: {puller.stderr.read()}"
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            os.kill(puller.pid, signal.SIGCONT)
+            puller.wait(timeout=120)
+            out, err = puller.stdout.read(), puller.stderr.read()
+        finally:
+            if puller.poll() is None:
+                puller.kill()
+                puller.wait()
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            server.stop()
+        assert "Assertion" not in err and "backtrace" not in err, err
+        if fallback:
+            assert puller.returncode == 0, err
+            report = json.loads(out)
+            assert server.address in report["peer_failure"]
+            assert "without progress" in report["peer_failure"]
+            assert "peers failed" in err and str(wide_llama) in err
+            assert digests(tmp_path / "out.safetensors") == expected
+        else:
+            assert puller.returncode == 1, err
+            assert f"cannot load from peer://{server.address}" in err and "no storage fallback given" in err
+            assert f"peer {server.address}" in err and "without progress" in err
         (tmp_path / "out.safetensors").unlink(missing_ok=True)
 
 

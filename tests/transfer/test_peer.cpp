@@ -33,12 +33,15 @@ struct Model {
   TempDir directory;
   std::optional<Checkpoint> checkpoint;
   ModelConfig config;
-  explicit Model(uint64_t seed = 7) {
+  /// `vocab` 16384 gives embeddings of 8 MiB (16 digest pieces): a pull's test hook pauses
+  /// in the middle of reading them (PeerPullOptions::pause_after_bytes).
+  explicit Model(uint64_t seed = 7, int64_t vocab = 0) {
     SynthOptions options;
     options.arch = "llama";
     options.layers = 2;
     options.hidden = 256;
     options.seed = seed;
+    if (vocab > 0) options.vocab = vocab;
     config = synthesize_checkpoint(directory.path(), options).config;
     checkpoint.emplace(Checkpoint::open(directory.path().string(), Options{}));
   }
@@ -528,11 +531,11 @@ TEST_F(PeerTest, PullsIntoCudaParametersStraightFromAServerOnTheGpu) {
 }
 
 TEST_F(PeerTest, AServerGoneMidPullFailsNamingItAndNothingIsReported) {
-  Model model;
+  Model model(7, 16384);
   Instance instance(model, 1);
   PeerPullOptions options = pull_options();
   options.timeout = std::chrono::seconds(5);
-  // The first serving parameter lands, then the server goes: the next reads find it gone.
+  // The embeddings' first piece lands, the rest in flight, then the server goes.
   options.pause_after_bytes = 1;
   bool paused = false;
   options.on_pause = [&] {
