@@ -3,12 +3,15 @@
 //
 // Everything is mapped in checkpoint coordinates: each part of a puller's parameter is a
 // rectangle of a checkpoint tensor (ModelLayout's rules), and so is each part of a serving
-// parameter (its manifest). A puller parameter that a peer holds identically (same name,
-// dtype and rectangles: the same layout) is read whole straight into the parameter's
-// storage. Any other need is covered by serving parameters' rectangles: those parameters
-// are read whole into staging (so that each is checked against its digest), and the rows
-// the puller needs are assembled from them and handed to the session as a piece of the
-// checkpoint tensor, exactly as a stream from storage would hand it.
+// parameter (its manifest). On a cold load, a puller parameter that a peer holds identically
+// (same name, dtype and rectangles: the same layout) is read whole straight into the
+// parameter's storage, then checked against its digest. Any other need is covered by serving
+// parameters' rectangles: those parameters are read whole into staging (so that each is
+// checked against its digest), and the rows the puller needs are assembled from them and
+// handed to the session as a piece of the checkpoint tensor, exactly as a stream from
+// storage would hand it. A reload or update overwrites parameters that serve, so it takes
+// the staged path for everything: no byte reaches the session or the parameters before its
+// digest has been checked.
 
 #include <algorithm>
 #include <cstring>
@@ -243,7 +246,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
   }
 
-  // ---- parameters a peer holds identically: read whole, in place ----
+  // ---- parameters a peer holds identically: read whole, in place (cold loads only) ----
   struct Direct {
     size_t link = 0;
     size_t served = 0;
@@ -254,7 +257,10 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // GPU parameters are read into straight from the peers only by a CUDA-aware UCX; otherwise
   // their bytes come through host staging like anything assembled.
   const bool gpu_direct = layout.device().is_cuda() && state.worker->moves_cuda_memory();
-  for (size_t p = 0; p < layout.parameters().size(); ++p) {
+  // A parameter read in place holds unchecked bytes until its digest is compared: harmless
+  // while nothing uses the layout, a corrupted live parameter on a reload or update.
+  const bool in_place = session.mode() == LoadMode::kCold;
+  for (size_t p = 0; in_place && p < layout.parameters().size(); ++p) {
     const Parameter& parameter = layout.parameters()[p];
     if (parameter.parts.empty() || parameter.processing != Processing::kNone || parameter.data == nullptr) continue;
     bool shared_tensor = false;
