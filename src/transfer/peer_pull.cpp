@@ -572,6 +572,17 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     assemblies.push_back(std::move(assembly));
   }
 
+  // An assembly whose one piece is whole rows of its tensor on both sides (the puller's part
+  // and the server's) is handed to the session straight from the staged serving parameter:
+  // no rows to assemble. On a reload or update, where every parameter comes this way, that
+  // saves a copy of the whole model.
+  auto staged_as_is = [&](const Assembly& assembly, int64_t columns) {
+    if (assembly.pieces.size() != 1) return false;
+    const Piece& piece = assembly.pieces.front();
+    return piece.part->column_begin == 0 && piece.part->columns == columns && piece.rect.column_begin == 0 &&
+           piece.rect.column_end == columns && piece.rect.row_begin == assembly.row_begin &&
+           piece.rect.row_end == assembly.row_end;
+  };
   // Batches of assemblies whose staging fits the memory limit (at least one each).
   for (size_t first = 0; first < assemblies.size();) {
     struct Staged {
@@ -586,7 +597,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       const Assembly& assembly = assemblies[end];
       const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
       const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
-      uint64_t more = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
+      uint64_t more = staged_as_is(assembly, columns) ? 0
+                      : static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
       std::set<std::pair<size_t, size_t>> fresh;
       for (const Piece& piece : assembly.pieces) {
         if (staged.count({piece.link, piece.served}) == 0 && fresh.insert({piece.link, piece.served}).second) {
@@ -630,6 +642,21 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       const uint64_t size = element_bytes(assembly.dtype);
       const uint64_t row_bytes = static_cast<uint64_t>(columns) * size;
       const uint64_t bytes = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * row_bytes;
+      const TensorView view{.name = assembly.tensor,
+                            .dtype = assembly.dtype,
+                            .shape = tensor.shape,
+                            .device = Device{},
+                            .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
+                            .bytes = bytes};
+      if (staged_as_is(assembly, columns)) {
+        const Piece& piece = assembly.pieces.front();
+        views.push_back(view);
+        views.back().data = staged.at({piece.link, piece.served}).bytes.get() +
+                            (piece.part->element_offset +
+                             static_cast<uint64_t>(piece.rect.row_begin - piece.part->row_begin) *
+                                 static_cast<uint64_t>(columns)) * size;
+        continue;
+      }
       auto& rows = rows_held.emplace_back(new std::byte[std::max<uint64_t>(bytes, 1)]);
       for (const Piece& piece : assembly.pieces) {
         const std::byte* source = staged.at({piece.link, piece.served}).bytes.get();
@@ -651,13 +678,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
           std::memcpy(rows.get() + to, source + from, width);
         }
       }
-      views.push_back(TensorView{.name = assembly.tensor,
-                                 .dtype = assembly.dtype,
-                                 .shape = tensor.shape,
-                                 .data = rows.get(),
-                                 .device = Device{},
-                                 .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
-                                 .bytes = bytes});
+      views.push_back(view);
+      views.back().data = rows.get();
     }
     if (!views.empty()) session.load(views);
     report.tensors += views.size();
