@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -69,9 +70,9 @@ struct LayoutLoad {
 };
 
 /// One whole load of `layout` from `checkpoint`: plan, begin(mode, commit), stream,
-/// finish(). The stream's seconds cover all of it.
+/// finish(). `commit` defaults to default_layer_commit(mode). The stream's seconds cover all of it.
 LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
-                       const ProgressCallback& progress = {}, LayerCommit commit = LayerCommit::kAsArrived);
+                       const ProgressCallback& progress = {}, std::optional<LayerCommit> commit = std::nullopt);
 
 /// The identity layout of `checkpoint`: one parameter per tensor, named, typed and shaped
 /// as the tensor (a tensor of a sub-byte dtype, F4 or F6, as U8 of its byte count), all

@@ -381,13 +381,17 @@ class SessionHandle {
   explicit SessionHandle(nb::object layout)
       : layout_object_(std::move(layout)), session_(nb::cast<LayoutHandle&>(layout_object_).layout) {}
 
-  void begin(const std::string& mode, const std::string& format, const std::string& commit) {
+  /// `commit` absent: the mode's default (default_layer_commit).
+  void begin(const std::string& mode, const std::string& format, const std::optional<std::string>& commit) {
     auto parsed_mode = parse_mode(mode);
     auto parsed_format = parse_format(format);
-    WS_EXPECT(commit == "arrival" || commit == "layer", ErrorCode::kInvalidArgument,
-              "commit '" + commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a layer "
-              "once all of it has arrived)");
-    LayerCommit parsed_commit = commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
+    std::optional<LayerCommit> parsed_commit;
+    if (commit) {
+      WS_EXPECT(*commit == "arrival" || *commit == "layer", ErrorCode::kInvalidArgument,
+                "commit '" + *commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a "
+                "layer once all of it has arrived)");
+      parsed_commit = *commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
+    }
     auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     nb::gil_scoped_release release;
     handle.ensure_storage();
@@ -463,6 +467,7 @@ class SessionHandle {
 
   nb::dict counters() const { return stats_dict(stat_fields(session_.counters())); }
   std::string mode() const { return std::string(load_mode_name(session_.mode())); }
+  std::string commit() const { return session_.commit() == LayerCommit::kWholeLayer ? "layer" : "arrival"; }
   std::vector<int64_t> completed_layers() const { return session_.completed_layers(); }
 
  private:
@@ -789,13 +794,14 @@ void bind_model(nb::module_& m) {
 
   nb::class_<SessionHandle>(m, "LoadSession")
       .def(nb::init<nb::object>(), "layout"_a)
-      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a = "arrival")
+      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a.none() = nb::none())
       .def("load", &SessionHandle::load, "batch"_a)
       .def("finish", &SessionHandle::finish)
       .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)
       .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a.none(), "timeout"_a, "memory_limit"_a)
       .def_prop_ro("counters", &SessionHandle::counters)
       .def_prop_ro("mode", &SessionHandle::mode)
+      .def_prop_ro("commit", &SessionHandle::commit)
       .def_prop_ro("completed_layers", &SessionHandle::completed_layers);
 
   nb::class_<PeerServerHandle>(m, "PeerServer")

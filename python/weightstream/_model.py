@@ -117,11 +117,16 @@ class LoadSession:
         self._core = _core.LoadSession(layout)
         self.layout = layout
 
-    def begin(self, mode: str = "cold", format: str = "checkpoint", commit: str = "arrival") -> None:
+    def begin(self, mode: str = "cold", format: str = "checkpoint", commit: Optional[str] = None) -> None:
         """Starts a load; ``format`` "engine" takes parameter names and kernel-format bytes.
         ``commit`` "layer" writes a layer only once all of its tensors have arrived, so a load
-        that fails midway leaves unfinished layers as they were ("arrival", the default and
-        the fastest, writes each tensor as it arrives)."""
+        that fails midway leaves every unfinished layer with its old values; the default of
+        "reload" and "update". ``commit`` "arrival", the default of "cold" and the fastest,
+        writes each tensor as it arrives (sources may read straight into the parameters): on
+        a reload or update, a load that fails midway (a truncated shard, a sender that dies)
+        leaves the layers it was writing with a mix of old and new values. In either mode,
+        bytes pulled from peers are checked against their digests before any reaches a
+        reloaded parameter."""
         self._core.begin(mode, format, commit)
 
     def load(self, batch: Iterable[Tuple[Any, ...]]) -> None:
@@ -161,6 +166,11 @@ class LoadSession:
     def mode(self) -> str:
         """"cold", "reload" or "update"."""
         return self._core.mode
+
+    @property
+    def commit(self) -> str:
+        """"arrival" or "layer": the commit of the current or last load."""
+        return self._core.commit
 
     @property
     def completed_layers(self) -> List[int]:

@@ -364,7 +364,7 @@ StreamStats stream_into_session(const Checkpoint& checkpoint, const LoadPlan& pl
 }
 
 LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
-                       const ProgressCallback& progress, LayerCommit commit) {
+                       const ProgressCallback& progress, std::optional<LayerCommit> commit) {
   auto start = Clock::now();
   LoadPlan plan = plan_layout_load(layout, checkpoint);
   LoadSession session(layout);

@@ -592,3 +592,48 @@ def test_python_serves_a_loaded_layout_and_another_layout_pulls_it(llama):
         weightstream.peer_config(uri, token=TOKEN, timeout=5)
     with pytest.raises(weightstream.Error, match="has not been loaded"):
         weightstream.serve(weightstream.model_layout(str(llama), device="cpu"), str(llama))
+
+
+def test_a_reload_from_a_peer_with_a_flipped_byte_leaves_every_parameter_as_it_was(llama, tmp_path):
+    """Issue 45: a layout reloaded with LoadSession.begin("reload") and load_checkpoint("peer://...")
+    from a server with one flipped byte is refused, naming the parameter, and every parameter
+    keeps its old bytes: the default commit of a reload is "layer", and a reload reads nothing
+    into a live parameter before its digest is checked, with commit="arrival" too (loopback)."""
+    weightstream = pytest.importorskip("weightstream")
+    np = pytest.importorskip("numpy")
+    import ctypes  # noqa: PLC0415
+
+    other = synth(tmp_path / "other", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "4")
+    served = weightstream.model_layout(str(other), device="cpu")
+    cold_load(served, str(other))
+    victim = "model.layers.1.mlp.down_proj.weight"
+    try:
+        server = served.serve(str(other), token=TOKEN)
+    except weightstream.Error as error:
+        if "build with UCX" in str(error):
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        raise
+    with server:
+        # One byte of the served parameter, changed behind the server's back (after it hashed it).
+        address = np.from_dlpack(served.tensor(victim)).ctypes.data + 100
+        flipped = ctypes.c_uint8.from_address(address)
+        flipped.value ^= 0x01
+        uri = f"peer://{server.address}"
+        for commit in (None, "arrival"):
+            layout = weightstream.model_layout(str(llama), device="cpu")
+            cold_load(layout, str(llama))
+            before = parameter_bytes(layout)
+            assert len(before) == 15
+            session = weightstream.LoadSession(layout)
+            if commit is None:
+                session.begin("reload")
+                assert session.commit == "layer"
+            else:
+                session.begin("reload", commit=commit)
+                assert session.commit == "arrival"
+            with pytest.raises(weightstream.Error) as refused:
+                session.load_checkpoint(uri, token=TOKEN)
+            assert f"parameter {victim} read from peer {server.address}" in str(refused.value)
+            assert "does not match its digest" in str(refused.value)
+            after = parameter_bytes(layout)
+            assert [name for name in before if after[name] != before[name]] == [], commit

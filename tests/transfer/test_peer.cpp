@@ -304,6 +304,59 @@ TEST_F(PeerTest, AFlippedByteInAServedParameterFailsThePullNamingIt) {
   EXPECT_THAT(text, HasSubstr(instance.servers[1]->address()));
 }
 
+// Issue 45: a reload or update from a peer lands nothing before its digests are checked. The
+// served bytes are another checkpoint's (seed 8 over the puller's seed 7) with one byte of a
+// layer-1 parameter flipped; the model fits one staging batch, so the pull fails before any
+// byte reaches the session, whatever the commit.
+TEST_F(PeerTest, AReloadFromAPeerWithAFlippedByteFailsNamingItAndLeavesEveryParameterAsItWas) {
+  Model puller_model(7);
+  Model served_model(8);
+  Instance instance(served_model, 1);
+  const Parameter& served = instance.layouts[0].parameter("model.layers.1.mlp.down_proj.weight");
+  served.data[100] ^= std::byte{0x01};
+  const ModelLayout old_values = loaded_layout(puller_model, 1, 0);
+  for (LoadMode mode : {LoadMode::kReload, LoadMode::kUpdate}) {
+    for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+      const std::string round = std::string(load_mode_name(mode)) + (commit ? ", commit as arrived" : ", default commit");
+      ModelLayout layout = loaded_layout(puller_model, 1, 0);
+      PeerSource source(instance.uri(), pull_options());
+      LoadSession session(layout);
+      session.begin(mode, TensorFormat::kCheckpoint, commit);
+      EXPECT_EQ(session.commit(), commit.value_or(LayerCommit::kWholeLayer)) << round;
+      PeerPullReport report;
+      const std::string text = error_text([&] { report = source.pull(session); });
+      EXPECT_THAT(text, AllOf(HasSubstr("parameter model.layers.1.mlp.down_proj.weight read from peer " +
+                                        instance.servers[0]->address()),
+                              HasSubstr("does not match its digest"), HasSubstr("the pull is refused")))
+          << round;
+      EXPECT_EQ(session.counters().bytes_applied, 0u) << round;
+      // Bit for bit: every parameter holds the puller's own checkpoint still.
+      const LayoutComparison comparison = compare_layouts(layout, old_values);
+      EXPECT_EQ(comparison.compared, layout.parameters().size()) << round;
+      EXPECT_EQ(comparison.mismatched, 0u) << round << ": " << ::testing::PrintToString(comparison.mismatches);
+    }
+  }
+}
+
+TEST_F(PeerTest, AReloadFromAGoodPeerTakesItsBytesThroughStagingAndEqualsItsCheckpoint) {
+  Model puller_model(7);
+  Model served_model(8);
+  Instance instance(served_model, 1);
+  for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+    ModelLayout layout = loaded_layout(puller_model, 1, 0);
+    PeerSource source(instance.uri(), pull_options());
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload, TensorFormat::kCheckpoint, commit);
+    PeerPullReport report = source.pull(session);
+    session.finish();
+    EXPECT_EQ(report.bytes_in_place, 0u);  // nothing read straight into a live parameter
+    EXPECT_GT(report.bytes_from_peers, 0u);
+    EXPECT_EQ(report.parameters_read, layout.parameters().size());
+    const LayoutComparison comparison = compare_layouts(layout, instance.layouts[0]);
+    EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  }
+}
+
 TEST_F(PeerTest, AWrongTokenIsRefusedAndNeverEchoed) {
   Model model;
   Instance instance(model, 1);
