@@ -1,8 +1,8 @@
 // weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N]
 //                    --token-stdin | (WEIGHTSTREAM_PEER_TOKEN) | --open-without-token
 // Loads one rank's parameters into host memory (or a GPU's, served through a CUDA-aware UCX)
-// and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with its
-// address once ready.
+// and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with the
+// checkpoint's content digest and its address once ready.
 #include <signal.h>
 
 #include <cstdio>
