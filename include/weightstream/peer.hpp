@@ -153,7 +153,8 @@ PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& paral
 /// prove the token, receive the manifest and read the bytes (one-sided, or sent on request).
 class PeerServer {
  public:
-  /// Throws Error(kInvalidArgument) for an empty token without `open_without_token`,
+  /// Throws Error(kInvalidArgument) for an empty token without `open_without_token` or an
+  /// info.content_digest neither empty nor 16 lowercase hex digits,
   /// Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
   /// not handle CUDA memory (not a CUDA-aware UCX),
   /// Error(kNetwork) when it cannot listen, Error(kModel) for a parameter without storage.

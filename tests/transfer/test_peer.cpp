@@ -484,6 +484,26 @@ TEST_F(PeerTest, APullerThatServesRepublishesItsSourcesContentDigest) {
   EXPECT_EQ(from_relay.content_digest(), digest);
 }
 
+TEST_F(PeerTest, AMalformedContentDigestIsRefusedByTheServerAndByThePuller) {
+  Model model;
+  ModelLayout layout = loaded_layout(model, 1, 0);
+  PeerServeInfo info = serve_info(model, 1, 0);
+  info.content_digest = "not-a-digest";
+  EXPECT_THAT(error_text([&] { PeerServer server(layout, info, serve_options()); }),
+              HasSubstr("invalid_argument: peer server: content digest 'not-a-digest' is not 16 lowercase hex digits"));
+  PeerManifest manifest;
+  manifest.digest_piece_bytes = 4096;
+  manifest.send_secret.resize(16);
+  nlohmann::json json = transfer::manifest_json(manifest);
+  EXPECT_NO_THROW(transfer::parse_manifest(json, "peer 127.0.0.1:1"));
+  json["content_digest"] = "ABCDEF0123456789";
+  EXPECT_THAT(error_text([&] { transfer::parse_manifest(json, "peer 127.0.0.1:1"); }),
+              HasSubstr("protocol: peer 127.0.0.1:1: manifest has content digest 'ABCDEF0123456789', neither empty "
+                        "nor 16 lowercase hex digits"));
+  json.erase("content_digest");  // a server of protocol 5 would have sent none (its version is refused first)
+  EXPECT_THAT(error_text([&] { transfer::parse_manifest(json, "peer 127.0.0.1:1"); }), HasSubstr("content_digest"));
+}
+
 TEST_F(PeerTest, AVersionChangeDuringThePullIsRefused) {
   Model model;
   Instance instance(model, 1);
