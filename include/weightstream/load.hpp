@@ -127,6 +127,18 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
 std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
                                             const StreamOptions& options, StreamStats* stats = nullptr,
                                             const ProgressCallback& progress = {});
+/// The same for several hash kinds in one pass over the bytes: result[k] holds the digests
+/// of kinds[k] (`digest --hash sha256` also computes the xxh64 the content digest needs).
+std::vector<std::vector<TensorDigest>> digest_checkpoint(const Checkpoint& checkpoint, const std::vector<HashKind>& kinds,
+                                                         const Device& device, const StreamOptions& options,
+                                                         StreamStats* stats = nullptr,
+                                                         const ProgressCallback& progress = {});
+
+/// The checkpoint's content digest (content_digest in stream.hpp): every tensor's bytes are
+/// streamed once through host staging and hashed (xxh64). It costs a read of the whole
+/// checkpoint. Throws what digest_checkpoint throws.
+std::string checkpoint_content_digest(const Checkpoint& checkpoint, const StreamOptions& options,
+                                      StreamStats* stats = nullptr, const ProgressCallback& progress = {});
 
 /// The checkpoint's config.json, parsed. Throws Error(kNotFound) naming the checkpoint
 /// when it has none.

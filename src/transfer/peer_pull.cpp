@@ -14,6 +14,7 @@
 // digest has been checked.
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -120,6 +121,7 @@ struct PeerSource::State {
   std::vector<Link> links;
   std::vector<PeerManifest> manifests;
 
+  void check_content() const;
   void check_agreement() const;
   void check_versions();
 };
@@ -129,6 +131,11 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
   state.uri = std::string(uri);
   state.options = std::move(options);
   std::vector<std::string> addresses = peer_addresses(uri);
+  std::string& expected = state.options.expect_digest;
+  std::transform(expected.begin(), expected.end(), expected.begin(), [](unsigned char c) { return std::tolower(c); });
+  WS_EXPECT(expected.empty() || is_content_digest(expected), ErrorCode::kInvalidArgument,
+            "expected content digest '" + state.options.expect_digest + "' for " + state.uri +
+                " is not 16 hex digits (what `weightstream digest --hash xxh64` or `serve` prints as the content digest)");
   state.worker = std::make_unique<ucx::Worker>();
   for (const std::string& address : addresses) {
     State::Link& link = state.links.emplace_back();
@@ -151,6 +158,7 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
     link.manifest.address = address;
     for (size_t i = 0; i < link.manifest.parameters.size(); ++i) link.by_name.emplace(link.manifest.parameters[i].name, i);
   }
+  state.check_content();
   state.check_agreement();
   for (State::Link& link : state.links) {
     transfer::ucx::Secret secret{};
@@ -175,6 +183,43 @@ const std::string& PeerSource::uri() const noexcept { return state_->uri; }
 const std::vector<PeerManifest>& PeerSource::manifests() const noexcept { return state_->manifests; }
 const std::string& PeerSource::config_json() const noexcept { return state_->links.front().manifest.config_json; }
 const std::vector<PeerTensor>& PeerSource::tensors() const noexcept { return state_->links.front().manifest.tensors; }
+const std::string& PeerSource::content_digest() const noexcept { return state_->links.front().manifest.content_digest; }
+
+void PeerSource::State::check_content() const {
+  // Before any endpoint or read: content that is not one checkpoint's is never mixed, and
+  // content other than the one asked for never lands.
+  auto served = [](const PeerManifest& m) {
+    return m.content_digest.empty() ? std::string("unknown content (updated since it was loaded)") : m.content_digest;
+  };
+  auto all_peers = [&] {
+    std::string text;
+    for (const Link& link : links) text += (text.empty() ? "" : ", ") + link.address + " serves " + served(link.manifest);
+    return text;
+  };
+  const std::string& expected = options.expect_digest;
+  if (!expected.empty()) {
+    std::string refused;
+    for (const Link& link : links) {
+      if (link.manifest.content_digest == expected) continue;
+      refused += (refused.empty() ? "" : ", ") + link.address + " serves " + served(link.manifest);
+    }
+    WS_EXPECT(refused.empty(), ErrorCode::kProtocol,
+              "peers of " + uri + " do not serve the expected content digest " + expected + ": " + refused +
+                  "; refusing to pull from them");
+    return;
+  }
+  if (links.size() == 1) return;  // one peer's content, known or not, is one content
+  for (const Link& link : links) {
+    WS_EXPECT(!link.manifest.content_digest.empty(), ErrorCode::kProtocol,
+              "peers of " + uri + ": the content of updated peers cannot be compared (" + all_peers() +
+                  "); refusing to mix them. Pull from peers not updated since they loaded their checkpoint, from one "
+                  "peer alone, or from storage (--fallback URI)");
+  }
+  for (const Link& link : links) {
+    WS_EXPECT(link.manifest.content_digest == links.front().manifest.content_digest, ErrorCode::kProtocol,
+              "peers of " + uri + " disagree on the checkpoint's content: " + all_peers() + "; refusing to mix them");
+  }
+}
 
 void PeerSource::State::check_agreement() const {
   const PeerManifest& first = links.front().manifest;

@@ -308,8 +308,9 @@ def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, famil
     """Instance A (``serve``: HOST:PORT, port + rank) loads from the checkpoint and serves its
     bound parameters; instance B, whose model folder holds config.json only, loads with
     ``model_uri=peer://...``: every parameter equals vLLM's default loader's, nothing is read
-    from storage, all of it lands in place. A wrong token is refused by name, and once A's
-    model is gone its servers are too."""
+    from storage, all of it lands in place, with A's content digest pinned (peer_expect_digest).
+    A wrong token and a wrong digest are refused by name, and once A's model is gone its
+    servers are too."""
     ranks = results[peer_id(family, tp, ep)]
     for rank, result in enumerate(ranks):
         assert result["ok"], f"rank {rank}:\n{result.get('error')}"
@@ -326,5 +327,8 @@ def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, famil
         assert result["load_differences"] == [], f"{where}: parameters differ from vLLM's default loader"
         assert "could not prove the token" in result["wrong_token"], result["wrong_token"]
         assert "peer-secret" not in result["wrong_token"]
+        assert re.fullmatch(r"[0-9a-f]{16}", result["content_digest"]), where
+        assert (f"do not serve the expected content digest {'0' * 16}: " in result["wrong_digest"] and
+                f"serves {result['content_digest']}" in result["wrong_digest"]), result["wrong_digest"]
         assert "cannot connect to serving peer at 127.0.0.1:" in result["after_stop"], result["after_stop"]
         assert "cannot load" in result["after_stop"] and result["uri"] in result["after_stop"]

@@ -500,14 +500,17 @@ def run_peer_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: 
                                           {"serve": f"127.0.0.1:{base}", "peer_token": PEER_TOKEN})
         result["serving"] = serving_loader.last_load.get("serving")
         result["served_differences"] = differences(served, reference)
+        result["content_digest"] = served._weightstream_server.content_digest
         dist.barrier()  # every rank of A serves before a rank of B pulls
         pulled, loader, _ = build(config_only, tp_size, ep, "weightstream",
-                                  {"model_uri": uri, "peer_token": PEER_TOKEN})
+                                  {"model_uri": uri, "peer_token": PEER_TOKEN,
+                                   "peer_expect_digest": result["content_digest"]})
         result["load"] = dict(loader.last_load)
         result["load_differences"] = differences(pulled, reference)
         result["parameters"] = len(state_of(pulled))
         result["unbound"] = dict(pulled._weightstream_binding.unbound)
         result["wrong_token"] = failure({"model_uri": uri, "peer_token": "not-" + PEER_TOKEN})
+        result["wrong_digest"] = failure({"model_uri": uri, "peer_token": PEER_TOKEN, "peer_expect_digest": "0" * 16})
         dist.barrier()  # every rank is done with A's servers
         del served, serving_loader
         gc.collect()
