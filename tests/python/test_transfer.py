@@ -20,6 +20,11 @@ def synth(directory, seed):
     return weightstream.open(str(directory))
 
 
+def manifest(checkpoint):
+    """(name, dtype, shape) of every tensor of `checkpoint`: what an update of all of it declares."""
+    return [(name, checkpoint.dtypes[name], checkpoint.shapes[name]) for name in checkpoint.names]
+
+
 def parameter_addresses(layout):
     return {name: np.from_dlpack(layout.tensor(name)).ctypes.data for name in layout.parameter_names}
 
@@ -41,7 +46,7 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, transport=transport, token="s3cret", bucket_bytes=1 << 20,
                                        share_minimum_bytes=1 << 30)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     echoed = sender.finish()
@@ -64,7 +69,7 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     # The same connection carries the next update: back to the old weights.
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(old))
     for name, tensor in old.stream(framework="numpy"):
         sender.send(name, tensor, old.dtypes[name])
     again = sender.finish()
@@ -91,9 +96,7 @@ def test_a_sender_without_the_token_is_refused(tmp_path):
     thread.start()
     # The receiver proves first: a sender with another token stops before it sends its proof.
     with pytest.raises(weightstream.Error, match="could not prove the token") as refused:
-        sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
-        sender.start("checkpoint")
-        sender.finish()
+        weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
     assert "wrong" not in str(refused.value).replace("a wrong or missing", "")
     assert "right" not in str(refused.value)
     with pytest.raises(weightstream.Error, match="requires a token, and this side has none"):
@@ -124,7 +127,7 @@ def test_an_open_receiver_is_asked_for_warns_once_and_takes_a_sender_without_a_t
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, transport="tcp", bucket_bytes=1 << 20)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     sender.finish()
@@ -148,7 +151,7 @@ def test_one_sender_feeds_several_receivers(tmp_path):
         thread.start()
     sender = weightstream.UpdateSender([r.address for r in receivers], transport="tcp", token="s3cret",
                                        bucket_bytes=1 << 16)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     echoed = sender.finish()
