@@ -218,7 +218,7 @@ void tell_peer(Connection& connection, const Error& error) {
   Message failure;
   failure.type = MessageType::kError;
   failure.code = error.code();
-  failure.text = error.what();
+  failure.text = message_text(error.what());
   try {
     connection.send(failure, std::chrono::milliseconds(1000));
   } catch (const Error&) {

@@ -112,7 +112,7 @@ struct UpdateSender::State {
     Message message;
     message.type = MessageType::kError;
     message.code = ErrorCode::kInvalidArgument;
-    message.text = reason;
+    message.text = message_text(reason);
     for (Link& link : links) {
       try {
         link.connection.send(message, std::chrono::milliseconds(1000));

@@ -94,6 +94,13 @@ std::string printable(std::string_view name) {
 
 }  // namespace
 
+std::string message_text(std::string text) {
+  constexpr std::string_view kCut = " ... (cut to fit one message)";
+  if (text.size() <= kMaxTextBytes) return text;
+  text.resize(kMaxTextBytes - kCut.size());
+  return text.append(kCut);
+}
+
 std::string_view message_type_name(MessageType type) noexcept {
   switch (type) {
     case MessageType::kHello: return "HELLO";

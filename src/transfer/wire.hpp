@@ -115,6 +115,10 @@ enum class MessageType : uint16_t {
   kAccepted = 10,
 };
 
+/// `text` cut to what a REFUSE or ERROR message carries (kMaxTextBytes), marked where cut: a
+/// refusal listing twenty 4 KiB tensor names still reaches the peer.
+std::string message_text(std::string text);
+
 /// "HELLO", "BUCKET", ...; "unknown" for a value outside the enum.
 std::string_view message_type_name(MessageType type) noexcept;
 

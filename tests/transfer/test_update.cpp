@@ -446,6 +446,23 @@ TEST(Manifest, EveryProblemIsNamedTheFirstTwentyWithACount) {
   expect_untouched(model);
 }
 
+TEST(Manifest, ARefusalTooLongForOneMessageStillReachesTheSender) {
+  // Twenty-five unknown names of 4000 bytes: the reason is cut to fit one ERROR message.
+  LoadedModel model(1);
+  std::vector<std::string> names;
+  for (int i = 0; i < 25; ++i) names.push_back("model.layers.0." + std::string(3980, 'a' + i % 26) + ".weight");
+  std::vector<int64_t> shape = {4};
+  std::vector<std::byte> junk(8);
+  std::vector<TensorView> unknown;
+  for (const std::string& name : names) unknown.push_back({name, Dtype::kBF16, shape, junk.data(), Device{}, 0, 8});
+  std::string sender_error;
+  failed_update(model, {}, unknown, TensorFormat::kCheckpoint, &sender_error);
+  EXPECT_THAT(sender_error, StartsWith("model: update receiver at 127.0.0.1:"));
+  EXPECT_THAT(sender_error, HasSubstr("refused the update: the update's manifest of 25 tensors does not fit"));
+  EXPECT_THAT(sender_error, HasSubstr(" ... (cut to fit one message)"));
+  expect_untouched(model);
+}
+
 TEST(Manifest, AfterARefusedUpdateTheSenderMustReconnect) {
   LoadedModel model(1);
   UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));

@@ -226,6 +226,16 @@ TEST(Wire, StartCarriesTheManifestAndAcceptedIsEmpty) {
   EXPECT_EQ(message_type_name(MessageType::kAccepted), "ACCEPTED");
 }
 
+TEST(Wire, ARefusalTooLongForOneMessageIsCutToFit) {
+  Message error;
+  error.type = MessageType::kError;
+  error.text = message_text(std::string(kMaxTextBytes + 100, 'x'));
+  EXPECT_EQ(error.text.size(), kMaxTextBytes);
+  EXPECT_TRUE(error.text.ends_with("x ... (cut to fit one message)"));
+  EXPECT_EQ(parse_body(MessageType::kError, encode_body(error), "peer").text, error.text);
+  EXPECT_EQ(message_text("short"), "short");
+}
+
 TEST(Wire, HostileManifestsAreRejectedBeforeAnythingIsAllocated) {
   std::vector<std::byte> body = encode_body(start_message());
   // Truncated anywhere: never a read past the end.
