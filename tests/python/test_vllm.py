@@ -246,10 +246,7 @@ def _load_reload_update(tp_size, rank, port, paths):
 
         def trainer():
             sender = weightstream.UpdateSender(engine.address, transport="shm", token="secret")
-            sender.start("checkpoint")
-            for name, tensor in sorted(tensors.items()):
-                sender.send(name, tensor)
-            report.update(sender.finish())
+            report.update(sender.update(sorted(tensors.items())))
 
         thread = threading.Thread(target=trainer)
         thread.start()
