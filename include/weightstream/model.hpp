@@ -119,6 +119,9 @@ enum class SourceLifetime {
   kSettle,  ///< until the next settle() or finish() returns: copies are only issued, so the
             ///< caller's next batch overlaps them
   kLoad,    ///< until finish() returns: a piece held back for its layer is kept by reference
+  kKeepalive,  ///< while `keepalive` lives, changed by no one (bytes lent by a Storage), and
+               ///< holding it takes nothing a load waits for: a piece held back for its layer
+               ///< keeps the keepalive instead of a copy
 };
 
 /// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
@@ -434,6 +437,8 @@ struct LoadCounters {
   uint64_t parameters_completed = 0;
   uint64_t layer_processing_runs = 0;  ///< layers processed (quantized)
   uint64_t model_hook_runs = 0;
+  uint64_t held_bytes_copied = 0;  ///< bytes held back for their layer (whole-layer commits) and
+                                   ///< copied, since their source could change before the layer is whole
 };
 
 /// The counters of `counters` by name, as the fields above are named.

@@ -106,6 +106,9 @@ struct TensorPiece {
   /// Keeps the staging buffer that holds `bytes` alive; a sink that finishes with the
   /// bytes later (an async copy) keeps a copy of it. Empty for direct reads.
   std::shared_ptr<const void> keepalive;
+  /// `bytes` are lent by the storage (Storage::borrow: a view of its pages): unchanged while
+  /// `keepalive` lives, and holding them takes no staging buffer the stream waits for.
+  bool lent = false;
 };
 
 /// Receives pieces. Called from reader threads: pieces of different requests arrive

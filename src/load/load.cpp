@@ -82,6 +82,7 @@ class SessionSink final : public TensorSink {
                       .data = piece.bytes.data(),
                       .offset = plan_.reads[piece.request].range.offset + piece.offset,
                       .bytes = piece.bytes.size(),
+                      .lifetime = piece.lent ? SourceLifetime::kKeepalive : SourceLifetime::kCall,
                       .keepalive = std::move(piece.keepalive)};
   }
 

@@ -9,7 +9,8 @@ std::vector<StatField> stat_fields(const LoadCounters& counters) {
           {"tensors_skipped", counters.tensors_skipped},
           {"parameters_completed", counters.parameters_completed},
           {"layer_processing_runs", counters.layer_processing_runs},
-          {"model_hook_runs", counters.model_hook_runs}};
+          {"model_hook_runs", counters.model_hook_runs},
+          {"held_bytes_copied", counters.held_bytes_copied}};
 }
 
 }  // namespace weightstream

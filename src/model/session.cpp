@@ -696,19 +696,24 @@ struct LoadSession::State {
     return ready;
   }
 
-  /// Keeps a held piece with its layer: copied out of its source, which may change after
-  /// load() returns, or kept by reference when it stays valid for the whole load.
+  /// Keeps a held piece with its layer: kept by reference when it stays valid for the whole
+  /// load or while its keepalive lives, else copied out of its source, which may change after
+  /// load() returns.
   void keep(Held held) {
     Write& write = held.write;
     write.name = *held.name;
     if (write.lifetime == SourceLifetime::kLoad) {
       write.keepalive.reset();
+    } else if (write.lifetime == SourceLifetime::kKeepalive && write.keepalive) {
+      // The keepalive goes with the held write: nothing to copy.
     } else if (!write.device.is_cuda()) {
+      counters.held_bytes_copied += write.end - write.begin;
       std::shared_ptr<std::byte> copy = held_bytes->take(write.end - write.begin);
       std::memcpy(copy.get(), write.source, write.end - write.begin);
       write.source = copy.get();
       write.keepalive = std::move(copy);
     } else {
+      counters.held_bytes_copied += write.end - write.begin;
       auto copy = std::make_shared<Buffer>(write.device, std::max<uint64_t>(write.end - write.begin, 1));
       copy_bytes(copy->data(), write.device, write.source, write.device, write.end - write.begin);
       wait_for_copies(write.device);

@@ -386,6 +386,7 @@ class StreamRun {
       piece.bytes = std::span<const std::byte>(read.direct ? delivery.direct : staged + delivery.buffer_offset,
                                                delivery.length);
       piece.keepalive = read.direct ? nullptr : lent_read ? held.keepalive : lease.keepalive;
+      piece.lent = lent_read;
       piece.tensor = &checkpoint_.tensors()[requests_[delivery.request].tensor];
       return piece;
     };

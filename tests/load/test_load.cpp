@@ -311,6 +311,34 @@ TEST(LayerCommit, AReloadThatFailsMidwayUnderTheDefaultCommitLeavesEveryUnfinish
   }
 }
 
+TEST(LayerCommit, AWholeLayerReloadHoldsBytesLentByStorageByReferenceAndCopiesStagedOnes) {
+  auto old_checkpoint = synth_on_disk("llama", 1);
+  auto new_checkpoint = synth_on_disk("llama", 2);
+  ModelLayout reference = testing::host_layout(new_checkpoint->memory, 2, 1);
+  testing::run_load(reference, LoadMode::kCold, {new_checkpoint->memory.views()});
+  for (LocalIo io : {LocalIo::kMmap, LocalIo::kPread}) {
+    const std::string round(local_io_name(io));
+    Options options;
+    options.stream.local_io = io;
+    const Checkpoint checkpoint = Checkpoint::open(new_checkpoint->directory.path().string(), options);
+    ModelLayout layout = testing::host_layout(old_checkpoint->memory, 2, 1);
+    load_layout(layout, old_checkpoint->checkpoint, LoadMode::kCold, small_pieces());
+    StreamOptions stream = small_pieces();
+    stream.local_io = io;
+    const LayoutLoad reload = load_layout(layout, checkpoint, LoadMode::kReload, stream);
+    const LayoutComparison comparison = compare_layouts(layout, reference);
+    EXPECT_EQ(comparison.compared, layout.parameters().size()) << round;
+    EXPECT_EQ(comparison.mismatched, 0u) << round << ": " << ::testing::PrintToString(comparison.mismatches);
+    // A mapping's views stay unchanged while held: the held pieces keep them. Staging
+    // buffers go back to the stream's pool: their held pieces are copied.
+    if (io == LocalIo::kMmap) {
+      EXPECT_EQ(reload.counters.held_bytes_copied, 0u) << round;
+    } else {
+      EXPECT_GT(reload.counters.held_bytes_copied, 0u) << round;
+    }
+  }
+}
+
 TEST(LayerCommit, AReloadOrUpdateCommitsWholeLayersUnlessTheCallerNamesACommit) {
   EXPECT_EQ(default_layer_commit(LoadMode::kCold), LayerCommit::kAsArrived);
   EXPECT_EQ(default_layer_commit(LoadMode::kReload), LayerCommit::kWholeLayer);
