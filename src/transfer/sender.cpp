@@ -119,6 +119,21 @@ struct UpdateSender::State {
       } catch (const Error&) {
       }
     }
+    // Then waits, briefly, for each receiver to read it and hang up, discarding what it still
+    // says (a bucket's APPLIED): closing first resets the connection under a receiver that is
+    // acknowledging a bucket, and that receiver would report the reset instead of the reason.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1000);
+    for (Link& link : links) {
+      try {
+        for (;;) {
+          const auto left =
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+          if (left.count() <= 0) break;
+          link.connection.receive(left, "the receiver's hang-up after the abandoned update");
+        }
+      } catch (const Error&) {
+      }
+    }
   }
 
   std::string receivers() const {
