@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "storage/s3_client.hpp"
-#include "storage/s3_http.hpp"
+#include "storage/http_client.hpp"
 #include "weightstream/options.hpp"
 
 extern char** environ;
@@ -110,7 +110,7 @@ class FaultProxy {
     close(from_child[0]);
     if (!line.starts_with("PORT ")) throw std::runtime_error("fault proxy did not start: '" + line + "'");
     port_ = std::stoi(line.substr(5));
-    control_ = std::make_unique<s3::HttpClient>(s3::HttpSettings{true, "", 10, 2});
+    control_ = std::make_unique<storage::HttpClient>(storage::HttpSettings{true, "", 10, 2});
   }
 
   ~FaultProxy() {
@@ -145,7 +145,7 @@ class FaultProxy {
 
  private:
   std::string control(const std::string& path) {
-    s3::HttpRequest request;
+    storage::HttpRequest request;
     request.url = endpoint() + path;
     request.timeout_seconds = 10;
     auto response = control_->perform(request);
@@ -157,7 +157,7 @@ class FaultProxy {
   pid_t pid_ = -1;
   int stdin_ = -1;
   int port_ = 0;
-  std::unique_ptr<s3::HttpClient> control_;
+  std::unique_ptr<storage::HttpClient> control_;
 };
 
 }  // namespace weightstream::testing

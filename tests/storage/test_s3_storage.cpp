@@ -590,8 +590,8 @@ TEST(S3Secrets, UserinfoInTheEndpointUrlIsRedactedFromMessages) {
       EXPECT_THAT(error.what(), HasSubstr("<redacted>@127.0.0.1:9"));
     }
   }
-  EXPECT_EQ(s3::redact_userinfo("https://a:b@host:9000/base?x=y@z"), "https://<redacted>@host:9000/base?x=y@z");
-  EXPECT_EQ(s3::redact_userinfo("https://host:9000/p@q"), "https://host:9000/p@q");
+  EXPECT_EQ(storage::redact_userinfo("https://a:b@host:9000/base?x=y@z"), "https://<redacted>@host:9000/base?x=y@z");
+  EXPECT_EQ(storage::redact_userinfo("https://host:9000/p@q"), "https://host:9000/p@q");
 }
 
 }  // namespace
