@@ -603,11 +603,8 @@ def gpu_sender(args):
         connect_seconds = time.perf_counter() - start
         updates = []
         for _ in range(args.updates):
-            sender.start("checkpoint")
             start = time.perf_counter()
-            for name, tensor in weights.items():
-                sender.send(name, tensor)
-            report = sender.finish()
+            report = sender.update(weights)
             updates.append({"seconds": time.perf_counter() - start, "report": scalars(report)})
             print(f"gpu-sender: update {len(updates)} in {updates[-1]['seconds']:.3f} s", file=sys.stderr, flush=True)
         print(json.dumps({"load_seconds": load_seconds, "connect_seconds": connect_seconds, "tensors": len(weights),

@@ -128,9 +128,11 @@ int run_sender(const Settings& settings) {
   options.share_minimum_bytes = settings.share_minimum;
   ws::UpdateSender sender(settings.address, options);
   std::vector<double> sending, finishing;  // the sender's own time: its send() calls, its finish()
+  std::vector<ws::DeclaredTensor> manifest;
+  for (size_t i = 0; i < elements.size(); ++i) manifest.push_back({names[i], ws::Dtype::kBF16, {elements[i]}});
   for (int run = 0; run < settings.repeat; ++run) {
     auto begun = Clock::now();
-    sender.start(ws::TensorFormat::kEngine);
+    sender.start(ws::TensorFormat::kEngine, manifest);
     for (size_t i = 0; i < elements.size(); ++i) {
       std::vector<int64_t> shape = {elements[i]};
       uint64_t bytes = static_cast<uint64_t>(elements[i]) * 2;

@@ -1,7 +1,8 @@
 // Fuzzes the update protocol's message parser (src/transfer/wire.cpp): the first 16 bytes
 // are a frame header, the rest its body, exactly as a receiver reads them from a socket.
 // An accepted message must re-encode to the same body (the parser keeps every field), and
-// an accepted BUCKET's entries must lie inside their tensor and their bucket (those in it).
+// an accepted BUCKET's entries must lie inside their tensor and their bucket (those in it),
+// and an accepted START's declared tensors must have a valid byte size.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +28,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!bytes || entry.tensor_offset + entry.bytes > *bytes) std::abort();
         if (entry.source == 0 && entry.source_offset + entry.bytes > message.manifest.bytes) std::abort();
       }
+    }
+    for (const DeclaredTensor& tensor : message.declared) {
+      if (tensor.name.empty() || !tensor_byte_size(tensor.dtype, tensor.shape)) std::abort();
     }
     std::vector<std::byte> again = encode_body(message);
     if (again.size() != body.size() || !std::equal(again.begin(), again.end(), body.begin())) std::abort();

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -69,9 +70,9 @@ struct LayoutLoad {
 };
 
 /// One whole load of `layout` from `checkpoint`: plan, begin(mode, commit), stream,
-/// finish(). The stream's seconds cover all of it.
+/// finish(). `commit` defaults to default_layer_commit(mode). The stream's seconds cover all of it.
 LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
-                       const ProgressCallback& progress = {}, LayerCommit commit = LayerCommit::kAsArrived);
+                       const ProgressCallback& progress = {}, std::optional<LayerCommit> commit = std::nullopt);
 
 /// The identity layout of `checkpoint`: one parameter per tensor, named, typed and shaped
 /// as the tensor (a tensor of a sub-byte dtype, F4 or F6, as U8 of its byte count), all
@@ -126,6 +127,18 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
 std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
                                             const StreamOptions& options, StreamStats* stats = nullptr,
                                             const ProgressCallback& progress = {});
+/// The same for several hash kinds in one pass over the bytes: result[k] holds the digests
+/// of kinds[k] (`digest --hash sha256` also computes the xxh64 the content digest needs).
+std::vector<std::vector<TensorDigest>> digest_checkpoint(const Checkpoint& checkpoint, const std::vector<HashKind>& kinds,
+                                                         const Device& device, const StreamOptions& options,
+                                                         StreamStats* stats = nullptr,
+                                                         const ProgressCallback& progress = {});
+
+/// The checkpoint's content digest (content_digest in stream.hpp): every tensor's bytes are
+/// streamed once through host staging and hashed (xxh64). It costs a read of the whole
+/// checkpoint. Throws what digest_checkpoint throws.
+std::string checkpoint_content_digest(const Checkpoint& checkpoint, const StreamOptions& options,
+                                      StreamStats* stats = nullptr, const ProgressCallback& progress = {});
 
 /// The checkpoint's config.json, parsed. Throws Error(kNotFound) naming the checkpoint
 /// when it has none.

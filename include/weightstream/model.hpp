@@ -406,12 +406,25 @@ enum class TensorFormat {
 
 /// When a session writes the parts of a layer.
 enum class LayerCommit {
-  kAsArrived,  ///< each part as it arrives (the fastest; a load that fails midway leaves
-               ///< the layers it was writing with a mix of old and new values)
-  kWholeLayer,  ///< a layer only once every one of its tensors has arrived: pieces of an
-                ///< unfinished layer are held (copied, or referenced when their lifetime is
-                ///< kLoad) and a load that fails midway leaves unfinished layers as they were
+  /// Each part as it arrives, and sources may read straight into the parameters
+  /// (direct_destination): the fastest, and the default of a cold load, where nothing is live
+  /// yet. What it still allows on a reload or update: a load that fails midway (a truncated
+  /// or unreadable shard, a sender that dies) leaves the layers it was writing with a mix of
+  /// old and new values, and a parameter it was reading into half-written. Bytes pulled from
+  /// peers are checked against their digests before the session sees them in every mode, so
+  /// a corrupted peer's bytes never land in a live parameter.
+  kAsArrived,
+  /// A layer only once every one of its tensors has arrived: pieces of an unfinished layer
+  /// are held (copied, or referenced when their lifetime is kLoad), and a load that fails
+  /// midway leaves every unfinished layer with its old values (layers completed before the
+  /// failure hold the new ones). The default of a reload or update.
+  kWholeLayer,
 };
+
+/// The commit of a load whose caller names none: kAsArrived for a cold load (nothing is
+/// live, and a failed cold load is discarded whole), kWholeLayer for a reload or update,
+/// whose parameters serve while they are overwritten.
+LayerCommit default_layer_commit(LoadMode mode) noexcept;
 
 /// Counters of one load (reset by begin()).
 struct LoadCounters {
@@ -436,11 +449,13 @@ class LoadSession {
   LoadSession(const LoadSession&) = delete;
   LoadSession& operator=(const LoadSession&) = delete;
 
-  /// Starts a load. Throws Error(kModel), before touching any weight, when the layout has
-  /// a parameter without storage, a reload or update comes before any load, or the layout
-  /// has loaded before and a hook cannot run twice. A cold load zeroes padding.
+  /// Starts a load. `commit` defaults to default_layer_commit(mode): whole layers for a
+  /// reload or update, as they arrive for a cold load. Throws Error(kModel), before touching
+  /// any weight, when the layout has a parameter without storage, a reload or update comes
+  /// before any load, or the layout has loaded before and a hook cannot run twice. A cold
+  /// load zeroes padding.
   void begin(LoadMode mode, TensorFormat format = TensorFormat::kCheckpoint,
-             LayerCommit commit = LayerCommit::kAsArrived);
+             std::optional<LayerCommit> commit = std::nullopt);
   /// Applies a batch. Every tensor is checked (known name, dtype, shape, bounds, not
   /// delivered twice) before any byte of the batch is written; errors name the tensor, the
   /// parameter, the part, the layer and the rule. A layer whose last part has landed is
@@ -474,6 +489,8 @@ class LoadSession {
   const ModelLayout& layout() const noexcept { return layout_; }
   /// The mode of the current or last load.
   LoadMode mode() const noexcept { return mode_; }
+  /// The commit of the current or last load.
+  LayerCommit commit() const noexcept { return commit_; }
   /// Counters of the current or last load.
   LoadCounters counters() const;
   /// Layers whose every part arrived in this load, ascending.
@@ -486,6 +503,7 @@ class LoadSession {
   struct State;
   ModelLayout& layout_;
   LoadMode mode_ = LoadMode::kCold;
+  LayerCommit commit_ = LayerCommit::kAsArrived;
   std::unique_ptr<State> state_;
 };
 

@@ -10,7 +10,8 @@
 ///
 /// What a server publishes is a manifest: model_type, tp/ep size and rank, dtype,
 /// quantization, the checkpoint's identity (a digest of its tensor index and config.json),
-/// a version that changes with every update, config.json, the checkpoint tensors' names,
+/// its content digest (a digest of every tensor's bytes: content_digest in stream.hpp;
+/// unknown once the served parameters were updated), a version that changes with every update, config.json, the checkpoint tensors' names,
 /// dtypes and shapes, and each parameter's name, dtype, shape, byte size, xxh64 digest and
 /// the checkpoint rectangles (ModelLayout parts) it holds. A puller at any tp/ep layout maps
 /// each of its parts to the serving ranks' rectangles in checkpoint coordinates, reads the
@@ -76,6 +77,11 @@ struct PeerManifest {
   std::string dtype;          ///< the layout's parameter dtype ("BF16"), or "mixed"
   std::string quantization;   ///< "none", "fp8" (per-tensor, processed), "fp8-block" (checkpoint)
   std::string checkpoint_identity;  ///< xxh64 hex of the tensor index and config.json
+  /// The content digest of the checkpoint it serves (content_digest in stream.hpp: 16 hex
+  /// digits over every tensor's name, dtype, shape and bytes), the same at every rank of an
+  /// instance. Empty: unknown, because the served parameters were updated since they were
+  /// loaded (PeerServer::begin_update), or they were pulled from such a peer.
+  std::string content_digest;
   uint64_t version = 1;             ///< changes with every update of the served parameters
   uint64_t digest_piece_bytes = 0;  ///< the pieces of PeerParameter::piece_xxh64
   std::string config_json;
@@ -119,20 +125,26 @@ struct PeerServeOptions {
 struct PeerServeInfo {
   std::string config_json;
   std::vector<PeerTensor> tensors;  ///< every tensor of the checkpoint
+  /// PeerManifest::content_digest: 16 hex digits, or empty for unknown content.
+  std::string content_digest;
   Parallelism parallel;
   std::string quantization = "none";
 };
 
 /// What a server of a layout loaded from `checkpoint` publishes besides the layout: its
-/// config.json and tensors, `parallel`, and its quantization ("fp8" for a layout that
-/// quantizes, "fp8-block" for a block-scaled checkpoint, else "none"). Throws
-/// Error(kNotFound) naming the checkpoint when it has no config.json.
-PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize);
+/// config.json and tensors, its content digest, `parallel`, and its quantization ("fp8" for
+/// a layout that quantizes, "fp8-block" for a block-scaled checkpoint, else "none"). The
+/// content digest covers every tensor, not only the rank's: the whole checkpoint is read
+/// once more (streamed with `options`, hashed with xxh64; checkpoint_content_digest in
+/// load.hpp). Throws Error(kNotFound) naming the checkpoint when it has no config.json, and
+/// what the read throws.
+PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize,
+                              const StreamOptions& options = {});
 
 class PeerSource;
 
-/// The same for a layout pulled from the peers of `source`: their config.json and tensors
-/// (a puller serves in turn what it pulled).
+/// The same for a layout pulled from the peers of `source`: their config.json, tensors and
+/// content digest (a puller serves in turn what it pulled; unknown content stays unknown).
 PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& parallel, Processing quantize);
 
 /// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
@@ -141,7 +153,8 @@ PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& paral
 /// prove the token, receive the manifest and read the bytes (one-sided, or sent on request).
 class PeerServer {
  public:
-  /// Throws Error(kInvalidArgument) for an empty token without `open_without_token`,
+  /// Throws Error(kInvalidArgument) for an empty token without `open_without_token` or an
+  /// info.content_digest neither empty nor 16 lowercase hex digits,
   /// Error(kUnsupported) for a build without UCX, or a layout on a GPU where UCX does
   /// not handle CUDA memory (not a CUDA-aware UCX),
   /// Error(kNetwork) when it cannot listen, Error(kModel) for a parameter without storage.
@@ -154,10 +167,15 @@ class PeerServer {
   const std::string& address() const noexcept;
   /// The version now published.
   uint64_t version() const noexcept;
+  /// The content digest now published (PeerManifest::content_digest; empty: unknown).
+  std::string content_digest() const;
   /// Before the served parameters change (an update): pullers that ask for the version
   /// from now on see it change, so a pull that overlaps the update is refused.
   void begin_update();
-  /// After they changed: digests are recomputed and a new version is published.
+  /// After they changed: digests are recomputed and a new version is published. From
+  /// begin_update on, the content digest published is empty (unknown): what is served is no
+  /// longer known to be the checkpoint's, and pullers of several peers refuse it
+  /// (PeerSource).
   void end_update();
 
  private:
@@ -172,6 +190,10 @@ struct PeerPullOptions {
   std::string token;
   /// How long a connect, a message or a read may go without progress before the pull fails.
   std::chrono::milliseconds timeout{30'000};
+  /// The content digest (16 hex digits, content_digest in stream.hpp) every peer must
+  /// publish; empty (the default): any, as long as all the peers publish the same known one
+  /// (a single peer may publish unknown content).
+  std::string expect_digest;
   /// Host staging for bytes that cannot land in place (bytes of parameters that another
   /// layout holds differently); a single serving parameter larger than this is staged alone.
   uint64_t memory_limit = 1ull << 30;
@@ -204,7 +226,11 @@ class PeerSource {
  public:
   /// Connects to every address of `uri` (peer://...), proves the token and fetches the
   /// manifests. Throws Error(kNetwork)/Error(kTimeout) naming the peer, Error(kPermission)
-  /// when a peer cannot prove the token or refuses this puller's proof, Error(kModel) naming both peers and the field
+  /// when a peer cannot prove the token or refuses this puller's proof, Error(kInvalidArgument)
+  /// for an expect_digest that is not 16 hex digits, and, before any endpoint or read:
+  /// Error(kProtocol) naming every peer and its content digest when the peers' content
+  /// digests differ or, of several peers, one's is unknown (updated), or when one's is not
+  /// options.expect_digest; Error(kModel) naming both peers and the field
   /// when manifests disagree (checkpoint identity, model_type, dtype, quantization, tp/ep
   /// size, version) or two peers serve the same rank.
   PeerSource(std::string_view uri, PeerPullOptions options);
@@ -218,6 +244,8 @@ class PeerSource {
   const std::string& config_json() const noexcept;
   /// The checkpoint tensors, as the peers' checkpoint has them.
   const std::vector<PeerTensor>& tensors() const noexcept;
+  /// The content digest every peer publishes (empty: unknown, from a single updated peer).
+  const std::string& content_digest() const noexcept;
 
   /// Pulls every part of `session`'s layout into it (the session has begun, checkpoint
   /// format). Into a layout on a GPU, parameters land in place only where this process's

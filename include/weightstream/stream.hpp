@@ -225,6 +225,19 @@ struct TensorDigest {
 /// GPU holds after a load.)
 std::vector<TensorDigest> digest_streamed(const Checkpoint& checkpoint, HashKind kind, const StreamOptions& options,
                                           StreamStats* stats = nullptr, const ProgressCallback& progress = {});
+/// The same for several hash kinds in one pass over the bytes: result[k] holds the digests
+/// of kinds[k]. Throws Error(kInvalidArgument) for no kinds.
+std::vector<std::vector<TensorDigest>> digest_streamed(const Checkpoint& checkpoint, const std::vector<HashKind>& kinds,
+                                                       const StreamOptions& options, StreamStats* stats = nullptr,
+                                                       const ProgressCallback& progress = {});
+
+/// The content digest of a checkpoint: xxh64 (16 lowercase hex digits) over every tensor's
+/// name, dtype, shape and the xxh64 of its bytes, in name order. Two checkpoints have the
+/// same content digest when they hold the same tensors with the same bytes, whatever their
+/// shard files, index or config.json. `xxh64` are the tensors' digests of kind kXxh64 in
+/// the order of Checkpoint::tensors() (digest_streamed's, digest_checkpoint's); throws
+/// Error(kInvalidArgument) naming the checkpoint when they are not those.
+std::string content_digest(const Checkpoint& checkpoint, std::span<const TensorDigest> xxh64);
 
 /// Incremental hasher over one of the HashKinds.
 class Hasher {

@@ -8,7 +8,8 @@
 /// one while the receiver applies the other.
 ///
 /// Phases on the wire: connect (both sides prove the shared token, which is never sent), start (checkpoint or engine
-/// format), any number of buckets, finish (the model hooks run once). A layer's tensors are
+/// format, and the manifest of every tensor the update sends, checked whole by each receiver
+/// before any bucket), any number of buckets, finish (the model hooks run once). A layer's tensors are
 /// written into its parameters only when every tensor of the layer has arrived (or at
 /// finish, for a layer the update covers in part): when the sender disappears mid-update,
 /// layers not completed keep their old values, and a plain reload restores a consistent
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -178,6 +180,19 @@ struct UpdateReport {
   }
 };
 
+/// One tensor an update declares before its first bucket: its name, dtype and shape (whole,
+/// however it then travels in pieces).
+struct DeclaredTensor {
+  std::string name;
+  Dtype dtype = Dtype::kBF16;
+  std::vector<int64_t> shape;
+};
+
+/// The manifest of `tensors`: each name once, in the order of first appearance (the pieces
+/// of one tensor declare it once). Throws Error(kInvalidArgument) when two views of one name
+/// disagree on dtype or shape.
+std::vector<DeclaredTensor> declared_tensors(std::span<const TensorView> tensors);
+
 /// Receives updates into a layout. Listens when constructed; each receive() applies one
 /// update (start, buckets, finish) through a LoadSession in update mode, accepting a sender
 /// first when none is connected. A sender stays connected between its updates (connect
@@ -208,7 +223,25 @@ class UpdateReceiver {
   /// the last refusal's reason), Error(kTimeout) when a connected sender goes
   /// silent for longer than the options' timeout, Error(kNetwork) when it disconnects,
   /// Error(kModel) when a manifest does not fit the layout; each names the last bucket.
+  ///
+  /// An update's manifest (every tensor it will send, declared at START) is checked whole
+  /// against the layout before its first bucket: names the layout does not know, shapes
+  /// and dtypes it cannot take, tensors declared twice, and FP8 block-scaled weights whose
+  /// codes and block scales are not declared together (a BF16, F16 or F32 weight, quantized
+  /// here, comes without them). A refused manifest writes nothing; its reason (every
+  /// problem, the first 20 with a count beyond) goes back to the sender, and this call throws
+  /// Error(kModel) with it. A bucket entry the manifest does not declare, or declares with
+  /// another dtype or shape, fails the update as Error(kProtocol); FINISH before every
+  /// declared tensor has arrived whole fails it by name (Error(kModel)) before the layers
+  /// still held are written.
   UpdateReport receive(std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
+
+  /// Refuses the next update without applying anything: waits for a sender and its START
+  /// as receive() does, answers it with `reason` (the sender's start() throws it), drops the
+  /// connection and always throws: Error(kModel) naming the peer and `reason`. For a check only the
+  /// engine can make (it replaced a parameter the layout is bound to): the sender learns
+  /// why instead of timing out. Throws what receive() throws while waiting.
+  void refuse(const std::string& reason, std::chrono::milliseconds accept_timeout = std::chrono::minutes(10));
 
   /// Stops receive(): waiting for a sender or for its next update, it throws
   /// Error(kCancelled) at once; in the middle of an update, the connection is shut down and
@@ -224,7 +257,8 @@ class UpdateReceiver {
 };
 
 /// Sends updates to a receiver over one connection. Usage: UpdateSender(address, options)
-/// once; then for each update start(format), send(tensor) any number of times, finish().
+/// once; then for each update start(format, manifest), send(tensor) for every declared
+/// tensor, finish().
 /// After an error the sender is unusable: make a new one. Not thread-safe: one thread sends.
 class UpdateSender {
  public:
@@ -248,9 +282,15 @@ class UpdateSender {
   UpdateSender& operator=(const UpdateSender&) = delete;
 
   /// Starts an update: checkpoint-format names (mapped and reprocessed by the receiver's
-  /// layout) or engine-format names (parameters, bytes copied in place). Throws
-  /// Error(kInvalidArgument) while an update is open.
-  void start(TensorFormat format);
+  /// layout) or engine-format names (parameters, bytes copied in place), declaring every
+  /// tensor it will send (`manifest`; declared_tensors() makes one from views). Each
+  /// receiver checks the manifest against its model before any bucket and answers; the call
+  /// returns once every receiver has accepted it. Throws Error(kInvalidArgument) while an
+  /// update is open, and for a manifest with an empty, overlong or repeated name, more than
+  /// kMaxTensorRank dimensions, a shape without a valid byte size, or too many tensors for one message;
+  /// a receiver's refusal as its error code with its reason ("update receiver at ADDR refused
+  /// the update: ..."), nothing of the update applied.
+  void start(TensorFormat format, std::span<const DeclaredTensor> manifest);
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
   /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the
@@ -258,14 +298,20 @@ class UpdateSender {
   /// read in place by the receiver (CUDA IPC, large allocations: SenderOptions), so a
   /// device tensor must stay allocated and unchanged until finish() returns (a trainer's
   /// parameters do). Work queued on the device before a bucket is sealed is waited for, so
-  /// a tensor computed on any stream just before send() goes complete. Throws the
-  /// receiver's error when it rejected an earlier bucket.
+  /// a tensor computed on any stream just before send() goes complete. Throws
+  /// Error(kInvalidArgument), before anything of the tensor is sent, when the manifest
+  /// does not declare it, declares another dtype or shape, it was sent whole already, or
+  /// the piece does not start where the last one ended; the receiver's error when it
+  /// rejected an earlier bucket.
   void send(const TensorView& tensor);
   /// Sends the current bucket now, even if it is not full (a trainer that sends layer by
   /// layer flushes at each layer's end, so no bucket mixes two layers).
   void flush();
   /// Sends the last bucket and the finish message, and waits for the receiver's report
-  /// (its model hooks have run once when this returns). The next update may start.
+  /// (its model hooks have run once when this returns). The next update may start. Throws
+  /// Error(kInvalidArgument) naming the declared tensors not sent whole (the receivers are
+  /// told the update is abandoned, and keep the layers it did not complete; the sender is
+  /// unusable after it).
   UpdateReport finish();
 
   /// Buckets sent so far in this update.

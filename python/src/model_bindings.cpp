@@ -381,13 +381,17 @@ class SessionHandle {
   explicit SessionHandle(nb::object layout)
       : layout_object_(std::move(layout)), session_(nb::cast<LayoutHandle&>(layout_object_).layout) {}
 
-  void begin(const std::string& mode, const std::string& format, const std::string& commit) {
+  /// `commit` absent: the mode's default (default_layer_commit).
+  void begin(const std::string& mode, const std::string& format, const std::optional<std::string>& commit) {
     auto parsed_mode = parse_mode(mode);
     auto parsed_format = parse_format(format);
-    WS_EXPECT(commit == "arrival" || commit == "layer", ErrorCode::kInvalidArgument,
-              "commit '" + commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a layer "
-              "once all of it has arrived)");
-    LayerCommit parsed_commit = commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
+    std::optional<LayerCommit> parsed_commit;
+    if (commit) {
+      WS_EXPECT(*commit == "arrival" || *commit == "layer", ErrorCode::kInvalidArgument,
+                "commit '" + *commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a "
+                "layer once all of it has arrived)");
+      parsed_commit = *commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
+    }
     auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     nb::gil_scoped_release release;
     handle.ensure_storage();
@@ -438,7 +442,7 @@ class SessionHandle {
 
   /// Pulls this layout's parameters from the serving peers of `uri` (peer://, issue 31).
   nb::dict pull_peers(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds,
-                      uint64_t memory_limit) {
+                      uint64_t memory_limit, const std::optional<std::string>& expect_digest) {
     PeerPullReport report;
     {
       nb::gil_scoped_release release;
@@ -447,6 +451,7 @@ class SessionHandle {
       options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
       options.memory_limit = memory_limit;
       options.ucx_path = environment_options().ucx_path;
+      options.expect_digest = expect_digest.value_or("");
       PeerSource source(uri, options);
       report = source.pull(session_);
     }
@@ -463,6 +468,7 @@ class SessionHandle {
 
   nb::dict counters() const { return stats_dict(stat_fields(session_.counters())); }
   std::string mode() const { return std::string(load_mode_name(session_.mode())); }
+  std::string commit() const { return session_.commit() == LayerCommit::kWholeLayer ? "layer" : "arrival"; }
   std::vector<int64_t> completed_layers() const { return session_.completed_layers(); }
 
  private:
@@ -508,7 +514,8 @@ class PeerServerHandle {
   /// `source` is the checkpoint the layout was loaded from (a Checkpoint), or the peer://
   /// URI it was pulled from (whose peers publish the checkpoint's config.json and tensors).
   PeerServerHandle(nb::object layout_object, nb::object source, const std::string& listen,
-                   const std::optional<std::string>& token, double timeout_seconds, bool open_without_token)
+                   const std::optional<std::string>& token, double timeout_seconds, bool open_without_token,
+                   const std::optional<std::string>& expect_digest)
       : layout_object_(std::move(layout_object)) {
     auto& handle = nb::cast<LayoutHandle&>(layout_object_);
     WS_EXPECT(handle.layout.loads_finished() > 0, ErrorCode::kModel,
@@ -525,6 +532,9 @@ class PeerServerHandle {
     const Processing quantize = handle.options.quantize;
     if (nb::isinstance<CheckpointHandle>(source)) {
       const Checkpoint& checkpoint = nb::cast<const CheckpointHandle&>(source).checkpoint();
+      WS_EXPECT(!expect_digest, ErrorCode::kInvalidArgument,
+                "expect_digest pins what a layout pulled from peers serves; " + checkpoint.uri() +
+                    " is a checkpoint, whose content digest is computed from its bytes");
       nb::gil_scoped_release release;
       start(handle.layout, peer_serve_info(checkpoint, parallel, quantize), std::move(options));
     } else {
@@ -533,6 +543,7 @@ class PeerServerHandle {
       PeerPullOptions pull;
       pull.token = options.token;
       pull.timeout = options.timeout;
+      pull.expect_digest = expect_digest.value_or("");
       PeerSource peers(uri, pull);
       start(handle.layout, peer_serve_info(peers, parallel, quantize), std::move(options));
     }
@@ -540,6 +551,7 @@ class PeerServerHandle {
 
   const std::string& address() const { return address_; }
   uint64_t version() const { return server_ ? server_->version() : 0; }
+  std::string content_digest() const { return server_ ? server_->content_digest() : std::string(); }
   bool serving() const { return server_ != nullptr; }
   void begin_update() { live().begin_update(); }
   void end_update() {
@@ -789,21 +801,26 @@ void bind_model(nb::module_& m) {
 
   nb::class_<SessionHandle>(m, "LoadSession")
       .def(nb::init<nb::object>(), "layout"_a)
-      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a = "arrival")
+      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a.none() = nb::none())
       .def("load", &SessionHandle::load, "batch"_a)
       .def("finish", &SessionHandle::finish)
       .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)
-      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a.none(), "timeout"_a, "memory_limit"_a)
+      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a.none(), "timeout"_a, "memory_limit"_a,
+           "expect_digest"_a = nb::none())
       .def_prop_ro("counters", &SessionHandle::counters)
       .def_prop_ro("mode", &SessionHandle::mode)
+      .def_prop_ro("commit", &SessionHandle::commit)
       .def_prop_ro("completed_layers", &SessionHandle::completed_layers);
 
   nb::class_<PeerServerHandle>(m, "PeerServer")
-      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double, bool>(),
+      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double, bool,
+                    const std::optional<std::string>&>(),
            "layout"_a, "source"_a, "listen"_a = "127.0.0.1:0", "token"_a = nb::none(), "timeout"_a = 30.0,
-           nb::kw_only(), "open_without_token"_a = false)
+           nb::kw_only(), "open_without_token"_a = false, "expect_digest"_a = nb::none())
       .def_prop_ro("address", &PeerServerHandle::address)
       .def_prop_ro("version", &PeerServerHandle::version)
+      .def_prop_ro("content_digest", &PeerServerHandle::content_digest,
+                   "The content digest published (16 hex digits); empty once the parameters were updated.")
       .def_prop_ro("serving", &PeerServerHandle::serving)
       .def("begin_update", &PeerServerHandle::begin_update,
            "Before the served parameters change: pulls that overlap the change are refused.")

@@ -21,6 +21,7 @@
 #include <thread>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -143,6 +144,37 @@ Dtype dtype_of(const nb::ndarray<nb::ro>& array, const std::optional<std::string
   WS_FAIL(ErrorCode::kInvalidArgument, "tensor '" + name + "' has a dtype safetensors has no name for; pass dtype=");
 }
 
+/// The dtype of a manifest entry: a safetensors name ("BF16"), a torch dtype or its name
+/// ("torch.bfloat16", "bfloat16").
+Dtype declared_dtype(nb::handle dtype, const std::string& name) {
+  std::string text = nb::cast<std::string>(nb::str(dtype));
+  if (auto parsed = dtype_from_name(text)) return *parsed;
+  std::string_view torch_name = text;
+  if (torch_name.starts_with("torch.")) torch_name.remove_prefix(6);
+  static const std::pair<std::string_view, Dtype> kTorchNames[] = {
+      {"bfloat16", Dtype::kBF16},       {"float16", Dtype::kF16},       {"half", Dtype::kF16},
+      {"float32", Dtype::kF32},         {"float", Dtype::kF32},         {"float64", Dtype::kF64},
+      {"int8", Dtype::kI8},             {"int16", Dtype::kI16},         {"int32", Dtype::kI32},
+      {"int64", Dtype::kI64},           {"uint8", Dtype::kU8},          {"bool", Dtype::kBool},
+      {"float8_e4m3fn", Dtype::kF8E4M3}, {"float8_e5m2", Dtype::kF8E5M2},
+  };
+  for (const auto& [known, parsed] : kTorchNames) {
+    if (torch_name == known) return parsed;
+  }
+  WS_FAIL(ErrorCode::kInvalidArgument, "update manifest: tensor '" + name + "' has dtype '" + text +
+                                           "', neither a safetensors dtype name (BF16, F8_E4M3, ...) nor a torch dtype");
+}
+
+/// A DLPack array as the sender sends it: its safetensors dtype and shape, its bytes.
+struct Described {
+  std::string name;
+  Dtype dtype = Dtype::kU8;
+  std::vector<int64_t> shape;
+  const std::byte* data = nullptr;
+  uint64_t bytes = 0;
+  Device device;
+};
+
 class PySender {
  public:
   PySender(const std::variant<std::string, std::vector<std::string>>& address, const std::string& transport,
@@ -165,13 +197,50 @@ class PySender {
     sender_ = std::make_unique<UpdateSender>(addresses, options);
   }
 
-  void start(const std::string& format) {
+  /// start(format, manifest): `manifest` lists (name, dtype, shape) of every tensor the
+  /// update sends; dtype a safetensors name ("BF16") or a torch dtype (or its name).
+  void start(const std::string& format, nb::handle manifest) {
     auto parsed = format_of(format);
-    ReleasedGil release;
-    sender_->start(parsed);
+    std::vector<DeclaredTensor> declared;
+    for (nb::handle entry : manifest) {
+      auto fields = nb::cast<nb::tuple>(nb::borrow(entry), false);
+      WS_EXPECT(fields.size() == 3, ErrorCode::kInvalidArgument,
+                "update manifest: each entry is (name, dtype, shape), got " + std::to_string(fields.size()) + " fields");
+      std::string name = nb::cast<std::string>(fields[0]);
+      std::vector<int64_t> shape;
+      for (nb::handle dimension : fields[2]) shape.push_back(nb::cast<int64_t>(dimension));
+      declared.push_back({name, declared_dtype(fields[1], name), std::move(shape)});
+    }
+    start_declared(parsed, declared);
   }
 
   void send(const std::string& name, nb::handle tensor, std::optional<std::string> dtype) {
+    send_described(describe(name, tensor, dtype), tensor);
+  }
+
+  /// One update of `tensors` (a dict of name -> tensor, or (name, tensor) pairs): declared
+  /// whole, sent, finished.
+  nb::dict update(nb::handle tensors, const std::string& format) {
+    auto parsed = format_of(format);
+    nb::object items = nb::isinstance<nb::dict>(tensors) ? nb::borrow<nb::dict>(tensors).attr("items")()
+                                                         : nb::borrow(tensors);
+    std::vector<std::pair<Described, nb::object>> described;  // references to the caller's tensors, no copies
+    std::vector<DeclaredTensor> declared;
+    for (nb::handle item : items) {
+      auto pair = nb::cast<nb::tuple>(nb::borrow(item), false);
+      WS_EXPECT(pair.size() == 2, ErrorCode::kInvalidArgument,
+                "update: each item is (name, tensor), got " + std::to_string(pair.size()) + " fields");
+      std::string name = nb::cast<std::string>(pair[0]);
+      Described tensor = describe(name, pair[1], std::nullopt);
+      declared.push_back({tensor.name, tensor.dtype, tensor.shape});
+      described.emplace_back(std::move(tensor), nb::borrow(pair[1]));
+    }
+    start_declared(parsed, declared);
+    for (auto& [tensor, object] : described) send_described(tensor, object);
+    return finish();
+  }
+
+  Described describe(const std::string& name, nb::handle tensor, const std::optional<std::string>& dtype) {
     auto array = nb::cast<nb::ndarray<nb::ro>>(tensor, false);
     int64_t expected_stride = 1;
     for (size_t i = array.ndim(); i-- > 0;) {
@@ -197,13 +266,24 @@ class PySender {
                   std::string(dtype_name(parsed)) + " " + shape_text(shape) + " it claims");
     Device device = array.device_type() == nb::device::cuda::value ? Device{Device::Kind::kCuda, array.device_id()}
                                                                    : Device{};
-    TensorView view{name, parsed, shape, static_cast<const std::byte*>(array.data()), device, 0, *bytes};
+    return {name, parsed, std::move(shape), static_cast<const std::byte*>(array.data()), *bytes, device};
+  }
+
+  /// Sends a described tensor; `tensor` is the Python object that holds its bytes.
+  void send_described(const Described& described, nb::handle tensor) {
+    TensorView view{described.name, described.dtype, described.shape, described.data, described.device, 0,
+                    described.bytes};
     // Device bytes are copied when their bucket is sealed or read in place by the receiver
     // until finish(): keep the tensor alive until then (a temporary such as p.to(bf16)
     // would otherwise go back to the caching allocator and be overwritten).
-    if (device.is_cuda()) kept_alive_.push_back(nb::borrow(tensor));
-    ReleasedGil release;  // the array stays referenced by `array` meanwhile
+    if (described.device.is_cuda()) kept_alive_.push_back(nb::borrow(tensor));
+    ReleasedGil release;  // the caller keeps the array referenced meanwhile
     sender_->send(view);
+  }
+
+  void start_declared(TensorFormat format, const std::vector<DeclaredTensor>& declared) {
+    ReleasedGil release;
+    sender_->start(format, declared);
   }
 
   void flush() {
@@ -290,6 +370,12 @@ class PyReceiver {
     return PySender::report_dict(report);
   }
 
+  void refuse(const std::string& reason, double accept_timeout) {
+    auto wait = milliseconds(accept_timeout);
+    ReleasedGil release(/*receiving=*/true);
+    receiver_->refuse(reason, wait);
+  }
+
  private:
   nb::object layout_object_;  // keeps the layout (and its storage) alive
   std::unique_ptr<UpdateReceiver> receiver_;
@@ -314,14 +400,23 @@ void stop_receivers_at_exit() {
 void bind_transfer(nb::module_& m) {
   nb::class_<PySender>(m, "UpdateSender",
                        "Pushes tensors to an UpdateReceiver in buckets over one connection: for each update, "
-                       "start(format), send(name, tensor)*, finish().")
+                       "update(tensors, format), or start(format, manifest), send(name, tensor) for every declared "
+                       "tensor, finish().")
       .def(nb::init<const std::variant<std::string, std::vector<std::string>>&, const std::string&, const std::string&,
                     uint64_t, double, const std::string&, bool, uint64_t>(),
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
            "timeout"_a = 30.0, "device"_a = "cpu", "share_allocations"_a = true,
            "share_minimum_bytes"_a = kDefaultShareMinimumBytes)
-      .def("start", &PySender::start, "format"_a = "checkpoint")
-      .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none())
+      .def("start", &PySender::start, "format"_a, "manifest"_a,
+           "Starts an update declaring every tensor it sends: manifest is a list of (name, dtype, shape), dtype a "
+           "safetensors name (\"BF16\") or a torch dtype. Each receiver checks it against its model before any "
+           "bucket; a refusal raises weightstream.Error with the receiver's reason, nothing applied.")
+      .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none(),
+           "Sends a declared tensor; one the manifest does not declare, or declares otherwise, raises "
+           "weightstream.Error before anything of it is sent.")
+      .def("update", &PySender::update, "tensors"_a, "format"_a = "checkpoint",
+           "One whole update: tensors is a dict of name -> tensor or (name, tensor) pairs (an iterator is taken "
+           "into a list of references first); they are declared, sent and finished. Returns the report.")
       .def("flush", &PySender::flush)
       .def("finish", &PySender::finish);
   nb::class_<PyReceiver>(m, "UpdateReceiver",
@@ -334,6 +429,10 @@ void bind_transfer(nb::module_& m) {
            "any sender instead (warned about on stderr).")
       .def_prop_ro("address", &PyReceiver::address)
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
+      .def("refuse", &PyReceiver::refuse, "reason"_a, "accept_timeout"_a = 600.0,
+           "Refuses the next update with reason (a check only the engine can make): waits for the sender and its "
+           "start() as receive() does, tells it why (its start() raises weightstream.Error with the reason) and "
+           "raises weightstream.Error (code \"model\") here. Nothing is applied.")
       .def("cancel", &PyReceiver::cancel,
            "Stops receive() in any thread: waiting, it raises weightstream.Error (code \"cancelled\") at once; "
            "mid-update, the connection is shut down and the update fails (layers not completed keep their old "

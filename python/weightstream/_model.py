@@ -117,11 +117,16 @@ class LoadSession:
         self._core = _core.LoadSession(layout)
         self.layout = layout
 
-    def begin(self, mode: str = "cold", format: str = "checkpoint", commit: str = "arrival") -> None:
+    def begin(self, mode: str = "cold", format: str = "checkpoint", commit: Optional[str] = None) -> None:
         """Starts a load; ``format`` "engine" takes parameter names and kernel-format bytes.
         ``commit`` "layer" writes a layer only once all of its tensors have arrived, so a load
-        that fails midway leaves unfinished layers as they were ("arrival", the default and
-        the fastest, writes each tensor as it arrives)."""
+        that fails midway leaves every unfinished layer with its old values; the default of
+        "reload" and "update". ``commit`` "arrival", the default of "cold" and the fastest,
+        writes each tensor as it arrives (sources may read straight into the parameters): on
+        a reload or update, a load that fails midway (a truncated shard, a sender that dies)
+        leaves the layers it was writing with a mix of old and new values. In either mode,
+        bytes pulled from peers are checked against their digests before any reaches a
+        reloaded parameter."""
         self._core.begin(mode, format, commit)
 
     def load(self, batch: Iterable[Tuple[Any, ...]]) -> None:
@@ -133,15 +138,19 @@ class LoadSession:
         (contiguous slices read as their own byte ranges); returns the stream's counters.
         A ``peer://HOST:PORT[,HOST:PORT...]`` URI pulls them from serving peers over UCX
         instead (docs/PEERS.md; options ``token``, ``timeout`` in seconds, ``memory_limit``
-        in bytes; the token defaults to WEIGHTSTREAM_PEER_TOKEN): the counters then have
-        ``bytes_from_peers`` and ``bytes_read`` 0."""
+        in bytes, ``expect_digest``; the token defaults to WEIGHTSTREAM_PEER_TOKEN): the
+        counters then have ``bytes_from_peers`` and ``bytes_read`` 0. ``expect_digest`` (16 hex
+        digits, as ``weightstream digest --hash xxh64`` prints the content digest) pins the
+        checkpoint content every peer must serve; a peer serving another or unknown (updated)
+        content is refused before a byte lands. Without it, several peers must all serve the
+        same known content."""
         if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
-            unknown = sorted(set(options) - {"token", "timeout", "memory_limit"})
+            unknown = sorted(set(options) - {"token", "timeout", "memory_limit", "expect_digest"})
             if unknown:
                 raise TypeError(f"load_checkpoint from peers: unknown option(s) {', '.join(unknown)} "
-                                f"(accepted: token, timeout, memory_limit)")
+                                f"(accepted: token, timeout, memory_limit, expect_digest)")
             return self._core.pull_peers(checkpoint, options.get("token"), float(options.get("timeout", 30.0)),
-                                         int(options.get("memory_limit", 1 << 30)))
+                                         int(options.get("memory_limit", 1 << 30)), options.get("expect_digest"))
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint(checkpoint)
         return self._core.stream_checkpoint(checkpoint._core, options)
@@ -163,6 +172,11 @@ class LoadSession:
         return self._core.mode
 
     @property
+    def commit(self) -> str:
+        """"arrival" or "layer": the commit of the current or last load."""
+        return self._core.commit
+
+    @property
     def completed_layers(self) -> List[int]:
         """Layers whose every part arrived in this load, ascending."""
         return self._core.completed_layers
@@ -172,7 +186,8 @@ PeerServer = _core.PeerServer
 
 
 def serve(layout: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], *, listen: str = "127.0.0.1:0",
-          token: Optional[str] = None, timeout: float = 30.0, open_without_token: bool = False) -> PeerServer:
+          token: Optional[str] = None, timeout: float = 30.0, open_without_token: bool = False,
+          expect_digest: Optional[str] = None) -> PeerServer:
     """Publishes a loaded layout's parameters to pullers (``peer://``, docs/PEERS.md), as
     ``weightstream serve`` does: each parameter is registered with UCX and hashed (xxh64),
     and a manifest names the layout (its tp and ep ranks, dtype, quantization) and the
@@ -184,15 +199,19 @@ def serve(layout: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], 
     stderr). The server runs on threads of its own until ``server.close()`` or until it
     is collected; it keeps the layout alive. The layout's parameters must not change while
     it serves, except inside ``server.begin_update()`` / ``server.end_update()``.
+    ``server.content_digest`` is the checkpoint's content digest it publishes (a checkpoint
+    source is read whole once more to compute it; a ``peer://`` source's peers publish it,
+    and ``expect_digest`` pins it as for ``LoadSession.load_checkpoint``); it is empty
+    (unknown) from the first ``begin_update()`` on.
     Raises weightstream.Error for a layout not yet loaded, one on a GPU in a build whose UCX
     cannot serve it, a build without UCX, or an address it cannot listen on."""
     if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
         return _core.PeerServer(layout, checkpoint, listen, token, float(timeout),
-                                open_without_token=bool(open_without_token))
+                                open_without_token=bool(open_without_token), expect_digest=expect_digest)
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint(os.fspath(checkpoint))
     return _core.PeerServer(layout, checkpoint._core, listen, token, float(timeout),
-                            open_without_token=bool(open_without_token))
+                            open_without_token=bool(open_without_token), expect_digest=expect_digest)
 
 
 def _serve_method(self: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], **options: Any) -> PeerServer:

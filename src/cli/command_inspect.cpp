@@ -1,8 +1,9 @@
-// weightstream inspect URI [--json]
+// weightstream inspect URI [--json] [--content]
 #include <cstdio>
 #include <iostream>
 
 #include "cli/command.hpp"
+#include "weightstream/load.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream::cli {
@@ -11,6 +12,7 @@ namespace {
 struct InspectFlags {
   std::string uri;
   bool json = false;
+  bool content = false;
 };
 }  // namespace
 
@@ -19,8 +21,18 @@ void add_inspect_command(CLI::App& app) {
   auto* command = app.add_subcommand("inspect", "List a checkpoint's tensors: dtype, shape, bytes and shard; totals; metadata");
   command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file:// or s3://")->required();
   command->add_flag("--json", flags->json, "Print JSON");
+  command->add_flag("--content", flags->content,
+                    "Also print the content digest (what `serve` publishes and --expect-digest takes): reads every "
+                    "byte of the checkpoint once, where inspect otherwise reads only its headers");
   command->callback([flags] {
-    auto checkpoint = Checkpoint::open(flags->uri, environment_options());
+    const Options options = environment_options();
+    auto checkpoint = Checkpoint::open(flags->uri, options);
+    std::string content;
+    if (flags->content) {
+      ProgressLine progress(progress_enabled(StreamFlags{}, options));
+      content = checkpoint_content_digest(checkpoint, options.stream, nullptr,
+                                          [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+    }
     const auto& shards = checkpoint.shards();
     if (flags->json) {
       nlohmann::json tensors = nlohmann::json::array();
@@ -38,14 +50,16 @@ void add_inspect_command(CLI::App& app) {
         shard_list.push_back({{"name", shard.name}, {"bytes", shard.size}, {"tensors", shard.header.tensors.size()}});
         for (const auto& [key, value] : shard.header.metadata) metadata[key] = value;
       }
-      print_json({{"uri", checkpoint.uri()},
-                  {"tensors", tensors},
-                  {"shards", shard_list},
-                  {"tensor_count", checkpoint.tensors().size()},
-                  {"bytes", checkpoint.tensor_bytes()},
-                  {"metadata", metadata},
-                  {"has_index", checkpoint.index().has_value()},
-                  {"has_config", checkpoint.config_json().has_value()}});
+      nlohmann::json result = {{"uri", checkpoint.uri()},
+                               {"tensors", tensors},
+                               {"shards", shard_list},
+                               {"tensor_count", checkpoint.tensors().size()},
+                               {"bytes", checkpoint.tensor_bytes()},
+                               {"metadata", metadata},
+                               {"has_index", checkpoint.index().has_value()},
+                               {"has_config", checkpoint.config_json().has_value()}};
+      if (flags->content) result["content_digest"] = content;
+      print_json(result);
       return;
     }
     // Columns by display width: a name of wide characters (CJK, emoji) takes two columns
@@ -69,6 +83,10 @@ void add_inspect_command(CLI::App& app) {
                 counted(shards.size(), "shard").c_str());
     for (const auto& shard : shards) {
       for (const auto& [key, value] : shard.header.metadata) std::printf("metadata %s: %s = %s\n", shard.name.c_str(), key.c_str(), value.c_str());
+    }
+    if (flags->content) {
+      std::printf("content digest %s (xxh64 over every tensor's name, dtype, shape and xxh64, in name order)\n",
+                  content.c_str());
     }
   });
 }

@@ -216,11 +216,16 @@ void add_send_command(CLI::App& app) {
     const TensorFormat format = flags->format == "engine" ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
     SenderSink sink(sender, checkpoint);
     auto requests = all_tensors(checkpoint);
+    // Every tensor the checkpoint holds, declared before the first bucket: the receiver
+    // checks the whole update against its model before a byte lands.
+    std::vector<DeclaredTensor> manifest;
+    manifest.reserve(checkpoint.tensors().size());
+    for (const CheckpointTensor& tensor : checkpoint.tensors()) manifest.push_back({tensor.name, tensor.dtype, tensor.shape});
     const std::string to = join_addresses(flags->to);
     UpdateReport report;
     nlohmann::json updates = nlohmann::json::array();
     for (int64_t update = 0; update < flags->repeat; ++update) {
-      sender.start(format);
+      sender.start(format, manifest);
       stream_tensors(checkpoint, requests, sink, options.stream);
       sink.drain();
       report = sender.finish();  // the receiver's report, echoed back

@@ -1,8 +1,8 @@
 // weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N]
 //                    --token-stdin | (WEIGHTSTREAM_PEER_TOKEN) | --open-without-token
 // Loads one rank's parameters into host memory (or a GPU's, served through a CUDA-aware UCX)
-// and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with its
-// address once ready.
+// and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with the
+// checkpoint's content digest and its address once ready.
 #include <signal.h>
 
 #include <cstdio>
@@ -70,14 +70,18 @@ void add_serve_command(CLI::App& app) {
 
     const Parallelism parallel{flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
                                flags->layout.ep_size, flags->layout.ep_rank};
+    // Reads the whole checkpoint once more (every rank's tensors): the content digest.
     PeerServeInfo info = peer_serve_info(checkpoint, parallel,
-                                         flags->layout.quantize == "fp8" ? Processing::kFp8PerTensor : Processing::kNone);
+                                         flags->layout.quantize == "fp8" ? Processing::kFp8PerTensor : Processing::kNone,
+                                         options.stream);
+    const std::string content = info.content_digest;
     PeerServer server(layout, std::move(info), serve);
     uint64_t bytes = 0;
     for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();
-    std::printf("serving %s of %s (%zu parameters, %s, version %llu) at peer://%s\n", layout.description().c_str(),
-                checkpoint.uri().c_str(), layout.parameters().size(), format_size(bytes).c_str(),
-                static_cast<unsigned long long>(server.version()), server.address().c_str());
+    std::printf("serving %s of %s (%zu parameters, %s, version %llu, content digest %s) at peer://%s\n",
+                layout.description().c_str(), checkpoint.uri().c_str(), layout.parameters().size(),
+                format_size(bytes).c_str(), static_cast<unsigned long long>(server.version()), content.c_str(),
+                server.address().c_str());
     std::fflush(stdout);
     int received = 0;
     sigwait(&stop_signals, &received);

@@ -17,6 +17,7 @@ PeerPullOptions pull_options(const PeerFlags& flags, const Options& options) {
   pull.timeout = std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_seconds * 1000));
   pull.memory_limit = options.stream.memory_limit;
   pull.ucx_path = options.ucx_path;
+  pull.expect_digest = flags.expect_digest;
   if (options.test_pull_stop_after > 0) {
     // WEIGHTSTREAM_TEST_PULL_STOP_AFTER: the test that kills a server mid-pull waits for
     // this stop (waitpid WUNTRACED), kills the server, and continues the puller.
@@ -53,6 +54,10 @@ void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
   command.add_option("--peer-timeout", flags.timeout_seconds,
                      "peer:// sources: seconds a connect, message or read may go without progress (default 30)")
       ->check(CLI::Range(0.1, 86400.0));
+  command.add_option("--expect-digest", flags.expect_digest,
+                     "peer:// sources: the content digest (16 hex digits, as `digest --hash xxh64`, `inspect --content` "
+                     "and `serve` print it) every peer must serve; a peer serving other or unknown (updated) content "
+                     "is refused before a byte is pulled");
 }
 
 std::string peer_token(const PeerFlags& flags) {
@@ -114,6 +119,7 @@ nlohmann::json peer_load_json(const PeerLoad& load) {
                      {"ep_size", manifest.parallel.ep_size},
                      {"version", manifest.version},
                      {"checkpoint_identity", manifest.checkpoint_identity},
+                     {"content_digest", manifest.content_digest},
                      {"ucx_path", manifest.ucx_path},
                      {"ucx_transports", manifest.ucx_transports}});
   }

@@ -14,11 +14,12 @@
 
 namespace weightstream::cli {
 
-/// --token-stdin, --fallback, --peer-timeout of the commands that take peer:// URIs.
+/// --token-stdin, --fallback, --peer-timeout, --expect-digest of the commands that take peer:// URIs.
 struct PeerFlags {
   bool token_stdin = false;
   std::string fallback;       ///< storage URI loaded when the peers fail
   double timeout_seconds = 30;
+  std::string expect_digest;  ///< content digest every peer must serve (PeerPullOptions::expect_digest)
 };
 
 /// Adds them; `token_flag` false leaves --token-stdin to the command (audit has one for

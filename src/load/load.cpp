@@ -364,7 +364,7 @@ StreamStats stream_into_session(const Checkpoint& checkpoint, const LoadPlan& pl
 }
 
 LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMode mode, const StreamOptions& options,
-                       const ProgressCallback& progress, LayerCommit commit) {
+                       const ProgressCallback& progress, std::optional<LayerCommit> commit) {
   auto start = Clock::now();
   LoadPlan plan = plan_layout_load(layout, checkpoint);
   LoadSession session(layout);
@@ -443,11 +443,12 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   return loaded;
 }
 
-std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
-                                            const StreamOptions& options, StreamStats* stats,
-                                            const ProgressCallback& progress) {
+std::vector<std::vector<TensorDigest>> digest_checkpoint(const Checkpoint& checkpoint, const std::vector<HashKind>& kinds,
+                                                         const Device& device, const StreamOptions& options,
+                                                         StreamStats* stats, const ProgressCallback& progress) {
   require_device(device);
-  if (!device.is_cuda()) return digest_streamed(checkpoint, kind, options, stats, progress);
+  if (!device.is_cuda()) return digest_streamed(checkpoint, kinds, options, stats, progress);
+  WS_EXPECT(!kinds.empty(), ErrorCode::kInvalidArgument, "cannot digest " + checkpoint.uri() + ": no hash kind asked for");
   // The bytes land on the device through the one load path and are hashed from there, so
   // the digest covers what the device holds.
   auto start = Clock::now();
@@ -462,18 +463,19 @@ std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKi
   uint64_t buffer_bytes = std::clamp<uint64_t>(options.memory_limit / threads, 4096, kReadbackBytes);
   DeviceCopier readback(device, threads);
 
-  std::vector<TensorDigest> digests(tensors.size());
+  std::vector<std::vector<TensorDigest>> digests(kinds.size(), std::vector<TensorDigest>(tensors.size()));
   std::vector<std::optional<Buffer>> host(threads);  // one per worker, made on its first tensor
   detail::run_parallel(tensors.size(), threads, [&](size_t worker, size_t i) {
     auto lane = static_cast<unsigned>(worker);
     if (!host[worker]) host[worker].emplace(Device{}, buffer_bytes, HostMemory::kPinned);
-    Hasher hasher(kind);
+    std::vector<Hasher> hashers;
+    for (HashKind kind : kinds) hashers.emplace_back(kind);
     for (uint64_t done = 0; done < tensors[i].bytes; done += buffer_bytes) {
       uint64_t length = std::min(buffer_bytes, tensors[i].bytes - done);
       readback.copy_to_host(host[worker]->data(), loaded.tensors[i].data + done, length, lane, tensors[i].name);
-      hasher.update(std::span<const std::byte>(host[worker]->data(), length));
+      for (Hasher& hasher : hashers) hasher.update(std::span<const std::byte>(host[worker]->data(), length));
     }
-    digests[i] = {tensors[i].name, hasher.finish()};
+    for (size_t k = 0; k < kinds.size(); ++k) digests[k][i] = {tensors[i].name, hashers[k].finish()};
   });
   if (stats) {
     *stats = loaded.stats;
@@ -481,6 +483,17 @@ std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKi
     stats->seconds = std::chrono::duration<double>(Clock::now() - start).count();
   }
   return digests;
+}
+
+std::vector<TensorDigest> digest_checkpoint(const Checkpoint& checkpoint, HashKind kind, const Device& device,
+                                            const StreamOptions& options, StreamStats* stats,
+                                            const ProgressCallback& progress) {
+  return std::move(digest_checkpoint(checkpoint, std::vector<HashKind>{kind}, device, options, stats, progress).front());
+}
+
+std::string checkpoint_content_digest(const Checkpoint& checkpoint, const StreamOptions& options, StreamStats* stats,
+                                      const ProgressCallback& progress) {
+  return content_digest(checkpoint, digest_checkpoint(checkpoint, HashKind::kXxh64, Device{}, options, stats, progress));
 }
 
 ModelConfig checkpoint_model_config(const Checkpoint& checkpoint) {

@@ -847,7 +847,11 @@ std::vector<int64_t> LoadSession::touched_layers() const {
   return {layers.begin(), layers.end()};
 }
 
-void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) {
+LayerCommit default_layer_commit(LoadMode mode) noexcept {
+  return mode == LoadMode::kCold ? LayerCommit::kAsArrived : LayerCommit::kWholeLayer;
+}
+
+void LoadSession::begin(LoadMode mode, TensorFormat format, std::optional<LayerCommit> commit) {
   std::lock_guard lock(state_->mutex);
   State& state = *state_;
   const std::string what = std::string(load_mode_name(mode)) + " load of " + layout_.description();
@@ -875,7 +879,7 @@ void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) 
   }
   model::ParameterWriter& writer = state.writer_for(layout_.device());
   state.format = format;
-  state.commit = commit;
+  state.commit = commit.value_or(default_layer_commit(mode));
   state.counters = {};
   state.failure.reset();
   // Reset in place: a session reused for update after update (a receiver's) does this for
@@ -923,6 +927,7 @@ void LoadSession::begin(LoadMode mode, TensorFormat format, LayerCommit commit) 
     }
   }
   mode_ = mode;
+  commit_ = state.commit;
   state.active = true;
 }
 

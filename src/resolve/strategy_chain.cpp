@@ -93,14 +93,25 @@ class RoutingSink final : public TensorSink {
     }
   }
 
-  /// "target: a, b; draft (mtp): c", or empty when nothing was written.
+  /// "target: a, b; draft (mtp): c", or empty when nothing was written. A session that
+  /// commits whole layers has written only the parameters of the layers it completed: the
+  /// pieces of the others were held, and are dropped with the session.
   std::string written_text() const {
     std::lock_guard lock(mutex_);
     std::vector<std::string> groups;
     for (size_t index = 0; index < modules_.size(); ++index) {
+      const LoadSession& session = *modules_[index].session;
+      const ModelLayout& layout = *modules_[index].request->layout;
+      std::set<int64_t> completed;
+      if (session.commit() == LayerCommit::kWholeLayer) {
+        for (int64_t layer : session.completed_layers()) completed.insert(layer);
+      }
       std::vector<std::string> names;
       for (const auto& [module, parameter] : written_) {
-        if (module == index) names.push_back(modules_[index].request->layout->parameters()[parameter].name);
+        if (module != index) continue;
+        const Parameter& written = layout.parameters()[parameter];
+        if (session.commit() == LayerCommit::kWholeLayer && completed.count(written.layer) == 0) continue;
+        names.push_back(written.name);
       }
       if (!names.empty()) {
         groups.push_back(std::string(module_role_name(modules_[index].request->role)) + " (" +

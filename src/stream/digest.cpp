@@ -2,6 +2,7 @@
 #include <openssl/evp.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "weightstream/error.hpp"
@@ -70,36 +71,79 @@ HashKind parse_hash(std::string_view text) {
 
 namespace {
 
-/// Hashes pieces in order, as they arrive from the reader pool.
+/// Hashes pieces in order, as they arrive from the reader pool, with every kind at once.
 class DigestSink final : public TensorSink {
  public:
-  DigestSink(size_t requests, HashKind kind) {
-    hashers_.reserve(requests);
-    for (size_t i = 0; i < requests; ++i) hashers_.emplace_back(kind);
-    digests_.resize(requests);
+  DigestSink(size_t requests, const std::vector<HashKind>& kinds) : hashers_(requests) {
+    for (auto& per_request : hashers_) {
+      for (HashKind kind : kinds) per_request.emplace_back(kind);
+    }
+    digests_.assign(kinds.size(), std::vector<std::string>(requests));
   }
   bool wants_ordered_pieces() const override { return true; }
-  void consume(TensorPiece&& piece) override { hashers_[piece.request].update(piece.bytes); }
-  void request_complete(size_t request) override { digests_[request] = hashers_[request].finish(); }
-  std::vector<std::string>& digests() { return digests_; }
+  void consume(TensorPiece&& piece) override {
+    for (Hasher& hasher : hashers_[piece.request]) hasher.update(piece.bytes);
+  }
+  void request_complete(size_t request) override {
+    for (size_t k = 0; k < digests_.size(); ++k) digests_[k][request] = hashers_[request][k].finish();
+  }
+  std::vector<std::vector<std::string>>& digests() { return digests_; }
 
  private:
-  std::vector<Hasher> hashers_;
-  std::vector<std::string> digests_;
+  std::vector<std::vector<Hasher>> hashers_;        // per request, per kind
+  std::vector<std::vector<std::string>> digests_;  // per kind, per request
 };
 
 }  // namespace
 
-std::vector<TensorDigest> digest_streamed(const Checkpoint& checkpoint, HashKind kind, const StreamOptions& options,
-                                          StreamStats* stats, const ProgressCallback& progress) {
+std::vector<std::vector<TensorDigest>> digest_streamed(const Checkpoint& checkpoint, const std::vector<HashKind>& kinds,
+                                                       const StreamOptions& options, StreamStats* stats,
+                                                       const ProgressCallback& progress) {
+  WS_EXPECT(!kinds.empty(), ErrorCode::kInvalidArgument, "cannot digest " + checkpoint.uri() + ": no hash kind asked for");
   auto requests = all_tensors(checkpoint);
-  DigestSink sink(requests.size(), kind);
+  DigestSink sink(requests.size(), kinds);
   auto result = stream_tensors(checkpoint, requests, sink, options, progress);
   if (stats) *stats = result;
-  std::vector<TensorDigest> digests;
-  digests.reserve(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) digests.push_back({checkpoint.tensors()[i].name, std::move(sink.digests()[i])});
+  std::vector<std::vector<TensorDigest>> digests(kinds.size());
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    digests[k].reserve(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      digests[k].push_back({checkpoint.tensors()[i].name, std::move(sink.digests()[k][i])});
+    }
+  }
   return digests;
+}
+
+std::vector<TensorDigest> digest_streamed(const Checkpoint& checkpoint, HashKind kind, const StreamOptions& options,
+                                          StreamStats* stats, const ProgressCallback& progress) {
+  return std::move(digest_streamed(checkpoint, std::vector<HashKind>{kind}, options, stats, progress).front());
+}
+
+std::string content_digest(const Checkpoint& checkpoint, std::span<const TensorDigest> xxh64) {
+  const auto& tensors = checkpoint.tensors();
+  WS_EXPECT(xxh64.size() == tensors.size(), ErrorCode::kInvalidArgument,
+            "cannot compute the content digest of " + checkpoint.uri() + ": " + std::to_string(xxh64.size()) +
+                " tensor digests for its " + std::to_string(tensors.size()) + " tensors");
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    WS_EXPECT(xxh64[i].name == tensors[i].name && xxh64[i].hex.size() == 16, ErrorCode::kInvalidArgument,
+              "cannot compute the content digest of " + checkpoint.uri() + ": digest " + std::to_string(i) + " (" +
+                  xxh64[i].name + ") is not the xxh64 of tensor " + tensors[i].name);
+    order[i] = i;
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return tensors[a].name < tensors[b].name; });
+  Hasher root(HashKind::kXxh64);
+  auto add = [&root](std::string_view text) {
+    root.update(std::as_bytes(std::span(text.data(), text.size())));
+    root.update(std::as_bytes(std::span("\n", 1)));
+  };
+  for (size_t i : order) {
+    add(tensors[i].name);
+    add(dtype_name(tensors[i].dtype));
+    add(shape_text(tensors[i].shape));
+    add(xxh64[i].hex);
+  }
+  return root.finish();
 }
 
 }  // namespace weightstream

@@ -53,6 +53,11 @@ std::vector<int64_t> parse_shape(const nlohmann::json& json, const std::string& 
 
 }  // namespace
 
+bool is_content_digest(std::string_view text) noexcept {
+  return text.size() == 16 &&
+         std::all_of(text.begin(), text.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
 std::string to_hex(std::span<const std::byte> bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string text;
@@ -143,6 +148,7 @@ nlohmann::json manifest_json(const PeerManifest& manifest) {
           {"dtype", manifest.dtype},
           {"quantization", manifest.quantization},
           {"checkpoint_identity", manifest.checkpoint_identity},
+          {"content_digest", manifest.content_digest},
           {"version", manifest.version},
           {"digest_piece_bytes", manifest.digest_piece_bytes},
           {"config_json", manifest.config_json},
@@ -171,6 +177,10 @@ PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer)
     manifest.dtype = (field = "dtype", json.at("dtype")).get<std::string>();
     manifest.quantization = (field = "quantization", json.at("quantization")).get<std::string>();
     manifest.checkpoint_identity = (field = "checkpoint_identity", json.at("checkpoint_identity")).get<std::string>();
+    manifest.content_digest = (field = "content_digest", json.at("content_digest")).get<std::string>();
+    WS_EXPECT(manifest.content_digest.empty() || is_content_digest(manifest.content_digest), ErrorCode::kProtocol,
+              peer + ": manifest has content digest '" + manifest.content_digest.substr(0, 64) +
+                  "', neither empty nor 16 lowercase hex digits");
     manifest.version = (field = "version", json.at("version")).get<uint64_t>();
     manifest.digest_piece_bytes = (field = "digest_piece_bytes", json.at("digest_piece_bytes")).get<uint64_t>();
     WS_EXPECT(manifest.digest_piece_bytes > 0, ErrorCode::kProtocol, peer + ": manifest has digest pieces of 0 bytes");

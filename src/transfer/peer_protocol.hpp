@@ -38,8 +38,9 @@ enum class PeerMessage : uint16_t { kHello = 1, kManifest = 2, kRefuse = 3, kVer
 
 inline constexpr uint32_t kPeerMagic = 0x45505357;  // "WSPE" read as little-endian bytes
 // 2: the manifest carries send_secret; 3: and ucx_segment_bytes; 5: the handshake
-// (handshake.hpp) proves the token, HELLO no longer carries it
-inline constexpr uint16_t kPeerProtocolVersion = 5;
+// (handshake.hpp) proves the token, HELLO no longer carries it; 6: the manifest carries
+// content_digest
+inline constexpr uint16_t kPeerProtocolVersion = 6;
 inline constexpr HandshakeProtocol kPeerHandshake{kPeerMagic, kPeerProtocolVersion, "peer", "puller"};
 /// The pieces a server hashes each parameter in besides the whole (PeerParameter::piece_xxh64),
 /// and a puller reads host memory in: half a UCX tcp receive segment, so a piece arrives whole
@@ -69,6 +70,8 @@ nlohmann::json manifest_json(const PeerManifest& manifest);
 PeerManifest parse_manifest(const nlohmann::json& json, const std::string& peer);
 
 std::string to_hex(std::span<const std::byte> bytes);
+/// True for a content digest as published: 16 lowercase hex digits.
+bool is_content_digest(std::string_view text) noexcept;
 std::vector<std::byte> from_hex(std::string_view text, const std::string& what);
 
 /// xxh64 (seed 0) of parameters' bytes: the manifest's digests, and a pull's checks of what

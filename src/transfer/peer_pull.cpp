@@ -3,14 +3,18 @@
 //
 // Everything is mapped in checkpoint coordinates: each part of a puller's parameter is a
 // rectangle of a checkpoint tensor (ModelLayout's rules), and so is each part of a serving
-// parameter (its manifest). A puller parameter that a peer holds identically (same name,
-// dtype and rectangles: the same layout) is read whole straight into the parameter's
-// storage. Any other need is covered by serving parameters' rectangles: those parameters
-// are read whole into staging (so that each is checked against its digest), and the rows
-// the puller needs are assembled from them and handed to the session as a piece of the
-// checkpoint tensor, exactly as a stream from storage would hand it.
+// parameter (its manifest). On a cold load, a puller parameter that a peer holds identically
+// (same name, dtype and rectangles: the same layout) is read whole straight into the
+// parameter's storage, then checked against its digest. Any other need is covered by serving
+// parameters' rectangles: those parameters are read whole into staging (so that each is
+// checked against its digest), and the rows the puller needs are assembled from them and
+// handed to the session as a piece of the checkpoint tensor, exactly as a stream from
+// storage would hand it. A reload or update overwrites parameters that serve, so it takes
+// the staged path for everything: no byte reaches the session or the parameters before its
+// digest has been checked.
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -117,6 +121,7 @@ struct PeerSource::State {
   std::vector<Link> links;
   std::vector<PeerManifest> manifests;
 
+  void check_content() const;
   void check_agreement() const;
   void check_versions();
 };
@@ -126,6 +131,11 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
   state.uri = std::string(uri);
   state.options = std::move(options);
   std::vector<std::string> addresses = peer_addresses(uri);
+  std::string& expected = state.options.expect_digest;
+  std::transform(expected.begin(), expected.end(), expected.begin(), [](unsigned char c) { return std::tolower(c); });
+  WS_EXPECT(expected.empty() || is_content_digest(expected), ErrorCode::kInvalidArgument,
+            "expected content digest '" + state.options.expect_digest + "' for " + state.uri +
+                " is not 16 hex digits (what `weightstream digest --hash xxh64` or `serve` prints as the content digest)");
   state.worker = std::make_unique<ucx::Worker>();
   for (const std::string& address : addresses) {
     State::Link& link = state.links.emplace_back();
@@ -148,6 +158,7 @@ PeerSource::PeerSource(std::string_view uri, PeerPullOptions options) : state_(s
     link.manifest.address = address;
     for (size_t i = 0; i < link.manifest.parameters.size(); ++i) link.by_name.emplace(link.manifest.parameters[i].name, i);
   }
+  state.check_content();
   state.check_agreement();
   for (State::Link& link : state.links) {
     transfer::ucx::Secret secret{};
@@ -172,6 +183,43 @@ const std::string& PeerSource::uri() const noexcept { return state_->uri; }
 const std::vector<PeerManifest>& PeerSource::manifests() const noexcept { return state_->manifests; }
 const std::string& PeerSource::config_json() const noexcept { return state_->links.front().manifest.config_json; }
 const std::vector<PeerTensor>& PeerSource::tensors() const noexcept { return state_->links.front().manifest.tensors; }
+const std::string& PeerSource::content_digest() const noexcept { return state_->links.front().manifest.content_digest; }
+
+void PeerSource::State::check_content() const {
+  // Before any endpoint or read: content that is not one checkpoint's is never mixed, and
+  // content other than the one asked for never lands.
+  auto served = [](const PeerManifest& m) {
+    return m.content_digest.empty() ? std::string("unknown content (updated since it was loaded)") : m.content_digest;
+  };
+  auto all_peers = [&] {
+    std::string text;
+    for (const Link& link : links) text += (text.empty() ? "" : ", ") + link.address + " serves " + served(link.manifest);
+    return text;
+  };
+  const std::string& expected = options.expect_digest;
+  if (!expected.empty()) {
+    std::string refused;
+    for (const Link& link : links) {
+      if (link.manifest.content_digest == expected) continue;
+      refused += (refused.empty() ? "" : ", ") + link.address + " serves " + served(link.manifest);
+    }
+    WS_EXPECT(refused.empty(), ErrorCode::kProtocol,
+              "peers of " + uri + " do not serve the expected content digest " + expected + ": " + refused +
+                  "; refusing to pull from them");
+    return;
+  }
+  if (links.size() == 1) return;  // one peer's content, known or not, is one content
+  for (const Link& link : links) {
+    WS_EXPECT(!link.manifest.content_digest.empty(), ErrorCode::kProtocol,
+              "peers of " + uri + ": the content of updated peers cannot be compared (" + all_peers() +
+                  "); refusing to mix them. Pull from peers not updated since they loaded their checkpoint, from one "
+                  "peer alone, or from storage (--fallback URI)");
+  }
+  for (const Link& link : links) {
+    WS_EXPECT(link.manifest.content_digest == links.front().manifest.content_digest, ErrorCode::kProtocol,
+              "peers of " + uri + " disagree on the checkpoint's content: " + all_peers() + "; refusing to mix them");
+  }
+}
 
 void PeerSource::State::check_agreement() const {
   const PeerManifest& first = links.front().manifest;
@@ -248,7 +296,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     }
   }
 
-  // ---- parameters a peer holds identically: read whole, in place ----
+  // ---- parameters a peer holds identically: read whole, in place (cold loads only) ----
   struct Direct {
     size_t link = 0;
     size_t served = 0;
@@ -259,7 +307,10 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // GPU parameters are read into straight from the peers only by a CUDA-aware UCX; otherwise
   // their bytes come through host staging like anything assembled.
   const bool gpu_direct = layout.device().is_cuda() && state.worker->moves_cuda_memory();
-  for (size_t p = 0; p < layout.parameters().size(); ++p) {
+  // A parameter read in place holds unchecked bytes until its digest is compared: harmless
+  // while nothing uses the layout, a corrupted live parameter on a reload or update.
+  const bool in_place = session.mode() == LoadMode::kCold;
+  for (size_t p = 0; in_place && p < layout.parameters().size(); ++p) {
     const Parameter& parameter = layout.parameters()[p];
     if (parameter.parts.empty() || parameter.processing != Processing::kNone || parameter.data == nullptr) continue;
     bool shared_tensor = false;
@@ -587,6 +638,17 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     assemblies.push_back(std::move(assembly));
   }
 
+  // An assembly whose one piece is whole rows of its tensor on both sides (the puller's part
+  // and the server's) is handed to the session straight from the staged serving parameter:
+  // no rows to assemble. On a reload or update, where every parameter comes this way, that
+  // saves a copy of the whole model.
+  auto staged_as_is = [&](const Assembly& assembly, int64_t columns) {
+    if (assembly.pieces.size() != 1) return false;
+    const Piece& piece = assembly.pieces.front();
+    return piece.part->column_begin == 0 && piece.part->columns == columns && piece.rect.column_begin == 0 &&
+           piece.rect.column_end == columns && piece.rect.row_begin == assembly.row_begin &&
+           piece.rect.row_end == assembly.row_end;
+  };
   // Batches of assemblies whose staging fits the memory limit (at least one each).
   for (size_t first = 0; first < assemblies.size();) {
     struct Staged {
@@ -601,7 +663,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       const Assembly& assembly = assemblies[end];
       const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
       const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
-      uint64_t more = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
+      uint64_t more = staged_as_is(assembly, columns) ? 0
+                      : static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
       std::set<std::pair<size_t, size_t>> fresh;
       for (const Piece& piece : assembly.pieces) {
         if (staged.count({piece.link, piece.served}) == 0 && fresh.insert({piece.link, piece.served}).second) {
@@ -645,6 +708,21 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
       const uint64_t size = element_bytes(assembly.dtype);
       const uint64_t row_bytes = static_cast<uint64_t>(columns) * size;
       const uint64_t bytes = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * row_bytes;
+      const TensorView view{.name = assembly.tensor,
+                            .dtype = assembly.dtype,
+                            .shape = tensor.shape,
+                            .device = Device{},
+                            .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
+                            .bytes = bytes};
+      if (staged_as_is(assembly, columns)) {
+        const Piece& piece = assembly.pieces.front();
+        views.push_back(view);
+        views.back().data = staged.at({piece.link, piece.served}).bytes.get() +
+                            (piece.part->element_offset +
+                             static_cast<uint64_t>(piece.rect.row_begin - piece.part->row_begin) *
+                                 static_cast<uint64_t>(columns)) * size;
+        continue;
+      }
       auto& rows = rows_held.emplace_back(new std::byte[std::max<uint64_t>(bytes, 1)]);
       for (const Piece& piece : assembly.pieces) {
         const std::byte* source = staged.at({piece.link, piece.served}).bytes.get();
@@ -666,13 +744,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
           std::memcpy(rows.get() + to, source + from, width);
         }
       }
-      views.push_back(TensorView{.name = assembly.tensor,
-                                 .dtype = assembly.dtype,
-                                 .shape = tensor.shape,
-                                 .data = rows.get(),
-                                 .device = Device{},
-                                 .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
-                                 .bytes = bytes});
+      views.push_back(view);
+      views.back().data = rows.get();
     }
     if (!views.empty()) session.load(views);
     report.tensors += views.size();

@@ -25,6 +25,7 @@
 #include "transfer/ucx.hpp"
 #include "weightstream/architectures.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/load.hpp"
 #include "weightstream/peer.hpp"
 
 namespace weightstream {
@@ -101,9 +102,10 @@ std::string peer_checkpoint_identity(std::span<const PeerTensor> tensors, std::s
 
 namespace {
 
-PeerServeInfo serve_info(std::string config_json, std::vector<PeerTensor> tensors, const Parallelism& parallel,
-                         Processing quantize, const std::string& object) {
+PeerServeInfo serve_info(std::string config_json, std::vector<PeerTensor> tensors, std::string content_digest,
+                         const Parallelism& parallel, Processing quantize, const std::string& object) {
   PeerServeInfo info;
+  info.content_digest = std::move(content_digest);
   const ModelConfig config = parse_model_config(object, config_json);
   info.quantization = quantize != Processing::kNone ? "fp8" : fp8_block_quantized(config) ? "fp8-block" : "none";
   info.config_json = std::move(config_json);
@@ -114,7 +116,8 @@ PeerServeInfo serve_info(std::string config_json, std::vector<PeerTensor> tensor
 
 }  // namespace
 
-PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize) {
+PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& parallel, Processing quantize,
+                              const StreamOptions& options) {
   const auto& config_json = checkpoint.config_json();
   WS_EXPECT(config_json.has_value(), ErrorCode::kNotFound,
             "cannot serve " + checkpoint.uri() + ": it has no config.json beside its shards (pullers build their layout from it)");
@@ -122,11 +125,12 @@ PeerServeInfo peer_serve_info(const Checkpoint& checkpoint, const Parallelism& p
   for (const CheckpointTensor& tensor : checkpoint.tensors()) {
     tensors.push_back({tensor.name, tensor.dtype, tensor.shape, checkpoint.shards()[tensor.shard].name});
   }
-  return serve_info(*config_json, std::move(tensors), parallel, quantize, checkpoint.uri() + "/config.json");
+  return serve_info(*config_json, std::move(tensors), checkpoint_content_digest(checkpoint, options), parallel, quantize,
+                    checkpoint.uri() + "/config.json");
 }
 
 PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& parallel, Processing quantize) {
-  return serve_info(source.config_json(), source.tensors(), parallel, quantize,
+  return serve_info(source.config_json(), source.tensors(), source.content_digest(), parallel, quantize,
                     source.uri() + " (config.json published by the peer)");
 }
 
@@ -193,6 +197,9 @@ PeerServer::PeerServer(const ModelLayout& layout, PeerServeInfo info, PeerServeO
   manifest.dtype = layout_dtype(layout);
   manifest.quantization = info.quantization;
   manifest.checkpoint_identity = peer_checkpoint_identity(info.tensors, info.config_json);
+  WS_EXPECT(info.content_digest.empty() || is_content_digest(info.content_digest), ErrorCode::kInvalidArgument,
+            "peer server: content digest '" + info.content_digest + "' is not 16 lowercase hex digits");
+  manifest.content_digest = std::move(info.content_digest);
   manifest.version = 1;
   const uint64_t piece = state.options.digest_piece_bytes == 0 ? transfer::kPeerDigestPieceBytes : state.options.digest_piece_bytes;
   WS_EXPECT(piece >= 4096 && piece <= transfer::ParameterDigester::kHostStepBytes && (piece & (piece - 1)) == 0,
@@ -251,10 +258,17 @@ uint64_t PeerServer::version() const noexcept {
   return state_->manifest.version;
 }
 
+std::string PeerServer::content_digest() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->manifest.content_digest;
+}
+
 void PeerServer::begin_update() {
   std::lock_guard lock(state_->mutex);
   state_->updating = true;
   ++state_->manifest.version;
+  // What an update writes is no checkpoint's content that anyone digested: unknown from now on.
+  state_->manifest.content_digest.clear();
 }
 
 void PeerServer::end_update() {

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "base/errno_text.hpp"
 #include "base/text.hpp"
@@ -96,13 +97,128 @@ std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::
   return views;
 }
 
+/// Problems listed in a refusal: the first ones, then how many more.
+constexpr size_t kProblemsListed = 20;
+
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
+/// An update's manifest as the receiver holds it while the update runs: each declared
+/// tensor's index by name (the keys view the START message's names), its whole size, and
+/// the bytes of it that arrived.
+struct ManifestLedger {
+  std::unordered_map<std::string_view, size_t> index;
+  std::vector<uint64_t> bytes;
+  std::vector<uint64_t> received;
+};
+
+/// Checks an update's manifest whole against `layout`, before any bucket: each tensor
+/// through `session` (begun in update mode in `format`: the checks of its load(), on views
+/// of no bytes), each name once, and FP8 block-scaled weights sent as codes declared with
+/// their block scales (and scales with codes; a BF16, F16 or F32 weight quantized here comes
+/// alone). Returns the ledger of the update. Throws Error(kModel) listing every problem.
+ManifestLedger check_manifest(const ModelLayout& layout, const LoadSession& session, TensorFormat format,
+                              std::span<const DeclaredTensor> manifest) {
+  ManifestLedger ledger;
+  ledger.index.reserve(manifest.size());
+  ledger.bytes.reserve(manifest.size());
+  ledger.received.assign(manifest.size(), 0);
+  std::vector<std::string> problems;
+  std::unordered_set<std::string> seen_problems;
+  auto problem = [&](std::string text) {
+    if (seen_problems.insert(text).second) problems.push_back(std::move(text));
+  };
+  std::vector<TensorView> views;
+  views.reserve(manifest.size());
+  for (size_t i = 0; i < manifest.size(); ++i) {
+    const DeclaredTensor& tensor = manifest[i];
+    ledger.bytes.push_back(tensor_byte_size(tensor.dtype, tensor.shape).value_or(0));  // the parser checked it
+    if (!ledger.index.try_emplace(tensor.name, i).second) {
+      problem("tensor " + tensor.name + " is declared twice");
+      continue;
+    }
+    views.push_back({.name = tensor.name, .dtype = tensor.dtype, .shape = tensor.shape});
+  }
+  // One call for the whole manifest; only a refused one is checked again tensor by tensor,
+  // to name every problem.
+  std::vector<bool> fits(manifest.size(), true);
+  try {
+    session.check(views);
+  } catch (const Error& whole) {
+    const size_t before = problems.size();
+    for (const TensorView& view : views) {
+      try {
+        session.check(std::span<const TensorView>(&view, 1));
+      } catch (const Error& error) {
+        problem(error.what());
+        fits[ledger.index.at(view.name)] = false;
+      }
+    }
+    if (problems.size() == before) problem(whole.what());
+  }
+  // FP8 block-scaled weights: the scale parameter of each, and the weight of each scale.
+  std::unordered_map<size_t, size_t> weight_of_scale;
+  for (size_t p = 0; p < layout.parameters().size(); ++p) {
+    const Parameter& parameter = layout.parameters()[p];
+    if (parameter.block_scale.empty()) continue;
+    if (auto scale = layout.find(parameter.block_scale)) weight_of_scale.emplace(*scale, p);
+  }
+  // What names a parameter's part in this format: its checkpoint tensor, or the parameter.
+  auto name_of = [&](size_t p, size_t part) -> const std::string& {
+    const Parameter& parameter = layout.parameters()[p];
+    return format == TensorFormat::kEngine || part >= parameter.parts.size() ? parameter.name
+                                                                              : parameter.parts[part].tensor;
+  };
+  const std::string how = ": send an FP8 weight with its weight_scale_inv, or a BF16, F16 or F32 weight alone "
+                          "(quantized here)";
+  for (size_t i = 0; i < manifest.size() && !weight_of_scale.empty(); ++i) {
+    const DeclaredTensor& tensor = manifest[i];
+    if (!fits[i] || ledger.index.at(tensor.name) != i) continue;
+    std::vector<std::pair<size_t, size_t>> targets;
+    if (format == TensorFormat::kEngine) {
+      if (auto p = layout.find(tensor.name)) targets.push_back({*p, 0});
+    } else {
+      TensorRoute route = layout.route(tensor.name);
+      if (route.kind == TensorRoute::Kind::kParameter) targets = std::move(route.targets);
+    }
+    for (const auto& [p, part] : targets) {
+      const Parameter& parameter = layout.parameters()[p];
+      if (!parameter.block_scale.empty()) {
+        auto scale = layout.find(parameter.block_scale);
+        if (!scale) continue;
+        const std::string& scale_name = name_of(*scale, part);
+        const bool declared = ledger.index.contains(scale_name);
+        if (!is_float(tensor.dtype) && !declared) {
+          problem("FP8 weight " + tensor.name + " is declared as " + std::string(dtype_name(tensor.dtype)) +
+                  " codes without its block scales " + scale_name + how);
+        } else if (is_float(tensor.dtype) && declared) {
+          problem("weight " + tensor.name + " is declared as " + std::string(dtype_name(tensor.dtype)) +
+                  " to be quantized here, beside its block scales " + scale_name + how);
+        }
+      } else if (auto weight = weight_of_scale.find(p); weight != weight_of_scale.end()) {
+        const std::string& weight_name = name_of(weight->second, part);
+        if (!ledger.index.contains(weight_name)) {
+          problem("block scales " + tensor.name + " are declared without their FP8 weight " + weight_name + how);
+        }
+      }
+    }
+  }
+  if (problems.empty()) return ledger;
+  std::string text = "the update's manifest of " + std::to_string(manifest.size()) + " tensor" +
+                     (manifest.size() == 1 ? "" : "s") + " does not fit " + layout.description() + " (" +
+                     std::to_string(problems.size()) + " problem" + (problems.size() == 1 ? "" : "s") +
+                     "; nothing of it was applied): ";
+  for (size_t i = 0; i < problems.size() && i < kProblemsListed; ++i) text += (i ? "; " : "") + problems[i];
+  if (problems.size() > kProblemsListed) text += "; and " + std::to_string(problems.size() - kProblemsListed) + " more";
+  WS_FAIL(ErrorCode::kModel, text);
+}
+
 /// Sends `error` to the peer as an ERROR message, best effort: it may be the one that
 /// vanished.
 void tell_peer(Connection& connection, const Error& error) {
   Message failure;
   failure.type = MessageType::kError;
   failure.code = error.code();
-  failure.text = error.what();
+  failure.text = message_text(error.what());
   try {
     connection.send(failure, std::chrono::milliseconds(1000));
   } catch (const Error&) {
@@ -247,8 +363,12 @@ struct UpdateReceiver::State {
   uint64_t left = 0;     // disconnected before their HELLO
   uint64_t refused = 0;  // failed the handshake or sent garbage
   std::string last_refusal;
-  /// Runs one update on the connection, from its START to its REPORT.
-  UpdateReport run_update(const Message& start, Clock::time_point started);
+  /// Waits (at most `accept_timeout`, accepting a sender when none is connected) for the
+  /// next update's START.
+  Received await_start(std::chrono::milliseconds accept_timeout);
+  /// Runs one update on the connection, from its START to its REPORT; with a `refusal`,
+  /// answers the START with it instead and throws.
+  UpdateReport run_update(const Message& start, Clock::time_point started, const std::string* refusal = nullptr);
 
   /// The layers of the bucket being received whose bytes may be landing in place (for a
   /// failure's report).
@@ -497,38 +617,48 @@ bool UpdateReceiver::State::greet(Connection accepted, Clock::time_point hello_d
   return true;
 }
 
-UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
-  State& state = *state_;
+Received UpdateReceiver::State::await_start(std::chrono::milliseconds accept_timeout) {
   const auto deadline = Clock::now() + accept_timeout;
   auto left = [&] {
     return std::max(std::chrono::milliseconds(0),
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
   };
   for (;;) {
-    if (!state.connection) state.connect(left());
+    if (!connection) connect(left());
     // A connected sender may take its time between updates (a trainer computing the next
     // weights): START is awaited as long as the caller waits for an update.
-    Received start;
     try {
-      state.prepare_ahead();
-      state.wait_for_message(left());
-      state.check_cancelled("the next update from " + state.connection->peer());
-      start = state.connection->receive(left(), "START");
+      prepare_ahead();
+      wait_for_message(left());
+      check_cancelled("the next update from " + connection->peer());
+      return connection->receive(left(), "START");
     } catch (const Error& error) {
-      if (state.cancelled.load()) throw;  // the sender stays connected; nothing was received
-      const bool between_updates = state.updates > 0;
-      const std::string peer = state.connection->peer();
-      state.drop_connection();
+      if (cancelled.load()) throw;  // the sender stays connected; nothing was received
+      const bool between_updates = updates > 0;
+      const std::string peer = connection->peer();
+      drop_connection();
       // A sender that leaves after its last update is done; wait for the next one.
       if (between_updates && error.code() == ErrorCode::kNetwork) continue;
-      WS_FAIL(error.code(), "update from " + peer + " to " + state.self() + " failed before it started: " + error.what());
+      WS_FAIL(error.code(), "update from " + peer + " to " + self() + " failed before it started: " + error.what());
     }
-    const auto started = Clock::now();
-    return state.run_update(start.message, started);
   }
 }
 
-UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clock::time_point started) {
+UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
+  State& state = *state_;
+  Received start = state.await_start(accept_timeout);
+  return state.run_update(start.message, Clock::now());
+}
+
+void UpdateReceiver::refuse(const std::string& reason, std::chrono::milliseconds accept_timeout) {
+  State& state = *state_;
+  Received start = state.await_start(accept_timeout);
+  state.run_update(start.message, Clock::now(), &reason);
+  WS_FAIL(ErrorCode::kInternal, state.self() + ": an update was applied where it was to be refused");
+}
+
+UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clock::time_point started,
+                                               const std::string* refusal) {
   const auto timeout = options.timeout;
   Connection& link = *connection;
   const std::string peer = link.peer();
@@ -549,10 +679,18 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   try {
     WS_EXPECT(start_message.type == MessageType::kStart, ErrorCode::kProtocol,
               "expected START, got " + std::string(message_type_name(start_message.type)));
+    WS_EXPECT(refusal == nullptr, ErrorCode::kModel, refusal ? *refusal : std::string());
     const TensorFormat format = start_message.format;
     timed(phases.preparing, [&] { prepare(format); });  // nothing to do when prepared ahead
     prepared.reset();  // this update's now
     last_format = format;
+    // The whole update is checked before its first byte: a refusal writes nothing.
+    ManifestLedger ledger = timed(phases.checking, [&] {
+      return check_manifest(layout, *session, format, start_message.declared);
+    });
+    Message accepted;
+    accepted.type = MessageType::kAccepted;
+    link.send(accepted, timeout);
 
     // ---- buckets, then finish ----
     for (;;) {
@@ -563,10 +701,26 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       phases.parsing += received.parse_seconds;
       if (buckets == 0) phases.first_bucket = std::chrono::duration<double>(Clock::now() - started).count();
       Message& message = received.message;
+      WS_EXPECT(message.type != MessageType::kError, ErrorCode::kModel, message.text);  // the sender gave up
       if (message.type == MessageType::kFinish) {
         WS_EXPECT(message.buckets == buckets, ErrorCode::kProtocol,
                   "FINISH says " + std::to_string(message.buckets) + " buckets were sent but " +
                       std::to_string(buckets) + " arrived");
+        // Every declared tensor whole, before the layers still held are written: an FP8
+        // weight's codes never land without the scales the manifest paired them with.
+        std::vector<std::string> short_of;
+        for (size_t i = 0; i < ledger.bytes.size(); ++i) {
+          if (ledger.received[i] == ledger.bytes[i]) continue;
+          short_of.push_back(start_message.declared[i].name + " (" + std::to_string(ledger.received[i]) + " of " +
+                             std::to_string(ledger.bytes[i]) + " bytes)");
+        }
+        if (!short_of.empty()) {
+          std::string names;
+          for (size_t i = 0; i < short_of.size() && i < kProblemsListed; ++i) names += (i ? ", " : "") + short_of[i];
+          if (short_of.size() > kProblemsListed) names += " and " + std::to_string(short_of.size() - kProblemsListed) + " more";
+          WS_FAIL(ErrorCode::kModel, "FINISH came before " + std::to_string(short_of.size()) + " declared tensor" +
+                                         (short_of.size() == 1 ? "" : "s") + " arrived whole: " + names);
+        }
         timed(phases.copying, [&] { session->settle(); });
         timed(phases.finishing, [&] { session->finish(); });
         timed(phases.closing, [&] { transport->end_update(); });
@@ -601,6 +755,21 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
                 "bucket " + std::to_string(manifest.index) + " claims " + std::to_string(manifest.bytes) +
                     " bytes, more than the agreed bucket size " + std::to_string(bucket_bytes));
       current = manifest.index;
+      // What the manifest did not declare, or declared otherwise, is refused before the
+      // bucket's bytes are received.
+      for (const BucketEntry& entry : manifest.entries) {
+        auto found = ledger.index.find(entry.name);
+        WS_EXPECT(found != ledger.index.end(), ErrorCode::kProtocol,
+                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name +
+                      ", which the update's manifest does not declare");
+        const DeclaredTensor& declared = start_message.declared[found->second];
+        WS_EXPECT(entry.dtype == declared.dtype && entry.shape == declared.shape, ErrorCode::kProtocol,
+                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name + " as " +
+                      std::string(dtype_name(entry.dtype)) + " " + shape_text(entry.shape) +
+                      ", but the update's manifest declares it " + std::string(dtype_name(declared.dtype)) + " " +
+                      shape_text(declared.shape));
+        ledger.received[found->second] += entry.bytes;
+      }
       for (const SharedRegion& region : manifest.regions) {
         WS_EXPECT(region.id == regions_open, ErrorCode::kProtocol,
                   "bucket " + std::to_string(manifest.index) + " shares region " + std::to_string(region.id) +

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <unordered_map>
 
 #include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
@@ -28,7 +29,38 @@ constexpr uint64_t kPieceAlignment = 256;
 constexpr unsigned kRampSteps = 4;
 constexpr uint64_t kRampFloor = 1ull << 20;
 
+/// Names listed in a message: the first few, then how many more.
+constexpr size_t kNamesListed = 20;
+
+std::string listed(const std::vector<std::string>& names) {
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < kNamesListed; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > kNamesListed) text += " and " + std::to_string(names.size() - kNamesListed) + " more";
+  return text;
+}
+
+std::string described(Dtype dtype, std::span<const int64_t> shape) {
+  return std::string(dtype_name(dtype)) + " " + shape_text(shape);
+}
+
 }  // namespace
+
+std::vector<DeclaredTensor> declared_tensors(std::span<const TensorView> tensors) {
+  std::vector<DeclaredTensor> manifest;
+  std::unordered_map<std::string_view, size_t> index;  // keys view the callers' names
+  for (const TensorView& tensor : tensors) {
+    auto [found, added] = index.try_emplace(tensor.name, manifest.size());
+    if (added) {
+      manifest.push_back({std::string(tensor.name), tensor.dtype, {tensor.shape.begin(), tensor.shape.end()}});
+      continue;
+    }
+    const DeclaredTensor& first = manifest[found->second];
+    WS_EXPECT(first.dtype == tensor.dtype && std::ranges::equal(first.shape, tensor.shape), ErrorCode::kInvalidArgument,
+              "tensor " + std::string(tensor.name) + " comes as " + described(tensor.dtype, tensor.shape) +
+                  " after a piece as " + described(first.dtype, first.shape));
+  }
+  return manifest;
+}
 
 struct UpdateSender::State {
   /// One receiver this sender feeds: its control connection and the bucket each buffer
@@ -51,6 +83,43 @@ struct UpdateSender::State {
   uint64_t next_index = 0;
   BucketManifest current;
   uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
+
+  /// A tensor the open update declared, and how much of it has been sent.
+  struct Declared {
+    DeclaredTensor tensor;
+    uint64_t bytes = 0;  ///< its whole size
+    uint64_t sent = 0;   ///< bytes sent so far (pieces come in order)
+    bool begun = false;  ///< some piece was sent (a tensor of 0 bytes is whole once sent)
+  };
+  std::vector<Declared> declared;
+  /// Index into `declared` by name; the keys view its names (never resized once indexed).
+  std::unordered_map<std::string_view, size_t> declared_index;
+
+  /// The declared tensors not sent whole, with how much of each was sent.
+  std::vector<std::string> unsent() const {
+    std::vector<std::string> names;
+    for (const Declared& entry : declared) {
+      if (entry.begun && entry.sent == entry.bytes) continue;
+      names.push_back(entry.tensor.name + (entry.begun ? " (" + std::to_string(entry.sent) + " of " +
+                                                             std::to_string(entry.bytes) + " bytes)"
+                                                       : ""));
+    }
+    return names;
+  }
+
+  /// Tells every receiver that the update is abandoned, best effort (it may be gone).
+  void abandon(const std::string& reason) {
+    Message message;
+    message.type = MessageType::kError;
+    message.code = ErrorCode::kInvalidArgument;
+    message.text = message_text(reason);
+    for (Link& link : links) {
+      try {
+        link.connection.send(message, std::chrono::milliseconds(1000));
+      } catch (const Error&) {
+      }
+    }
+  }
 
   std::string receivers() const {
     if (links.size() == 1) return links.front().receiver();
@@ -253,14 +322,47 @@ uint64_t UpdateSender::buckets_sent() const noexcept { return state_->next_index
 
 std::vector<std::string> UpdateSender::paths() const { return state_->transport->paths(); }
 
-void UpdateSender::start(TensorFormat format) {
+void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> manifest) {
   State& state = *state_;
   WS_EXPECT(state.broken || !state.open, ErrorCode::kInvalidArgument,
             "update sender: start() while an update is open (finish() it first)");
+  // The manifest is checked here as the receiver's parser would refuse it, before anything
+  // is sent: a bad manifest leaves the connection usable.
+  WS_EXPECT(manifest.size() <= kMaxEntries, ErrorCode::kInvalidArgument,
+            "update sender: a manifest of " + std::to_string(manifest.size()) + " tensors, at most " +
+                std::to_string(kMaxEntries));
+  std::vector<State::Declared> declared;
+  declared.reserve(manifest.size());
+  uint64_t message_bytes = 5;
+  for (const DeclaredTensor& tensor : manifest) {
+    WS_EXPECT(!tensor.name.empty() && tensor.name.size() <= kMaxNameBytes, ErrorCode::kInvalidArgument,
+              "update sender: a declared tensor name of " + std::to_string(tensor.name.size()) +
+                  " bytes (1 to 4096 allowed)");
+    WS_EXPECT(tensor.shape.size() <= kMaxTensorRank, ErrorCode::kInvalidArgument,
+              "update sender: declared tensor " + tensor.name + " has " + std::to_string(tensor.shape.size()) +
+                  " dimensions");
+    auto size = tensor_byte_size(tensor.dtype, tensor.shape);
+    WS_EXPECT(size.has_value(), ErrorCode::kInvalidArgument,
+              "update sender: declared tensor " + tensor.name + ": " + described(tensor.dtype, tensor.shape) +
+                  " has no valid byte size");
+    declared.push_back({tensor, *size});
+    message_bytes += 6 + tensor.name.size() + 8 * tensor.shape.size();
+  }
+  WS_EXPECT(message_bytes <= kMaxMessageBytes, ErrorCode::kInvalidArgument,
+            "update sender: the manifest of " + std::to_string(manifest.size()) + " tensors takes " +
+                std::to_string(message_bytes) + " bytes, more than one message carries (" +
+                std::to_string(kMaxMessageBytes) + "); send them as several updates");
+  std::unordered_map<std::string_view, size_t> index;
+  index.reserve(declared.size());
+  for (size_t i = 0; i < declared.size(); ++i) {
+    WS_EXPECT(index.try_emplace(declared[i].tensor.name, i).second, ErrorCode::kInvalidArgument,
+              "update sender: tensor " + declared[i].tensor.name + " is declared twice in the manifest");
+  }
   state.on_connection([&] {
     Message message;
     message.type = MessageType::kStart;
     message.format = format;
+    message.declared.assign(manifest.begin(), manifest.end());
     state.transport->begin_update();
     state.next_index = 0;
     state.slot = 0;
@@ -268,7 +370,17 @@ void UpdateSender::start(TensorFormat format) {
     for (State::Link& link : state.links) link.in_flight[0].reset(), link.in_flight[1].reset();
     state.current = BucketManifest{};
     state.current_shared_bytes = 0;
+    state.declared = std::move(declared);
+    state.declared_index = std::move(index);  // its keys view the names, which moved with their vector
     state.guarded([&] { state.send_all(message); });
+    // Every receiver checks the manifest against its model before any bucket is sent.
+    for (State::Link& link : state.links) {
+      Received answer = link.connection.receive(state.options.timeout, "the receiver's verdict on the manifest");
+      if (answer.message.type == MessageType::kError) {
+        WS_FAIL(answer.message.code, link.receiver() + " refused the update: " + answer.message.text);
+      }
+      if (answer.message.type != MessageType::kAccepted) State::fail_with(link, answer.message, "ACCEPTED");
+    }
     state.open = true;
   });
 }
@@ -288,6 +400,22 @@ void UpdateSender::send(const TensorView& tensor) {
                 std::to_string(tensor.bytes) + " does not fit its shape " + shape_text(tensor.shape));
   WS_EXPECT(tensor.data != nullptr || tensor.bytes == 0, ErrorCode::kInvalidArgument,
             "update sender: tensor " + std::string(name) + " has no data");
+  auto found = state.declared_index.find(name);
+  WS_EXPECT(found != state.declared_index.end(), ErrorCode::kInvalidArgument,
+            "update sender: tensor " + std::string(name) +
+                " is not in the update's manifest (start() declares every tensor an update sends)");
+  State::Declared& declared = state.declared[found->second];
+  WS_EXPECT(tensor.dtype == declared.tensor.dtype && std::ranges::equal(tensor.shape, declared.tensor.shape),
+            ErrorCode::kInvalidArgument,
+            "update sender: tensor " + std::string(name) + " is " + described(tensor.dtype, tensor.shape) +
+                " but the manifest declares it " + described(declared.tensor.dtype, declared.tensor.shape));
+  WS_EXPECT(!declared.begun || declared.sent < declared.bytes, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + std::string(name) + " was sent whole already in this update");
+  WS_EXPECT(tensor.offset == declared.sent, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + std::string(name) + ": a piece at byte " + std::to_string(tensor.offset) +
+                " after " + std::to_string(declared.sent) + " bytes of it were sent (pieces come in order)");
+  declared.sent += tensor.bytes;
+  declared.begun = true;
   state.on_connection([&] { state.send(tensor); });
 }
 
@@ -351,6 +479,13 @@ UpdateReport UpdateSender::finish() {
   State& state = *state_;
   WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: finish() without start(), or twice");
   return state.on_connection([&] {
+    if (std::vector<std::string> unsent = state.unsent(); !unsent.empty()) {
+      const std::string reason = std::to_string(unsent.size()) + " declared tensor" +
+                                 (unsent.size() == 1 ? " was" : "s were") + " not sent whole: " + listed(unsent);
+      state.abandon("the sender abandoned the update: " + reason);
+      WS_FAIL(ErrorCode::kInvalidArgument, "update sender: cannot finish the update to " + state.receivers() + ": " +
+                                               reason + " (the receivers were told; connect a new sender)");
+    }
     state.flush();
     state.guarded([&] { state.transport->drain(state.connections, state.options.timeout); });
     Message message;

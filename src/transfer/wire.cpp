@@ -83,7 +83,7 @@ class Reader {
   const std::string& peer_;
 };
 
-bool known_type(uint16_t type) { return type >= 1 && type <= 9; }
+bool known_type(uint16_t type) { return type >= 1 && type <= 10; }
 
 std::string printable(std::string_view name) {
   std::string text;
@@ -93,6 +93,13 @@ std::string printable(std::string_view name) {
 }
 
 }  // namespace
+
+std::string message_text(std::string text) {
+  constexpr std::string_view kCut = " ... (cut to fit one message)";
+  if (text.size() <= kMaxTextBytes) return text;
+  text.resize(kMaxTextBytes - kCut.size());
+  return text.append(kCut);
+}
 
 std::string_view message_type_name(MessageType type) noexcept {
   switch (type) {
@@ -105,6 +112,7 @@ std::string_view message_type_name(MessageType type) noexcept {
     case MessageType::kFinish: return "FINISH";
     case MessageType::kReport: return "REPORT";
     case MessageType::kError: return "ERROR";
+    case MessageType::kAccepted: return "ACCEPTED";
   }
   return "unknown";
 }
@@ -167,7 +175,17 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put_string(message.text);
       break;
     case MessageType::kStart:
+      out.reserve(8 + 64 * message.declared.size());
       out.put(static_cast<uint8_t>(message.format == TensorFormat::kEngine ? 1 : 0));
+      out.put(static_cast<uint32_t>(message.declared.size()));
+      for (const DeclaredTensor& tensor : message.declared) {
+        out.put_string(tensor.name);
+        out.put(static_cast<uint8_t>(tensor.dtype));
+        out.put(static_cast<uint8_t>(tensor.shape.size()));
+        for (int64_t dimension : tensor.shape) out.put(dimension);
+      }
+      break;
+    case MessageType::kAccepted:
       break;
     case MessageType::kBucket:
       out.reserve(64 + 128 * message.manifest.regions.size() + 96 * message.manifest.entries.size());
@@ -266,8 +284,36 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       auto format = in.get<uint8_t>("format");
       if (format > 1) in.fail("format", "unknown tensor format " + std::to_string(format));
       message.format = format == 1 ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
+      auto count = in.get<uint32_t>("count");
+      if (count > kMaxEntries) in.fail("count", std::to_string(count) + " declared tensors exceed the limit");
+      // Each declared tensor takes at least 7 bytes: reserve no more than the body can hold.
+      if (count > in.left() / 7) {
+        in.fail("count", std::to_string(count) + " declared tensors cannot fit in the " + std::to_string(in.left()) +
+                             " bytes left");
+      }
+      message.declared.reserve(count);
+      for (uint32_t i = 0; i < count; ++i) {
+        DeclaredTensor tensor;
+        tensor.name = in.get_string("declared name", kMaxNameBytes);
+        auto where = [&] { return "declared tensor " + std::to_string(i) + " ('" + printable(tensor.name) + "')"; };
+        if (tensor.name.empty()) in.fail(where(), "empty name");
+        auto dtype = in.get<uint8_t>("declared dtype");
+        if (dtype > static_cast<uint8_t>(Dtype::kF6E3M2)) in.fail(where(), "unknown dtype code " + std::to_string(dtype));
+        tensor.dtype = static_cast<Dtype>(dtype);
+        auto rank = in.get<uint8_t>("declared rank");
+        if (rank > kMaxTensorRank) in.fail(where(), "rank " + std::to_string(rank) + " exceeds " + std::to_string(kMaxTensorRank));
+        tensor.shape.resize(rank);
+        for (uint8_t d = 0; d < rank; ++d) tensor.shape[d] = in.get<int64_t>("declared shape");
+        if (!tensor_byte_size(tensor.dtype, tensor.shape)) {
+          in.fail(where(), "shape " + shape_text(tensor.shape) + " of " + std::string(dtype_name(tensor.dtype)) +
+                               " has no valid byte size");
+        }
+        message.declared.push_back(std::move(tensor));
+      }
       break;
     }
+    case MessageType::kAccepted:
+      break;
     case MessageType::kBucket: {
       BucketManifest& manifest = message.manifest;
       manifest.index = in.get<uint64_t>("index");

@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 6. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 7. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -14,7 +14,11 @@
 //                                 worker address, the buckets' and counts' addresses and keys); shm passes
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes
-//   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine)
+//   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine), then the update's
+//                                 manifest: count u32, then per tensor: name string, dtype u8,
+//                                 rank u8, rank x i64 dims (each name once)
+//   ACCEPTED (receiver -> sender) empty: the manifest fits the model, buckets may come (a
+//                                 manifest refused is answered by ERROR instead)
 //   BUCKET  (sender -> receiver)  index u64, slot u32, bytes u64, regions u32, then per region
 //                                 shared for the first time: id u32, bytes u64, blob (handle);
 //                                 then count u32, then per entry: name string, dtype u8,
@@ -30,6 +34,7 @@
 //                                 finishing, closing), six counters u64,
 //                                 count u32, count x i64 completed layers
 //   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
+//                                 (from the sender: it abandons the update)
 //
 // Every field read from a peer is hostile input: lengths are checked against the bytes
 // left and against limits before anything is allocated, so a parser never reads out of
@@ -81,8 +86,8 @@ struct BucketManifest {
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
 // 4: a ucx WELCOME carries the rendezvous secret; 5: REPORT carries placed_bytes (and a ucx
 // piece's header its bucket); 6: the handshake (handshake.hpp) proves the token, HELLO
-// no longer carries it
-inline constexpr uint16_t kProtocolVersion = 6;
+// no longer carries it; 7: START carries the update's manifest, answered by ACCEPTED
+inline constexpr uint16_t kProtocolVersion = 7;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
@@ -107,7 +112,12 @@ enum class MessageType : uint16_t {
   kFinish = 7,
   kReport = 8,
   kError = 9,
+  kAccepted = 10,
 };
+
+/// `text` cut to what a REFUSE or ERROR message carries (kMaxTextBytes), marked where cut: a
+/// refusal listing twenty 4 KiB tensor names still reaches the peer.
+std::string message_text(std::string text);
 
 /// "HELLO", "BUCKET", ...; "unknown" for a value outside the enum.
 std::string_view message_type_name(MessageType type) noexcept;
@@ -132,6 +142,7 @@ struct Message {
   uint32_t slots = 0;
   // START
   TensorFormat format = TensorFormat::kCheckpoint;
+  std::vector<DeclaredTensor> declared;  ///< the update's manifest
   // BUCKET (manifest), APPLIED (index, slot)
   BucketManifest manifest;
   // FINISH
@@ -156,7 +167,11 @@ std::vector<std::byte> encode_body(const Message& message);
 /// A BUCKET's entries are checked for themselves (known dtype, shape within kMaxTensorRank
 /// with a valid byte size, piece inside its tensor, a bucket-buffer piece inside the
 /// bucket's `bytes`); its new regions must be numbered consecutively. Whether an entry's
-/// region exists and holds its bytes is the receiver's check (regions span buckets).
+/// region exists and holds its bytes is the receiver's check (regions span buckets). A
+/// START's declared tensors likewise (non-empty name within kMaxNameBytes, known dtype,
+/// rank within kMaxTensorRank, a valid byte size; the count bounded by the bytes left
+/// before anything is reserved); whether they fit the model, and repeats, are the
+/// receiver's checks.
 Message parse_body(MessageType type, std::span<const std::byte> body, const std::string& peer);
 
 }  // namespace weightstream::transfer

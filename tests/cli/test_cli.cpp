@@ -98,17 +98,53 @@ TEST_F(CliCheckpoint, DigestIsOneJsonLinePerTensorAndStable) {
   ASSERT_EQ(first.exit_code, 0) << first.err;
   auto lines = lines_of(first.out);
   auto inspect = nlohmann::json::parse(run_cli({"inspect", model(), "--json"}).out);
-  ASSERT_EQ(lines.size(), inspect["tensor_count"].get<size_t>());
-  for (const auto& line : lines) {
-    auto json = nlohmann::json::parse(line);
+  // One object per tensor, then the content digest.
+  ASSERT_EQ(lines.size(), inspect["tensor_count"].get<size_t>() + 1);
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    auto json = nlohmann::json::parse(lines[i]);
     EXPECT_EQ(json["sha256"].get<std::string>().size(), 64u);
     EXPECT_TRUE(json.contains("name"));
   }
+  EXPECT_EQ(nlohmann::json::parse(lines.back())["content_digest"].get<std::string>().size(), 16u);
   auto second = run_cli({"digest", model(), "--json", "--memory-limit", "64KiB", "--concurrency", "3"});
   EXPECT_EQ(first.out, second.out);
   auto xxh = run_cli({"digest", model(), "--hash", "xxh64"});
   ASSERT_EQ(xxh.exit_code, 0);
   EXPECT_EQ(lines_of(xxh.out)[0].find("  "), 16u);
+}
+
+// Issue 45: the content digest `serve` publishes and --expect-digest takes, printed by
+// digest (either hash, text and JSON) and inspect --content alike; one byte changes it.
+TEST_F(CliCheckpoint, DigestAndInspectPrintOneContentDigest) {
+  auto xxh = run_cli({"digest", model(), "--hash", "xxh64"});
+  ASSERT_EQ(xxh.exit_code, 0) << xxh.err;
+  const std::string last = lines_of(xxh.out).back();
+  const std::string prefix = "content digest ";
+  ASSERT_THAT(last, StartsWith(prefix));
+  EXPECT_THAT(last, HasSubstr("(xxh64 over every tensor's name, dtype, shape and xxh64, in name order)"));
+  const std::string root = last.substr(prefix.size(), 16);
+  EXPECT_EQ(root.find_first_not_of("0123456789abcdef"), std::string::npos) << last;
+
+  auto sha = run_cli({"digest", model(), "--hash", "sha256"});
+  ASSERT_EQ(sha.exit_code, 0) << sha.err;
+  EXPECT_EQ(lines_of(sha.out).back(), last);
+  auto json = run_cli({"digest", model(), "--hash", "xxh64", "--json"});
+  EXPECT_EQ(nlohmann::json::parse(lines_of(json.out).back())["content_digest"], root);
+
+  auto inspect = run_cli({"inspect", model(), "--content"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  EXPECT_EQ(lines_of(inspect.out).back(), last);
+  EXPECT_EQ(nlohmann::json::parse(run_cli({"inspect", model(), "--json", "--content"}).out)["content_digest"], root);
+  EXPECT_FALSE(nlohmann::json::parse(run_cli({"inspect", model(), "--json"}).out).contains("content_digest"));
+  EXPECT_THAT(run_cli({"inspect", "--help"}).out, HasSubstr("reads every byte of the checkpoint once"));
+
+  // Another seed of the same config: the same names, dtypes and shapes, other bytes.
+  TempDir other;
+  ASSERT_EQ(run_cli({"synth", (other.path() / "llama").string(), "--arch", "llama", "--layers", "3", "--shards", "2",
+                     "--seed", "6"})
+                .exit_code,
+            0);
+  EXPECT_NE(lines_of(run_cli({"digest", (other.path() / "llama").string(), "--hash", "xxh64"}).out).back(), last);
 }
 
 TEST(Cli, DigestResidentMemoryStaysUnderTheLimit) {

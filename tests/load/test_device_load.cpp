@@ -199,6 +199,17 @@ TEST(CudaLoad, DigestsEqualHostDigests) {
       EXPECT_EQ(stats.bytes, checkpoint.tensor_bytes());
       EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
     }
+    // Both kinds in one pass over what the device holds (digest --hash sha256 with the content digest).
+    StreamOptions options;
+    options.gpu_path = path;
+    auto both = digest_checkpoint(checkpoint, {HashKind::kSha256, HashKind::kXxh64}, kCuda0, options);
+    ASSERT_EQ(both.size(), 2u);
+    auto sha = digest_checkpoint(checkpoint, HashKind::kSha256, Device{}, StreamOptions{});
+    auto xxh = digest_checkpoint(checkpoint, HashKind::kXxh64, Device{}, StreamOptions{});
+    for (size_t i = 0; i < sha.size(); ++i) {
+      EXPECT_EQ(both[0][i].hex, sha[i].hex) << sha[i].name;
+      EXPECT_EQ(both[1][i].hex, xxh[i].hex) << xxh[i].name;
+    }
   }
 }
 

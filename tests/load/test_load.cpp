@@ -2,6 +2,7 @@
 // result is bit-identical to a session fed from memory, and a reload that fails midway with
 // whole-layer commits leaves every unfinished layer as it was.
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <gmock/gmock.h>
@@ -254,6 +255,76 @@ TEST(LayerCommit, AReloadFromDiskThatFailsMidwayLeavesUnfinishedLayersAsTheyWere
     EXPECT_GT(completed.size(), 0u);
     // Restore the cut shard for the next round.
     second = make(2);
+  }
+}
+
+// Issue 45: a reload that names no commit writes whole layers. The shard is cut one byte
+// short of the end of the layer whose bytes end first in the file, so every layer loses at
+// least one byte whatever order the reads run in: no layer can complete, and every parameter
+// must hold its old bytes after the failure. With commit as arrived, what landed before the
+// failure is written (a mix, as LayerCommit::kAsArrived documents): only the error is asserted.
+TEST(LayerCommit, AReloadThatFailsMidwayUnderTheDefaultCommitLeavesEveryUnfinishedLayerAsItWas) {
+  auto make = [](uint64_t seed) {
+    auto disk = std::make_unique<DiskCheckpoint>();
+    SynthOptions options = testing::synth_options("llama", seed);
+    options.layers = 3;
+    options.shards = 1;
+    synthesize_checkpoint(disk->directory.path(), options);
+    disk->checkpoint = Checkpoint::open(disk->directory.path().string(), Options{});
+    disk->memory.config = checkpoint_model_config(disk->checkpoint);
+    return disk;
+  };
+  auto old_checkpoint = make(1);
+  ModelLayout old_values = testing::host_layout(old_checkpoint->memory, 1, 0);
+  load_layout(old_values, old_checkpoint->checkpoint, LoadMode::kCold, small_pieces());
+  for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+    const std::string round = commit ? "commit as arrived" : "default commit";
+    auto new_checkpoint = make(2);
+    ModelLayout layout = testing::host_layout(old_checkpoint->memory, 1, 0);
+    load_layout(layout, old_checkpoint->checkpoint, LoadMode::kCold, small_pieces());
+
+    const Checkpoint& checkpoint = new_checkpoint->checkpoint;
+    ASSERT_EQ(checkpoint.shards().size(), 1u);
+    std::map<int64_t, uint64_t> layer_end;  // per layer, where its last byte in the file ends
+    for (const CheckpointTensor& tensor : checkpoint.tensors()) {
+      for (const auto& [parameter, part] : layout.route(tensor.name).targets) {
+        uint64_t& end = layer_end[layout.parameters()[parameter].layer];
+        end = std::max(end, tensor.offset + tensor.bytes);
+      }
+    }
+    ASSERT_GE(layer_end.size(), 4u);  // global and three decoder layers
+    uint64_t cut = UINT64_MAX;
+    for (const auto& [layer, end] : layer_end) cut = std::min(cut, end - 1);
+    const std::filesystem::path shard = new_checkpoint->directory.path() / checkpoint.shards()[0].name;
+    std::filesystem::resize_file(shard, cut);
+
+    try {
+      load_layout(layout, checkpoint, LoadMode::kReload, small_pieces(), {}, commit);
+      ADD_FAILURE() << round << ": the reload of a cut shard succeeded";
+    } catch (const Error& error) {
+      EXPECT_THAT(error.what(), HasSubstr(checkpoint.shards()[0].name)) << round;
+    }
+    if (commit) continue;
+    const LayoutComparison comparison = compare_layouts(layout, old_values);  // bit for bit
+    EXPECT_EQ(comparison.compared, layout.parameters().size());
+    EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  }
+}
+
+TEST(LayerCommit, AReloadOrUpdateCommitsWholeLayersUnlessTheCallerNamesACommit) {
+  EXPECT_EQ(default_layer_commit(LoadMode::kCold), LayerCommit::kAsArrived);
+  EXPECT_EQ(default_layer_commit(LoadMode::kReload), LayerCommit::kWholeLayer);
+  EXPECT_EQ(default_layer_commit(LoadMode::kUpdate), LayerCommit::kWholeLayer);
+  auto disk = synth_on_disk("llama");
+  ModelLayout layout = testing::host_layout(disk->memory, 1, 0);
+  load_layout(layout, disk->checkpoint, LoadMode::kCold, small_pieces());
+  for (LoadMode mode : {LoadMode::kCold, LoadMode::kReload, LoadMode::kUpdate}) {
+    LoadSession by_mode(layout);
+    by_mode.begin(mode);
+    EXPECT_EQ(by_mode.commit(), default_layer_commit(mode)) << load_mode_name(mode);
+    LoadSession named(layout);
+    named.begin(mode, TensorFormat::kCheckpoint, LayerCommit::kAsArrived);
+    EXPECT_EQ(named.commit(), LayerCommit::kAsArrived) << load_mode_name(mode);
   }
 }
 

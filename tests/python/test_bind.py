@@ -62,7 +62,7 @@ def push(layout, checkpoint, transport="shm"):
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, transport=transport, token="t0ken", bucket_bytes=1 << 20)
-    sender.start("checkpoint")
+    sender.start("checkpoint", [(name, checkpoint.dtypes[name], checkpoint.shapes[name]) for name in checkpoint.names])
     for name, tensor in checkpoint.stream(framework="numpy"):
         sender.send(name, tensor, checkpoint.dtypes[name])
     sender.finish()

@@ -39,10 +39,7 @@ def test_send_takes_raw_bf16_arrays_of_a_numpy_load(tmp_path):
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, token="t", bucket_bytes=1 << 20)
-    sender.start("checkpoint")
-    for name, array in tensors.items():
-        sender.send(name, array)  # no dtype=: the bytes say what they are
-    sender.finish()
+    sender.update(tensors)  # no dtypes: the bytes say what they are
     thread.join(timeout=60)
     assert reports and reports[0]["tensors"] == len(tensors)
     assert parameter_bytes(live) == expected
@@ -62,11 +59,10 @@ def test_send_still_refuses_plain_uint8_that_does_not_fit(tmp_path):
     thread = threading.Thread(target=receive)
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, token="t", bucket_bytes=1 << 20)
-    sender.start("checkpoint")
-    # uint8 bytes weightstream did not hand out carry no dtype: sent as the U8 they are.
-    with pytest.raises(weightstream.Error, match="model.norm.weight"):
-        sender.send("model.norm.weight", np.zeros((64, 2), dtype=np.uint8))
-        sender.finish()
+    # uint8 bytes weightstream did not hand out carry no dtype: declared as the U8 they are,
+    # and refused by the receiver before anything is sent.
+    with pytest.raises(weightstream.Error, match=r"tensor model.norm.weight has shape \[64, 2\] but parameter"):
+        sender.update({"model.norm.weight": np.zeros((64, 2), dtype=np.uint8)})
     thread.join(timeout=60)
     assert errors and "model.norm.weight" in errors[0]
 

@@ -122,14 +122,14 @@ def exact(connection, count):
 
 
 def test_the_peer_handshake_written_from_its_description_is_accepted_and_a_replay_is_not(llama):
-    label = b"weightstream peer protocol 5\0"
+    label = b"weightstream peer protocol 6\0"
 
     def frame(connection, kind, body):
-        connection.sendall(struct.pack("<IHHQ", 0x45505357, 5, kind, len(body)) + body)
+        connection.sendall(struct.pack("<IHHQ", 0x45505357, 6, kind, len(body)) + body)
 
     def answer(connection):
         magic, version, kind, length = struct.unpack("<IHHQ", exact(connection, 16))
-        assert (magic, version) == (0x45505357, 5)
+        assert (magic, version) == (0x45505357, 6)
         return kind, exact(connection, length)
 
     with Serve(llama, TOKEN) as server:

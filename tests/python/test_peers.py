@@ -58,12 +58,18 @@ def namespaces():
             run("ip", "netns", "del", namespace, check=False)
 
 
+def in_namespace(namespace):
+    """The command prefix that runs in `namespace` (None: this one, on loopback)."""
+    return ["ip", "netns", "exec", namespace] if namespace else []
+
+
 class Server:
-    """A `weightstream serve` process in a namespace; stopped on exit."""
+    """A `weightstream serve` process in a namespace (None: on loopback here); stopped on exit."""
 
     def __init__(self, namespace, checkpoint, *flags, token=TOKEN):
+        host = SERVER_ADDRESS if namespace else "127.0.0.1"
         self.process = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, CLI, "serve", str(checkpoint), "--listen", f"{SERVER_ADDRESS}:0",
+            [*in_namespace(namespace), CLI, "serve", str(checkpoint), "--listen", f"{host}:0",
              "--token-stdin", "--no-progress", *flags],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         self.process.stdin.write(token + "\n")
@@ -97,7 +103,7 @@ class Server:
 
 def pull(namespace, uri, output, *flags, token=TOKEN, env=ENV):
     return subprocess.run(
-        ["ip", "netns", "exec", namespace, CLI, "export", uri, str(output), "--json", "--token-stdin", "--no-progress",
+        [*in_namespace(namespace), CLI, "export", uri, str(output), "--json", "--token-stdin", "--no-progress",
          "--peer-timeout", "20", *flags],
         input=token + "\n", capture_output=True, text=True, env=env, timeout=300)
 
@@ -211,7 +217,7 @@ def test_a_wrong_token_is_refused_and_never_printed(namespaces, llama, tmp_path)
 # description: the server proves the token first, then this side; the token is never sent.
 HANDSHAKE = (
     "token = sys.argv[2].encode()\n"
-    "label = b'weightstream peer protocol 5\\0'\n"
+    "label = b'weightstream peer protocol 6\\0'\n"
     "client_nonce = os.urandom(32)\n"
     "frame(0x4801, client_nonce)\n"
     "challenge = answer()\n"
@@ -236,7 +242,7 @@ def manifest_of(namespace, address):
         "        data += chunk\n"
         "    return data\n"
         "def frame(kind, body):\n"
-        "    s.sendall(struct.pack('<IHHQ', 0x45505357, 5, kind, len(body)) + body)\n"
+        "    s.sendall(struct.pack('<IHHQ', 0x45505357, 6, kind, len(body)) + body)\n"
         "def answer():\n"
         "    magic, version, kind, length = struct.unpack('<IHHQ', exact(16))\n"
         "    return exact(length)\n"
@@ -592,3 +598,127 @@ def test_python_serves_a_loaded_layout_and_another_layout_pulls_it(llama):
         weightstream.peer_config(uri, token=TOKEN, timeout=5)
     with pytest.raises(weightstream.Error, match="has not been loaded"):
         weightstream.serve(weightstream.model_layout(str(llama), device="cpu"), str(llama))
+
+
+def test_a_reload_from_a_peer_with_a_flipped_byte_leaves_every_parameter_as_it_was(llama, tmp_path):
+    """Issue 45: a layout reloaded with LoadSession.begin("reload") and load_checkpoint("peer://...")
+    from a server with one flipped byte is refused, naming the parameter, and every parameter
+    keeps its old bytes: the default commit of a reload is "layer", and a reload reads nothing
+    into a live parameter before its digest is checked, with commit="arrival" too (loopback)."""
+    weightstream = pytest.importorskip("weightstream")
+    np = pytest.importorskip("numpy")
+    import ctypes  # noqa: PLC0415
+
+    other = synth(tmp_path / "other", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "4")
+    served = weightstream.model_layout(str(other), device="cpu")
+    cold_load(served, str(other))
+    victim = "model.layers.1.mlp.down_proj.weight"
+    try:
+        server = served.serve(str(other), token=TOKEN)
+    except weightstream.Error as error:
+        if "build with UCX" in str(error):
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        raise
+    with server:
+        # One byte of the served parameter, changed behind the server's back (after it hashed it).
+        address = np.from_dlpack(served.tensor(victim)).ctypes.data + 100
+        flipped = ctypes.c_uint8.from_address(address)
+        flipped.value ^= 0x01
+        uri = f"peer://{server.address}"
+        for commit in (None, "arrival"):
+            layout = weightstream.model_layout(str(llama), device="cpu")
+            cold_load(layout, str(llama))
+            before = parameter_bytes(layout)
+            assert len(before) == 15
+            session = weightstream.LoadSession(layout)
+            if commit is None:
+                session.begin("reload")
+                assert session.commit == "layer"
+            else:
+                session.begin("reload", commit=commit)
+                assert session.commit == "arrival"
+            with pytest.raises(weightstream.Error) as refused:
+                session.load_checkpoint(uri, token=TOKEN)
+            assert f"parameter {victim} read from peer {server.address}" in str(refused.value)
+            assert "does not match its digest" in str(refused.value)
+            after = parameter_bytes(layout)
+            assert [name for name in before if after[name] != before[name]] == [], commit
+
+
+def content_digest(path):
+    """The content digest `weightstream digest` prints last."""
+    last = digests(path).splitlines()[-1]
+    match = re.fullmatch(r"content digest ([0-9a-f]{16}) \(xxh64 over .*\)", last)
+    assert match, last
+    return match.group(1)
+
+
+def test_peers_serving_other_content_are_refused_before_a_byte_naming_each(llama, tmp_path):
+    """Issue 45, as filed: `serve` ranks 0 and 1 of two checkpoints of one config (seeds 1 and 2)
+    publish one checkpoint identity; `export peer://A,B` is refused naming both peers and the
+    content digest each serves, and writes nothing (loopback)."""
+    first = synth(tmp_path / "one", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "1")
+    second = synth(tmp_path / "two", "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "2")
+    with Server(None, first, *tp_flags(2, 0)) as a, Server(None, second, *tp_flags(2, 1)) as b:
+        assert f"content digest {content_digest(first)}) at peer://" in a.line
+        assert f"content digest {content_digest(second)}) at peer://" in b.line
+        result = pull(None, f"peer://{a.address},{b.address}", tmp_path / "out.safetensors")
+    assert result.returncode == 1, result.stdout
+    assert (f"disagree on the checkpoint's content: {a.address} serves {content_digest(first)}, "
+            f"{b.address} serves {content_digest(second)}; refusing to mix them") in result.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_expect_digest_pins_the_content_a_pull_accepts(llama, tmp_path):
+    """One checkpoint at two ranks: accepted, and accepted with its digest pinned; another
+    digest is refused naming the peers, the expected and the served digest (loopback)."""
+    digest = content_digest(llama)
+    with Server(None, llama, *tp_flags(2, 0)) as a, Server(None, llama, *tp_flags(2, 1)) as b:
+        assert f"content digest {digest})" in a.line and f"content digest {digest})" in b.line
+        uri = f"peer://{a.address},{b.address}"
+        result = pull(None, uri, tmp_path / "out.safetensors", "--expect-digest", digest)
+        assert result.returncode == 0, result.stderr
+        assert [peer["content_digest"] for peer in json.loads(result.stdout)["peers"]] == [digest, digest]
+        wrong = "0" * 16
+        result = pull(None, uri, tmp_path / "wrong.safetensors", "--expect-digest", wrong)
+    assert result.returncode == 1
+    assert (f"do not serve the expected content digest {wrong}: {a.address} serves {digest}, "
+            f"{b.address} serves {digest}; refusing to pull from them") in result.stderr
+    assert not (tmp_path / "wrong.safetensors").exists()
+
+
+def test_python_pins_the_content_and_a_pulled_layout_serves_its_peers_digest(llama):
+    """LoadSession.load_checkpoint(expect_digest=...) and serve(): a layout served from a
+    checkpoint publishes its content digest, one pulled from peers republishes theirs, an
+    update makes it unknown (loopback)."""
+    weightstream = pytest.importorskip("weightstream")
+    pytest.importorskip("numpy")
+    digest = content_digest(llama)
+    served = weightstream.model_layout(str(llama), device="cpu")
+    cold_load(served, str(llama))
+    try:
+        server = served.serve(str(llama), token=TOKEN)
+    except weightstream.Error as error:
+        if "build with UCX" in str(error):
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        raise
+    with server:
+        assert server.content_digest == digest
+        uri = f"peer://{server.address}"
+        config = weightstream.peer_config(uri, token=TOKEN)
+        pulled = weightstream.model_layout(config, device="cpu")
+        cold_load(pulled, uri, token=TOKEN, expect_digest=digest.upper())
+        with weightstream.serve(pulled, uri, token=TOKEN, expect_digest=digest) as relay:
+            assert relay.content_digest == digest
+        refused = weightstream.model_layout(config, device="cpu")
+        with pytest.raises(weightstream.Error, match=f"do not serve the expected content digest {'1' * 16}: "
+                                                     f"{re.escape(server.address)} serves {digest}"):
+            cold_load(refused, uri, token=TOKEN, expect_digest="1" * 16)
+        with pytest.raises(weightstream.Error, match="expect_digest pins what a layout pulled from peers serves"):
+            weightstream.serve(pulled, str(llama), token=TOKEN, expect_digest=digest)
+        server.begin_update()
+        server.end_update()
+        assert server.content_digest == ""
+        with pytest.raises(weightstream.Error, match=re.escape(f"{server.address} serves unknown content (updated "
+                                                               "since it was loaded)")):
+            cold_load(weightstream.model_layout(config, device="cpu"), uri, token=TOKEN, expect_digest=digest)

@@ -37,6 +37,8 @@ def digest(cli, path, hash_name="sha256"):
         if not line.strip():
             continue
         record = json.loads(line)
+        if "content_digest" in record:  # the last line: the checkpoint's content digest
+            continue
         assert record["name"] not in digests, f"tensor {record['name']} digested twice"
         digests[record["name"]] = record[hash_name]
     return digests

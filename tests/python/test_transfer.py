@@ -20,6 +20,11 @@ def synth(directory, seed):
     return weightstream.open(str(directory))
 
 
+def manifest(checkpoint):
+    """(name, dtype, shape) of every tensor of `checkpoint`: what an update of all of it declares."""
+    return [(name, checkpoint.dtypes[name], checkpoint.shapes[name]) for name in checkpoint.names]
+
+
 def parameter_addresses(layout):
     return {name: np.from_dlpack(layout.tensor(name)).ctypes.data for name in layout.parameter_names}
 
@@ -41,7 +46,7 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, transport=transport, token="s3cret", bucket_bytes=1 << 20,
                                        share_minimum_bytes=1 << 30)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     echoed = sender.finish()
@@ -64,7 +69,7 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     # The same connection carries the next update: back to the old weights.
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(old))
     for name, tensor in old.stream(framework="numpy"):
         sender.send(name, tensor, old.dtypes[name])
     again = sender.finish()
@@ -91,9 +96,7 @@ def test_a_sender_without_the_token_is_refused(tmp_path):
     thread.start()
     # The receiver proves first: a sender with another token stops before it sends its proof.
     with pytest.raises(weightstream.Error, match="could not prove the token") as refused:
-        sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
-        sender.start("checkpoint")
-        sender.finish()
+        weightstream.UpdateSender(receiver.address, transport="tcp", token="wrong")
     assert "wrong" not in str(refused.value).replace("a wrong or missing", "")
     assert "right" not in str(refused.value)
     with pytest.raises(weightstream.Error, match="requires a token, and this side has none"):
@@ -124,7 +127,7 @@ def test_an_open_receiver_is_asked_for_warns_once_and_takes_a_sender_without_a_t
     thread = threading.Thread(target=lambda: reports.append(receiver.receive(accept_timeout=60.0)))
     thread.start()
     sender = weightstream.UpdateSender(receiver.address, transport="tcp", bucket_bytes=1 << 20)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     sender.finish()
@@ -148,7 +151,7 @@ def test_one_sender_feeds_several_receivers(tmp_path):
         thread.start()
     sender = weightstream.UpdateSender([r.address for r in receivers], transport="tcp", token="s3cret",
                                        bucket_bytes=1 << 16)
-    sender.start("checkpoint")
+    sender.start("checkpoint", manifest(new))
     for name, tensor in new.stream(framework="numpy"):
         sender.send(name, tensor, new.dtypes[name])
     echoed = sender.finish()
@@ -158,3 +161,106 @@ def test_one_sender_feeds_several_receivers(tmp_path):
     assert all(parameter_bytes(live) == expected for live in ranks)
     with pytest.raises(weightstream.Error, match="2 receivers over shm, which carries one"):
         weightstream.UpdateSender([r.address for r in receivers], transport="shm")
+
+
+def start_receiving(live, **options):
+    """A receiver of `live` whose receive() runs on a thread; its report or error lands in `outcome`."""
+    receiver = weightstream.UpdateReceiver(live, transport="tcp", token="s3cret", timeout=30.0)
+    outcome = {}
+
+    def receive():
+        try:
+            outcome["report"] = receiver.receive(accept_timeout=60.0)
+        except weightstream.Error as error:
+            outcome["error"] = str(error)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    return receiver, thread, outcome
+
+
+@pytest.mark.parametrize("shape", ["dict", "pairs", "iterator"])
+def test_update_declares_and_sends_a_dict_pairs_or_an_iterator(tmp_path, shape):
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(synth(tmp_path / "old", 1))
+    # Arrays of BF16 weightstream handed out carry their dtype: no dtype= needed.
+    tensors = dict(new.stream(framework="numpy")) if shape == "dict" else list(new.stream(framework="numpy"))
+    if shape == "iterator":
+        tensors = iter(tensors)
+    receiver, thread, outcome = start_receiving(live)
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret", bucket_bytes=1 << 20)
+    report = sender.update(tensors)
+    thread.join(timeout=60)
+    assert outcome["report"]["tensors"] == report["tensors"] == len(new.names)
+    assert parameter_bytes(live) == parameter_bytes(cold_layout(new))
+
+
+def test_an_unknown_tensor_last_in_an_update_is_refused_before_any_byte(tmp_path):
+    old = synth(tmp_path / "old", 1)
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(old)
+    before = parameter_bytes(live)
+    tensors = list(new.stream(framework="numpy")) + [("model.layers.1.mlp.extra.weight", np.zeros((4, 4), np.float32))]
+    receiver, thread, outcome = start_receiving(live)
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret", bucket_bytes=1 << 20)
+    with pytest.raises(weightstream.Error) as refused:
+        sender.update(tensors)
+    thread.join(timeout=60)
+    assert f"refused the update: the update's manifest of {len(tensors)} tensors does not fit llama tp 1 rank 0 " \
+        f"(1 problem; nothing of it was applied): tensor model.layers.1.mlp.extra.weight matches no parameter" \
+        in str(refused.value)
+    assert refused.value.code == "model"
+    assert "failed before any bucket arrived" in outcome["error"]
+    assert parameter_bytes(live) == before
+
+
+def test_the_manifest_is_declared_with_start_and_binds_every_send(tmp_path):
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(synth(tmp_path / "old", 1))
+    receiver, thread, outcome = start_receiving(live)
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret", bucket_bytes=1 << 20)
+    with pytest.raises(weightstream.Error, match="update manifest: tensor 'model.norm.weight' has dtype 'Q7', neither "
+                                                 r"a safetensors dtype name \(BF16, F8_E4M3, ...\) nor a torch dtype"):
+        sender.start("checkpoint", [("model.norm.weight", "Q7", [64])])
+    with pytest.raises(weightstream.Error, match=r"update manifest: each entry is \(name, dtype, shape\), got 2 fields"):
+        sender.start("checkpoint", [("model.norm.weight", "BF16")])
+    tensors = dict(new.stream(framework="numpy"))
+    # Safetensors names and torch dtype names alike.
+    sender.start("checkpoint", [(name, "torch.bfloat16" if i % 2 and new.dtypes[name] == "BF16" else new.dtypes[name],
+                                 new.shapes[name]) for i, name in enumerate(tensors)])
+    with pytest.raises(weightstream.Error, match="update sender: tensor lm_head.extra is not in the update's manifest"):
+        sender.send("lm_head.extra", np.zeros(4, np.float32))
+    name = next(iter(tensors))
+    with pytest.raises(weightstream.Error, match=f"update sender: tensor {name} is F32 .* but the manifest declares it "
+                                                 f"{new.dtypes[name]}"):
+        sender.send(name, np.zeros(new.shapes[name], np.float32))
+    for name, tensor in tensors.items():
+        sender.send(name, tensor)
+    sender.finish()
+    thread.join(timeout=60)
+    assert "report" in outcome and parameter_bytes(live) == parameter_bytes(cold_layout(new))
+
+
+def test_a_receiver_refusal_reaches_the_sender_with_its_reason(tmp_path):
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(synth(tmp_path / "old", 1))
+    before = parameter_bytes(live)
+    receiver = weightstream.UpdateReceiver(live, transport="tcp", token="s3cret", timeout=30.0)
+    errors = []
+
+    def refuse():
+        try:
+            receiver.refuse("the engine replaced model.norm.weight", accept_timeout=60.0)
+        except weightstream.Error as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret")
+    with pytest.raises(weightstream.Error) as refused:
+        sender.update(dict(new.stream(framework="numpy")))
+    thread.join(timeout=60)
+    assert str(refused.value) == f"update receiver at {receiver.address} refused the update: " \
+        "the engine replaced model.norm.weight"
+    assert errors and errors[0].code == "model" and "the engine replaced model.norm.weight" in str(errors[0])
+    assert parameter_bytes(live) == before

@@ -145,6 +145,13 @@ def test_peer_keys_of_the_extra_config_are_checked_when_the_loader_is_made():
     with pytest.raises(ValueError, match="peer_token must be a string") as error:
         loader({"peer_token": 1234})
     assert "1234" not in str(error.value)
+    pinned = loader({"model_uri": "peer://10.0.0.5:7000", "peer_expect_digest": "5F0E1C2D3B4A6978"}).options
+    assert pinned.peer_expect_digest == "5F0E1C2D3B4A6978" and loader({}).options.peer_expect_digest is None
+    with pytest.raises(ValueError, match="peer_expect_digest must be a content digest of 16 hex digits .* got '5f0e'"):
+        loader({"model_uri": "peer://10.0.0.5:7000", "peer_expect_digest": "5f0e"})
+    with pytest.raises(ValueError, match="peer_expect_digest pins what the peers of a peer:// model_uri serve, "
+                                         "and model_uri is '/models/llama'"):
+        loader({"model_uri": "/models/llama", "peer_expect_digest": "5f0e1c2d3b4a6978"})
 
 
 def test_vllm_factory_creates_our_transfer_engine():
@@ -239,10 +246,7 @@ def _load_reload_update(tp_size, rank, port, paths):
 
         def trainer():
             sender = weightstream.UpdateSender(engine.address, transport="shm", token="secret")
-            sender.start("checkpoint")
-            for name, tensor in sorted(tensors.items()):
-                sender.send(name, tensor)
-            report.update(sender.finish())
+            report.update(sender.update(sorted(tensors.items())))
 
         thread = threading.Thread(target=trainer)
         thread.start()

@@ -124,6 +124,8 @@ def results(tmp_path_factory):
                     "id": f"{family}-{kind}-{parallel}"}
         plans[tp].append(scenario)
     plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
+    plans[1].append({"family": "qwen3_moe", "fp8": True, "ep": False, "refused_manifests": True,
+                     "id": "refused-manifests"})
     for tp, family, ep in PEER_SCENARIOS:
         plans[tp].append({"family": family, "fp8": False, "ep": ep, "peer": True, "port": free_ports(tp),
                           "id": peer_id(family, tp, ep)})
@@ -235,6 +237,37 @@ def test_an_update_that_cannot_land_in_place_fails_before_its_first_byte(results
         in refused["error"], refused["error"]
     assert refused["parameter"] in refused["error"] and "nothing was written" in refused["error"]
     assert refused["unchanged"]
+    # The trainer is told the engine's reason at once (it used to time out waiting for WELCOME).
+    trainer = refused["trainer_error"]
+    assert "refused the update: cannot update llama tp 1 rank 0 in place: parameters the model replaced" in trainer, \
+        trainer
+    assert refused["parameter"] in trainer and "timed out" not in trainer
+
+
+def test_an_fp8_moe_update_is_checked_whole_before_its_first_byte(results):
+    """vLLM's Qwen3-MoE, FP8, tp 1: an update whose last tensor is unknown or of a wrong shape,
+    or whose FP8 codes come without their scale (or a scale without its codes), is refused
+    before any byte lands; every parameter still equals vLLM's load of checkpoint A, and the trainer gets the
+    receiver's reason."""
+    (result,) = results["refused-manifests"]
+    assert result["ok"], result.get("error")
+    refused = result["refused_manifests"]
+    assert refused["parameters"] > 30  # vLLM's Qwen3-MoE state: every parameter is compared below
+    codes, last = refused["codes"], refused["last"]
+    expected = {
+        "unknown_last": "tensor model.layers.0.mlp.experts.0.rotary_blob.weight matches no parameter of",
+        "wrong_shape_last": f"tensor {last} has shape",
+        "codes_without_scale": f"FP8 weight {codes} is declared as F8_E4M3 codes without its block scales "
+                               f"{codes}_scale_inv",
+        "scale_without_codes": f"block scales {codes}_scale_inv are declared without their FP8 weight {codes}",
+    }
+    for case, text in expected.items():
+        outcome = refused[case]
+        assert outcome["differences"] == [], f"{case}: parameters changed: {outcome['differences']}"
+        assert "refused the update: the update's manifest of" in outcome["trainer"], (case, outcome["trainer"])
+        assert text in outcome["trainer"], (case, outcome["trainer"])
+        assert "failed before any bucket arrived" in outcome["worker"] and text in outcome["worker"], \
+            (case, outcome["worker"])
 
 
 def test_a_moe_load_stays_within_vllms_default_load_plus_the_staging_limit(tmp_path):
@@ -308,8 +341,9 @@ def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, famil
     """Instance A (``serve``: HOST:PORT, port + rank) loads from the checkpoint and serves its
     bound parameters; instance B, whose model folder holds config.json only, loads with
     ``model_uri=peer://...``: every parameter equals vLLM's default loader's, nothing is read
-    from storage, all of it lands in place. A wrong token is refused by name, and once A's
-    model is gone its servers are too."""
+    from storage, all of it lands in place, with A's content digest pinned (peer_expect_digest).
+    A wrong token and a wrong digest are refused by name, and once A's model is gone its
+    servers are too."""
     ranks = results[peer_id(family, tp, ep)]
     for rank, result in enumerate(ranks):
         assert result["ok"], f"rank {rank}:\n{result.get('error')}"
@@ -326,5 +360,8 @@ def test_a_vllm_instance_pulls_its_weights_from_a_serving_one(results, tp, famil
         assert result["load_differences"] == [], f"{where}: parameters differ from vLLM's default loader"
         assert "could not prove the token" in result["wrong_token"], result["wrong_token"]
         assert "peer-secret" not in result["wrong_token"]
+        assert re.fullmatch(r"[0-9a-f]{16}", result["content_digest"]), where
+        assert (f"do not serve the expected content digest {'0' * 16}: " in result["wrong_digest"] and
+                f"serves {result['content_digest']}" in result["wrong_digest"]), result["wrong_digest"]
         assert "cannot connect to serving peer at 127.0.0.1:" in result["after_stop"], result["after_stop"]
         assert "cannot load" in result["after_stop"] and result["uri"] in result["after_stop"]

@@ -364,10 +364,7 @@ def push(engine: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, b
         try:
             sender = weightstream.UpdateSender(engine.address, transport=transport, token="secret",
                                                bucket_bytes=bucket_bytes)
-            sender.start("checkpoint")
-            for name, tensor in tensors:
-                sender.send(name, tensor.contiguous())
-            report.update(sender.finish())
+            report.update(sender.update([(name, tensor.contiguous()) for name, tensor in tensors]))
         except BaseException as error:  # noqa: BLE001 - reported below
             failure.append(error)
 
@@ -380,6 +377,56 @@ def push(engine: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, b
     if failure:
         raise failure[0]
     return report
+
+
+def refused_push(engine: Any, tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, str]:
+    """An update the receiver must refuse: the trainer's error and the worker's."""
+    import weightstream  # noqa: PLC0415
+
+    errors = {"trainer": "", "worker": ""}
+
+    def trainer() -> None:
+        try:
+            sender = weightstream.UpdateSender(engine.address, transport="tcp", token="secret", bucket_bytes=1 << 20)
+            sender.update(tensors)
+        except weightstream.Error as error:
+            errors["trainer"] = str(error)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        engine.receive_weights(engine.parse_update_info({"accept_timeout": 120.0}))
+    except Exception as raised:  # noqa: BLE001 - the error is the result
+        errors["worker"] = str(raised)
+    finally:
+        thread.join()
+    return errors
+
+
+def refused_manifests(model: torch.nn.Module, config: Any, reference: torch.nn.Module, b: str) -> Dict[str, Any]:
+    """Updates of checkpoint B (FP8 codes with their scales) that the manifest check refuses
+    before their first byte: a last tensor of an unknown name, a last tensor of a wrong shape,
+    FP8 codes without their scale, a scale without its codes. After each, every parameter
+    must still equal vLLM's default load of A."""
+    tensors = sorted(checkpoint_tensors(b).items())
+    last_name, last = tensors[-1]
+    codes = next(name for name, tensor in tensors if tensor.dtype == torch.float8_e4m3fn and ".experts." in name)
+    cases = {
+        "unknown_last": tensors + [("model.layers.0.mlp.experts.0.rotary_blob.weight", torch.zeros(4, 4))],
+        "wrong_shape_last": tensors[:-1] + [(last_name, torch.zeros(*last.shape[:-1], last.shape[-1] + 1,
+                                                                    dtype=last.dtype))],
+        "codes_without_scale": [(n, t) for n, t in tensors if n != codes + "_scale_inv"],
+        "scale_without_codes": [(n, t) for n, t in tensors if n != codes],
+    }
+    results: Dict[str, Any] = {"codes": codes, "last": last_name, "parameters": len(state_of(model))}
+    engine = transfer_engine(model, config, "tcp")
+    try:
+        for case, pushed in cases.items():
+            errors = refused_push(engine, pushed)
+            results[case] = dict(errors, differences=differences(model, reference))
+    finally:
+        engine.shutdown()
+    return results
 
 
 def transfer_engine(model: torch.nn.Module, config: Any, transport: str) -> Any:
@@ -451,6 +498,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
             result["updates"] = updates
         if scenario.get("refused_update"):
             result["refused_update"] = refused_update(ours, config)
+        if scenario.get("refused_manifests"):
+            result["refused_manifests"] = refused_manifests(ours, config, reference_a, b)
         result["log"] = [m for m in recorder.messages if "weightstream" in m]
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -500,14 +549,17 @@ def run_peer_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: 
                                           {"serve": f"127.0.0.1:{base}", "peer_token": PEER_TOKEN})
         result["serving"] = serving_loader.last_load.get("serving")
         result["served_differences"] = differences(served, reference)
+        result["content_digest"] = served._weightstream_server.content_digest
         dist.barrier()  # every rank of A serves before a rank of B pulls
         pulled, loader, _ = build(config_only, tp_size, ep, "weightstream",
-                                  {"model_uri": uri, "peer_token": PEER_TOKEN})
+                                  {"model_uri": uri, "peer_token": PEER_TOKEN,
+                                   "peer_expect_digest": result["content_digest"]})
         result["load"] = dict(loader.last_load)
         result["load_differences"] = differences(pulled, reference)
         result["parameters"] = len(state_of(pulled))
         result["unbound"] = dict(pulled._weightstream_binding.unbound)
         result["wrong_token"] = failure({"model_uri": uri, "peer_token": "not-" + PEER_TOKEN})
+        result["wrong_digest"] = failure({"model_uri": uri, "peer_token": PEER_TOKEN, "peer_expect_digest": "0" * 16})
         dist.barrier()  # every rank is done with A's servers
         del served, serving_loader
         gc.collect()
@@ -620,15 +672,14 @@ def refused_update(model: torch.nn.Module, config: Any) -> Dict[str, Any]:
     tensors = [(name, torch.zeros_like(tensor)) for name, tensor in sorted(
         checkpoint_tensors(config.model_config.model).items())]
 
+    trainer_error: List[str] = []
+
     def trainer() -> None:
         try:
             sender = weightstream.UpdateSender(engine.address, transport="tcp", token="secret", bucket_bytes=1 << 20)
-            sender.start("checkpoint")
-            for name, tensor in tensors:
-                sender.send(name, tensor)
-            sender.finish()
-        except weightstream.Error:
-            pass  # the receiver went away without applying anything
+            sender.update(tensors)
+        except weightstream.Error as refused:
+            trainer_error.append(str(refused))
 
     thread = threading.Thread(target=trainer)
     thread.start()
@@ -641,7 +692,7 @@ def refused_update(model: torch.nn.Module, config: Any) -> Dict[str, Any]:
         engine.shutdown()  # the receiver closes: the trainer's send fails
         thread.join()
     after = state_of(model)
-    return {"parameter": target, "error": error,
+    return {"parameter": target, "error": error, "trainer_error": "".join(trainer_error),
             "unchanged": all(torch.equal(after[name], before[name]) for name in before)}
 
 

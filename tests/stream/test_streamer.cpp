@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <fstream>
+#include <numeric>
 #include <condition_variable>
 #include <mutex>
 #include <random>
@@ -409,6 +411,85 @@ TEST(Digest, MatchesHashOfTheWholeTensor) {
       EXPECT_EQ(digests[i].hex, hasher.finish()) << digests[i].name;
     }
   }
+}
+
+/// "code: message" of the Error `action` throws, or "no error".
+std::string thrown_text(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return std::string(error_code_name(error.code())) + ": " + error.what();
+  }
+  return "no error";
+}
+
+TEST(Digest, SeveralKindsInOnePassEqualEachAlone) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 12, 2, 17);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  StreamOptions options;
+  options.memory_limit = 64 * kKiB;
+  options.chunk_bytes = 16 * kKiB;
+  auto both = digest_streamed(checkpoint, {HashKind::kSha256, HashKind::kXxh64}, options);
+  ASSERT_EQ(both.size(), 2u);
+  auto sha = digest_streamed(checkpoint, HashKind::kSha256, options);
+  auto xxh = digest_streamed(checkpoint, HashKind::kXxh64, options);
+  for (size_t i = 0; i < sha.size(); ++i) {
+    EXPECT_EQ(both[0][i].hex, sha[i].hex) << sha[i].name;
+    EXPECT_EQ(both[1][i].hex, xxh[i].hex) << xxh[i].name;
+  }
+  EXPECT_THAT(thrown_text([&] { digest_streamed(checkpoint, std::vector<HashKind>{}, options); }),
+              HasSubstr("no hash kind asked for"));
+}
+
+// The content digest (issue 45): xxh64 over every tensor's name, dtype, shape and xxh64, in
+// name order; one byte of one tensor changes it, and the shards' layout does not enter it.
+TEST(Digest, ContentDigestCoversEveryTensorsBytesInNameOrder) {
+  TempDir directory;
+  write_checkpoint(directory.path(), 9, 2, 23);
+  auto checkpoint = Checkpoint::open(directory.path().string(), Options{});
+  auto xxh = digest_streamed(checkpoint, HashKind::kXxh64, StreamOptions{});
+  const std::string root = content_digest(checkpoint, xxh);
+  ASSERT_EQ(root.size(), 16u);
+  EXPECT_EQ(root, checkpoint_content_digest(checkpoint, StreamOptions{}));
+
+  std::vector<size_t> order(checkpoint.tensors().size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return checkpoint.tensors()[a].name < checkpoint.tensors()[b].name; });
+  Hasher expected(HashKind::kXxh64);
+  for (size_t i : order) {
+    const CheckpointTensor& tensor = checkpoint.tensors()[i];
+    for (const std::string& field : {tensor.name, std::string(dtype_name(tensor.dtype)), shape_text(tensor.shape), xxh[i].hex}) {
+      const std::string line = field + "\n";
+      expected.update(std::as_bytes(std::span(line.data(), line.size())));
+    }
+  }
+  EXPECT_EQ(root, expected.finish());
+
+  // One byte of one tensor, in a copy of the shard.
+  const CheckpointTensor& tensor = checkpoint.tensors()[checkpoint.tensors().size() / 2];
+  ASSERT_GT(tensor.bytes, 0u);
+  const auto shard = directory.path() / checkpoint.shards()[tensor.shard].name;
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(static_cast<std::streamoff>(tensor.offset + tensor.bytes / 2));
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x01);
+    file.seekp(static_cast<std::streamoff>(tensor.offset + tensor.bytes / 2));
+    file.write(&byte, 1);
+  }
+  auto flipped = Checkpoint::open(directory.path().string(), Options{});
+  const std::string changed = checkpoint_content_digest(flipped, StreamOptions{});
+  EXPECT_NE(changed, root);
+
+  EXPECT_THAT(thrown_text([&] { content_digest(checkpoint, std::span(xxh).first(xxh.size() - 1)); }),
+              HasSubstr("invalid_argument: cannot compute the content digest of " + checkpoint.uri() + ": " +
+                        std::to_string(xxh.size() - 1) + " tensor digests for its " + std::to_string(xxh.size()) +
+                        " tensors"));
+  auto sha = digest_streamed(checkpoint, HashKind::kSha256, StreamOptions{});
+  EXPECT_THAT(thrown_text([&] { content_digest(checkpoint, sha); }), HasSubstr("is not the xxh64 of tensor"));
 }
 
 TEST(Hasher, KnownVectors) {

@@ -1,12 +1,17 @@
 // `weightstream audit --via`: the reload travels as buckets from a separate
 // `weightstream send` process; the audit must stay clean and report update seconds and
-// GB/s. The GPU transports run only where the machine has the GPUs, and say why not.
+// GB/s. The GPU transports run only where the machine has the GPUs, and say why not. Also
+// `weightstream send` into a receiver whose model the checkpoint does not fit.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <future>
+
+#include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
 #include "weightstream/device.hpp"
+#include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/synth.hpp"
@@ -97,6 +102,40 @@ TEST(AuditVia, CudaIpcWithoutAGpuFailsInOneLine) {
   EXPECT_THAT(result.err, HasSubstr("weightstream: error: "));
   EXPECT_THAT(result.err, ::testing::AnyOf(HasSubstr("no usable CUDA device"), HasSubstr("needs a build with CUDA"),
                                            HasSubstr("not compiled into this build")));
+}
+
+TEST(SendCommand, AReceiverWhoseModelDoesNotFitRefusesTheWholeCheckpointBeforeAByte) {
+  // `send` declares every tensor of its checkpoint first: a checkpoint of another width is
+  // refused whole, with the receiver's reasons, and the model keeps every byte.
+  TempDir directory;
+  SynthOptions options;
+  options.arch = "llama";
+  options.layers = 2;
+  options.hidden = 128;
+  options.seed = 2;
+  synthesize_checkpoint(directory / "narrow", options);
+  const testing::MemoryCheckpoint& loaded = testing::cached_checkpoint("llama", 1);
+  ModelLayout layout = testing::cold_loaded_layout(loaded);
+  ReceiverOptions receiver_options;
+  receiver_options.open_without_token = true;  // run_cli passes no stdin for --token-stdin
+  UpdateReceiver receiver(layout, receiver_options);
+  auto received = std::async(std::launch::async, [&] {
+    try {
+      receiver.receive(std::chrono::seconds(30));
+    } catch (const Error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  });
+  auto result = run_cli({"send", (directory / "narrow").string(), "--to", receiver.address(), "--via", "tcp"});
+  EXPECT_NE(result.exit_code, 0);
+  EXPECT_THAT(result.err, HasSubstr("weightstream: error: update receiver at " + receiver.address() +
+                                    " refused the update: the update's manifest of "));
+  EXPECT_THAT(result.err, HasSubstr("does not fit " + layout.description()));
+  EXPECT_THAT(result.err, HasSubstr("tensor model.embed_tokens.weight has shape [4096, 128] but parameter "
+                                    "model.embed_tokens.weight"));
+  EXPECT_THAT(received.get(), HasSubstr("failed before any bucket arrived"));
+  EXPECT_EQ(compare_layouts(layout, testing::cold_loaded_layout(loaded)).mismatched, 0u);
 }
 
 }  // namespace

@@ -131,7 +131,9 @@ TEST(CudaIpcChild, Sender) {
   options.share_minimum_bytes = kShareMinimumBytes;
   options.timeout = 20s;
   UpdateSender sender(address, options);
-  sender.start(TensorFormat::kEngine);
+  std::vector<DeclaredTensor> manifest;
+  for (size_t i = 0; i < kTensors; ++i) manifest.push_back({name_of(i), Dtype::kBF16, shape_of(i)});
+  sender.start(TensorFormat::kEngine, manifest);
   for (size_t i = 0; i < kTensors; ++i) {
     std::vector<int64_t> shape = shape_of(i);
     sender.send(TensorView{name_of(i), Dtype::kBF16, shape, data[i], device, 0, bytes_of(i)});

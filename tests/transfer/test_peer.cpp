@@ -304,6 +304,59 @@ TEST_F(PeerTest, AFlippedByteInAServedParameterFailsThePullNamingIt) {
   EXPECT_THAT(text, HasSubstr(instance.servers[1]->address()));
 }
 
+// Issue 45: a reload or update from a peer lands nothing before its digests are checked. The
+// served bytes are another checkpoint's (seed 8 over the puller's seed 7) with one byte of a
+// layer-1 parameter flipped; the model fits one staging batch, so the pull fails before any
+// byte reaches the session, whatever the commit.
+TEST_F(PeerTest, AReloadFromAPeerWithAFlippedByteFailsNamingItAndLeavesEveryParameterAsItWas) {
+  Model puller_model(7);
+  Model served_model(8);
+  Instance instance(served_model, 1);
+  const Parameter& served = instance.layouts[0].parameter("model.layers.1.mlp.down_proj.weight");
+  served.data[100] ^= std::byte{0x01};
+  const ModelLayout old_values = loaded_layout(puller_model, 1, 0);
+  for (LoadMode mode : {LoadMode::kReload, LoadMode::kUpdate}) {
+    for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+      const std::string round = std::string(load_mode_name(mode)) + (commit ? ", commit as arrived" : ", default commit");
+      ModelLayout layout = loaded_layout(puller_model, 1, 0);
+      PeerSource source(instance.uri(), pull_options());
+      LoadSession session(layout);
+      session.begin(mode, TensorFormat::kCheckpoint, commit);
+      EXPECT_EQ(session.commit(), commit.value_or(LayerCommit::kWholeLayer)) << round;
+      PeerPullReport report;
+      const std::string text = error_text([&] { report = source.pull(session); });
+      EXPECT_THAT(text, AllOf(HasSubstr("parameter model.layers.1.mlp.down_proj.weight read from peer " +
+                                        instance.servers[0]->address()),
+                              HasSubstr("does not match its digest"), HasSubstr("the pull is refused")))
+          << round;
+      EXPECT_EQ(session.counters().bytes_applied, 0u) << round;
+      // Bit for bit: every parameter holds the puller's own checkpoint still.
+      const LayoutComparison comparison = compare_layouts(layout, old_values);
+      EXPECT_EQ(comparison.compared, layout.parameters().size()) << round;
+      EXPECT_EQ(comparison.mismatched, 0u) << round << ": " << ::testing::PrintToString(comparison.mismatches);
+    }
+  }
+}
+
+TEST_F(PeerTest, AReloadFromAGoodPeerTakesItsBytesThroughStagingAndEqualsItsCheckpoint) {
+  Model puller_model(7);
+  Model served_model(8);
+  Instance instance(served_model, 1);
+  for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+    ModelLayout layout = loaded_layout(puller_model, 1, 0);
+    PeerSource source(instance.uri(), pull_options());
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload, TensorFormat::kCheckpoint, commit);
+    PeerPullReport report = source.pull(session);
+    session.finish();
+    EXPECT_EQ(report.bytes_in_place, 0u);  // nothing read straight into a live parameter
+    EXPECT_GT(report.bytes_from_peers, 0u);
+    EXPECT_EQ(report.parameters_read, layout.parameters().size());
+    const LayoutComparison comparison = compare_layouts(layout, instance.layouts[0]);
+    EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  }
+}
+
 TEST_F(PeerTest, AWrongTokenIsRefusedAndNeverEchoed) {
   Model model;
   Instance instance(model, 1);
@@ -372,6 +425,139 @@ TEST_F(PeerTest, ManifestsOfAnotherCheckpointAreRefusedByName) {
   EXPECT_THAT(text, HasSubstr("disagree on the checkpoint"));
   EXPECT_THAT(text, HasSubstr(a.address()));
   EXPECT_THAT(text, HasSubstr(b.address()));
+}
+
+// Issue 45: two servers of one config but other bytes (seeds 1 and 2) at tp ranks 0 and 1
+// publish the same checkpoint identity; their content digests differ, and the pull is
+// refused before an endpoint exists, naming both peers and what each serves.
+TEST_F(PeerTest, PeersServingOtherContentAreRefusedBeforeAByteNamingEach) {
+  Model first_model(1);
+  Model second_model(2);
+  ModelLayout first = loaded_layout(first_model, 2, 0);
+  ModelLayout second = loaded_layout(second_model, 2, 1);
+  PeerServer a(first, serve_info(first_model, 2, 0), serve_options());
+  PeerServer b(second, serve_info(second_model, 2, 1), serve_options());
+  const std::string first_digest = checkpoint_content_digest(*first_model.checkpoint, StreamOptions{});
+  const std::string second_digest = checkpoint_content_digest(*second_model.checkpoint, StreamOptions{});
+  ASSERT_NE(first_digest, second_digest);
+  EXPECT_EQ(a.content_digest(), first_digest);
+  EXPECT_EQ(b.content_digest(), second_digest);
+  const std::string uri = std::string(kPeerScheme) + a.address() + "," + b.address();
+  std::string text = error_text([&] { PeerSource source(uri, pull_options()); });
+  EXPECT_THAT(text, HasSubstr("protocol: peers of " + uri + " disagree on the checkpoint's content: " + a.address() +
+                              " serves " + first_digest + ", " + b.address() + " serves " + second_digest +
+                              "; refusing to mix them"));
+}
+
+TEST_F(PeerTest, PeersServingOneContentAtTwoRanksAreAcceptedAndPublishItsDigest) {
+  Model model;
+  Instance instance(model, 2);
+  const std::string digest = checkpoint_content_digest(*model.checkpoint, StreamOptions{});
+  ASSERT_EQ(digest.size(), 16u);
+  PeerSource source(instance.uri(), pull_options());
+  EXPECT_EQ(source.content_digest(), digest);
+  for (const PeerManifest& manifest : source.manifests()) EXPECT_EQ(manifest.content_digest, digest);
+  ModelLayout layout = empty_layout(model, 1, 0);
+  pull_into(layout, source);
+  EXPECT_EQ(compare_layouts(layout, loaded_layout(model, 1, 0)).mismatched, 0u);
+}
+
+TEST_F(PeerTest, AnExpectedDigestIsAcceptedAndAnyOtherRefusedNamingThePeerAndBothDigests) {
+  Model model;
+  Instance instance(model, 2);
+  const std::string digest = checkpoint_content_digest(*model.checkpoint, StreamOptions{});
+  PeerPullOptions right = pull_options();
+  right.expect_digest = digest;
+  {
+    PeerSource source(instance.uri(), right);
+    ModelLayout layout = empty_layout(model, 2, 1);
+    pull_into(layout, source);
+    EXPECT_EQ(compare_layouts(layout, instance.layouts[1]).mismatched, 0u);
+  }
+  PeerPullOptions upper = pull_options();  // hex digits of either case
+  for (char& c : upper.expect_digest = digest) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  EXPECT_NO_THROW(PeerSource(instance.uri(), upper));
+
+  PeerPullOptions wrong = pull_options();
+  wrong.expect_digest = "0123456789abcdef";
+  std::string text = error_text([&] { PeerSource source(instance.uri(), wrong); });
+  EXPECT_THAT(text, HasSubstr("protocol: peers of " + instance.uri() +
+                              " do not serve the expected content digest 0123456789abcdef: " +
+                              instance.servers[0]->address() + " serves " + digest + ", " +
+                              instance.servers[1]->address() + " serves " + digest + "; refusing to pull from them"));
+
+  PeerPullOptions malformed = pull_options();
+  malformed.expect_digest = "12345";
+  text = error_text([&] { PeerSource source(instance.uri(), malformed); });
+  EXPECT_THAT(text, HasSubstr("invalid_argument: expected content digest '12345' for " + instance.uri() +
+                              " is not 16 hex digits"));
+}
+
+TEST_F(PeerTest, AnUpdatedPeerPublishesUnknownContentServedAloneButNeverMixed) {
+  Model model;
+  Instance instance(model, 2);
+  const std::string digest = checkpoint_content_digest(*model.checkpoint, StreamOptions{});
+  instance.servers[1]->begin_update();
+  instance.servers[1]->end_update();
+  EXPECT_EQ(instance.servers[1]->content_digest(), "");
+  EXPECT_EQ(instance.servers[0]->content_digest(), digest);
+
+  // Alone, an updated peer is one content: pulled, with nothing to compare.
+  const std::string alone = std::string(kPeerScheme) + instance.servers[1]->address();
+  {
+    PeerSource source(alone, pull_options());
+    EXPECT_EQ(source.content_digest(), "");
+    ModelLayout layout = empty_layout(model, 2, 1);
+    pull_into(layout, source);
+    EXPECT_EQ(compare_layouts(layout, instance.layouts[1]).mismatched, 0u);
+  }
+  // Beside another peer it cannot be compared: refused, saying what to do.
+  instance.servers[0]->begin_update();
+  instance.servers[0]->end_update();  // the same version as the other, so only the content differs
+  std::string text = error_text([&] { PeerSource source(instance.uri(), pull_options()); });
+  EXPECT_THAT(text, HasSubstr("protocol: peers of " + instance.uri() + ": the content of updated peers cannot be compared (" +
+                              instance.servers[0]->address() + " serves unknown content (updated since it was loaded), " +
+                              instance.servers[1]->address() + " serves unknown content (updated since it was loaded)); "
+                              "refusing to mix them. Pull from peers not updated since they loaded their checkpoint"));
+  // Pinned, unknown content is not the content asked for, even alone.
+  PeerPullOptions pinned = pull_options();
+  pinned.expect_digest = digest;
+  text = error_text([&] { PeerSource source(alone, pinned); });
+  EXPECT_THAT(text, HasSubstr("do not serve the expected content digest " + digest + ": " +
+                              instance.servers[1]->address() + " serves unknown content (updated since it was loaded)"));
+}
+
+TEST_F(PeerTest, APullerThatServesRepublishesItsSourcesContentDigest) {
+  Model model;
+  Instance instance(model, 2);
+  const std::string digest = checkpoint_content_digest(*model.checkpoint, StreamOptions{});
+  PeerSource source(instance.uri(), pull_options());
+  ModelLayout pulled = empty_layout(model, 1, 0);
+  pull_into(pulled, source);
+  PeerServer relay(pulled, peer_serve_info(source, {1, 0, 1, 0}, Processing::kNone), serve_options());
+  EXPECT_EQ(relay.content_digest(), digest);
+  PeerSource from_relay(std::string(kPeerScheme) + relay.address(), pull_options());
+  EXPECT_EQ(from_relay.content_digest(), digest);
+}
+
+TEST_F(PeerTest, AMalformedContentDigestIsRefusedByTheServerAndByThePuller) {
+  Model model;
+  ModelLayout layout = loaded_layout(model, 1, 0);
+  PeerServeInfo info = serve_info(model, 1, 0);
+  info.content_digest = "not-a-digest";
+  EXPECT_THAT(error_text([&] { PeerServer server(layout, info, serve_options()); }),
+              HasSubstr("invalid_argument: peer server: content digest 'not-a-digest' is not 16 lowercase hex digits"));
+  PeerManifest manifest;
+  manifest.digest_piece_bytes = 4096;
+  manifest.send_secret.resize(16);
+  nlohmann::json json = transfer::manifest_json(manifest);
+  EXPECT_NO_THROW(transfer::parse_manifest(json, "peer 127.0.0.1:1"));
+  json["content_digest"] = "ABCDEF0123456789";
+  EXPECT_THAT(error_text([&] { transfer::parse_manifest(json, "peer 127.0.0.1:1"); }),
+              HasSubstr("protocol: peer 127.0.0.1:1: manifest has content digest 'ABCDEF0123456789', neither empty "
+                        "nor 16 lowercase hex digits"));
+  json.erase("content_digest");  // a server of protocol 5 would have sent none (its version is refused first)
+  EXPECT_THAT(error_text([&] { transfer::parse_manifest(json, "peer 127.0.0.1:1"); }), HasSubstr("content_digest"));
 }
 
 TEST_F(PeerTest, AVersionChangeDuringThePullIsRefused) {

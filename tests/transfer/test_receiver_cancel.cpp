@@ -69,7 +69,7 @@ TEST(ReceiverCancel, StopsTheWaitForTheNextUpdateOfAConnectedSender) {
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
   auto first = std::async(std::launch::async, [&] { return receiver.receive(1min); });
   UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));  // answered by that receive()
-  sender.start(TensorFormat::kCheckpoint);
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(checkpoint_of(2).views()));
   for (const TensorView& view : checkpoint_of(2).views()) sender.send(view);
   sender.finish();
   EXPECT_EQ(first.get().tensors, checkpoint_of(2).tensors.size());
@@ -85,7 +85,7 @@ TEST(ReceiverCancel, StopsAnUpdateUnderWayAndKeepsLayersNotCompleted) {
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
   auto receiving = receive_async(receiver, 1min);
   UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));  // answered by that receive()
-  sender.start(TensorFormat::kCheckpoint);
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(checkpoint_of(2).views()));
   // One tensor, then silence: a sender stuck mid-update (the update timeout is 10 s).
   sender.send(checkpoint_of(2).views().front());
   sender.flush();

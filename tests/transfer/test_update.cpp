@@ -21,6 +21,7 @@ namespace weightstream {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
@@ -123,11 +124,15 @@ TEST_P(Transports, OneConnectionCarriesUpdateAfterUpdate) {
     UpdateSender sender(address, sender_options(GetParam()));
     std::vector<UpdateReport> reports;
     for (uint64_t seed : {2, 3}) {
-      sender.start(TensorFormat::kCheckpoint);
+      sender.start(TensorFormat::kCheckpoint, declared_tensors(checkpoint_of(seed).views()));
       for (const TensorView& view : checkpoint_of(seed).views()) sender.send(view);
       reports.push_back(sender.finish());
     }
-    sender.start(TensorFormat::kEngine);
+    std::vector<DeclaredTensor> parameters;
+    for (const Parameter& parameter : engine_source.parameters()) {
+      parameters.push_back({parameter.name, parameter.dtype, parameter.shape});
+    }
+    sender.start(TensorFormat::kEngine, parameters);
     for (const Parameter& parameter : engine_source.parameters()) {
       std::vector<std::byte> bytes = parameter_bytes(parameter);
       sender.send({parameter.name, parameter.dtype, parameter.shape, bytes.data(), Device{}, 0, bytes.size()});
@@ -189,7 +194,7 @@ void one_sender_feeds_every_receiver(TransportKind kind, UcxPath path = UcxPath:
     }
     std::vector<UpdateReport> reports;
     for (uint64_t seed : {2, 3}) {
-      sender.start(TensorFormat::kCheckpoint);
+      sender.start(TensorFormat::kCheckpoint, declared_tensors(checkpoint_of(seed).views()));
       for (const TensorView& view : checkpoint_of(seed).views()) sender.send(view);
       reports.push_back(sender.finish());
     }
@@ -252,7 +257,7 @@ TEST(UcxRendezvous, PiecesThatStayValidTravelFromWhereTheyLieAndAreLetGoOnceLand
     SenderOptions options = sender_options(TransportKind::kUcx, 1 << 20);
     options.ucx_path = UcxPath::kRendezvous;
     UpdateSender sender(receiver.address(), options);
-    sender.start(TensorFormat::kCheckpoint);
+    sender.start(TensorFormat::kCheckpoint, declared_tensors(views));
     for (const TensorView& view : views) sender.send(view);
     const long held = keepalive.use_count();  // this test's, the views', and the transport's
     UpdateReport report = sender.finish();
@@ -279,8 +284,8 @@ UpdateReport ucx_update_large_ones_whole(LoadedModel& model, UcxPath path) {
   options.ucx_path = path;
   auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
     UpdateSender sender(address, options);
-    sender.start(TensorFormat::kCheckpoint);
     std::vector<TensorView> views = checkpoint_of(2).views();
+    sender.start(TensorFormat::kCheckpoint, declared_tensors(views));
     for (const TensorView& view : views) {
       if (view.bytes < kOwnMessage) sender.send(view);
     }
@@ -369,7 +374,8 @@ void expect_old_layer1_new_layer0(const LoadedModel& model) {
   }
 }
 
-/// Runs an update whose tensors are `before`, a flush, then `bad`; returns the receiver's error.
+/// Runs an update that declares `before` and `bad`, sends `before`, a flush, then `bad`;
+/// returns the receiver's error.
 std::string failed_update(LoadedModel& model, const std::vector<TensorView>& before, const std::vector<TensorView>& bad,
                           TensorFormat format = TensorFormat::kCheckpoint, std::string* sender_error = nullptr,
                           TransportKind transport = TransportKind::kTcp, uint64_t bucket_bytes = 64 << 10) {
@@ -377,7 +383,9 @@ std::string failed_update(LoadedModel& model, const std::vector<TensorView>& bef
   auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
     return error_text([&] {
       UpdateSender sender(address, sender_options(transport, bucket_bytes));
-      sender.start(format);
+      std::vector<TensorView> all = before;
+      all.insert(all.end(), bad.begin(), bad.end());
+      sender.start(format, declared_tensors(all));
       for (const TensorView& view : before) sender.send(view);
       sender.flush();
       for (const TensorView& view : bad) sender.send(view);
@@ -390,30 +398,72 @@ std::string failed_update(LoadedModel& model, const std::vector<TensorView>& bef
   return text;
 }
 
-TEST(Manifest, UnknownNameFailsAtItsBucketAndReportsCompletedLayers) {
+/// Every parameter of `model` still holds seed 1's bytes, and no hook ran after the cold load.
+void expect_untouched(const LoadedModel& model) {
+  LayoutComparison comparison = compare_layouts(model.layout, fresh_layout(1));
+  EXPECT_GT(comparison.compared, 10u);
+  EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  EXPECT_EQ(model.hook_runs, 1);
+}
+
+TEST(Manifest, AnUnknownNameLastInTheUpdateIsRefusedBeforeAnyByte) {
+  // The whole of seed 2, then one tensor the model does not have: before, the update failed
+  // at that tensor's bucket with the layers before it already new.
   LoadedModel model(1);
-  const MemoryCheckpoint& update = checkpoint_of(2);
-  std::vector<TensorView> layer0 = layer_views(update, "model.layers.0.");
   std::vector<int64_t> shape = {4, 4};
   std::vector<std::byte> junk(32);
   TensorView unknown{"model.layers.1.self_attn.rotary_blob", Dtype::kBF16, shape, junk.data(), Device{}, 0, 32};
   std::string sender_error;
-  std::string text = failed_update(model, layer0, {unknown}, TensorFormat::kCheckpoint, &sender_error);
+  std::string text = failed_update(model, checkpoint_of(2).views(), {unknown}, TensorFormat::kCheckpoint, &sender_error);
+  const std::string tensors = std::to_string(checkpoint_of(2).tensors.size() + 1);
   EXPECT_THAT(text, StartsWith("model: update from tcp peer 127.0.0.1:"));
-  EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob matches no parameter of"));
-  EXPECT_THAT(text, HasSubstr("failed at bucket"));
-  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
-  EXPECT_THAT(sender_error, HasSubstr("failed the update: tensor model.layers.1.self_attn.rotary_blob"));
-  // Layer 0 holds the update, layer 1 its old values.
-  ModelLayout old_values = fresh_layout(1);
-  ModelLayout new_values = fresh_layout(2);
-  const std::string q0 = "model.layers.0.self_attn.qkv_proj.weight";
-  const std::string q1 = "model.layers.1.self_attn.qkv_proj.weight";
-  EXPECT_EQ(testing::bytes_of(model.layout, q0), testing::bytes_of(new_values, q0));
-  EXPECT_EQ(testing::bytes_of(model.layout, q1), testing::bytes_of(old_values, q1));
+  EXPECT_THAT(text, HasSubstr("failed before any bucket arrived: the update's manifest of " + tensors +
+                              " tensors does not fit " + model.layout.description() +
+                              " (1 problem; nothing of it was applied): tensor model.layers.1.self_attn.rotary_blob "
+                              "matches no parameter of"));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: none;"));
+  EXPECT_THAT(sender_error, StartsWith("model: update receiver at 127.0.0.1:"));
+  EXPECT_THAT(sender_error, HasSubstr(" refused the update: the update's manifest of " + tensors +
+                                      " tensors does not fit"));
+  EXPECT_THAT(sender_error, HasSubstr("tensor model.layers.1.self_attn.rotary_blob matches no parameter of"));
+  expect_untouched(model);
 }
 
-TEST(Manifest, AfterAFailedUpdateTheSenderMustReconnect) {
+TEST(Manifest, EveryProblemIsNamedTheFirstTwentyWithACount) {
+  LoadedModel model(1);
+  std::vector<std::string> names;
+  for (int i = 0; i < 25; ++i) names.push_back("model.layers.0.extra_" + std::to_string(i));
+  std::vector<int64_t> shape = {4};
+  std::vector<std::byte> junk(8);
+  std::vector<TensorView> unknown;
+  for (const std::string& name : names) unknown.push_back({name, Dtype::kBF16, shape, junk.data(), Device{}, 0, 8});
+  std::string sender_error;
+  failed_update(model, checkpoint_of(2).views(), unknown, TensorFormat::kCheckpoint, &sender_error);
+  EXPECT_THAT(sender_error, HasSubstr("(25 problems; nothing of it was applied): tensor model.layers.0.extra_0 "));
+  EXPECT_THAT(sender_error, HasSubstr("tensor model.layers.0.extra_19 matches no parameter"));
+  EXPECT_THAT(sender_error, Not(HasSubstr("extra_20 ")));
+  EXPECT_THAT(sender_error, HasSubstr("; and 5 more"));
+  expect_untouched(model);
+}
+
+TEST(Manifest, ARefusalTooLongForOneMessageStillReachesTheSender) {
+  // Twenty-five unknown names of 4000 bytes: the reason is cut to fit one ERROR message.
+  LoadedModel model(1);
+  std::vector<std::string> names;
+  for (int i = 0; i < 25; ++i) names.push_back("model.layers.0." + std::string(3980, 'a' + i % 26) + ".weight");
+  std::vector<int64_t> shape = {4};
+  std::vector<std::byte> junk(8);
+  std::vector<TensorView> unknown;
+  for (const std::string& name : names) unknown.push_back({name, Dtype::kBF16, shape, junk.data(), Device{}, 0, 8});
+  std::string sender_error;
+  failed_update(model, {}, unknown, TensorFormat::kCheckpoint, &sender_error);
+  EXPECT_THAT(sender_error, StartsWith("model: update receiver at 127.0.0.1:"));
+  EXPECT_THAT(sender_error, HasSubstr("refused the update: the update's manifest of 25 tensors does not fit"));
+  EXPECT_THAT(sender_error, HasSubstr(" ... (cut to fit one message)"));
+  expect_untouched(model);
+}
+
+TEST(Manifest, AfterARefusedUpdateTheSenderMustReconnect) {
   LoadedModel model(1);
   UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
   std::vector<int64_t> shape = {4, 4};
@@ -421,15 +471,14 @@ TEST(Manifest, AfterAFailedUpdateTheSenderMustReconnect) {
   TensorView unknown{"model.layers.0.not_a_weight", Dtype::kBF16, shape, junk.data(), Device{}, 0, 32};
   auto trainer = std::async(std::launch::async, [&, address = receiver.address()] {
     UpdateSender sender(address, sender_options(TransportKind::kTcp));
-    sender.start(TensorFormat::kCheckpoint);
-    sender.send(unknown);
-    std::string first = error_text([&] { sender.finish(); });
-    std::string second = error_text([&] { sender.start(TensorFormat::kCheckpoint); });
+    std::string first = error_text([&] { sender.start(TensorFormat::kCheckpoint, declared_tensors({&unknown, 1})); });
+    std::string second = error_text([&] { sender.start(TensorFormat::kCheckpoint, {}); });
     return first + "\n" + second;
   });
   EXPECT_THAT(error_text([&] { receiver.receive(10s); }), HasSubstr("matches no parameter"));
   std::string texts = trainer.get();
-  EXPECT_THAT(texts, HasSubstr("failed the update: tensor model.layers.0.not_a_weight"));
+  EXPECT_THAT(texts, HasSubstr("refused the update: the update's manifest of 1 tensor does not fit"));
+  EXPECT_THAT(texts, HasSubstr("tensor model.layers.0.not_a_weight matches no parameter"));
   EXPECT_THAT(texts, HasSubstr("invalid_argument: update sender: an earlier update to update receiver at 127.0.0.1:"));
   EXPECT_THAT(texts, HasSubstr("failed; connect a new sender"));
   // The receiver dropped that connection and takes the next sender.
@@ -439,18 +488,22 @@ TEST(Manifest, AfterAFailedUpdateTheSenderMustReconnect) {
   EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
 }
 
-TEST(Manifest, WrongShapeAndDtypeAreNamed) {
+TEST(Manifest, WrongShapeAndDtypeAreNamedAndNothingIsWritten) {
   LoadedModel model(1);
   const MemoryCheckpoint& update = checkpoint_of(2);
   const auto& norm = update.tensor("model.layers.1.input_layernorm.weight");
+  std::vector<TensorView> others = update.views_except("model.layers.1.input_layernorm.weight");
   std::vector<int64_t> wrong_shape = {norm.shape[0] / 2};
   TensorView half{norm.name, norm.dtype, wrong_shape, norm.bytes.data(), Device{}, 0, norm.bytes.size() / 2};
-  EXPECT_THAT(failed_update(model, {}, {half}),
+  std::string sender_error;
+  EXPECT_THAT(failed_update(model, others, {half}, TensorFormat::kCheckpoint, &sender_error),
               HasSubstr("tensor model.layers.1.input_layernorm.weight has shape [128] but "
                         "parameter model.layers.1.input_layernorm.weight"));
+  EXPECT_THAT(sender_error, HasSubstr("refused the update: the update's manifest of "));
+  EXPECT_THAT(sender_error, HasSubstr("tensor model.layers.1.input_layernorm.weight has shape [128] but "));
 
   TensorView as_int{norm.name, Dtype::kI16, norm.shape, norm.bytes.data(), Device{}, 0, norm.bytes.size()};
-  EXPECT_THAT(failed_update(model, {}, {as_int}), HasSubstr("has dtype I16 but parameter"));
+  EXPECT_THAT(failed_update(model, others, {as_int}), HasSubstr("has dtype I16 but parameter"));
 
   const Parameter& parameter = model.layout.parameter("model.norm.weight");
   std::vector<std::byte> bytes(parameter.elements() * 4);
@@ -458,26 +511,234 @@ TEST(Manifest, WrongShapeAndDtypeAreNamed) {
   EXPECT_THAT(failed_update(model, {}, {engine_f32}, TensorFormat::kEngine),
               HasSubstr("engine-format tensor model.norm.weight has dtype F32 but parameter "
                         "model.norm.weight (global) holds BF16"));
-  // Nothing was written: the model is still the cold load's.
-  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
+  expect_untouched(model);
 }
 
-TEST(Manifest, ATensorSentInPartIsRejectedAndNothingIsWritten) {
+TEST(Manifest, ATensorDeclaredButNotSentWholeFailsFinishByNameAndNothingIsWritten) {
   LoadedModel model(1);
   const auto& tensor = checkpoint_of(2).tensor("model.layers.0.mlp.down_proj.weight");
-  TensorView second = tensor.piece(1024, 1024);
-  EXPECT_THAT(failed_update(model, {}, {second}),
-              HasSubstr("1 tensor arrived in part (a load may leave out a tensor, not part of one): "
-                        "model.layers.0.mlp.down_proj.weight (1024 of the "));
-  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
+  const std::string size = std::to_string(tensor.bytes.size());
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
+    return error_text([&] {
+      UpdateSender sender(address, sender_options(TransportKind::kTcp));
+      std::vector<TensorView> views = layer_views(checkpoint_of(2), "model.layers.0.");
+      sender.start(TensorFormat::kCheckpoint, declared_tensors(views));
+      for (const TensorView& view : views) {
+        if (view.name != tensor.name) sender.send(view);
+      }
+      sender.send(tensor.piece(0, 1024));  // the first 1024 bytes only
+      sender.finish();
+    });
+  });
+  std::string text = error_text([&] { receiver.receive(10s); });
+  const std::string sender_error = sent.get();
+  EXPECT_THAT(sender_error, HasSubstr("invalid_argument: update sender: cannot finish the update to update receiver at "
+                                    "127.0.0.1:"));
+  EXPECT_THAT(sender_error, HasSubstr(": 1 declared tensor was not sent whole: model.layers.0.mlp.down_proj.weight "
+                                    "(1024 of " + size + " bytes) (the receivers were told; connect a new sender)"));
+  EXPECT_THAT(text, StartsWith("model: update from tcp peer"));
+  EXPECT_THAT(text, HasSubstr("the sender abandoned the update: 1 declared tensor was not sent whole: "
+                              "model.layers.0.mlp.down_proj.weight (1024 of " + size + " bytes)"));
+  expect_untouched(model);
 }
 
-TEST(Manifest, ATensorDeliveredTwiceIsRejected) {
+TEST(Manifest, WhatTheManifestDoesNotDeclareIsRefusedAtTheSenderBeforeAnythingOfItIsSent) {
   LoadedModel model(1);
-  const auto& tensor = checkpoint_of(2).tensor("model.layers.0.mlp.down_proj.weight");
-  EXPECT_THAT(failed_update(model, {}, {tensor.view(), tensor.view()}),
-              HasSubstr("tensor model.layers.0.mlp.down_proj.weight delivered twice in this update load"));
-  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(1)).mismatched, 0u);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  std::vector<TensorView> layer0 = layer_views(checkpoint_of(2), "model.layers.0.");
+  const TensorView norm = checkpoint_of(2).tensor("model.norm.weight").view();
+  auto trainer = std::async(std::launch::async, [&, address = receiver.address()] {
+    UpdateSender sender(address, sender_options(TransportKind::kTcp));
+    sender.start(TensorFormat::kCheckpoint, declared_tensors(layer0));
+    std::vector<std::string> texts;
+    texts.push_back(error_text([&] { sender.send(norm); }));  // not declared
+    TensorView as_f32 = layer0.front();
+    as_f32.dtype = Dtype::kF32;
+    texts.push_back(error_text([&] { sender.send(as_f32); }));
+    std::vector<int64_t> folded = {2, static_cast<int64_t>(layer0.front().bytes / 4)};  // the same bytes, folded
+    TensorView reshaped = layer0.front();
+    reshaped.shape = folded;
+    texts.push_back(error_text([&] { sender.send(reshaped); }));
+    TensorView later_piece = layer0.front();  // a piece out of order
+    later_piece.data += 256;
+    later_piece.offset = 256;
+    later_piece.bytes = 256;
+    texts.push_back(error_text([&] { sender.send(later_piece); }));
+    // None of it was sent: the update goes on and lands whole.
+    for (const TensorView& view : layer0) sender.send(view);
+    texts.push_back(error_text([&] { sender.send(layer0.front()); }));  // twice
+    sender.finish();
+    return texts;
+  });
+  std::string received = error_text([&] { receiver.receive(10s); });
+  std::vector<std::string> texts = trainer.get();
+  EXPECT_EQ(received, "no error");
+  const std::string first(layer0.front().name);
+  const std::string declared = std::string(dtype_name(layer0.front().dtype)) + " " + shape_text(layer0.front().shape);
+  ASSERT_EQ(texts.size(), 5u);
+  EXPECT_EQ(texts[0], "invalid_argument: update sender: tensor model.norm.weight is not in the update's manifest "
+                      "(start() declares every tensor an update sends)");
+  EXPECT_EQ(texts[1], "invalid_argument: update sender: tensor " + first + " is F32 " +
+                          shape_text(layer0.front().shape) + " but the manifest declares it " + declared);
+  EXPECT_THAT(texts[2], HasSubstr("tensor " + first + " is " + std::string(dtype_name(layer0.front().dtype)) + " [2, " +
+                                  std::to_string(layer0.front().bytes / 4) + "] but the manifest declares it " + declared));
+  EXPECT_EQ(texts[3], "invalid_argument: update sender: tensor " + first +
+                          ": a piece at byte 256 after 0 bytes of it were sent (pieces come in order)");
+  EXPECT_EQ(texts[4], "invalid_argument: update sender: tensor " + first + " was sent whole already in this update");
+  ModelLayout new_values = fresh_layout(2);
+  for (const Parameter& parameter : model.layout.parameters()) {
+    if (parameter.layer == 0) EXPECT_EQ(parameter_bytes(parameter), testing::bytes_of(new_values, parameter.name));
+  }
+}
+
+TEST(Manifest, AManifestTheSenderCannotSendIsRefusedBeforeTheWire) {
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  auto receiving = std::async(std::launch::async, [&] { return receiver.receive(10s); });
+  UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));
+  std::vector<DeclaredTensor> twice = {{"model.norm.weight", Dtype::kBF16, {256}}, {"model.norm.weight", Dtype::kBF16, {256}}};
+  EXPECT_EQ(error_text([&] { sender.start(TensorFormat::kCheckpoint, twice); }),
+            "invalid_argument: update sender: tensor model.norm.weight is declared twice in the manifest");
+  std::vector<DeclaredTensor> unnamed = {{"", Dtype::kBF16, {4}}};
+  EXPECT_THAT(error_text([&] { sender.start(TensorFormat::kCheckpoint, unnamed); }),
+              HasSubstr("update sender: a declared tensor name of 0 bytes (1 to 4096 allowed)"));
+  std::vector<DeclaredTensor> negative = {{"model.norm.weight", Dtype::kBF16, {-4}}};
+  EXPECT_THAT(error_text([&] { sender.start(TensorFormat::kCheckpoint, negative); }),
+              HasSubstr("update sender: declared tensor model.norm.weight: BF16 [-4] has no valid byte size"));
+  // The connection is still good: nothing was sent.
+  std::vector<TensorView> views = checkpoint_of(2).views();
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(views));
+  for (const TensorView& view : views) sender.send(view);
+  sender.finish();
+  receiving.get();
+  EXPECT_EQ(compare_layouts(model.layout, fresh_layout(2)).mismatched, 0u);
+}
+
+TEST(Manifest, ARefusalOfTheEngineReachesTheSenderWithItsReason) {
+  // What only the engine can check (it replaced a bound parameter): the receiver refuses the
+  // next update with the engine's reason, and the sender's start() throws it at once.
+  LoadedModel model(1);
+  UpdateReceiver receiver(model.layout, receiver_options(TransportKind::kTcp));
+  auto sent = send_async(receiver.address(), sender_options(TransportKind::kTcp), checkpoint_of(2).views());
+  const std::string reason = "cannot update llama in place: parameters the model replaced since they were bound: x";
+  std::string text = error_text([&] { receiver.refuse(reason, 10s); });
+  EXPECT_THAT(text, StartsWith("model: update from tcp peer 127.0.0.1:"));
+  EXPECT_THAT(text, HasSubstr("failed before any bucket arrived: " + reason + ";"));
+  std::string sender_error = error_text([&] { sent.get(); });
+  EXPECT_EQ(sender_error, "model: update receiver at " + receiver.address() + " refused the update: " + reason);
+  expect_untouched(model);
+}
+
+// ---- FP8 block-scaled weights: codes and scales travel together --------------------------
+
+const MemoryCheckpoint& fp8_checkpoint_of(uint64_t seed) {
+  static std::map<uint64_t, MemoryCheckpoint> cache;
+  auto found = cache.find(seed);
+  if (found == cache.end()) {
+    SynthOptions options = testing::synth_options("qwen3_moe", seed);
+    options.quantize = SynthOptions::Quantization::kFp8Block;
+    found = cache.emplace(seed, testing::synth_in_memory(options)).first;
+  }
+  return found->second;
+}
+
+/// The BF16 weights of the same model (its FP8 checkpoint quantizes them).
+MemoryCheckpoint bf16_checkpoint_of(uint64_t seed) {
+  SynthOptions options = testing::synth_options("qwen3_moe", seed);
+  options.block_aligned = true;  // the FP8 model's sizes
+  return testing::synth_in_memory(options);
+}
+
+/// Seed `seed`'s views of the FP8 qwen3_moe checkpoint, without the tensor named `left_out`.
+std::vector<TensorView> fp8_views_without(uint64_t seed, const std::string& left_out) {
+  std::vector<TensorView> views;
+  for (const TensorView& view : fp8_checkpoint_of(seed).views()) {
+    if (view.name != left_out) views.push_back(view);
+  }
+  return views;
+}
+
+/// Pushes `views` over tcp into a model cold-loaded from FP8 seed 1; the receiver's error (or
+/// "no error"), the sender's, and whether every parameter still holds seed 1's bytes.
+struct Fp8Update {
+  std::string receiver_error;
+  std::string sender_error;
+  bool untouched = false;
+  bool equals_seed2 = false;
+};
+
+Fp8Update fp8_update(const std::vector<TensorView>& views, TensorFormat format = TensorFormat::kCheckpoint) {
+  ModelLayout layout = cold_loaded_layout(fp8_checkpoint_of(1));
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  auto sent = send_async(receiver.address(), sender_options(TransportKind::kTcp), views, format);
+  Fp8Update result;
+  result.receiver_error = error_text([&] { receiver.receive(10s); });
+  result.sender_error = error_text([&] { sent.get(); });
+  result.untouched = compare_layouts(layout, cold_loaded_layout(fp8_checkpoint_of(1))).mismatched == 0;
+  result.equals_seed2 = compare_layouts(layout, cold_loaded_layout(fp8_checkpoint_of(2))).mismatched == 0;
+  return result;
+}
+
+TEST(Fp8Manifest, CodesWithTheirScalesLandAndBf16WeightsComeAlone) {
+  Fp8Update whole = fp8_update(fp8_checkpoint_of(2).views());
+  EXPECT_EQ(whole.receiver_error, "no error");
+  EXPECT_TRUE(whole.equals_seed2);
+  // BF16 weights, quantized by the receiver, need no scales.
+  MemoryCheckpoint bf16 = bf16_checkpoint_of(2);
+  Fp8Update quantized = fp8_update(bf16.views());
+  EXPECT_EQ(quantized.receiver_error, "no error");
+  EXPECT_EQ(quantized.sender_error, "no error");
+  EXPECT_FALSE(quantized.untouched);
+}
+
+TEST(Fp8Manifest, CodesWithoutTheirScalesAreRefusedByName) {
+  const std::string weight = "model.layers.1.mlp.experts.3.down_proj.weight";
+  Fp8Update update = fp8_update(fp8_views_without(2, weight + "_scale_inv"));
+  EXPECT_THAT(update.sender_error, HasSubstr("refused the update: the update's manifest of "));
+  EXPECT_THAT(update.sender_error, HasSubstr("(1 problem; nothing of it was applied): FP8 weight " + weight +
+                                             " is declared as F8_E4M3 codes without its block scales " + weight +
+                                             "_scale_inv: send an FP8 weight with its weight_scale_inv, or a BF16, "
+                                             "F16 or F32 weight alone (quantized here)"));
+  EXPECT_THAT(update.receiver_error, HasSubstr("failed before any bucket arrived"));
+  EXPECT_TRUE(update.untouched);
+}
+
+TEST(Fp8Manifest, ScalesWithoutTheirCodesAreRefusedByName) {
+  const std::string weight = "model.layers.0.self_attn.o_proj.weight";
+  Fp8Update update = fp8_update(fp8_views_without(2, weight));
+  EXPECT_THAT(update.sender_error, HasSubstr("(1 problem; nothing of it was applied): block scales " + weight +
+                                             "_scale_inv are declared without their FP8 weight " + weight +
+                                             ": send an FP8 weight with its weight_scale_inv"));
+  EXPECT_TRUE(update.untouched);
+}
+
+TEST(Fp8Manifest, ABf16WeightBesideItsScalesIsRefused) {
+  const std::string weight = "model.layers.0.self_attn.o_proj.weight";
+  MemoryCheckpoint bf16 = bf16_checkpoint_of(2);
+  std::vector<TensorView> views = fp8_views_without(2, weight);
+  views.push_back(bf16.tensor(weight).view());
+  Fp8Update update = fp8_update(views);
+  EXPECT_THAT(update.sender_error, HasSubstr("weight " + weight + " is declared as BF16 to be quantized here, beside "
+                                             "its block scales " + weight + "_scale_inv"));
+  EXPECT_TRUE(update.untouched);
+}
+
+TEST(Fp8Manifest, EngineFormatCodesWithoutTheirScalesAreRefused) {
+  ModelLayout source = cold_loaded_layout(fp8_checkpoint_of(2));
+  const std::string weight = "model.layers.1.self_attn.qkv_proj.weight";
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorView> views;
+  for (const Parameter& parameter : source.parameters()) bytes.push_back(parameter_bytes(parameter));
+  for (size_t i = 0; i < source.parameters().size(); ++i) {
+    const Parameter& parameter = source.parameters()[i];
+    if (parameter.name == weight + "_scale_inv" || parameter.parts.empty()) continue;
+    views.push_back({parameter.name, parameter.dtype, parameter.shape, bytes[i].data(), Device{}, 0, bytes[i].size()});
+  }
+  Fp8Update update = fp8_update(views, TensorFormat::kEngine);
+  EXPECT_THAT(update.sender_error, HasSubstr("FP8 weight " + weight + " is declared as F8_E4M3 codes without its "
+                                             "block scales " + weight + "_scale_inv"));
+  EXPECT_TRUE(update.untouched);
 }
 
 // ---- senders that die or stall --------------------------------------------------------------
@@ -497,7 +758,7 @@ struct DyingSender {
       uint64_t sent = UINT64_MAX;
       try {
         UpdateSender sender(address, sender_options(transport, 16 << 10));
-        sender.start(TensorFormat::kCheckpoint);
+        sender.start(TensorFormat::kCheckpoint, declared_tensors(views));
         for (const TensorView& view : views) sender.send(view);
         sent = sender.buckets_sent();
         (void)!::write(fds[1], &sent, sizeof(sent));
@@ -522,11 +783,10 @@ struct DyingSender {
   }
 };
 
-TEST(Manifest, OverUcxABadBucketFailsBeforeAnyOfItsBytesLand) {
+TEST(Manifest, OverUcxABadManifestFailsBeforeAnyByteLands) {
   if (!transport_compiled(TransportKind::kUcx)) GTEST_SKIP() << "this build has no UCX (WS_WITH_UCX)";
-  // Over ucx a bucket's large tensors land straight in their parameters, but only once the
-  // whole bucket's manifest has passed the session's checks: a bucket that names an unknown
-  // tensor beside a good large one leaves the good one's parameter as it was.
+  // Over ucx a bucket's large tensors land straight in their parameters as they arrive; an
+  // update that names an unknown tensor after good large ones is refused whole at START.
   LoadedModel model(1);
   const MemoryCheckpoint& update = checkpoint_of(2);
   std::vector<TensorView> layer1 = layer_views(update, "model.layers.1.");
@@ -538,11 +798,10 @@ TEST(Manifest, OverUcxABadBucketFailsBeforeAnyOfItsBytesLand) {
   std::string text = failed_update(model, layer_views(update, "model.layers.0."), {*large, unknown},
                                    TensorFormat::kCheckpoint, nullptr, TransportKind::kUcx, 16 << 20);
   EXPECT_THAT(text, HasSubstr("tensor model.layers.1.self_attn.rotary_blob matches no parameter of"));
-  EXPECT_THAT(text, HasSubstr(") failed at bucket "));
-  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: layer 0;"));
-  EXPECT_THAT(text, HasSubstr("layers written in part (over ucx, tensors land in their parameters as they arrive): "
-                              "none;"));
-  expect_old_layer1_new_layer0(model);
+  EXPECT_THAT(text, HasSubstr(") failed before any bucket arrived: "));
+  EXPECT_THAT(text, HasSubstr("layers completed and applied before the failure: none; layers written in part (over "
+                              "ucx, tensors land in their parameters as they arrive): none;"));
+  expect_untouched(model);
 }
 
 /// Layer 0 whole and the first half of layer 1's tensors of the seed-2 checkpoint.

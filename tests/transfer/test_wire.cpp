@@ -193,5 +193,100 @@ TEST(Wire, HostileBucketsAreRejectedWithTheField) {
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, trailing, "peer"); }), HasSubstr("1 trailing bytes"));
 }
 
+Message start_message() {
+  Message message;
+  message.type = MessageType::kStart;
+  message.format = TensorFormat::kEngine;
+  message.declared.push_back({"model.layers.0.mlp.down_proj.weight", Dtype::kF8E4M3, {64, 64}});
+  message.declared.push_back({"model.layers.0.mlp.down_proj.weight_scale_inv", Dtype::kF32, {1, 1}});
+  message.declared.push_back({"model.norm.weight", Dtype::kBF16, {64}});
+  return message;
+}
+
+TEST(Wire, StartCarriesTheManifestAndAcceptedIsEmpty) {
+  Message message = start_message();
+  std::vector<std::byte> body = encode_body(message);
+  Message parsed = parse_body(MessageType::kStart, body, "peer");
+  EXPECT_EQ(parsed.format, TensorFormat::kEngine);
+  ASSERT_EQ(parsed.declared.size(), 3u);
+  EXPECT_EQ(parsed.declared[0].name, "model.layers.0.mlp.down_proj.weight");
+  EXPECT_EQ(parsed.declared[0].dtype, Dtype::kF8E4M3);
+  EXPECT_EQ(parsed.declared[0].shape, (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(parsed.declared[2].shape, (std::vector<int64_t>{64}));
+  EXPECT_EQ(encode_body(parsed), body);
+  Message empty;
+  empty.type = MessageType::kStart;
+  EXPECT_TRUE(parse_body(MessageType::kStart, encode_body(empty), "peer").declared.empty());
+  Message accepted;
+  accepted.type = MessageType::kAccepted;
+  EXPECT_TRUE(encode_body(accepted).empty());
+  EXPECT_EQ(parse_body(MessageType::kAccepted, {}, "peer").type, MessageType::kAccepted);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kAccepted, std::vector<std::byte>(1), "peer"); }),
+              HasSubstr("ACCEPTED message from peer: end: 1 trailing bytes"));
+  EXPECT_EQ(message_type_name(MessageType::kAccepted), "ACCEPTED");
+}
+
+TEST(Wire, ARefusalTooLongForOneMessageIsCutToFit) {
+  Message error;
+  error.type = MessageType::kError;
+  error.text = message_text(std::string(kMaxTextBytes + 100, 'x'));
+  EXPECT_EQ(error.text.size(), kMaxTextBytes);
+  EXPECT_TRUE(error.text.ends_with("x ... (cut to fit one message)"));
+  EXPECT_EQ(parse_body(MessageType::kError, encode_body(error), "peer").text, error.text);
+  EXPECT_EQ(message_text("short"), "short");
+}
+
+TEST(Wire, HostileManifestsAreRejectedBeforeAnythingIsAllocated) {
+  std::vector<std::byte> body = encode_body(start_message());
+  // Truncated anywhere: never a read past the end.
+  for (size_t cut = 0; cut < body.size(); ++cut) {
+    std::span<const std::byte> part(body.data(), cut);
+    EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, part, "peer"); }), HasSubstr("START message from peer"));
+  }
+  // A count over the limit, and one no body could hold: refused before anything is reserved.
+  std::vector<std::byte> counted = body;
+  uint32_t count = 0xFFFFFFF0;
+  std::memcpy(counted.data() + 1, &count, 4);  // after the format
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, counted, "peer"); }),
+              HasSubstr("START message from peer: count: 4294967280 declared tensors exceed the limit"));
+  count = 1000;
+  std::memcpy(counted.data() + 1, &count, 4);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, counted, "peer"); }),
+              HasSubstr("count: 1000 declared tensors cannot fit in the "));
+  // A name longer than the limit, claimed by its length field.
+  std::vector<std::byte> long_name = body;
+  uint32_t length = kMaxNameBytes + 1;
+  std::memcpy(long_name.data() + 5, &length, 4);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, long_name, "peer"); }),
+              HasSubstr("declared name: length 4097 exceeds the limit 4096"));
+  Message unnamed = start_message();
+  unnamed.declared[1].name.clear();
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(unnamed), "peer"); }),
+              HasSubstr("declared tensor 1 (''): empty name"));
+  Message rank = start_message();
+  rank.declared[2].shape.assign(kMaxTensorRank + 1, 1);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(rank), "peer"); }),
+              HasSubstr("declared tensor 2 ('model.norm.weight'): rank 65 exceeds 64"));
+  Message overflow = start_message();
+  overflow.declared[0].shape = {int64_t{1} << 62, 1 << 20};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(overflow), "peer"); }),
+              HasSubstr("declared tensor 0 ('model.layers.0.mlp.down_proj.weight'): shape [4611686018427387904, "
+                        "1048576] of F8_E4M3 has no valid byte size"));
+  Message negative = start_message();
+  negative.declared[2].shape = {-64};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(negative), "peer"); }),
+              HasSubstr("has no valid byte size"));
+  std::vector<std::byte> dtype = body;
+  dtype[5 + 4 + std::strlen("model.layers.0.mlp.down_proj.weight")] = std::byte{200};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, dtype, "peer"); }), HasSubstr("unknown dtype code 200"));
+  std::vector<std::byte> format = body;
+  format[0] = std::byte{2};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, format, "peer"); }),
+              HasSubstr("format: unknown tensor format 2"));
+  std::vector<std::byte> trailing = body;
+  trailing.push_back(std::byte{0});
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, trailing, "peer"); }), HasSubstr("1 trailing bytes"));
+}
+
 }  // namespace
 }  // namespace weightstream::transfer

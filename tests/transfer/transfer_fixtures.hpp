@@ -51,7 +51,7 @@ inline std::future<UpdateReport> send_async(std::string address, SenderOptions o
                                             TensorFormat format = TensorFormat::kCheckpoint) {
   return std::async(std::launch::async, [=] {
     UpdateSender sender(address, options);
-    sender.start(format);
+    sender.start(format, declared_tensors(views));
     for (const TensorView& view : views) sender.send(view);
     return sender.finish();
   });

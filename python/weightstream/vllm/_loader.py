@@ -164,7 +164,8 @@ class WeightstreamModelLoader(BaseModelLoader):
         session = LoadSession(bound.layout)
         session.begin(mode)
         report = session.load_checkpoint(uri, token=self.options.peer_token, timeout=self.options.peer_timeout,
-                                         memory_limit=resolve_options(**self.options.stream)["memory_limit"])
+                                         memory_limit=resolve_options(**self.options.stream)["memory_limit"],
+                                         expect_digest=self.options.peer_expect_digest)
         session.finish()
         bound.by_load_weights = []
         self.last_load = {"path": "layout", "mode": mode, "role": bound.role, "source": uri, "field": "model_uri",
@@ -183,8 +184,10 @@ class WeightstreamModelLoader(BaseModelLoader):
         """Serves the bound layout (extra-config ``serve``) while the model lives: the server
         closes when the model is collected or at the interpreter's exit, whichever is first."""
         address = serve_address(self.options.serve, world_rank())
+        # A layout pulled from peers serves what they serve: the same digest is pinned again.
+        pinned = self.options.peer_expect_digest if isinstance(source, str) else None
         server = serve(bound.layout, source, listen=address, token=self.options.peer_token,
-                       timeout=self.options.peer_timeout)
+                       timeout=self.options.peer_timeout, expect_digest=pinned)
         object.__setattr__(model, "_weightstream_server", server)
         weakref.finalize(model, server.close)
         self.last_load["serving"] = server.address

@@ -26,7 +26,7 @@ logger = logging.getLogger("vllm.weightstream")
 #: weightstream's stream options, as weightstream.stream takes them.
 STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path", "mapped_share", "prefetchers")
 #: Every key ``--model-loader-extra-config`` takes.
-EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri", "peer_token", "peer_timeout", "serve")
+EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri", "peer_token", "peer_timeout", "peer_expect_digest", "serve")
 
 #: vLLM quantization methods a layout binds: none, and FP8 (block-scaled checkpoints are
 #: held as Fp8LinearMethod holds them; an FP8 model without weight_block_size is refused by
@@ -71,6 +71,11 @@ class LoaderOptions:
     peer_token: Optional[str] = None
     #: Seconds a peer's connect, message or read may go without progress.
     peer_timeout: float = 30.0
+    #: The checkpoint content digest (16 hex digits, as ``weightstream digest --hash xxh64``
+    #: prints it) every peer of a peer:// model_uri must serve; None: any one content that
+    #: all the peers agree on. A peer serving another or unknown (updated) content is
+    #: refused before a byte lands, and the model's own sources are loaded instead.
+    peer_expect_digest: Optional[str] = None
     #: "HOST:PORT": after its load each rank serves its bound parameters to pullers
     #: (peer://) at HOST, port PORT + its rank in vLLM's world (PORT 0: a free port each).
     serve: str = ""
@@ -98,11 +103,19 @@ class LoaderOptions:
         peer_timeout = extra.get("peer_timeout", 30.0)
         if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)) or peer_timeout <= 0:
             raise ValueError(f"--model-loader-extra-config: peer_timeout must be seconds above 0, got {peer_timeout!r}")
+        peer_expect_digest = extra.get("peer_expect_digest")
+        if peer_expect_digest is not None:
+            if not isinstance(peer_expect_digest, str) or not re.fullmatch(r"[0-9a-fA-F]{16}", peer_expect_digest):
+                raise ValueError(f"--model-loader-extra-config: peer_expect_digest must be a content digest of 16 hex "
+                                 f"digits (as `weightstream digest --hash xxh64` prints it), got {peer_expect_digest!r}")
+            if not model_uri.startswith("peer://"):
+                raise ValueError("--model-loader-extra-config: peer_expect_digest pins what the peers of a peer:// "
+                                 f"model_uri serve, and model_uri is {model_uri!r}")
         serve = extra.get("serve") or ""
         if serve:
             serve_address(serve, 0)  # raises for a malformed HOST:PORT
         return cls(stream=stream, model_uri=model_uri, peer_token=peer_token, peer_timeout=float(peer_timeout),
-                   serve=serve)
+                   peer_expect_digest=peer_expect_digest, serve=serve)
 
 
 def serve_address(serve: str, rank: int) -> str:

@@ -145,8 +145,16 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
     def receive_weights(self, update_info: WeightstreamUpdateInfo) -> None:
         receiver = self._receiver(self.model)
         # Every named byte lands in the model's own memory, or nothing does: refused here,
-        # before the trainer's first bucket is accepted.
-        check_in_place(self.model, self._binding(self.model))
+        # before the trainer's first bucket is accepted, and the trainer is told why.
+        try:
+            check_in_place(self.model, self._binding(self.model))
+        except _core.Error as unfit:
+            try:
+                # Answers the trainer's update with this reason (its start() raises it).
+                receiver.refuse(str(unfit), accept_timeout=update_info.accept_timeout)
+            except _core.Error:
+                pass  # refuse() always raises; the engine's own reason is the one to report
+            raise unfit
         server = serving_peer(self.model)
         if server is not None:
             server.begin_update()  # a peer pull that overlaps the update is refused
@@ -174,7 +182,7 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         _check_transport(transport)
         senders = _make_senders(addresses, transport, args.get("token", ""), args.get("device", "cpu"),
                                 args.get("bucket_bytes"))
-        tensors = list(iterator)
+        tensors = list(iterator)  # references: the manifest is declared before the first byte
         for sender in senders:
             _send(sender, tensors, args.get("format", "checkpoint"))
 
@@ -190,8 +198,10 @@ def _make_senders(addresses: List[str], transport: str, token: str, device: str,
     return [_core.UpdateSender(list(addresses) if len(addresses) > 1 else addresses[0], **options)]
 
 
-def _send(sender: Any, tensors: Iterable[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
-    sender.start(format)
+def _send(sender: Any, tensors: List[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
+    """One update of ``tensors``: their manifest (name, dtype, shape; an FSDP DTensor's are its
+    full tensor's) declared first, then each tensor gathered and sent in turn."""
+    sender.start(format, [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors])
     for name, tensor in tensors:
         tensor = tensor.detach()
         full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
