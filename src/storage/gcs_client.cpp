@@ -140,7 +140,7 @@ void GcsClient::with_retries(const std::string& operation,
 }
 
 AttemptFailure GcsClient::http_failure(const HttpResponse& response, std::string_view bucket, std::string_view key,
-                                       bool listing) {
+                                       bool listing, bool& token_renewed) {
   if (response.transport_error != 0) return storage::transport_failure(response, "the system CA store");
   ErrorBody body = parse_error_body(tokens_.redact(response.body));
   const std::string request_id = tokens_.redact(clip(response.header("x-guploader-uploadid"), 100));
@@ -158,9 +158,11 @@ AttemptFailure GcsClient::http_failure(const HttpResponse& response, std::string
   failure.retryable = false;
   if (status == 401 || status == 403) {
     failure.code = ErrorCode::kPermission;
-    if (status == 401 && tokens_.kind() != TokenSource::Kind::kNone) {
-      // An expired or revoked token: the next attempt asks for a fresh one.
+    if (status == 401 && tokens_.kind() != TokenSource::Kind::kNone && !token_renewed) {
+      // An expired or revoked token: one more attempt, with a fresh one (as Google's
+      // libraries do); a fresh token refused too is a credential problem, not retried.
       tokens_.invalidate();
+      token_renewed = true;
       failure.retryable = true;
     }
     failure.advice = "a credential problem: check the credentials (from " + tokens_.description() +
@@ -184,6 +186,7 @@ AttemptFailure GcsClient::http_failure(const HttpResponse& response, std::string
 storage::ObjectMetadata GcsClient::metadata(std::string_view bucket, std::string_view key) {
   storage::ObjectMetadata metadata;
   metadata.crc32c_name = "crc32c";
+  bool token_renewed = false;  // after a 401, once per request
   with_retries("cannot stat " + gcs_uri(bucket, key), [&](double remaining) -> std::optional<AttemptFailure> {
     HttpRequest request;
     request.url = endpoint_ + "/storage/v1" + object_path(bucket, key) + "?fields=size%2Ccrc32c";
@@ -193,7 +196,7 @@ storage::ObjectMetadata GcsClient::metadata(std::string_view bucket, std::string
       request.headers.emplace_back("Authorization", std::move(authorization));
     auto response = send(std::move(request));
     if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
-      return http_failure(response, bucket, key, false);
+      return http_failure(response, bucket, key, false, token_renewed);
     nlohmann::json document = nlohmann::json::parse(response.body, nullptr, false);
     auto size = document.is_object() ? json_size(document) : std::nullopt;
     if (!size) return AttemptFailure{"the object's metadata has no valid size", true};
@@ -211,6 +214,7 @@ ListPage GcsClient::list_page(std::string_view bucket, std::string_view prefix, 
   if (!delimiter.empty()) query.emplace_back("delimiter", std::string(delimiter));
   if (!page_token.empty()) query.emplace_back("pageToken", std::string(page_token));
   ListPage page;
+  bool token_renewed = false;  // after a 401, once per request
   with_retries("cannot list " + gcs_uri(bucket, prefix), [&](double remaining) -> std::optional<AttemptFailure> {
     HttpRequest request;
     request.url = endpoint_ + "/storage/v1/b/" + storage::uri_encode(bucket, false) + "/o?" +
@@ -221,7 +225,7 @@ ListPage GcsClient::list_page(std::string_view bucket, std::string_view prefix, 
       request.headers.emplace_back("Authorization", std::move(authorization));
     auto response = send(std::move(request));
     if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
-      return http_failure(response, bucket, prefix, true);
+      return http_failure(response, bucket, prefix, true, token_renewed);
     try {
       page = parse_list_page(response.body);
     } catch (const Error& error) {
@@ -261,6 +265,7 @@ void GcsClient::get_range(std::string_view bucket, std::string_view key, uint64_
             "cannot read " + describe_range(offset, size) + " of " + gcs_uri(bucket, key) + ": the range overflows");
   const bool whole = whole_object_size && offset == 0 && *whole_object_size == size && segments.size() == 1;
   const std::string url = endpoint_ + "/download/storage/v1" + object_path(bucket, key) + "?alt=media";
+  bool token_renewed = false;  // after a 401, once per request
   with_retries("cannot read " + describe_range(offset, size) + " of " + gcs_uri(bucket, key),
                [&](double remaining) -> std::optional<AttemptFailure> {
     HttpRequest request;
@@ -275,7 +280,7 @@ void GcsClient::get_range(std::string_view bucket, std::string_view key, uint64_
     auto response = send(std::move(request));
     const bool success_status = response.status >= 200 && response.status < 300;
     if ((response.transport_error != 0 && !response.overflow) || !success_status)
-      return http_failure(response, bucket, key, false);
+      return http_failure(response, bucket, key, false, token_renewed);
     const std::string request_id = tokens_.redact(clip(response.header("x-guploader-uploadid"), 100));
     const std::string id_note = request_id.empty() ? "" : " (request id " + request_id + ")";
     auto check = storage::check_range_response(response, offset, size, whole, id_note);
@@ -305,6 +310,7 @@ void GcsClient::get_range(std::string_view bucket, std::string_view key, uint64_
 
 void GcsClient::create_bucket(std::string_view bucket, std::string_view project) {
   const std::string body = nlohmann::json{{"name", std::string(bucket)}}.dump();
+  bool token_renewed = false;  // after a 401, once per request
   with_retries("cannot create bucket gs://" + std::string(bucket), [&](double remaining) -> std::optional<AttemptFailure> {
     HttpRequest request;
     request.method = "POST";
@@ -317,12 +323,13 @@ void GcsClient::create_bucket(std::string_view bucket, std::string_view project)
     auto response = send(std::move(request));
     if (response.status == 409) return std::nullopt;  // it exists already
     if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
-      return http_failure(response, bucket, "", true);
+      return http_failure(response, bucket, "", true, token_renewed);
     return std::nullopt;
   });
 }
 
 void GcsClient::put_object(std::string_view bucket, std::string_view key, std::string_view body) {
+  bool token_renewed = false;  // after a 401, once per request
   with_retries("cannot write " + std::to_string(body.size()) + " bytes to " + gcs_uri(bucket, key),
                [&](double remaining) -> std::optional<AttemptFailure> {
     HttpRequest request;
@@ -336,7 +343,7 @@ void GcsClient::put_object(std::string_view bucket, std::string_view key, std::s
       request.headers.emplace_back("Authorization", std::move(authorization));
     auto response = send(std::move(request));
     if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
-      return http_failure(response, bucket, key, false);
+      return http_failure(response, bucket, key, false, token_renewed);
     return std::nullopt;
   });
 }

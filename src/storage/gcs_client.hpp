@@ -86,7 +86,7 @@ class GcsClient {
  private:
   storage::HttpResponse send(storage::HttpRequest request);
   storage::AttemptFailure http_failure(const storage::HttpResponse& response, std::string_view bucket,
-                                       std::string_view key, bool listing);
+                                       std::string_view key, bool listing, bool& token_renewed);
   void with_retries(const std::string& operation,
                     const std::function<std::optional<storage::AttemptFailure>(double)>& attempt);
   std::string object_path(std::string_view bucket, std::string_view key) const;

@@ -161,9 +161,25 @@ void TokenSource::invalidate() {
   token_.clear();
 }
 
+std::string TokenSource::mask(std::string text, const ServiceAccount& account,
+                              std::initializer_list<std::string_view> extra) {
+  text = storage::mask_secrets(std::move(text), extra);
+  text = storage::mask_secrets(std::move(text), {account.private_key});
+  // Each line of the key's base64 body on its own: 64 characters no message has by chance.
+  std::string_view key = account.private_key;
+  for (size_t start = 0; start < key.size();) {
+    size_t end = key.find('\n', start);
+    if (end == std::string_view::npos) end = key.size();
+    std::string_view line = key.substr(start, end - start);
+    if (line.size() >= 16 && !line.starts_with("-----")) text = storage::mask_secrets(std::move(text), {line});
+    start = end + 1;
+  }
+  return text;
+}
+
 std::string TokenSource::redact(std::string text) const {
   std::lock_guard lock(mutex_);
-  return storage::mask_secrets(std::move(text), {account_.private_key, token_, previous_token_});
+  return mask(std::move(text), account_, {token_, previous_token_});
 }
 
 std::string TokenSource::authorization(storage::HttpClient& http, const storage::RetryPolicy& policy,
@@ -171,16 +187,18 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
   if (kind_ == Kind::kNone) return {};
   std::lock_guard lock(mutex_);
   const auto now = std::chrono::system_clock::now();
-  if (!token_.empty() && now + kRefreshMargin < expiry_) return "Bearer " + token_;
+  if (!token_.empty() && now + refresh_margin_ < expiry_) return "Bearer " + token_;
 
   storage::HttpRequest base;
   std::string form;
+  std::string assertion;
   std::string operation;
   storage::RetryPolicy token_policy = policy;
   if (kind_ == Kind::kServiceAccount) {
     const int64_t seconds = std::chrono::duration_cast<std::chrono::seconds>(now.time_since_epoch()).count();
+    assertion = service_account_assertion(account_, seconds, kReadOnlyScope);
     form = "grant_type=" + storage::uri_encode("urn:ietf:params:oauth:grant-type:jwt-bearer", false) +
-           "&assertion=" + service_account_assertion(account_, seconds, kReadOnlyScope);
+           "&assertion=" + assertion;
     base.method = "POST";
     base.url = account_.token_uri;
     base.headers.emplace_back("Content-Type", "application/x-www-form-urlencoded");
@@ -195,7 +213,7 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
   base.max_body_bytes = kMaxTokenResponseBytes;
   // The assertion is as good as a token for its hour: masked like one.
   auto redact_all = [&](std::string text) {
-    return storage::mask_secrets(std::move(text), {account_.private_key, form, token_, previous_token_});
+    return mask(std::move(text), account_, {form, assertion, token_, previous_token_});
   };
   std::string token;
   int64_t expires_in = 0;
@@ -247,6 +265,9 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
   if (!token_.empty()) previous_token_ = token_;
   token_ = std::move(token);
   expiry_ = now + std::chrono::seconds(std::max<int64_t>(expires_in, 0));
+  // A token that lives less than twice the margin is renewed at half its life instead, so a
+  // short-lived one is not fetched anew for every request.
+  refresh_margin_ = std::min<std::chrono::seconds>(kRefreshMargin, std::chrono::seconds(std::max<int64_t>(expires_in, 0) / 2));
   ++fetched_;
   return "Bearer " + token_;
 }

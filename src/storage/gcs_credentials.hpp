@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -24,7 +25,7 @@ namespace weightstream::gcs {
 
 /// The scope of the tokens asked for: reading objects and listing them.
 inline constexpr std::string_view kReadOnlyScope = "https://www.googleapis.com/auth/devstorage.read_only";
-/// A token is renewed this long before it expires.
+/// A token is renewed this long before it expires (half its lifetime, if that is shorter).
 inline constexpr std::chrono::seconds kRefreshMargin{300};
 
 /// The fields of a service-account key file that sign a token request.
@@ -78,6 +79,10 @@ class TokenSource {
   /// `text` with the private key and every token handed out masked.
   std::string redact(std::string text) const;
 
+  /// `text` with `extra` and every secret of redact() masked, the private key's PEM lines
+  /// one by one too (a server may echo part of what it was sent).
+  static std::string mask(std::string text, const ServiceAccount& account, std::initializer_list<std::string_view> extra);
+
   /// Tokens fetched so far (a test of refresh).
   uint64_t tokens_fetched() const noexcept { return fetched_.load(); }
 
@@ -90,6 +95,7 @@ class TokenSource {
   std::string token_;
   std::string previous_token_;
   std::chrono::system_clock::time_point expiry_{};
+  std::chrono::seconds refresh_margin_ = kRefreshMargin;
   std::atomic<uint64_t> fetched_{0};
 };
 

@@ -51,7 +51,16 @@ bool gcs::valid_bucket_name(std::string_view bucket) {
 std::unique_ptr<Storage> open_gcs_storage(const std::string& bucket, const std::string& prefix, const Options& options) {
   WS_EXPECT(gcs::valid_bucket_name(bucket), ErrorCode::kInvalidArgument,
             "'" + bucket + "' is not a valid GCS bucket name (3-63 characters: a-z, 0-9, '-', '_', '.')");
-  return storage::make_object_store_storage(std::make_unique<GcsBucket>(bucket, options.gcs, options.s3), prefix);
+  std::unique_ptr<GcsBucket> store;
+  try {
+    store = std::make_unique<GcsBucket>(bucket, options.gcs, options.s3);
+  } catch (const Error& error) {
+    // A key file that cannot be used fails here, before any request: say which root it was for.
+    std::string root = gcs::gcs_uri(bucket, prefix);
+    while (root.ends_with('/')) root.pop_back();
+    WS_FAIL(error.code(), "cannot open " + root + ": " + error.what());
+  }
+  return storage::make_object_store_storage(std::move(store), prefix);
 }
 
 }  // namespace weightstream
