@@ -364,10 +364,12 @@ void add_audit_command(CLI::App& app) {
       }
     }
 
-    // The reload's bytes as the audited layout holds them: a layout built from the audited
-    // checkpoint's config (its dtypes and quantization), so an F16 reload of a BF16 model is
-    // converted and a BF16 reload of an FP8 block-scaled model quantized on both sides.
-    ModelLayout fresh = checkpoint_layout(first, flags->layout, device);
+    // The reload's bytes as the audited model holds them: the reload checkpoint's layers in
+    // the audited checkpoint's dtype and quantization, so an F16 reload of a BF16 model is
+    // converted and a BF16 reload of an FP8 block-scaled model quantized on both sides, and a
+    // reload that lacks layers the model has leaves those NOT CLEAN.
+    const ModelConfig audited = checkpoint_layout_config(first);
+    ModelLayout fresh = checkpoint_layout(second, flags->layout, device, &audited);
     load_layout(fresh, second, LoadMode::kCold, options.stream, progress.part());
     progress.done();
     nlohmann::json result = {{"uri", first.uri()},

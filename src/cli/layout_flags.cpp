@@ -37,9 +37,12 @@ Parallelism parallelism_from_flags(const LayoutFlags& flags) {
 }
 
 ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
-                              const std::optional<ModelConfig::Quantization>& quantization) {
+                              const ModelConfig* held_as) {
   ModelConfig config = checkpoint_layout_config(checkpoint);
-  if (quantization) config.quantization = *quantization;
+  if (held_as != nullptr) {
+    config.torch_dtype = held_as->torch_dtype;
+    config.quantization = held_as->quantization;
+  }
   LayoutOptions options;
   options.parallel = parallelism_from_flags(flags);
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;

@@ -40,11 +40,12 @@ ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
 void add_engine_hooks(ModelLayout& layout, const ModelConfig& config);
 
 /// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
-/// `device` and the hooks an engine would register (add_engine_hooks). `quantization`,
-/// when given, replaces the config's quantization_config (the model as another checkpoint
-/// of it is served: a BF16 checkpoint loaded into the FP8 block-scaled model).
+/// `device` and the hooks an engine would register (add_engine_hooks). `held_as`, when
+/// given, is the config of the model that holds these weights: its torch_dtype and
+/// quantization_config replace the checkpoint's (an F16 or BF16 checkpoint as loaded into a
+/// BF16 or FP8 block-scaled model), while the layers and shapes stay the checkpoint's.
 ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
-                              const std::optional<ModelConfig::Quantization>& quantization = std::nullopt);
+                              const ModelConfig* held_as = nullptr);
 
 /// The `load` command's model-layout path: builds the layout from config.json, loads the
 /// checkpoint into it through a LoadSession and prints the summary (JSON when `json`).
