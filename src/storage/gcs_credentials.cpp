@@ -67,8 +67,8 @@ ServiceAccount parse_service_account(std::string_view json, std::string_view ori
   const std::string type = json_string(document, "type");
   WS_EXPECT(type == "service_account", ErrorCode::kConfig,
             "the credentials file " + std::string(origin) + " has type '" + clip(type, 40) +
-                "'; gs:// reads with a service-account key (type service_account), the metadata server, or "
-                "WEIGHTSTREAM_GCS_ANONYMOUS=1");
+                "'; gs:// reads with a service-account key (type service_account), gcloud's user credentials "
+                "(type authorized_user), the metadata server, or WEIGHTSTREAM_GCS_ANONYMOUS=1");
   ServiceAccount account;
   account.origin = std::string(origin);
   account.client_email = json_string(document, "client_email");
@@ -84,8 +84,30 @@ ServiceAccount parse_service_account(std::string_view json, std::string_view ori
   return account;
 }
 
-ServiceAccount read_service_account(const std::string& path) {
-  const std::string origin = path + " (GOOGLE_APPLICATION_CREDENTIALS)";
+AuthorizedUser parse_authorized_user(std::string_view json, std::string_view origin) {
+  nlohmann::json document = nlohmann::json::parse(json, nullptr, false);
+  WS_EXPECT(!document.is_discarded() && document.is_object() && json_string(document, "type") == "authorized_user",
+            ErrorCode::kConfig, "the credentials file " + std::string(origin) + " is not gcloud's user credentials");
+  AuthorizedUser user;
+  user.origin = std::string(origin);
+  user.client_id = json_string(document, "client_id");
+  user.client_secret = json_string(document, "client_secret");
+  user.refresh_token = json_string(document, "refresh_token");
+  if (auto uri = json_string(document, "token_uri"); !uri.empty()) user.token_uri = uri;
+  for (auto [field, value] : {std::pair{"client_id", &user.client_id}, std::pair{"client_secret", &user.client_secret},
+                              std::pair{"refresh_token", &user.refresh_token}}) {
+    WS_EXPECT(!value->empty(), ErrorCode::kConfig,
+              "the credentials file " + std::string(origin) + " (authorized_user) has no " + field);
+  }
+  WS_EXPECT(user.token_uri.starts_with("https://") || user.token_uri.starts_with("http://"), ErrorCode::kConfig,
+            "the credentials file " + std::string(origin) + " has a token_uri that is not an http(s) URL");
+  return user;
+}
+
+namespace {
+
+// The text of the credentials file at `path`, bounded.
+std::string read_credentials_text(const std::string& path, const std::string& origin) {
   std::error_code error;
   auto size = std::filesystem::file_size(path, error);
   WS_EXPECT(!error, ErrorCode::kConfig, "cannot read the credentials file " + origin + ": " + error.message());
@@ -95,7 +117,20 @@ ServiceAccount read_service_account(const std::string& path) {
   std::ostringstream text;
   text << file.rdbuf();
   WS_EXPECT(file.good() || file.eof(), ErrorCode::kConfig, "cannot read the credentials file " + origin);
-  return parse_service_account(text.str(), origin);
+  return text.str();
+}
+
+// The "type" of a credentials file's JSON, or empty when it is not JSON with one.
+std::string credentials_type(std::string_view json) {
+  nlohmann::json document = nlohmann::json::parse(json, nullptr, false);
+  return document.is_object() ? json_string(document, "type") : std::string();
+}
+
+}  // namespace
+
+ServiceAccount read_service_account(const std::string& path) {
+  const std::string origin = path + " (GOOGLE_APPLICATION_CREDENTIALS)";
+  return parse_service_account(read_credentials_text(path, origin), origin);
 }
 
 std::string service_account_assertion(const ServiceAccount& account, int64_t now, std::string_view scope) {
@@ -142,8 +177,16 @@ TokenSource::TokenSource(const GcsOptions& options) {
     return;
   }
   if (!options.credentials_file.empty()) {
+    const std::string origin = options.credentials_file + " (GOOGLE_APPLICATION_CREDENTIALS)";
+    const std::string text = read_credentials_text(options.credentials_file, origin);
+    if (credentials_type(text) == "authorized_user") {
+      kind_ = Kind::kAuthorizedUser;
+      user_ = parse_authorized_user(text, origin);
+      description_ = "gcloud's user credentials (client " + clip(user_.client_id, 100) + ") of " + origin;
+      return;
+    }
     kind_ = Kind::kServiceAccount;
-    account_ = read_service_account(options.credentials_file);
+    account_ = parse_service_account(text, origin);
     description_ = "service account " + clip(account_.client_email, 120) + " of " + account_.origin;
     return;
   }
@@ -179,7 +222,7 @@ std::string TokenSource::mask(std::string text, const ServiceAccount& account,
 
 std::string TokenSource::redact(std::string text) const {
   std::lock_guard lock(mutex_);
-  return mask(std::move(text), account_, {token_, previous_token_});
+  return mask(std::move(text), account_, {token_, previous_token_, user_.client_secret, user_.refresh_token});
 }
 
 std::string TokenSource::authorization(storage::HttpClient& http, const storage::RetryPolicy& policy,
@@ -203,6 +246,14 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
     base.url = account_.token_uri;
     base.headers.emplace_back("Content-Type", "application/x-www-form-urlencoded");
     operation = "cannot get an access token for " + description_ + " from " + storage::redact_userinfo(account_.token_uri);
+  } else if (kind_ == Kind::kAuthorizedUser) {
+    form = "grant_type=refresh_token&client_id=" + storage::uri_encode(user_.client_id, false) +
+           "&client_secret=" + storage::uri_encode(user_.client_secret, false) +
+           "&refresh_token=" + storage::uri_encode(user_.refresh_token, false);
+    base.method = "POST";
+    base.url = user_.token_uri;
+    base.headers.emplace_back("Content-Type", "application/x-www-form-urlencoded");
+    operation = "cannot get an access token for " + description_ + " from " + storage::redact_userinfo(user_.token_uri);
   } else {
     base.url = metadata_url_;
     base.headers.emplace_back("Metadata-Flavor", "Google");
@@ -213,7 +264,9 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
   base.max_body_bytes = kMaxTokenResponseBytes;
   // The assertion is as good as a token for its hour: masked like one.
   auto redact_all = [&](std::string text) {
-    return mask(std::move(text), account_, {form, assertion, token_, previous_token_});
+    return mask(std::move(text), account_,
+                {form, assertion, token_, previous_token_, user_.client_secret, user_.refresh_token,
+                 storage::uri_encode(user_.client_secret, false), storage::uri_encode(user_.refresh_token, false)});
   };
   std::string token;
   int64_t expires_in = 0;
@@ -250,6 +303,9 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
         failure.advice = kind_ == Kind::kServiceAccount
                              ? "the token endpoint refused the service account's key: check that the key file is "
                                "current (not deleted or disabled) and names the right account"
+                         : kind_ == Kind::kAuthorizedUser
+                             ? "the token endpoint refused the refresh token: run `gcloud auth application-default "
+                               "login` again"
                              : "the metadata server refused: check the machine's service account";
       }
       return failure;

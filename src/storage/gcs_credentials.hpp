@@ -3,7 +3,9 @@
 // libraries find them (https://cloud.google.com/docs/authentication/application-default-credentials):
 // an emulator (STORAGE_EMULATOR_HOST) takes none; else a service-account key file
 // (GOOGLE_APPLICATION_CREDENTIALS) signs a JWT that the key's token_uri exchanges for an
-// access token (RFC 7523, https://developers.google.com/identity/protocols/oauth2/service-account);
+// access token (RFC 7523, https://developers.google.com/identity/protocols/oauth2/service-account),
+// or gcloud's user credentials there ("type": "authorized_user") renew one with their
+// refresh token (RFC 6749 section 6);
 // else the metadata server of the machine hands one out. Anonymous requests only when asked
 // for (WEIGHTSTREAM_GCS_ANONYMOUS), as google-cloud-cpp's MakeInsecureCredentials().
 // Tokens are refreshed 5 minutes before they expire. No secret (private key, assertion,
@@ -45,6 +47,20 @@ ServiceAccount parse_service_account(std::string_view json, std::string_view ori
 /// Reads and parses the key file at `path`. Throws Error(kConfig) when it cannot be read.
 ServiceAccount read_service_account(const std::string& path);
 
+/// The fields of gcloud's user credentials (what `gcloud auth application-default login`
+/// writes, "type": "authorized_user") that renew an access token.
+struct AuthorizedUser {
+  std::string client_id;
+  std::string client_secret;  ///< a secret
+  std::string refresh_token;  ///< a secret
+  std::string token_uri = "https://oauth2.googleapis.com/token";
+  std::string origin;  ///< as ServiceAccount::origin
+};
+
+/// Parses an authorized_user file's text. Throws Error(kConfig) naming `origin` on malformed
+/// JSON, another "type", or a missing client_id, client_secret or refresh_token.
+AuthorizedUser parse_authorized_user(std::string_view json, std::string_view origin);
+
 /// The signed JWT (RS256) that asks token_uri for a token of `scope`: claims iss, scope,
 /// aud = token_uri, iat = `now`, exp = `now` + 1 hour. Throws Error(kConfig) naming the key
 /// file when its private_key is not a PEM private key that can sign with RS256.
@@ -56,7 +72,7 @@ std::string base64url(std::string_view bytes);
 /// Where bearer tokens come from; thread-safe. One per client.
 class TokenSource {
  public:
-  enum class Kind { kNone, kServiceAccount, kMetadataServer };
+  enum class Kind { kNone, kServiceAccount, kAuthorizedUser, kMetadataServer };
 
   /// Picks the source from `options` (reading the key file now, so a bad one fails at open).
   explicit TokenSource(const GcsOptions& options);
@@ -90,6 +106,7 @@ class TokenSource {
   Kind kind_ = Kind::kNone;
   std::string description_;
   ServiceAccount account_;
+  AuthorizedUser user_;
   std::string metadata_url_;
   mutable std::mutex mutex_;
   std::string token_;

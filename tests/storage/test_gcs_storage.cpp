@@ -382,7 +382,8 @@ TEST(GcsCredentials, KeyFilesThatCannotBeUsedAreRefusedNamingTheFileNotTheKey) {
   // Cut short in the middle of the key: the parser's message would quote it.
   const std::string whole = key_file_json("https://oauth2.googleapis.com/token");
   refused(whole.substr(0, whole.size() / 2), "is not a JSON object");
-  refused(R"({"type": "authorized_user", "client_id": "x", "refresh_token": "y"})", "has type 'authorized_user'");
+  refused(R"({"type": "external_account", "audience": "x"})", "has type 'external_account'");
+  refused(R"({"type": "authorized_user", "client_id": "x", "refresh_token": "y"})", "(authorized_user) has no client_secret");
   refused(R"({"type": "service_account", "client_email": "a@b.c"})", "has no private_key");
   refused(R"({"type": "service_account", "private_key": "k"})", "has no client_email");
   Options options;
@@ -489,6 +490,53 @@ TEST(GcsCredentials, A401GetsOneFreshTokenAndNeverShowsIt) {
   }
   EXPECT_EQ(client.credentials().tokens_fetched(), 2u);
   EXPECT_EQ(storage_endpoint.requests().size(), 2u);
+}
+
+TEST(GcsCredentials, GcloudUserCredentialsRenewTokensWithTheirRefreshTokenAndHideIt) {
+  constexpr const char* kClientSecret = "wsClientSecretDoNotPrint";
+  constexpr const char* kRefreshToken = "1//wsRefreshTokenDoNotPrint";
+  for (bool refused : {false, true}) {
+    SCOPED_TRACE(refused);
+    LoopbackServer token_endpoint(
+        refused ? json_response(400, "Bad Request",
+                                nlohmann::json{{"error", "invalid_grant"},
+                                               {"error_description", std::string("Token has been expired or revoked: ") +
+                                                                         kRefreshToken}}.dump())
+                : json_response(200, "OK", nlohmann::json{{"access_token", kTestToken}, {"expires_in", 3599}}.dump()));
+    LoopbackServer storage_endpoint(metadata_response());
+    testing::TempDir directory;
+    testing::write_file(directory / "adc.json", nlohmann::json{{"type", "authorized_user"},
+                                                               {"client_id", "764086051850.apps.googleusercontent.com"},
+                                                               {"client_secret", kClientSecret},
+                                                               {"refresh_token", kRefreshToken},
+                                                               {"token_uri", token_endpoint.endpoint() + "/token"}}
+                                                    .dump());
+    GcsOptions options;
+    options.credentials_file = (directory / "adc.json").string();
+    options.endpoint = storage_endpoint.endpoint();
+    gcs::GcsClient client(options, testing::s3_test_options("http://127.0.0.1:9"));
+    if (!refused) {
+      EXPECT_EQ(client.metadata("my-bucket", "m/config.json").size, 5u);
+      EXPECT_THAT(storage_endpoint.requests().at(0), HasSubstr(std::string("Authorization: Bearer ") + kTestToken));
+    } else {
+      try {
+        client.metadata("my-bucket", "m/config.json");
+        FAIL() << "expected an error";
+      } catch (const Error& error) {
+        EXPECT_EQ(error.code(), ErrorCode::kPermission);
+        EXPECT_THAT(error.what(), AllOf(HasSubstr("cannot stat gs://my-bucket/m/config.json"),
+                                        HasSubstr("gcloud's user credentials (client 764086051850.apps"),
+                                        HasSubstr("HTTP 400 invalid_grant: Token has been expired or revoked: <redacted>"),
+                                        HasSubstr("gcloud auth application-default login")));
+        EXPECT_THAT(error.what(), AllOf(Not(HasSubstr(kRefreshToken)), Not(HasSubstr(kClientSecret))));
+      }
+    }
+    ASSERT_EQ(token_endpoint.requests().size(), 1u);
+    EXPECT_THAT(token_endpoint.requests()[0],
+                AllOf(HasSubstr("POST /token HTTP/1.1"),
+                      HasSubstr("grant_type=refresh_token&client_id=764086051850.apps.googleusercontent.com"
+                                "&client_secret=wsClientSecretDoNotPrint&refresh_token=1%2F%2FwsRefreshTokenDoNotPrint")));
+  }
 }
 
 TEST(GcsCredentials, TheMetadataServerHandsOutTokensAndItsAbsenceIsExplained) {
