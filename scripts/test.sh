@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The second README command: build, then run every test (C++ unit tests through ctest and
-# the Python tests through pytest) against a real S3-compatible server (moto) started on a
-# free loopback port and stopped at the end.
+# the Python tests through pytest) against a real S3-compatible server (moto) and a real GCS
+# emulator (fake-gcs-server), each started on a free loopback port and stopped at the end.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${WS_BUILD_DIR:-$root/build}
 "$root/scripts/build.sh"
 
 . "$root/scripts/moto-server.sh" "$build/moto.log"
+. "$root/scripts/fake-gcs-server.sh" "$build/fake-gcs-server.log"
 
 status=0
 (cd "$build" && ctest --output-on-failure -j "${WS_JOBS:-$(nproc)}" --timeout 600) || status=1
@@ -35,7 +36,7 @@ fi
 # ---- Reliability stages (issue 7): sanitizers and fuzzing -----------------------------
 # Heavy (two more builds of the suite and one with clang), so they run in CI (CI=true) or on
 # request (WS_TEST_FULL=1), and WS_TEST_FULL=0 skips them anywhere. They reuse build-asan/,
-# build-tsan/ and build-fuzz/ between runs and see the moto server started above.
+# build-tsan/ and build-fuzz/ between runs and see the moto and fake-gcs-server started above.
 # WS_FUZZ_SECONDS bounds each fuzz target (20 s here); WS_SANITIZE_STAGES picks the
 # sanitizer builds ("asan tsan" by default). docs/RELIABILITY.md lists the times measured.
 if [ "${WS_TEST_FULL:-}" = 1 ] || { [ "${CI:-}" = true ] && [ "${WS_TEST_FULL:-}" != 0 ]; }; then

@@ -146,6 +146,27 @@ struct S3Options {
   double retry_base_seconds = 0.1;
 };
 
+/// Options of the Google Cloud Storage backend (gs://), found as Google's client libraries
+/// find them. Reads run under the transfer fields of S3Options (connections, request size,
+/// attempts, deadline, timeouts): one set of WEIGHTSTREAM_S3_* settings for every object
+/// store. Credentials and tokens are never logged or printed.
+struct GcsOptions {
+  /// An emulator such as fake-gcs-server: "host:port" or "http://host:port"; requests go
+  /// there without credentials. STORAGE_EMULATOR_HOST.
+  std::string emulator_host;
+  /// A service-account key file (JSON) whose key signs the token requests.
+  /// GOOGLE_APPLICATION_CREDENTIALS.
+  std::string credentials_file;
+  /// Host (and port) of the metadata server that hands out tokens when no key file is set.
+  /// GCE_METADATA_HOST; default metadata.google.internal.
+  std::string metadata_host = "metadata.google.internal";
+  /// Send requests without credentials (public buckets), as google-cloud-cpp's
+  /// MakeInsecureCredentials() does. WEIGHTSTREAM_GCS_ANONYMOUS = 1|true|yes|on or 0|false|no|off.
+  bool anonymous = false;
+  /// The JSON API's endpoint; an emulator replaces it. Not read from the environment.
+  std::string endpoint = "https://storage.googleapis.com";
+};
+
 /// How messages name Options::model_uri when the caller set it rather than the environment.
 inline constexpr std::string_view kModelUriOption = "model_uri option";
 
@@ -153,6 +174,7 @@ inline constexpr std::string_view kModelUriOption = "model_uri option";
 struct Options {
   StreamOptions stream;
   S3Options s3;
+  GcsOptions gcs;
   /// Checkpoint URI used when a model's own sources hold no weights.
   /// WEIGHTSTREAM_MODEL_URI (MX_MODEL_URI accepted as an alias; the two must agree).
   std::string model_uri;

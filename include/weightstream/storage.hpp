@@ -20,17 +20,17 @@ namespace weightstream {
 
 /// A parsed checkpoint location.
 struct Uri {
-  enum class Scheme { kFile, kS3, kHttp };
+  enum class Scheme { kFile, kS3, kGcs, kHttp };
   Scheme scheme = Scheme::kFile;
   /// The text as given.
   std::string text;
-  /// kFile: absolute or relative path. kS3: key or prefix (no leading '/'). kHttp: URL.
+  /// kFile: absolute or relative path. kS3, kGcs: key or prefix (no leading '/'). kHttp: URL.
   std::string path;
-  /// kS3: bucket name.
+  /// kS3, kGcs: bucket name.
   std::string bucket;
 };
 
-/// Parses a plain path, file://PATH, s3://bucket/prefix or http(s)://... URI.
+/// Parses a plain path, file://PATH, s3://bucket/prefix, gs://bucket/prefix or http(s)://... URI.
 /// Throws Error(kInvalidArgument) on an empty, malformed or unsupported URI.
 Uri parse_uri(std::string_view text);
 
@@ -148,6 +148,13 @@ std::unique_ptr<Storage> open_local_storage(const std::string& directory, LocalI
 /// S3-compatible object storage under s3://bucket/prefix. Throws Error(kUnsupported)
 /// where the build has no S3 support.
 std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::string& prefix, const S3Options& options);
+
+/// Google Cloud Storage under gs://bucket/prefix, through the JSON API: credentials from
+/// options.gcs (an emulator, a service-account key file, the metadata server, or anonymous),
+/// connections, request size, retries and timeouts from the transfer fields of options.s3.
+/// Throws Error(kInvalidArgument) on a bucket name GCS does not allow, Error(kConfig) on an
+/// unreadable or malformed key file.
+std::unique_ptr<Storage> open_gcs_storage(const std::string& bucket, const std::string& prefix, const Options& options);
 
 /// A presigned GET URL for s3://bucket/key (SigV4 query-string authentication), valid for
 /// `expires_seconds` (1 to 604800) from `amz_date` (YYYYMMDDTHHMMSSZ; empty means now), signed

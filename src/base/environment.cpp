@@ -124,6 +124,9 @@ const Variable kVariables[] = {
     {"WEIGHTSTREAM_S3_RETRY_BASE", s3_field(&S3Options::retry_base_seconds, parse_seconds)},
     {"WEIGHTSTREAM_S3_CONNECT_TIMEOUT", s3_field(&S3Options::connect_timeout_seconds, parse_seconds)},
     {"WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT", s3_field(&S3Options::first_byte_timeout_seconds, parse_seconds)},
+    {"WEIGHTSTREAM_GCS_ANONYMOUS", [](Options& options, std::string_view name, const std::string& value) {
+       options.gcs.anonymous = parse_flag(name, value);
+     }},
     {"WEIGHTSTREAM_PEER_TOKEN", [](Options& options, std::string_view, const std::string& value) {
        options.peer_token = value;
      }},
@@ -199,6 +202,12 @@ Options options_from_environment(const Environment& environment) {
   s3.profile = first_of(environment, {"AWS_PROFILE"});
   if (s3.profile.empty()) s3.profile = "default";
   s3.ca_bundle = first_of(environment, {"AWS_CA_BUNDLE"});
+
+  // Google's variables, as its client libraries read them.
+  auto& gcs = options.gcs;
+  gcs.emulator_host = first_of(environment, {"STORAGE_EMULATOR_HOST"});
+  gcs.credentials_file = first_of(environment, {"GOOGLE_APPLICATION_CREDENTIALS"});
+  if (auto host = first_of(environment, {"GCE_METADATA_HOST"}); !host.empty()) gcs.metadata_host = host;
 
   const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
   const auto* alias = find(environment, "MX_MODEL_URI");

@@ -1,8 +1,4 @@
-// S3 requests with retries. The retry policy follows AWS's guidance: exponential backoff
-// with "full jitter" (sleep uniformly in [0, min(cap, base * 2^attempt)]), see
-// https://aws.amazon.com/blogs/architecture/exponential-backoff-and-jitter/ and
-// https://docs.aws.amazon.com/sdkref/latest/guide/feature-retry-behavior.html
-// Retried: 5xx (503 SlowDown included), 429, 408, RequestTimeout, transport failures
+// S3 requests with retries, under the shared policy of storage/retry_policy.hpp. Retried: 5xx (503 SlowDown included), 429, 408, RequestTimeout, transport failures
 // (reset, refused, stall, timeout) and bodies whose length or range is not the one asked
 // for. Not retried: 403 and 404 (they will not change), other 4xx, TLS verification failures.
 #include "storage/s3_client.hpp"
@@ -21,20 +17,18 @@
 #include "storage/s3_checksum.hpp"
 
 namespace weightstream::s3 {
+
+using storage::describe_range;
+using storage::mask_secrets;
+using storage::parse_content_range;
+using storage::parse_u64;
+using storage::redact_userinfo;
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
 
-// Backoff ceiling: no single sleep exceeds this, however many attempts.
-constexpr double kMaxBackoffSeconds = 10;
 
-using detail::seconds_since;
 
-double jittered_backoff(double base, unsigned attempt) {
-  thread_local std::mt19937_64 random{std::random_device{}()};
-  double ceiling = std::min(kMaxBackoffSeconds, base * std::ldexp(1.0, static_cast<int>(std::min(attempt, 30u)) - 1));
-  return std::uniform_real_distribution<double>(0, ceiling)(random);
-}
 
 bool dns_compatible(std::string_view bucket) {
   // Virtual-hosted addressing needs a bucket that is a valid host label and has no dots
@@ -46,32 +40,9 @@ bool dns_compatible(std::string_view bucket) {
   return bucket.front() != '-' && bucket.back() != '-';
 }
 
-std::optional<uint64_t> parse_u64(std::string_view text) {
-  uint64_t value = 0;
-  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size()) return std::nullopt;
-  return value;
-}
 
 
-bool retryable_transport(int code) {
-  switch (static_cast<CURLcode>(code)) {
-    case CURLE_UNSUPPORTED_PROTOCOL:
-    case CURLE_URL_MALFORMAT:
-    case CURLE_PEER_FAILED_VERIFICATION:
-    case CURLE_SSL_CACERT_BADFILE:
-    case CURLE_SSL_CERTPROBLEM:
-    case CURLE_SSL_ISSUER_ERROR:
-    case CURLE_ABORTED_BY_CALLBACK:
-      return false;
-    default:
-      return true;
-  }
-}
 
-std::string describe_range(uint64_t offset, uint64_t size) {
-  return std::to_string(offset) + "+" + std::to_string(size) + " bytes";
-}
 
 }  // namespace
 
@@ -79,45 +50,8 @@ std::string s3_uri(std::string_view bucket, std::string_view key) {
   return "s3://" + std::string(bucket) + "/" + std::string(key);
 }
 
-std::string redact_userinfo(std::string_view url) {
-  auto scheme_end = url.find("://");
-  size_t authority_start = scheme_end == std::string_view::npos ? 0 : scheme_end + 3;
-  size_t authority_end = url.find_first_of("/?#", authority_start);
-  if (authority_end == std::string_view::npos) authority_end = url.size();
-  auto at = url.substr(authority_start, authority_end - authority_start).rfind('@');
-  if (at == std::string_view::npos) return std::string(url);
-  return std::string(url.substr(0, authority_start)) + "<redacted>" + std::string(url.substr(authority_start + at));
-}
 
-std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets) {
-  for (std::string_view secret : secrets) {
-    if (secret.empty()) continue;
-    for (size_t at = 0; (at = text.find(secret, at)) != std::string::npos;) {
-      text.replace(at, secret.size(), "<redacted>");
-      at += std::string_view("<redacted>").size();
-    }
-  }
-  return text;
-}
 
-std::optional<ContentRange> parse_content_range(std::string_view value) {
-  if (!value.starts_with("bytes ")) return std::nullopt;
-  value.remove_prefix(6);
-  auto dash = value.find('-');
-  auto slash = value.find('/');
-  if (dash == std::string_view::npos || slash == std::string_view::npos || dash > slash) return std::nullopt;
-  auto first = parse_u64(value.substr(0, dash));
-  auto last = parse_u64(value.substr(dash + 1, slash - dash - 1));
-  if (!first || !last || *last < *first) return std::nullopt;
-  ContentRange range{*first, *last, std::nullopt};
-  auto total_text = value.substr(slash + 1);
-  if (total_text != "*") {
-    auto total = parse_u64(total_text);
-    if (!total || *total <= *last) return std::nullopt;
-    range.total = *total;
-  }
-  return range;
-}
 
 Endpoint Endpoint::from_options(const S3Options& options) {
   Endpoint endpoint;
@@ -172,9 +106,8 @@ S3Client::S3Client(S3Options options)
     : options_(std::move(options)),
       endpoint_(Endpoint::from_options(options_)),
       signer_(resolve_credentials(options_), options_.region.empty() ? "us-east-1" : options_.region),
-      http_(HttpSettings{options_.verify_tls, options_.ca_bundle, options_.timeout_seconds,
-                         options_.connect_timeout_seconds, options_.first_byte_timeout_seconds,
-                         std::max(1u, options_.max_connections)}) {
+      retry_(storage::retry_policy(options_, endpoint_.scheme + "://" + endpoint_.authority)),
+      http_(storage::transfer_settings(options_)) {
   if (options_.max_attempts == 0) options_.max_attempts = 1;
   if (!options_.verify_tls) {
     // Security bullet of issue 7: turning verification off is explicit and loud.
@@ -220,41 +153,7 @@ HttpResponse S3Client::send(HttpRequest request, std::string_view bucket, std::s
 S3Client::Failure S3Client::http_failure(const HttpResponse& response, std::string_view bucket,
                                          std::string_view key) const {
   Failure failure;
-  if (response.transport_error != 0) {
-    failure.retryable = response.timed_out || retryable_transport(response.transport_error);
-    using Timeout = HttpResponse::Timeout;
-    switch (response.timeout) {
-      case Timeout::kConnect:
-        failure.kind = "connect timeout (WEIGHTSTREAM_S3_CONNECT_TIMEOUT)";
-        failure.silent = true;
-        break;
-      case Timeout::kFirstByte:
-        failure.kind = "first-byte timeout (WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT)";
-        failure.silent = true;
-        break;
-      case Timeout::kStall:
-        failure.kind = "stall timeout (WEIGHTSTREAM_S3_TIMEOUT)";
-        break;
-      case Timeout::kAttemptCap:
-        failure.kind = "timed out";
-        break;
-      case Timeout::kNone:
-        failure.kind = "curl error " + std::to_string(response.transport_error);
-        break;
-    }
-    if (response.timed_out) {
-      failure.code = ErrorCode::kTimeout;
-      failure.cause = failure.kind + ": " + response.transport_message;
-    } else {
-      failure.cause = "transfer failed (curl error " + std::to_string(response.transport_error) + ": " +
-                      response.transport_message + ")";
-    }
-    if (response.transport_error == CURLE_PEER_FAILED_VERIFICATION ||
-        response.transport_error == CURLE_SSL_CACERT_BADFILE) {
-      failure.advice = "check the endpoint's TLS certificate and the CA bundle (AWS_CA_BUNDLE)";
-    }
-    return failure;
-  }
+  if (response.transport_error != 0) return storage::transport_failure(response, "AWS_CA_BUNDLE");
   // Masked before parse_error_body cuts its fields, so that no prefix of a secret is left.
   ErrorBody body = parse_error_body(server_text(response.body));
   std::string request_id = server_text(response.header("x-amz-request-id"), 100);
@@ -311,68 +210,7 @@ std::string S3Client::server_text(std::string_view text, size_t limit) const {
 
 void S3Client::with_retries(const std::string& operation,
                             const std::function<std::optional<Failure>(double)>& attempt) {
-  // Two unanswered attempts in a row: the endpoint is taken for dead (S3Options).
-  constexpr unsigned kSilentAttemptsToGiveUp = 2;
-  const auto start = Clock::now();
-  const double deadline = options_.deadline_seconds;
-  Failure last;
-  unsigned attempts = 0;
-  unsigned silent_in_a_row = 0;
-  bool deadline_passed = false;
-  std::vector<std::pair<std::string, unsigned>> kinds;  // in order of first occurrence
-  while (attempts < options_.max_attempts) {
-    const double remaining = deadline - seconds_since(start);
-    if (remaining <= 0) {
-      deadline_passed = true;
-      break;
-    }
-    ++attempts;
-    auto failure = attempt(remaining);
-    if (!failure) return;
-    last = std::move(*failure);
-    std::string kind = last.kind;
-    if (kind.empty()) kind = last.cause.substr(0, last.cause.find(" (request id"));
-    auto counted = std::find_if(kinds.begin(), kinds.end(), [&](const auto& entry) { return entry.first == kind; });
-    if (counted == kinds.end()) kinds.emplace_back(kind, 1);
-    else ++counted->second;
-    silent_in_a_row = last.silent ? silent_in_a_row + 1 : 0;
-    if (!last.retryable || attempts == options_.max_attempts) break;
-    if (silent_in_a_row >= kSilentAttemptsToGiveUp) break;
-    ++retries_;
-    const double delay = jittered_backoff(options_.retry_base_seconds, attempts);
-    if (seconds_since(start) + delay >= deadline) {
-      deadline_passed = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
-  }
-  std::string message = operation + ": " + (last.cause.empty() ? std::string("no attempt made") : last.cause) +
-                        ", after " + std::to_string(attempts) + (attempts == 1 ? " attempt" : " attempts");
-  if (attempts > 1) {
-    // Every distinct cause, with how often it occurred: the last one alone can mislead.
-    message += " (";
-    for (size_t i = 0; i < kinds.size(); ++i) {
-      message += (i ? "; " : "") + kinds[i].first + ": " + std::to_string(kinds[i].second) +
-                 (kinds[i].second == 1 ? " time" : " times");
-    }
-    message += ")";
-  }
-  ErrorCode code = last.code;
-  if (last.silent && silent_in_a_row >= kSilentAttemptsToGiveUp && attempts < options_.max_attempts) {
-    // Say what was measured: a server too slow for the timeouts looks the same as one that is down.
-    message += "; the endpoint " + endpoint_.scheme + "://" + endpoint_.authority + " answered none of the last " +
-               std::to_string(silent_in_a_row) +
-               " attempts within the timeouts above, so it was not tried again (a server slower than that needs "
-               "longer WEIGHTSTREAM_S3_CONNECT_TIMEOUT / WEIGHTSTREAM_S3_FIRST_BYTE_TIMEOUT)";
-  }
-  if (deadline_passed) {
-    char seconds[32];
-    std::snprintf(seconds, sizeof(seconds), "%g", deadline);
-    message += std::string(" (deadline of ") + seconds + " s passed, WEIGHTSTREAM_S3_DEADLINE)";
-    code = ErrorCode::kTimeout;
-  }
-  if (!last.advice.empty()) message += "; " + last.advice;
-  WS_FAIL(code, server_text(message));
+  storage::with_retries(retry_, operation, attempt, retries_, [this](std::string text) { return server_text(text); });
 }
 
 ObjectHead S3Client::head_object(std::string_view bucket, std::string_view key, bool checksums) {
@@ -479,46 +317,13 @@ uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint
     }
     auto response = send(std::move(request), bucket, key, {});
     const bool success_status = response.status >= 200 && response.status < 300;
-    if (response.overflow && success_status) {
-      if (response.status == 200 && !whole) {
-        return Failure{"the server ignored the Range header (HTTP 200 with the whole object)", false,
-                       ErrorCode::kNetwork};
-      }
-      return Failure{"over-long body: more than the " + std::to_string(size) + " bytes asked for", true};
-    }
-    if (response.transport_error != 0 || !success_status) return http_failure(response, bucket, key);
+    if ((response.transport_error != 0 && !response.overflow) || !success_status)
+      return http_failure(response, bucket, key);
     const std::string request_id = server_text(response.header("x-amz-request-id"), 100);
     const std::string id_note = request_id.empty() ? "" : " (request id " + request_id + ")";
-    if (whole || response.status == 200) {
-      if (response.status != 200 || (!whole && offset != 0)) {
-        return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};
-      }
-      total = size;
-    } else {
-      if (response.status != 206) return Failure{"unexpected HTTP " + std::to_string(response.status) + id_note, true};
-      auto range = parse_content_range(response.header("content-range"));
-      // A range that runs past the end comes back cut short (RFC 9110 14.1.2): not a
-      // fault to retry but a read past the end of the object.
-      if (range && range->first == offset && range->total && *range->total < offset + size) {
-        return Failure{"past the end of the " + std::to_string(*range->total) + "-byte object", false, ErrorCode::kIo};
-      }
-      if (!range || range->first != offset || range->last != offset + size - 1) {
-        return Failure{"Content-Range '" + response.header("content-range").substr(0, 80) +
-                           "' does not match the range asked for" + id_note,
-                       true};
-      }
-      total = range->total.value_or(offset + size);
-    }
-    if (auto length = response.header("content-length"); !length.empty() && parse_u64(length) != size) {
-      return Failure{"Content-Length " + length.substr(0, 40) + " does not match the " + std::to_string(size) +
-                         " bytes asked for" + id_note,
-                     true};
-    }
-    if (response.body_bytes != size) {
-      return Failure{"short body: " + std::to_string(response.body_bytes) + " of " + std::to_string(size) + " bytes" +
-                         id_note,
-                     true};
-    }
+    auto check = storage::check_range_response(response, offset, size, whole, id_note);
+    if (check.failure) return check.failure;
+    total = check.total;
     if (whole) {
       // Checksums stored with the object cover it whole, so they are checked only here.
       const std::span<const std::byte> destination = segments[0];

@@ -13,14 +13,20 @@
 #include <string_view>
 #include <vector>
 
+#include "storage/http_client.hpp"
+#include "storage/retry_policy.hpp"
 #include "storage/s3_credentials.hpp"
-#include "storage/s3_http.hpp"
 #include "storage/s3_listing.hpp"
 #include "storage/s3_signer.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
 
 namespace weightstream::s3 {
+
+using storage::HttpClient;
+using storage::HttpRequest;
+using storage::HttpResponse;
+using storage::HttpSettings;
 
 /// Where requests go: scheme, host and addressing, derived from S3Options.
 struct Endpoint {
@@ -114,26 +120,11 @@ class S3Client {
   /// Pooled HTTP handles created so far (connection reuse keeps this small).
   size_t connections_opened() const { return http_.handles_created(); }
 
-  /// Why one attempt failed, and whether another may succeed.
-  struct Failure {
-    Failure() = default;
-    Failure(std::string cause_text, bool may_retry, ErrorCode error_code = ErrorCode::kNetwork)
-        : cause(std::move(cause_text)), retryable(may_retry), code(error_code) {}
-    std::string cause;  ///< "HTTP 503 SlowDown (request id 7F3A…)", "connection reset (…)"
-    bool retryable = true;
-    ErrorCode code = ErrorCode::kNetwork;
-    std::string advice;  ///< what to check, for errors that are not retried
-    /// The kind of cause, without what differs per attempt (request id, byte counts), e.g.
-    /// "HTTP 503 SlowDown": the final error counts attempts by it. Empty: `cause` up to
-    /// any " (request id".
-    std::string kind;
-    /// No answer at all (connect or first-byte timeout): a request ends after two of these
-    /// in a row rather than waiting out every attempt on a dead endpoint.
-    bool silent = false;
-  };
-  /// Runs `attempt` (given the seconds left before the deadline) until it succeeds, fails
-  /// for good, runs out of attempts or passes the deadline; then throws one Error that
-  /// starts with `operation` ("cannot read 0+4096 bytes of s3://b/k").
+  /// Why one attempt failed, and whether another may succeed (the shared retry policy's).
+  using Failure = storage::AttemptFailure;
+  /// storage::with_retries under this client's policy, counting its retries and masking
+  /// its secrets: throws one Error that starts with `operation` ("cannot read 0+4096 bytes
+  /// of s3://b/k").
   void with_retries(const std::string& operation, const std::function<std::optional<Failure>(double)>& attempt);
 
  private:
@@ -147,6 +138,7 @@ class S3Client {
   S3Options options_;
   Endpoint endpoint_;
   SigV4Signer signer_;
+  storage::RetryPolicy retry_;
   HttpClient http_;
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> retries_{0};
@@ -154,19 +146,5 @@ class S3Client {
 
 /// "s3://bucket/key".
 std::string s3_uri(std::string_view bucket, std::string_view key);
-
-/// `url` with any userinfo ("user:password@") replaced by "<redacted>@", for messages.
-std::string redact_userinfo(std::string_view url);
-
-/// `text` with every occurrence of each non-empty secret replaced by "<redacted>".
-std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets);
-
-/// Parses a Content-Range value "bytes FIRST-LAST/TOTAL"; nullopt when malformed.
-struct ContentRange {
-  uint64_t first = 0;
-  uint64_t last = 0;
-  std::optional<uint64_t> total;  ///< absent for "*"
-};
-std::optional<ContentRange> parse_content_range(std::string_view value);
 
 }  // namespace weightstream::s3

@@ -71,22 +71,6 @@ std::array<unsigned char, 32> hmac_sha256(std::string_view key, std::string_view
   return out;
 }
 
-std::string uri_encode(std::string_view text, bool keep_slash) {
-  static constexpr char kDigits[] = "0123456789ABCDEF";
-  std::string out;
-  out.reserve(text.size());
-  for (unsigned char c : text) {
-    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~' || (keep_slash && c == '/')) {
-      out += static_cast<char>(c);
-    } else {
-      out += '%';
-      out += kDigits[c >> 4];
-      out += kDigits[c & 15];
-    }
-  }
-  return out;
-}
-
 std::string canonical_query(const std::vector<Field>& query) {
   std::vector<Field> encoded;
   encoded.reserve(query.size());

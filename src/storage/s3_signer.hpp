@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "storage/http_client.hpp"
 #include "storage/s3_credentials.hpp"
 
 namespace weightstream::s3 {
@@ -27,12 +28,9 @@ std::string sha256_hex(std::string_view data);
 /// HMAC-SHA256 of `data` under `key`, raw 32 bytes.
 std::array<unsigned char, 32> hmac_sha256(std::string_view key, std::string_view data);
 
-/// RFC 3986 percent-encoding as SigV4 wants it: unreserved characters (A-Z a-z 0-9 - . _ ~)
-/// stay, every other byte becomes %XY (uppercase hex). '/' stays only when `keep_slash`.
-std::string uri_encode(std::string_view text, bool keep_slash);
-
-/// One name/value pair (a header or a query parameter).
-using Field = std::pair<std::string, std::string>;
+// Percent-encoding and name/value pairs are the HTTP client's (storage/http_client.hpp).
+using storage::Field;
+using storage::uri_encode;
 
 /// A request as SigV4 sees it.
 struct SigningInput {

@@ -1,13 +1,14 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "storage/gcs_client.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
 
 namespace weightstream {
 
 Uri parse_uri(std::string_view text) {
-  WS_EXPECT(!text.empty(), ErrorCode::kInvalidArgument, "empty checkpoint URI: give a path, file://PATH or s3://BUCKET/PREFIX");
+  WS_EXPECT(!text.empty(), ErrorCode::kInvalidArgument, "empty checkpoint URI: give a path, file://PATH, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX");
   WS_EXPECT(text.find('\0') == std::string_view::npos, ErrorCode::kInvalidArgument, "checkpoint URI contains a NUL byte");
   Uri uri;
   uri.text = std::string(text);
@@ -44,12 +45,25 @@ Uri parse_uri(std::string_view text) {
               "'" + uri.text + "': bucket name '" + uri.bucket + "' is not valid (3-63 characters: a-z, 0-9, '.', '-')");
     return uri;
   }
+  if (scheme == "gs") {
+    auto slash = rest.find('/');
+    uri.scheme = Uri::Scheme::kGcs;
+    uri.bucket = std::string(rest.substr(0, slash));
+    uri.path = slash == std::string_view::npos ? std::string() : std::string(rest.substr(slash + 1));
+    while (!uri.path.empty() && uri.path.back() == '/') uri.path.pop_back();
+    WS_EXPECT(!uri.bucket.empty(), ErrorCode::kInvalidArgument,
+              "'" + uri.text + "': gs:// URI without a bucket (expected gs://BUCKET/PREFIX)");
+    WS_EXPECT(gcs::valid_bucket_name(uri.bucket), ErrorCode::kInvalidArgument,
+              "'" + uri.text + "': bucket name '" + uri.bucket +
+                  "' is not valid (3-63 characters: a-z, 0-9, '-', '_', '.'; starting and ending with a letter or digit)");
+    return uri;
+  }
   if (scheme == "http" || scheme == "https") {
     uri.scheme = Uri::Scheme::kHttp;
     uri.path = uri.text;
     return uri;
   }
-  WS_FAIL(ErrorCode::kInvalidArgument, "'" + uri.text + "': unsupported scheme '" + scheme + "://' (supported: file://, s3://, plain paths)");
+  WS_FAIL(ErrorCode::kInvalidArgument, "'" + uri.text + "': unsupported scheme '" + scheme + "://' (supported: file://, s3://, gs://, plain paths)");
 }
 
 std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, std::string* object) {
@@ -75,8 +89,16 @@ std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, st
       }
       return open_s3_storage(uri.bucket, uri.path, options.s3);
     }
+    case Uri::Scheme::kGcs: {
+      if (uri.path.ends_with(".safetensors")) {
+        auto slash = uri.path.rfind('/');
+        if (object) *object = slash == std::string::npos ? uri.path : uri.path.substr(slash + 1);
+        return open_gcs_storage(uri.bucket, slash == std::string::npos ? std::string() : uri.path.substr(0, slash), options);
+      }
+      return open_gcs_storage(uri.bucket, uri.path, options);
+    }
     case Uri::Scheme::kHttp:
-      WS_FAIL(ErrorCode::kUnsupported, "'" + uri.text + "': http(s) checkpoints are not supported yet; use s3:// with an endpoint");
+      WS_FAIL(ErrorCode::kUnsupported, "'" + uri.text + "': http(s) checkpoints are not supported yet; use s3:// or gs://");
   }
   WS_FAIL(ErrorCode::kInternal, "unhandled URI scheme");
 }

@@ -20,7 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "storage/s3_client.hpp"
-#include "storage/s3_http.hpp"
+#include "storage/http_client.hpp"
 #include "weightstream/options.hpp"
 
 extern char** environ;
@@ -82,12 +82,14 @@ inline std::string pattern_bytes(size_t size, uint32_t seed) {
 /// tests/tools/fault_proxy.py running in front of `upstream`, stopped on destruction.
 class FaultProxy {
  public:
-  explicit FaultProxy(const std::string& upstream, double stall_seconds = 3) {
+  /// `flavor` "gcs" answers its injected errors with the JSON API's documents, "s3" with S3's.
+  explicit FaultProxy(const std::string& upstream, double stall_seconds = 3, const std::string& flavor = "s3") {
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) throw std::runtime_error("pipe failed");
     const std::string script = std::string(WS_SOURCE_DIR) + "/tests/tools/fault_proxy.py";
     std::vector<std::string> arguments = {"python3", script, "--upstream", upstream, "--stall",
-                                          std::to_string(stall_seconds), "--lifetime", "600", "--watch-stdin"};
+                                          std::to_string(stall_seconds), "--lifetime", "600", "--watch-stdin",
+                                          "--flavor", flavor};
     std::vector<char*> argv;
     for (auto& argument : arguments) argv.push_back(argument.data());
     argv.push_back(nullptr);
@@ -110,7 +112,7 @@ class FaultProxy {
     close(from_child[0]);
     if (!line.starts_with("PORT ")) throw std::runtime_error("fault proxy did not start: '" + line + "'");
     port_ = std::stoi(line.substr(5));
-    control_ = std::make_unique<s3::HttpClient>(s3::HttpSettings{true, "", 10, 2});
+    control_ = std::make_unique<storage::HttpClient>(storage::HttpSettings{true, "", 10, 2});
   }
 
   ~FaultProxy() {
@@ -128,10 +130,12 @@ class FaultProxy {
   /// The proxy's endpoint URL.
   std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
 
-  /// Arms `mode` for the next `count` requests with `method` (any method when empty).
-  void arm(const std::string& mode, int count, const std::string& method = "GET") {
+  /// Arms `mode` for the next `count` requests with `method` (any method when empty) whose
+  /// path holds `path_part` (any path when empty).
+  void arm(const std::string& mode, int count, const std::string& method = "GET", const std::string& path_part = "") {
     std::string path = "/__fault__/plan?mode=" + mode + "&count=" + std::to_string(count);
     if (!method.empty()) path += "&method=" + method;
+    if (!path_part.empty()) path += "&path=" + path_part;
     control(path);
   }
   /// Disarms and zeroes the counters.
@@ -145,7 +149,7 @@ class FaultProxy {
 
  private:
   std::string control(const std::string& path) {
-    s3::HttpRequest request;
+    storage::HttpRequest request;
     request.url = endpoint() + path;
     request.timeout_seconds = 10;
     auto response = control_->perform(request);
@@ -157,7 +161,7 @@ class FaultProxy {
   pid_t pid_ = -1;
   int stdin_ = -1;
   int port_ = 0;
-  std::unique_ptr<s3::HttpClient> control_;
+  std::unique_ptr<storage::HttpClient> control_;
 };
 
 }  // namespace weightstream::testing

@@ -226,16 +226,16 @@ TEST(S3Endpoint, AddressingFollowsTheOptions) {
 }
 
 TEST(S3ContentRange, ParsesAndRejects) {
-  auto range = parse_content_range("bytes 4096-8191/1048576");
+  auto range = storage::parse_content_range("bytes 4096-8191/1048576");
   ASSERT_TRUE(range.has_value());
   EXPECT_EQ(range->first, 4096u);
   EXPECT_EQ(range->last, 8191u);
   EXPECT_EQ(range->total, 1048576u);
-  EXPECT_TRUE(parse_content_range("bytes 0-9/*").has_value());
-  EXPECT_FALSE(parse_content_range("bytes 9-0/10").has_value());
-  EXPECT_FALSE(parse_content_range("bytes 0-10/10").has_value());
-  EXPECT_FALSE(parse_content_range("bytes=0-9/10").has_value());
-  EXPECT_FALSE(parse_content_range("bytes 0-99999999999999999999/1").has_value());
+  EXPECT_TRUE(storage::parse_content_range("bytes 0-9/*").has_value());
+  EXPECT_FALSE(storage::parse_content_range("bytes 9-0/10").has_value());
+  EXPECT_FALSE(storage::parse_content_range("bytes 0-10/10").has_value());
+  EXPECT_FALSE(storage::parse_content_range("bytes=0-9/10").has_value());
+  EXPECT_FALSE(storage::parse_content_range("bytes 0-99999999999999999999/1").has_value());
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "storage/s3_checksum.hpp"
 #include "storage/s3_client.hpp"
+#include "storage/test_loopback_server.hpp"
 #include "storage/test_s3_fixture.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
@@ -381,62 +382,7 @@ TEST_F(S3Faults, SplitReadsRecoverAndFailAsOne) {
   EXPECT_LE(proxy_->requests("GET"), static_cast<int>(options.max_connections));
 }
 
-/// A loopback HTTP server for endpoints no real server plays: one that accepts connections
-/// and never answers, or one that answers every request with one canned response.
-class LoopbackServer {
- public:
-  /// `response` empty: accept and read, never answer (a dead endpoint).
-  explicit LoopbackServer(std::string response) : response_(std::move(response)) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-    EXPECT_EQ(::listen(listener_, 16), 0);
-    socklen_t length = sizeof(address);
-    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
-    port_ = ntohs(address.sin_port);
-    thread_ = std::jthread([this](std::stop_token stop) { serve(stop); });
-  }
-  ~LoopbackServer() {
-    thread_.request_stop();
-    ::shutdown(listener_, SHUT_RDWR);
-    thread_ = {};
-    ::close(listener_);
-    for (int fd : held_) ::close(fd);
-  }
-  std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  int connections() const { return connections_.load(); }
-
- private:
-  void serve(std::stop_token stop) {
-    while (!stop.stop_requested()) {
-      int fd = ::accept(listener_, nullptr, nullptr);
-      if (fd < 0) return;
-      ++connections_;
-      if (response_.empty()) {
-        held_.push_back(fd);  // accepted, read by nobody, never answered
-        continue;
-      }
-      std::string request;
-      char buffer[4096];
-      while (request.find("\r\n\r\n") == std::string::npos) {
-        ssize_t got = ::recv(fd, buffer, sizeof(buffer), 0);
-        if (got <= 0) break;
-        request.append(buffer, static_cast<size_t>(got));
-      }
-      ::send(fd, response_.data(), response_.size(), MSG_NOSIGNAL);
-      ::close(fd);
-    }
-  }
-
-  std::string response_;
-  int listener_ = -1;
-  int port_ = 0;
-  std::vector<int> held_;
-  std::atomic<int> connections_{0};
-  std::jthread thread_;
-};
+using testing::LoopbackServer;
 
 S3Options loopback_options(const std::string& endpoint) {
   S3Options options;  // the defaults, but for where to go and who signs
@@ -590,8 +536,8 @@ TEST(S3Secrets, UserinfoInTheEndpointUrlIsRedactedFromMessages) {
       EXPECT_THAT(error.what(), HasSubstr("<redacted>@127.0.0.1:9"));
     }
   }
-  EXPECT_EQ(s3::redact_userinfo("https://a:b@host:9000/base?x=y@z"), "https://<redacted>@host:9000/base?x=y@z");
-  EXPECT_EQ(s3::redact_userinfo("https://host:9000/p@q"), "https://host:9000/p@q");
+  EXPECT_EQ(storage::redact_userinfo("https://a:b@host:9000/base?x=y@z"), "https://<redacted>@host:9000/base?x=y@z");
+  EXPECT_EQ(storage::redact_userinfo("https://host:9000/p@q"), "https://host:9000/p@q");
 }
 
 }  // namespace

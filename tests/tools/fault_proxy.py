@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""A fault-injecting HTTP reverse proxy for testing the S3 backend.
+"""A fault-injecting HTTP reverse proxy for testing the object-store backends.
 
-It listens on a loopback port and forwards every request to one upstream S3-compatible
-server (moto's server in the tests), and can spoil the next N matching responses in the
+It listens on a loopback port and forwards every request to one upstream server (moto's
+S3 server, or fake-gcs-server with --flavor gcs), and can spoil the next N matching responses in the
 ways real object stores and networks do:
 
   reset     send the headers and half of the body, then reset the connection (RST)
@@ -12,16 +12,20 @@ ways real object stores and networks do:
   stall     send the headers and half of the body, then stop sending for --stall seconds
   corrupt   flip bytes in the body, keeping its length
   503       503 SlowDown with an S3 XML error body (a "burst" when count > 1)
+  429       429 TooManyRequests
   500       500 InternalError
   403       403 AccessDenied
   404       404 NoSuchKey
+With --flavor gcs the errors are the JSON API's documents instead (503 backendError,
+429 rateLimitExceeded, 500 internalError, 403 forbidden, 404 notFound) and the request id
+travels in x-guploader-uploadid.
 
 Control (plain GETs, never forwarded):
   /__fault__/plan?mode=M&count=N[&method=GET][&path=SUBSTRING]   arm a fault
   /__fault__/clear                                               disarm, zero the counters
   /__fault__/stats                                               JSON counters
 
-Usage: fault_proxy.py --upstream http://127.0.0.1:PORT [--port 0] [--lifetime SECONDS]
+Usage: fault_proxy.py --upstream http://127.0.0.1:PORT [--flavor s3|gcs] [--port 0] [--lifetime SECONDS]
 The first line on stdout is "PORT <n>". The proxy stops on SIGTERM, after --lifetime
 seconds, or (with --watch-stdin) when its stdin closes, whichever comes first. It binds to 127.0.0.1 only.
 """
@@ -38,12 +42,20 @@ import threading
 import time
 import urllib.parse
 
-MODES = {"reset", "truncate", "overlong", "badrange", "stall", "corrupt", "503", "500", "403", "404"}
+MODES = {"reset", "truncate", "overlong", "badrange", "stall", "corrupt", "503", "429", "500", "403", "404"}
 ERRORS = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
+    "429": (429, "TooManyRequests", "Please reduce your request rate."),
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
     "403": (403, "AccessDenied", "Access Denied"),
     "404": (404, "NoSuchKey", "The specified key does not exist."),
+}
+GCS_ERRORS = {
+    "503": (503, "backendError", "Backend Error"),
+    "429": (429, "rateLimitExceeded", "The rate of change requests to the object is too high."),
+    "500": (500, "internalError", "Internal Error"),
+    "403": (403, "forbidden", "Caller does not have storage.objects.get access to the object."),
+    "404": (404, "notFound", "No such object."),
 }
 
 
@@ -150,7 +162,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         mode, serial = PLAN.take(self.command, self.path)
         request_id = "FAULTPROXY%08d" % serial
         if mode in ERRORS:
-            self.send_error_document(*ERRORS[mode], request_id)
+            if OPTIONS.flavor == "gcs":
+                self.send_gcs_error_document(*GCS_ERRORS[mode], request_id)
+            else:
+                self.send_error_document(*ERRORS[mode], request_id)
             return
         upstream = http.client.HTTPConnection(OPTIONS.upstream_host, OPTIONS.upstream_port, timeout=60)
         try:
@@ -226,6 +241,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def send_gcs_error_document(self, status, reason, message, request_id):
+        data = json.dumps({"error": {"code": status, "message": message,
+                                     "errors": [{"domain": "global", "reason": reason, "message": message}]}}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("x-guploader-uploadid", request_id)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
     def abort_connection(self):
         """Closes with a TCP reset (SO_LINGER 0), as a crashed peer or middlebox does."""
         self.close_connection = True
@@ -245,6 +271,7 @@ def main():
     global OPTIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", required=True, help="upstream URL, http://127.0.0.1:PORT")
+    parser.add_argument("--flavor", choices=("s3", "gcs"), default="s3", help="whose error documents to send")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     parser.add_argument("--stall", type=float, default=5.0, help="seconds a 'stall' fault holds the body")
     parser.add_argument("--lifetime", type=float, default=900.0, help="seconds before the proxy stops by itself")

@@ -1,8 +1,9 @@
-#include "storage/s3_http.hpp"
+#include "storage/http_client.hpp"
 
 #include <curl/curl.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cctype>
 #include <cmath>
@@ -12,7 +13,7 @@
 #include "storage/read_destination.hpp"
 #include "weightstream/error.hpp"
 
-namespace weightstream::s3 {
+namespace weightstream::storage {
 namespace {
 
 // curl_global_init is not thread-safe before libcurl 7.84; a function-local static runs it
@@ -166,6 +167,78 @@ std::string format_seconds(double seconds) {
 
 }  // namespace
 
+std::string uri_encode(std::string_view text, bool keep_slash) {
+  static constexpr char kDigits[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~' || (keep_slash && c == '/')) {
+      out += static_cast<char>(c);
+    } else {
+      out += '%';
+      out += kDigits[c >> 4];
+      out += kDigits[c & 15];
+    }
+  }
+  return out;
+}
+
+std::string query_string(const std::vector<Field>& query) {
+  std::string out;
+  for (const auto& [name, value] : query) {
+    if (!out.empty()) out += '&';
+    out += uri_encode(name, false) + "=" + uri_encode(value, false);
+  }
+  return out;
+}
+
+std::string redact_userinfo(std::string_view url) {
+  auto scheme_end = url.find("://");
+  size_t authority_start = scheme_end == std::string_view::npos ? 0 : scheme_end + 3;
+  size_t authority_end = url.find_first_of("/?#", authority_start);
+  if (authority_end == std::string_view::npos) authority_end = url.size();
+  auto at = url.substr(authority_start, authority_end - authority_start).rfind('@');
+  if (at == std::string_view::npos) return std::string(url);
+  return std::string(url.substr(0, authority_start)) + "<redacted>" + std::string(url.substr(authority_start + at));
+}
+
+std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets) {
+  for (std::string_view secret : secrets) {
+    if (secret.empty()) continue;
+    for (size_t at = 0; (at = text.find(secret, at)) != std::string::npos;) {
+      text.replace(at, secret.size(), "<redacted>");
+      at += std::string_view("<redacted>").size();
+    }
+  }
+  return text;
+}
+
+std::optional<uint64_t> parse_u64(std::string_view text) {
+  uint64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+std::optional<ContentRange> parse_content_range(std::string_view value) {
+  if (!value.starts_with("bytes ")) return std::nullopt;
+  value.remove_prefix(6);
+  auto dash = value.find('-');
+  auto slash = value.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || dash > slash) return std::nullopt;
+  auto first = parse_u64(value.substr(0, dash));
+  auto last = parse_u64(value.substr(dash + 1, slash - dash - 1));
+  if (!first || !last || *last < *first) return std::nullopt;
+  ContentRange range{*first, *last, std::nullopt};
+  auto total_text = value.substr(slash + 1);
+  if (total_text != "*") {
+    auto total = parse_u64(total_text);
+    if (!total || *total <= *last) return std::nullopt;
+    range.total = *total;
+  }
+  return range;
+}
+
 std::string HttpResponse::header(std::string_view name) const {
   for (const auto& [key, value] : headers) {
     if (key == name) return value;
@@ -236,7 +309,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
     headers.reset(appended);
   }
   // libcurl adds "Expect: 100-continue" to uploads; S3-compatible servers vary in honouring it.
-  if (request.method == "PUT") {
+  if (request.method == "PUT" || request.method == "POST") {
     curl_slist* appended = curl_slist_append(headers.get(), "Expect:");
     WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
     headers.release();
@@ -246,7 +319,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   Transfer transfer{.request = &request, .response = &response};
   transfer.stall_seconds = settings_.stall_seconds;
   transfer.first_byte_seconds = settings_.first_byte_seconds;
-  transfer.destination_bytes = storage::segments_bytes(request.destination);
+  transfer.destination_bytes = segments_bytes(request.destination);
   char error_text[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
   curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
@@ -286,6 +359,11 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
     curl_easy_setopt(curl, CURLOPT_READFUNCTION, on_upload);
     curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
     curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
+  } else if (request.method == "POST") {
+    // A form or a small upload, sent from the caller's memory (which outlives the transfer).
+    curl_easy_setopt(curl, CURLOPT_POST, 1L);
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, request.upload.data());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
   } else if (request.method != "GET") {
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
   }
@@ -337,4 +415,4 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   return response;
 }
 
-}  // namespace weightstream::s3
+}  // namespace weightstream::storage

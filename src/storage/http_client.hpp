@@ -1,12 +1,14 @@
 #pragma once
-// A small HTTP/1.1 client over libcurl for the S3 backend (internal to the storage layer).
-// Easy handles are pooled and reused, so their connections stay open across requests
-// (libcurl keeps a connection cache per easy handle); a limiter bounds requests in flight.
-// This layer only moves bytes: retries, signing and S3 semantics live in S3Client.
+// The one HTTP/1.1 client of the object-store backends (s3://, gs://), over libcurl
+// (internal to the storage layer). Easy handles are pooled and reused, so their connections
+// stay open across requests (libcurl keeps a connection cache per easy handle); a limiter
+// bounds requests in flight. This layer only moves bytes: retries live in retry_policy.hpp,
+// signing and each service's semantics in its client (S3Client, GcsClient).
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -14,11 +16,41 @@
 #include <string_view>
 #include <vector>
 
-#include "storage/s3_signer.hpp"
+#include <optional>
+#include <utility>
 
-namespace weightstream::s3 {
+namespace weightstream::storage {
 
-/// Connection settings shared by every request of one client.
+/// One name/value pair (a header or a query parameter).
+using Field = std::pair<std::string, std::string>;
+
+/// RFC 3986 percent-encoding: unreserved characters (A-Z a-z 0-9 - . _ ~) stay, every
+/// other byte becomes %XY (uppercase hex). '/' stays only when `keep_slash`. What SigV4
+/// signs and what GCS's JSON API wants in an object name ('/' encoded too).
+std::string uri_encode(std::string_view text, bool keep_slash);
+
+/// "name=value&..." with every name and value percent-encoded, in the order given.
+std::string query_string(const std::vector<Field>& query);
+
+/// `url` with any userinfo ("user:password@") replaced by "<redacted>@", for messages.
+std::string redact_userinfo(std::string_view url);
+
+/// `text` with every occurrence of each non-empty secret replaced by "<redacted>".
+std::string mask_secrets(std::string text, std::initializer_list<std::string_view> secrets);
+
+/// A whole number of decimal digits below 2^64; nullopt for anything else.
+std::optional<uint64_t> parse_u64(std::string_view text);
+
+/// Parses a Content-Range value "bytes FIRST-LAST/TOTAL"; nullopt when malformed.
+struct ContentRange {
+  uint64_t first = 0;
+  uint64_t last = 0;
+  std::optional<uint64_t> total;  ///< absent for "*"
+};
+std::optional<ContentRange> parse_content_range(std::string_view value);
+
+/// Connection settings shared by every request of one client (from the transfer fields of
+/// S3Options, which every object store shares: see transfer_settings in retry_policy.hpp).
 struct HttpSettings {
   bool verify_tls = true;
   std::string ca_bundle;           ///< CA file; empty uses libcurl's default
@@ -30,7 +62,7 @@ struct HttpSettings {
 
 /// One request.
 struct HttpRequest {
-  std::string method = "GET";  ///< GET, HEAD or PUT
+  std::string method = "GET";  ///< GET, HEAD, PUT or POST
   std::string url;
   /// Headers sent as given (Host among them when the caller signs it).
   std::vector<Field> headers;
@@ -38,7 +70,7 @@ struct HttpRequest {
   /// `into_destination`; one byte more than they hold aborts the transfer (an over-long body).
   std::span<const std::span<std::byte>> destination;
   bool into_destination = false;
-  /// Body of a PUT.
+  /// Body of a PUT or POST.
   std::string_view upload;
   /// Hard cap on this attempt's duration in seconds (0: none).
   double timeout_seconds = 0;
@@ -97,4 +129,4 @@ class HttpClient {
   size_t created_ = 0;
 };
 
-}  // namespace weightstream::s3
+}  // namespace weightstream::storage
