@@ -1,0 +1,160 @@
+"""weightstream inside SGLang 0.5.23's real model classes, on the CPU: LlamaForCausalLM and
+Qwen3MoeForCausalLM (fused experts.w13_weight / w2_weight), BF16, at tp 1, tp 2 and (MoE)
+tp 2 with expert parallelism.
+
+Checkpoints are written by transformers' save_pretrained. Each model is built by SGLang's own
+ModelRunner with ``--load-format weightstream`` (weightstream.sglang, registered through
+SGLang's ``sglang.srt.plugins`` entry point) and compared with a model SGLang's own
+DefaultModelLoader builds and fills from the same checkpoint: every parameter equal bit for
+bit, nothing through load_weights, each rank reading only its share. Then an update to
+checkpoint B goes through SGLang's update API (begin_weight_update,
+update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
+pushed over shm by weightstream.UpdateSender: equal to SGLang's default load of B, every
+address unchanged; an update with a wrongly shaped tensor is refused whole.
+
+The scenarios run in five processes (tp 1; two ranks at tp 2; two at tp 2 with expert
+parallelism; gloo) started once for the module (tests/python/sglang_models.py). Skipped
+without SGLang; scripts/sglang-test.sh makes an environment with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (scripts/sglang-test.sh installs it)")
+pytest.importorskip("transformers", reason="transformers writes the checkpoints")
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from engine_checkpoints import write_checkpoint  # noqa: E402
+
+MIB = 1 << 20
+FAMILIES = ("llama", "qwen3_moe")
+#: SGLang pads its vocabulary to a multiple of 64 (rows a checkpoint does not fill), and its
+#: Qwen3-MoE makes every layer sparse (it ignores mlp_only_layers).
+SGLANG_CONFIG = {"vocab_size": 1024, "mlp_only_layers": []}
+#: (tp, expert parallel) of each process group, and the families it runs.
+GROUPS = {(1, False): FAMILIES, (2, False): FAMILIES, (2, True): ("qwen3_moe",)}
+
+
+def scenarios():
+    for (tp, ep), families in GROUPS.items():
+        for family in families:
+            yield family, f"tp{tp}{'-ep' if ep else ''}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Runs every scenario: the tp-1 process and the ranks of both tp-2 groups at once."""
+    root = tmp_path_factory.mktemp("sglang-models")
+    paths = {}
+    for family in FAMILIES:
+        for name, seed in (("a", 1), ("b", 2)):
+            folder = str(root / f"{family}-bf16-{name}")
+            write_checkpoint(family, folder, seed, config_overrides=SGLANG_CONFIG)
+            paths[f"{family}-bf16-{name}"] = folder
+    processes = []
+    plans = {}
+    for (tp, ep), families in GROUPS.items():
+        group = f"tp{tp}{'-ep' if ep else ''}"
+        plan = [{"family": family, "ep": ep, "update": True, "id": f"{family}-{group}"} for family in families]
+        plans[group] = (tp, plan)
+        plan_path = root / f"plan-{group}.json"
+        plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
+        port = free_port()
+        for rank in range(tp):
+            log = open(root / f"{group}-rank{rank}.log", "w")
+            processes.append((subprocess.Popen(
+                [sys.executable, str(HERE / "sglang_models.py"), "run", "--tp", str(tp), "--rank", str(rank),
+                 "--port", str(port), "--plan", str(plan_path), "--out", str(root / group)],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, SGLANG_USE_CPU_ENGINE="1")),
+                log, group, rank))
+    for process, log, group, rank in processes:
+        code = process.wait(timeout=1200)
+        log.close()
+        if code != 0:
+            tail = (root / f"{group}-rank{rank}.log").read_text()[-4000:]
+            pytest.fail(f"{group} rank {rank} exited {code}:\n{tail}")
+    collected = {}
+    for group, (tp, plan) in plans.items():
+        for index, scenario in enumerate(plan):
+            collected[scenario["id"]] = [json.loads((root / group / f"{index}-rank{rank}.json").read_text())
+                                         for rank in range(tp)]
+    return collected
+
+
+def ranks_of(results, family, parallel):
+    ranks = results[f"{family}-{parallel}"]
+    for rank, result in enumerate(ranks):
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+    return ranks
+
+
+@pytest.mark.parametrize("family,parallel", list(scenarios()))
+def test_a_weightstream_load_equals_sglangs_default_loader_and_binds_everything(results, family, parallel):
+    for rank, result in enumerate(ranks_of(results, family, parallel)):
+        where = f"{family} {parallel} rank {rank}"
+        load = result["load"]
+        assert result["class"] == {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+        assert load["path"] == "layout", where
+        assert result["load_differences"] == [], f"{where}: parameters differ from SGLang's default loader"
+        assert result["parameters"] > 0
+        # Nothing went through load_weights, the layout allocated nothing, and the log says so.
+        assert load["tensors_through_load_weights"] == 0 and load["parameters_through_load_weights"] == 0, where
+        assert result["unbound"] == {} and result["by_load_weights"] == [], where
+        assert result["layout_allocated_bytes"] == 0, where
+        assert any("nothing through load_weights" in message for message in result["log"]), result["log"]
+        # Each rank reads its share, within 1 MiB.
+        assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, \
+            (where, load["bytes_read"], result["share"])
+        if parallel != "tp1":
+            assert load["bytes_read"] < result["checkpoint_bytes"], where
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts(results):
+    for rank, result in enumerate(ranks_of(results, "qwen3_moe", "tp2-ep")):
+        assert result["layout"] == f"qwen3_moe tp 2 rank {rank} ep 2 rank {rank}"
+        others = result["other_experts"]
+        assert others, "the other rank's experts are in the checkpoint"
+        # 8 experts over 2 ranks: rank r holds experts 4r to 4r + 3 (SGLang's placement).
+        indices = {int(re.search(r"\.experts\.(\d+)\.", name).group(1)) for name in others}
+        assert indices == set(range(8)) - set(range(4 * rank, 4 * rank + 4)), indices
+        assert result["load"]["bytes_read"] == result["planned"] <= result["share"] + MIB
+
+
+@pytest.mark.parametrize("family,parallel", list(scenarios()))
+def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(results, family, parallel):
+    for rank, result in enumerate(ranks_of(results, family, parallel)):
+        where = f"{family} {parallel} rank {rank}"
+        update = result["update"]
+        assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
+        assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
+        assert update["addresses_unchanged"], where
+        assert update["through_load_weights"] == [], where
+        assert any(f"rank {rank} received an update of" in message for message in result["log"]), result["log"]
+
+
+@pytest.mark.parametrize("family,parallel", list(scenarios()))
+def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family, parallel):
+    for rank, result in enumerate(ranks_of(results, family, parallel)):
+        refused = result["refused"]
+        assert "refused the update: the update's manifest of" in refused["error"], refused["error"]
+        assert f"tensor {refused['last']} has shape [257]" in refused["error"], refused["error"]
+        assert "nothing of it was applied" in refused["error"]
+        # Still SGLang's default load of B (what the update before it left).
+        assert refused["differences"] == [], refused["differences"]
