@@ -7,6 +7,12 @@
   plugin entry point) or SGLang's default.
 - ``default_load``: a second model of the same class, built and filled by SGLang's own
   DefaultModelLoader (the oracle).
+- ``write_sglang_checkpoint``: engine_checkpoints' families with the configs SGLang's CPU
+  engine takes (vocabularies of a multiple of 64; DeepSeek-V3's yarn rope scaling and
+  moe_layer_freq).
+- Through SGLang's own HookRegistry, for the CPU only: no PyNccl communicator for gloo groups
+  (it needs CUDA), and SGLang's FP8 methods' AMX repack (which refuses a CPU without AMX) a
+  no-op for both loads. Nothing else of SGLang is replaced.
 - updates through SGLang's WeightUpdater of the runner: ``begin_weight_update()``,
   ``update_weights_from_tensor(request, load_format=weightstream.sglang.UPDATE_LOADER)``,
   ``end_weight_update()``, fed by weightstream.UpdateSender.
@@ -32,13 +38,26 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 import torch  # noqa: E402
 
-from engine_checkpoints import checkpoint_tensors, rank_bytes  # noqa: E402
+from engine_checkpoints import checkpoint_tensors, rank_bytes, write_checkpoint  # noqa: E402
 
 #: transformers' DeepSeek-V3 config as SGLang's CPU engine takes it: yarn rope scaling (real
 #: DeepSeek-V3 configs have it) and moe_layer_freq, which transformers 5 no longer writes.
-DEEPSEEK_CONFIG = {"rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256,
-                                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-DEEPSEEK_SAVED = {"moe_layer_freq": 1}
+_YARN = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+         "mscale": 1.0, "mscale_all_dim": 1.0}
+#: Per family: (the transformers config's changes, config.json's). Every vocabulary is a
+#: multiple of 64, which SGLang pads its embedding to (rows no checkpoint fills); SGLang's
+#: Qwen3-MoE makes every layer sparse (it ignores mlp_only_layers).
+SGLANG_CONFIGS = {
+    "llama": ({"vocab_size": 1024}, {}),
+    "qwen3_moe": ({"vocab_size": 1024, "mlp_only_layers": []}, {}),
+    "deepseek_v3": ({"vocab_size": 1024, "rope_scaling": _YARN}, {"moe_layer_freq": 1, "rope_scaling": _YARN}),
+}
+
+
+def write_sglang_checkpoint(family: str, folder: str, seed: int, fp8: bool = False) -> str:
+    """engine_checkpoints.write_checkpoint with the family's config as SGLang takes it."""
+    config, saved = SGLANG_CONFIGS[family]
+    return write_checkpoint(family, folder, seed, fp8=fp8, config_overrides=config, saved_overrides=saved)
 
 UPDATE_TOKEN = "update-secret"
 
@@ -81,6 +100,11 @@ def build(path: str, tp_size: int, rank: int, ep: bool, load_format: str, port: 
         _parallel_ready = True  # SGLang refuses a second try in one process
         bootstrap.init_parallel_runtime(server_args=args, device="cpu", dist_port=port + 1)
     bootstrap.init_layer_runtime(model_config=model_config)
+    # SGLang keeps one MoE expert placement a process (one engine); each scenario's model is
+    # a new engine here, built after the last one is done with.
+    from sglang.srt.eplb.expert_location import set_global_expert_location_metadata  # noqa: PLC0415
+
+    set_global_expert_location_metadata(None, allow_overwrite=True)
     return ModelRunner(model_config=model_config, mem_fraction_static=0.9, gpu_id=0, nccl_port=port + 1,
                        server_args=args)
 
@@ -96,12 +120,16 @@ def default_load(runner: Any) -> torch.nn.Module:
 
 
 def state_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """Every parameter of the model, by name (FP8 viewed as bytes, so equality is bitwise)."""
-    state = {}
-    for name, tensor in model.named_parameters():
-        data = tensor.detach()
-        state[name] = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
-    return state
+    """Every parameter of the model, by name, and every tensor its modules keep as a plain
+    attribute (what post-load steps derive: DeepSeek's w_kc and w_vc); FP8 viewed as bytes,
+    so equality is bitwise."""
+    state = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not name.startswith("_"):
+                state.setdefault(f"{prefix}.{name}" if prefix else name, value)
+    return {name: (tensor.detach().view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor.detach())
+            for name, tensor in state.items()}
 
 
 def differences(model: torch.nn.Module, reference: torch.nn.Module) -> List[str]:
@@ -204,7 +232,9 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
             del reference_a
             reference_b = default_load_of(runner, b)
             seen = through_load_weights(ours)
-            report = update(runner, sorted(checkpoint_tensors(b).items()), "shm", tp_size, rank)
+            # FP8: B's BF16 weights, quantized in place by the receiver as the checkpoint was.
+            pushed = paths[f"{family}-bf16-b"] if kind == "fp8" else b
+            report = update(runner, sorted(checkpoint_tensors(pushed).items()), "shm", tp_size, rank)
             result["update"] = {"transport": "shm", "bytes": report["senders"][0].get("bytes"),
                                 "differences": differences(ours, reference_b),
                                 "addresses_unchanged": addresses(ours) == before,
@@ -262,6 +292,10 @@ def _without_pynccl(*args: Any, **kwargs: Any) -> Tuple[Tuple[Any, ...], Dict[st
     return args, kwargs
 
 
+def _no_amx_repack(method: Any, layer: torch.nn.Module) -> None:
+    """SGLang's FP8 methods' process_weights_after_loading on a CPU without AMX: nothing."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -283,6 +317,11 @@ def main() -> None:
     # needs CUDA; over gloo on the CPU there is none to give (through SGLang's own hooks).
     HookRegistry.register("sglang.srt.distributed.parallel_state.init_model_parallel_group", _without_pynccl,
                           HookType.BEFORE)
+    # SGLang's CPU FP8 methods repack weights for AMX, and refuse a CPU without it: there,
+    # both loads leave the FP8 weights as loaded (the comparison stays exact).
+    for method in ("Fp8LinearMethod", "Fp8MoEMethod"):
+        HookRegistry.register(f"sglang.srt.layers.quantization.fp8.{method}.process_weights_after_loading",
+                              _no_amx_repack, HookType.REPLACE)
     load_plugins()  # as every SGLang process does: weightstream's entry point registers its load format
     with open(args.plan) as file:
         plan = json.load(file)

@@ -1,6 +1,7 @@
-"""weightstream inside SGLang 0.5.23's real model classes, on the CPU: LlamaForCausalLM and
-Qwen3MoeForCausalLM (fused experts.w13_weight / w2_weight), BF16, at tp 1, tp 2 and (MoE)
-tp 2 with expert parallelism.
+"""weightstream inside SGLang 0.5.23's real model classes, on the CPU: LlamaForCausalLM,
+Qwen3MoeForCausalLM (fused experts.w13_weight / w2_weight) and DeepseekV3ForCausalLM (MLA's
+fused_qkv_a_proj_with_mqa, experts, and the w_kc / w_vc SGLang derives after a load), BF16
+and (the MoE families) FP8 block-scaled, at tp 1, tp 2 and (MoE) tp 2 with expert parallelism.
 
 Checkpoints are written by transformers' save_pretrained. Each model is built by SGLang's own
 ModelRunner with ``--load-format weightstream`` (weightstream.sglang, registered through
@@ -11,6 +12,10 @@ checkpoint B goes through SGLang's update API (begin_weight_update,
 update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
 pushed over shm by weightstream.UpdateSender: equal to SGLang's default load of B, every
 address unchanged; an update with a wrongly shaped tensor is refused whole.
+
+On a CPU without AMX SGLang's FP8 methods refuse to repack their weights; the scenario
+processes make that step a no-op for both loads (tests/python/sglang_models.py), so FP8
+weights stay as loaded and the comparison is exact.
 
 The scenarios run in five processes (tp 1; two ranks at tp 2; two at tp 2 with expert
 parallelism; gloo) started once for the module (tests/python/sglang_models.py). Skipped
@@ -35,21 +40,27 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from engine_checkpoints import write_checkpoint  # noqa: E402
+from sglang_models import write_sglang_checkpoint  # noqa: E402
 
 MIB = 1 << 20
-FAMILIES = ("llama", "qwen3_moe")
-#: SGLang pads its vocabulary to a multiple of 64 (rows a checkpoint does not fill), and its
-#: Qwen3-MoE makes every layer sparse (it ignores mlp_only_layers).
-SGLANG_CONFIG = {"vocab_size": 1024, "mlp_only_layers": []}
-#: (tp, expert parallel) of each process group, and the families it runs.
-GROUPS = {(1, False): FAMILIES, (2, False): FAMILIES, (2, True): ("qwen3_moe",)}
+CLASSES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+#: SGLang 0.5.23's Llama loads no block scales of an FP8 checkpoint (it renames
+#: weight_scale_inv to weight_scale, which its FP8 block method does not have): no oracle.
+BOTH = (("llama", "bf16"), ("qwen3_moe", "bf16"), ("deepseek_v3", "bf16"), ("qwen3_moe", "fp8"),
+        ("deepseek_v3", "fp8"))
+MOE = tuple((family, kind) for family, kind in BOTH if family != "llama")
+#: (tp, expert parallel) of each process group, and the (family, kind) it runs.
+GROUPS = {(1, False): BOTH, (2, False): BOTH, (2, True): MOE}
+
+
+def group_name(tp, ep):
+    return f"tp{tp}{'-ep' if ep else ''}"
 
 
 def scenarios():
-    for (tp, ep), families in GROUPS.items():
-        for family in families:
-            yield family, f"tp{tp}{'-ep' if ep else ''}"
+    for (tp, ep), runs in GROUPS.items():
+        for family, kind in runs:
+            yield family, kind, group_name(tp, ep)
 
 
 def free_port() -> int:
@@ -63,16 +74,17 @@ def results(tmp_path_factory):
     """Runs every scenario: the tp-1 process and the ranks of both tp-2 groups at once."""
     root = tmp_path_factory.mktemp("sglang-models")
     paths = {}
-    for family in FAMILIES:
+    for family, kind in BOTH:
         for name, seed in (("a", 1), ("b", 2)):
-            folder = str(root / f"{family}-bf16-{name}")
-            write_checkpoint(family, folder, seed, config_overrides=SGLANG_CONFIG)
-            paths[f"{family}-bf16-{name}"] = folder
+            folder = str(root / f"{family}-{kind}-{name}")
+            write_sglang_checkpoint(family, folder, seed, fp8=kind == "fp8")
+            paths[f"{family}-{kind}-{name}"] = folder
     processes = []
     plans = {}
-    for (tp, ep), families in GROUPS.items():
-        group = f"tp{tp}{'-ep' if ep else ''}"
-        plan = [{"family": family, "ep": ep, "update": True, "id": f"{family}-{group}"} for family in families]
+    for (tp, ep), runs in GROUPS.items():
+        group = group_name(tp, ep)
+        plan = [{"family": family, "fp8": kind == "fp8", "ep": ep, "update": True, "id": f"{family}-{kind}-{group}"}
+                for family, kind in runs]
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -98,19 +110,19 @@ def results(tmp_path_factory):
     return collected
 
 
-def ranks_of(results, family, parallel):
-    ranks = results[f"{family}-{parallel}"]
+def ranks_of(results, family, kind, parallel):
+    ranks = results[f"{family}-{kind}-{parallel}"]
     for rank, result in enumerate(ranks):
         assert result["ok"], f"rank {rank}:\n{result.get('error')}"
     return ranks
 
 
-@pytest.mark.parametrize("family,parallel", list(scenarios()))
-def test_a_weightstream_load_equals_sglangs_default_loader_and_binds_everything(results, family, parallel):
-    for rank, result in enumerate(ranks_of(results, family, parallel)):
-        where = f"{family} {parallel} rank {rank}"
+@pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
+def test_a_weightstream_load_equals_sglangs_default_loader_and_binds_everything(results, family, kind, parallel):
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
         load = result["load"]
-        assert result["class"] == {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+        assert result["class"] == CLASSES[family]
         assert load["path"] == "layout", where
         assert result["load_differences"] == [], f"{where}: parameters differ from SGLang's default loader"
         assert result["parameters"] > 0
@@ -119,6 +131,8 @@ def test_a_weightstream_load_equals_sglangs_default_loader_and_binds_everything(
         assert result["unbound"] == {} and result["by_load_weights"] == [], where
         assert result["layout_allocated_bytes"] == 0, where
         assert any("nothing through load_weights" in message for message in result["log"]), result["log"]
+        if kind == "fp8":
+            assert "torch.float8_e4m3fn" in result["dtypes"], where
         # Each rank reads its share, within 1 MiB.
         assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, \
             (where, load["bytes_read"], result["share"])
@@ -126,9 +140,10 @@ def test_a_weightstream_load_equals_sglangs_default_loader_and_binds_everything(
             assert load["bytes_read"] < result["checkpoint_bytes"], where
 
 
-def test_an_expert_parallel_rank_reads_only_its_own_experts(results):
-    for rank, result in enumerate(ranks_of(results, "qwen3_moe", "tp2-ep")):
-        assert result["layout"] == f"qwen3_moe tp 2 rank {rank} ep 2 rank {rank}"
+@pytest.mark.parametrize("family,kind", MOE)
+def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kind):
+    for rank, result in enumerate(ranks_of(results, family, kind, "tp2-ep")):
+        assert result["layout"] == f"{family} tp 2 rank {rank} ep 2 rank {rank}"
         others = result["other_experts"]
         assert others, "the other rank's experts are in the checkpoint"
         # 8 experts over 2 ranks: rank r holds experts 4r to 4r + 3 (SGLang's placement).
@@ -137,10 +152,12 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(results):
         assert result["load"]["bytes_read"] == result["planned"] <= result["share"] + MIB
 
 
-@pytest.mark.parametrize("family,parallel", list(scenarios()))
-def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(results, family, parallel):
-    for rank, result in enumerate(ranks_of(results, family, parallel)):
-        where = f"{family} {parallel} rank {rank}"
+@pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
+def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(results, family, kind, parallel):
+    """BF16: checkpoint B. FP8: B's BF16 weights, quantized in place by the receiver into the
+    FP8 weights and their block scales, equal to SGLang's default load of B's FP8 checkpoint."""
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
         update = result["update"]
         assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
         assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
@@ -149,9 +166,9 @@ def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(result
         assert any(f"rank {rank} received an update of" in message for message in result["log"]), result["log"]
 
 
-@pytest.mark.parametrize("family,parallel", list(scenarios()))
-def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family, parallel):
-    for rank, result in enumerate(ranks_of(results, family, parallel)):
+@pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
+def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family, kind, parallel):
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
         refused = result["refused"]
         assert "refused the update: the update's manifest of" in refused["error"], refused["error"]
         assert f"tensor {refused['last']} has shape [257]" in refused["error"], refused["error"]

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
-from sglang.srt.model_loader.loader import BaseModelLoader, DefaultModelLoader
+from sglang.srt.model_loader.loader import BaseModelLoader, DefaultModelLoader, post_load_weights
 
 from .._api import Checkpoint
 from .._engine import (
@@ -73,9 +73,17 @@ def parallel_ranks(model: torch.nn.Module) -> Parallel:
     return parallel
 
 
+#: Where SGLang names a fused parameter otherwise than the layout (MLA's q_a_proj and
+#: kv_a_proj_with_mqa, fused).
+_RENAMED = (("self_attn.fused_qkv_a_proj.", "self_attn.fused_qkv_a_proj_with_mqa."),)
+
+
 def model_candidates(layout_name: str, role: str) -> List[str]:
     """SGLang's names for a layout parameter: the layout's own (fused qkv_proj, gate_up_proj,
-    experts.w13_weight and w2_weight, as SGLang names them)."""
+    experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj."""
+    for layout_part, sglang_part in _RENAMED:
+        if layout_part in layout_name:
+            return [layout_name.replace(layout_part, sglang_part)]
     return [layout_name]
 
 
@@ -131,6 +139,10 @@ class WeightstreamModelLoader(DefaultModelLoader):
         iterator, which is never read here): weightstream's load, then SGLang's post-processing."""
         del weights  # a generator that has read nothing
         self.load_weights(model, self._model_config)
+        if not self.last_load.get("tensors_through_load_weights"):
+            # The model's load_weights ends with its post-load fixup (DeepSeek's w_kc and w_vc
+            # from kv_b_proj); a load that bypasses it runs it, as SGLang's own such loaders do.
+            post_load_weights(model)
         DefaultModelLoader.postprocess_weights(model, target_device)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:

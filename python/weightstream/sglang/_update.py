@@ -113,6 +113,11 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
             pass  # refuse() always raises; the engine's own reason is the one to report
         raise unfit
     report = receiver.receive(accept_timeout=request["accept_timeout"])
+    # What the model's load_weights would run at its end (DeepSeek's w_kc and w_vc from
+    # kv_b_proj); SGLang's end_weight_update leaves it to the load.
+    from sglang.srt.model_loader.loader import post_load_weights  # noqa: PLC0415
+
+    post_load_weights(model)
     object.__setattr__(model, "_weightstream_last_update", report)
     logger.info("weightstream: rank %d received an update of %s over %s: %d tensors, %d bytes, in place", rank,
                 bound.description, request["transport"], report.get("tensors", 0), report.get("bytes", 0))
