@@ -68,3 +68,17 @@ def test_an_update_request_round_trips_and_other_tensors_are_refused_by_name():
         ws_sglang.receive_update(model, [("weightstream.update_request", torch.zeros(3, dtype=torch.uint8))])
     with pytest.raises(ValueError, match="transport 'carrier-pigeon' is not one of shm, tcp, cuda-ipc, nccl"):
         ws_sglang.update_request(["/tmp/a.sock"], "carrier-pigeon")
+
+
+def test_sglang_serves_command_line_takes_the_load_format_and_the_update_loader(plugins, tmp_path):
+    """What a user types, through SGLang's own parser (launch_server runs load_plugins first)."""
+    import json
+
+    from sglang.srt.server_args import prepare_server_args
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    args = prepare_server_args(["--model-path", str(tmp_path), "--load-format", "weightstream",
+                                "--model-loader-extra-config", '{"memory_limit": "2GiB", "concurrency": 32}',
+                                "--custom-weight-loader", ws_sglang.UPDATE_LOADER])
+    assert args.load_format == "weightstream"
+    assert ws_sglang.UPDATE_LOADER in args.custom_weight_loader
