@@ -178,12 +178,20 @@ def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str,
            rank: int) -> Dict[str, Any]:
     """One update pushed by weightstream's sender through SGLang's update API of the runner,
     by a trainer beside this rank (each rank's process pushes to its own receiver)."""
+    import socket  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     import weightstream.sglang as ws_sglang  # noqa: PLC0415
 
-    folder = tempfile.mkdtemp(prefix=f"ws-sglang-rank{rank}-")
-    addresses = [os.path.join(folder, f"rank-{r}.sock") for r in range(tp_size)]
+    if transport == "tcp":
+        # This rank's receiver at a free port; the other ranks' are theirs to choose.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            mine = f"127.0.0.1:{probe.getsockname()[1]}"
+        addresses = [mine if r == rank else "127.0.0.1:0" for r in range(tp_size)]
+    else:
+        folder = tempfile.mkdtemp(prefix=f"ws-sglang-rank{rank}-")
+        addresses = [os.path.join(folder, f"rank-{r}.sock") for r in range(tp_size)]
     updater = runner.weight_updater
     updater.begin_weight_update()
     try:
@@ -228,19 +236,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
         result["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(a, f)) for f in os.listdir(a)
                                          if f.endswith(".safetensors"))
         if scenario.get("update"):
-            before = addresses(ours)
-            del reference_a
-            reference_b = default_load_of(runner, b)
-            seen = through_load_weights(ours)
-            # FP8: B's BF16 weights, quantized in place by the receiver as the checkpoint was.
-            pushed = paths[f"{family}-bf16-b"] if kind == "fp8" else b
-            report = update(runner, sorted(checkpoint_tensors(pushed).items()), "shm", tp_size, rank)
-            result["update"] = {"transport": "shm", "bytes": report["senders"][0].get("bytes"),
-                                "differences": differences(ours, reference_b),
-                                "addresses_unchanged": addresses(ours) == before,
-                                "through_load_weights": list(seen),
-                                "received": dict(getattr(ours, "_weightstream_last_update", {}))}
-            result["refused"] = refused_update(runner, b, reference_b, tp_size, rank)
+            result["updates"] = updates(runner, family, kind, paths, reference_a, tp_size, rank)
+            result["refused"] = refused_update(runner, b, reference_a, tp_size, rank)
         result["log"] = [m for m in recorder.messages if "weightstream" in m]
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -249,6 +246,31 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
     finally:
         logging.getLogger("sglang.weightstream").removeHandler(recorder)
     return result
+
+
+def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], reference_a: torch.nn.Module,
+            tp_size: int, rank: int) -> List[Dict[str, Any]]:
+    """Checkpoint B over shm (for FP8: B's BF16 weights, quantized in place by the receiver as
+    the checkpoint was), then back to A over tcp (for FP8: A's codes, then their scales), each
+    compared with SGLang's default load of the same checkpoint."""
+    ours = runner.model
+    before = addresses(ours)
+    a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
+    reference_b = default_load_of(runner, b)
+    seen = through_load_weights(ours)
+    a_tensors = checkpoint_tensors(a)
+    pushes = (("shm", sorted(checkpoint_tensors(paths[f"{family}-bf16-b"] if kind == "fp8" else b).items()),
+               reference_b),
+              ("tcp", sorted((n, t) for n, t in a_tensors.items() if not n.endswith("_scale_inv")) +
+               sorted((n, t) for n, t in a_tensors.items() if n.endswith("_scale_inv")), reference_a))
+    results = []
+    for transport, tensors, reference in pushes:
+        report = update(runner, tensors, transport, tp_size, rank)
+        results.append({"transport": transport, "bytes": report["senders"][0].get("bytes"),
+                        "differences": differences(ours, reference), "addresses_unchanged": addresses(ours) == before,
+                        "through_load_weights": list(seen),
+                        "received": dict(getattr(ours, "_weightstream_last_update", {}))})
+    return results
 
 
 def checkpoint_tensors_names(folder: str) -> List[str]:
@@ -267,9 +289,9 @@ def default_load_of(runner: Any, path: str) -> torch.nn.Module:
         runner.model_config.model_path = saved
 
 
-def refused_update(runner: Any, b: str, reference_b: torch.nn.Module, tp_size: int, rank: int) -> Dict[str, Any]:
-    """An update whose last tensor has a wrong shape: refused before its first byte, the
-    model still equal to SGLang's default load of B."""
+def refused_update(runner: Any, b: str, reference: torch.nn.Module, tp_size: int, rank: int) -> Dict[str, Any]:
+    """An update (of checkpoint B) whose last tensor has a wrong shape: refused before its
+    first byte, the model still equal to ``reference`` (SGLang's default load of what it holds)."""
     import weightstream  # noqa: PLC0415
 
     tensors = sorted(checkpoint_tensors(b).items())
@@ -281,7 +303,7 @@ def refused_update(runner: Any, b: str, reference_b: torch.nn.Module, tp_size: i
         outcome["error"] = ""
     except weightstream.Error as error:
         outcome["error"] = str(error)
-    outcome["differences"] = differences(runner.model, reference_b)
+    outcome["differences"] = differences(runner.model, reference)
     return outcome
 
 

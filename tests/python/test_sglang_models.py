@@ -10,8 +10,8 @@ DefaultModelLoader builds and fills from the same checkpoint: every parameter eq
 bit, nothing through load_weights, each rank reading only its share. Then an update to
 checkpoint B goes through SGLang's update API (begin_weight_update,
 update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
-pushed over shm by weightstream.UpdateSender: equal to SGLang's default load of B, every
-address unchanged; an update with a wrongly shaped tensor is refused whole.
+pushed over shm by weightstream.UpdateSender, and back to A over tcp: each equal to SGLang's
+default load of the same checkpoint, every address unchanged; an update with a wrongly shaped tensor is refused whole.
 
 On a CPU without AMX SGLang's FP8 methods refuse to repack their weights; the scenario
 processes make that step a no-op for both loads (tests/python/sglang_models.py), so FP8
@@ -154,15 +154,17 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kin
 
 @pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
 def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(results, family, kind, parallel):
-    """BF16: checkpoint B. FP8: B's BF16 weights, quantized in place by the receiver into the
-    FP8 weights and their block scales, equal to SGLang's default load of B's FP8 checkpoint."""
+    """Over shm, checkpoint B (FP8: B's BF16 weights, quantized in place by the receiver into
+    the FP8 weights and their block scales), equal to SGLang's default load of B; then over
+    tcp back to A (FP8: A's codes, then their scales in later buckets), equal to its load of A."""
     for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
-        where = f"{family} {kind} {parallel} rank {rank}"
-        update = result["update"]
-        assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
-        assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
-        assert update["addresses_unchanged"], where
-        assert update["through_load_weights"] == [], where
+        assert [update["transport"] for update in result["updates"]] == ["shm", "tcp"]
+        for update in result["updates"]:
+            where = f"{family} {kind} {parallel} rank {rank} over {update['transport']}"
+            assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
+            assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
+            assert update["addresses_unchanged"], where
+            assert update["through_load_weights"] == [], where
         assert any(f"rank {rank} received an update of" in message for message in result["log"]), result["log"]
 
 
@@ -173,5 +175,5 @@ def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family
         assert "refused the update: the update's manifest of" in refused["error"], refused["error"]
         assert f"tensor {refused['last']} has shape [257]" in refused["error"], refused["error"]
         assert "nothing of it was applied" in refused["error"]
-        # Still SGLang's default load of B (what the update before it left).
+        # Still SGLang's default load of A (what the updates before it left).
         assert refused["differences"] == [], refused["differences"]

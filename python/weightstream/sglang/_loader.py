@@ -120,6 +120,10 @@ class WeightstreamModelLoader(DefaultModelLoader):
 
     def __init__(self, load_config: Any) -> None:
         self.options = LoaderOptions.from_extra_config(getattr(load_config, "model_loader_extra_config", None))
+        if self.options.serve or self.options.model_uri.startswith("peer://"):
+            raise ValueError("--model-loader-extra-config for --load-format weightstream: serve and a peer:// "
+                             "model_uri are vLLM's (docs/VLLM.md); SGLang instances neither serve nor pull peers yet "
+                             "(docs/SGLANG.md)")
         # DefaultModelLoader's methods (weights discovery, downloads) read the format: they
         # serve the SGLang default's, as LayeredModelLoader resets it.
         load_config.load_format = LoadFormat.AUTO
