@@ -10,19 +10,22 @@ Imports torch, never an engine.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple, Union
 
 import torch
 
 from . import _core
 from ._api import Checkpoint, resolve_options
-from ._model import LoadSession, ModelLayout, model_layout
+from ._model import LoadSession, ModelLayout, model_layout, serve
 
 #: weightstream's stream options, as weightstream.stream takes them.
 STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path", "mapped_share", "prefetchers")
@@ -545,3 +548,64 @@ def pull_layout(bound: BoundModel, uri: str, options: LoaderOptions, mode: str, 
                 bound.description, uri, len(bound.bound), report["bytes_from_peers"], report["bytes_in_place"],
                 last_load["seconds"])
     return last_load
+
+
+#: What a load of the layout from storage does: (options, the peers' failure or "") ->
+#: (the checkpoint loaded, what the load did).
+StorageLoad = Callable[[LoaderOptions, str], Tuple[Checkpoint, Dict[str, Any]]]
+
+
+def load_from_peers_or_storage(bound: BoundModel, mode: str, started: float, options: LoaderOptions,
+                               load_storage: StorageLoad,
+                               logger: logging.Logger) -> Tuple[Union[str, Checkpoint], Dict[str, Any]]:
+    """Peers first when model_uri is a peer:// URI (the target only: peers serve targets),
+    then the model's own sources through ``load_storage``; returns what the layout was loaded
+    from (a peer:// URI or the checkpoint, for its server) and what the load did. Raises
+    weightstream.Error naming both failures when neither serves."""
+    uri = options.model_uri
+    if not uri.startswith("peer://"):
+        return load_storage(options, "")
+    storage = dataclasses.replace(options, model_uri="")
+    if bound.role != "target":
+        return load_storage(storage, "")
+    try:
+        return uri, pull_layout(bound, uri, options, mode, started, logger)
+    except _core.Error as error:
+        failure = str(error)
+    logger.warning("weightstream: cannot load %s from %s (%s); loading it from the model's own sources",
+                   bound.description, uri, failure)
+    try:
+        return load_storage(storage, failure)
+    except (_core.Error, FileNotFoundError) as error:
+        raise _core.Error(f"cannot load {bound.description} from any source: {uri}: {failure}; "
+                          f"the model's own sources: {error}") from error
+
+
+@contextlib.contextmanager
+def pulls_refused(model: torch.nn.Module) -> Iterator[None]:
+    """While a served model reloads or updates: pullers that overlap are refused, and the
+    server rehashes (a new version) at the end."""
+    server = serving_peer(model)
+    if server is not None:
+        server.begin_update()
+    try:
+        yield
+    finally:
+        if server is not None:
+            server.end_update()
+
+
+def serve_model(model: torch.nn.Module, bound: BoundModel, source: Union[str, Checkpoint], options: LoaderOptions,
+                rank: int, logger: logging.Logger) -> str:
+    """Serves the bound layout (extra-config ``serve``, at PORT + ``rank``) while the model
+    lives: the server closes when the model is collected or at the interpreter's exit,
+    whichever is first. Returns the address it serves at."""
+    address = serve_address(options.serve, rank)
+    # A layout pulled from peers serves what they serve: the same digest is pinned again.
+    pinned = options.peer_expect_digest if isinstance(source, str) else None
+    server = serve(bound.layout, source, listen=address, token=options.peer_token, timeout=options.peer_timeout,
+                   expect_digest=pinned)
+    object.__setattr__(model, "_weightstream_server", server)
+    weakref.finalize(model, server.close)
+    logger.info("weightstream: serving %s at peer://%s", bound.description, server.address)
+    return server.address

@@ -273,6 +273,50 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
     return results
 
 
+PEER_TOKEN = "peer-secret"
+
+
+def run_peer_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
+                      paths: Dict[str, str]) -> Dict[str, Any]:
+    """Instance A loads checkpoint A with weightstream and serves its bound parameters
+    (extra-config ``serve``, a free port a rank, the ranks' addresses gathered over gloo);
+    instance B, whose model folder holds config.json only, loads with ``model_uri`` the
+    ``peer://`` URI of A's ranks, A's content digest pinned. B must equal SGLang's default load
+    of the checkpoint, reading nothing from storage."""
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    family, ep = scenario["family"], scenario["ep"]
+    a = paths[f"{family}-bf16-a"]
+    result: Dict[str, Any] = {"scenario": scenario}
+    config_only = tempfile.mkdtemp(prefix="ws-sglang-peer-config-")
+    shutil.copy(os.path.join(a, "config.json"), config_only)
+    try:
+        served = build(a, tp_size, rank, ep, "weightstream", port,
+                       {"serve": "127.0.0.1:0", "peer_token": PEER_TOKEN}).model
+        result["serving"] = served._weightstream_last_load.get("serving")
+        digest = served._weightstream_server.content_digest
+        addresses: List[Any] = [None] * tp_size
+        dist.all_gather_object(addresses, result["serving"])  # every rank of A serves before B pulls
+        result["uri"] = "peer://" + ",".join(addresses)
+        runner = build(config_only, tp_size, rank, ep, "weightstream", port,
+                       {"model_uri": result["uri"], "peer_token": PEER_TOKEN, "peer_expect_digest": digest})
+        result["load"] = dict(runner.model._weightstream_last_load)
+        result["load_differences"] = differences(runner.model, default_load_of(runner, a))
+        result["parameters"] = len(state_of(runner.model))
+        result["unbound"] = dict(runner.model._weightstream_binding.unbound)
+        dist.barrier()  # every rank is done with A's servers
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        shutil.rmtree(config_only, ignore_errors=True)
+    return result
+
+
 def checkpoint_tensors_names(folder: str) -> List[str]:
     from engine_checkpoints import _checkpoint_itemsizes  # noqa: PLC0415
 
@@ -350,7 +394,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for index, scenario in enumerate(plan["scenarios"]):
         started = time.perf_counter()
-        result = run_scenario(scenario, args.tp, args.rank, args.port, plan["paths"])
+        run = run_peer_scenario if scenario.get("peer") else run_scenario
+        result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:
             json.dump(result, file)

@@ -47,10 +47,8 @@ def test_an_unknown_extra_config_key_fails_when_the_loader_is_made(plugins):
     with pytest.raises(ValueError, match=r"--model-loader-extra-config for --load-format weightstream: unknown "
                                          r"key\(s\) nope \(accepted: concurrency"):
         get_model_loader(config)
-    for extra in ({"serve": "127.0.0.1:0"}, {"model_uri": "peer://127.0.0.1:5000"}):
-        with pytest.raises(ValueError, match="serve and a peer:// model_uri are vLLM's .*SGLang instances neither "
-                                             "serve nor pull peers yet"):
-            get_model_loader(LoadConfig(load_format="weightstream", model_loader_extra_config=extra))
+    with pytest.raises(ValueError, match="serve must be HOST:PORT"):
+        get_model_loader(LoadConfig(load_format="weightstream", model_loader_extra_config={"serve": "nowhere"}))
     loader = get_model_loader(LoadConfig(load_format="weightstream",
                                          model_loader_extra_config={"memory_limit": "64MiB"}))
     assert loader.options.stream == {"memory_limit": "64MiB"}

@@ -11,7 +11,9 @@ bit, nothing through load_weights, each rank reading only its share. Then an upd
 checkpoint B goes through SGLang's update API (begin_weight_update,
 update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
 pushed over shm by weightstream.UpdateSender, and back to A over tcp: each equal to SGLang's
-default load of the same checkpoint, every address unchanged; an update with a wrongly shaped tensor is refused whole.
+default load of the same checkpoint, every address unchanged; an update with a wrongly
+shaped tensor is refused whole. And an SGLang instance pulls its weights from a serving one
+(``peer://``), reading nothing from storage.
 
 On a CPU without AMX SGLang's FP8 methods refuse to repack their weights; the scenario
 processes make that step a no-op for both loads (tests/python/sglang_models.py), so FP8
@@ -53,6 +55,10 @@ MOE = tuple((family, kind) for family, kind in BOTH if family != "llama")
 GROUPS = {(1, False): BOTH, (2, False): BOTH, (2, True): MOE}
 
 
+#: (tp, expert parallel, family) of the peer scenarios: an SGLang instance pulls from a serving one.
+PEERS = ((1, False, "llama"), (2, False, "qwen3_moe"), (2, True, "qwen3_moe"))
+
+
 def group_name(tp, ep):
     return f"tp{tp}{'-ep' if ep else ''}"
 
@@ -85,6 +91,8 @@ def results(tmp_path_factory):
         group = group_name(tp, ep)
         plan = [{"family": family, "fp8": kind == "fp8", "ep": ep, "update": True, "id": f"{family}-{kind}-{group}"}
                 for family, kind in runs]
+        plan += [{"family": family, "ep": ep, "peer": True, "id": f"{family}-peer-{group}"}
+                 for peer_tp, peer_ep, family in PEERS if (peer_tp, peer_ep) == (tp, ep)]
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -177,3 +185,21 @@ def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family
         assert "nothing of it was applied" in refused["error"]
         # Still SGLang's default load of A (what the updates before it left).
         assert refused["differences"] == [], refused["differences"]
+
+
+@pytest.mark.parametrize("tp,ep,family", PEERS)
+def test_an_sglang_instance_pulls_its_weights_from_a_serving_one(results, tp, ep, family):
+    """Instance A (``serve``) loads from the checkpoint and serves its bound parameters;
+    instance B, whose model folder holds config.json only, loads with ``model_uri`` A's
+    ``peer://`` URI and A's content digest pinned: every parameter equals SGLang's default
+    loader's, nothing read from storage, nothing through load_weights."""
+    for rank, result in enumerate(results[f"{family}-peer-{group_name(tp, ep)}"]):
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+        where = f"{family} tp {tp} rank {rank}"
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", result["serving"]), where
+        load = result["load"]
+        assert load["source"] == result["uri"] and load["path"] == "layout", where
+        assert load["bytes_read"] == 0 and load["bytes_from_peers"] > 0, (where, load)
+        assert load["tensors_through_load_weights"] == 0 and result["unbound"] == {}, where
+        assert result["parameters"] > 0
+        assert result["load_differences"] == [], f"{where}: parameters differ from SGLang's default loader"

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from sglang.srt.configs.load_config import LoadFormat
@@ -30,10 +30,14 @@ from .._engine import (
     bind_layout,
     check_in_place,
     first_weights_source,
+    load_from_peers_or_storage,
     load_layout,
     log_once,
     model_tensors,
+    pulls_refused,
     resolve_module_source,
+    serve_model,
+    serving_peer,
     store_binding,
     stored_binding,
 )
@@ -78,6 +82,13 @@ def parallel_ranks(model: torch.nn.Module) -> Parallel:
 _RENAMED = (("self_attn.fused_qkv_a_proj.", "self_attn.fused_qkv_a_proj_with_mqa."),)
 
 
+def world_rank() -> int:
+    """This process's rank in SGLang's world group (its tp rank in a tp-only instance)."""
+    from sglang.srt.distributed.parallel_state import get_world_group  # noqa: PLC0415
+
+    return get_world_group().rank_in_group
+
+
 def model_candidates(layout_name: str, role: str) -> List[str]:
     """SGLang's names for a layout parameter: the layout's own (fused qkv_proj, gate_up_proj,
     experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj."""
@@ -120,10 +131,6 @@ class WeightstreamModelLoader(DefaultModelLoader):
 
     def __init__(self, load_config: Any) -> None:
         self.options = LoaderOptions.from_extra_config(getattr(load_config, "model_loader_extra_config", None))
-        if self.options.serve or self.options.model_uri.startswith("peer://"):
-            raise ValueError("--model-loader-extra-config for --load-format weightstream: serve and a peer:// "
-                             "model_uri are vLLM's (docs/VLLM.md); SGLang instances neither serve nor pull peers yet "
-                             "(docs/SGLANG.md)")
         # DefaultModelLoader's methods (weights discovery, downloads) read the format: they
         # serve the SGLang default's, as LayeredModelLoader resets it.
         load_config.load_format = LoadFormat.AUTO
@@ -150,11 +157,14 @@ class WeightstreamModelLoader(DefaultModelLoader):
         DefaultModelLoader.postprocess_weights(model, target_device)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
-        """Loads (or, for a model loaded before, reloads in place) the model's weights."""
+        """Loads (or, for a model loaded before, reloads in place) the model's weights: from the
+        serving peers of a peer:// model_uri first, else from the model's checkpoint; with
+        ``serve``, each rank then serves its bound parameters (docs/PEERS.md)."""
         started = time.perf_counter()
         path = self._weights_folder(model_config)
         bound = stored_binding(model)
-        ahead = CheckpointAhead(path, self.options)
+        # The checkpoint's headers are read while the model is bound (peers serve no headers).
+        ahead = None if self.options.model_uri.startswith("peer://") else CheckpointAhead(path, self.options)
         if bound is None:
             try:
                 bound = bind_model(model, config_dict(model_config), getattr(model_config, "quantization", None),
@@ -163,15 +173,28 @@ class WeightstreamModelLoader(DefaultModelLoader):
                 log_once(logger, logging.WARNING, "weightstream: no layout for %s (%s): it loads through the "
                          "model's load_weights, fed by weightstream's streamer, at iterator speed",
                          type(model).__name__, reason)
-                ahead.result()
+                if ahead is not None:
+                    ahead.result()
                 self._load_through_model(model, path, started)
                 return
             store_binding(model, bound)
         mode = "reload" if bound.layout.loads_finished else "cold"
         if mode == "reload":
             check_in_place(model, bound, through_load_weights=True)
-        resolution = resolve_module_source(path, "", bound.role, bound.layout, self.options, "", ahead)
-        self.last_load, _ = load_layout(model, bound, resolution, mode, started, logger)
+        serving = serving_peer(model) is not None
+
+        def load_storage(options: LoaderOptions, peer_failure: str) -> Tuple[Checkpoint, Dict[str, Any]]:
+            resolution = resolve_module_source(path, "", bound.role, bound.layout, options, "", ahead)
+            last_load, _ = load_layout(model, bound, resolution, mode, started, logger)
+            if peer_failure:
+                last_load["peer_failure"] = peer_failure
+            return resolution["checkpoint"], last_load
+
+        with pulls_refused(model):
+            source, self.last_load = load_from_peers_or_storage(bound, mode, started, self.options, load_storage,
+                                                                logger)
+        if not serving and self.options.serve:
+            self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
         object.__setattr__(model, "_weightstream_last_load", self.last_load)  # SGLang keeps no loader
 
     def _weights_folder(self, model_config: Any) -> str:
