@@ -54,6 +54,23 @@ SGLANG_CONFIGS = {
 }
 
 
+def write_fallback_checkpoint(folder: str, seed: int) -> str:
+    """A small Qwen2 (a model_type weightstream has no table for), written by transformers'
+    save_pretrained: SGLang's Qwen2ForCausalLM loads it entirely through load_weights."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.05)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="2MB")
+    return folder
+
+
 def write_sglang_checkpoint(family: str, folder: str, seed: int, fp8: bool = False) -> str:
     """engine_checkpoints.write_checkpoint with the family's config as SGLang takes it."""
     config, saved = SGLANG_CONFIGS[family]
@@ -317,6 +334,34 @@ def run_peer_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: i
     return result
 
 
+def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
+                          paths: Dict[str, str]) -> Dict[str, Any]:
+    """A model weightstream has no layout for: it loads through SGLang's load_weights, fed by
+    weightstream's streamer, equal to SGLang's default load; a pushed update is refused."""
+    path = paths["fallback"]
+    recorder = LogRecorder()
+    logging.getLogger("sglang.weightstream").addHandler(recorder)
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        runner = build(path, tp_size, rank, False, "weightstream", port)
+        result["class"] = type(runner.model).__name__
+        result["load"] = dict(runner.model._weightstream_last_load)
+        result["load_differences"] = differences(runner.model, default_load(runner))
+        try:
+            update(runner, sorted(checkpoint_tensors(path).items()), "shm", tp_size, rank)
+            result["update_error"] = ""
+        except Exception as error:  # noqa: BLE001 - its text is the result
+            result["update_error"] = str(error)
+        result["log"] = [m for m in recorder.messages if "weightstream" in m]
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        logging.getLogger("sglang.weightstream").removeHandler(recorder)
+    return result
+
+
 def checkpoint_tensors_names(folder: str) -> List[str]:
     from engine_checkpoints import _checkpoint_itemsizes  # noqa: PLC0415
 
@@ -394,7 +439,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for index, scenario in enumerate(plan["scenarios"]):
         started = time.perf_counter()
-        run = run_peer_scenario if scenario.get("peer") else run_scenario
+        run = run_peer_scenario if scenario.get("peer") else \
+            run_fallback_scenario if scenario.get("fallback") else run_scenario
         result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:

@@ -42,7 +42,7 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from sglang_models import write_sglang_checkpoint  # noqa: E402
+from sglang_models import write_fallback_checkpoint, write_sglang_checkpoint  # noqa: E402
 
 MIB = 1 << 20
 CLASSES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -85,6 +85,7 @@ def results(tmp_path_factory):
             folder = str(root / f"{family}-{kind}-{name}")
             write_sglang_checkpoint(family, folder, seed, fp8=kind == "fp8")
             paths[f"{family}-{kind}-{name}"] = folder
+    paths["fallback"] = write_fallback_checkpoint(str(root / "qwen2"), 3)
     processes = []
     plans = {}
     for (tp, ep), runs in GROUPS.items():
@@ -93,6 +94,8 @@ def results(tmp_path_factory):
                 for family, kind in runs]
         plan += [{"family": family, "ep": ep, "peer": True, "id": f"{family}-peer-{group}"}
                  for peer_tp, peer_ep, family in PEERS if (peer_tp, peer_ep) == (tp, ep)]
+        if (tp, ep) == (1, False):
+            plan.append({"family": "qwen2", "fallback": True, "id": "fallback"})
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -203,3 +206,19 @@ def test_an_sglang_instance_pulls_its_weights_from_a_serving_one(results, tp, ep
         assert load["tensors_through_load_weights"] == 0 and result["unbound"] == {}, where
         assert result["parameters"] > 0
         assert result["load_differences"] == [], f"{where}: parameters differ from SGLang's default loader"
+
+
+def test_a_model_without_a_layout_loads_through_load_weights_and_refuses_updates(results):
+    """SGLang's Qwen2ForCausalLM (weightstream has no qwen2 table): loaded entirely through
+    its load_weights, fed by weightstream's streamer, equal to SGLang's default load, the log
+    saying why once; a pushed update is refused with the reason."""
+    (result,) = results["fallback"]
+    assert result["ok"], result.get("error")
+    assert result["class"] == "Qwen2ForCausalLM"
+    assert result["load"]["path"] == "load_weights" and result["load"]["tensors_through_load_weights"] > 0
+    assert result["load_differences"] == []
+    assert any("no layout for Qwen2ForCausalLM (model_type 'qwen2'): it loads through the model's load_weights"
+               in message for message in result["log"]), result["log"]
+    assert "weightstream updates need a model weightstream has a layout for" in result["update_error"], \
+        result["update_error"]
+    assert "Qwen2ForCausalLM has none (model_type 'qwen2')" in result["update_error"]

@@ -125,22 +125,25 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
 
 
 def _connect(addresses: List[str], transport: str, token: str, bucket_bytes: Optional[int], timeout: float,
-             engine: threading.Thread, deadline: float) -> List[Any]:
+             engine: threading.Thread, deadline: float) -> Optional[List[Any]]:
     """The senders of ``addresses``, once every rank's receiver listens: the engine opens
-    them when its update call reaches the custom weight loader. Gives up, raising the last
-    connect error, when the engine's call returned first or at ``deadline``."""
+    them when its update call reaches the custom weight loader. None when the engine's call
+    returned first (its failure is the one to report); the last connect error at ``deadline``."""
     while True:
         try:
             return make_senders(addresses, transport, token, "cpu", bucket_bytes, timeout)
         except _core.Error as error:
-            if "cannot connect" not in str(error) or not engine.is_alive() or time.monotonic() > deadline:
+            if "cannot connect" not in str(error) or time.monotonic() > deadline:
                 raise
+            if not engine.is_alive():
+                return None
         time.sleep(0.05)
 
 
 def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequence[Tuple[str, torch.Tensor]], *,
                 tp_size: int = 1, transport: str = "shm", token: str, addresses: Optional[Sequence[str]] = None,
-                ranks: Optional[Sequence[int]] = None, format: str = "checkpoint", bucket_bytes: Optional[int] = None, timeout: float = 30.0,
+                ranks: Optional[Sequence[int]] = None, format: str = "checkpoint",
+                bucket_bytes: Optional[int] = None, timeout: float = 30.0,
                 accept_timeout: float = 600.0) -> Dict[str, Any]:
     """One update of ``tensors`` into a running SGLang: ``update_weights_from_tensor`` is
     called (on a thread of its own) as SGLang's Engine takes it, with ``named_tensors`` the
@@ -148,9 +151,10 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     receiver meanwhile. Call it between the engine's ``begin_weight_update()`` and
     ``end_weight_update()``. ``addresses``: one per tensor-parallel rank (fresh ones when
     None); ``ranks``: the ranks this trainer pushes to (all when None; a trainer process
-    beside each rank pushes to its own). Returns {"engine": what the engine's call returned, "senders":
-    each sender's report}. Raises the first failure of either side: a refused update raises
-    weightstream.Error with the engine's reason."""
+    beside each rank pushes to its own). Returns {"engine": what the engine's call returned,
+    "senders": each sender's report}. Raises the first failure of either side: a refused
+    update raises weightstream.Error with the engine's reason; an engine call that fails before
+    its receivers listen raises its own error."""
     addresses = list(addresses) if addresses else free_addresses(transport, tp_size)
     request = update_request(addresses, transport, token, timeout, accept_timeout)
     outcome: Dict[str, Any] = {}
@@ -166,8 +170,9 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     try:
         pushed = [addresses[rank] for rank in ranks] if ranks is not None else addresses
         senders = _connect(pushed, transport, token, bucket_bytes, timeout, engine, time.monotonic() + accept_timeout)
-        listed = list(tensors)  # references: the manifest is declared before the first byte
-        outcome["senders"] = [send_update(sender, listed, format) for sender in senders]
+        if senders is not None:
+            listed = list(tensors)  # references: the manifest is declared before the first byte
+            outcome["senders"] = [send_update(sender, listed, format) for sender in senders]
     finally:
         engine.join(timeout=accept_timeout)
     if "failure" in outcome:
