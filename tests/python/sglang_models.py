@@ -254,7 +254,7 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
                                          if f.endswith(".safetensors"))
         if scenario.get("update"):
             result["updates"] = updates(runner, family, kind, paths, reference_a, tp_size, rank)
-            result["refused"] = refused_update(runner, b, reference_a, tp_size, rank)
+            result["refused"] = refused_update(runner, b, default_load_of(runner, b), tp_size, rank)
         result["log"] = [m for m in recorder.messages if "weightstream" in m]
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -268,8 +268,9 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
 def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], reference_a: torch.nn.Module,
             tp_size: int, rank: int) -> List[Dict[str, Any]]:
     """Checkpoint B over shm (for FP8: B's BF16 weights, quantized in place by the receiver as
-    the checkpoint was), then back to A over tcp (for FP8: A's codes, then their scales), each
-    compared with SGLang's default load of the same checkpoint."""
+    the checkpoint was), then back to A over tcp (for FP8: A's codes, then their scales), then
+    B again through SGLang's update_weights_from_disk; each compared with SGLang's default load
+    of the same checkpoint."""
     ours = runner.model
     before = addresses(ours)
     a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
@@ -282,11 +283,18 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
                sorted((n, t) for n, t in a_tensors.items() if n.endswith("_scale_inv")), reference_a))
     results = []
     for transport, tensors, reference in pushes:
+        seen.clear()
         report = update(runner, tensors, transport, tp_size, rank)
         results.append({"transport": transport, "bytes": report["senders"][0].get("bytes"),
                         "differences": differences(ours, reference), "addresses_unchanged": addresses(ours) == before,
                         "through_load_weights": list(seen),
                         "received": dict(getattr(ours, "_weightstream_last_update", {}))})
+    # SGLang's update_weights_from_disk with the server's format: its own iterator of B.
+    seen.clear()
+    succeeded, message = runner.weight_updater.update_weights_from_disk(b, load_format="weightstream")
+    results.append({"transport": "disk", "succeeded": succeeded, "message": message,
+                    "differences": differences(ours, reference_b), "addresses_unchanged": addresses(ours) == before,
+                    "through_load_weights": list(seen)})
     return results
 
 

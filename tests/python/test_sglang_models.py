@@ -10,8 +10,8 @@ DefaultModelLoader builds and fills from the same checkpoint: every parameter eq
 bit, nothing through load_weights, each rank reading only its share. Then an update to
 checkpoint B goes through SGLang's update API (begin_weight_update,
 update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
-pushed over shm by weightstream.UpdateSender, and back to A over tcp: each equal to SGLang's
-default load of the same checkpoint, every address unchanged; an update with a wrongly
+pushed over shm by weightstream.UpdateSender, back to A over tcp, and to B again through
+SGLang's update_weights_from_disk: each equal to SGLang's default load of the same checkpoint, every address unchanged; an update with a wrongly
 shaped tensor is refused whole. And an SGLang instance pulls its weights from a serving one
 (``peer://``), reading nothing from storage.
 
@@ -169,14 +169,20 @@ def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(result
     the FP8 weights and their block scales), equal to SGLang's default load of B; then over
     tcp back to A (FP8: A's codes, then their scales in later buckets), equal to its load of A."""
     for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
-        assert [update["transport"] for update in result["updates"]] == ["shm", "tcp"]
-        for update in result["updates"]:
+        assert [update["transport"] for update in result["updates"]] == ["shm", "tcp", "disk"]
+        for update in result["updates"][:2]:
             where = f"{family} {kind} {parallel} rank {rank} over {update['transport']}"
             assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
             assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
             assert update["addresses_unchanged"], where
             assert update["through_load_weights"] == [], where
         assert any(f"rank {rank} received an update of" in message for message in result["log"]), result["log"]
+        # Then SGLang's update_weights_from_disk with --load-format weightstream: its own
+        # iterator through load_weights, into the same parameters.
+        disk = result["updates"][2]
+        assert disk["succeeded"], disk["message"]
+        assert disk["differences"] == [] and disk["addresses_unchanged"], disk
+        assert disk["through_load_weights"], "update_weights_from_disk goes through load_weights"
 
 
 @pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
@@ -186,7 +192,7 @@ def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family
         assert "refused the update: the update's manifest of" in refused["error"], refused["error"]
         assert f"tensor {refused['last']} has shape [257]" in refused["error"], refused["error"]
         assert "nothing of it was applied" in refused["error"]
-        # Still SGLang's default load of A (what the updates before it left).
+        # Still SGLang's default load of B (what the updates before it left).
         assert refused["differences"] == [], refused["differences"]
 
 

@@ -148,6 +148,12 @@ class WeightstreamModelLoader(DefaultModelLoader):
     def load_weights_and_postprocess(self, model: torch.nn.Module, weights: Any, target_device: Any) -> None:
         """SGLang's load step (DefaultModelLoader.load_model calls it with its weights
         iterator, which is never read here): weightstream's load, then SGLang's post-processing."""
+        if self._model_config is None:
+            # SGLang's update_weights_from_disk makes a loader of the server's format and calls
+            # this with its own weights iterator of the new path, without the model config:
+            # the weights go through SGLang's load_weights, into the same (bound) parameters.
+            DefaultModelLoader.load_weights_and_postprocess(model, weights, target_device)
+            return
         del weights  # a generator that has read nothing
         self.load_weights(model, self._model_config)
         if not self.last_load.get("tensors_through_load_weights"):
