@@ -415,20 +415,14 @@ def _no_amx_repack(method: Any, layer: torch.nn.Module) -> None:
     """SGLang's FP8 methods' process_weights_after_loading on a CPU without AMX: nothing."""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="one rank of a scenario plan")
-    run.add_argument("--tp", type=int, required=True)
-    run.add_argument("--rank", type=int, required=True)
-    run.add_argument("--port", type=int, required=True)
-    run.add_argument("--plan", required=True, help="JSON: {scenarios: [...], paths: {...}}")
-    run.add_argument("--out", required=True, help="folder for the per-scenario results")
-    args = parser.parse_args()
+def prepare_sglang(tp_size: int) -> None:
+    """What a process of the CPU recipe does before it builds a model: SGLang's plugins loaded
+    (weightstream's entry point among them) and, through SGLang's HookRegistry, the two CPU
+    stand-ins below."""
     # SGLang's CPU engine binds each rank's OpenMP threads to a NUMA node, or to the cores
     # named here: one core a rank (the cores shared when there are fewer).
     cores = os.cpu_count() or 1
-    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(args.tp)))
+    os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(rank % cores) for rank in range(tp_size)))
     from sglang.srt.plugins import load_plugins  # noqa: PLC0415
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
 
@@ -442,6 +436,19 @@ def main() -> None:
         HookRegistry.register(f"sglang.srt.layers.quantization.fp8.{method}.process_weights_after_loading",
                               _no_amx_repack, HookType.REPLACE)
     load_plugins()  # as every SGLang process does: weightstream's entry point registers its load format
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="one rank of a scenario plan")
+    run.add_argument("--tp", type=int, required=True)
+    run.add_argument("--rank", type=int, required=True)
+    run.add_argument("--port", type=int, required=True)
+    run.add_argument("--plan", required=True, help="JSON: {scenarios: [...], paths: {...}}")
+    run.add_argument("--out", required=True, help="folder for the per-scenario results")
+    args = parser.parse_args()
+    prepare_sglang(args.tp)
     with open(args.plan) as file:
         plan = json.load(file)
     os.makedirs(args.out, exist_ok=True)
