@@ -370,6 +370,36 @@ def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
     return result
 
 
+def run_replaced_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
+                          paths: Dict[str, str]) -> Dict[str, Any]:
+    """A bound parameter the model replaced with new storage (as a post-processing step that
+    transforms a weight does): an update is refused before its first byte, naming it, the
+    model unchanged, the trainer told why."""
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        runner = build(paths["llama-bf16-a"], tp_size, rank, False, "weightstream", port)
+        model = runner.model
+        target = next(name for name in dict(model.named_parameters()) if name.endswith("o_proj.weight"))
+        module_name, _, attribute = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, attribute, torch.nn.Parameter(getattr(module, attribute).detach().clone(),
+                                                      requires_grad=False))
+        before = {name: tensor.clone() for name, tensor in state_of(model).items()}
+        try:
+            update(runner, sorted(checkpoint_tensors(paths["llama-bf16-b"]).items()), "shm", tp_size, rank)
+            result["error"] = ""
+        except Exception as error:  # noqa: BLE001 - its text is the result
+            result["error"] = str(error)
+        after = state_of(model)
+        result["parameter"] = target
+        result["unchanged"] = all(torch.equal(after[name], before[name]) for name in before)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    return result
+
+
 def checkpoint_tensors_names(folder: str) -> List[str]:
     from engine_checkpoints import _checkpoint_itemsizes  # noqa: PLC0415
 
@@ -454,8 +484,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for index, scenario in enumerate(plan["scenarios"]):
         started = time.perf_counter()
-        run = run_peer_scenario if scenario.get("peer") else \
-            run_fallback_scenario if scenario.get("fallback") else run_scenario
+        run = {"peer": run_peer_scenario, "fallback": run_fallback_scenario,
+               "replaced": run_replaced_scenario}.get(scenario.get("special", ""), run_scenario)
         result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:

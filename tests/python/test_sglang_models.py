@@ -92,10 +92,11 @@ def results(tmp_path_factory):
         group = group_name(tp, ep)
         plan = [{"family": family, "fp8": kind == "fp8", "ep": ep, "update": True, "id": f"{family}-{kind}-{group}"}
                 for family, kind in runs]
-        plan += [{"family": family, "ep": ep, "peer": True, "id": f"{family}-peer-{group}"}
+        plan += [{"family": family, "ep": ep, "special": "peer", "id": f"{family}-peer-{group}"}
                  for peer_tp, peer_ep, family in PEERS if (peer_tp, peer_ep) == (tp, ep)]
         if (tp, ep) == (1, False):
-            plan.append({"family": "qwen2", "fallback": True, "id": "fallback"})
+            plan.append({"family": "qwen2", "special": "fallback", "id": "fallback"})
+            plan.append({"family": "llama", "special": "replaced", "id": "replaced"})
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -228,3 +229,15 @@ def test_a_model_without_a_layout_loads_through_load_weights_and_refuses_updates
     assert "weightstream updates need a model weightstream has a layout for" in result["update_error"], \
         result["update_error"]
     assert "Qwen2ForCausalLM has none (model_type 'qwen2')" in result["update_error"]
+
+
+def test_an_update_into_a_parameter_the_model_replaced_is_refused_before_its_first_byte(results):
+    """SGLang's Llama, one bound parameter replaced by new storage after the load: the update
+    is refused naming it, every parameter as it was, the trainer told the engine's reason."""
+    (result,) = results["replaced"]
+    assert result["ok"], result.get("error")
+    error = result["error"]
+    assert "refused the update: cannot update llama tp 1 rank 0 in place: parameters the model replaced since " \
+           "they were bound (SGLang's process_weights_after_loading transforms them)" in error, error
+    assert result["parameter"] in error and "nothing was written" in error, error
+    assert result["unchanged"]
