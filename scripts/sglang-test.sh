@@ -10,7 +10,7 @@
 #
 # Usage: scripts/sglang-test.sh [pytest arguments]
 #   WS_SGLANG_VENV     the virtual environment holding SGLang (default build/venv-sglang; made and
-#                      filled with sglang==$WS_SGLANG_VERSION, transformers and pytest when it lacks them)
+#                      filled with sglang==$WS_SGLANG_VERSION, transformers, boto3 and pytest when it lacks them)
 #   WS_SGLANG_VERSION  the SGLang release to install (default 0.5.23, the one weightstream.sglang
 #                      was written against)
 # The package is built from this checkout with the system python3 into build/python-site
@@ -26,8 +26,8 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   python3 -m venv "$venv"
   "$venv/bin/pip" install --disable-pip-version-check -q "sglang==$version"
 fi
-"$venv/bin/python" -c "import pytest, transformers" 2>/dev/null ||
-  "$venv/bin/pip" install --disable-pip-version-check -q pytest transformers
+"$venv/bin/python" -c "import pytest, transformers, boto3" 2>/dev/null ||
+  "$venv/bin/pip" install --disable-pip-version-check -q pytest transformers boto3
 
 system_python=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 venv_python=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -40,6 +40,8 @@ CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-bu
   --disable-pip-version-check --root-user-action=ignore -q --upgrade --target "$python_site" "$root"
 
 started=$(date +%s)
+# moto's S3 server for the s3:// scenario.
+. "$root/scripts/moto-server.sh" "$build/moto-sglang.log"
 # SGLang's CPU engine; the sgl_kernel stub before the real (CUDA-only) one.
 export SGLANG_USE_CPU_ENGINE=1
 PYTHONPATH="$root/tests/python/sglang_stubs:$python_site" "$venv/bin/python" -m pytest -q \

@@ -400,6 +400,28 @@ def run_replaced_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
     return result
 
 
+def run_s3_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
+                    paths: Dict[str, str]) -> Dict[str, Any]:
+    """SGLang's model folder holds config.json only; weightstream finds the weights at the
+    checkpoint URI (extra-config model_uri, an s3:// prefix), equal to SGLang's default load of
+    the local copy, reading only this rank's share."""
+    a = paths[f"{scenario['family']}-bf16-a"]
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        runner = build(scenario["config_folder"], tp_size, rank, False, "weightstream", port,
+                       {"model_uri": scenario["uri"]})
+        bound = runner.model._weightstream_binding
+        result["load"] = dict(runner.model._weightstream_last_load)
+        result["load_differences"] = differences(runner.model, default_load_of(runner, a))
+        result["share"] = rank_bytes(bound.layout, a)[0]
+        result["unbound"] = dict(bound.unbound)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    return result
+
+
 def checkpoint_tensors_names(folder: str) -> List[str]:
     from engine_checkpoints import _checkpoint_itemsizes  # noqa: PLC0415
 
@@ -485,7 +507,7 @@ def main() -> None:
     for index, scenario in enumerate(plan["scenarios"]):
         started = time.perf_counter()
         run = {"peer": run_peer_scenario, "fallback": run_fallback_scenario,
-               "replaced": run_replaced_scenario}.get(scenario.get("special", ""), run_scenario)
+               "replaced": run_replaced_scenario, "s3": run_s3_scenario}.get(scenario.get("special", ""), run_scenario)
         result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:

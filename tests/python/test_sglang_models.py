@@ -45,6 +45,8 @@ sys.path.insert(0, str(HERE))
 from sglang_models import write_fallback_checkpoint, write_sglang_checkpoint  # noqa: E402
 
 MIB = 1 << 20
+#: moto's S3 server, started by scripts/sglang-test.sh where moto is installed.
+S3_ENDPOINT = os.environ.get("WS_TEST_S3_ENDPOINT")
 CLASSES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 #: SGLang 0.5.23's Llama loads no block scales of an FP8 checkpoint (it renames
 #: weight_scale_inv to weight_scale, which its FP8 block method does not have): no oracle.
@@ -75,6 +77,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def rank_environment():
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    if S3_ENDPOINT:
+        env.update(AWS_ENDPOINT_URL=S3_ENDPOINT, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                   AWS_REGION="us-east-1")
+    return env
+
+
+def upload_to_s3(local, root):
+    """The checkpoint at ``local`` in moto's S3, and a folder of its config.json only."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=S3_ENDPOINT, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.create_bucket(Bucket="sglang-models")
+    for file in sorted(Path(local).iterdir()):
+        client.upload_file(str(file), "sglang-models", f"llama/{file.name}")
+    config_folder = root / "llama-config-only"
+    config_folder.mkdir()
+    (config_folder / "config.json").write_text((Path(local) / "config.json").read_text())
+    return {"uri": "s3://sglang-models/llama", "config_folder": str(config_folder)}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Runs every scenario: the tp-1 process and the ranks of both tp-2 groups at once."""
@@ -86,6 +111,7 @@ def results(tmp_path_factory):
             write_sglang_checkpoint(family, folder, seed, fp8=kind == "fp8")
             paths[f"{family}-{kind}-{name}"] = folder
     paths["fallback"] = write_fallback_checkpoint(str(root / "qwen2"), 3)
+    s3 = upload_to_s3(paths["llama-bf16-a"], root) if S3_ENDPOINT else None
     processes = []
     plans = {}
     for (tp, ep), runs in GROUPS.items():
@@ -97,6 +123,8 @@ def results(tmp_path_factory):
         if (tp, ep) == (1, False):
             plan.append({"family": "qwen2", "special": "fallback", "id": "fallback"})
             plan.append({"family": "llama", "special": "replaced", "id": "replaced"})
+            if s3 is not None:
+                plan.append(dict(s3, family="llama", special="s3", id="s3"))
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -106,7 +134,7 @@ def results(tmp_path_factory):
             processes.append((subprocess.Popen(
                 [sys.executable, str(HERE / "sglang_models.py"), "run", "--tp", str(tp), "--rank", str(rank),
                  "--port", str(port), "--plan", str(plan_path), "--out", str(root / group)],
-                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, SGLANG_USE_CPU_ENGINE="1")),
+                stdout=log, stderr=subprocess.STDOUT, env=rank_environment()),
                 log, group, rank))
     for process, log, group, rank in processes:
         code = process.wait(timeout=1200)
@@ -241,3 +269,18 @@ def test_an_update_into_a_parameter_the_model_replaced_is_refused_before_its_fir
            "they were bound (SGLang's process_weights_after_loading transforms them)" in error, error
     assert result["parameter"] in error and "nothing was written" in error, error
     assert result["unchanged"]
+
+
+@pytest.mark.skipif(not S3_ENDPOINT, reason="WS_TEST_S3_ENDPOINT is not set: no S3 server for this run "
+                                            "(scripts/sglang-test.sh starts moto's when it is installed)")
+def test_a_model_whose_folder_holds_its_config_only_loads_from_s3(results):
+    """SGLang's model folder holds config.json only; weightstream loads the weights from
+    s3:// (extra-config model_uri) into SGLang's Llama, equal to SGLang's default load of the
+    same files, nothing through load_weights, reading the rank's share."""
+    (result,) = results["s3"]
+    assert result["ok"], result.get("error")
+    load = result["load"]
+    assert load["source"] == "s3://sglang-models/llama" and load["path"] == "layout", load
+    assert result["load_differences"] == [] and result["unbound"] == {}
+    assert load["tensors_through_load_weights"] == 0
+    assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, (load["bytes_read"], result["share"])
