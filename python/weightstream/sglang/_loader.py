@@ -41,7 +41,7 @@ from .._engine import (
     store_binding,
     stored_binding,
 )
-from . import NAME, logger
+from . import logger
 
 #: SGLang quantization methods a layout binds: none, and FP8 block-scaled checkpoints.
 BOUND_QUANTIZATIONS = (None, "fp8")
@@ -221,4 +221,4 @@ class WeightstreamModelLoader(DefaultModelLoader):
         object.__setattr__(model, "_weightstream_last_load", self.last_load)
 
 
-__all__ = ["NAME", "WeightstreamModelLoader", "bind_model", "parallel_ranks"]
+__all__ = ["WeightstreamModelLoader", "bind_model", "parallel_ranks"]
