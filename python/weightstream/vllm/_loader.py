@@ -3,18 +3,15 @@ weightstream's per-rank streaming into the model's own parameters."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-import weakref
-from typing import Any, Dict, Optional, Set, Union
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from .. import _core
-from .._api import Checkpoint, resolve_options
-from .._model import LoadSession, serve
+from .._api import Checkpoint
+from .._engine import load_from_peers_or_storage, load_layout, pulls_refused, serve_model
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -22,7 +19,6 @@ from ._model import (
     LoaderOptions,
     ModelSources,
     NoMappingTable,
-    _first_names,
     bind_model,
     check_in_place,
     config_dict,
@@ -30,13 +26,10 @@ from ._model import (
     log_once,
     logger,
     resolve_module_source,
-    route_checkpoint,
-    serve_address,
     serving_peer,
     store_binding,
     stored_binding,
 )
-
 
 def is_draft(model_config: Any) -> bool:
     """Whether vLLM is loading the speculative draft (its draft_model_config) rather than
@@ -99,7 +92,8 @@ class WeightstreamModelLoader(BaseModelLoader):
         role = "draft" if is_draft(model_config) else "target"
         bound = stored_binding(model)
         # The checkpoint's headers are read while the model is bound (peers serve no headers).
-        ahead = None if self.options.model_uri.startswith("peer://") else CheckpointAhead(sources, self.options)
+        ahead = None if self.options.model_uri.startswith("peer://") else \
+            CheckpointAhead(sources.model_weights or sources.model, self.options)
         if bound is None:
             config = config_dict(sources, model_config)
             try:
@@ -118,116 +112,31 @@ class WeightstreamModelLoader(BaseModelLoader):
         mode = "reload" if bound.layout.loads_finished else "cold"
         if mode == "reload":
             check_in_place(model, bound, through_load_weights=True)
-        server = serving_peer(model)
-        if server is not None:
-            server.begin_update()  # pullers that overlap the reload are refused
-        try:
-            source = self._load_from_peers_or_storage(model, model_config, sources, bound, mode, started, ahead)
-        finally:
-            if server is not None:
-                server.end_update()  # rehashed, a new version
-        if server is None and self.options.serve and bound.role == "target":
-            self._serve(model, bound, source)
+        serving = serving_peer(model) is not None
 
-    def _load_from_peers_or_storage(self, model: torch.nn.Module, model_config: Any, sources: ModelSources,
-                                    bound: BoundModel, mode: str, started: float,
-                                    ahead: Optional[CheckpointAhead] = None) -> Union[str, Checkpoint]:
-        """Peers first when model_uri is a peer:// URI (the target only), then the model's own
-        sources; returns what the layout was loaded from (for its server)."""
-        uri = self.options.model_uri
-        if not uri.startswith("peer://"):
-            return self._load_layout(model, model_config, sources, bound, mode, started, self.options, ahead=ahead)
-        storage = dataclasses.replace(self.options, model_uri="")  # peers serve targets: a draft loads from storage
-        if bound.role != "target":
-            return self._load_layout(model, model_config, sources, bound, mode, started, storage)
-        try:
-            self._pull_layout(model, model_config, bound, mode, started, uri)
-            return uri
-        except _core.Error as error:
-            failure = str(error)
-        logger.warning("weightstream: cannot load %s from %s (%s); loading it from the model's own sources",
-                       bound.description, uri, failure)
-        try:
-            return self._load_layout(model, model_config, sources, bound, mode, started, storage, failure)
-        except (_core.Error, FileNotFoundError) as error:
-            raise _core.Error(f"cannot load {bound.description} from any source: {uri}: {failure}; "
-                              f"the model's own sources: {error}") from error
+        def load_storage(options: LoaderOptions, peer_failure: str) -> Tuple[Checkpoint, Dict[str, Any]]:
+            return self._load_layout(model, model_config, sources, bound, mode, started, options, peer_failure,
+                                     ahead)
 
-    def _pull_layout(self, model: torch.nn.Module, model_config: Any, bound: BoundModel, mode: str, started: float,
-                     uri: str) -> None:
-        """Pulls the bound layout from the serving peers of ``uri``, straight into the model's
-        parameters where the layouts agree."""
-        if bound.unbound:
-            raise _core.Error(f"cannot pull {bound.description} from {uri}: the vLLM model holds "
-                              f"{len(bound.unbound)} of its parameters otherwise, and those load through its "
-                              f"load_weights from a checkpoint: {_first_names(bound.unbound)}")
-        session = LoadSession(bound.layout)
-        session.begin(mode)
-        report = session.load_checkpoint(uri, token=self.options.peer_token, timeout=self.options.peer_timeout,
-                                         memory_limit=resolve_options(**self.options.stream)["memory_limit"],
-                                         expect_digest=self.options.peer_expect_digest)
-        session.finish()
-        bound.by_load_weights = []
-        self.last_load = {"path": "layout", "mode": mode, "role": bound.role, "source": uri, "field": "model_uri",
-                          "passed_over": [], "layout": bound.description, "tensors_streamed": report["tensors"],
-                          "bytes_streamed": report["bytes_from_peers"], "bytes_read": 0,
-                          "bytes_from_peers": report["bytes_from_peers"], "bytes_in_place": report["bytes_in_place"],
-                          "shards_read": 0, "parameters_bound": len(bound.bound), "parameters_through_load_weights": 0,
-                          "tensors_through_load_weights": 0, "seconds": time.perf_counter() - started}
-        logger.info("weightstream: %s load of the %s (%s) from %s: %d parameters bound in place, %d bytes from peers "
-                    "(%d in place, 0 read from storage), nothing through load_weights, %.2f s", mode, bound.role,
-                    bound.description, uri, len(bound.bound), report["bytes_from_peers"], report["bytes_in_place"],
-                    self.last_load["seconds"])
-        self._check_filled(model, model_config, set(bound.filled_model_names))
-
-    def _serve(self, model: torch.nn.Module, bound: BoundModel, source: Union[str, Checkpoint]) -> None:
-        """Serves the bound layout (extra-config ``serve``) while the model lives: the server
-        closes when the model is collected or at the interpreter's exit, whichever is first."""
-        address = serve_address(self.options.serve, world_rank())
-        # A layout pulled from peers serves what they serve: the same digest is pinned again.
-        pinned = self.options.peer_expect_digest if isinstance(source, str) else None
-        server = serve(bound.layout, source, listen=address, token=self.options.peer_token,
-                       timeout=self.options.peer_timeout, expect_digest=pinned)
-        object.__setattr__(model, "_weightstream_server", server)
-        weakref.finalize(model, server.close)
-        self.last_load["serving"] = server.address
-        logger.info("weightstream: serving %s at peer://%s", bound.description, server.address)
+        with pulls_refused(model):
+            source, self.last_load = load_from_peers_or_storage(bound, mode, started, self.options, load_storage,
+                                                                logger)
+        if isinstance(source, str):  # pulled from peers
+            self._check_filled(model, model_config, set(bound.filled_model_names))
+        if not serving and self.options.serve and bound.role == "target":
+            self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
                      mode: str, started: float, options: LoaderOptions, peer_failure: str = "",
-                     ahead: Optional[CheckpointAhead] = None) -> Checkpoint:
+                     ahead: Optional[CheckpointAhead] = None) -> Tuple[Checkpoint, Dict[str, Any]]:
         method = speculative_method() if bound.role == "draft" else ""
         resolution = resolve_module_source(sources, bound.role, bound.layout, options, method, ahead)
-        checkpoint = resolution["checkpoint"]
-        by_load_weights = route_checkpoint(bound, checkpoint)
-        session = LoadSession(bound.layout)
-        session.begin(mode)
-        stats = session.load_checkpoint(checkpoint)
-        session.finish()
-        loaded: Optional[Set[str]] = set(bound.filled_model_names)
-        through_model = 0
-        if by_load_weights:
-            from_model = model.load_weights(checkpoint.stream(framework="torch", names=by_load_weights))
-            through_model = len(by_load_weights)
-            loaded = None if from_model is None else loaded | set(from_model)
-        self.last_load = {"path": "layout", "mode": mode, "role": bound.role, "source": resolution["uri"],
-                          "field": resolution["field"], "passed_over": resolution["passed_over"],
-                          "layout": bound.description, "tensors_streamed": stats["tensors"],
-                          "bytes_streamed": stats["bytes"], "bytes_read": stats["bytes_read"],
-                          "shards_read": stats["shards_read"], "parameters_bound": len(bound.bound),
-                          "parameters_through_load_weights": len(bound.unbound),
-                          "tensors_through_load_weights": through_model,
-                          "seconds": time.perf_counter() - started}
+        last_load, loaded = load_layout(model, bound, resolution, mode, started, logger)
         if peer_failure:
-            self.last_load["peer_failure"] = peer_failure
-        through = ("nothing through load_weights" if not by_load_weights else
-                   f"{through_model} checkpoint tensors through load_weights ({_first_names(by_load_weights)})")
-        logger.info("weightstream: %s load of the %s (%s) from %s (%s): %d parameters bound in place, %d tensors, "
-                    "%d bytes streamed into them (%d read), %s, %.2f s", mode, bound.role, bound.description,
-                    resolution["uri"], resolution["field"], len(bound.bound), stats["tensors"], stats["bytes"],
-                    stats["bytes_read"], through, self.last_load["seconds"])
+            last_load["peer_failure"] = peer_failure
+        self.last_load = last_load
         self._check_filled(model, model_config, loaded)
-        return checkpoint
+        return resolution["checkpoint"], last_load
 
     def _load_through_model(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, role: str,
                             started: float) -> None:

@@ -10,9 +10,6 @@ trainer sends, on a thread of its own), then ``finish_weight_update``.
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -24,6 +21,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import _core
+from .._push import TRANSPORTS  # noqa: F401 - the vLLM plugin's name since before _push
+from .._push import check_transport as _check_transport
+from .._push import free_addresses  # noqa: F401 - the trainer's, as before _push
+from .._push import make_senders as _make_senders
+from .._push import send_update as _send
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -38,8 +40,6 @@ from ._model import (
     store_binding,
     stored_binding,
 )
-
-TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nccl")
 
 
 @dataclass
@@ -59,11 +59,6 @@ class WeightstreamUpdateInfo(WeightTransferUpdateInfo):
     """One update: how long a worker waits for the trainer to start sending."""
 
     accept_timeout: float = 600.0
-
-
-def _check_transport(transport: str) -> None:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"weightstream weight transfer: transport '{transport}' is not one of {', '.join(TRANSPORTS)}")
 
 
 class WeightstreamWeightTransferEngine(WeightTransferEngine):
@@ -185,50 +180,6 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         tensors = list(iterator)  # references: the manifest is declared before the first byte
         for sender in senders:
             _send(sender, tensors, args.get("format", "checkpoint"))
-
-
-def _make_senders(addresses: List[str], transport: str, token: str, device: str,
-                  bucket_bytes: Optional[int]) -> List[Any]:
-    options: Dict[str, Any] = {"transport": transport, "token": token, "device": device}
-    if bucket_bytes:
-        options["bucket_bytes"] = int(bucket_bytes)
-    if transport in ("shm", "cuda-ipc"):
-        # shm and CUDA IPC take one receiver per sender.
-        return [_core.UpdateSender(address, **options) for address in addresses]
-    return [_core.UpdateSender(list(addresses) if len(addresses) > 1 else addresses[0], **options)]
-
-
-def _send(sender: Any, tensors: List[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
-    """One update of ``tensors``: their manifest (name, dtype, shape; an FSDP DTensor's are its
-    full tensor's) declared first, then each tensor gathered and sent in turn."""
-    sender.start(format, [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors])
-    for name, tensor in tensors:
-        tensor = tensor.detach()
-        full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
-        if callable(full):
-            tensor = full()
-        sender.send(name, tensor if tensor.is_contiguous() else tensor.contiguous())
-    return sender.finish()
-
-
-def free_addresses(transport: str, count: int, host: str = "127.0.0.1") -> List[str]:
-    """``count`` listen addresses the trainer can hand to the workers: free loopback ports
-    for tcp and nccl (the host given for a remote engine), fresh Unix socket paths for shm
-    and cuda-ipc."""
-    _check_transport(transport)
-    if transport in ("shm", "cuda-ipc"):
-        folder = tempfile.mkdtemp(prefix="weightstream-vllm-")
-        return [os.path.join(folder, f"rank-{rank}.sock") for rank in range(count)]
-    addresses = []
-    sockets = []
-    for _ in range(count):
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        probe.bind((host, 0))
-        sockets.append(probe)
-        addresses.append(f"{host}:{probe.getsockname()[1]}")
-    for probe in sockets:
-        probe.close()
-    return addresses
 
 
 def register_transfer_engines() -> None:

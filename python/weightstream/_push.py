@@ -1,0 +1,70 @@
+"""The trainer's side of a pushed update, shared by the engine plugins (weightstream.vllm,
+weightstream.sglang): the receivers' listen addresses, one weightstream.UpdateSender per
+receiver or per update, and one update of named tensors, its manifest declared first."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _core
+
+#: The transports an engine's receivers take.
+TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nccl")
+
+
+def check_transport(transport: str) -> None:
+    """Raises ValueError for a transport other than TRANSPORTS."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weightstream weight transfer: transport '{transport}' is not one of {', '.join(TRANSPORTS)}")
+
+
+def make_senders(addresses: List[str], transport: str, token: str, device: str,
+                 bucket_bytes: Optional[int], timeout: Optional[float] = None) -> List[Any]:
+    """The senders that feed ``addresses``: one for all of them over tcp and nccl, one each
+    over shm and cuda-ipc (which take one receiver per sender)."""
+    options: Dict[str, Any] = {"transport": transport, "token": token, "device": device}
+    if bucket_bytes:
+        options["bucket_bytes"] = int(bucket_bytes)
+    if timeout is not None:
+        options["timeout"] = float(timeout)
+    if transport in ("shm", "cuda-ipc"):
+        return [_core.UpdateSender(address, **options) for address in addresses]
+    return [_core.UpdateSender(list(addresses) if len(addresses) > 1 else addresses[0], **options)]
+
+
+def send_update(sender: Any, tensors: List[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
+    """One update of ``tensors``: their manifest (name, dtype, shape; an FSDP DTensor's are its
+    full tensor's) declared first, then each tensor gathered and sent in turn."""
+    sender.start(format, [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors])
+    for name, tensor in tensors:
+        tensor = tensor.detach()
+        full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
+        if callable(full):
+            tensor = full()
+        sender.send(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+    return sender.finish()
+
+
+def free_addresses(transport: str, count: int, host: str = "127.0.0.1") -> List[str]:
+    """``count`` listen addresses the trainer can hand to the workers: free loopback ports
+    for tcp and nccl (the host given for a remote engine), fresh Unix socket paths for shm
+    and cuda-ipc."""
+    check_transport(transport)
+    if transport in ("shm", "cuda-ipc"):
+        folder = tempfile.mkdtemp(prefix="weightstream-update-")
+        return [os.path.join(folder, f"rank-{rank}.sock") for rank in range(count)]
+    addresses = []
+    sockets = []
+    for _ in range(count):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.bind((host, 0))
+        sockets.append(probe)
+        addresses.append(f"{host}:{probe.getsockname()[1]}")
+    for probe in sockets:
+        probe.close()
+    return addresses

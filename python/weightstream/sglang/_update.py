@@ -1,0 +1,180 @@
+"""Pushed updates into a running SGLang through its own update API.
+
+SGLang's ``update_weights_from_tensor(named_tensors, load_format=<a dotted path listed in
+--custom-weight-loader>)`` hands ``named_tensors`` to that function on every rank, between
+its ``begin_weight_update()`` and ``end_weight_update()``. weightstream's custom weight
+loader, :func:`receive_update`, takes one small tensor there, the request
+:func:`update_request` makes (the transport, one listen address per tensor-parallel rank,
+the token), opens a weightstream.UpdateReceiver on the rank's bound layout at its address
+and receives the update the trainer's UpdateSender pushes: every byte lands in the model's
+own parameters, in place, or the update is refused before its first byte.
+
+The trainer side, :func:`push_update`, makes the request, calls the engine's update on a
+thread of its own and pushes the tensors to every rank's receiver.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _core
+from .._engine import check_in_place, store_binding, stored_binding
+from .._push import check_transport, free_addresses, make_senders, send_update
+from . import UPDATE_LOADER, logger
+
+#: The name of the one tensor update_request makes: the request, as UTF-8 JSON bytes.
+REQUEST_NAME = "weightstream.update_request"
+
+#: Every key of a request, and the defaults of those that have one.
+_REQUEST_DEFAULTS: Dict[str, Any] = {"transport": "shm", "token": "", "timeout": 30.0, "accept_timeout": 600.0}
+
+
+def update_request(addresses: Sequence[str], transport: str = "shm", token: str = "", timeout: float = 30.0,
+                   accept_timeout: float = 600.0) -> List[Tuple[str, torch.Tensor]]:
+    """The ``named_tensors`` to give SGLang's ``update_weights_from_tensor`` with
+    ``load_format=weightstream.sglang.UPDATE_LOADER``: one listen address per
+    tensor-parallel rank (a Unix socket path for shm and cuda-ipc, "HOST:PORT" for tcp),
+    the transport, the token the trainer's sender proves, the seconds a message may take and
+    the seconds a rank waits for the trainer."""
+    check_transport(transport)
+    request = {"addresses": list(addresses), "transport": transport, "token": token, "timeout": float(timeout),
+               "accept_timeout": float(accept_timeout)}
+    data = torch.frombuffer(bytearray(json.dumps(request).encode()), dtype=torch.uint8)
+    return [(REQUEST_NAME, data)]
+
+
+def _parse_request(named_tensors: Any) -> Dict[str, Any]:
+    """The request update_request made, or ValueError saying what was given instead."""
+    items = list(named_tensors or [])
+    names = [item[0] for item in items if isinstance(item, (tuple, list)) and item]
+    if len(items) != 1 or names != [REQUEST_NAME]:
+        raise ValueError(f"{UPDATE_LOADER} takes the one tensor weightstream.sglang.update_request makes "
+                         f"({REQUEST_NAME}); got {len(items)} tensors: {', '.join(map(str, names[:5])) or 'none'}")
+    tensor = items[0][1]
+    try:
+        request = json.loads(bytes(tensor.detach().to("cpu", torch.uint8).numpy()).decode())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{UPDATE_LOADER}: {REQUEST_NAME} is not a request update_request made: {error}") from None
+    unknown = sorted(set(request) - set(_REQUEST_DEFAULTS) - {"addresses"})
+    if unknown or not isinstance(request.get("addresses"), list):
+        raise ValueError(f"{UPDATE_LOADER}: {REQUEST_NAME} is not a request update_request made (keys "
+                         f"{', '.join(sorted(request))})")
+    check_transport(request.get("transport", "shm"))
+    return {**_REQUEST_DEFAULTS, **request}
+
+
+def _binding(model: torch.nn.Module) -> Any:
+    """The binding of the weightstream load, or a new one for a model SGLang loaded otherwise."""
+    bound = stored_binding(model)
+    if bound is not None:
+        return bound
+    from sglang.srt.runtime_context import get_model  # noqa: PLC0415
+
+    from ._loader import NoMappingTable, bind_model  # noqa: PLC0415
+
+    try:
+        # The dtype is read from the model's own embedding; bfloat16 only when it has none.
+        bound = bind_model(model, model.config.to_dict(), getattr(get_model(), "quantization", None), torch.bfloat16)
+    except NoMappingTable as reason:
+        raise _core.Error(f"weightstream updates need a model weightstream has a layout for "
+                          f"({_core.supported_model_types()}); {type(model).__name__} has none ({reason})") from None
+    store_binding(model, bound)
+    return bound
+
+
+def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]:
+    """Receives one pushed update into ``model``'s bound parameters on this rank; returns the
+    receiver's report (also kept as ``model._weightstream_last_update``). Raises
+    weightstream.Error, the trainer told why before its first byte, when the update could not
+    land every byte in place (a parameter the model holds otherwise or replaced, an unknown
+    tensor, a wrong shape); nothing is then written."""
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+    request = _parse_request(named_tensors)
+    rank = get_tensor_model_parallel_rank()
+    addresses = request["addresses"]
+    if len(addresses) <= rank:
+        raise ValueError(f"{UPDATE_LOADER}: {len(addresses)} addresses for tensor-parallel rank {rank} "
+                         f"(one for each rank)")
+    bound = _binding(model)
+    receiver = _core.UpdateReceiver(bound.layout, request["transport"], addresses[rank], request["token"],
+                                    request["timeout"], bound.device)
+    try:
+        check_in_place(model, bound)
+    except _core.Error as unfit:
+        try:
+            receiver.refuse(str(unfit), accept_timeout=request["accept_timeout"])  # the trainer's start() raises it
+        except _core.Error:
+            pass  # refuse() always raises; the engine's own reason is the one to report
+        raise unfit
+    report = receiver.receive(accept_timeout=request["accept_timeout"])
+    # What the model's load_weights would run at its end (DeepSeek's w_kc and w_vc from
+    # kv_b_proj); SGLang's end_weight_update leaves it to the load.
+    from sglang.srt.model_loader.loader import post_load_weights  # noqa: PLC0415
+
+    post_load_weights(model)
+    object.__setattr__(model, "_weightstream_last_update", report)
+    logger.info("weightstream: rank %d received an update of %s over %s: %d tensors, %d bytes, in place", rank,
+                bound.description, request["transport"], report.get("tensors", 0), report.get("bytes", 0))
+    return report
+
+
+def _connect(addresses: List[str], transport: str, token: str, bucket_bytes: Optional[int], timeout: float,
+             engine: threading.Thread, deadline: float) -> Optional[List[Any]]:
+    """The senders of ``addresses``, once every rank's receiver listens: the engine opens
+    them when its update call reaches the custom weight loader. None when the engine's call
+    returned first (its failure is the one to report); the last connect error at ``deadline``."""
+    while True:
+        try:
+            return make_senders(addresses, transport, token, "cpu", bucket_bytes, timeout)
+        except _core.Error as error:
+            if "cannot connect" not in str(error) or time.monotonic() > deadline:
+                raise
+            if not engine.is_alive():
+                return None
+        time.sleep(0.05)
+
+
+def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequence[Tuple[str, torch.Tensor]], *,
+                tp_size: int = 1, transport: str = "shm", token: str, addresses: Optional[Sequence[str]] = None,
+                ranks: Optional[Sequence[int]] = None, format: str = "checkpoint",
+                bucket_bytes: Optional[int] = None, timeout: float = 30.0,
+                accept_timeout: float = 600.0) -> Dict[str, Any]:
+    """One update of ``tensors`` into a running SGLang: ``update_weights_from_tensor`` is
+    called (on a thread of its own) as SGLang's Engine takes it, with ``named_tensors`` the
+    request and ``load_format`` UPDATE_LOADER; the tensors are pushed to every rank's
+    receiver meanwhile. Call it between the engine's ``begin_weight_update()`` and
+    ``end_weight_update()``. ``addresses``: one per tensor-parallel rank (fresh ones when
+    None); ``ranks``: the ranks this trainer pushes to (all when None; a trainer process
+    beside each rank pushes to its own). Returns {"engine": what the engine's call returned,
+    "senders": each sender's report}. Raises the first failure of either side: a refused
+    update raises weightstream.Error with the engine's reason; an engine call that fails before
+    its receivers listen raises its own error."""
+    addresses = list(addresses) if addresses else free_addresses(transport, tp_size)
+    request = update_request(addresses, transport, token, timeout, accept_timeout)
+    outcome: Dict[str, Any] = {}
+
+    def engine_update() -> None:
+        try:
+            outcome["engine"] = update_weights_from_tensor(named_tensors=request, load_format=UPDATE_LOADER)
+        except BaseException as error:  # noqa: BLE001 - raised on the calling thread
+            outcome["failure"] = error
+
+    engine = threading.Thread(target=engine_update, name="weightstream-sglang-update", daemon=True)
+    engine.start()
+    try:
+        pushed = [addresses[rank] for rank in ranks] if ranks is not None else addresses
+        senders = _connect(pushed, transport, token, bucket_bytes, timeout, engine, time.monotonic() + accept_timeout)
+        if senders is not None:
+            listed = list(tensors)  # references: the manifest is declared before the first byte
+            outcome["senders"] = [send_update(sender, listed, format) for sender in senders]
+    finally:
+        engine.join(timeout=accept_timeout)
+    if "failure" in outcome:
+        raise outcome["failure"]
+    return outcome
