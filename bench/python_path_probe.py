@@ -7,7 +7,7 @@ the one before) over --rounds:
            allocation to last byte landed; the Checkpoint open and CUDA context are outside)
   load     weightstream.load(DIR, device=D, framework="torch"), as open() + Checkpoint.load()
   session  identity_layout(DIR, device=D) + LoadSession begin / load_checkpoint / finish, then
-           a torch tensor per parameter (layout.tensor + weightstream's own torch view)
+           a torch tensor per parameter (layout.tensors("torch"), one call into the core)
 In `load` and `session`, torch is imported and CUDA initialised (gpu_bench's _torch_ready)
 before the clock; it stops after torch.cuda.synchronize(). Phases (medians, seconds):
   load     open | core (the compiled load call, seen from Python) | core_lib (the library's
@@ -87,8 +87,6 @@ def worker_load(p):
 def worker_session(p):
     torch = gb._torch_ready(p["device"])
     import weightstream
-    from weightstream._tensors import to_torch
-
     marks = [time.perf_counter()]
     checkpoint = weightstream.open(p["dir"])
     marks.append(time.perf_counter())
@@ -101,8 +99,7 @@ def worker_session(p):
     marks.append(time.perf_counter())
     session.finish()
     marks.append(time.perf_counter())
-    tensors = {name: to_torch(layout.tensor(name), checkpoint[name].dtype, checkpoint[name].shape)
-               for name in layout.parameter_names}
+    tensors = layout.tensors("torch")
     marks.append(time.perf_counter())
     gb._sync(torch, p["device"])
     marks.append(time.perf_counter())

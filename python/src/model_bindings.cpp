@@ -477,7 +477,9 @@ class SessionHandle {
   LoadSession session_;
 };
 
-nb::object parameter_array(nb::handle layout_object, const std::string& name) {
+/// A view of parameter `name`'s storage: a DLPack array, or a torch.Tensor made by the core
+/// where `torch` asks and the dtype allows (tensor_object).
+nb::object parameter_array(nb::handle layout_object, const std::string& name, TorchTensors torch) {
   auto& handle = nb::cast<LayoutHandle&>(layout_object);
   auto& layout = handle.layout;
   const auto& parameter = layout.parameter(name);
@@ -490,7 +492,7 @@ nb::object parameter_array(nb::handle layout_object, const std::string& name) {
   shape_only.shape = parameter.shape;
   shape_only.bytes = parameter.bytes();
   // The view holds the layout object: the storage lives as long as the layout does.
-  return tensor_array(parameter.data, shape_only, parameter.device, layout_object);
+  return tensor_object(parameter.data, shape_only, parameter.device, layout_object, torch);
 }
 
 }  // namespace
@@ -763,8 +765,25 @@ void bind_model(nb::module_& m) {
            "prefixed name is a parameter of the layout; returns the names bound.")
       .def_prop_ro("bound_names", [](const LayoutHandle& handle) { return handle.layout.bound_names(); })
       .def_prop_ro("unbound_names", [](const LayoutHandle& handle) { return handle.layout.unbound_names(); })
-      .def("tensor", &parameter_array, "name"_a,
-           "A DLPack view of a parameter's storage (valid while the layout lives).")
+      .def(
+          "_view",
+          [](nb::handle layout, const std::string& name, const std::string& torch) {
+            return parameter_array(layout, name, parse_torch_tensors(torch));
+          },
+          "name"_a, "torch"_a = "none",
+          "A view of a parameter's storage (valid while the layout lives): a DLPack array, or with torch='all' a "
+          "torch.Tensor where the core makes one (ModelLayout.tensor wraps it).")
+      .def(
+          "_views",
+          [](nb::handle layout, const std::string& torch) {
+            const TorchTensors parsed = parse_torch_tensors(torch);
+            nb::dict views;
+            for (const Parameter& parameter : python_layout(layout).parameters()) {
+              views[nb::str(parameter.name.c_str())] = parameter_array(layout, parameter.name, parsed);
+            }
+            return views;
+          },
+          "torch"_a = "none", "Every parameter's view (see _view), by name, in layout order.")
       .def("add_tied_lm_head_hook", [](LayoutHandle& handle) { handle.layout.add_hook(make_tied_lm_head_hook()); })
       .def("add_hook",
            [](LayoutHandle& handle, const std::string& name, nb::callable run, bool rerunnable) {

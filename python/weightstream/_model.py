@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from . import _core
 from ._api import Checkpoint
+from ._tensors import check_framework, present
 
 ModelLayout = _core.ModelLayout
 
@@ -221,3 +222,38 @@ def _serve_method(self: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpo
 _serve_method.__doc__ = "``weightstream.serve(layout, checkpoint, ...)``: " + (serve.__doc__ or "")
 _serve_method.__name__ = "serve"
 ModelLayout.serve = _serve_method
+
+
+def _tensor_method(self: ModelLayout, name: str, framework: Optional[str] = None) -> Any:
+    """A view of parameter ``name``'s storage, valid while the layout lives: a DLPack array
+    (``framework=None``; raw bytes as ``[*shape, itemsize]`` uint8 for dtypes DLPack lacks), a
+    ``torch.Tensor`` in the parameter's dtype and shape (``"torch"``, made by the core in one
+    call where it can), or a ``numpy.ndarray`` (``"numpy"``, host layouts)."""
+    check_framework(framework)
+    view = self._view(name, "all" if framework == "torch" else "none")
+    return view if framework is None else _as_framework(self, name, view, framework)
+
+
+def _tensors_method(self: ModelLayout, framework: Optional[str] = None) -> Dict[str, Any]:
+    """Every parameter's view (see ``tensor``), by name, in layout order: one call into the
+    core for the whole layout."""
+    check_framework(framework)
+    views = self._views("all" if framework == "torch" else "none")
+    if framework is None:
+        return views
+    return {name: _as_framework(self, name, view, framework) for name, view in views.items()}
+
+
+def _as_framework(layout: ModelLayout, name: str, view: Any, framework: str) -> Any:
+    """``view`` as ``framework`` asks: a torch.Tensor the core made already is kept; raw bytes
+    take the parameter's dtype and shape."""
+    if framework == "torch" and type(view).__module__.startswith("torch"):
+        return view
+    info = layout.parameter_info(name)
+    return present(view, info["dtype"], info["shape"], framework)
+
+
+_tensor_method.__name__ = "tensor"
+_tensors_method.__name__ = "tensors"
+ModelLayout.tensor = _tensor_method
+ModelLayout.tensors = _tensors_method

@@ -175,3 +175,47 @@ def test_a_missing_shard_is_not_found(llama_bf16, tmp_path):
     with pytest.raises(weightstream.Error, match="'model-00002-of-00002.safetensors', which does not exist") as error:
         weightstream.open(str(directory))
     assert error.value.code == "not_found"
+
+
+# ---- a layout's parameters as views -------------------------------------------------------------
+
+
+def test_a_layouts_parameters_come_as_dlpack_numpy_or_torch_views_of_its_storage(cli, llama_bf16, tmp_path):
+    """layout.tensor(name, framework) and layout.tensors(framework): one parameter or all, in
+    layout order, as views of the layout's storage (a write through one shows in the others),
+    BF16 and FP8 block-scaled, with the parameter's dtype and shape; a bad framework is refused."""
+    fp8 = synth(cli, tmp_path / "fp8", "--arch", "llama", "--quantize", "fp8-block", "--seed", "5")
+    for directory in (llama_bf16, fp8):
+        layout = weightstream.model_layout(str(directory), device="cpu")
+        session = weightstream.LoadSession(layout)
+        session.begin("cold")
+        session.load_checkpoint(str(directory))
+        session.finish()
+        names = [name for name, _, _ in layout.parameters]
+        stored = parameter_bytes(layout)
+        arrays = layout.tensors()
+        assert list(arrays) == names
+        assert all(hasattr(arrays[name], "__dlpack__") for name in names)
+        assert layout.tensor(names[0]).__dlpack_device__() == arrays[names[0]].__dlpack_device__()
+        as_numpy = layout.tensors("numpy")
+        assert list(as_numpy) == names
+        for name in names:
+            assert as_numpy[name].tobytes() == stored[name], name
+            assert layout.tensor(name, "numpy").tobytes() == stored[name], name
+        if torch is not None:
+            as_torch = layout.tensors("torch")
+            assert list(as_torch) == names
+            for name, dtype, shape in layout.parameters:
+                tensor = as_torch[name]
+                assert isinstance(tensor, torch.Tensor), name
+                assert tuple(tensor.shape) == tuple(shape), name
+                assert tensor.element_size() * tensor.numel() == len(stored[name]), name
+                assert tensor.view(torch.uint8).numpy().tobytes() == stored[name], name
+                assert layout.tensor(name, "torch").data_ptr() == tensor.data_ptr(), name
+            first = names[0]
+            as_torch[first].view(torch.uint8).view(-1)[0] ^= 0xFF  # through torch, seen by numpy
+            assert layout.tensor(first, "numpy").tobytes()[0] == stored[first][0] ^ 0xFF
+        with pytest.raises(ValueError, match="framework must be None, 'torch' or 'numpy', not 'jax'"):
+            layout.tensor(names[0], "jax")
+        with pytest.raises(ValueError, match="framework must be None, 'torch' or 'numpy', not 'jax'"):
+            layout.tensors("jax")
