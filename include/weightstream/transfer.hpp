@@ -133,7 +133,7 @@ struct SenderOptions {
 /// `copying` large: the GPU's copies are; `checking` large: host work per tensor is.
 struct UpdatePhases {
   double preparing = 0;     ///< the session's begin() and the update's bookkeeping, before any bucket
-  double first_bucket = 0;  ///< from START until the first manifest had arrived and been decoded (counted in `preparing`, `waiting` and `parsing`)
+  double first_bucket = 0;  ///< from START until the first bucket's manifest had arrived and been decoded (counted in `preparing`, `checking` (the update's manifest, and ACCEPTED), `waiting` and `parsing`)
   double waiting = 0;       ///< for the sender: manifests and payload bytes in transit
   double parsing = 0;       ///< decoding manifests
   double opening = 0;       ///< opening the sender's shared regions (CUDA IPC)

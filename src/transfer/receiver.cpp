@@ -686,11 +686,12 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     last_format = format;
     // The whole update is checked before its first byte: a refusal writes nothing.
     ManifestLedger ledger = timed(phases.checking, [&] {
-      return check_manifest(layout, *session, format, start_message.declared);
+      ManifestLedger checked = check_manifest(layout, *session, format, start_message.declared);
+      Message accepted;
+      accepted.type = MessageType::kAccepted;
+      link.send(accepted, timeout);
+      return checked;
     });
-    Message accepted;
-    accepted.type = MessageType::kAccepted;
-    link.send(accepted, timeout);
 
     // ---- buckets, then finish ----
     for (;;) {
