@@ -652,7 +652,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // Batches of assemblies whose staging fits the memory limit (at least one each).
   for (size_t first = 0; first < assemblies.size();) {
     struct Staged {
-      std::unique_ptr<std::byte[]> bytes;
+      std::shared_ptr<std::byte[]> bytes;  // kept by the views handed to the session
       std::unique_ptr<PieceDigests> pieces;  // the pieces read
     };
     std::map<std::pair<size_t, size_t>, Staged> staged;
@@ -692,14 +692,16 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     for (auto& [key, buffer] : staged) {
       State::Link& link = state.links[key.first];
       const PeerParameter& served = link.manifest.parameters[key.second];
-      buffer.bytes.reset(new std::byte[std::max<uint64_t>(served.bytes, 1)]);
+      buffer.bytes = std::make_shared_for_overwrite<std::byte[]>(std::max<uint64_t>(served.bytes, 1));
       // Only the digest pieces that hold what the assemblies need.
       buffer.pieces = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, served.bytes, ranges[key]);
       read_pieces(link, key.second, buffer.bytes.get(), *buffer.pieces);
     }
     wait_all();
     for (auto& [key, buffer] : staged) check_pieces(state.links[key.first], key.second, *buffer.pieces);
-    std::vector<std::unique_ptr<std::byte[]>> rows_held;
+    // Every view keeps its buffer, which nothing changes once checked: a piece the session
+    // holds back for its layer (a reload's or update's whole-layer commit) keeps it by
+    // reference instead of copying it (SourceLifetime::kKeepalive).
     std::vector<TensorView> views;
     for (size_t a = first; a < end; ++a) {
       const Assembly& assembly = assemblies[a];
@@ -713,17 +715,20 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
                             .shape = tensor.shape,
                             .device = Device{},
                             .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
-                            .bytes = bytes};
+                            .bytes = bytes,
+                            .lifetime = SourceLifetime::kKeepalive};
       if (staged_as_is(assembly, columns)) {
         const Piece& piece = assembly.pieces.front();
+        const std::shared_ptr<std::byte[]>& buffer = staged.at({piece.link, piece.served}).bytes;
         views.push_back(view);
-        views.back().data = staged.at({piece.link, piece.served}).bytes.get() +
+        views.back().keepalive = buffer;
+        views.back().data = buffer.get() +
                             (piece.part->element_offset +
                              static_cast<uint64_t>(piece.rect.row_begin - piece.part->row_begin) *
                                  static_cast<uint64_t>(columns)) * size;
         continue;
       }
-      auto& rows = rows_held.emplace_back(new std::byte[std::max<uint64_t>(bytes, 1)]);
+      const std::shared_ptr<std::byte[]> rows = std::make_shared_for_overwrite<std::byte[]>(std::max<uint64_t>(bytes, 1));
       for (const Piece& piece : assembly.pieces) {
         const std::byte* source = staged.at({piece.link, piece.served}).bytes.get();
         const ParameterPart& part = *piece.part;
@@ -745,6 +750,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
         }
       }
       views.push_back(view);
+      views.back().keepalive = rows;
       views.back().data = rows.get();
     }
     if (!views.empty()) session.load(views);
