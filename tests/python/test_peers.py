@@ -402,17 +402,22 @@ def test_a_peer_frozen_mid_transfer_ends_in_an_error_or_the_fallback_never_an_ab
                 os.kill(pid, signal.SIGCONT)
             server.stop()
         assert "Assertion" not in err and "backtrace" not in err, err
+        # The frozen server is found stalled by UCX (reads in flight without progress) or, when
+        # every read it owed had reached the puller's socket before the freeze, silent on the
+        # control connection afterwards: either way within the peer timeout, naming it.
+        stalled = (f"peer {server.address}", "without progress")
+        silent = (f"timed out after 3 s of silence from serving peer {server.address}",)
         if fallback:
             assert puller.returncode == 0, err
             report = json.loads(out)
-            assert server.address in report["peer_failure"]
-            assert "without progress" in report["peer_failure"]
+            failure = report["peer_failure"]
+            assert all(text in failure for text in stalled) or all(text in failure for text in silent), failure
             assert "peers failed" in err and str(wide_llama) in err
             assert digests(tmp_path / "out.safetensors") == expected
         else:
             assert puller.returncode == 1, err
             assert f"cannot load from peer://{server.address}" in err and "no storage fallback given" in err
-            assert f"peer {server.address}" in err and "without progress" in err
+            assert all(text in err for text in stalled) or all(text in err for text in silent), err
         (tmp_path / "out.safetensors").unlink(missing_ok=True)
 
 
