@@ -177,9 +177,6 @@ struct Worker::State {
   // Serving side: send requests answered, and their sends not yet ended.
   Secret request_secret{};
   std::atomic<uint64_t> sends_in_flight{0};
-  // Set when the progress thread stopped with transfers still owed to a peer that did not
-  // take them in time: the worker is then left to the process (see ~Worker).
-  std::atomic<bool> left_with_transfers{false};
   // Receiving side of send_message.
   Secret message_secret{};
   Place place;
@@ -460,20 +457,6 @@ void Worker::stop_progress() {
 
 Worker::~Worker() {
   stop_progress();
-  if (state_->left_with_transfers.load(std::memory_order_relaxed)) {
-    // A peer that stopped taking what this worker owes it (paused, frozen, or blocked on
-    // this very process) leaves requests on the worker's endpoints, and UCX aborts the
-    // process that destroys such a worker (ucp_ep.c proto_reqs assertion). The worker and
-    // its context are left to the process instead: a leak, once, not an abort.
-    std::fprintf(stderr, "weightstream: a UCX worker was left undestroyed at shutdown: a peer had not taken its "
-                         "transfers after 2 s\n");
-    // Kept reachable from a static, never freed: a leak checker counts it as held, not lost.
-    static std::mutex left_mutex;
-    static auto* left = new std::vector<std::unique_ptr<State>>();
-    std::lock_guard lock(left_mutex);
-    left->push_back(std::move(state_));
-    return;
-  }
   ucp_worker_destroy(state_->worker);
   ucp_cleanup(state_->context);
 }
@@ -576,7 +559,6 @@ void Worker::start_progress() {
       }
       wait_for_events(state->worker, state->efd, 10);
     }
-    if (pending()) state->left_with_transfers.store(true, std::memory_order_relaxed);
     if (UCS_PTR_IS_PTR(flush)) {
       if (ucp_request_check_status(flush) == UCS_INPROGRESS) ucp_request_cancel(state->worker, flush);
       ucp_request_free(flush);

@@ -721,12 +721,15 @@ TEST_F(PeerTest, AServerGoneMidPullFailsNamingItAndNothingIsReported) {
   Instance instance(model, 1);
   PeerPullOptions options = pull_options();
   options.timeout = std::chrono::seconds(5);
-  // The embeddings' first piece lands, the rest in flight, then the server goes.
+  // The embeddings' first piece lands, the rest in flight, then the server goes: shut down
+  // on a thread of its own while the puller goes on turning its worker, as a server process
+  // would (destroyed on the puller's thread, it would wait on reads only the puller can take).
   options.pause_after_bytes = 1;
   bool paused = false;
+  std::thread going;
   options.on_pause = [&] {
     paused = true;
-    instance.servers.clear();
+    going = std::thread([&] { instance.servers.clear(); });
   };
   PeerSource source(instance.uri(), options);
   const std::string address = instance.servers[0]->address();
@@ -734,6 +737,7 @@ TEST_F(PeerTest, AServerGoneMidPullFailsNamingItAndNothingIsReported) {
   LoadSession session(layout);
   session.begin(LoadMode::kCold);
   std::string text = error_text([&] { source.pull(session); });
+  if (going.joinable()) going.join();
   EXPECT_TRUE(paused);
   EXPECT_THAT(text, ::testing::AnyOf(HasSubstr("network: "), HasSubstr("timeout: ")));
   EXPECT_THAT(text, HasSubstr(address));
