@@ -208,6 +208,9 @@ struct PeerPullOptions {
   /// the next serving parameter is read. 0 (the default) never pauses.
   uint64_t pause_after_bytes = 0;
   std::function<void()> on_pause;
+  /// With pause_after_bytes: false pauses host reads between two parameters instead, every
+  /// read so far landed (a server destroyed in the pause on the pulling thread owes it nothing).
+  bool pause_mid_parameter = true;
 };
 
 /// What a pull did.

@@ -384,7 +384,8 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   // Reads the digest pieces `pieces` of a served parameter into host memory at `destination`
   // (where the whole parameter lies), each hashed as it lands.
   auto read_pieces = [&](State::Link& link, size_t served, std::byte* destination, PieceDigests& pieces) {
-    const bool pause_here = pause_due() && pieces.size() >= kPausePieces;
+    if (!state.options.pause_mid_parameter) pause_if_asked();
+    const bool pause_here = state.options.pause_mid_parameter && pause_due() && pieces.size() >= kPausePieces;
     const PeerParameter& parameter = link.manifest.parameters[served];
     WS_EXPECT(!parameter.piece_xxh64.empty() || parameter.bytes == 0, ErrorCode::kProtocol,
               "parameter " + parameter.name + " served by " + peer_text(link.manifest) + " has no piece digests");
