@@ -18,26 +18,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${WS_BUILD_DIR:-$root/build}
-venv=${WS_SGLANG_VENV:-$build/venv-sglang}
-version=${WS_SGLANG_VERSION:-0.5.23}
-
-if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$version')" 2>/dev/null; then
-  echo "installing sglang==$version into $venv (about 11 GB, about 14 minutes)"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --disable-pip-version-check -q "sglang==$version"
-fi
-"$venv/bin/python" -c "import pytest, transformers, boto3" 2>/dev/null ||
-  "$venv/bin/pip" install --disable-pip-version-check -q pytest transformers boto3
-
-system_python=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-venv_python=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-if [ "$system_python" != "$venv_python" ]; then
-  echo "python3 is $system_python but $venv has Python $venv_python: the package built here would not import there" >&2
-  exit 1
-fi
-python_site="$build/python-site"
-CMAKE_BUILD_PARALLEL_LEVEL="${WS_JOBS:-$(nproc)}" python3 -m pip install --no-build-isolation --no-deps \
-  --disable-pip-version-check --root-user-action=ignore -q --upgrade --target "$python_site" "$root"
+. "$root/scripts/engine-venv.sh" sglang "${WS_SGLANG_VERSION:-0.5.23}" "${WS_SGLANG_VENV:-$build/venv-sglang}" "about 11 GB, about 14 minutes"
 
 started=$(date +%s)
 # moto's S3 server for the s3:// scenario.
