@@ -174,7 +174,17 @@ bool ParameterWriter::lands(uint64_t width, uint64_t rows, uint64_t source_pitch
 void ParameterWriter::copy_from_host(std::span<const HostCopy> copies, std::shared_ptr<const void> keepalive,
                                      std::string_view what) {
   std::vector<const HostCopy*> landed;
+  std::vector<HostCopy> compact;  // rectangles whose rows meet on both sides, as one run each
+  compact.reserve(copies.size());
   for (const HostCopy& copy : copies) {
+    compact.push_back(copy);
+    if (copy.rows > 1 && copy.source_pitch == copy.width && copy.destination_pitch == copy.width) {
+      compact.back().width = copy.width * copy.rows;  // a packed column window into a compact part
+      compact.back().source_pitch = compact.back().destination_pitch = compact.back().width;
+      compact.back().rows = 1;
+    }
+  }
+  for (const HostCopy& copy : compact) {
     // Bytes a transport landed in place already (source == destination) copy nothing.
     if (copy.width == 0 || copy.rows == 0 || copy.source == copy.destination) continue;
     if (copies.size() > 1 && copy.allocation != nullptr &&
