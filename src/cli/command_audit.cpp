@@ -334,8 +334,8 @@ void add_audit_command(CLI::App& app) {
     const uint64_t cold_bytes = plan_layout_load(layout, first).bytes_to_read;
     AuditProgress progress(progress_enabled(flags->stream, options) && !flags->json,
                            std::max<uint64_t>(1, cold_bytes + (static_cast<uint64_t>(flags->repeat) + 1) * plan.bytes_to_read));
-    Publication cold_series =
-        publish_load(metrics.get(), first.uri(), load_layout(layout, first, LoadMode::kCold, options.stream, progress.part()).stream);
+    const LayoutLoad cold = load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
+    Publication cold_series = publish_load(metrics.get(), first.uri(), cold.stream);
     progress.finished(cold_bytes);
     watch.loaded();
     std::mt19937_64 random(flags->seed);

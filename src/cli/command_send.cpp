@@ -287,8 +287,8 @@ void add_send_command(CLI::App& app) {
 }
 
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
-                         MetricsEndpoint* metrics) {
+                         const StreamFlags& stream, int64_t count,
+                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics) {
   UpdateMetrics applied(flags.via);
   Publication applied_series = publish(metrics, [&applied] { return applied.series(); });
   const auto record_then_report = [&](const ViaUpdate& update) {

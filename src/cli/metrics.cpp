@@ -16,7 +16,7 @@ namespace {
 /// model's update over shm to a large one's across hosts.
 constexpr double kUpdateSecondsBuckets[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
 
-MetricSeries series(std::string name, std::string help, MetricType type, double value,
+MetricSeries one_sample(std::string name, std::string help, MetricType type, double value,
                     std::vector<std::pair<std::string, std::string>> labels = {}) {
   MetricSeries result{std::move(name), std::move(help), type, {}};
   result.samples.push_back(MetricSample{std::move(labels), value, {}, 0});
@@ -93,10 +93,11 @@ std::string storage_kind(const std::string& uri) {
 
 std::vector<MetricSeries> load_series(const LoadRecord& load) {
   const std::vector<std::pair<std::string, std::string>> source = {{"source", load.source}};
-  return {series("weightstream_load_read_bytes_total", "Bytes read from the source by the cold load", MetricType::kCounter,
-                 static_cast<double>(load.bytes_read), source),
-          series("weightstream_load_duration_seconds", "Seconds the cold load took, from planning to the model hook",
-                 MetricType::kGauge, load.seconds, source)};
+  return {one_sample("weightstream_load_read_bytes_total", "Bytes read from the source by the cold load",
+                     MetricType::kCounter, static_cast<double>(load.bytes_read), source),
+          one_sample("weightstream_load_duration_seconds",
+                     "Seconds the cold load took, from planning to the model hook", MetricType::kGauge, load.seconds,
+                     source)};
 }
 
 Publication publish_load(MetricsEndpoint* endpoint, const std::string& uri, const StreamStats& stream) {
@@ -107,32 +108,36 @@ Publication publish_load(MetricsEndpoint* endpoint, const std::string& uri, cons
 std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats) {
   auto value = [](uint64_t count) { return static_cast<double>(count); };
   return {
-      series("weightstream_peer_pullers_connected", "Pullers past the handshake, connected now", MetricType::kGauge,
-             value(stats.pullers_connected)),
-      series("weightstream_peer_pullers_accepted_total", "Pullers that proved the token", MetricType::kCounter,
-             value(stats.pullers_accepted)),
-      series("weightstream_peer_manifests_sent_total", "Manifests sent to pullers (one per pull)", MetricType::kCounter,
-             value(stats.manifests_sent)),
-      series("weightstream_peer_connections_refused_total", "Connections refused or dropped (each logged on stderr)",
-             MetricType::kCounter, value(stats.connections_refused)),
-      series("weightstream_peer_sent_bytes_total",
-             "Parameter bytes sent on pullers' requests (UCX rendezvous; one-sided RMA reads are not seen)",
-             MetricType::kCounter, value(stats.bytes_sent)),
-      series("weightstream_peer_served_parameters", "Parameters published", MetricType::kGauge, value(stats.parameters)),
-      series("weightstream_peer_served_bytes", "Bytes of the parameters published", MetricType::kGauge,
-             value(stats.parameter_bytes)),
-      series("weightstream_peer_version", "Version of the parameters published (changes with every update)",
-             MetricType::kGauge, value(stats.version)),
-      series("weightstream_peer_updating", "1 while the published parameters are being updated", MetricType::kGauge,
-             stats.updating ? 1 : 0),
-      series("weightstream_peer_content_info", "1, labelled with the content digest published (empty: unknown)",
-             MetricType::kGauge, 1, {{"content_digest", stats.content_digest}}),
+      one_sample("weightstream_peer_pullers_connected", "Pullers past the handshake, connected now", MetricType::kGauge,
+                 value(stats.pullers_connected)),
+      one_sample("weightstream_peer_pullers_accepted_total", "Pullers that proved the token", MetricType::kCounter,
+                 value(stats.pullers_accepted)),
+      one_sample("weightstream_peer_manifests_sent_total", "Manifests sent to pullers (one per pull)",
+                 MetricType::kCounter, value(stats.manifests_sent)),
+      one_sample("weightstream_peer_connections_refused_total",
+                 "Connections refused or dropped (each logged on stderr)", MetricType::kCounter,
+                 value(stats.connections_refused)),
+      one_sample("weightstream_peer_sent_bytes_total",
+                 "Parameter bytes sent on pullers' requests (UCX rendezvous; one-sided RMA reads are not seen)",
+                 MetricType::kCounter, value(stats.bytes_sent)),
+      one_sample("weightstream_peer_served_parameters", "Parameters published", MetricType::kGauge,
+                 value(stats.parameters)),
+      one_sample("weightstream_peer_served_bytes", "Bytes of the parameters published", MetricType::kGauge,
+                 value(stats.parameter_bytes)),
+      one_sample("weightstream_peer_version", "Version of the parameters published (changes with every update)",
+                 MetricType::kGauge, value(stats.version)),
+      one_sample("weightstream_peer_updating", "1 while the published parameters are being updated", MetricType::kGauge,
+                 stats.updating ? 1 : 0),
+      one_sample("weightstream_peer_content_info", "1, labelled with the content digest published (empty: unknown)",
+                 MetricType::kGauge, 1, {{"content_digest", stats.content_digest}}),
   };
 }
 
+UpdateMetrics::UpdateMetrics(std::string transport)
+    : transport_(std::move(transport)), seconds_buckets_(std::size(kUpdateSecondsBuckets), 0) {}
+
 void UpdateMetrics::completed(const UpdateReport& report) {
   std::lock_guard lock(mutex_);
-  if (seconds_buckets_.empty()) seconds_buckets_.assign(std::size(kUpdateSecondsBuckets), 0);
   ++completed_;
   bytes_ += report.bytes + report.shared_bytes;
   tensors_ += report.tensors;
@@ -149,22 +154,22 @@ std::vector<MetricSeries> UpdateMetrics::series() const {
   std::lock_guard lock(mutex_);
   const std::vector<std::pair<std::string, std::string>> transport = {{"transport", transport_}};
   std::vector<MetricSeries> result = {
-      cli::series("weightstream_updates_completed_total", "Pushed updates applied whole", MetricType::kCounter,
-                  static_cast<double>(completed_), transport),
-      cli::series("weightstream_update_received_bytes_total",
-                  "Tensor bytes of the updates applied (through buckets and read in place)", MetricType::kCounter,
-                  static_cast<double>(bytes_), transport),
-      cli::series("weightstream_update_tensors_total", "Tensors of the updates applied", MetricType::kCounter,
-                  static_cast<double>(tensors_), transport),
-      cli::series("weightstream_update_last_completed_timestamp_seconds",
-                  "Unix time the last update was applied (0: none yet)", MetricType::kGauge,
-                  last_completed_unix_seconds_, transport),
+      one_sample("weightstream_updates_completed_total", "Pushed updates applied whole", MetricType::kCounter,
+                 static_cast<double>(completed_), transport),
+      one_sample("weightstream_update_received_bytes_total",
+                 "Tensor bytes of the updates applied (through buckets and read in place)", MetricType::kCounter,
+                 static_cast<double>(bytes_), transport),
+      one_sample("weightstream_update_tensors_total", "Tensors of the updates applied", MetricType::kCounter,
+                 static_cast<double>(tensors_), transport),
+      one_sample("weightstream_update_last_completed_timestamp_seconds",
+                 "Unix time the last update was applied (0: none yet)", MetricType::kGauge,
+                 last_completed_unix_seconds_, transport),
   };
   MetricSeries duration{"weightstream_update_duration_seconds", "Seconds from an update's START to its end of finish()",
                         MetricType::kHistogram, {}};
   MetricSample histogram{transport, seconds_sum_, {}, completed_};
   for (size_t i = 0; i < std::size(kUpdateSecondsBuckets); ++i) {
-    histogram.buckets.emplace_back(kUpdateSecondsBuckets[i], seconds_buckets_.empty() ? 0 : seconds_buckets_[i]);
+    histogram.buckets.emplace_back(kUpdateSecondsBuckets[i], seconds_buckets_[i]);
   }
   duration.samples.push_back(std::move(histogram));
   result.push_back(std::move(duration));

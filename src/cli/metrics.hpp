@@ -147,7 +147,7 @@ std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats);
 /// Thread-safe: the receiving thread records, a scrape reads.
 class UpdateMetrics {
  public:
-  explicit UpdateMetrics(std::string transport) : transport_(std::move(transport)) {}
+  explicit UpdateMetrics(std::string transport);
   /// One update applied whole.
   void completed(const UpdateReport& report);
   std::vector<MetricSeries> series() const;

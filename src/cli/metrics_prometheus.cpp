@@ -123,7 +123,8 @@ MetricsEndpoint::MetricsEndpoint(const std::string& listen) : state_(std::make_u
     // Two threads: a scrape never waits behind another, and a stalled client holds one.
     state_->exposer = std::make_unique<prometheus::Exposer>(requested, 2);
   } catch (const std::exception& error) {
-    WS_FAIL(ErrorCode::kNetwork, "cannot serve metrics on " + requested + " (--metrics-listen): " + bind_failure(host, port));
+    WS_FAIL(ErrorCode::kNetwork,
+            "cannot serve metrics on " + requested + " (--metrics-listen): " + bind_failure(host, port));
   }
   const std::vector<int> ports = state_->exposer->GetListeningPorts();
   WS_EXPECT(!ports.empty(), ErrorCode::kNetwork, "cannot serve metrics on " + requested + ": no port was bound");

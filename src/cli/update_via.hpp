@@ -49,8 +49,8 @@ struct ViaUpdate {
 /// sender's exit status when it failed first. With `metrics`, each update applied shows in
 /// its weightstream_update_* series while the receiver lives.
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
-                         MetricsEndpoint* metrics = nullptr);
+                         const StreamFlags& stream, int64_t count,
+                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics = nullptr);
 
 /// Registers the hidden `send` subcommand.
 void add_send_command(CLI::App& app);

@@ -187,7 +187,8 @@ def test_a_receiver_shows_each_update_it_applied_while_it_awaits_the_next(llama,
                    - time.time()) < 3600
 
         send()
-        out, err = audit.process.communicate(timeout=300)
+        audit.process.wait(timeout=300)
+        out, err = audit.process.stdout.read(), audit.process.stderr.read()
         assert audit.process.returncode == 0, err
         report = json.loads(out)
         assert report["clean"] is True and report["repeat"] == 2
