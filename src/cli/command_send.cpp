@@ -314,6 +314,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     options.token = flags.open_without_token ? std::string() : token_from_stdin();
     options.open_without_token = flags.open_without_token;
     UpdateReceiver receiver(layout, options);
+    Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());
     std::fflush(stderr);
@@ -321,6 +322,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     return;
   }
   UpdateReceiver receiver(layout, options);
+  Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
 
   // NCCL refuses two ranks on one GPU: the sender stages on the next one.
   Device sender_device = device;

@@ -133,6 +133,24 @@ std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats) {
   };
 }
 
+std::vector<MetricSeries> update_receiver_series(const ReceiverStats& stats, const std::string& transport) {
+  auto value = [](uint64_t count) { return static_cast<double>(count); };
+  const std::vector<std::pair<std::string, std::string>> labels = {{"transport", transport}};
+  return {
+      one_sample("weightstream_update_senders_accepted_total", "Senders that proved the token and were welcomed",
+                 MetricType::kCounter, value(stats.senders_accepted), labels),
+      one_sample("weightstream_update_connections_refused_total",
+                 "Peers refused or dropped before an update (each logged on stderr)", MetricType::kCounter,
+                 value(stats.connections_refused), labels),
+      one_sample("weightstream_updates_started_total", "Updates whose START arrived", MetricType::kCounter,
+                 value(stats.updates_started), labels),
+      one_sample("weightstream_updates_failed_total", "Updates started that failed, were cancelled or refused",
+                 MetricType::kCounter, value(stats.updates_failed), labels),
+      one_sample("weightstream_update_in_progress", "1 while an update is under way (START arrived, not ended)",
+                 MetricType::kGauge, stats.updating ? 1 : 0, labels),
+  };
+}
+
 UpdateMetrics::UpdateMetrics(std::string transport)
     : transport_(std::move(transport)), seconds_buckets_(std::size(kUpdateSecondsBuckets), 0) {}
 

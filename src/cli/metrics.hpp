@@ -143,6 +143,10 @@ std::vector<MetricSeries> load_series(const LoadRecord& load);
 /// The series of a peer server (weightstream_peer_*) from its stats.
 std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats);
 
+/// The series of an update receiver's own counters (weightstream_update_*: senders,
+/// refusals, updates started and failed, one under way) for `transport`.
+std::vector<MetricSeries> update_receiver_series(const ReceiverStats& stats, const std::string& transport);
+
 /// What an update receiver has applied, for weightstream_update_* (docs/METRICS.md).
 /// Thread-safe: the receiving thread records, a scrape reads.
 class UpdateMetrics {

@@ -165,17 +165,21 @@ def test_a_receiver_shows_each_update_it_applied_while_it_awaits_the_next(llama,
 
         samples, types = scrape(metrics)
         assert value(samples, "weightstream_load_read_bytes_total", source="file") > 0
-        assert value(samples, "weightstream_updates_completed_total", transport="tcp") == 0
-        assert value(samples, "weightstream_update_duration_seconds_count", transport="tcp") == 0
+        for name in ("weightstream_updates_completed_total", "weightstream_updates_started_total",
+                     "weightstream_update_senders_accepted_total", "weightstream_update_in_progress",
+                     "weightstream_update_duration_seconds_count"):
+            assert value(samples, name, transport="tcp") == 0, name
         assert types["weightstream_update_duration_seconds"] == "histogram"
 
-        def send():
-            sent = run("send", str(llama), "--to", receiver, "--via", "tcp", "--bucket-size", "1MiB", "--token-stdin",
-                       "--no-progress", "--json", stdin=TOKEN + "\n")
-            assert sent.returncode == 0, sent.stderr
-            return json.loads(sent.stdout)
+        def send(token=TOKEN):
+            return run("send", str(llama), "--to", receiver, "--via", "tcp", "--bucket-size", "1MiB",
+                       "--token-stdin", "--no-progress", "--json", stdin=token + "\n")
 
-        first = send()
+        assert send("another-token").returncode != 0
+        scrape_until(metrics, lambda s: value(s, "weightstream_update_connections_refused_total", transport="tcp") == 1)
+        sent = send()
+        assert sent.returncode == 0, sent.stderr
+        first = json.loads(sent.stdout)
         # The receiver records an update once its receive() returns, after it answered the
         # sender: awaited, then checked whole while the receiver waits for the second.
         samples = scrape_until(metrics, lambda s: value(s, "weightstream_updates_completed_total", transport="tcp") == 1)
@@ -188,8 +192,13 @@ def test_a_receiver_shows_each_update_it_applied_while_it_awaits_the_next(llama,
         assert value(samples, "weightstream_update_phase_seconds_total", transport="tcp", phase="finishing") > 0
         assert abs(value(samples, "weightstream_update_last_completed_timestamp_seconds", transport="tcp")
                    - time.time()) < 3600
+        assert value(samples, "weightstream_updates_started_total", transport="tcp") == 1
+        assert value(samples, "weightstream_updates_failed_total", transport="tcp") == 0
+        assert value(samples, "weightstream_update_senders_accepted_total", transport="tcp") == 1
+        assert value(samples, "weightstream_update_in_progress", transport="tcp") == 0
+        assert value(samples, "weightstream_update_connections_refused_total", transport="tcp") == 1
 
-        send()
+        assert send().returncode == 0
         audit.process.wait(timeout=300)
         out, err = audit.process.stdout.read(), audit.process.stderr.read()
         assert audit.process.returncode == 0, err
