@@ -95,7 +95,9 @@ std::string bind_failure(const std::string& host, uint16_t port) {
   if (int status = ::getaddrinfo(bare.c_str(), std::to_string(port).c_str(), &hints, &found); status != 0) {
     return ::gai_strerror(status);
   }
-  std::string reason = "the HTTP server would not start";
+  // Our own bind worked: the address is one civetweb does not take (an IPv6 one, where it
+  // was built without IPv6, as Debian 12's was).
+  std::string reason = "prometheus-cpp's HTTP server (civetweb) refused the address";
   for (addrinfo* candidate = found; candidate != nullptr; candidate = candidate->ai_next) {
     int fd = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
     if (fd < 0) continue;
