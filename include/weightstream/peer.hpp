@@ -153,6 +153,8 @@ struct PeerServeStats {
   uint64_t pullers_connected = 0;    ///< pullers past the handshake, connected now
   uint64_t pullers_accepted = 0;     ///< pullers that proved the token, since the start
   uint64_t manifests_sent = 0;       ///< manifests sent (one per accepted puller: a pull started)
+  /// Pulls that read their bytes and asked, at their end, whether the version still holds.
+  uint64_t pulls_completed = 0;
   uint64_t connections_refused = 0;  ///< connections refused or dropped, each logged on stderr
   /// Parameter bytes sent on pullers' requests (the rendezvous path, UcxPath::kRendezvous).
   /// A one-sided read (kRma) is the puller's alone: the server never sees it.

@@ -162,6 +162,7 @@ struct PeerServer::State {
   std::atomic<uint64_t> pullers_connected{0};
   std::atomic<uint64_t> pullers_accepted{0};
   std::atomic<uint64_t> manifests_sent{0};
+  std::atomic<uint64_t> pulls_completed{0};
   std::atomic<uint64_t> connections_refused{0};
 
   State(const ModelLayout& layout_, PeerServeOptions options_)
@@ -294,6 +295,7 @@ PeerServeStats PeerServer::stats() const {
   stats.pullers_connected = state.pullers_connected.load(std::memory_order_relaxed);
   stats.pullers_accepted = state.pullers_accepted.load(std::memory_order_relaxed);
   stats.manifests_sent = state.manifests_sent.load(std::memory_order_relaxed);
+  stats.pulls_completed = state.pulls_completed.load(std::memory_order_relaxed);
   stats.connections_refused = state.connections_refused.load(std::memory_order_relaxed);
   stats.bytes_sent = state.worker.bytes_sent_on_request();
   std::lock_guard lock(state_->mutex);
@@ -347,6 +349,9 @@ void PeerServer::State::serve_puller(Puller& puller) {
         std::lock_guard lock(mutex);
         body = {{"version", manifest.version}, {"updating", updating}};
       }
+      // A puller asks at the end of its reads: a pull completed (counted before the answer
+      // that ends it).
+      pulls_completed.fetch_add(1, std::memory_order_relaxed);
       send_peer_message(connection, PeerMessage::kVersion, body, options.timeout);
     }
   } catch (const Error& error) {

@@ -143,6 +143,7 @@ def test_a_running_serve_shows_its_load_its_pullers_and_the_bytes_it_sent(llama,
         samples, _ = scrape(metrics)
         assert value(samples, "weightstream_peer_pullers_accepted_total") == 1
         assert value(samples, "weightstream_peer_manifests_sent_total") == 1
+        assert value(samples, "weightstream_peer_pulls_completed_total") == 1
         assert value(samples, "weightstream_peer_sent_bytes_total") >= served  # every parameter, whole
         assert value(samples, "weightstream_peer_connections_refused_total") == 0
         # The puller has gone: the server sees its connection close on its own thread.

@@ -817,6 +817,7 @@ TEST(UcxSegments, TheEnvironmentsSizeIsReadAsUcxReadsItAndEndsThatDifferAreRefus
 
 // PeerServer::stats, what `serve --metrics-listen` shows: what it publishes, the pullers it
 // accepted and the manifests it sent (both counted before the puller can see its manifest),
+// the pulls that reached their version check (counted before it is answered),
 // the bytes it sent on rendezvous requests (counted as each send starts, so all of them by
 // the pull's end), none for one-sided reads, and an update's version and unknown content.
 TEST_F(PeerTest, StatsCountPullersManifestsAndTheBytesSentOnRequest) {
@@ -830,6 +831,7 @@ TEST_F(PeerTest, StatsCountPullersManifestsAndTheBytesSentOnRequest) {
   EXPECT_EQ(before.parameter_bytes, parameter_bytes);
   EXPECT_EQ(before.pullers_accepted, 0u);
   EXPECT_EQ(before.manifests_sent, 0u);
+  EXPECT_EQ(before.pulls_completed, 0u);
   EXPECT_EQ(before.bytes_sent, 0u);
   EXPECT_EQ(before.version, 1u);
   EXPECT_EQ(before.content_digest, serve_info(model, 1, 0).content_digest);
@@ -845,6 +847,7 @@ TEST_F(PeerTest, StatsCountPullersManifestsAndTheBytesSentOnRequest) {
     EXPECT_EQ(pulled.pullers_accepted, 1u);
     EXPECT_EQ(pulled.pullers_connected, 1u);  // until the source goes
     EXPECT_EQ(pulled.manifests_sent, 1u);
+    EXPECT_EQ(pulled.pulls_completed, 1u);  // its version check, counted before it was answered
     EXPECT_GE(pulled.bytes_sent, parameter_bytes);  // the same layout reads every parameter whole
   }
   options.ucx_path = UcxPath::kRma;
@@ -856,6 +859,7 @@ TEST_F(PeerTest, StatsCountPullersManifestsAndTheBytesSentOnRequest) {
   }
   PeerServeStats after = server.stats();
   EXPECT_EQ(after.manifests_sent, 2u);
+  EXPECT_EQ(after.pulls_completed, 2u);
   EXPECT_EQ(after.bytes_sent, sent_on_request) << "one-sided reads never pass through the server";
 
   instance.servers[0]->begin_update();
