@@ -104,3 +104,18 @@ if(NOT WS_WITH_UCX STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "weightstream: UCX ${WS_HAVE_UCX}")
+
+# prometheus-cpp (the /metrics endpoint of `serve` and the update receiver, --metrics-listen:
+# src/cli/metrics_prometheus.cpp). Debian's prometheus-cpp-dev; without it the command
+# refuses --metrics-listen, saying why (metrics_prometheus_fallback.cpp).
+set(WS_WITH_PROMETHEUS "AUTO" CACHE STRING "Build the Prometheus metrics endpoint: AUTO, ON or OFF")
+set(WS_HAVE_PROMETHEUS OFF)
+if(NOT WS_WITH_PROMETHEUS STREQUAL "OFF")
+  find_package(prometheus-cpp CONFIG QUIET)
+  if(TARGET prometheus-cpp::pull)
+    set(WS_HAVE_PROMETHEUS ON)
+  elseif(WS_WITH_PROMETHEUS STREQUAL "ON")
+    message(FATAL_ERROR "WS_WITH_PROMETHEUS=ON but prometheus-cpp (its pull library) was not found")
+  endif()
+endif()
+message(STATUS "weightstream: Prometheus metrics ${WS_HAVE_PROMETHEUS}")

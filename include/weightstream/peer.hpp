@@ -147,6 +147,25 @@ class PeerSource;
 /// content digest (a puller serves in turn what it pulled; unknown content stays unknown).
 PeerServeInfo peer_serve_info(const PeerSource& source, const Parallelism& parallel, Processing quantize);
 
+/// What a PeerServer has done since it started, and what it publishes now
+/// (PeerServer::stats): for monitoring (`serve --metrics-listen`, docs/METRICS.md).
+struct PeerServeStats {
+  uint64_t pullers_connected = 0;    ///< pullers past the handshake, connected now
+  uint64_t pullers_accepted = 0;     ///< pullers that proved the token, since the start
+  uint64_t manifests_sent = 0;       ///< manifests sent (one per accepted puller: a pull started)
+  /// Pulls that read their bytes and asked, at their end, whether the version still holds.
+  uint64_t pulls_completed = 0;
+  uint64_t connections_refused = 0;  ///< connections refused or dropped, each logged on stderr
+  /// Parameter bytes sent on pullers' requests (the rendezvous path, UcxPath::kRendezvous).
+  /// A one-sided read (kRma) is the puller's alone: the server never sees it.
+  uint64_t bytes_sent = 0;
+  uint64_t parameters = 0;       ///< parameters published
+  uint64_t parameter_bytes = 0;  ///< their bytes
+  uint64_t version = 0;          ///< PeerServer::version()
+  std::string content_digest;    ///< PeerServer::content_digest() (empty: unknown)
+  bool updating = false;         ///< between begin_update() and end_update()
+};
+
 /// Publishes a loaded layout's parameters until destroyed. Every parameter is registered
 /// with UCX for remote reads (ucp_mem_map; GPU memory as UCS_MEMORY_TYPE_CUDA) and hashed
 /// (xxh64; GPU memory through bounded host copies) once; pullers connect to address(),
@@ -177,6 +196,8 @@ class PeerServer {
   /// longer known to be the checkpoint's, and pullers of several peers refuse it
   /// (PeerSource).
   void end_update();
+  /// Its counters and what it publishes now. Safe from any thread while it serves.
+  PeerServeStats stats() const;
 
  private:
   struct State;

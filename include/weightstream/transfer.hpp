@@ -193,6 +193,17 @@ struct DeclaredTensor {
 /// disagree on dtype or shape.
 std::vector<DeclaredTensor> declared_tensors(std::span<const TensorView> tensors);
 
+/// What an UpdateReceiver has done since it was made (UpdateReceiver::stats): for
+/// monitoring (`audit --via --metrics-listen`, docs/METRICS.md).
+struct ReceiverStats {
+  uint64_t connections_refused = 0;  ///< peers refused or dropped before an update (each logged on stderr)
+  uint64_t senders_accepted = 0;     ///< senders that proved the token and were welcomed
+  uint64_t updates_started = 0;      ///< updates whose START arrived
+  uint64_t updates_completed = 0;    ///< of those, applied whole
+  uint64_t updates_failed = 0;       ///< of those, failed, cancelled or refused (refuse())
+  bool updating = false;             ///< an update is under way: its START arrived, it has not ended
+};
+
 /// Receives updates into a layout. Listens when constructed; each receive() applies one
 /// update (start, buckets, finish) through a LoadSession in update mode, accepting a sender
 /// first when none is connected. A sender stays connected between its updates (connect
@@ -250,6 +261,9 @@ class UpdateReceiver {
   /// call from any other thread while receive() runs: an engine shutting down calls it, or a
   /// supervisor whose sender process ended. The receiver must outlive the call.
   void cancel() noexcept;
+
+  /// Its counters. Safe from any thread while it receives.
+  ReceiverStats stats() const noexcept;
 
  private:
   struct State;

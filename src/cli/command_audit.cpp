@@ -319,6 +319,8 @@ void add_audit_command(CLI::App& app) {
       return;
     }
     if (flags->uri.empty()) throw CLI::RequiredError("uri");
+    // Before the cold load, so that a scrape sees the receiver's command from its start.
+    std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->via.metrics);
     Options options = resolve_options(flags->stream);
     Device device = parse_device(flags->device);
     std::string reload_uri = flags->reload_uri.empty() ? flags->uri : flags->reload_uri;
@@ -332,7 +334,8 @@ void add_audit_command(CLI::App& app) {
     const uint64_t cold_bytes = plan_layout_load(layout, first).bytes_to_read;
     AuditProgress progress(progress_enabled(flags->stream, options) && !flags->json,
                            std::max<uint64_t>(1, cold_bytes + (static_cast<uint64_t>(flags->repeat) + 1) * plan.bytes_to_read));
-    load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
+    const LayoutLoad cold = load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
+    Publication cold_series = publish_load(metrics.get(), first.uri(), cold.stream);
     progress.finished(cold_bytes);
     watch.loaded();
     std::mt19937_64 random(flags->seed);
@@ -355,7 +358,8 @@ void add_audit_command(CLI::App& app) {
                             reload_bytes += update.report.bytes;
                             progress.finished(plan.bytes_to_read);
                             watch.loaded();
-                          });
+                          },
+                          metrics.get());
       // ---- end of the --via block ----------------------------------------------------------
     } else {
       for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {

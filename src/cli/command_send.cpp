@@ -160,6 +160,36 @@ void receive_each(UpdateReceiver& receiver, int64_t count, std::chrono::steady_c
   }
 }
 
+/// Starts `weightstream send` with `arguments` (this executable), its stdout discarded,
+/// and writes `token` to its stdin. Returns its pid.
+pid_t spawn_sender(std::vector<std::string> arguments, const std::string& token) {
+  std::vector<char*> argv;
+  for (std::string& argument : arguments) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+
+  int token_pipe[2];
+  WS_EXPECT(::pipe2(token_pipe, O_CLOEXEC) == 0, ErrorCode::kIo, "cannot create a pipe for the sender: " +
+                                                                      std::string(std::strerror(errno)));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
+  // The sender's summary would land in the middle of the audit's report (its JSON too):
+  // the audit reports the update itself. Its errors still reach stderr.
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t child = -1;
+  int spawned = ::posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(token_pipe[0]);
+  if (spawned != 0) {
+    ::close(token_pipe[1]);
+    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + std::string(std::strerror(spawned)));
+  }
+  std::string line = token + "\n";
+  (void)!::write(token_pipe[1], line.data(), line.size());
+  ::close(token_pipe[1]);
+  return child;
+}
+
 }  // namespace
 
 void add_via_flags(CLI::App& command, ViaFlags& flags) {
@@ -178,6 +208,7 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
   command.add_flag("--open-without-token", flags.open_without_token,
                    "--await-sender: accept any sender, with no token (warned about on stderr)")
       ->excludes(token_stdin);
+  add_metrics_flags(command, flags.metrics)->needs(via);
 }
 
 void add_send_command(CLI::App& app) {
@@ -256,7 +287,14 @@ void add_send_command(CLI::App& app) {
 }
 
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update) {
+                         const StreamFlags& stream, int64_t count,
+                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics) {
+  UpdateMetrics applied(flags.via);
+  Publication applied_series = publish(metrics, [&applied] { return applied.series(); });
+  const auto record_then_report = [&](const ViaUpdate& update) {
+    applied.completed(update.report);
+    on_update(update);
+  };
   ReceiverOptions options;
   options.transport = parse_transport(flags.via);
   options.token = random_token();
@@ -276,13 +314,15 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     options.token = flags.open_without_token ? std::string() : token_from_stdin();
     options.open_without_token = flags.open_without_token;
     UpdateReceiver receiver(layout, options);
+    Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());
     std::fflush(stderr);
-    receive_each(receiver, count, std::chrono::steady_clock::now(), on_update);
+    receive_each(receiver, count, std::chrono::steady_clock::now(), record_then_report);
     return;
   }
   UpdateReceiver receiver(layout, options);
+  Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
 
   // NCCL refuses two ranks on one GPU: the sender stages on the next one.
   Device sender_device = device;
@@ -297,31 +337,8 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
   if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
   if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
-  std::vector<char*> argv;
-  for (std::string& argument : arguments) argv.push_back(argument.data());
-  argv.push_back(nullptr);
-
-  int token_pipe[2];
-  WS_EXPECT(::pipe2(token_pipe, O_CLOEXEC) == 0, ErrorCode::kIo, "cannot create a pipe for the sender: " +
-                                                                      std::string(std::strerror(errno)));
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, token_pipe[0], STDIN_FILENO);
-  // The sender's summary would land in the middle of the audit's report (its JSON too):
-  // the audit reports the update itself. Its errors still reach stderr.
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  auto started = std::chrono::steady_clock::now();
-  pid_t child = -1;
-  int spawned = ::posix_spawn(&child, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(token_pipe[0]);
-  if (spawned != 0) {
-    ::close(token_pipe[1]);
-    WS_FAIL(ErrorCode::kIo, "cannot start the sender process (weightstream send): " + std::string(std::strerror(spawned)));
-  }
-  std::string line = options.token + "\n";
-  (void)!::write(token_pipe[1], line.data(), line.size());
-  ::close(token_pipe[1]);
+  const auto started = std::chrono::steady_clock::now();
+  const pid_t child = spawn_sender(arguments, options.token);
 
   // A sender that fails ends at once (a refused argument, an unreadable checkpoint): the
   // watcher sees it end and cancels the receiver, which would otherwise wait its whole
@@ -341,7 +358,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     return status;
   };
   try {
-    receive_each(receiver, count, started, on_update);
+    receive_each(receiver, count, started, record_then_report);
   } catch (const Error& error) {
     ::kill(child, SIGTERM);
     int status = reap();

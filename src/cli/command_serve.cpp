@@ -1,5 +1,6 @@
 // weightstream serve URI --listen HOST:PORT [--tp-size T --tp-rank R ...] [--device cpu|cuda:N]
 //                    --token-stdin | (WEIGHTSTREAM_PEER_TOKEN) | --open-without-token
+//                    [--metrics-listen HOST:PORT]
 // Loads one rank's parameters into host memory (or a GPU's, served through a CUDA-aware UCX)
 // and publishes them to pullers (peer://) until SIGINT or SIGTERM. Prints one line with the
 // checkpoint's content digest and its address once ready.
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "cli/metrics.hpp"
 #include "cli/peer_flags.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
@@ -23,6 +25,7 @@ struct ServeFlags {
   bool token_stdin = false;
   bool open_without_token = false;
   StreamFlags stream;
+  MetricsFlags metrics;
 };
 
 }  // namespace
@@ -44,6 +47,7 @@ void add_serve_command(CLI::App& app) {
                     "without a token")
       ->excludes(token_stdin);
   add_stream_flags(*command, flags->stream);
+  add_metrics_flags(*command, flags->metrics);
   command->callback([flags] {
     // Blocked before any thread starts, so every thread inherits the mask and the signals
     // reach sigwait below.
@@ -52,6 +56,8 @@ void add_serve_command(CLI::App& app) {
     sigaddset(&stop_signals, SIGINT);
     sigaddset(&stop_signals, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    // Before the load, so that a scrape sees the server start; its threads inherit the mask.
+    std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->metrics);
 
     Options options = resolve_options(flags->stream);
     PeerServeOptions serve;
@@ -66,7 +72,8 @@ void add_serve_command(CLI::App& app) {
     require_listener_token(serve.token, serve.open_without_token, "serve --listen " + serve.listen);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
-    load_layout(layout, checkpoint, LoadMode::kCold, options.stream);
+    Publication cold_series = publish_load(metrics.get(), checkpoint.uri(),
+                                           load_layout(layout, checkpoint, LoadMode::kCold, options.stream).stream);
 
     const Parallelism parallel{flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
                                flags->layout.ep_size, flags->layout.ep_rank};
@@ -76,6 +83,7 @@ void add_serve_command(CLI::App& app) {
                                          options.stream);
     const std::string content = info.content_digest;
     PeerServer server(layout, std::move(info), serve);
+    Publication server_series = publish(metrics.get(), [&server] { return peer_server_series(server.stats()); });
     uint64_t bytes = 0;
     for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();
     std::printf("serving %s of %s (%zu parameters, %s, version %llu, content digest %s) at peer://%s\n",

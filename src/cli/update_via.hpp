@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cli/command.hpp"
+#include "cli/metrics.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/transfer.hpp"
 
@@ -25,6 +26,8 @@ struct ViaFlags {
   bool token_stdin = false;
   /// --open-without-token: --await-sender accepts any sender, with no token (warned about).
   bool open_without_token = false;
+  /// --metrics-listen: the receiver's Prometheus endpoint (docs/METRICS.md).
+  MetricsFlags metrics;
   bool requested() const noexcept { return !via.empty(); }
 };
 
@@ -43,9 +46,11 @@ struct ViaUpdate {
 /// `weightstream send --repeat COUNT` process spawned for `reload_uri` (or, with
 /// --await-sender, from a sender elsewhere), through the transport of `flags`, with a fresh
 /// random token; calls `on_update` after each. Throws the receiver's error, with the
-/// sender's exit status when it failed first.
+/// sender's exit status when it failed first. With `metrics`, each update applied shows in
+/// its weightstream_update_* series while the receiver lives.
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update);
+                         const StreamFlags& stream, int64_t count,
+                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics = nullptr);
 
 /// Registers the hidden `send` subcommand.
 void add_send_command(CLI::App& app);

@@ -158,6 +158,12 @@ struct PeerServer::State {
     explicit Puller(Connection accepted) : connection(std::move(accepted)) {}
   };
   std::list<Puller> pullers;
+  // Counters of PeerServer::stats().
+  std::atomic<uint64_t> pullers_connected{0};
+  std::atomic<uint64_t> pullers_accepted{0};
+  std::atomic<uint64_t> manifests_sent{0};
+  std::atomic<uint64_t> pulls_completed{0};
+  std::atomic<uint64_t> connections_refused{0};
 
   State(const ModelLayout& layout_, PeerServeOptions options_)
       : layout(layout_), options(std::move(options_)), listener(Listener::tcp(options.listen)),
@@ -176,6 +182,11 @@ struct PeerServer::State {
   }
 
   std::string self() const { return "peer server on " + listener.address(); }
+  /// Logs a connection refused or dropped, and counts it.
+  void refused(const Connection& connection, const std::string& reason) {
+    connections_refused.fetch_add(1, std::memory_order_relaxed);
+    log_refused(connection, self(), reason);
+  }
   void serve();
   void serve_puller(Puller& puller);
   /// Joins and forgets the pullers whose threads have ended.
@@ -278,6 +289,24 @@ void PeerServer::end_update() {
   ++state_->manifest.version;
 }
 
+PeerServeStats PeerServer::stats() const {
+  const State& state = *state_;
+  PeerServeStats stats;
+  stats.pullers_connected = state.pullers_connected.load(std::memory_order_relaxed);
+  stats.pullers_accepted = state.pullers_accepted.load(std::memory_order_relaxed);
+  stats.manifests_sent = state.manifests_sent.load(std::memory_order_relaxed);
+  stats.pulls_completed = state.pulls_completed.load(std::memory_order_relaxed);
+  stats.connections_refused = state.connections_refused.load(std::memory_order_relaxed);
+  stats.bytes_sent = state.worker.bytes_sent_on_request();
+  std::lock_guard lock(state_->mutex);
+  stats.parameters = state.manifest.parameters.size();
+  for (const PeerParameter& parameter : state.manifest.parameters) stats.parameter_bytes += parameter.bytes;
+  stats.version = state.manifest.version;
+  stats.content_digest = state.manifest.content_digest;
+  stats.updating = state.updating;
+  return stats;
+}
+
 void PeerServer::State::reap_pullers() {
   for (auto it = pullers.begin(); it != pullers.end();) {
     if (!it->finished.load()) {
@@ -303,6 +332,8 @@ void PeerServer::State::serve_puller(Puller& puller) {
       std::lock_guard lock(mutex);
       body = manifest_json(manifest);
     }
+    // Counted first: a puller that holds its manifest finds it counted.
+    manifests_sent.fetch_add(1, std::memory_order_relaxed);
     send_peer_message(connection, PeerMessage::kManifest, body, options.timeout);
     // A puller keeps its connection for the pull and asks for the version at its end: it
     // may stay quiet as long as it likes between requests.
@@ -318,12 +349,16 @@ void PeerServer::State::serve_puller(Puller& puller) {
         std::lock_guard lock(mutex);
         body = {{"version", manifest.version}, {"updating", updating}};
       }
+      // A puller asks at the end of its reads: a pull completed (counted before the answer
+      // that ends it).
+      pulls_completed.fetch_add(1, std::memory_order_relaxed);
       send_peer_message(connection, PeerMessage::kVersion, body, options.timeout);
     }
   } catch (const Error& error) {
     // A puller that leaves is done; one that stalls or breaks the protocol is dropped, and said so.
-    if (error.code() != ErrorCode::kNetwork && !stop.load()) log_refused(connection, self(), error.what());
+    if (error.code() != ErrorCode::kNetwork && !stop.load()) refused(connection, error.what());
   }
+  pullers_connected.fetch_sub(1, std::memory_order_relaxed);
   puller.finished = true;
 }
 
@@ -363,23 +398,24 @@ void PeerServer::State::serve() {
               send_peer_message(peer.connection, PeerMessage::kRefuse, {{"reason", reason}}, kSendTimeout);
             } catch (const Error&) {
             }
-            log_refused(peer.connection, self(), reason);
+            refused(peer.connection, reason);
             continue;
           }
           Puller& puller = pullers.emplace_back(std::move(peer.connection));
+          pullers_accepted.fetch_add(1, std::memory_order_relaxed);
+          pullers_connected.fetch_add(1, std::memory_order_relaxed);
           puller.thread = std::thread([this, &puller] { serve_puller(puller); });
           continue;
         }
         if (now >= peer.deadline) {
           drop[i] = true;
-          log_refused(peer.connection, self(),
-                      "no handshake within " + detail::seconds_text(kHandshakeTimeout) + " of connecting");
+          refused(peer.connection, "no handshake within " + detail::seconds_text(kHandshakeTimeout) + " of connecting");
         }
       } catch (const Error& error) {
         drop[i] = true;
         // One that leaves before a byte (a port probe) is not worth a line; the rest are.
         if (error.code() != ErrorCode::kNetwork || peer.handshake.heard()) {
-          log_refused(peer.connection, self(), error.what());
+          refused(peer.connection, error.what());
         }
       }
     }
@@ -393,9 +429,9 @@ void PeerServer::State::serve() {
         Connection accepted = listener.accept(std::chrono::milliseconds(0));
         if (handshaking.size() >= kMaxHandshakingConnections) {
           // The oldest makes room: a flood of idle strangers keeps no real puller out.
-          log_refused(handshaking.front().connection, self(),
-                      "dropped mid-handshake to make room (" + std::to_string(kMaxHandshakingConnections) +
-                          " connections at once were mid-handshake)");
+          refused(handshaking.front().connection,
+                  "dropped mid-handshake to make room (" + std::to_string(kMaxHandshakingConnections) +
+                      " connections at once were mid-handshake)");
           handshaking.erase(handshaking.begin());
         }
         handshaking.push_back(Handshaking{std::move(accepted), Clock::now() + kHandshakeTimeout,

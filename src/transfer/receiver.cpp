@@ -245,6 +245,13 @@ struct UpdateReceiver::State {
   // descriptor number reused by then.
   std::atomic<bool> cancelled{false};
   FileDescriptor wake;
+  // Counters of UpdateReceiver::stats().
+  std::atomic<uint64_t> connections_refused{0};
+  std::atomic<uint64_t> senders_accepted{0};
+  std::atomic<uint64_t> updates_started{0};
+  std::atomic<uint64_t> updates_completed{0};
+  std::atomic<uint64_t> updates_failed{0};
+  std::atomic<bool> updating{false};
   std::mutex live_mutex;
   int live_fd = -1;
 
@@ -315,6 +322,28 @@ struct UpdateReceiver::State {
     } catch (const Error&) {
       session.reset();
       discard_prepared();
+    }
+  }
+
+  /// Logs a peer refused or dropped, and counts it.
+  void refused_peer(const Connection& peer, const std::string& reason) {
+    connections_refused.fetch_add(1, std::memory_order_relaxed);
+    log_refused(peer, self(), reason);
+  }
+
+  /// Runs the update whose START arrived, counted as started, then completed or failed.
+  UpdateReport counted_update(const Message& start, const std::string* refusal = nullptr) {
+    updates_started.fetch_add(1, std::memory_order_relaxed);
+    updating = true;
+    try {
+      UpdateReport report = run_update(start, Clock::now(), refusal);
+      updates_completed.fetch_add(1, std::memory_order_relaxed);
+      updating = false;
+      return report;
+    } catch (...) {
+      updates_failed.fetch_add(1, std::memory_order_relaxed);
+      updating = false;
+      throw;
     }
   }
 
@@ -457,13 +486,25 @@ void UpdateReceiver::cancel() noexcept {
 
 const std::string& UpdateReceiver::address() const noexcept { return state_->listener.address(); }
 
+ReceiverStats UpdateReceiver::stats() const noexcept {
+  const State& state = *state_;
+  ReceiverStats stats;
+  stats.connections_refused = state.connections_refused.load(std::memory_order_relaxed);
+  stats.senders_accepted = state.senders_accepted.load(std::memory_order_relaxed);
+  stats.updates_started = state.updates_started.load(std::memory_order_relaxed);
+  stats.updates_completed = state.updates_completed.load(std::memory_order_relaxed);
+  stats.updates_failed = state.updates_failed.load(std::memory_order_relaxed);
+  stats.updating = state.updating.load();
+  return stats;
+}
+
 void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
   const auto deadline = Clock::now() + accept_timeout;
   silent = left = refused = 0;
   last_refusal.clear();
   constexpr auto kSendTimeout = std::chrono::milliseconds(500);
   auto drop = [&](const Connection& peer, const std::string& reason) {
-    log_refused(peer, self(), reason);
+    refused_peer(peer, reason);
     ++refused;
     last_refusal = reason;
   };
@@ -472,8 +513,8 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
     auto now = Clock::now();
     std::erase_if(handshaking, [&](Handshaking& peer) {
       if (peer.deadline > now) return false;
-      log_refused(peer.connection, self(),
-                  "no handshake and HELLO within the handshake timeout of " + seconds_text(options.handshake_timeout));
+      refused_peer(peer.connection,
+                   "no handshake and HELLO within the handshake timeout of " + seconds_text(options.handshake_timeout));
       ++silent;
       return true;
     });
@@ -513,7 +554,7 @@ void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
         gone[i] = true;
         if (error.code() == ErrorCode::kNetwork) {
           ++left;  // a sender that stopped at the receiver's proof (another token), or a port probe
-          if (peer.handshake.heard()) log_refused(peer.connection, self(), error.what());
+          if (peer.handshake.heard()) refused_peer(peer.connection, error.what());
         } else {
           drop(peer.connection, error.what());
         }
@@ -564,7 +605,7 @@ bool UpdateReceiver::State::greet(Connection accepted, Clock::time_point hello_d
     } catch (const Error&) {
       // The peer may already be gone; the refusal is logged here either way.
     }
-    log_refused(accepted, self(), reason);
+    refused_peer(accepted, reason);
     dropped = reason;
     return false;
   };
@@ -579,7 +620,7 @@ bool UpdateReceiver::State::greet(Connection accepted, Clock::time_point hello_d
     // A peer that leaves before its HELLO was no sender; one that stalls or sends garbage is
     // dropped and logged. Either way the receiver goes on waiting for one.
     if (error.code() == ErrorCode::kNetwork) return false;
-    log_refused(accepted, self(), error.what());
+    refused_peer(accepted, error.what());
     dropped = error.what();
     return false;
   }
@@ -611,6 +652,7 @@ bool UpdateReceiver::State::greet(Connection accepted, Clock::time_point hello_d
   }
   bucket_bytes = hello.message.bucket_bytes;
   connection.emplace(std::move(accepted));
+  senders_accepted.fetch_add(1, std::memory_order_relaxed);
   publish_connection(connection->fd());
   connect_seconds = std::chrono::duration<double>(Clock::now() - started).count();
   updates = 0;
@@ -647,13 +689,13 @@ Received UpdateReceiver::State::await_start(std::chrono::milliseconds accept_tim
 UpdateReport UpdateReceiver::receive(std::chrono::milliseconds accept_timeout) {
   State& state = *state_;
   Received start = state.await_start(accept_timeout);
-  return state.run_update(start.message, Clock::now());
+  return state.counted_update(start.message);
 }
 
 void UpdateReceiver::refuse(const std::string& reason, std::chrono::milliseconds accept_timeout) {
   State& state = *state_;
   Received start = state.await_start(accept_timeout);
-  state.run_update(start.message, Clock::now(), &reason);
+  state.counted_update(start.message, &reason);
   WS_FAIL(ErrorCode::kInternal, state.self() + ": an update was applied where it was to be refused");
 }
 

@@ -198,6 +198,9 @@ class Worker {
   /// with a tagged send on the progress thread; a range outside every registration is
   /// answered with an empty message, which fails that read.
   void answer_send_requests(const Secret& secret);
+  /// Bytes of the ranges sent so far on those requests (each counted once its send was
+  /// started): what a rendezvous puller read. One-sided gets (kRma) never pass through here.
+  uint64_t bytes_sent_on_request() const noexcept;
   /// Where a message's payload lands: `destination` (host memory); or, with `later`, not
   /// known yet: the worker keeps the message and asks again after each wake(); or neither:
   /// refused (the sender's message fails).

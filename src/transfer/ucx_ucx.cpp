@@ -177,6 +177,7 @@ struct Worker::State {
   // Serving side: send requests answered, and their sends not yet ended.
   Secret request_secret{};
   std::atomic<uint64_t> sends_in_flight{0};
+  std::atomic<uint64_t> bytes_sent_on_request{0};  // the ranges those sends carried
   // Receiving side of send_message.
   Secret message_secret{};
   Place place;
@@ -236,6 +237,7 @@ struct Worker::State {
     }
     ucs_status_ptr_t sending = ucp_tag_send_nbx(param->reply_ep, source, bytes, request.tag, &send);
     if (UCS_PTR_IS_PTR(sending)) state->sends_in_flight.fetch_add(1, std::memory_order_relaxed);
+    if (!UCS_PTR_IS_ERR(sending)) state->bytes_sent_on_request.fetch_add(bytes, std::memory_order_relaxed);
     return UCS_OK;
   }
 
@@ -507,6 +509,10 @@ std::unique_ptr<Registration> Worker::register_memory(const std::byte* data, uin
   }
   registration->table_ = &state_->table;
   return registration;
+}
+
+uint64_t Worker::bytes_sent_on_request() const noexcept {
+  return state_->bytes_sent_on_request.load(std::memory_order_relaxed);
 }
 
 bool Worker::moves_cuda_memory() const {

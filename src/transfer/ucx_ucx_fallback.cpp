@@ -42,6 +42,7 @@ Worker::~Worker() = default;
 std::vector<std::byte> Worker::address() const { return {}; }
 std::unique_ptr<Registration> Worker::register_memory(const std::byte*, uint64_t, Memory) { return nullptr; }
 bool Worker::moves_cuda_memory() const { return false; }
+uint64_t Worker::bytes_sent_on_request() const noexcept { return 0; }
 std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte>, const std::string&, UcxPath, const Secret&) {
   return nullptr;
 }

@@ -815,6 +815,61 @@ TEST(UcxSegments, TheEnvironmentsSizeIsReadAsUcxReadsItAndEndsThatDifferAreRefus
                         "same UCX_TCP_RX_SEG_SIZE"));
 }
 
+// PeerServer::stats, what `serve --metrics-listen` shows: what it publishes, the pullers it
+// accepted and the manifests it sent (both counted before the puller can see its manifest),
+// the pulls that reached their version check (counted before it is answered),
+// the bytes it sent on rendezvous requests (counted as each send starts, so all of them by
+// the pull's end), none for one-sided reads, and an update's version and unknown content.
+TEST_F(PeerTest, StatsCountPullersManifestsAndTheBytesSentOnRequest) {
+  Model model;
+  Instance instance(model, 1);
+  const PeerServer& server = *instance.servers[0];
+  PeerServeStats before = server.stats();
+  uint64_t parameter_bytes = 0;
+  for (const Parameter& parameter : instance.layouts[0].parameters()) parameter_bytes += parameter.bytes();
+  EXPECT_EQ(before.parameters, instance.layouts[0].parameters().size());
+  EXPECT_EQ(before.parameter_bytes, parameter_bytes);
+  EXPECT_EQ(before.pullers_accepted, 0u);
+  EXPECT_EQ(before.manifests_sent, 0u);
+  EXPECT_EQ(before.pulls_completed, 0u);
+  EXPECT_EQ(before.bytes_sent, 0u);
+  EXPECT_EQ(before.version, 1u);
+  EXPECT_EQ(before.content_digest, serve_info(model, 1, 0).content_digest);
+  EXPECT_FALSE(before.updating);
+
+  PeerPullOptions options = pull_options();
+  options.ucx_path = UcxPath::kRendezvous;
+  {
+    PeerSource source(instance.uri(), options);
+    ModelLayout layout = empty_layout(model, 1, 0);
+    pull_into(layout, source);
+    PeerServeStats pulled = server.stats();
+    EXPECT_EQ(pulled.pullers_accepted, 1u);
+    EXPECT_EQ(pulled.pullers_connected, 1u);  // until the source goes
+    EXPECT_EQ(pulled.manifests_sent, 1u);
+    EXPECT_EQ(pulled.pulls_completed, 1u);  // its version check, counted before it was answered
+    EXPECT_GE(pulled.bytes_sent, parameter_bytes);  // the same layout reads every parameter whole
+  }
+  options.ucx_path = UcxPath::kRma;
+  const uint64_t sent_on_request = server.stats().bytes_sent;
+  {
+    PeerSource source(instance.uri(), options);
+    ModelLayout layout = empty_layout(model, 1, 0);
+    pull_into(layout, source);
+  }
+  PeerServeStats after = server.stats();
+  EXPECT_EQ(after.manifests_sent, 2u);
+  EXPECT_EQ(after.pulls_completed, 2u);
+  EXPECT_EQ(after.bytes_sent, sent_on_request) << "one-sided reads never pass through the server";
+
+  instance.servers[0]->begin_update();
+  EXPECT_TRUE(server.stats().updating);
+  EXPECT_EQ(server.stats().content_digest, "");
+  instance.servers[0]->end_update();
+  EXPECT_FALSE(server.stats().updating);
+  EXPECT_EQ(server.stats().version, 3u);
+}
+
 TEST_F(PeerTest, PeerUrisAreParsed) {
   EXPECT_TRUE(is_peer_uri("peer://a:1"));
   EXPECT_FALSE(is_peer_uri("/models/x"));

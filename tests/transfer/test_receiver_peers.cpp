@@ -226,6 +226,44 @@ TEST(ReceiverPeers, WrongTokensGarbageAndRefusedHellosAreLoggedAndTheNextSenderI
   EXPECT_EQ(lines, 4u) << log;  // each bad peer once
 }
 
+// UpdateReceiver::stats, what `audit --via --metrics-listen` shows: each refused peer counted
+// as it is logged, the senders welcomed, and updates started, completed and failed (a
+// refusal by the engine, refuse(), is one that failed).
+TEST(ReceiverPeers, StatsCountRefusedPeersSendersAndUpdatesStartedCompletedAndFailed) {
+  ModelLayout layout = cold_loaded_layout(checkpoint_of(1));
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  EXPECT_EQ(receiver.stats().updates_started, 0u);
+  ::testing::internal::CaptureStderr();
+  auto received = std::async(std::launch::async, [&] { return receiver.receive(60s); });
+  SenderOptions wrong;
+  wrong.transport = TransportKind::kTcp;
+  wrong.token = "another-secret";
+  wrong.timeout = 10s;
+  EXPECT_THAT(error_text([&] { UpdateSender sender(receiver.address(), wrong); }), HasSubstr("could not prove the token"));
+  auto sent = send_async(receiver.address(), TransportKind::kTcp);
+  received.get();
+  sent.get();
+  ReceiverStats applied = receiver.stats();
+  EXPECT_EQ(applied.connections_refused, 1u);  // logged before the real sender was heard
+  EXPECT_EQ(applied.senders_accepted, 1u);
+  EXPECT_EQ(applied.updates_started, 1u);
+  EXPECT_EQ(applied.updates_completed, 1u);
+  EXPECT_EQ(applied.updates_failed, 0u);
+  EXPECT_FALSE(applied.updating);
+
+  auto refused = std::async(std::launch::async, [&] { receiver.refuse("the engine replaced a parameter", 60s); });
+  auto refused_sender = send_async(receiver.address(), TransportKind::kTcp);
+  EXPECT_THAT(error_text([&] { refused.get(); }), HasSubstr("the engine replaced a parameter"));
+  EXPECT_THAT(error_text([&] { refused_sender.get(); }), HasSubstr("the engine replaced a parameter"));
+  ::testing::internal::GetCapturedStderr();
+  ReceiverStats after = receiver.stats();
+  EXPECT_EQ(after.senders_accepted, 2u);
+  EXPECT_EQ(after.updates_started, 2u);
+  EXPECT_EQ(after.updates_completed, 1u);
+  EXPECT_EQ(after.updates_failed, 1u);
+  EXPECT_FALSE(after.updating);
+}
+
 // ---- peers that never speak -----------------------------------------------------------------
 
 TEST(ReceiverPeers, TwentySilentConnectionsDoNotDelayARealSender) {

@@ -1,0 +1,206 @@
+// The parts of the metrics that need no Prometheus library: the flag, the series each part
+// of a command publishes, and the publications (metrics.hpp). The HTTP endpoint itself is
+// metrics_prometheus.cpp.
+#include "cli/metrics.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::cli {
+namespace {
+
+/// Upper bounds of the buckets of weightstream_update_duration_seconds: from a small
+/// model's update over shm to a large one's across hosts.
+constexpr double kUpdateSecondsBuckets[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
+
+MetricSeries one_sample(std::string name, std::string help, MetricType type, double value,
+                    std::vector<std::pair<std::string, std::string>> labels = {}) {
+  MetricSeries result{std::move(name), std::move(help), type, {}};
+  result.samples.push_back(MetricSample{std::move(labels), value, {}, 0});
+  return result;
+}
+
+bool is_port_text(const std::string& text) {
+  return !text.empty() && text.size() <= 5 && text.find_first_not_of("0123456789") == std::string::npos &&
+         std::stoul(text) <= 65535;
+}
+
+}  // namespace
+
+CLI::Option* add_metrics_flags(CLI::App& command, MetricsFlags& flags) {
+  return command.add_option("--metrics-listen", flags.listen,
+                     "Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT listens on 127.0.0.1; port 0 "
+                     "picks a free one, printed on stderr); the series are in docs/METRICS.md");
+}
+
+std::pair<std::string, uint16_t> metrics_listen_address(const std::string& text) {
+  const std::string what = "--metrics-listen '" + text + "'";
+  std::string host = "127.0.0.1";
+  std::string port = text;
+  if (text.starts_with('[')) {
+    const size_t close = text.find(']');
+    WS_EXPECT(close != std::string::npos && close > 1 && close + 1 < text.size() && text[close + 1] == ':',
+              ErrorCode::kInvalidArgument, what + " is not [IPv6]:PORT");
+    host = text.substr(0, close + 1);
+    port = text.substr(close + 2);
+  } else if (const size_t colon = text.rfind(':'); colon != std::string::npos) {
+    host = text.substr(0, colon);
+    port = text.substr(colon + 1);
+    WS_EXPECT(!host.empty() && host.find(':') == std::string::npos, ErrorCode::kInvalidArgument,
+              what + " is not HOST:PORT (an IPv6 host goes in brackets: [::1]:PORT)");
+  }
+  WS_EXPECT(is_port_text(port), ErrorCode::kInvalidArgument,
+            what + " is not HOST:PORT or PORT with a port from 0 to 65535");
+  return {host, static_cast<uint16_t>(std::stoul(port))};
+}
+
+std::vector<MetricSeries> PublishedSeries::collect() const {
+  std::lock_guard lock(mutex_);
+  return collect_ ? collect_() : std::vector<MetricSeries>{};
+}
+
+void PublishedSeries::withdraw() {
+  std::lock_guard lock(mutex_);
+  collect_ = nullptr;
+}
+
+bool PublishedSeries::withdrawn() const {
+  std::lock_guard lock(mutex_);
+  return !collect_;
+}
+
+Publication publish(MetricsEndpoint* endpoint, MetricsCollect collect) {
+  return endpoint ? endpoint->publish(std::move(collect)) : Publication();
+}
+
+std::unique_ptr<MetricsEndpoint> start_metrics(const MetricsFlags& flags) {
+  if (!flags.requested()) return nullptr;
+  auto endpoint = std::make_unique<MetricsEndpoint>(flags.listen);
+  std::fprintf(stderr, "weightstream: metrics at http://%s/metrics\n", endpoint->address().c_str());
+  std::fflush(stderr);
+  return endpoint;
+}
+
+std::string storage_kind(const std::string& uri) {
+  for (const char* scheme : {"s3", "gs", "peer"}) {
+    if (uri.starts_with(std::string(scheme) + "://")) return scheme;
+  }
+  return "file";
+}
+
+std::vector<MetricSeries> load_series(const LoadRecord& load) {
+  const std::vector<std::pair<std::string, std::string>> source = {{"source", load.source}};
+  return {one_sample("weightstream_load_read_bytes_total", "Bytes read from the source by the cold load",
+                     MetricType::kCounter, static_cast<double>(load.bytes_read), source),
+          one_sample("weightstream_load_duration_seconds",
+                     "Seconds the cold load took, from planning to the model hook", MetricType::kGauge, load.seconds,
+                     source)};
+}
+
+Publication publish_load(MetricsEndpoint* endpoint, const std::string& uri, const StreamStats& stream) {
+  const LoadRecord load{storage_kind(uri), stream.bytes_read, stream.seconds};
+  return publish(endpoint, [load] { return load_series(load); });
+}
+
+std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats) {
+  auto value = [](uint64_t count) { return static_cast<double>(count); };
+  return {
+      one_sample("weightstream_peer_pullers_connected", "Pullers past the handshake, connected now", MetricType::kGauge,
+                 value(stats.pullers_connected)),
+      one_sample("weightstream_peer_pullers_accepted_total", "Pullers that proved the token", MetricType::kCounter,
+                 value(stats.pullers_accepted)),
+      one_sample("weightstream_peer_manifests_sent_total", "Manifests sent to pullers (one per pull)",
+                 MetricType::kCounter, value(stats.manifests_sent)),
+      one_sample("weightstream_peer_pulls_completed_total",
+                 "Pulls that read their bytes and asked at their end whether the version still holds",
+                 MetricType::kCounter, value(stats.pulls_completed)),
+      one_sample("weightstream_peer_connections_refused_total",
+                 "Connections refused or dropped (each logged on stderr)", MetricType::kCounter,
+                 value(stats.connections_refused)),
+      one_sample("weightstream_peer_sent_bytes_total",
+                 "Parameter bytes sent on pullers' requests (UCX rendezvous; one-sided RMA reads are not seen)",
+                 MetricType::kCounter, value(stats.bytes_sent)),
+      one_sample("weightstream_peer_served_parameters", "Parameters published", MetricType::kGauge,
+                 value(stats.parameters)),
+      one_sample("weightstream_peer_served_bytes", "Bytes of the parameters published", MetricType::kGauge,
+                 value(stats.parameter_bytes)),
+      one_sample("weightstream_peer_version", "Version of the parameters published (changes with every update)",
+                 MetricType::kGauge, value(stats.version)),
+      one_sample("weightstream_peer_updating", "1 while the published parameters are being updated", MetricType::kGauge,
+                 stats.updating ? 1 : 0),
+      one_sample("weightstream_peer_content_info", "1, labelled with the content digest published (empty: unknown)",
+                 MetricType::kGauge, 1, {{"content_digest", stats.content_digest}}),
+  };
+}
+
+std::vector<MetricSeries> update_receiver_series(const ReceiverStats& stats, const std::string& transport) {
+  auto value = [](uint64_t count) { return static_cast<double>(count); };
+  const std::vector<std::pair<std::string, std::string>> labels = {{"transport", transport}};
+  return {
+      one_sample("weightstream_update_senders_accepted_total", "Senders that proved the token and were welcomed",
+                 MetricType::kCounter, value(stats.senders_accepted), labels),
+      one_sample("weightstream_update_connections_refused_total",
+                 "Peers refused or dropped before an update (each logged on stderr)", MetricType::kCounter,
+                 value(stats.connections_refused), labels),
+      one_sample("weightstream_updates_started_total", "Updates whose START arrived", MetricType::kCounter,
+                 value(stats.updates_started), labels),
+      one_sample("weightstream_updates_failed_total", "Updates started that failed, were cancelled or refused",
+                 MetricType::kCounter, value(stats.updates_failed), labels),
+      one_sample("weightstream_update_in_progress", "1 while an update is under way (START arrived, not ended)",
+                 MetricType::kGauge, stats.updating ? 1 : 0, labels),
+  };
+}
+
+UpdateMetrics::UpdateMetrics(std::string transport)
+    : transport_(std::move(transport)), seconds_buckets_(std::size(kUpdateSecondsBuckets), 0) {}
+
+void UpdateMetrics::completed(const UpdateReport& report) {
+  std::lock_guard lock(mutex_);
+  ++completed_;
+  bytes_ += report.bytes + report.shared_bytes;
+  tensors_ += report.tensors;
+  seconds_sum_ += report.seconds;
+  for (size_t i = 0; i < std::size(kUpdateSecondsBuckets); ++i) {
+    if (report.seconds <= kUpdateSecondsBuckets[i]) ++seconds_buckets_[i];
+  }
+  for (const auto& [name, phase] : kUpdatePhases) phases_.*phase += report.phases.*phase;
+  last_completed_unix_seconds_ =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::vector<MetricSeries> UpdateMetrics::series() const {
+  std::lock_guard lock(mutex_);
+  const std::vector<std::pair<std::string, std::string>> transport = {{"transport", transport_}};
+  std::vector<MetricSeries> result = {
+      one_sample("weightstream_updates_completed_total", "Pushed updates applied whole", MetricType::kCounter,
+                 static_cast<double>(completed_), transport),
+      one_sample("weightstream_update_received_bytes_total",
+                 "Tensor bytes of the updates applied (through buckets and read in place)", MetricType::kCounter,
+                 static_cast<double>(bytes_), transport),
+      one_sample("weightstream_update_tensors_total", "Tensors of the updates applied", MetricType::kCounter,
+                 static_cast<double>(tensors_), transport),
+      one_sample("weightstream_update_last_completed_timestamp_seconds",
+                 "Unix time the last update was applied (0: none yet)", MetricType::kGauge,
+                 last_completed_unix_seconds_, transport),
+  };
+  MetricSeries duration{"weightstream_update_duration_seconds", "Seconds from an update's START to its end of finish()",
+                        MetricType::kHistogram, {}};
+  MetricSample histogram{transport, seconds_sum_, {}, completed_};
+  for (size_t i = 0; i < std::size(kUpdateSecondsBuckets); ++i) {
+    histogram.buckets.emplace_back(kUpdateSecondsBuckets[i], seconds_buckets_[i]);
+  }
+  duration.samples.push_back(std::move(histogram));
+  result.push_back(std::move(duration));
+  MetricSeries phases{"weightstream_update_phase_seconds_total",
+                      "Seconds the updates applied spent in each phase (UpdatePhases)", MetricType::kCounter, {}};
+  for (const auto& [name, phase] : kUpdatePhases) {
+    phases.samples.push_back(MetricSample{{{"transport", transport_}, {"phase", name}}, phases_.*phase, {}, 0});
+  }
+  result.push_back(std::move(phases));
+  return result;
+}
+
+}  // namespace weightstream::cli

@@ -1,0 +1,248 @@
+"""Prometheus metrics (issue 47, docs/METRICS.md): a running `serve` and an update receiver
+(`audit --via tcp --await-sender`) scraped over HTTP while they run, each series checked
+against what the test made them do; the scrapes are parsed by prometheus_client's parser,
+so the exposition is checked too. Every port is picked by the kernel (port 0) and read back
+from stderr. What a server or receiver counts on its own threads is awaited by scraping
+again until it shows, never by sleeping a fixed time.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+
+import pytest
+from conftest import CLI, requires_cli
+
+parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+
+pytestmark = requires_cli
+
+TOKEN = "metrics-token-" + uuid.uuid4().hex[:12]
+# UCX's tcp transport: rendezvous pulls, whose bytes the server sends and counts.
+ENV = dict(os.environ, UCX_TLS="tcp", UCX_WARN_UNUSED_ENV_VARS="n", WEIGHTSTREAM_UCX_PATH="rendezvous")
+WITHOUT_PROMETHEUS = "built without prometheus-cpp"
+PATIENCE_SECONDS = 120  # how long a count made on another thread may take to show
+
+
+def run(*arguments, stdin=None):
+    return subprocess.run([CLI, *arguments], input=stdin, capture_output=True, text=True, env=ENV, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("metrics") / "llama"
+    result = run("synth", str(path), "--arch", "llama", "--layers", "2", "--hidden", "256", "--seed", "5")
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def checkpoint_bytes(path):
+    return sum(entry.stat().st_size for entry in path.glob("*.safetensors"))
+
+
+def scrape(address):
+    """{(name, labels as a sorted tuple): value} and {family name: type} of one scrape."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples, types = {}, {}
+    for family in parser.text_string_to_metric_families(text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples, types
+
+
+def value(samples, name, **labels):
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if k[0].startswith(name))}"
+    return samples[key]
+
+
+def scrape_until(address, done):
+    """Scrapes until done(samples) holds; fails after PATIENCE_SECONDS."""
+    deadline = time.monotonic() + PATIENCE_SECONDS
+    while True:
+        samples, _ = scrape(address)
+        if done(samples):
+            return samples
+        assert time.monotonic() < deadline, f"the scrape never showed what was awaited: {samples}"
+        time.sleep(0.05)
+
+
+def read_stderr_until(process, pattern):
+    """Lines of the process's stderr up to the first that matches `pattern`; its match."""
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if WITHOUT_PROMETHEUS in line:
+            pytest.skip("this build has no prometheus-cpp (WS_WITH_PROMETHEUS)")
+        match = re.search(pattern, line)
+        if match:
+            return match
+    pytest.fail(f"stderr ended without {pattern!r}: {''.join(seen)}")
+
+
+class Running:
+    """A command started with a token on stdin; killed on exit if it still runs."""
+
+    def __init__(self, *arguments):
+        self.process = subprocess.Popen([CLI, *arguments], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=ENV)
+        self.process.stdin.write(TOKEN + "\n")
+        self.process.stdin.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def test_a_running_serve_shows_its_load_its_pullers_and_the_bytes_it_sent(llama, tmp_path):
+    with Running("serve", str(llama), "--listen", "127.0.0.1:0", "--token-stdin", "--no-progress",
+                 "--metrics-listen", "127.0.0.1:0") as serve:
+        metrics = read_stderr_until(serve.process, r"metrics at http://(\S+)/metrics").group(1)
+        assert metrics.startswith("127.0.0.1:") and not metrics.endswith(":0")
+        line = serve.process.stdout.readline()
+        ready = re.search(r"content digest ([0-9a-f]{16})\) at peer://(\S+)", line)
+        if not ready and "build with UCX" in serve.process.stderr.read():
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        assert ready, line
+        digest, address = ready.groups()
+
+        samples, types = scrape(metrics)
+        assert value(samples, "weightstream_load_read_bytes_total", source="file") >= checkpoint_bytes(llama) * 0.9
+        assert value(samples, "weightstream_load_duration_seconds", source="file") > 0
+        served = value(samples, "weightstream_peer_served_bytes")
+        assert 0 < served <= checkpoint_bytes(llama)
+        assert value(samples, "weightstream_peer_served_parameters") > 10
+        assert value(samples, "weightstream_peer_content_info", content_digest=digest) == 1
+        assert value(samples, "weightstream_peer_version") == 1
+        assert value(samples, "weightstream_peer_updating") == 0
+        assert value(samples, "weightstream_peer_pullers_accepted_total") == 0
+        assert value(samples, "weightstream_peer_sent_bytes_total") == 0
+        # prometheus_client names a counter's family without its _total.
+        assert types["weightstream_peer_sent_bytes"] == "counter"
+        assert types["weightstream_peer_pullers_connected"] == "gauge"
+
+        pulled = run("load", f"peer://{address}", "--json", "--token-stdin", "--no-progress", stdin=TOKEN + "\n")
+        assert pulled.returncode == 0, pulled.stderr
+        assert json.loads(pulled.stdout)["peers"][0]["ucx_path"] == "rendezvous"
+        samples, _ = scrape(metrics)
+        assert value(samples, "weightstream_peer_pullers_accepted_total") == 1
+        assert value(samples, "weightstream_peer_manifests_sent_total") == 1
+        assert value(samples, "weightstream_peer_pulls_completed_total") == 1
+        assert value(samples, "weightstream_peer_sent_bytes_total") >= served  # every parameter, whole
+        assert value(samples, "weightstream_peer_connections_refused_total") == 0
+        # The puller has gone: the server sees its connection close on its own thread.
+        scrape_until(metrics, lambda s: value(s, "weightstream_peer_pullers_connected") == 0)
+
+        refused = run("load", f"peer://{address}", "--token-stdin", "--no-progress", "--peer-timeout", "30",
+                      stdin="another-token\n")
+        assert refused.returncode != 0
+        samples = scrape_until(metrics, lambda s: value(s, "weightstream_peer_connections_refused_total") >= 1)
+        assert value(samples, "weightstream_peer_pullers_accepted_total") == 1
+        assert TOKEN not in urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
+        # It stops cleanly with its endpoint (a sanitizer build fails the exit on a leak).
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(timeout=60) == 0, serve.process.stderr.read()
+
+
+def test_a_receiver_shows_each_update_it_applied_while_it_awaits_the_next(llama, tmp_path):
+    with Running("audit", str(llama), "--via", "tcp", "--await-sender", "--token-stdin", "--repeat", "2",
+                 "--bucket-size", "1MiB", "--json", "--no-progress", "--metrics-listen", "0") as audit:
+        metrics = read_stderr_until(audit.process, r"metrics at http://(\S+)/metrics").group(1)
+        assert metrics.startswith("127.0.0.1:")  # a bare port listens on loopback
+        receiver = read_stderr_until(audit.process, r"awaiting a sender at (\S+)").group(1)
+
+        samples, types = scrape(metrics)
+        assert value(samples, "weightstream_load_read_bytes_total", source="file") > 0
+        for name in ("weightstream_updates_completed_total", "weightstream_updates_started_total",
+                     "weightstream_update_senders_accepted_total", "weightstream_update_in_progress",
+                     "weightstream_update_duration_seconds_count"):
+            assert value(samples, name, transport="tcp") == 0, name
+        assert types["weightstream_update_duration_seconds"] == "histogram"
+
+        def send(token=TOKEN):
+            return run("send", str(llama), "--to", receiver, "--via", "tcp", "--bucket-size", "1MiB",
+                       "--token-stdin", "--no-progress", "--json", stdin=token + "\n")
+
+        assert send("another-token").returncode != 0
+        scrape_until(metrics, lambda s: value(s, "weightstream_update_connections_refused_total", transport="tcp") == 1)
+        sent = send()
+        assert sent.returncode == 0, sent.stderr
+        first = json.loads(sent.stdout)
+        # The receiver records an update once its receive() returns, after it answered the
+        # sender: awaited, then checked whole while the receiver waits for the second.
+        samples = scrape_until(metrics, lambda s: value(s, "weightstream_updates_completed_total", transport="tcp") == 1)
+        assert value(samples, "weightstream_update_received_bytes_total", transport="tcp") == first["bytes"]
+        assert first["bytes"] >= checkpoint_bytes(llama) * 0.9
+        assert value(samples, "weightstream_update_tensors_total", transport="tcp") == first["tensors"]
+        assert value(samples, "weightstream_update_duration_seconds_count", transport="tcp") == 1
+        assert value(samples, "weightstream_update_duration_seconds_sum", transport="tcp") > 0
+        assert value(samples, "weightstream_update_duration_seconds_bucket", transport="tcp", le="+Inf") == 1
+        assert value(samples, "weightstream_update_phase_seconds_total", transport="tcp", phase="finishing") > 0
+        assert abs(value(samples, "weightstream_update_last_completed_timestamp_seconds", transport="tcp")
+                   - time.time()) < 3600
+        assert value(samples, "weightstream_updates_started_total", transport="tcp") == 1
+        assert value(samples, "weightstream_updates_failed_total", transport="tcp") == 0
+        assert value(samples, "weightstream_update_senders_accepted_total", transport="tcp") == 1
+        assert value(samples, "weightstream_update_in_progress", transport="tcp") == 0
+        assert value(samples, "weightstream_update_connections_refused_total", transport="tcp") == 1
+
+        assert send().returncode == 0
+        audit.process.wait(timeout=300)
+        out, err = audit.process.stdout.read(), audit.process.stderr.read()
+        assert audit.process.returncode == 0, err
+        report = json.loads(out)
+        assert report["clean"] is True and report["repeat"] == 2
+
+
+def free_port_held():
+    """A loopback socket listening on a port the kernel picked: that port is in use."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder
+
+
+def test_a_metrics_port_in_use_fails_before_the_load_naming_it(llama):
+    with free_port_held() as holder:
+        port = holder.getsockname()[1]
+        result = run("serve", str(llama), "--open-without-token", "--no-progress", "--metrics-listen",
+                     f"127.0.0.1:{port}")
+    if WITHOUT_PROMETHEUS in result.stderr:
+        pytest.skip("this build has no prometheus-cpp (WS_WITH_PROMETHEUS)")
+    assert result.returncode == 1, result.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port} (--metrics-listen): Address already in use" in result.stderr
+    assert "serving" not in result.stdout
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("abc", "--metrics-listen 'abc' is not HOST:PORT or PORT with a port from 0 to 65535"),
+    ("127.0.0.1:65536", "--metrics-listen '127.0.0.1:65536' is not HOST:PORT or PORT with a port from 0 to 65535"),
+    (":9400", "--metrics-listen ':9400' is not HOST:PORT"),
+    ("::1:9400", "(an IPv6 host goes in brackets: [::1]:PORT)"),
+])
+def test_a_malformed_metrics_address_is_a_usage_error(llama, text, needle):
+    result = run("serve", str(llama), "--open-without-token", "--no-progress", "--metrics-listen", text)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+
+
+def test_the_receivers_metrics_need_via(llama):
+    result = run("audit", str(llama), "--metrics-listen", "0", "--no-progress")
+    assert result.returncode == 2, result.stderr
+    assert "--metrics-listen requires --via" in result.stderr
