@@ -13,6 +13,15 @@ library's message and a ``.code`` such as "not_found", "format" or "invalid_argu
 
 import atexit as _atexit
 
+# torch, where it is installed, is imported before the compiled core: on an H100 (CUDA 13,
+# torch 2.11, the core built with a CUDA-aware UCX) `import weightstream, torch` died of
+# SIGSEGV inside torch's own import (its operator registry), while torch imported first
+# worked, so the package itself takes that order (bench/HISTORY.md, session 24).
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:
+    pass
+
 from ._api import (
     Checkpoint,
     Error,
