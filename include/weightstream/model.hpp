@@ -124,6 +124,14 @@ enum class SourceLifetime {
                ///< keeps the keepalive instead of a copy
 };
 
+/// The elements of a tensor that changed since the version a layout holds (a delta update):
+/// their indices in the tensor's row-major order, strictly ascending, and their new values in
+/// the tensor's dtype (`indices.size()` elements, packed), on the host.
+struct ChangedElements {
+  std::vector<uint64_t> indices;
+  std::vector<std::byte> values;
+};
+
 /// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
 /// or on a device.
 struct TensorView {
@@ -138,6 +146,11 @@ struct TensorView {
   /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
   /// keeps it until its copies of these bytes have landed and returns without waiting.
   std::shared_ptr<const void> keepalive;
+  /// Set: the view delivers the whole tensor (offset 0, `bytes` its size, `data` unused) as
+  /// these changed elements over the values its parameters hold; every other element keeps
+  /// its value. Checkpoint format only, into parameters that hold the tensor's dtype as it is
+  /// (no conversion, no processing) on the host.
+  std::shared_ptr<const ChangedElements> changes;
 };
 
 class ModelLayout;

@@ -19,9 +19,11 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "cli/update_via.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/load.hpp"
 #include "weightstream/stream.hpp"
 
 extern char** environ;
@@ -39,8 +41,51 @@ struct SendFlags {
   bool token_stdin = false;
   bool json = false;
   int64_t repeat = 1;
+  std::string delta_from;  // --delta-from: the checkpoint the receiver holds (a delta update)
   StreamFlags stream;
 };
+
+/// The content digest of `checkpoint` from its tensors loaded in `loaded` (one pass over
+/// memory, no second read).
+std::string loaded_content_digest(const Checkpoint& checkpoint, const LoadedCheckpoint& loaded) {
+  std::vector<TensorDigest> digests;
+  digests.reserve(loaded.tensors.size());
+  for (size_t i = 0; i < loaded.tensors.size(); ++i) {
+    Hasher hasher(HashKind::kXxh64);
+    hasher.update(std::span<const std::byte>(loaded.tensors[i].data, loaded.tensors[i].bytes));
+    digests.push_back({checkpoint.tensors()[i].name, hasher.finish()});
+  }
+  return content_digest(checkpoint, digests);
+}
+
+/// One delta update of `next` from `base` (the checkpoint the receivers hold): both loaded
+/// into host memory (mapped where they are local files), each tensor sent as its changed
+/// elements, or whole where that is cheaper or the base lacks it in that dtype and shape.
+UpdateReport send_delta(UpdateSender& sender, const Checkpoint& next, const Checkpoint& base,
+                        std::span<const DeclaredTensor> manifest, const StreamOptions& options) {
+  LoadedCheckpoint base_tensors = load_checkpoint(base, Device{}, options);
+  LoadedCheckpoint next_tensors = load_checkpoint(next, Device{}, options);
+  const UpdateVersions versions{loaded_content_digest(base, base_tensors), loaded_content_digest(next, next_tensors)};
+  std::unordered_map<std::string_view, size_t> base_index;
+  for (size_t i = 0; i < base.tensors().size(); ++i) base_index.emplace(base.tensors()[i].name, i);
+  auto view_of = [](const CheckpointTensor& tensor, const LoadedTensor& loaded) {
+    return TensorView{.name = tensor.name, .dtype = tensor.dtype, .shape = tensor.shape, .data = loaded.data,
+                      .bytes = loaded.bytes};
+  };
+  sender.start(TensorFormat::kCheckpoint, manifest, versions);
+  for (size_t i = 0; i < next.tensors().size(); ++i) {
+    const CheckpointTensor& tensor = next.tensors()[i];
+    const TensorView view = view_of(tensor, next_tensors.tensors[i]);
+    auto found = base_index.find(tensor.name);
+    const CheckpointTensor* old = found == base_index.end() ? nullptr : &base.tensors()[found->second];
+    if (old && old->dtype == tensor.dtype && old->shape == tensor.shape) {
+      sender.send_changes(view_of(*old, base_tensors.tensors[found->second]), view);
+    } else {
+      sender.send(view);
+    }
+  }
+  return sender.finish();
+}
 
 /// Hands streamed pieces to the sender in file order, as a trainer pushes a model layer
 /// after layer: the receiver then holds back only the layer a bucket ends inside.
@@ -178,6 +223,9 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
   command.add_flag("--open-without-token", flags.open_without_token,
                    "--await-sender: accept any sender, with no token (warned about on stderr)")
       ->excludes(token_stdin);
+  command.add_flag("--delta", flags.delta,
+                   "--via: push the reload as a delta update from URI, only the elements that changed (docs/DELTA.md)")
+      ->needs(via);
 }
 
 void add_send_command(CLI::App& app) {
@@ -202,8 +250,16 @@ void add_send_command(CLI::App& app) {
                       "Updates to send, one after another over one connection, as a trainer pushes every step "
                       "(default 1)")
       ->check(CLI::Range(1, 1 << 20));
+  command->add_option("--delta-from", flags->delta_from,
+                      "Send only the elements that changed since this checkpoint, the one the receivers hold (a delta "
+                      "update, refused by a receiver that holds another version; docs/DELTA.md)");
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
+    const bool delta = !flags->delta_from.empty();
+    WS_EXPECT(!delta || flags->repeat == 1, ErrorCode::kInvalidArgument,
+              "--delta-from sends one update from the version the receivers hold; it does not combine with --repeat");
+    WS_EXPECT(!delta || flags->format == "checkpoint", ErrorCode::kInvalidArgument,
+              "--delta-from sends checkpoint-format tensors; it does not combine with --format engine");
     Options options = resolve_options(flags->stream);
     SenderOptions sender_options;
     sender_options.transport = parse_transport(flags->via);
@@ -225,16 +281,25 @@ void add_send_command(CLI::App& app) {
     UpdateReport report;
     nlohmann::json updates = nlohmann::json::array();
     for (int64_t update = 0; update < flags->repeat; ++update) {
-      sender.start(format, manifest);
-      stream_tensors(checkpoint, requests, sink, options.stream);
-      sink.drain();
-      report = sender.finish();  // the receiver's report, echoed back
+      if (delta) {
+        report = send_delta(sender, checkpoint, Checkpoint::open(flags->delta_from, options), manifest, options.stream);
+      } else {
+        sender.start(format, manifest);
+        stream_tensors(checkpoint, requests, sink, options.stream);
+        sink.drain();
+        report = sender.finish();  // the receiver's report, echoed back
+      }
       updates.push_back({{"seconds", report.seconds}, {"gbps", report.gbps()}});
       if (!flags->json) {
         std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
                     static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),
                     static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
                     flags->via.c_str(), report.seconds, report.gbps());
+        if (delta) {
+          std::printf("delta from %s: %llu tensors as changed elements, %llu whole\n", flags->delta_from.c_str(),
+                      static_cast<unsigned long long>(report.sparse_tensors),
+                      static_cast<unsigned long long>(report.dense_tensors));
+        }
       }
     }
     if (flags->json) {
@@ -250,13 +315,25 @@ void add_send_command(CLI::App& app) {
                   {"gbps", report.gbps()},
                   {"model_hook_runs", report.counters.model_hook_runs},
                   {"paths", sender.paths()},
-                  {"updates", updates}});
+                  {"updates", updates},
+                  {"delta_from", delta ? nlohmann::json(flags->delta_from) : nlohmann::json()},
+                  {"sparse_tensors", report.sparse_tensors},
+                  {"dense_tensors", report.dense_tensors}});
     }
   });
 }
 
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update) {
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
+                         const std::string& delta_base_uri) {
+  WS_EXPECT(delta_base_uri.empty() || count == 1, ErrorCode::kInvalidArgument,
+            "--delta pushes one update from the loaded version; it does not combine with --repeat");
+  // The version the layout holds, which a delta must name: a read of the loaded checkpoint.
+  std::string version;
+  if (!delta_base_uri.empty()) {
+    const Options resolved = resolve_options(stream);
+    version = checkpoint_content_digest(Checkpoint::open(delta_base_uri, resolved), resolved.stream);
+  }
   ReceiverOptions options;
   options.transport = parse_transport(flags.via);
   options.token = random_token();
@@ -276,6 +353,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     options.token = flags.open_without_token ? std::string() : token_from_stdin();
     options.open_without_token = flags.open_without_token;
     UpdateReceiver receiver(layout, options);
+    receiver.set_version(version);
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());
     std::fflush(stderr);
@@ -283,7 +361,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     return;
   }
   UpdateReceiver receiver(layout, options);
-
+  receiver.set_version(version);
   // NCCL refuses two ranks on one GPU: the sender stages on the next one.
   Device sender_device = device;
   if (options.transport == TransportKind::kNccl && device.is_cuda() && cuda_device_count() > 1) {
@@ -297,6 +375,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
   if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
   if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
+  if (!delta_base_uri.empty()) arguments.insert(arguments.end(), {"--delta-from", delta_base_uri});
   std::vector<char*> argv;
   for (std::string& argument : arguments) argv.push_back(argument.data());
   argv.push_back(nullptr);

@@ -25,6 +25,8 @@ struct ViaFlags {
   bool token_stdin = false;
   /// --open-without-token: --await-sender accepts any sender, with no token (warned about).
   bool open_without_token = false;
+  /// --delta: the reload goes as a delta update from the audited checkpoint (send --delta-from).
+  bool delta = false;
   bool requested() const noexcept { return !via.empty(); }
 };
 
@@ -42,10 +44,13 @@ struct ViaUpdate {
 /// Receives `count` updates of `layout`, one after another over one connection, from one
 /// `weightstream send --repeat COUNT` process spawned for `reload_uri` (or, with
 /// --await-sender, from a sender elsewhere), through the transport of `flags`, with a fresh
-/// random token; calls `on_update` after each. Throws the receiver's error, with the
-/// sender's exit status when it failed first.
+/// random token; calls `on_update` after each. With `delta_base_uri` (the checkpoint the
+/// layout holds), the receiver holds that checkpoint's content digest as its version and the
+/// sender sends `send --delta-from delta_base_uri` (one update). Throws the receiver's error,
+/// with the sender's exit status when it failed first.
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update);
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
+                         const std::string& delta_base_uri = {});
 
 /// Registers the hidden `send` subcommand.
 void add_send_command(CLI::App& app);

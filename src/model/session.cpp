@@ -104,6 +104,7 @@ struct PieceWrite {
   SourceLifetime lifetime = SourceLifetime::kCall;
   std::shared_ptr<const void> keepalive;
   std::string_view name;
+  std::shared_ptr<const ChangedElements> changes;  ///< set: the part's changed elements, not bytes at `source`
 };
 
 /// Calls `rectangle(destination, destination_pitch, source, source_pitch, width, rows)` for
@@ -302,6 +303,7 @@ struct LoadSession::State {
     const ParameterPart& part = parameter.parts[write.part];
     ParameterState& parameter_state = parameters[write.parameter];
     std::byte* base = part_base(write);
+    if (write.changes) return write_changes(part, write, base);
     if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
     if (quantizes_into(write.dtype, parameter) && writer->quantizes_on_device() && parameter.device == writer->device() &&
         (!write.device.is_cuda() || write.device == writer->device())) {
@@ -331,6 +333,27 @@ struct LoadSession::State {
     convert_elements(converted->data(), parameter.load_dtype, part_state.assembly.data(), write.dtype, part.elements());
     std::vector<std::byte>().swap(part_state.assembly);
     writer->copy(base, converted->data(), kHost, converted->size(), converted, write.name);
+  }
+
+  /// Writes the changed elements of `write` that fall in `part`'s slice at their places in
+  /// the part (host storage at `base`, checked by check_changes_target()).
+  void write_changes(const ParameterPart& part, const Write& write, std::byte* base) {
+    const ChangedElements& changes = *write.changes;
+    const uint64_t element = element_bytes(write.dtype);
+    const auto tensor_columns = static_cast<uint64_t>(part.tensor_columns());
+    const auto row_begin = static_cast<uint64_t>(part.row_begin);
+    const auto column_begin = static_cast<uint64_t>(part.column_begin);
+    const auto columns = static_cast<uint64_t>(part.columns);
+    const uint64_t first = row_begin * tensor_columns;
+    const uint64_t end = first + static_cast<uint64_t>(part.rows) * tensor_columns;
+    auto at = std::lower_bound(changes.indices.begin(), changes.indices.end(), first);
+    for (; at != changes.indices.end() && *at < end; ++at) {
+      const uint64_t row = *at / tensor_columns - row_begin;
+      const uint64_t column = *at % tensor_columns;
+      if (column < column_begin || column >= column_begin + columns) continue;  // another rank's columns
+      const auto k = static_cast<uint64_t>(at - changes.indices.begin());
+      std::memcpy(base + (row * columns + column - column_begin) * element, changes.values.data() + k * element, element);
+    }
   }
 
   /// Quantizes a floating-point part's slice gathered whole (compactly) in its
@@ -486,7 +509,9 @@ struct LoadSession::State {
       WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
                 "tensor " + std::string(view.name) + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
                     " lies outside its " + std::to_string(*size) + " bytes");
-      WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(view.name) + ": no data");
+      WS_EXPECT(view.data != nullptr || view.bytes == 0 || view.changes, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": no data");
+      if (view.changes) check_changes(view, *size);
       if (format == TensorFormat::kEngine) {
         check_engine(view, what, checked);
       } else {
@@ -498,9 +523,49 @@ struct LoadSession::State {
 
   static void add_write(CheckedBatch& checked, const TensorView& view, size_t parameter, size_t part, uint64_t begin,
                         uint64_t end, uint64_t needed) {
-    checked.writes.push_back({parameter, part, begin, end, needed, view.data + (begin - view.offset), view.device,
-                              view.dtype, view.lifetime, view.keepalive, view.name});
-    checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
+    const std::byte* source = view.changes ? nullptr : view.data + (begin - view.offset);
+    checked.writes.push_back({parameter, part, begin, end, needed, source, view.device, view.dtype, view.lifetime,
+                              view.keepalive, view.name, view.changes});
+    checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive && !view.changes);
+  }
+
+  /// A view of changed elements (a delta): the whole tensor, its indices ascending inside it
+  /// and one value each.
+  static void check_changes(const TensorView& view, uint64_t size) {
+    const ChangedElements& changes = *view.changes;
+    const std::string tensor = "tensor " + std::string(view.name);
+    WS_EXPECT(view.offset == 0 && view.bytes == size, ErrorCode::kModel,
+              tensor + ": changed elements stand for the whole tensor (offset 0, " + std::to_string(size) +
+                  " bytes), not the piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes));
+    const uint64_t element = element_bytes(view.dtype);
+    WS_EXPECT(element > 0 && changes.values.size() == changes.indices.size() * element, ErrorCode::kModel,
+              tensor + ": " + std::to_string(changes.indices.size()) + " changed elements of " +
+                  std::string(dtype_name(view.dtype)) + " come with " + std::to_string(changes.values.size()) +
+                  " bytes of values");
+    const uint64_t elements = size / element;
+    for (size_t i = 0; i < changes.indices.size(); ++i) {
+      const uint64_t index = changes.indices[i];
+      WS_EXPECT(index < elements && (i == 0 || index > changes.indices[i - 1]), ErrorCode::kModel,
+                tensor + ": changed element " + std::to_string(i) + " is at index " + std::to_string(index) +
+                    (index < elements ? ", not after the one before it" : ", outside its " + std::to_string(elements) +
+                                                                              " elements"));
+    }
+  }
+
+  /// A delta reaches only parameters that hold the tensor's values as they are, on the host.
+  template <typename TargetText>
+  void check_changes_target(const TensorView& view, const Parameter& parameter, const TargetText& target_text) const {
+    const char* why = nullptr;
+    if (view.dtype != parameter.load_dtype || parameter.dtype != parameter.load_dtype) {
+      why = "holds another dtype than the tensor's";
+    } else if (parameter.processing != Processing::kNone) {
+      why = "is processed (quantized) after loading";
+    } else if (parameter.device.is_cuda()) {
+      why = "lives on a GPU, where changed elements are not written yet";
+    }
+    WS_EXPECT(why == nullptr, ErrorCode::kModel,
+              "tensor " + std::string(view.name) + " arrives as changed elements but " + target_text() + " " + why +
+                  "; send it whole");
   }
 
   /// An engine-format tensor: a whole parameter's bytes (or a piece of them) as they are.
@@ -510,6 +575,8 @@ struct LoadSession::State {
     WS_EXPECT(index.has_value(), ErrorCode::kModel,
               "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout.description());
     const Parameter& parameter = layout.parameters()[*index];
+    WS_EXPECT(!view.changes, ErrorCode::kModel,
+              "engine-format tensor " + std::string(tensor) + " arrives as changed elements, which take checkpoint names");
     WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
               "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but parameter " +
                   parameter.name + " (" + layer_label(layout, parameter.layer) + ") holds " +
@@ -549,6 +616,7 @@ struct LoadSession::State {
       WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
                 "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
                     shape_text(part.shape));
+      if (view.changes) check_changes_target(view, parameter, target_text);
       const bool quantizes = quantizes_into(view.dtype, parameter);
       WS_EXPECT(convertible(view.dtype, parameter.load_dtype) || quantizes, ErrorCode::kModel,
                 "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
@@ -620,7 +688,7 @@ struct LoadSession::State {
         }
         continue;
       }
-      if (write.dtype != parameter.load_dtype) unlocked = false;
+      if (write.dtype != parameter.load_dtype || write.changes) unlocked = false;
       account_part(write, completed);
     }
     for (size_t index : completed) {
@@ -702,7 +770,9 @@ struct LoadSession::State {
   void keep(Held held) {
     Write& write = held.write;
     write.name = *held.name;
-    if (write.lifetime == SourceLifetime::kLoad) {
+    if (write.changes) {
+      // The changed elements are the session's own: nothing to copy.
+    } else if (write.lifetime == SourceLifetime::kLoad) {
       write.keepalive.reset();
     } else if (write.lifetime == SourceLifetime::kKeepalive && write.keepalive) {
       // The keepalive goes with the held write: nothing to copy.
@@ -759,7 +829,8 @@ struct LoadSession::State {
       if (write.device == writer->device() && parameter.device == writer->device() &&
           quantizes_into(write.dtype, parameter) && writer->quantizes_on_device()) {
         write_quantized_on_device(parameter, write, part_base(write), &quantized);
-      } else if (write.device.is_cuda() || write.dtype != parameter.load_dtype || parameter.device != writer->device()) {
+      } else if (write.changes || write.device.is_cuda() || write.dtype != parameter.load_dtype ||
+                 parameter.device != writer->device()) {
         write_checkpoint(write);
         continue;
       }

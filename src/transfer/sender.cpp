@@ -6,6 +6,7 @@
 #include <chrono>
 #include <unordered_map>
 
+#include "transfer/delta.hpp"
 #include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
@@ -77,6 +78,7 @@ struct UpdateSender::State {
   std::vector<Connection*> connections;          // of every link, for the transport's push
   std::unique_ptr<SenderTransport> transport;
   bool open = false;    // an update is between start() and finish()
+  bool delta = false;   // the open update is a delta update
   bool broken = false;  // an update failed: the connections are in an unknown state
   uint32_t slot = 0;                             // the buffer the current bucket fills
   bool slot_claimed = false;                     // the current bucket has bytes in `slot`
@@ -248,6 +250,11 @@ struct UpdateSender::State {
 
   /// Queues one tensor (UpdateSender::send after its checks).
   void send(const TensorView& tensor);
+  /// Queues the changed elements of a whole tensor (send_changes after its checks) as one
+  /// entry, in one bucket.
+  void send_encoded(const TensorView& tensor, std::span<const std::byte> encoded);
+  /// The checks of send() for `tensor`; returns its entry of the manifest.
+  Declared& admit(const TensorView& tensor);
 
   /// The current bucket's buffer, once every receiver has released it.
   void claim_slot() {
@@ -337,10 +344,22 @@ uint64_t UpdateSender::buckets_sent() const noexcept { return state_->next_index
 
 std::vector<std::string> UpdateSender::paths() const { return state_->transport->paths(); }
 
-void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> manifest) {
+void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> manifest, const UpdateVersions& versions) {
   State& state = *state_;
   WS_EXPECT(state.broken || !state.open, ErrorCode::kInvalidArgument,
             "update sender: start() while an update is open (finish() it first)");
+  const bool delta = !versions.base.empty();
+  WS_EXPECT(versions.base.size() <= kMaxVersionBytes && versions.target.size() <= kMaxVersionBytes,
+            ErrorCode::kInvalidArgument,
+            "update sender: a version of " + std::to_string(std::max(versions.base.size(), versions.target.size())) +
+                " bytes, at most " + std::to_string(kMaxVersionBytes));
+  WS_EXPECT(!delta || format == TensorFormat::kCheckpoint, ErrorCode::kInvalidArgument,
+            "update sender: a delta update takes checkpoint-format tensors, not engine format");
+  WS_EXPECT(!delta || state.options.transport == TransportKind::kShm || state.options.transport == TransportKind::kTcp ||
+                state.options.transport == TransportKind::kUcx,
+            ErrorCode::kUnsupported,
+            "update sender: delta updates travel over shm, tcp and ucx, not " +
+                std::string(transport_name(state.options.transport)) + " (yet)");
   // The manifest is checked here as the receiver's parser would refuse it, before anything
   // is sent: a bad manifest leaves the connection usable.
   WS_EXPECT(manifest.size() <= kMaxEntries, ErrorCode::kInvalidArgument,
@@ -377,6 +396,7 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
     Message message;
     message.type = MessageType::kStart;
     message.format = format;
+    message.versions = versions;
     message.declared.assign(manifest.begin(), manifest.end());
     state.transport->begin_update();
     state.next_index = 0;
@@ -397,11 +417,12 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
       if (answer.message.type != MessageType::kAccepted) State::fail_with(link, answer.message, "ACCEPTED");
     }
     state.open = true;
+    state.delta = delta;
   });
 }
 
-void UpdateSender::send(const TensorView& tensor) {
-  State& state = *state_;
+UpdateSender::State::Declared& UpdateSender::State::admit(const TensorView& tensor) {
+  State& state = *this;
   // Spelled out only in messages: a string per tensor is measurable at 10,000 tensors.
   const std::string_view name = tensor.name;
   WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: send(" + std::string(name) + ") outside start()/finish()");
@@ -429,9 +450,72 @@ void UpdateSender::send(const TensorView& tensor) {
   WS_EXPECT(tensor.offset == declared.sent, ErrorCode::kInvalidArgument,
             "update sender: tensor " + std::string(name) + ": a piece at byte " + std::to_string(tensor.offset) +
                 " after " + std::to_string(declared.sent) + " bytes of it were sent (pieces come in order)");
+  return declared;
+}
+
+void UpdateSender::send(const TensorView& tensor) {
+  State& state = *state_;
+  State::Declared& declared = state.admit(tensor);
   declared.sent += tensor.bytes;
   declared.begun = true;
   state.on_connection([&] { state.send(tensor); });
+}
+
+bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor) {
+  State& state = *state_;
+  const std::string name(tensor.name);
+  WS_EXPECT(state.open && state.delta, ErrorCode::kInvalidArgument,
+            "update sender: send_changes(" + name + ") outside a delta update (start() with a base version)");
+  WS_EXPECT(base.dtype == tensor.dtype && std::ranges::equal(base.shape, tensor.shape) && base.offset == 0 &&
+                base.bytes == tensor.bytes,
+            ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " is " + described(tensor.dtype, tensor.shape) + " but its base is " +
+                described(base.dtype, base.shape) + " (" + std::to_string(base.bytes) + " bytes)");
+  WS_EXPECT(!base.device.is_cuda() && !tensor.device.is_cuda() && (base.data != nullptr || base.bytes == 0),
+            ErrorCode::kInvalidArgument,
+            "update sender: changed elements of tensor " + name + " are computed from host memory (" +
+                base.device.name() + " and " + tensor.device.name() + " given)");
+  State::Declared& declared = state.admit(tensor);
+  WS_EXPECT(tensor.offset == 0 && tensor.bytes == declared.bytes, ErrorCode::kInvalidArgument,
+            "update sender: changed elements of tensor " + name + " are computed from the whole tensor, not the piece " +
+                std::to_string(tensor.offset) + "+" + std::to_string(tensor.bytes));
+  const double fraction = std::clamp(state.options.delta_dense_fraction, 0.0, 1.0);
+  const uint64_t limit = std::min<uint64_t>(static_cast<uint64_t>(fraction * static_cast<double>(tensor.bytes)),
+                                            state.options.bucket_bytes);
+  std::optional<std::vector<std::byte>> encoded =
+      encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
+                              dtype_bits(tensor.dtype) / 8, limit);
+  declared.sent = tensor.bytes;
+  declared.begun = true;
+  if (!encoded) {
+    state.on_connection([&] { state.send(tensor); });
+    return false;
+  }
+  state.on_connection([&] { state.send_encoded(tensor, *encoded); });
+  return true;
+}
+
+void UpdateSender::State::send_encoded(const TensorView& tensor, std::span<const std::byte> encoded) {
+  State& state = *this;
+  if (state.current.entries.empty()) state.open_bucket();
+  uint64_t start = (state.current.bytes + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
+  // One entry in one bucket: the whole buffer may take it, whatever the ramp allows.
+  if (start + encoded.size() + state.current_shared_bytes > state.options.bucket_bytes) {
+    state.flush();
+    state.open_bucket();
+    start = 0;
+  }
+  state.claim_slot();
+  state.transport->fill(state.slot, start, encoded.data(), Device{}, encoded.size());
+  BucketEntry& entry = state.current.entries.emplace_back();
+  entry.name = tensor.name;
+  entry.dtype = tensor.dtype;
+  entry.shape.assign(tensor.shape.begin(), tensor.shape.end());
+  entry.source_offset = start;
+  entry.bytes = encoded.size();
+  entry.encoding = EntryEncoding::kChangedElements;
+  state.current.bytes = start + encoded.size();
+  if (state.current.bytes + state.current_shared_bytes >= state.bucket_limit()) state.flush();
 }
 
 void UpdateSender::State::send(const TensorView& tensor) {

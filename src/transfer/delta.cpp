@@ -1,0 +1,142 @@
+// The changed-elements encoding of delta updates (see delta.hpp and docs/DELTA.md).
+#include "transfer/delta.hpp"
+
+#include <xxhash.h>
+
+#include <bit>
+#include <cstring>
+
+#include "weightstream/error.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "the encoding is little-endian; add byte swaps here");
+
+/// LEB128 takes at most 10 bytes for a 64-bit value.
+constexpr unsigned kMaxVarintBytes = 10;
+
+void put_varint(std::vector<std::byte>& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<std::byte>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<std::byte>(value));
+}
+
+void put_u64(std::byte* at, uint64_t value) { std::memcpy(at, &value, sizeof(value)); }
+
+uint64_t get_u64(const std::byte* at) {
+  uint64_t value;
+  std::memcpy(&value, at, sizeof(value));
+  return value;
+}
+
+/// Calls `changed(index)` for each element of `element_bytes` bytes that differs, in order,
+/// until it returns false; compares eight bytes at a time where they are equal.
+template <typename Changed>
+void for_each_changed(const std::byte* base, const std::byte* tensor, uint64_t bytes, uint64_t element_bytes,
+                      Changed&& changed) {
+  uint64_t position = 0;
+  while (position < bytes) {
+    if (bytes - position >= 8 && get_u64(base + position) == get_u64(tensor + position)) {
+      position += 8;
+      continue;
+    }
+    const uint64_t stop = std::min(bytes, position + 8);
+    for (; position < stop; position += element_bytes) {
+      if (std::memcmp(base + position, tensor + position, element_bytes) != 0 && !changed(position / element_bytes)) {
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
+                                                              std::span<const std::byte> tensor, uint64_t element_bytes,
+                                                              uint64_t limit) {
+  WS_EXPECT(base.size() == tensor.size(), ErrorCode::kInvalidArgument,
+            "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
+                std::to_string(tensor.size()));
+  if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
+  std::vector<std::byte> positions;
+  std::vector<std::byte> values;
+  uint64_t changed = 0;
+  uint64_t next = 0;  // the smallest index the next change may have
+  bool over = kChangedElementsOverhead > limit;
+  for_each_changed(base.data(), tensor.data(), tensor.size(), element_bytes, [&](uint64_t index) {
+    put_varint(positions, index - next);
+    next = index + 1;
+    values.insert(values.end(), tensor.data() + index * element_bytes, tensor.data() + next * element_bytes);
+    ++changed;
+    over = kChangedElementsOverhead + positions.size() + values.size() > limit;
+    return !over;
+  });
+  if (over) return std::nullopt;
+  std::vector<std::byte> encoded(kChangedElementsOverhead + positions.size() + values.size());
+  put_u64(encoded.data(), changed);
+  put_u64(encoded.data() + 8, positions.size());
+  std::byte* at = encoded.data() + 16;
+  if (!positions.empty()) std::memcpy(at, positions.data(), positions.size());
+  if (!values.empty()) std::memcpy(at + positions.size(), values.data(), values.size());
+  const uint64_t checksum_at = encoded.size() - 8;
+  put_u64(encoded.data() + checksum_at, XXH64(encoded.data(), checksum_at, 0));
+  return encoded;
+}
+
+ChangedElements decode_changed_elements(std::span<const std::byte> encoded, uint64_t element_bytes, uint64_t elements,
+                                        const std::string& what) {
+  const uint64_t size = encoded.size();
+  WS_EXPECT(size >= kChangedElementsOverhead, ErrorCode::kProtocol,
+            what + ": its changed elements are truncated: " + std::to_string(size) + " bytes, fewer than the " +
+                std::to_string(kChangedElementsOverhead) + " of their counts and checksum");
+  const uint64_t changed = get_u64(encoded.data());
+  const uint64_t position_bytes = get_u64(encoded.data() + 8);
+  const uint64_t body = size - kChangedElementsOverhead;
+  // changed <= elements keeps changed * element_bytes within the tensor's size.
+  const bool counts_fit = changed <= elements && position_bytes <= body && body - position_bytes == changed * element_bytes;
+  WS_EXPECT(counts_fit, ErrorCode::kProtocol,
+            what + ": its changed elements are truncated or overlong: " + std::to_string(size) + " bytes hold " +
+                std::to_string(changed) + " changed of " + std::to_string(elements) + " elements with " +
+                std::to_string(position_bytes) + " bytes of positions, which take " +
+                (changed <= elements ? std::to_string(kChangedElementsOverhead + position_bytes + changed * element_bytes)
+                                     : std::string("more")) +
+                " bytes");
+  const uint64_t checksum = get_u64(encoded.data() + size - 8);
+  const uint64_t computed = XXH64(encoded.data(), size - 8, 0);
+  WS_EXPECT(checksum == computed, ErrorCode::kProtocol,
+            what + ": its changed elements are corrupted: their checksum says " + std::to_string(checksum) + ", their " +
+                std::to_string(size - 8) + " bytes hash to " + std::to_string(computed));
+  ChangedElements result;
+  result.indices.reserve(changed);
+  const std::byte* at = encoded.data() + 16;
+  const std::byte* end = at + position_bytes;
+  uint64_t next = 0;
+  for (uint64_t i = 0; i < changed; ++i) {
+    uint64_t gap = 0;
+    unsigned shift = 0;
+    for (;;) {
+      WS_EXPECT(at < end && shift < 7 * kMaxVarintBytes, ErrorCode::kProtocol,
+                what + ": changed element " + std::to_string(i) + "'s position runs past its " +
+                    std::to_string(position_bytes) + " bytes of positions");
+      const auto byte = static_cast<uint8_t>(*at++);
+      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      shift += 7;
+      if ((byte & 0x80) == 0) break;
+    }
+    WS_EXPECT(gap < elements && next <= elements - 1 - gap, ErrorCode::kProtocol,
+              what + ": changed element " + std::to_string(i) + " lies past the tensor's " + std::to_string(elements) +
+                  " elements");
+    result.indices.push_back(next + gap);
+    next += gap + 1;
+  }
+  WS_EXPECT(at == end, ErrorCode::kProtocol,
+            what + ": " + std::to_string(end - at) + " bytes of positions are left after its " +
+                std::to_string(changed) + " changed elements");
+  result.values.assign(end, end + changed * element_bytes);
+  return result;
+}
+
+}  // namespace weightstream::transfer
