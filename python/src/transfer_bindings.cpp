@@ -312,6 +312,8 @@ class PySender {
     result["bytes"] = report.bytes;
     result["shared_bytes"] = report.shared_bytes;
     result["placed_bytes"] = report.placed_bytes;
+    result["sparse_tensors"] = report.sparse_tensors;
+    result["dense_tensors"] = report.dense_tensors;
     result["regions"] = report.regions;
     result["seconds"] = report.seconds;
     result["connect_seconds"] = report.connect_seconds;

@@ -16,6 +16,29 @@ static_assert(std::endian::native == std::endian::little, "the encoding is littl
 /// LEB128 takes at most 10 bytes for a 64-bit value.
 constexpr unsigned kMaxVarintBytes = 10;
 
+/// Elements compared, evenly spaced, before a tensor is encoded: one whose sample says its
+/// encoding would take more than kSampleMargin times the limit goes whole without paying for a
+/// partial encoding (otherwise a tensor that changed everywhere is scanned and encoded up to
+/// the limit first). Tensors of fewer than kSampledElements * 8 elements are not sampled.
+constexpr uint64_t kSampledElements = 1024;
+constexpr double kSampleMargin = 2.0;
+
+/// Whether the sample of `elements` says that the encoding would pass `limit` by far.
+bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t element_bytes,
+                       uint64_t limit) {
+  if (elements < kSampledElements * 8) return false;
+  const uint64_t stride = elements / kSampledElements;
+  uint64_t changed = 0;
+  for (uint64_t i = 0; i < kSampledElements; ++i) {
+    const uint64_t at = i * stride * element_bytes;
+    changed += std::memcmp(base + at, tensor + at, element_bytes) != 0 ? 1 : 0;
+  }
+  // At least one byte of position and the value for each changed element.
+  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(elements) *
+                          static_cast<double>(element_bytes + 1);
+  return estimate > kSampleMargin * static_cast<double>(limit);
+}
+
 void put_varint(std::vector<std::byte>& out, uint64_t value) {
   while (value >= 0x80) {
     out.push_back(static_cast<std::byte>((value & 0x7f) | 0x80));
@@ -61,6 +84,9 @@ std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const st
             "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
                 std::to_string(tensor.size()));
   if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
+  if (sample_says_dense(base.data(), tensor.data(), tensor.size() / element_bytes, element_bytes, limit)) {
+    return std::nullopt;
+  }
   std::vector<std::byte> positions;
   std::vector<std::byte> values;
   uint64_t changed = 0;

@@ -143,6 +143,36 @@ TEST(Delta, ATensorParallelRankKeepsOnlyItsOwnElements) {
   EXPECT_EQ(storage_addresses(layout), addresses);
 }
 
+TEST(Delta, Fp8BlockScaledExpertsTakeTheirChangedCodesAndScalesAtTensorParallelWithExperts) {
+  // FP8 codes and F32 block scales as the checkpoint ships them, at tp 2 rank 1 with experts
+  // divided between 2 ranks: each parameter part takes its own changed elements.
+  SynthOptions synth = testing::synth_options("qwen3_moe", 1);
+  synth.quantize = SynthOptions::Quantization::kFp8Block;
+  const MemoryCheckpoint base = testing::synth_in_memory(synth);
+  const MemoryCheckpoint next = changed_copy(base, 0.01, 48);
+  LayoutOptions options;
+  options.parallel.ep_size = 2;
+  options.parallel.ep_rank = 1;
+  auto loaded = [&](const MemoryCheckpoint& checkpoint) {
+    ModelLayout layout = host_layout(checkpoint, 2, 1, options);
+    run_load(layout, LoadMode::kCold, {checkpoint.views()});
+    return layout;
+  };
+  ModelLayout layout = loaded(base);
+  const auto addresses = storage_addresses(layout);
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
+  receiver.set_version(kVersionA);
+  auto sent = send_delta_async(receiver.address(), sender_options(TransportKind::kShm, 1 << 20), base, next,
+                               {kVersionA, kVersionB});
+  UpdateReport report = receiver.receive(10s);
+  sent.get();
+  EXPECT_GT(report.sparse_tensors, next.tensors.size() / 2);
+  LayoutComparison comparison = compare_layouts(layout, loaded(next));
+  EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  EXPECT_GT(compare_layouts(layout, loaded(base)).mismatched, 10u);
+  EXPECT_EQ(storage_addresses(layout), addresses);
+}
+
 TEST(Delta, UpdatesChainFromVersionToVersionOverOneConnection) {
   ModelLayout layout = cold_loaded_layout(version_a());
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
