@@ -134,6 +134,39 @@ struct ManifestLedger {
   std::unordered_map<std::string_view, size_t> index;
   std::vector<uint64_t> bytes;
   std::vector<uint64_t> received;
+
+  /// Counts the entries of a bucket as received, each checked against `declared` (the update's
+  /// manifest): a tensor it does not declare, or declares with another dtype or shape, and
+  /// changed elements outside a delta update or after bytes of their tensor are
+  /// Error(kProtocol). Changed elements count as their whole tensor. Returns how many entries
+  /// carry changed elements.
+  uint64_t account(const BucketManifest& manifest, std::span<const DeclaredTensor> declared, bool delta) {
+    uint64_t changed = 0;
+    const std::string bucket = "bucket " + std::to_string(manifest.index);
+    for (const BucketEntry& entry : manifest.entries) {
+      auto found = index.find(entry.name);
+      WS_EXPECT(found != index.end(), ErrorCode::kProtocol,
+                bucket + " carries tensor " + entry.name + ", which the update's manifest does not declare");
+      const DeclaredTensor& tensor = declared[found->second];
+      WS_EXPECT(entry.dtype == tensor.dtype && entry.shape == tensor.shape, ErrorCode::kProtocol,
+                bucket + " carries tensor " + entry.name + " as " + std::string(dtype_name(entry.dtype)) + " " +
+                    shape_text(entry.shape) + ", but the update's manifest declares it " +
+                    std::string(dtype_name(tensor.dtype)) + " " + shape_text(tensor.shape));
+      uint64_t& arrived = received[found->second];
+      if (entry.encoding == EntryEncoding::kBytes) {
+        arrived += entry.bytes;
+        continue;
+      }
+      WS_EXPECT(delta, ErrorCode::kProtocol,
+                bucket + " carries changed elements of tensor " + entry.name + " in a full update");
+      WS_EXPECT(arrived == 0, ErrorCode::kProtocol,
+                bucket + " carries changed elements of tensor " + entry.name + " after " + std::to_string(arrived) +
+                    " bytes of it");
+      arrived = bytes[found->second];
+      ++changed;
+    }
+    return changed;
+  }
 };
 
 /// Checks an update's manifest whole against `layout`, before any bucket: each tensor
@@ -827,30 +860,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       current = manifest.index;
       // What the manifest did not declare, or declared otherwise, is refused before the
       // bucket's bytes are received.
-      for (const BucketEntry& entry : manifest.entries) {
-        auto found = ledger.index.find(entry.name);
-        WS_EXPECT(found != ledger.index.end(), ErrorCode::kProtocol,
-                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name +
-                      ", which the update's manifest does not declare");
-        const DeclaredTensor& declared = start_message.declared[found->second];
-        WS_EXPECT(entry.dtype == declared.dtype && entry.shape == declared.shape, ErrorCode::kProtocol,
-                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name + " as " +
-                      std::string(dtype_name(entry.dtype)) + " " + shape_text(entry.shape) +
-                      ", but the update's manifest declares it " + std::string(dtype_name(declared.dtype)) + " " +
-                      shape_text(declared.shape));
-        if (entry.encoding == EntryEncoding::kChangedElements) {
-          WS_EXPECT(delta, ErrorCode::kProtocol,
-                    "bucket " + std::to_string(manifest.index) + " carries changed elements of tensor " + entry.name +
-                        " in a full update");
-          WS_EXPECT(ledger.received[found->second] == 0, ErrorCode::kProtocol,
-                    "bucket " + std::to_string(manifest.index) + " carries changed elements of tensor " + entry.name +
-                        " after " + std::to_string(ledger.received[found->second]) + " bytes of it");
-          ledger.received[found->second] = ledger.bytes[found->second];
-          ++sparse_tensors;
-        } else {
-          ledger.received[found->second] += entry.bytes;
-        }
-      }
+      sparse_tensors += ledger.account(manifest, start_message.declared, delta);
       for (const SharedRegion& region : manifest.regions) {
         WS_EXPECT(region.id == regions_open, ErrorCode::kProtocol,
                   "bucket " + std::to_string(manifest.index) + " shares region " + std::to_string(region.id) +
