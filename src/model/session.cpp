@@ -338,21 +338,36 @@ struct LoadSession::State {
   /// Writes the changed elements of `write` that fall in `part`'s slice at their places in
   /// the part (host storage at `base`, checked by check_changes_target()).
   void write_changes(const ParameterPart& part, const Write& write, std::byte* base) {
-    const ChangedElements& changes = *write.changes;
-    const uint64_t element = element_bytes(write.dtype);
+    switch (element_bytes(write.dtype)) {
+      case 1: return scatter_changes<1>(*write.changes, part, base);
+      case 2: return scatter_changes<2>(*write.changes, part, base);
+      case 4: return scatter_changes<4>(*write.changes, part, base);
+      case 8: return scatter_changes<8>(*write.changes, part, base);
+    }
+    WS_FAIL(ErrorCode::kInternal, "tensor " + std::string(write.name) + ": changed elements of " +
+                                      std::string(dtype_name(write.dtype)) + " cannot be written");
+  }
+
+  /// write_changes() for elements of `kElement` bytes: a part of whole rows takes each change
+  /// at its offset from the part's first element; a column window places it by row and column.
+  template <uint64_t kElement>
+  static void scatter_changes(const ChangedElements& changes, const ParameterPart& part, std::byte* base) {
     const auto tensor_columns = static_cast<uint64_t>(part.tensor_columns());
-    const auto row_begin = static_cast<uint64_t>(part.row_begin);
     const auto column_begin = static_cast<uint64_t>(part.column_begin);
     const auto columns = static_cast<uint64_t>(part.columns);
-    const uint64_t first = row_begin * tensor_columns;
+    const uint64_t first = static_cast<uint64_t>(part.row_begin) * tensor_columns;
     const uint64_t end = first + static_cast<uint64_t>(part.rows) * tensor_columns;
-    auto at = std::lower_bound(changes.indices.begin(), changes.indices.end(), first);
-    for (; at != changes.indices.end() && *at < end; ++at) {
-      const uint64_t row = *at / tensor_columns - row_begin;
-      const uint64_t column = *at % tensor_columns;
-      if (column < column_begin || column >= column_begin + columns) continue;  // another rank's columns
+    const auto begin = std::lower_bound(changes.indices.begin(), changes.indices.end(), first);
+    const std::byte* values = changes.values.data();
+    for (auto at = begin; at != changes.indices.end() && *at < end; ++at) {
       const auto k = static_cast<uint64_t>(at - changes.indices.begin());
-      std::memcpy(base + (row * columns + column - column_begin) * element, changes.values.data() + k * element, element);
+      uint64_t element = *at - first;  // in the part, when it holds whole rows
+      if (!part.contiguous()) {
+        const uint64_t column = *at % tensor_columns;
+        if (column < column_begin || column >= column_begin + columns) continue;  // another rank's columns
+        element = (element / tensor_columns) * columns + column - column_begin;
+      }
+      std::memcpy(base + element * kElement, values + k * kElement, kElement);
     }
   }
 

@@ -85,6 +85,10 @@ struct UpdateSender::State {
   uint64_t next_index = 0;
   BucketManifest current;
   uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
+  // Tensor bytes the current bucket's changed elements stand for (a delta update): it is sent
+  // once they reach its limit, so the receiver applies a delta bucket by bucket as the sender
+  // encodes it instead of after the whole of it.
+  uint64_t current_covered_bytes = 0;
 
   /// A tensor the open update declared, and how much of it has been sent.
   struct Declared {
@@ -232,6 +236,7 @@ struct UpdateSender::State {
     slot_claimed = false;
     current = BucketManifest{};
     current_shared_bytes = 0;
+    current_covered_bytes = 0;
     // Buckets of shared regions alone never wait for a buffer: read the APPLIED messages
     // that are already here, so no receiver blocks on a full socket.
     guarded([&] {
@@ -246,6 +251,7 @@ struct UpdateSender::State {
     current = BucketManifest{};
     current.index = next_index;
     current_shared_bytes = 0;
+    current_covered_bytes = 0;
   }
 
   /// Queues one tensor (UpdateSender::send after its checks).
@@ -405,6 +411,7 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
     for (State::Link& link : state.links) link.in_flight[0].reset(), link.in_flight[1].reset();
     state.current = BucketManifest{};
     state.current_shared_bytes = 0;
+    state.current_covered_bytes = 0;
     state.declared = std::move(declared);
     state.declared_index = std::move(index);  // its keys view the names, which moved with their vector
     state.guarded([&] { state.send_all(message); });
@@ -515,7 +522,9 @@ void UpdateSender::State::send_encoded(const TensorView& tensor, std::span<const
   entry.bytes = encoded.size();
   entry.encoding = EntryEncoding::kChangedElements;
   state.current.bytes = start + encoded.size();
-  if (state.current.bytes + state.current_shared_bytes >= state.bucket_limit()) state.flush();
+  state.current_covered_bytes += tensor.bytes;
+  const uint64_t limit = state.bucket_limit();
+  if (state.current.bytes + state.current_shared_bytes >= limit || state.current_covered_bytes >= limit) state.flush();
 }
 
 void UpdateSender::State::send(const TensorView& tensor) {
