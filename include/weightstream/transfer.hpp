@@ -131,6 +131,9 @@ struct SenderOptions {
   /// Delta updates (UpdateSender::send_changes): a tensor whose changed elements would take
   /// more than this fraction of its dense bytes (or more than a bucket) is sent whole.
   double delta_dense_fraction = kDefaultDeltaDenseFraction;
+  /// Delta updates: threads that compare a large tensor (16 MiB and more) with its base, range
+  /// by range; 0: one per core.
+  unsigned delta_threads = 0;
 };
 
 /// The versions an update names, as content digests (16 lowercase hex digits, what

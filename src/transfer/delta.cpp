@@ -3,9 +3,12 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 
+#include "base/parallel.hpp"
 #include "weightstream/error.hpp"
 
 namespace weightstream::transfer {
@@ -100,45 +103,146 @@ void for_each_changed(const std::byte* base, const std::byte* tensor, uint64_t b
   }
 }
 
+/// Bytes a varint of `value` takes.
+uint64_t varint_bytes(uint64_t value) {
+  uint64_t bytes = 1;
+  for (; value >= 0x80; value >>= 7) ++bytes;
+  return bytes;
+}
+
+std::byte* put_varint_at(std::byte* at, uint64_t value) {
+  for (; value >= 0x80; value >>= 7) *at++ = static_cast<std::byte>((value & 0x7f) | 0x80);
+  *at++ = static_cast<std::byte>(value);
+  return at;
+}
+
+/// A tensor this large or larger is encoded in ranges on several threads, each range at least
+/// kRangeMinimumBytes.
+constexpr uint64_t kParallelMinimumBytes = 16ull << 20;
+constexpr uint64_t kRangeMinimumBytes = 4ull << 20;
+
+/// The changed elements of one range of a tensor, encoded on their own: the first position's
+/// varint counts from the range's first element, and is written again when the ranges are
+/// joined.
+struct RangeEncoding {
+  std::vector<std::byte> positions;
+  std::vector<std::byte> values;
+  uint64_t changed = 0;
+  uint64_t first = 0;  ///< index of its first changed element, in the tensor
+  uint64_t last = 0;   ///< index of its last one
+  uint64_t first_varint_bytes = 0;
+};
+
+/// What the ranges of one tensor share while they are encoded: their bytes so far, and whether
+/// these passed the limit (every range then stops).
+struct EncodingBudget {
+  uint64_t limit = 0;
+  std::atomic<uint64_t> bytes{kChangedElementsOverhead};
+  std::atomic<bool> over{false};
+};
+
+/// Encodes the changed elements among elements [begin, end) into `range`, until the budget is
+/// spent.
+void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, uint64_t element_bytes,
+                  EncodingBudget& budget, RangeEncoding& range) {
+  range.positions.clear();
+  range.values.clear();
+  range.changed = 0;
+  uint64_t next = begin;  // the smallest index the next change may have
+  uint64_t counted = 0;   // bytes of this range already added to the budget
+  auto spend = [&] {
+    const uint64_t bytes = range.positions.size() + range.values.size();
+    const uint64_t total = budget.bytes.fetch_add(bytes - counted, std::memory_order_relaxed) + bytes - counted;
+    counted = bytes;
+    if (total > budget.limit) budget.over.store(true, std::memory_order_relaxed);
+  };
+  for_each_changed(base + begin * element_bytes, tensor + begin * element_bytes, (end - begin) * element_bytes,
+                   element_bytes, [&](uint64_t offset) {
+                     const uint64_t index = begin + offset;
+                     const uint64_t before = range.positions.size();
+                     put_varint(range.positions, index - next);
+                     if (range.changed++ == 0) {
+                       range.first = index;
+                       range.first_varint_bytes = range.positions.size() - before;
+                     }
+                     range.last = index;
+                     next = index + 1;
+                     const std::byte* value = tensor + index * element_bytes;
+                     range.values.insert(range.values.end(), value, value + element_bytes);
+                     // The shared count is brought up to date every few KiB, and checked at every change.
+                     if (range.positions.size() + range.values.size() - counted >= 4096) spend();
+                     return !budget.over.load(std::memory_order_relaxed) &&
+                            budget.bytes.load(std::memory_order_relaxed) + range.positions.size() +
+                                    range.values.size() - counted <= budget.limit;
+                   });
+  spend();
+}
+
+/// Joins the ranges' encodings into one (delta.hpp's layout).
+std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
+  uint64_t changed = 0, position_bytes = 0, value_bytes = 0, next = 0;
+  for (const RangeEncoding& range : ranges) {
+    if (range.changed == 0) continue;
+    changed += range.changed;
+    position_bytes += range.positions.size() - range.first_varint_bytes + varint_bytes(range.first - next);
+    value_bytes += range.values.size();
+    next = range.last + 1;
+  }
+  std::vector<std::byte> encoded(kChangedElementsOverhead + position_bytes + value_bytes);
+  put_u64(encoded.data(), changed);
+  put_u64(encoded.data() + 8, position_bytes);
+  std::byte* positions = encoded.data() + 16;
+  std::byte* values = positions + position_bytes;
+  next = 0;
+  for (const RangeEncoding& range : ranges) {
+    if (range.changed == 0) continue;
+    positions = put_varint_at(positions, range.first - next);
+    const uint64_t rest = range.positions.size() - range.first_varint_bytes;
+    if (rest > 0) std::memcpy(positions, range.positions.data() + range.first_varint_bytes, rest);
+    positions += rest;
+    std::memcpy(values, range.values.data(), range.values.size());
+    values += range.values.size();
+    next = range.last + 1;
+  }
+  const uint64_t checksum_at = encoded.size() - 8;
+  put_u64(encoded.data() + checksum_at, XXH64(encoded.data(), checksum_at, 0));
+  return encoded;
+}
+
 }  // namespace
 
 std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
                                                               std::span<const std::byte> tensor, uint64_t element_bytes,
-                                                              uint64_t limit) {
+                                                              uint64_t limit, unsigned threads) {
   WS_EXPECT(base.size() == tensor.size(), ErrorCode::kInvalidArgument,
             "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
                 std::to_string(tensor.size()));
   if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
-  if (sample_says_dense(base.data(), tensor.data(), tensor.size() / element_bytes, element_bytes, limit)) {
-    return std::nullopt;
+  if (kChangedElementsOverhead > limit) return std::nullopt;
+  const uint64_t elements = tensor.size() / element_bytes;
+  if (sample_says_dense(base.data(), tensor.data(), elements, element_bytes, limit)) return std::nullopt;
+  const uint64_t range_count =
+      threads > 1 && tensor.size() >= kParallelMinimumBytes
+          ? std::min<uint64_t>(uint64_t{4} * threads, tensor.size() / kRangeMinimumBytes)
+          : 1;
+  // Kept between calls on the calling thread: fresh memory for every tensor costs more in page
+  // faults than the encoding itself.
+  thread_local std::vector<RangeEncoding> kept;
+  if (kept.size() < range_count) kept.resize(range_count);
+  std::vector<RangeEncoding>& ranges = kept;  // the calling thread's, also on the workers
+  EncodingBudget budget;
+  budget.limit = limit;
+  auto encode = [&](size_t, size_t item) {
+    encode_range(base.data(), tensor.data(), elements * item / range_count, elements * (item + 1) / range_count,
+                 element_bytes, budget, ranges[item]);
+  };
+  if (range_count == 1) {
+    encode(0, 0);
+  } else {
+    detail::run_parallel(range_count, threads, encode);
   }
-  // Kept between calls on each thread: fresh memory for every tensor costs more in page faults
-  // than the encoding itself.
-  thread_local std::vector<std::byte> positions;
-  thread_local std::vector<std::byte> values;
-  positions.clear();
-  values.clear();
-  uint64_t changed = 0;
-  uint64_t next = 0;  // the smallest index the next change may have
-  bool over = kChangedElementsOverhead > limit;
-  for_each_changed(base.data(), tensor.data(), tensor.size(), element_bytes, [&](uint64_t index) {
-    put_varint(positions, index - next);
-    next = index + 1;
-    values.insert(values.end(), tensor.data() + index * element_bytes, tensor.data() + next * element_bytes);
-    ++changed;
-    over = kChangedElementsOverhead + positions.size() + values.size() > limit;
-    return !over;
-  });
-  if (over) return std::nullopt;
-  std::vector<std::byte> encoded(kChangedElementsOverhead + positions.size() + values.size());
-  put_u64(encoded.data(), changed);
-  put_u64(encoded.data() + 8, positions.size());
-  std::byte* at = encoded.data() + 16;
-  if (!positions.empty()) std::memcpy(at, positions.data(), positions.size());
-  if (!values.empty()) std::memcpy(at + positions.size(), values.data(), values.size());
-  const uint64_t checksum_at = encoded.size() - 8;
-  put_u64(encoded.data() + checksum_at, XXH64(encoded.data(), checksum_at, 0));
-  return encoded;
+  if (budget.over.load() || budget.bytes.load() > limit) return std::nullopt;
+  return join_ranges(std::span(ranges.data(), range_count));
 }
 
 ChangedElements decode_changed_elements(std::span<const std::byte> encoded, uint64_t element_bytes, uint64_t elements,

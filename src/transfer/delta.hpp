@@ -21,10 +21,11 @@ inline constexpr uint64_t kChangedElementsOverhead = 24;
 
 /// The encoding of the elements of `tensor` that differ bit for bit from `base` (host bytes of
 /// one size, `element_bytes` an element: 1, 2, 4 or 8), or std::nullopt as soon as it would
-/// take more than `limit` bytes (the tensor then travels whole).
+/// take more than `limit` bytes (the tensor then travels whole). A tensor of 16 MiB or more is
+/// compared in ranges on up to `threads` threads; the encoding is the same.
 std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
                                                               std::span<const std::byte> tensor, uint64_t element_bytes,
-                                                              uint64_t limit);
+                                                              uint64_t limit, unsigned threads = 1);
 
 /// Decodes an encoding of changed elements of a tensor of `elements` elements of
 /// `element_bytes` bytes. Throws Error(kProtocol) starting with `what` (the tensor and its

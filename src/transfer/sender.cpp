@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <unordered_map>
 
 #include "transfer/delta.hpp"
@@ -261,6 +262,10 @@ struct UpdateSender::State {
   void send_encoded(const TensorView& tensor, std::span<const std::byte> encoded);
   /// The checks of send() for `tensor`; returns its entry of the manifest.
   Declared& admit(const TensorView& tensor);
+  /// Threads that encode one tensor's changed elements (SenderOptions::delta_threads).
+  unsigned delta_threads() const {
+    return options.delta_threads > 0 ? options.delta_threads : std::max(1u, std::thread::hardware_concurrency());
+  }
 
   /// The current bucket's buffer, once every receiver has released it.
   void claim_slot() {
@@ -491,7 +496,7 @@ bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor
                                             state.options.bucket_bytes);
   std::optional<std::vector<std::byte>> encoded =
       encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
-                              dtype_bits(tensor.dtype) / 8, limit);
+                              dtype_bits(tensor.dtype) / 8, limit, state.delta_threads());
   declared.sent = tensor.bytes;
   declared.begun = true;
   if (!encoded) {

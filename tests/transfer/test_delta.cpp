@@ -345,6 +345,32 @@ TEST(ChangedElements, RoundTripTheChangedPositionsAndValues) {
                   .indices.empty());
 }
 
+TEST(ChangedElements, RangesOnSeveralThreadsEncodeTheSameBytes) {
+  // 32 MiB of BF16 with changes scattered, some at the ranges' edges, and an unchanged stretch.
+  std::vector<uint16_t> base(16 << 20), next;
+  std::mt19937_64 random(46);
+  for (uint16_t& value : base) value = static_cast<uint16_t>(random());
+  next = base;
+  for (int i = 0; i < 20000; ++i) next[random() % (next.size() / 2)] ^= 1;
+  for (uint64_t edge = 0; edge < next.size(); edge += next.size() / 16) next[edge] ^= 2, next[edge + 1] ^= 2;
+  const auto bytes = [](const std::vector<uint16_t>& values) {
+    return std::span(reinterpret_cast<const std::byte*>(values.data()), values.size() * 2);
+  };
+  auto one = transfer::encode_changed_elements(bytes(base), bytes(next), 2, 1 << 20, 1);
+  auto several = transfer::encode_changed_elements(bytes(base), bytes(next), 2, 1 << 20, 4);
+  ASSERT_TRUE(one.has_value() && several.has_value());
+  EXPECT_EQ(*one, *several);
+  ChangedElements changes = transfer::decode_changed_elements(*several, 2, next.size(), "t");
+  for (size_t i = 0; i < changes.indices.size(); ++i) {
+    uint16_t value;
+    std::memcpy(&value, changes.values.data() + 2 * i, 2);
+    ASSERT_EQ(value, next[changes.indices[i]]);
+    ASSERT_NE(value, base[changes.indices[i]]);
+  }
+  // Past the limit on any thread: not encoded.
+  EXPECT_FALSE(transfer::encode_changed_elements(bytes(base), bytes(next), 2, 50'000, 4).has_value());
+}
+
 TEST(ChangedElements, TooManyChangesAreNotEncoded) {
   std::vector<std::byte> base(4096), next(4096, std::byte{1});
   EXPECT_FALSE(transfer::encode_changed_elements(base, next, 2, 1024).has_value());
