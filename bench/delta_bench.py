@@ -13,15 +13,17 @@ Each audit compares every parameter with a cold load of its reload (must be clea
 the bytes the update moved (`reload_bytes`), the receiver's update time (START to REPORT,
 `update_seconds`) and the whole exchange (`reload_seconds`: from spawning the sender, which
 loads both checkpoints and hashes them for their content digests, to the receiver's end), with
-each delta's ratio to the full update of the same checkpoint in the same run. A benchmark row,
-not a timed test: run it on a quiet machine.
+each delta's ratio to the full update of the same checkpoint in the same run: medians of --runs
+rounds, the four audits of a round run one after another (interleaved), and the load average.
+A benchmark row, not a timed test: run it on a quiet machine.
 
-    python3 bench/delta_bench.py --cli build/weightstream [--size 1GiB] [--changed 0.01] [--transports shm,tcp]
+    python3 bench/delta_bench.py --cli build/weightstream [--size 1GiB] [--changed 0.01] [--transports shm,tcp] [--runs 5]
 """
 import argparse
 import json
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import tempfile
@@ -68,6 +70,14 @@ def audit(cli, base, reload, via, delta):
     return report
 
 
+def median_report(reports):
+    """The reports' medians of the timed fields (bytes and tensors are the same in every run)."""
+    result = dict(reports[0])
+    for key in ("update_seconds", "reload_seconds"):
+        result[key] = statistics.median(report[key] for report in reports)
+    return result
+
+
 def row(label, via, report, full):
     ratio = lambda key: report[key] / full[key] if full[key] else float("nan")  # noqa: E731
     how = f"{report.get('sparse_tensors', 0)} sparse / {report.get('dense_tensors', '-')} dense"
@@ -82,6 +92,7 @@ def main():
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--changed", type=float, default=0.01)
     parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--scratch", default=None, help="folder for the three checkpoints (default: a temporary one)")
     args = parser.parse_args()
     scratch = args.scratch or tempfile.mkdtemp(prefix="delta-bench-")
@@ -93,18 +104,23 @@ def main():
             shutil.copytree(a, target)
             change_elements(target, fraction, 46)
         print(f"llama of {args.size}, {args.changed:.2%} of the elements changed (B) and all of them (C); "
-              "ratios to the full update of the same checkpoint, same run")
+              f"medians of {args.runs} interleaved rounds; ratios to the full update of the same checkpoint, same run; "
+              f"load average before: {os.getloadavg()[0]:.2f}")
         print("| update | via | bytes moved | receiver's update time | whole exchange | tensors |")
         print("| --- | --- | ---: | ---: | ---: | --- |")
         for via in args.transports.split(","):
-            full_b = audit(args.cli, a, b, via, delta=False)
-            delta_b = audit(args.cli, a, b, via, delta=True)
-            full_c = audit(args.cli, a, c, via, delta=False)
-            delta_c = audit(args.cli, a, c, via, delta=True)
+            rounds = {key: [] for key in ("full_b", "delta_b", "full_c", "delta_c")}
+            for _ in range(args.runs):
+                rounds["full_b"].append(audit(args.cli, a, b, via, delta=False))
+                rounds["delta_b"].append(audit(args.cli, a, b, via, delta=True))
+                rounds["full_c"].append(audit(args.cli, a, c, via, delta=False))
+                rounds["delta_c"].append(audit(args.cli, a, c, via, delta=True))
+            full_b, delta_b, full_c, delta_c = (median_report(rounds[key]) for key in rounds)
             print(row("full, B", via, full_b, full_b))
             print(row(f"delta, B ({args.changed:.0%} changed)", via, delta_b, full_b))
             print(row("full, C", via, full_c, full_c))
             print(row("delta, C (100% changed)", via, delta_c, full_c))
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)
