@@ -199,7 +199,7 @@ class PySender {
 
   /// start(format, manifest): `manifest` lists (name, dtype, shape) of every tensor the
   /// update sends; dtype a safetensors name ("BF16") or a torch dtype (or its name).
-  void start(const std::string& format, nb::handle manifest) {
+  void start(const std::string& format, nb::handle manifest, const std::string& base, const std::string& target) {
     auto parsed = format_of(format);
     std::vector<DeclaredTensor> declared;
     for (nb::handle entry : manifest) {
@@ -211,7 +211,18 @@ class PySender {
       for (nb::handle dimension : fields[2]) shape.push_back(nb::cast<int64_t>(dimension));
       declared.push_back({name, declared_dtype(fields[1], name), std::move(shape)});
     }
-    start_declared(parsed, declared);
+    start_declared(parsed, declared, {base, target});
+  }
+
+  /// send_changes(name, base, tensor): in a delta update, the elements of `tensor` that differ
+  /// from `base` (host arrays), or the whole tensor where that is cheaper. True: as changes.
+  bool send_changes(const std::string& name, nb::handle base, nb::handle tensor, std::optional<std::string> dtype) {
+    Described old = describe(name, base, dtype);
+    Described next = describe(name, tensor, dtype);
+    TensorView old_view{old.name, old.dtype, old.shape, old.data, old.device, 0, old.bytes};
+    TensorView view{next.name, next.dtype, next.shape, next.data, next.device, 0, next.bytes};
+    ReleasedGil release;  // the caller keeps both arrays referenced meanwhile
+    return sender_->send_changes(old_view, view);
   }
 
   void send(const std::string& name, nb::handle tensor, std::optional<std::string> dtype) {
@@ -281,9 +292,10 @@ class PySender {
     sender_->send(view);
   }
 
-  void start_declared(TensorFormat format, const std::vector<DeclaredTensor>& declared) {
+  void start_declared(TensorFormat format, const std::vector<DeclaredTensor>& declared,
+                      const UpdateVersions& versions = {}) {
     ReleasedGil release;
-    sender_->start(format, declared);
+    sender_->start(format, declared, versions);
   }
 
   void flush() {
@@ -372,6 +384,9 @@ class PyReceiver {
     return PySender::report_dict(report);
   }
 
+  std::string version() const { return receiver_->version(); }
+  void set_version(const std::string& content_digest) { receiver_->set_version(content_digest); }
+
   void refuse(const std::string& reason, double accept_timeout) {
     auto wait = milliseconds(accept_timeout);
     ReleasedGil release(/*receiving=*/true);
@@ -409,10 +424,15 @@ void bind_transfer(nb::module_& m) {
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
            "timeout"_a = 30.0, "device"_a = "cpu", "share_allocations"_a = true,
            "share_minimum_bytes"_a = kDefaultShareMinimumBytes)
-      .def("start", &PySender::start, "format"_a, "manifest"_a,
+      .def("start", &PySender::start, "format"_a, "manifest"_a, nb::kw_only(), "base"_a = "", "target"_a = "",
            "Starts an update declaring every tensor it sends: manifest is a list of (name, dtype, shape), dtype a "
            "safetensors name (\"BF16\") or a torch dtype. Each receiver checks it against its model before any "
-           "bucket; a refusal raises weightstream.Error with the receiver's reason, nothing applied.")
+           "bucket; a refusal raises weightstream.Error with the receiver's reason, nothing applied. base (a content "
+           "digest) makes it a delta update, refused by a receiver that holds another version; target names the "
+           "version the receivers hold after it (docs/DELTA.md).")
+      .def("send_changes", &PySender::send_changes, "name"_a, "base"_a, "tensor"_a, "dtype"_a = nb::none(),
+           "In a delta update: sends the elements of tensor that differ from base (both host arrays of one dtype and "
+           "shape), or the whole tensor where that is cheaper. Returns True when it went as changed elements.")
       .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none(),
            "Sends a declared tensor; one the manifest does not declare, or declares otherwise, raises "
            "weightstream.Error before anything of it is sent.")
@@ -430,6 +450,9 @@ void bind_transfer(nb::module_& m) {
            "A non-empty token (which senders must prove, never sent) is required; open_without_token=True accepts "
            "any sender instead (warned about on stderr).")
       .def_prop_ro("address", &PyReceiver::address)
+      .def_prop_rw("version", &PyReceiver::version, &PyReceiver::set_version,
+                   "The content digest of the version the layout holds (set it after a load); a delta update must "
+                   "name it as its base. Each update that lands sets it to its target; \"\": unknown.")
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
       .def("refuse", &PyReceiver::refuse, "reason"_a, "accept_timeout"_a = 600.0,
            "Refuses the next update with reason (a check only the engine can make): waits for the sender and its "
