@@ -120,6 +120,8 @@ std::byte* put_varint_at(std::byte* at, uint64_t value) {
 /// kRangeMinimumBytes.
 constexpr uint64_t kParallelMinimumBytes = 16ull << 20;
 constexpr uint64_t kRangeMinimumBytes = 4ull << 20;
+/// Scratch a range keeps for the next tensor, at most.
+constexpr uint64_t kKeptBytes = 16ull << 20;
 
 /// The changed elements of one range of a tensor, encoded on their own: the first position's
 /// varint counts from the range's first element, and is written again when the ranges are
@@ -241,8 +243,15 @@ std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const st
   } else {
     detail::run_parallel(range_count, threads, encode);
   }
-  if (budget.over.load() || budget.bytes.load() > limit) return std::nullopt;
-  return join_ranges(std::span(ranges.data(), range_count));
+  std::optional<std::vector<std::byte>> encoded;
+  if (!budget.over.load() && budget.bytes.load() <= limit) encoded = join_ranges(std::span(ranges.data(), range_count));
+  // What a large tensor's encoding grew is not kept for the next one.
+  for (RangeEncoding& range : ranges) {
+    if (range.positions.capacity() + range.values.capacity() <= kKeptBytes) continue;
+    std::vector<std::byte>().swap(range.positions);
+    std::vector<std::byte>().swap(range.values);
+  }
+  return encoded;
 }
 
 ChangedElements decode_changed_elements(std::span<const std::byte> encoded, uint64_t element_bytes, uint64_t elements,
