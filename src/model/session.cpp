@@ -570,15 +570,16 @@ struct LoadSession::State {
   /// A delta reaches only parameters that hold the tensor's values as they are, on the host.
   template <typename TargetText>
   void check_changes_target(const TensorView& view, const Parameter& parameter, const TargetText& target_text) const {
-    const char* why = nullptr;
-    if (view.dtype != parameter.load_dtype || parameter.dtype != parameter.load_dtype) {
-      why = "holds another dtype than the tensor's";
-    } else if (parameter.processing != Processing::kNone) {
+    std::string why;
+    if (parameter.processing != Processing::kNone) {
       why = "is processed (quantized) after loading";
+    } else if (view.dtype != parameter.dtype) {
+      why = "holds " + std::string(dtype_name(parameter.dtype)) + ", not the tensor's " +
+            std::string(dtype_name(view.dtype));
     } else if (parameter.device.is_cuda()) {
       why = "lives on a GPU, where changed elements are not written yet";
     }
-    WS_EXPECT(why == nullptr, ErrorCode::kModel,
+    WS_EXPECT(why.empty(), ErrorCode::kModel,
               "tensor " + std::string(view.name) + " arrives as changed elements but " + target_text() + " " + why +
                   "; send it whole");
   }

@@ -261,7 +261,8 @@ TEST(Delta, TheSenderRefusesChangesOutsideADeltaAndDeltasItCannotSend) {
 /// One delta update of `tensor` whose bucket carries `payload` as its changed elements,
 /// spoken by hand (the sender never sends a bad one). Returns the receiver's error text.
 std::string receive_hand_made_delta(UpdateReceiver& receiver, const MemoryTensor& tensor,
-                                    std::vector<std::byte> payload) {
+                                    std::vector<std::byte> payload,
+                                    const UpdateVersions& versions = {kVersionA, kVersionB}) {
   auto receiving = std::async(std::launch::async, [&] { return error_text([&] { receiver.receive(10s); }); });
   using namespace transfer;
   const auto timeout = std::chrono::milliseconds(10'000);
@@ -275,7 +276,7 @@ std::string receive_hand_made_delta(UpdateReceiver& receiver, const MemoryTensor
   EXPECT_EQ(connection.receive(timeout, "WELCOME").message.type, MessageType::kWelcome);
   Message start;
   start.type = MessageType::kStart;
-  start.versions = {kVersionA, kVersionB};
+  start.versions = versions;
   start.declared = declared_tensors(std::vector{tensor.view()});
   connection.send(start, timeout);
   EXPECT_EQ(connection.receive(timeout, "ACCEPTED").message.type, MessageType::kAccepted);
@@ -321,6 +322,73 @@ TEST(Delta, ATruncatedDeltaFailsNamingItsTensor) {
               HasSubstr("tensor model.layers.0.mlp.up_proj.weight (bucket 0): its changed elements are truncated or "
                         "overlong"));
   EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(version_a())).mismatched, 0u);
+}
+
+TEST(Delta, ChangedElementsInAFullUpdateAreAProtocolError) {
+  ModelLayout layout = cold_loaded_layout(version_a());
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  EXPECT_THAT(receive_hand_made_delta(receiver, changed_tensor(), encoded_change(), {.target = kVersionB}),
+              HasSubstr("bucket 0 carries changed elements of tensor model.layers.0.mlp.up_proj.weight in a full update"));
+  EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(version_a())).mismatched, 0u);
+}
+
+TEST(Delta, AModelQuantizedOnLoadRefusesADeltaAtStartNamingTheParameter) {
+  // Online FP8 (one scale per parameter, computed after loading) holds no checkpoint values to
+  // change in place.
+  LayoutOptions options;
+  options.quantize = Processing::kFp8PerTensor;
+  ModelLayout layout = host_layout(version_a(), 1, 0, options);
+  run_load(layout, LoadMode::kCold, {version_a().views()});
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  auto sent = send_delta_async(receiver.address(), sender_options(TransportKind::kTcp), version_a(), version_b(),
+                               {kVersionA, kVersionB});
+  const std::string text = error_text([&] { receiver.receive(10s); });
+  EXPECT_THAT(text, HasSubstr("nothing of it was applied"));
+  EXPECT_THAT(text, HasSubstr("arrives as changed elements but parameter model.layers.0.mlp.gate_up_proj.weight"));
+  EXPECT_THAT(text, HasSubstr("is processed (quantized) after loading; send it whole"));
+  EXPECT_THAT(error_text([&] { sent.get(); }), HasSubstr("refused the update"));
+  EXPECT_EQ(receiver.version(), kVersionA);
+}
+
+TEST(Delta, AModelHeldInAnotherDtypeRefusesADeltaAtStartNamingBoth) {
+  LayoutOptions options;
+  options.dtype = Dtype::kF32;  // BF16 checkpoint tensors are converted on load
+  ModelLayout layout = host_layout(version_a(), 1, 0, options);
+  run_load(layout, LoadMode::kCold, {version_a().views()});
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
+  receiver.set_version(kVersionA);
+  auto sent = send_delta_async(receiver.address(), sender_options(TransportKind::kShm), version_a(), version_b(),
+                               {kVersionA, kVersionB});
+  EXPECT_THAT(error_text([&] { receiver.receive(10s); }),
+              HasSubstr("tensor model.embed_tokens.weight arrives as changed elements but parameter "
+                        "model.embed_tokens.weight (part '', global, rule model.embed_tokens.weight -> "
+                        "model.embed_tokens.weight, vocab) holds F32, not the tensor's BF16; send it whole"));
+  EXPECT_THAT(error_text([&] { sent.get(); }), HasSubstr("holds F32, not the tensor's BF16"));
+}
+
+TEST(Delta, TheSenderRefusesABaseOfAnotherShapeOrOnAGpu) {
+  ModelLayout layout = cold_loaded_layout(version_a());
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  auto receiving = std::async(std::launch::async, [&] { return error_text([&] { receiver.receive(10s); }); });
+  UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));
+  const MemoryTensor& tensor = changed_tensor();
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(std::vector{tensor.view()}), {kVersionA, kVersionB});
+  const MemoryTensor& other = version_a().tensor("model.norm.weight");
+  EXPECT_THAT(error_text([&] { sender.send_changes(other.view(), tensor.view()); }),
+              HasSubstr("tensor " + tensor.name + " is BF16 " + shape_text(tensor.shape) + " but its base is BF16 " +
+                        shape_text(other.shape)));
+  TensorView on_gpu = version_a().tensor(tensor.name).view();
+  on_gpu.device = Device{Device::Kind::kCuda, 0};
+  EXPECT_THAT(error_text([&] { sender.send_changes(on_gpu, tensor.view()); }),
+              HasSubstr("changed elements of tensor " + tensor.name + " are computed from host memory (cuda:0 and cpu given)"));
+  EXPECT_TRUE(sender.send_changes(version_a().tensor(tensor.name).view(), tensor.view()));
+  EXPECT_THAT(error_text([&] { sender.send_changes(version_a().tensor(tensor.name).view(), tensor.view()); }),
+              HasSubstr("was sent whole already"));
+  sender.finish();
+  EXPECT_EQ(receiving.get(), "no error");
 }
 
 // ---- the encoding on its own ----------------------------------------------------------------
