@@ -337,6 +337,12 @@ class UpdateSender {
   /// it went as changed elements. Throws send()'s errors, and Error(kInvalidArgument) outside a
   /// delta update, for a piece or device memory, or a base of another dtype, shape or size.
   bool send_changes(const TensorView& base, const TensorView& tensor);
+  /// send_changes() of many tensors: `bases[i]` is the base of `tensors[i]`. Their comparisons
+  /// run at once on up to SenderOptions::delta_threads threads (a model's small tensors
+  /// together), and they are queued in the order given. Every tensor is checked before any is
+  /// sent; throws send_changes()'s errors, and Error(kInvalidArgument) for spans of different
+  /// lengths or a tensor given twice. Returns how many went as changed elements.
+  uint64_t send_changes(std::span<const TensorView> bases, std::span<const TensorView> tensors);
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
   /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the

@@ -73,17 +73,32 @@ UpdateReport send_delta(UpdateSender& sender, const Checkpoint& next, const Chec
                       .bytes = loaded.bytes};
   };
   sender.start(TensorFormat::kCheckpoint, manifest, versions);
+  // Tensors go in file order, compared a batch at a time so that small ones share the threads.
+  constexpr uint64_t kBatchBytes = 64ull << 20;
+  std::vector<TensorView> batch_bases, batch;
+  uint64_t batch_bytes = 0;
+  auto send_batch = [&] {
+    sender.send_changes(batch_bases, batch);
+    batch_bases.clear();
+    batch.clear();
+    batch_bytes = 0;
+  };
   for (size_t i = 0; i < next.tensors().size(); ++i) {
     const CheckpointTensor& tensor = next.tensors()[i];
     const TensorView view = view_of(tensor, next_tensors.tensors[i]);
     auto found = base_index.find(tensor.name);
     const CheckpointTensor* old = found == base_index.end() ? nullptr : &base.tensors()[found->second];
-    if (old && old->dtype == tensor.dtype && old->shape == tensor.shape) {
-      sender.send_changes(view_of(*old, base_tensors.tensors[found->second]), view);
-    } else {
+    if (!old || old->dtype != tensor.dtype || old->shape != tensor.shape) {
+      send_batch();
       sender.send(view);
+      continue;
     }
+    batch_bases.push_back(view_of(*old, base_tensors.tensors[found->second]));
+    batch.push_back(view);
+    batch_bytes += view.bytes;
+    if (batch_bytes >= kBatchBytes) send_batch();
   }
+  send_batch();
   return sender.finish();
 }
 

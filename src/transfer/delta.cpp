@@ -116,9 +116,7 @@ std::byte* put_varint_at(std::byte* at, uint64_t value) {
   return at;
 }
 
-/// A tensor this large or larger is encoded in ranges on several threads, each range at least
-/// kRangeMinimumBytes.
-constexpr uint64_t kParallelMinimumBytes = 16ull << 20;
+/// Each range of a tensor encoded on several threads (kParallelEncodingBytes) is at least this large.
 constexpr uint64_t kRangeMinimumBytes = 4ull << 20;
 /// Scratch a range keeps for the next tensor, at most.
 constexpr uint64_t kKeptBytes = 16ull << 20;
@@ -224,7 +222,7 @@ std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const st
   const uint64_t elements = tensor.size() / element_bytes;
   if (sample_says_dense(base.data(), tensor.data(), elements, element_bytes, limit)) return std::nullopt;
   const uint64_t range_count =
-      threads > 1 && tensor.size() >= kParallelMinimumBytes
+      threads > 1 && tensor.size() >= kParallelEncodingBytes
           ? std::min<uint64_t>(uint64_t{4} * threads, tensor.size() / kRangeMinimumBytes)
           : 1;
   // Kept between calls on the calling thread: fresh memory for every tensor costs more in page

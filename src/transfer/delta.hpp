@@ -19,6 +19,10 @@ namespace weightstream::transfer {
 /// Bytes of an encoding of no changed element (its two counts and its checksum).
 inline constexpr uint64_t kChangedElementsOverhead = 24;
 
+/// A tensor this large or larger is compared in ranges on several threads (smaller ones, each
+/// on one thread, several at once: UpdateSender::send_changes of many tensors).
+inline constexpr uint64_t kParallelEncodingBytes = 16ull << 20;
+
 /// The encoding of the elements of `tensor` that differ bit for bit from `base` (host bytes of
 /// one size, `element_bytes` an element: 1, 2, 4 or 8), or std::nullopt as soon as it would
 /// take more than `limit` bytes (the tensor then travels whole). A tensor of 16 MiB or more is

@@ -7,6 +7,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "base/parallel.hpp"
 #include "transfer/delta.hpp"
 #include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
@@ -262,6 +263,12 @@ struct UpdateSender::State {
   void send_encoded(const TensorView& tensor, std::span<const std::byte> encoded);
   /// The checks of send() for `tensor`; returns its entry of the manifest.
   Declared& admit(const TensorView& tensor);
+  /// The checks of send_changes() for one tensor and its base; returns its entry of the manifest.
+  Declared& admit_changes(const TensorView& base, const TensorView& tensor);
+  /// The encoding of `tensor`'s changed elements since `base` on `threads` threads, or
+  /// std::nullopt where sending it whole is cheaper (SenderOptions::delta_dense_fraction).
+  std::optional<std::vector<std::byte>> encode_changes(const TensorView& base, const TensorView& tensor,
+                                                       unsigned threads) const;
   /// Threads that encode one tensor's changed elements (SenderOptions::delta_threads).
   unsigned delta_threads() const {
     return options.delta_threads > 0 ? options.delta_threads : std::max(1u, std::thread::hardware_concurrency());
@@ -473,10 +480,9 @@ void UpdateSender::send(const TensorView& tensor) {
   state.on_connection([&] { state.send(tensor); });
 }
 
-bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor) {
-  State& state = *state_;
+UpdateSender::State::Declared& UpdateSender::State::admit_changes(const TensorView& base, const TensorView& tensor) {
   const std::string name(tensor.name);
-  WS_EXPECT(state.open && state.delta, ErrorCode::kInvalidArgument,
+  WS_EXPECT(open && delta, ErrorCode::kInvalidArgument,
             "update sender: send_changes(" + name + ") outside a delta update (start() with a base version)");
   WS_EXPECT(base.dtype == tensor.dtype && std::ranges::equal(base.shape, tensor.shape) && base.offset == 0 &&
                 base.bytes == tensor.bytes,
@@ -487,24 +493,63 @@ bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor
             ErrorCode::kInvalidArgument,
             "update sender: changed elements of tensor " + name + " are computed from host memory (" +
                 base.device.name() + " and " + tensor.device.name() + " given)");
-  State::Declared& declared = state.admit(tensor);
+  Declared& declared = admit(tensor);
   WS_EXPECT(tensor.offset == 0 && tensor.bytes == declared.bytes, ErrorCode::kInvalidArgument,
             "update sender: changed elements of tensor " + name + " are computed from the whole tensor, not the piece " +
                 std::to_string(tensor.offset) + "+" + std::to_string(tensor.bytes));
-  const double fraction = std::clamp(state.options.delta_dense_fraction, 0.0, 1.0);
-  const uint64_t limit = std::min<uint64_t>(static_cast<uint64_t>(fraction * static_cast<double>(tensor.bytes)),
-                                            state.options.bucket_bytes);
-  std::optional<std::vector<std::byte>> encoded =
-      encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
-                              dtype_bits(tensor.dtype) / 8, limit, state.delta_threads());
-  declared.sent = tensor.bytes;
-  declared.begun = true;
-  if (!encoded) {
-    state.on_connection([&] { state.send(tensor); });
-    return false;
+  return declared;
+}
+
+std::optional<std::vector<std::byte>> UpdateSender::State::encode_changes(const TensorView& base,
+                                                                          const TensorView& tensor,
+                                                                          unsigned threads) const {
+  const double fraction = std::clamp(options.delta_dense_fraction, 0.0, 1.0);
+  const uint64_t limit =
+      std::min<uint64_t>(static_cast<uint64_t>(fraction * static_cast<double>(tensor.bytes)), options.bucket_bytes);
+  return encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
+                                 dtype_bits(tensor.dtype) / 8, limit, threads);
+}
+
+bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor) {
+  return send_changes(std::span(&base, 1), std::span(&tensor, 1)) == 1;
+}
+
+uint64_t UpdateSender::send_changes(std::span<const TensorView> bases, std::span<const TensorView> tensors) {
+  State& state = *state_;
+  WS_EXPECT(bases.size() == tensors.size(), ErrorCode::kInvalidArgument,
+            "update sender: send_changes() of " + std::to_string(tensors.size()) + " tensors with " +
+                std::to_string(bases.size()) + " bases");
+  // Every tensor is checked before any is counted as sent: a refused batch sends nothing.
+  std::vector<State::Declared*> declared;
+  declared.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    State::Declared& entry = state.admit_changes(bases[i], tensors[i]);
+    WS_EXPECT(std::ranges::find(declared, &entry) == declared.end(), ErrorCode::kInvalidArgument,
+              "update sender: tensor " + std::string(tensors[i].name) + " comes twice in one send_changes()");
+    declared.push_back(&entry);
   }
-  state.on_connection([&] { state.send_encoded(tensor, *encoded); });
-  return true;
+  // Large tensors are compared range by range on every thread, the small ones a tensor a thread.
+  const unsigned threads = state.delta_threads();
+  std::vector<std::optional<std::vector<std::byte>>> encoded(tensors.size());
+  std::vector<size_t> small;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].bytes >= kParallelEncodingBytes || threads == 1) {
+      encoded[i] = state.encode_changes(bases[i], tensors[i], threads);
+    } else {
+      small.push_back(i);
+    }
+  }
+  detail::run_parallel(small.size(), threads, [&](size_t, size_t item) {
+    encoded[small[item]] = state.encode_changes(bases[small[item]], tensors[small[item]], 1);
+  });
+  uint64_t sparse = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    declared[i]->sent = tensors[i].bytes;
+    declared[i]->begun = true;
+    state.on_connection([&] { encoded[i] ? state.send_encoded(tensors[i], *encoded[i]) : state.send(tensors[i]); });
+    sparse += encoded[i] ? 1 : 0;
+  }
+  return sparse;
 }
 
 void UpdateSender::State::send_encoded(const TensorView& tensor, std::span<const std::byte> encoded) {

@@ -194,6 +194,47 @@ TEST(Delta, UpdatesChainFromVersionToVersionOverOneConnection) {
   EXPECT_EQ(receiver.version(), kOtherVersion);
 }
 
+TEST(Delta, ManyTensorsAreComparedAtOnceOnSeveralThreads) {
+  ModelLayout layout = cold_loaded_layout(version_a());
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  auto trainer = std::async(std::launch::async, [address = receiver.address()] {
+    SenderOptions options = sender_options(TransportKind::kTcp, 1 << 20);
+    options.delta_threads = 3;
+    UpdateSender sender(address, options);
+    sender.start(TensorFormat::kCheckpoint, declared_tensors(version_b().views()), {kVersionA, kVersionB});
+    std::vector<TensorView> bases;
+    for (const MemoryTensor& tensor : version_b().tensors) bases.push_back(version_a().tensor(tensor.name).view());
+    const uint64_t sparse = sender.send_changes(bases, version_b().views());
+    return std::pair{sparse, sender.finish()};
+  });
+  UpdateReport report = receiver.receive(10s);
+  auto [sparse, echoed] = trainer.get();
+  EXPECT_EQ(sparse, report.sparse_tensors);
+  EXPECT_GT(report.sparse_tensors, version_b().tensors.size() / 2);
+  EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(version_b())).mismatched, 0u);
+}
+
+TEST(Delta, ABatchWithATensorTwiceOrWithoutItsBasesSendsNothing) {
+  ModelLayout layout = cold_loaded_layout(version_a());
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  auto receiving = std::async(std::launch::async, [&] { return error_text([&] { receiver.receive(10s); }); });
+  UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));
+  const MemoryTensor& tensor = version_b().tensor("model.layers.0.mlp.up_proj.weight");
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(std::vector{tensor.view()}), {kVersionA, kVersionB});
+  const std::vector<TensorView> bases(2, version_a().tensor(tensor.name).view());
+  const std::vector<TensorView> twice(2, tensor.view());
+  EXPECT_THAT(error_text([&] { sender.send_changes(bases, twice); }),
+              HasSubstr("tensor " + tensor.name + " comes twice in one send_changes()"));
+  EXPECT_THAT(error_text([&] { sender.send_changes(bases, std::span(twice).first(1)); }),
+              HasSubstr("send_changes() of 1 tensors with 2 bases"));
+  EXPECT_EQ(sender.send_changes(std::span(bases).first(1), std::span(twice).first(1)), 1u);  // not sent before
+  sender.finish();
+  EXPECT_EQ(receiving.get(), "no error");
+  EXPECT_EQ(compare_layouts(layout, cold_loaded_layout(version_a())).mismatched, 1u);  // its one parameter
+}
+
 TEST(Delta, ADeltaForAnotherVersionIsRefusedBeforeItsFirstByte) {
   ModelLayout layout = cold_loaded_layout(version_a());
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
