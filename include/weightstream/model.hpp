@@ -141,7 +141,13 @@ struct TensorView {
   const std::byte* data = nullptr;
   Device device;
   uint64_t offset = 0;  ///< where `data` starts within the tensor's bytes
-  uint64_t bytes = 0;   ///< bytes at `data`
+  uint64_t bytes = 0;   ///< bytes at `data` (packed: of the tensor, from the first run to the last)
+  /// A packed column window (a stream's TensorPiece::packed): when nonzero, `data` holds runs
+  /// of `packed_run` bytes that lie `packed_stride` bytes apart in the tensor from `offset`
+  /// (the part's columns of each of its rows, packed_stride one row), back to back, and
+  /// `bytes` counts the tensor's bytes from the first run's start to the last run's end.
+  uint64_t packed_run = 0;
+  uint64_t packed_stride = 0;
   SourceLifetime lifetime = SourceLifetime::kCall;
   /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
   /// keeps it until its copies of these bytes have landed and returns without waiting.

@@ -79,6 +79,11 @@ struct ByteRange {
   uint64_t length = 0;
 };
 
+/// Where Storage::read_runs() puts each run: where it lies in the range read, or back to
+/// back (a tensor-parallel rank's column window, or slices of many tensors, staged as
+/// exactly their bytes).
+enum class RunPlacement { kAtOffsets, kPacked };
+
 /// A flat namespace of objects under one root: a local directory or an S3 prefix.
 /// Implementations are thread-safe: reads may run concurrently from many threads.
 class Storage {
@@ -103,12 +108,15 @@ class Storage {
   /// Reads the `runs` of `name` (ascending, disjoint byte ranges of the object within
   /// [offset, offset + destination.size())) into `destination`, each where it lies in that
   /// range: run r lands at destination[r.offset - offset]. What `destination` holds between
-  /// runs afterwards is unspecified. A backend reads a gap between two runs with them, in
-  /// one request, where that costs less than another request (run_merge_gap()); here, runs
-  /// whose gap is at most run_merge_gap() share one read(). Returns the bytes read from the
-  /// object: the runs' and the gaps' read with them. Errors as read().
+  /// runs afterwards is unspecified. With RunPlacement::kPacked the runs land back to back
+  /// instead, from destination[0], and `destination` holds exactly their bytes (`offset` is
+  /// then unused). A backend reads a gap between two runs with them, in one request, where
+  /// that costs less than another request (run_merge_gap()); here, runs whose gap is at most
+  /// run_merge_gap() share one read() (packed: into memory of its own, then copied out).
+  /// Returns the bytes read from the object: the runs' and the gaps' read with them.
+  /// Errors as read().
   virtual uint64_t read_runs(std::string_view name, uint64_t offset, std::span<std::byte> destination,
-                             std::span<const ByteRange> runs);
+                             std::span<const ByteRange> runs, RunPlacement placement = RunPlacement::kAtOffsets);
   /// The largest gap between two runs that read_runs() reads rather than start another
   /// request: 64 KiB here. One more request costs about what reading 64 KiB costs on a local
   /// NVMe drive (a request's latency of 10-20 us at 3-7 GB/s), so below that a gap is

@@ -109,6 +109,9 @@ struct TensorPiece {
   /// `bytes` are lent by the storage (Storage::borrow: a view of its pages): unchanged while
   /// `keepalive` lives, and holding them takes no staging buffer the stream waits for.
   bool lent = false;
+  /// `bytes` hold only the runs of a request of several runs, back to back, from the run
+  /// that starts at `offset` (a whole number of runs; TensorSink::takes_packed_runs()).
+  bool packed = false;
 };
 
 /// Receives pieces. Called from reader threads: pieces of different requests arrive
@@ -135,6 +138,14 @@ class TensorSink {
   /// direct then cost no copy into staging and no staging memory (a read of runs: the view of
   /// its whole range); a piece's keepalive holds its view.
   virtual bool takes_views() const { return false; }
+  /// Whether pieces of a request of several runs may arrive packed (TensorPiece::packed):
+  /// staged as exactly the runs' bytes, so a rank's column window of a row-split tensor
+  /// costs no staging, copy or transfer for the other ranks' columns. The stream then also
+  /// gathers small requests that lie apart in a file into one read and one staging buffer
+  /// (each piece still one contiguous range of its tensor), so a rank that keeps slices of
+  /// many small tensors (MoE experts, their scales) reads them in few reads. For a sink
+  /// that copies pieces onwards (to a GPU); never with ordered pieces.
+  virtual bool takes_packed_runs() const { return false; }
   /// Consumes one piece. An exception fails the stream and cancels the other readers.
   virtual void consume(TensorPiece&& piece) = 0;
   /// Consumes the pieces of one read together (a sink that copies them to a GPU lands a

@@ -286,8 +286,12 @@ class PySender {
                     described.bytes};
     // Device bytes are copied when their bucket is sealed or read in place by the receiver
     // until finish(): keep the tensor alive until then (a temporary such as p.to(bf16)
-    // would otherwise go back to the caching allocator and be overwritten).
-    if (described.device.is_cuda()) kept_alive_.push_back(nb::borrow(tensor));
+    // would otherwise go back to the caching allocator and be overwritten). Valid until the
+    // update finishes, they may travel from where they lie (ucx: GPU to GPU).
+    if (described.device.is_cuda()) {
+      kept_alive_.push_back(nb::borrow(tensor));
+      view.lifetime = SourceLifetime::kLoad;
+    }
     ReleasedGil release;  // the caller keeps the array referenced meanwhile
     sender_->send(view);
   }

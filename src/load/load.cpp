@@ -59,6 +59,10 @@ class SessionSink final : public TensorSink {
   /// column slices). A GPU's copies want pinned staging.
   bool takes_views() const override { return !session_.layout().device().is_cuda(); }
 
+  /// Staged pieces may come packed: a column window as exactly its bytes (on a GPU one copy
+  /// into the rank's compact part), slices of many small tensors in one staging buffer.
+  bool takes_packed_runs() const override { return true; }
+
   void consume(TensorPiece&& piece) override { session_.load(view_of(std::move(piece))); }
 
   /// A read's pieces are one batch of the session: on a GPU its small tensors and column
@@ -76,12 +80,19 @@ class SessionSink final : public TensorSink {
   TensorView view_of(TensorPiece&& piece) const {
     const CheckpointTensor& tensor = *piece.tensor;
     const TensorShape& shape = shapes_[piece.request];
+    const PlannedTensor& read = plan_.reads[piece.request];
+    // A packed piece: its runs, one per `stride` bytes of the tensor, back to back.
+    const uint64_t run = piece.packed ? read.range.length : 0;
+    const uint64_t stride = piece.packed ? read.stride : 0;
+    const uint64_t runs = piece.packed ? piece.bytes.size() / run : 0;
     return TensorView{.name = tensor.name,
                       .dtype = shape.dtype,
                       .shape = shape.shape,
                       .data = piece.bytes.data(),
-                      .offset = plan_.reads[piece.request].range.offset + piece.offset,
-                      .bytes = piece.bytes.size(),
+                      .offset = read.range.offset + piece.offset,
+                      .bytes = piece.packed ? (runs - 1) * stride + run : piece.bytes.size(),
+                      .packed_run = run,
+                      .packed_stride = stride,
                       .lifetime = piece.lent ? SourceLifetime::kKeepalive : SourceLifetime::kCall,
                       .keepalive = std::move(piece.keepalive)};
   }

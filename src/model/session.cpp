@@ -98,7 +98,8 @@ struct PieceWrite {
   size_t part = 0;
   uint64_t begin = 0, end = 0;        ///< bytes of the tensor, within the needed range
   uint64_t needed = 0;                ///< bytes of [begin, end) the part takes (its columns of those rows)
-  const std::byte* source = nullptr;  ///< the bytes of [begin, end)
+  const std::byte* source = nullptr;  ///< the bytes of [begin, end) (packed: the runs among them, source_at())
+  uint64_t packed_run = 0, packed_stride = 0;  ///< as TensorView's: the source holds only runs
   Device device;
   Dtype dtype = Dtype::kBF16;
   SourceLifetime lifetime = SourceLifetime::kCall;
@@ -106,6 +107,21 @@ struct PieceWrite {
   std::string_view name;
   std::shared_ptr<const ChangedElements> changes;  ///< set: the part's changed elements, not bytes at `source`
 };
+
+/// Where the byte at tensor position `position` (in [write.begin, write.end); packed: in
+/// one of its runs) lies in the write's source.
+const std::byte* source_at(const PieceWrite& write, uint64_t position) {
+  const uint64_t from = position - write.begin;
+  if (write.packed_run == 0) return write.source + from;
+  return write.source + from / write.packed_stride * write.packed_run + from % write.packed_stride;
+}
+
+/// The bytes at a write's source: [begin, end) as it lies, or packed, its runs alone.
+uint64_t source_bytes(const PieceWrite& write) {
+  const uint64_t span = write.end - write.begin;
+  if (write.packed_run == 0) return span;
+  return (span - std::min(span, write.packed_run)) / write.packed_stride * write.packed_run + write.packed_run;
+}
 
 /// Calls `rectangle(destination, destination_pitch, source, source_pitch, width, rows)` for
 /// each copy that writes the bytes of `write` (in the parameter's load dtype) into one part
@@ -119,16 +135,22 @@ void for_each_part_copy(std::byte* base, const ParameterPart& part, uint64_t ele
   const uint64_t row_bytes = static_cast<uint64_t>(part.tensor_columns()) * element;
   const uint64_t needed_begin = static_cast<uint64_t>(part.row_begin) * row_bytes;
   const uint64_t length = write.end - write.begin;
+  const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
+  const uint64_t width = static_cast<uint64_t>(part.columns) * element;  // destination row pitch too
+  // A packed source holds exactly this part's window of each row (its read's runs).
+  WS_EXPECT(write.packed_run == 0 || (!part.contiguous() && write.packed_stride == row_bytes && write.packed_run == width),
+            ErrorCode::kInternal,
+            "tensor " + std::string(write.name) + ": a packed piece of runs of " + std::to_string(write.packed_run) +
+                " bytes every " + std::to_string(write.packed_stride) + " does not match its part's column window");
   if (part.contiguous()) {
     rectangle(base + (write.begin - needed_begin), length, write.source, length, length, 1);
     return;
   }
-  const uint64_t column_begin = static_cast<uint64_t>(part.column_begin) * element;
-  const uint64_t width = static_cast<uint64_t>(part.columns) * element;  // destination row pitch too
   // Positions count from the needed range's first byte, rows from the part's first row.
   const uint64_t first = write.begin - needed_begin;
   const uint64_t last = write.end - needed_begin;
-  auto source_at = [&](uint64_t position) { return write.source + (position - first); };
+  const uint64_t source_pitch = write.packed_run ? width : row_bytes;
+  auto source_at = [&](uint64_t position) { return weightstream::source_at(write, position + needed_begin); };
   auto write_partial_row = [&](uint64_t row, uint64_t from, uint64_t to) {
     // The part's columns of `row` that lie in [from, to).
     uint64_t columns_from = row * row_bytes + column_begin;
@@ -147,7 +169,7 @@ void for_each_part_copy(std::byte* base, const ParameterPart& part, uint64_t ele
   }
   uint64_t whole_rows = (last - position) / row_bytes;
   if (whole_rows > 0) {
-    rectangle(base + row * width, width, source_at(position + column_begin), row_bytes, width, whole_rows);
+    rectangle(base + row * width, width, source_at(position + column_begin), source_pitch, width, whole_rows);
     position += whole_rows * row_bytes;
     row += whole_rows;
   }
@@ -324,7 +346,9 @@ struct LoadSession::State {
     }
     for_each_slice_run(part, source_element, write.begin, write.end,
                        [&](uint64_t slice_offset, uint64_t position, uint64_t length) {
-                         std::memcpy(part_state.assembly.data() + slice_offset, source + (position - write.begin), length);
+                         const std::byte* from =
+                             source == write.source ? source_at(write, position) : source + (position - write.begin);
+                         std::memcpy(part_state.assembly.data() + slice_offset, from, length);
                        });
     part_state.assembled += write.needed;
     if (part_state.assembled < needed_bytes) return;
@@ -526,6 +550,16 @@ struct LoadSession::State {
                     " lies outside its " + std::to_string(*size) + " bytes");
       WS_EXPECT(view.data != nullptr || view.bytes == 0 || view.changes, ErrorCode::kModel,
                 "tensor " + std::string(view.name) + ": no data");
+      WS_EXPECT(view.packed_run == 0 || (format == TensorFormat::kCheckpoint && view.packed_stride >= view.packed_run &&
+                                         view.bytes >= view.packed_run &&
+                                         (view.bytes - view.packed_run) % view.packed_stride == 0),
+                ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": a packed piece of runs of " + std::to_string(view.packed_run) +
+                    " bytes every " + std::to_string(view.packed_stride) + " bytes does not span " +
+                    std::to_string(view.bytes) + " bytes in whole runs" +
+                    (format == TensorFormat::kEngine ? " (and engine-format pieces are never packed)" : ""));
+      WS_EXPECT(!view.changes || view.packed_run == 0, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": changed elements are never packed");
       if (view.changes) check_changes(view, *size);
       if (format == TensorFormat::kEngine) {
         check_engine(view, what, checked);
@@ -538,9 +572,11 @@ struct LoadSession::State {
 
   static void add_write(CheckedBatch& checked, const TensorView& view, size_t parameter, size_t part, uint64_t begin,
                         uint64_t end, uint64_t needed) {
-    const std::byte* source = view.changes ? nullptr : view.data + (begin - view.offset);
-    checked.writes.push_back({parameter, part, begin, end, needed, source, view.device, view.dtype, view.lifetime,
-                              view.keepalive, view.name, view.changes});
+    const PieceWrite whole{.begin = view.offset, .source = view.data, .packed_run = view.packed_run,
+                           .packed_stride = view.packed_stride};
+    const std::byte* source = view.changes ? nullptr : source_at(whole, begin);
+    checked.writes.push_back({parameter, part, begin, end, needed, source, view.packed_run, view.packed_stride,
+                              view.device, view.dtype, view.lifetime, view.keepalive, view.name, view.changes});
     checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive && !view.changes);
   }
 
@@ -793,9 +829,9 @@ struct LoadSession::State {
     } else if (write.lifetime == SourceLifetime::kKeepalive && write.keepalive) {
       // The keepalive goes with the held write: nothing to copy.
     } else if (!write.device.is_cuda()) {
-      counters.held_bytes_copied += write.end - write.begin;
-      std::shared_ptr<std::byte> copy = held_bytes->take(write.end - write.begin);
-      std::memcpy(copy.get(), write.source, write.end - write.begin);
+      counters.held_bytes_copied += source_bytes(write);
+      std::shared_ptr<std::byte> copy = held_bytes->take(source_bytes(write));
+      std::memcpy(copy.get(), write.source, source_bytes(write));
       write.source = copy.get();
       write.keepalive = std::move(copy);
     } else {

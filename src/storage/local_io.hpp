@@ -103,14 +103,15 @@ void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint6
 /// Copies the `runs` (ascending, disjoint byte ranges of the file within [offset, offset +
 /// destination.size())) out of `mapping`, a read-only shared mapping of the whole file
 /// behind `fd`, each to where it lies in `destination` (run r at destination[r.offset -
-/// offset]); the bytes between runs are not copied. One size check for all runs, then one
+/// offset]; with RunPlacement::kPacked back to back from destination[0]); the bytes
+/// between runs are not copied. One size check for all runs, then one
 /// map_range per group of runs whose gaps are at most `merge_gap` (the page cache reads by
 /// pages, and reads ahead around them, whatever the gap): no system call a run. With
 /// `drop`, each group's pages are dropped from this process after its copy (unmap_range).
 /// Returns the runs' bytes. Errors as mapped_read.
 uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
                           std::span<std::byte> destination, std::span<const ByteRange> runs, uint64_t merge_gap,
-                          bool drop);
+                          bool drop, RunPlacement placement = RunPlacement::kAtOffsets);
 
 /// Maps the pages of `length` bytes at `offset` of a read-only shared `mapping` into this
 /// process (readahead first, then MADV_POPULATE_READ). False when the kernel refused

@@ -185,7 +185,7 @@ void mapped_read(const std::byte* mapping, int fd, const std::string& uri, uint6
 
 uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& uri, uint64_t offset,
                           std::span<std::byte> destination, std::span<const ByteRange> runs, uint64_t merge_gap,
-                          bool drop) {
+                          bool drop, RunPlacement placement) {
   if (runs.empty()) return 0;
   const uint64_t end = runs.back().offset + runs.back().length;
   struct stat info {};
@@ -204,7 +204,9 @@ uint64_t mapped_read_runs(const std::byte* mapping, int fd, const std::string& u
                     " through its mapping: " + detail::errno_text(error) + " (truncated while loading?)");
     }
     for (size_t r = first; r <= last; ++r) {
-      std::memcpy(destination.data() + (runs[r].offset - offset), mapping + runs[r].offset, runs[r].length);
+      std::byte* at = placement == RunPlacement::kPacked ? destination.data() + copied
+                                                         : destination.data() + (runs[r].offset - offset);
+      std::memcpy(at, mapping + runs[r].offset, runs[r].length);
       copied += runs[r].length;
     }
     if (drop) unmap_range(mapping, group_begin, group_length);
@@ -305,24 +307,25 @@ class LocalStorage final : public Storage {
   /// At --io auto and mmap, the runs are copied out of the file's mapping (no system call a
   /// run, and no byte of a gap copied); otherwise read as every backend reads them.
   uint64_t read_runs(std::string_view name, uint64_t offset, std::span<std::byte> destination,
-                     std::span<const ByteRange> runs) override {
-    if (!runs_through_mapping_ || runs.size() <= 1) return Storage::read_runs(name, offset, destination, runs);
+                     std::span<const ByteRange> runs, RunPlacement placement) override {
+    if (!runs_through_mapping_ || runs.size() <= 1) return Storage::read_runs(name, offset, destination, runs, placement);
     const auto& file = open_file(name);
     auto uri = object_uri(name);
-    WS_EXPECT(offset <= file.size && destination.size() <= file.size - offset, ErrorCode::kIo,
-              "cannot read " + std::to_string(offset) + "+" + std::to_string(destination.size()) + " bytes of " + uri +
-                  ": past the end of the " + std::to_string(file.size) + "-byte file");
+    const uint64_t end = runs.back().offset + runs.back().length;
+    WS_EXPECT(end <= file.size, ErrorCode::kIo,
+              "cannot read " + std::to_string(runs.front().offset) + "+" + std::to_string(end - runs.front().offset) +
+                  " bytes of " + uri + ": past the end of the " + std::to_string(file.size) + "-byte file");
     std::shared_ptr<const local_io::FileMapping> mapping;
     try {
       mapping = shared_mapping(file, uri);
     } catch (const Error& error) {
       // A file system that cannot map files (ENODEV) is read as --io pread reads it.
       if (error.code() != ErrorCode::kUnsupported) throw;
-      return Storage::read_runs(name, offset, destination, runs);
+      return Storage::read_runs(name, offset, destination, runs, placement);
     }
     // --io mmap readers hold a view of the range that drops its pages when they are done.
     return local_io::mapped_read_runs(mapping->data(), file.buffered.get(), uri, offset, destination, runs,
-                                      run_merge_gap(), io_ != LocalIo::kMmap);
+                                      run_merge_gap(), io_ != LocalIo::kMmap, placement);
   }
 
   bool lends_views() const override { return true; }

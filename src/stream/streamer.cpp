@@ -27,6 +27,7 @@ struct Delivery {
   uint64_t length;
   std::byte* direct;        // in a direct read: where the sink wants these bytes
   uint64_t payload;         // bytes of the request's runs among them (less than length across gaps)
+  bool packed = false;      // runs of the request back to back (TensorPiece::packed)
 };
 
 /// One read call against storage.
@@ -39,6 +40,12 @@ struct PlannedRead {
   /// A read of a request's runs: the file ranges read (by Storage::read_runs), each where it
   /// lies in [offset, offset + length); empty when the whole range is read.
   std::vector<ByteRange> runs;
+  /// The runs are staged back to back (RunPlacement::kPacked) in `staged` bytes: a gathered
+  /// read (plan_gathered_reads()).
+  bool packed = false;
+  uint64_t staged = 0;
+  /// Bytes of staging the read takes.
+  uint64_t staging_bytes() const { return packed ? staged : length; }
 };
 
 struct ResolvedRequest {
@@ -89,12 +96,80 @@ uint64_t effective_chunk(const StreamOptions& options) {
   return std::min(chunk, std::max<uint64_t>(options.memory_limit, 4096));
 }
 
-/// Reads of at most `chunk` bytes, in file order. Neighbouring small requests share a read:
+/// Reads for a sink that takes packed runs (TensorSink::takes_packed_runs()), in file order:
+/// the ranges it asks for, apart or not, are gathered into reads that stage at most `chunk`
+/// bytes of exactly those ranges, back to back: the runs of a column window, and slices of
+/// many small tensors, cost a read per `chunk` of their own bytes. A run or request longer
+/// than `chunk` is read alone, in reads of `chunk` bytes.
+std::vector<PlannedRead> plan_gathered_reads(std::span<const ResolvedRequest> resolved, std::span<const size_t> order,
+                                             uint64_t chunk) {
+  std::vector<PlannedRead> reads;
+  size_t open = SIZE_MAX;  // the read that takes more ranges
+  // Stages [start, start + length) of `shard` in the open read, or a new one; returns its
+  // place in the read's staging and whether a new read began.
+  auto gather = [&](uint32_t shard, uint64_t start, uint64_t length) {
+    bool fresh = open == SIZE_MAX || reads[open].shard != shard || reads[open].staged + length > chunk ||
+                 start < reads[open].offset + reads[open].length;
+    if (fresh) {
+      reads.push_back({shard, start, 0, false, {}, {}, true, 0});
+      open = reads.size() - 1;
+    }
+    PlannedRead& read = reads[open];
+    const uint64_t at = read.staged;
+    if (!read.runs.empty() && read.runs.back().offset + read.runs.back().length == start) {
+      read.runs.back().length += length;  // ranges that meet are one copy
+    } else {
+      read.runs.push_back({start, length});
+    }
+    read.staged += length;
+    read.length = start + length - read.offset;
+    return std::pair{at, fresh};
+  };
+  for (size_t index : order) {
+    const ResolvedRequest& request = resolved[index];
+    if (request.length == 0) continue;
+    const bool several = request.runs > 1;
+    if (request.direct != nullptr) {  // straight into the sink's memory, a read per `chunk`
+      for (uint64_t done = 0; done < request.length; done += chunk) {
+        uint64_t length = std::min(chunk, request.length - done);
+        reads.push_back({request.shard, request.start + done, length, true,
+                         {{index, done, 0, length, request.direct + done, length}}, {}});
+      }
+      continue;
+    }
+    if (request.run_length > chunk) {  // alone, as plain reads of `chunk` bytes
+      for (uint64_t run = 0; run < request.runs; ++run) {
+        const uint64_t first = request.start + run * request.stride;
+        for (uint64_t done = 0; done < request.run_length; done += chunk) {
+          uint64_t length = std::min(chunk, request.run_length - done);
+          reads.push_back({request.shard, first + done, length, false,
+                           {{index, first - request.start + done, 0, length, nullptr, length}}, {}});
+        }
+      }
+      continue;
+    }
+    for (uint64_t run = 0; run < request.runs; ++run) {
+      const uint64_t start = request.start + run * request.stride;
+      auto [at, fresh] = gather(request.shard, start, request.run_length);
+      std::vector<Delivery>& deliveries = reads[open].deliveries;
+      if (!fresh && run > 0 && !deliveries.empty() && deliveries.back().request == index) {
+        deliveries.back().length += request.run_length;  // the next run of the same packed piece
+        deliveries.back().payload += request.run_length;
+        continue;
+      }
+      deliveries.push_back({index, run * request.stride, at, request.run_length, nullptr, request.run_length, several});
+    }
+  }
+  return reads;
+}
+
+/// Reads of at most `chunk` bytes, in file order; with `gather`, plan_gathered_reads()'s.
+/// Neighbouring small requests share a read:
 /// staged ones one staging buffer; direct ones (memory of the sink's own) one scatter read,
 /// where `merge_direct` (a storage that pays per request, such as S3, reads it in one
 /// request rather than one a tensor).
 std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
-                                    TensorSink& sink, uint64_t chunk, bool merge_direct) {
+                                    TensorSink& sink, uint64_t chunk, bool merge_direct, bool gather) {
   std::vector<ResolvedRequest> resolved(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& request = requests[i];
@@ -125,6 +200,7 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return std::tie(resolved[a].shard, resolved[a].start) < std::tie(resolved[b].shard, resolved[b].start);
   });
+  if (gather) return plan_gathered_reads(resolved, order, chunk);
 
   std::vector<PlannedRead> reads;
   bool merge_open = false;  // whether reads.back() may take more neighbours of its kind
@@ -269,8 +345,22 @@ class StreamRun {
         lock.unlock();
         try {
           // Only the populated pages matter: the view goes at once, and the reader's read
-          // of this range copies without mapping it again.
-          storage_.borrow(checkpoint_.shards()[read.shard].name, read.offset, read.length, {.populate = true});
+          // of this range copies without mapping it again. A gathered read populates the
+          // pages of its ranges, not those of the gaps between them.
+          const std::string& name = checkpoint_.shards()[read.shard].name;
+          if (!read.packed) {
+            storage_.borrow(name, read.offset, read.length, {.populate = true});
+          } else {
+            const uint64_t gap = storage_.run_merge_gap();  // ranges this close populate together
+            for (size_t first = 0, last = 0; first < read.runs.size(); first = ++last) {
+              while (last + 1 < read.runs.size() &&
+                     read.runs[last + 1].offset - (read.runs[last].offset + read.runs[last].length) <= gap) {
+                ++last;
+              }
+              const uint64_t end = read.runs[last].offset + read.runs[last].length;
+              storage_.borrow(name, read.runs[first].offset, end - read.runs[first].offset, {.populate = true});
+            }
+          }
         } catch (...) {
           // A hint only: the reader's read of this range reports what is wrong.
         }
@@ -342,8 +432,10 @@ class StreamRun {
       // lie, the gaps between them the file's bytes).
       for (const ByteRange& run : read.runs) run_bytes_read_.fetch_add(run.length, std::memory_order_relaxed);
     } else if (!read.runs.empty()) {
-      run_bytes_read_.fetch_add(storage_.read_runs(shard.name, read.offset, std::span(lease.data, read.length), read.runs),
-                                std::memory_order_relaxed);
+      const RunPlacement placement = read.packed ? RunPlacement::kPacked : RunPlacement::kAtOffsets;
+      run_bytes_read_.fetch_add(
+          storage_.read_runs(shard.name, read.offset, std::span(lease.data, read.staging_bytes()), read.runs, placement),
+          std::memory_order_relaxed);
     } else if (!read.direct) {
       storage_.read(shard.name, read.offset, std::span(lease.data, read.length));
     } else {
@@ -387,6 +479,7 @@ class StreamRun {
                                                delivery.length);
       piece.keepalive = read.direct ? nullptr : lent_read ? held.keepalive : lease.keepalive;
       piece.lent = lent_read;
+      piece.packed = delivery.packed;
       piece.tensor = &checkpoint_.tensors()[requests_[delivery.request].tensor];
       return piece;
     };
@@ -469,7 +562,7 @@ class StreamRun {
   std::vector<PlannedRead> reads_;
   std::shared_ptr<StagingPool> pool_;
   /// Whether `read` is delivered straight from storage's view of it (no staging).
-  bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct; }
+  bool lent(const PlannedRead& read) const { return lends_views_ && !read.direct && !read.packed; }
 
   bool file_ordered_;  ///< every piece in plan order (sink.wants_file_order())
   bool lends_views_;   ///< sink.takes_views() and storage.views_serve_reads()
@@ -542,7 +635,10 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   uint64_t chunk = effective_chunk(options);
   // A storage read through views pairs each populated view with one read of the same
   // range: its direct reads stay one a tensor.
-  auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.reads_through_views());
+  // Gathered reads where the sink takes packed runs and its reads are staged (not lent views).
+  const bool gather = sink.takes_packed_runs() && !sink.wants_ordered_pieces() && !sink.wants_file_order() &&
+                      !(sink.takes_views() && storage.views_serve_reads());
+  auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.reads_through_views(), gather);
 
   StreamStats stats;
   std::set<uint32_t> shards;
@@ -558,7 +654,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   // tensors, or a chunk size far above them (--chunk-size 1TB), stages only what it reads.
   uint64_t largest_staged = 0;
   for (const auto& read : reads) {
-    if (!read.direct) largest_staged = std::max(largest_staged, read.length);
+    if (!read.direct) largest_staged = std::max(largest_staged, read.staging_bytes());
   }
   chunk = std::min(chunk, std::max<uint64_t>((largest_staged + 4095) / 4096 * 4096, 4096));
 

@@ -613,8 +613,9 @@ void UpdateSender::State::send(const TensorView& tensor) {
     if (take > 0) {
       state.claim_slot();
       // Bytes that stay valid and unchanged until finish() may travel from where they are.
-      const bool in_place = tensor.lifetime == SourceLifetime::kLoad && tensor.keepalive && !tensor.device.is_cuda() &&
-                            state.transport->take_in_place(state.slot, start, tensor.data + done, take, tensor.keepalive);
+      const bool in_place = tensor.lifetime == SourceLifetime::kLoad &&
+                            state.transport->take_in_place(state.slot, start, tensor.data + done, tensor.device, take,
+                                                           tensor.keepalive);
       if (!in_place) state.transport->fill(state.slot, start, tensor.data + done, tensor.device, take);
     }
     add_entry(tensor.offset + done, 0, start, take);

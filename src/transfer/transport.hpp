@@ -99,11 +99,13 @@ class SenderTransport {
   /// also waits here for the work queued before on the sender's GPU: a tensor computed just
   /// before send() is read complete, whether copied or shared.
   virtual void seal(uint32_t slot, bool filled) {}
-  /// Takes `bytes` at `source` (host memory, valid and unchanged while `keepalive` lives) as
-  /// bytes [offset, offset + bytes) of buffer `slot` without copying them there: they
-  /// travel from where they are (ucx's rendezvous). False: not taken, fill() them instead.
-  virtual bool take_in_place(uint32_t slot, uint64_t offset, const std::byte* source, uint64_t bytes,
-                             std::shared_ptr<const void> keepalive) {
+  /// Takes `bytes` at `source` (memory of `source_device`, valid and unchanged until the
+  /// update finishes and while `keepalive`, when set, lives) as bytes [offset, offset +
+  /// bytes) of buffer `slot` without copying them there: they travel from where they are
+  /// (ucx's rendezvous; GPU memory GPU to GPU where the transport moves it). False: not
+  /// taken, fill() them instead.
+  virtual bool take_in_place(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
+                             uint64_t bytes, std::shared_ptr<const void> keepalive) {
     return false;
   }
   /// Shares the allocation holding `bytes` at `data` (on `device`) so the receiver reads

@@ -138,12 +138,14 @@ class Endpoint {
   void put(const std::byte* source, uint64_t remote_address, uint32_t key, uint64_t bytes,
            std::chrono::milliseconds timeout);
   /// Queues a message (kRendezvous) of `bytes` from `source` (unchanged until wait()
-  /// returns; registered as `source_registration` when not null) with `header` (at most 64
-  /// bytes, copied) to the peer's accept_messages() handler, which places the payload.
-  /// Its completion means the peer holds the bytes; a peer that refuses the header fails
-  /// it at wait().
+  /// returns; registered as `source_registration` when not null; in GPU memory where
+  /// `source_memory` says so, which a worker that moves_cuda_memory() reads where it lies)
+  /// with `header` (at most 64 bytes, copied) to the peer's accept_messages() handler, which
+  /// places the payload. Its completion means the peer holds the bytes; a peer that refuses
+  /// the header fails it at wait().
   void send_message(std::span<const std::byte> header, const std::byte* source, uint64_t bytes,
-                    const Registration* source_registration, std::chrono::milliseconds timeout);
+                    const Registration* source_registration, std::chrono::milliseconds timeout,
+                    Memory source_memory = Memory::kHost);
   /// Waits until every queued write has landed in the peer's memory (remote completion),
   /// with wait()'s errors.
   void flush(std::chrono::milliseconds timeout);

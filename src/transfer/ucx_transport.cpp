@@ -26,8 +26,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <vector>
 
+#include "device/copies.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/ucx.hpp"
 
@@ -278,17 +280,29 @@ class UcxSender final : public SenderTransport {
       (void)progress();
     }
   }
-  bool take_in_place(uint32_t slot, uint64_t offset, const std::byte* source, uint64_t bytes,
-                     std::shared_ptr<const void> keepalive) override {
+  bool take_in_place(uint32_t slot, uint64_t offset, const std::byte* source, const Device& source_device,
+                     uint64_t bytes, std::shared_ptr<const void> keepalive) override {
     // Only as messages: a put from memory UCX has not registered would be registered on an
-    // RDMA NIC's lanes, where a read-only file mapping may be refused.
+    // RDMA NIC's lanes, where a read-only file mapping may be refused. GPU memory only where
+    // the worker moves it (a CUDA-aware UCX): then it never crosses the host.
     if (bytes < kInPlaceMinimum) return false;
+    if (source_device.is_cuda() && !worker_.moves_cuda_memory()) return false;
     for (const Target& target : targets_) {
       if (target.endpoint->path() != ucx::Path::kRendezvous) return false;
     }
-    own_messages_[slot].push_back({offset, bytes, source, std::move(keepalive)});
+    own_messages_[slot].push_back({offset, bytes, source, std::move(keepalive), source_device});
     (void)progress();  // the bucket before moves on while this one is gathered
     return true;
+  }
+  void seal(uint32_t slot, bool filled) override {
+    // Work the caller queued on a GPU before the bucket was sealed is done before UCX reads
+    // the bucket's pieces there.
+    std::optional<Device> synchronized;
+    for (const OwnMessages& piece : own_messages_[slot]) {
+      if (!piece.device.is_cuda() || synchronized == piece.device) continue;
+      synchronize_device(piece.device, "waiting for the work queued before the bucket was sealed");
+      synchronized = piece.device;
+    }
   }
   void push(std::span<Connection* const> connections, uint32_t slot, uint64_t bytes,
             std::chrono::milliseconds timeout) override {
@@ -300,10 +314,11 @@ class UcxSender final : public SenderTransport {
     // The bucket's bytes in order: the large pieces as messages of their own (those
     // take_in_place() left where they lie, and large fills), and between them what fill()
     // copied into the buffer (alignment gaps too).
-    auto send = [&](uint64_t offset, const std::byte* source, uint64_t length, const ucx::Registration* registration) {
+    auto send = [&](uint64_t offset, const std::byte* source, uint64_t length, const ucx::Registration* registration,
+                    ucx::Memory memory = ucx::Memory::kHost) {
       for (uint64_t done = 0; done < length; done += kUcxPiece) {
         send_piece(slot, offset + done, source + done, std::min(kUcxPiece, length - done), registration, connections,
-                   timeout);
+                   timeout, memory);
       }
     };
     std::vector<OwnMessages>& own = own_messages_[slot];
@@ -313,7 +328,8 @@ class UcxSender final : public SenderTransport {
     for (const OwnMessages& piece : own) {
       if (piece.offset > sent) send(sent, buffers_[slot].data() + sent, piece.offset - sent, buffer_registration);
       const bool in_buffer = piece.source == buffers_[slot].data() + piece.offset;
-      send(piece.offset, piece.source, piece.bytes, in_buffer ? buffer_registration : nullptr);
+      send(piece.offset, piece.source, piece.bytes, in_buffer ? buffer_registration : nullptr,
+           piece.device.is_cuda() ? ucx::Memory::kCuda : ucx::Memory::kHost);
       sent = piece.offset + piece.bytes;
     }
     if (bytes > sent) send(sent, buffers_[slot].data() + sent, bytes - sent, buffer_registration);
@@ -363,12 +379,13 @@ class UcxSender final : public SenderTransport {
     uint64_t bytes = 0;
     const std::byte* source = nullptr;
     std::shared_ptr<const void> keepalive;  ///< null for a fill
+    Device device;  ///< where `source` lies (a GPU's memory travels GPU to GPU)
   };
   /// Starts `length` bytes at `source` towards every receiver as bytes [offset, offset +
   /// length) of its buffer `slot`.
   void send_piece(uint32_t slot, uint64_t offset, const std::byte* source, uint64_t length,
                   const ucx::Registration* registration, std::span<Connection* const> connections,
-                  std::chrono::milliseconds timeout) {
+                  std::chrono::milliseconds timeout, ucx::Memory memory) {
     for (size_t i = 0; i < targets_.size(); ++i) {
       Target& target = targets_[i];
       guarded(connections, i, [&] {
@@ -376,7 +393,8 @@ class UcxSender final : public SenderTransport {
           target.endpoint->put(source, target.offer.addresses[slot] + offset, target.keys[slot], length, timeout);
         } else {
           const Piece piece{slot, 0, offset, buckets_pushed_};
-          target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), source, length, registration, timeout);
+          target.endpoint->send_message(std::as_bytes(std::span(&piece, 1)), source, length, registration, timeout,
+                                        memory);
         }
       });
     }

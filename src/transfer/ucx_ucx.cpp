@@ -828,7 +828,8 @@ void Endpoint::put(const std::byte* source, uint64_t remote_address, uint32_t ke
 }
 
 void Endpoint::send_message(std::span<const std::byte> header, const std::byte* source, uint64_t bytes,
-                            const Registration* source_registration, std::chrono::milliseconds timeout) {
+                            const Registration* source_registration, std::chrono::milliseconds timeout,
+                            Memory source_memory) {
   State& state = *state_;
   WS_EXPECT(header.size() <= kMaxMessageHeader, ErrorCode::kInternal, "UCX message header over 64 bytes");
   state.check_alive(peer_);
@@ -842,6 +843,10 @@ void Endpoint::send_message(std::span<const std::byte> header, const std::byte* 
   if (source_registration != nullptr) {
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     param.memh = static_cast<ucp_mem_h>(source_registration->handle_);
+  }
+  if (source_memory == Memory::kCuda) {  // GPU to GPU: cuda_ipc on one host, RDMA where UCX has it
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = UCS_MEMORY_TYPE_CUDA;
   }
   ucs_status_ptr_t request = ucp_am_send_nbx(state.ep, kMessageId, copy.get(), header_bytes, source, bytes, &param);
   if (UCS_PTR_IS_ERR(request)) {

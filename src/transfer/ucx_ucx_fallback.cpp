@@ -29,7 +29,7 @@ bool Endpoint::busy() const noexcept { return false; }
 void Endpoint::wait(std::chrono::milliseconds) {}
 void Endpoint::put(const std::byte*, uint64_t, uint32_t, uint64_t, std::chrono::milliseconds) {}
 void Endpoint::send_message(std::span<const std::byte>, const std::byte*, uint64_t, const Registration*,
-                            std::chrono::milliseconds) {}
+                            std::chrono::milliseconds, Memory) {}
 void Endpoint::flush(std::chrono::milliseconds) {}
 
 struct Worker::State {};

@@ -19,6 +19,7 @@ using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
 using testing::host_layout;
 using testing::MemoryCheckpoint;
+using testing::MemoryTensor;
 using testing::run_load;
 using testing::slice_of;
 
@@ -99,6 +100,55 @@ TEST(LoadSession, RanksTogetherRebuildEveryShardedTensor) {
     }
   }
   EXPECT_EQ(o, checkpoint.tensor("model.layers.1.self_attn.o_proj.weight").bytes);
+}
+
+TEST(LoadSession, PackedColumnWindowsLandAsTheirSlicesAndBadOnesAreRefused) {
+  // A rank's o_proj and down_proj arrive as a stream gathers them for it (TensorPiece::
+  // packed): its columns of each row, back to back, in pieces of whole runs.
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  const int64_t tp = 2, rank = 1;
+  ModelLayout layout = host_layout(checkpoint, tp, rank);
+  std::vector<std::vector<std::byte>> packed;  // kept alive for the load
+  std::vector<TensorView> batch;
+  for (const MemoryTensor& tensor : checkpoint.tensors) {
+    const bool row_split = tensor.name.find("o_proj") != std::string::npos || tensor.name.find("down_proj") != std::string::npos;
+    if (!row_split) {
+      batch.push_back(tensor.view());
+      continue;
+    }
+    const int64_t rows = tensor.shape[0], columns = tensor.shape[1] / tp;
+    const uint64_t element = dtype_bits(tensor.dtype) / 8, row_bytes = static_cast<uint64_t>(tensor.shape[1]) * element;
+    const uint64_t run = static_cast<uint64_t>(columns) * element;
+    const int64_t first_half = rows / 2;
+    for (auto [begin, count] : {std::pair{int64_t{0}, first_half}, std::pair{first_half, rows - first_half}}) {
+      packed.push_back(slice_of(tensor, begin, count, rank * columns, columns));
+      TensorView view{tensor.name, tensor.dtype, tensor.shape, packed.back().data(), Device{},
+                      static_cast<uint64_t>(begin) * row_bytes + static_cast<uint64_t>(rank) * run,
+                      static_cast<uint64_t>(count - 1) * row_bytes + run};
+      view.packed_run = run;
+      view.packed_stride = row_bytes;
+      batch.push_back(view);
+    }
+  }
+  run_load(layout, LoadMode::kCold, {batch});
+  expect_parameters_match(layout, checkpoint);
+
+  // Runs that do not tile the piece's bytes are refused, naming the tensor.
+  const MemoryTensor& o = checkpoint.tensor("model.layers.0.self_attn.o_proj.weight");
+  TensorView bad = o.view();
+  bad.bytes = 1000;
+  bad.packed_run = 64;
+  bad.packed_stride = 128;
+  LoadSession session(layout);
+  session.begin(LoadMode::kUpdate);
+  try {
+    session.load(bad);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kModel);
+    EXPECT_THAT(error.what(), HasSubstr("tensor model.layers.0.self_attn.o_proj.weight: a packed piece of runs of 64 "
+                                        "bytes every 128 bytes does not span 1000 bytes in whole runs"));
+  }
 }
 
 TEST(LoadSession, QkvPartsInEveryOrderAcrossCalls) {

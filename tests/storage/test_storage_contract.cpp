@@ -231,6 +231,28 @@ TEST_P(StorageContract, ReadsRunsEachToItsPlaceAndReportsTheBytesItRead) {
   EXPECT_THROW(storage_->read_runs(name, 0, beyond, past_the_end), Error);
 }
 
+// Packed, the same runs land back to back from the destination's first byte, and exactly
+// their bytes are written there: a rank's column window staged as nothing else.
+TEST_P(StorageContract, ReadsRunsPackedBackToBack) {
+  const std::string name = "model-00001-of-00002.safetensors";
+  std::vector<ByteRange> runs;
+  for (uint64_t row = 0; row < 40; ++row) runs.push_back({1000 + row * 3000, 700});  // small gaps
+  runs.push_back({400000, 5});                                                        // a gap of 280 KiB
+  runs.push_back({1024 * 1024 - 10, 13});                                              // up to the last byte
+  std::string expected;
+  for (const ByteRange& run : runs) expected += large_.substr(run.offset, run.length);
+  std::vector<std::byte> destination(expected.size() + 16, std::byte{0x5a});
+  uint64_t read = storage_->read_runs(name, 0, std::span(destination).first(expected.size()), runs,
+                                      RunPlacement::kPacked);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(destination.data()), expected.size()), expected);
+  for (size_t i = expected.size(); i < destination.size(); ++i) ASSERT_EQ(destination[i], std::byte{0x5a}) << i;
+  EXPECT_GE(read, expected.size());
+  if (GetParam() == "local") EXPECT_EQ(read, 39 * 3000 + 700 + 5 + 13) << "gaps up to 64 KiB read, the larger not";
+  std::vector<ByteRange> past_the_end = {{0, 10}, {large_.size() - 2, 4}};
+  std::vector<std::byte> beyond(14);
+  EXPECT_THROW(storage_->read_runs(name, 0, beyond, past_the_end, RunPlacement::kPacked), Error);
+}
+
 TEST_P(StorageContract, ReadsLargeRangesWhole) {
   EXPECT_EQ(read("model-00001-of-00002.safetensors", 0, large_.size()), large_);
   EXPECT_EQ(read("model-00001-of-00002.safetensors", 12345, 700000), large_.substr(12345, 700000));

@@ -153,16 +153,31 @@ TEST(Streamer, ASinkThatTakesViewsOfLocalFilesGetsEveryByteWithoutStaging) {
 
 /// Gathers the runs of each request (of several runs) from the pieces, as a session's
 /// column slice does, taking pieces straight from storage's views.
+/// With `packed`, it takes staged pieces, packed (TensorSink::takes_packed_runs()).
 class RunGatheringSink final : public TensorSink {
  public:
-  explicit RunGatheringSink(std::span<const TensorRequest> requests) : requests_(requests) {
+  explicit RunGatheringSink(std::span<const TensorRequest> requests, bool packed = false)
+      : requests_(requests), packed_(packed) {
     for (const TensorRequest& request : requests) gathered.emplace_back(request.run_bytes());
   }
-  bool takes_views() const override { return true; }
+  bool takes_views() const override { return !packed_; }
+  bool takes_packed_runs() const override { return packed_; }
   void consume(TensorPiece&& piece) override {
     const TensorRequest& request = requests_[piece.request];
     std::lock_guard lock(mutex_);
-    for (uint64_t run = 0; run < request.runs; ++run) {
+    ++pieces;
+    if (piece.packed) {
+      // Whole runs, back to back, from the run at piece.offset.
+      EXPECT_TRUE(packed_);
+      EXPECT_EQ(piece.offset % request.stride, 0u);
+      EXPECT_EQ(piece.bytes.size() % request.range.length, 0u);
+      ++packed_pieces;
+      const uint64_t first_run = piece.offset / request.stride;
+      std::memcpy(gathered[piece.request].data() + first_run * request.range.length, piece.bytes.data(),
+                  piece.bytes.size());
+      return;
+    }
+    for (uint64_t run = 0; run < std::max<uint64_t>(request.runs, 1); ++run) {
       const uint64_t begin = run * request.stride, end = begin + request.range.length;  // in the extent
       const uint64_t lo = std::max(begin, piece.offset), hi = std::min(end, piece.offset + piece.bytes.size());
       if (lo >= hi) continue;
@@ -171,11 +186,70 @@ class RunGatheringSink final : public TensorSink {
     }
   }
   std::vector<std::vector<std::byte>> gathered;  ///< the runs of each request, one after another
+  size_t pieces = 0, packed_pieces = 0;
 
  private:
   std::span<const TensorRequest> requests_;
+  bool packed_;
   std::mutex mutex_;
 };
+
+/// Whether every request's runs arrived with the bytes of the checkpoint (write_checkpoint's).
+void expect_runs_gathered(const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                          const RunGatheringSink& sink) {
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const TensorRequest& request = requests[r];
+    const size_t source = std::stoul(checkpoint.tensors()[request.tensor].name.substr(1));
+    uint64_t wrong = 0;
+    for (uint64_t run = 0; run < std::max<uint64_t>(request.runs, 1); ++run) {
+      for (uint64_t i = 0; i < request.range.length; ++i) {
+        const uint64_t offset = request.range.offset + run * request.stride + i;
+        wrong += sink.gathered[r][run * request.range.length + i] != expected_byte(source, offset);
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "request " << r;
+  }
+}
+
+TEST(Streamer, ASinkThatTakesPackedRunsGetsColumnWindowsAndScatteredSlicesInFewReads) {
+  TempDir directory;
+  auto sizes = write_checkpoint(directory.path(), 30, 2, 9, 48 * kKiB);  // several windows fit one read
+  std::vector<TensorRequest> requests;
+  for (LocalIo io : {LocalIo::kPread, LocalIo::kMmap}) {
+    Options open_options;
+    open_options.stream.local_io = io;
+    auto checkpoint = Checkpoint::open(directory.path().string(), open_options);
+    requests.clear();
+    for (size_t i = 0; i < checkpoint.tensors().size(); ++i) {
+      const uint64_t bytes = checkpoint.tensors()[i].bytes;
+      if (bytes >= 4096) {
+        requests.push_back({i, {256, 256}, bytes / 512, 512});  // a column window: the right half of each row
+      } else if (bytes >= 64) {
+        requests.push_back({i, {bytes / 4, bytes / 2}});  // a slice of a small tensor: apart from the next
+      }
+    }
+    ASSERT_GT(requests.size(), 4u);
+    RunGatheringSink sink(requests, true);
+    StreamOptions options;
+    options.concurrency = 4;
+    options.memory_limit = 256 * kKiB;
+    options.chunk_bytes = 64 * kKiB;
+    options.local_io = io;
+    auto stats = stream_tensors(checkpoint, requests, sink, options);
+    expect_runs_gathered(checkpoint, requests, sink);
+    uint64_t run_bytes = 0;
+    for (const TensorRequest& request : requests) run_bytes += request.run_bytes();
+    EXPECT_EQ(stats.bytes, run_bytes) << local_io_name(io);
+    EXPECT_EQ(stats.tensors, requests.size());
+    EXPECT_GT(sink.packed_pieces, 0u);
+    EXPECT_LE(stats.peak_staging_bytes, options.memory_limit);
+    // Each read stages at most a chunk of the requests' own bytes: about their sum over the
+    // chunk, not a read per request or per chunk of the extents they lie in.
+    EXPECT_LE(stats.reads, run_bytes / options.chunk_bytes + 2) << local_io_name(io);
+    EXPECT_LT(stats.reads, requests.size());
+    if (io == LocalIo::kMmap) EXPECT_EQ(stats.bytes_read, run_bytes) << "copied out of the mapping: no gap read";
+  }
+}
 
 TEST(Streamer, ASinkThatTakesViewsGetsTheRunsOfAStridedRequestWithoutStaging) {
   TempDir directory;
@@ -196,18 +270,8 @@ TEST(Streamer, ASinkThatTakesViewsGetsTheRunsOfAStridedRequestWithoutStaging) {
   options.chunk_bytes = 64 * kKiB;
   auto stats = stream_tensors(checkpoint, requests, sink, options);
   EXPECT_EQ(stats.peak_staging_bytes, 0u);
-  for (size_t r = 0; r < requests.size(); ++r) {
-    const TensorRequest& request = requests[r];
-    const size_t source = std::stoul(checkpoint.tensors()[request.tensor].name.substr(1));
-    uint64_t wrong = 0;
-    for (uint64_t run = 0; run < request.runs; ++run) {
-      for (uint64_t i = 0; i < request.range.length; ++i) {
-        const uint64_t offset = request.range.offset + run * request.stride + i;
-        wrong += sink.gathered[r][run * request.range.length + i] != expected_byte(source, offset);
-      }
-    }
-    EXPECT_EQ(wrong, 0u) << "request " << r;
-  }
+  EXPECT_EQ(sink.packed_pieces, 0u);  // lent views: pieces as they lie
+  expect_runs_gathered(checkpoint, requests, sink);
 }
 
 TEST(Streamer, RequestOutsideTensorIsRejected) {
