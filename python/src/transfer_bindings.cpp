@@ -251,6 +251,51 @@ class PySender {
     return finish();
   }
 
+  /// One whole delta update: `tensors` (a dict of name -> tensor, or (name, tensor) pairs) sent
+  /// as their changes since `base_tensors` (a dict of name -> tensor, the version `base` names),
+  /// compared several at once; a tensor `base_tensors` lacks, or holds in another dtype or
+  /// shape, goes whole.
+  nb::dict update_changes(nb::handle base_tensors, nb::handle tensors, const std::string& base,
+                          const std::string& target) {
+    auto bases = nb::cast<nb::dict>(nb::borrow(base_tensors), false);
+    nb::object items = nb::isinstance<nb::dict>(tensors) ? nb::borrow<nb::dict>(tensors).attr("items")()
+                                                         : nb::borrow(tensors);
+    std::vector<Described> described, old;
+    std::vector<bool> has_base;
+    std::vector<DeclaredTensor> declared;
+    for (nb::handle item : items) {
+      auto pair = nb::cast<nb::tuple>(nb::borrow(item), false);
+      WS_EXPECT(pair.size() == 2, ErrorCode::kInvalidArgument,
+                "update_changes: each item is (name, tensor), got " + std::to_string(pair.size()) + " fields");
+      std::string name = nb::cast<std::string>(pair[0]);
+      described.push_back(describe(name, pair[1], std::nullopt));
+      declared.push_back({name, described.back().dtype, described.back().shape});
+      const bool found = bases.contains(pair[0]);
+      old.push_back(found ? describe(name, bases[pair[0]], std::nullopt) : Described{});
+      has_base.push_back(found && old.back().dtype == described.back().dtype && old.back().shape == described.back().shape);
+    }
+    start_declared(TensorFormat::kCheckpoint, declared, {base, target});
+    std::vector<TensorView> base_views, views;
+    auto view_of = [](const Described& tensor) {
+      return TensorView{tensor.name, tensor.dtype, tensor.shape, tensor.data, tensor.device, 0, tensor.bytes};
+    };
+    {
+      ReleasedGil release;  // `tensors` and `base_tensors` keep every array referenced meanwhile
+      for (size_t i = 0; i < described.size(); ++i) {
+        if (!has_base[i]) {
+          if (!views.empty()) sender_->send_changes(base_views, views);
+          base_views.clear(), views.clear();
+          sender_->send(view_of(described[i]));
+          continue;
+        }
+        base_views.push_back(view_of(old[i]));
+        views.push_back(view_of(described[i]));
+      }
+      if (!views.empty()) sender_->send_changes(base_views, views);
+    }
+    return finish();
+  }
+
   Described describe(const std::string& name, nb::handle tensor, const std::optional<std::string>& dtype) {
     auto array = nb::cast<nb::ndarray<nb::ro>>(tensor, false);
     int64_t expected_stride = 1;
@@ -443,6 +488,11 @@ void bind_transfer(nb::module_& m) {
       .def("update", &PySender::update, "tensors"_a, "format"_a = "checkpoint",
            "One whole update: tensors is a dict of name -> tensor or (name, tensor) pairs (an iterator is taken "
            "into a list of references first); they are declared, sent and finished. Returns the report.")
+      .def("update_changes", &PySender::update_changes, "base_tensors"_a, "tensors"_a, nb::kw_only(), "base"_a,
+           "target"_a = "",
+           "One whole delta update (docs/DELTA.md): tensors (a dict of name -> host tensor, or (name, tensor) "
+           "pairs) sent as their changes since base_tensors (a dict of name -> host tensor, the version base "
+           "names), whole where that is cheaper or base_tensors lacks one. Returns the report.")
       .def("flush", &PySender::flush)
       .def("finish", &PySender::finish);
   nb::class_<PyReceiver>(m, "UpdateReceiver",

@@ -84,6 +84,27 @@ def test_a_delta_from_python_lands_equal_to_a_cold_load(versions):
     assert receiver.version == content_digest(b)
 
 
+def test_update_changes_sends_a_whole_delta_in_one_call(versions):
+    a, b = versions
+    live = cold_layout(str(a))
+    expected = parameter_bytes(cold_layout(str(b)))
+    receiver = weightstream.UpdateReceiver(live, token="t", timeout=30.0)
+    receiver.version = content_digest(a)
+    thread, outcome = receive_in_thread(receiver)
+    old = weightstream.load(str(a), framework="numpy")
+    new = weightstream.load(str(b), framework="numpy")
+    # A tensor without its base goes whole (unchanged, it would go as an empty delta), beside
+    # model.norm.weight, rewritten whole (test_delta_cli.REWRITTEN).
+    del old["model.layers.0.input_layernorm.weight"]
+    sender = weightstream.UpdateSender(receiver.address, token="t", bucket_bytes=1 << 20)
+    report = sender.update_changes(old, new, base=content_digest(a), target=content_digest(b))
+    thread.join(timeout=60)
+    assert "error" not in outcome, outcome
+    assert parameter_bytes(live) == expected
+    assert report["dense_tensors"] == 2 and report["sparse_tensors"] == len(new) - 2
+    assert receiver.version == content_digest(b)
+
+
 def test_a_delta_for_another_version_is_refused_naming_both(versions):
     a, b = versions
     live = cold_layout(str(a))
