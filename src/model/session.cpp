@@ -589,7 +589,10 @@ struct LoadSession::State {
               tensor + ": changed elements stand for the whole tensor (offset 0, " + std::to_string(size) +
                   " bytes), not the piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes));
     const uint64_t element = element_bytes(view.dtype);
-    WS_EXPECT(element > 0 && changes.values.size() == changes.indices.size() * element, ErrorCode::kModel,
+    WS_EXPECT(element > 0, ErrorCode::kModel,
+              tensor + ": changed elements are whole-byte elements, and " + std::string(dtype_name(view.dtype)) +
+                  " packs several in a byte; send it whole");
+    WS_EXPECT(changes.values.size() == changes.indices.size() * element, ErrorCode::kModel,
               tensor + ": " + std::to_string(changes.indices.size()) + " changed elements of " +
                   std::string(dtype_name(view.dtype)) + " come with " + std::to_string(changes.values.size()) +
                   " bytes of values");

@@ -520,6 +520,11 @@ TEST(ChangedElements, TheSessionRefusesChangesItCannotPlace) {
   view.bytes = 64;
   EXPECT_THAT(error_text([&] { session.check(std::span(&view, 1)); }),
               HasSubstr("changed elements stand for the whole tensor"));
+  const std::vector<int64_t> packed_shape = {64};
+  TensorView packed{.name = "packed.weight", .dtype = Dtype::kF4, .shape = packed_shape, .bytes = 32};
+  packed.changes = std::make_shared<ChangedElements>();
+  EXPECT_THAT(error_text([&] { session.check(std::span(&packed, 1)); }),
+              HasSubstr("tensor packed.weight: changed elements are whole-byte elements, and F4 packs several in a byte"));
 }
 
 }  // namespace
