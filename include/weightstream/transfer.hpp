@@ -343,6 +343,16 @@ class UpdateSender {
   /// sent; throws send_changes()'s errors, and Error(kInvalidArgument) for spans of different
   /// lengths or a tensor given twice. Returns how many went as changed elements.
   uint64_t send_changes(std::span<const TensorView> bases, std::span<const TensorView> tensors);
+  /// In a delta update of an FP8 block-scaled model: quantizes `tensor` (a BF16, F16 or F32
+  /// weight on the host, viewed as [shape[0], the rest]) by the checkpoint's rule
+  /// (quantize_fp8_blocks) in blocks of `block`, and sends its codes as the changes since
+  /// `base_codes` (F8_E4M3, the weight's shape, named as `tensor`) and its block scales as the
+  /// changes since `base_scales` (F32 [ceil(rows / block rows), ceil(columns / block columns)]),
+  /// each declared so in the manifest, as send_changes() does: a change that moves no code and no
+  /// scale sends nothing. Returns how many of the two went as changed elements. Throws
+  /// send_changes()'s errors, and Error(kInvalidArgument) for bases of other names, dtypes or shapes.
+  uint64_t send_quantized_changes(const TensorView& base_codes, const TensorView& base_scales, const TensorView& tensor,
+                                  std::array<int64_t, 2> block = {128, 128});
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
   /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the

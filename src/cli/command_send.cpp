@@ -58,20 +58,47 @@ std::string loaded_content_digest(const Checkpoint& checkpoint, const LoadedChec
   return content_digest(checkpoint, digests);
 }
 
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
 /// One delta update of `next` from `base` (the checkpoint the receivers hold): both loaded
 /// into host memory (mapped where they are local files), each tensor sent as its changed
-/// elements, or whole where that is cheaper or the base lacks it in that dtype and shape.
+/// elements, or whole where that is cheaper or the base lacks it in that dtype and shape. A
+/// BF16, F16 or F32 weight that `base` holds as FP8 codes with F32 `_scale_inv` block scales
+/// is quantized as FP8 block-scaled checkpoints are (128 x 128 blocks) and sent as the changes
+/// of its codes and scales.
 UpdateReport send_delta(UpdateSender& sender, const Checkpoint& next, const Checkpoint& base,
-                        std::span<const DeclaredTensor> manifest, const StreamOptions& options) {
+                        const StreamOptions& options) {
   LoadedCheckpoint base_tensors = load_checkpoint(base, Device{}, options);
   LoadedCheckpoint next_tensors = load_checkpoint(next, Device{}, options);
   const UpdateVersions versions{loaded_content_digest(base, base_tensors), loaded_content_digest(next, next_tensors)};
-  std::unordered_map<std::string_view, size_t> base_index;
+  std::unordered_map<std::string_view, size_t> base_index, next_index;
   for (size_t i = 0; i < base.tensors().size(); ++i) base_index.emplace(base.tensors()[i].name, i);
-  auto view_of = [](const CheckpointTensor& tensor, const LoadedTensor& loaded) {
+  for (size_t i = 0; i < next.tensors().size(); ++i) next_index.emplace(next.tensors()[i].name, i);
+  auto base_tensor = [&](const std::string& name) -> const CheckpointTensor* {
+    auto found = base_index.find(name);
+    return found == base_index.end() ? nullptr : &base.tensors()[found->second];
+  };
+  auto view_of = [&](const CheckpointTensor& tensor, bool in_base) {
+    const auto& index = in_base ? base_index : next_index;
+    const LoadedTensor& loaded = (in_base ? base_tensors : next_tensors).tensors[index.at(tensor.name)];
     return TensorView{.name = tensor.name, .dtype = tensor.dtype, .shape = tensor.shape, .data = loaded.data,
                       .bytes = loaded.bytes};
   };
+  // The FP8 block scales `base` holds for a floating-point weight of `next`, if it holds it so.
+  auto quantized_base = [&](const CheckpointTensor& tensor) -> const CheckpointTensor* {
+    const CheckpointTensor* codes = base_tensor(tensor.name);
+    const CheckpointTensor* scales = base_tensor(tensor.name + "_scale_inv");
+    const bool quantized = is_float(tensor.dtype) && codes && codes->dtype == Dtype::kF8E4M3 &&
+                           codes->shape == tensor.shape && scales && scales->dtype == Dtype::kF32 &&
+                           !next_index.contains(scales->name);
+    return quantized ? scales : nullptr;
+  };
+  std::vector<DeclaredTensor> manifest;
+  for (const CheckpointTensor& tensor : next.tensors()) {
+    const CheckpointTensor* scales = quantized_base(tensor);
+    manifest.push_back({tensor.name, scales ? Dtype::kF8E4M3 : tensor.dtype, tensor.shape});
+    if (scales) manifest.push_back({scales->name, scales->dtype, scales->shape});
+  }
   sender.start(TensorFormat::kCheckpoint, manifest, versions);
   // Tensors go in file order, compared a batch at a time so that small ones share the threads.
   constexpr uint64_t kBatchBytes = 64ull << 20;
@@ -83,17 +110,20 @@ UpdateReport send_delta(UpdateSender& sender, const Checkpoint& next, const Chec
     batch.clear();
     batch_bytes = 0;
   };
-  for (size_t i = 0; i < next.tensors().size(); ++i) {
-    const CheckpointTensor& tensor = next.tensors()[i];
-    const TensorView view = view_of(tensor, next_tensors.tensors[i]);
-    auto found = base_index.find(tensor.name);
-    const CheckpointTensor* old = found == base_index.end() ? nullptr : &base.tensors()[found->second];
+  for (const CheckpointTensor& tensor : next.tensors()) {
+    const TensorView view = view_of(tensor, false);
+    if (const CheckpointTensor* scales = quantized_base(tensor)) {
+      send_batch();
+      sender.send_quantized_changes(view_of(*base_tensor(tensor.name), true), view_of(*scales, true), view);
+      continue;
+    }
+    const CheckpointTensor* old = base_tensor(tensor.name);
     if (!old || old->dtype != tensor.dtype || old->shape != tensor.shape) {
       send_batch();
       sender.send(view);
       continue;
     }
-    batch_bases.push_back(view_of(*old, base_tensors.tensors[found->second]));
+    batch_bases.push_back(view_of(*old, true));
     batch.push_back(view);
     batch_bytes += view.bytes;
     if (batch_bytes >= kBatchBytes) send_batch();
@@ -297,7 +327,7 @@ void add_send_command(CLI::App& app) {
     nlohmann::json updates = nlohmann::json::array();
     for (int64_t update = 0; update < flags->repeat; ++update) {
       if (delta) {
-        report = send_delta(sender, checkpoint, Checkpoint::open(flags->delta_from, options), manifest, options.stream);
+        report = send_delta(sender, checkpoint, Checkpoint::open(flags->delta_from, options), options.stream);
       } else {
         sender.start(format, manifest);
         stream_tensors(checkpoint, requests, sink, options.stream);

@@ -552,6 +552,38 @@ uint64_t UpdateSender::send_changes(std::span<const TensorView> bases, std::span
   return sparse;
 }
 
+uint64_t UpdateSender::send_quantized_changes(const TensorView& base_codes, const TensorView& base_scales,
+                                             const TensorView& tensor, std::array<int64_t, 2> block) {
+  const std::string name(tensor.name);
+  WS_EXPECT(!tensor.shape.empty() && block[0] > 0 && block[1] > 0, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " of shape " + shape_text(tensor.shape) + " cannot be quantized in " +
+                std::to_string(block[0]) + " x " + std::to_string(block[1]) + " blocks");
+  const auto rows = static_cast<uint64_t>(tensor.shape[0]);
+  const uint64_t columns = rows > 0 ? tensor.bytes / (dtype_bits(tensor.dtype) / 8) / rows : 0;
+  const std::vector<int64_t> scale_shape = {(tensor.shape[0] + block[0] - 1) / block[0],
+                                            static_cast<int64_t>((columns + block[1] - 1) / block[1])};
+  WS_EXPECT(base_codes.name == tensor.name && base_codes.dtype == Dtype::kF8E4M3 &&
+                std::ranges::equal(base_codes.shape, tensor.shape) && base_scales.dtype == Dtype::kF32 &&
+                std::ranges::equal(base_scales.shape, scale_shape),
+            ErrorCode::kInvalidArgument,
+            "update sender: the FP8 base of tensor " + name + " " + described(tensor.dtype, tensor.shape) + " must be " +
+                name + " F8_E4M3 " + shape_text(tensor.shape) + " with its scales F32 " + shape_text(scale_shape) +
+                ", not " + std::string(base_codes.name) + " " + described(base_codes.dtype, base_codes.shape) + " and " +
+                std::string(base_scales.name) + " " + described(base_scales.dtype, base_scales.shape));
+  WS_EXPECT(!tensor.device.is_cuda() && tensor.offset == 0, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " is quantized whole from host memory");
+  std::vector<std::byte> codes(rows * columns);
+  std::vector<float> scales(static_cast<uint64_t>(scale_shape[0] * scale_shape[1]));
+  quantize_fp8_blocks(std::span(tensor.data, tensor.bytes), tensor.dtype, rows, columns, block, codes, scales);
+  const std::array<TensorView, 2> quantized = {
+      TensorView{.name = base_codes.name, .dtype = Dtype::kF8E4M3, .shape = base_codes.shape, .data = codes.data(),
+                 .bytes = codes.size()},
+      TensorView{.name = base_scales.name, .dtype = Dtype::kF32, .shape = base_scales.shape,
+                 .data = reinterpret_cast<const std::byte*>(scales.data()), .bytes = scales.size() * sizeof(float)}};
+  const std::array<TensorView, 2> bases = {base_codes, base_scales};
+  return send_changes(bases, quantized);  // copied into the buckets before it returns
+}
+
 void UpdateSender::State::send_encoded(const TensorView& tensor, std::span<const std::byte> encoded) {
   State& state = *this;
   if (state.current.entries.empty()) state.open_bucket();

@@ -81,6 +81,24 @@ def test_a_delta_lands_equal_to_a_cold_load_of_the_new_version(versions, via):
     assert report["reload_bytes"] < checkpoint_bytes(b) // 10, report
 
 
+def test_bf16_weights_go_to_an_fp8_model_as_the_changes_of_their_codes_and_scales(tmp_path):
+    # The FP8 checkpoint is its BF16 weights quantized (the same seed, block-aligned sizes);
+    # send --delta-from it quantizes the changed BF16 weights as the checkpoint does.
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    subprocess.run([CLI, "synth", str(fp8), "--arch", "llama", "--layers", "2", "--seed", "5", "--quantize",
+                    "fp8-block"], check=True, capture_output=True)
+    subprocess.run([CLI, "synth", str(bf16), "--arch", "llama", "--layers", "2", "--seed", "5", "--block-aligned"],
+                   check=True, capture_output=True)
+    change_elements(bf16, 0.01, 5)
+    result = run(["audit", str(fp8), "--reload", str(bf16), "--via", "tcp", "--delta", "--json", "--no-progress"])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["clean"] and report["mismatched"] == 0, report
+    # Every linear weight's codes go as changes (14 in 2 llama layers); its small scales whole.
+    assert report["sparse_tensors"] >= 14, report
+    assert report["reload_bytes"] < checkpoint_bytes(fp8) // 10, report
+
+
 def test_the_full_update_stays_the_default(versions):
     a, b = versions
     result = run(["audit", str(a), "--reload", str(b), "--via", "shm", "--json", "--no-progress"])

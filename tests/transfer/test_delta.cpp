@@ -173,6 +173,93 @@ TEST(Delta, Fp8BlockScaledExpertsTakeTheirChangedCodesAndScalesAtTensorParallelW
   EXPECT_EQ(storage_addresses(layout), addresses);
 }
 
+/// Sends `next` (BF16 weights) as a delta from `base` (their FP8 block-scaled checkpoint): each
+/// weight `base` holds as codes and scales is quantized at the sender and sent as the changes of
+/// its codes and scales; the rest as send_changes(). Returns the sender's report.
+UpdateReport send_quantized_delta(const std::string& address, const MemoryCheckpoint& base,
+                                  const MemoryCheckpoint& next) {
+  UpdateSender sender(address, sender_options(TransportKind::kTcp, 1 << 20));
+  auto scales_of = [&](const MemoryTensor& tensor) -> const MemoryTensor* {
+    for (const MemoryTensor& candidate : base.tensors) {
+      if (candidate.name == tensor.name + "_scale_inv") return &candidate;
+    }
+    return nullptr;
+  };
+  std::vector<DeclaredTensor> manifest;
+  for (const MemoryTensor& tensor : next.tensors) {
+    const MemoryTensor* scales = scales_of(tensor);
+    manifest.push_back({tensor.name, scales ? Dtype::kF8E4M3 : tensor.dtype, tensor.shape});
+    if (scales) manifest.push_back({scales->name, scales->dtype, scales->shape});
+  }
+  sender.start(TensorFormat::kCheckpoint, manifest, {kVersionA, kVersionB});
+  for (const MemoryTensor& tensor : next.tensors) {
+    if (const MemoryTensor* scales = scales_of(tensor)) {
+      sender.send_quantized_changes(base.tensor(tensor.name).view(), scales->view(), tensor.view());
+    } else {
+      sender.send_changes(base.tensor(tensor.name).view(), tensor.view());
+    }
+  }
+  return sender.finish();
+}
+
+TEST(Delta, Bf16WeightsIntoAnFp8ModelAreQuantizedAtTheSenderAndMoveOnlyChangedCodesAndScales) {
+  // The FP8 checkpoint is its BF16 weights (seed 5, block-aligned sizes) quantized; B moves 1%
+  // of the BF16 elements by their lowest bit, which changes few codes and fewer scales.
+  SynthOptions fp8 = testing::synth_options("llama", 5);
+  fp8.quantize = SynthOptions::Quantization::kFp8Block;
+  SynthOptions bf16 = testing::synth_options("llama", 5);
+  bf16.block_aligned = true;
+  const MemoryCheckpoint base = testing::synth_in_memory(fp8);
+  const MemoryCheckpoint next = changed_copy(testing::synth_in_memory(bf16), 0.01, 49);
+  for (auto [tp_size, tp_rank] : {std::pair<int64_t, int64_t>{1, 0}, {2, 1}}) {
+    ModelLayout layout = host_layout(base, tp_size, tp_rank);
+    run_load(layout, LoadMode::kCold, {base.views()});
+    const auto addresses = storage_addresses(layout);
+    UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+    receiver.set_version(kVersionA);
+    auto sent = std::async(std::launch::async, [&, address = receiver.address()] {
+      return send_quantized_delta(address, base, next);
+    });
+    UpdateReport report = receiver.receive(10s);
+    sent.get();
+    // Expected: the FP8 layout loaded from B's BF16 weights, quantized on receipt.
+    ModelLayout expected = host_layout(base, tp_size, tp_rank);
+    run_load(expected, LoadMode::kCold, {next.views()});
+    LayoutComparison comparison = compare_layouts(layout, expected);
+    EXPECT_EQ(comparison.mismatched, 0u) << "tp " << tp_size << ": " << ::testing::PrintToString(comparison.mismatches);
+    EXPECT_EQ(storage_addresses(layout), addresses);
+    EXPECT_GT(report.sparse_tensors, 10u);
+    EXPECT_LT(report.bytes, total_bytes(base) / 10);
+  }
+}
+
+TEST(Delta, QuantizedChangesNeedTheirFp8BaseNamedAndShapedAsTheWeight) {
+  SynthOptions fp8 = testing::synth_options("llama", 5);
+  fp8.quantize = SynthOptions::Quantization::kFp8Block;
+  const MemoryCheckpoint base = testing::synth_in_memory(fp8);
+  ModelLayout layout = host_layout(base);
+  run_load(layout, LoadMode::kCold, {base.views()});
+  UpdateReceiver receiver(layout, receiver_options(TransportKind::kTcp));
+  receiver.set_version(kVersionA);
+  auto receiving = std::async(std::launch::async, [&] { return error_text([&] { receiver.receive(10s); }); });
+  UpdateSender sender(receiver.address(), sender_options(TransportKind::kTcp));
+  const std::string weight = "model.layers.0.mlp.down_proj.weight";
+  const MemoryTensor& codes = base.tensor(weight);
+  const MemoryTensor& scales = base.tensor(weight + "_scale_inv");
+  sender.start(TensorFormat::kCheckpoint, declared_tensors(std::vector{codes.view(), scales.view()}), {kVersionA, kVersionB});
+  std::vector<std::byte> values(codes.bytes.size() * 2);
+  TensorView bf16{.name = codes.name, .dtype = Dtype::kBF16, .shape = codes.shape, .data = values.data(),
+                  .bytes = values.size()};
+  EXPECT_THAT(error_text([&] { sender.send_quantized_changes(scales.view(), codes.view(), bf16); }),
+              HasSubstr("update sender: the FP8 base of tensor " + weight + " BF16 " + shape_text(codes.shape) +
+                        " must be " + weight + " F8_E4M3 " + shape_text(codes.shape) + " with its scales F32 " +
+                        shape_text(scales.shape)));
+  // Zeros: nearly every code and every scale changes, so both go whole.
+  EXPECT_EQ(sender.send_quantized_changes(codes.view(), scales.view(), bf16), 0u);
+  sender.finish();
+  EXPECT_EQ(receiving.get(), "no error");
+}
+
 TEST(Delta, UpdatesChainFromVersionToVersionOverOneConnection) {
   ModelLayout layout = cold_loaded_layout(version_a());
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
