@@ -165,6 +165,8 @@ Dtype declared_dtype(nb::handle dtype, const std::string& name) {
                                            "', neither a safetensors dtype name (BF16, F8_E4M3, ...) nor a torch dtype");
 }
 
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
 /// A DLPack array as the sender sends it: its safetensors dtype and shape, its bytes.
 struct Described {
   std::string name;
@@ -254,44 +256,69 @@ class PySender {
   /// One whole delta update: `tensors` (a dict of name -> tensor, or (name, tensor) pairs) sent
   /// as their changes since `base_tensors` (a dict of name -> tensor, the version `base` names),
   /// compared several at once; a tensor `base_tensors` lacks, or holds in another dtype or
-  /// shape, goes whole.
+  /// shape, goes whole; a floating-point weight it holds as FP8 codes with `_scale_inv` scales
+  /// (and `tensors` does not) is quantized here and goes as the changes of its codes and scales.
   nb::dict update_changes(nb::handle base_tensors, nb::handle tensors, const std::string& base,
                           const std::string& target) {
     auto bases = nb::cast<nb::dict>(nb::borrow(base_tensors), false);
     nb::object items = nb::isinstance<nb::dict>(tensors) ? nb::borrow<nb::dict>(tensors).attr("items")()
                                                          : nb::borrow(tensors);
-    std::vector<Described> described, old;
-    std::vector<bool> has_base;
-    std::vector<DeclaredTensor> declared;
+    std::vector<std::pair<std::string, nb::object>> pairs;
+    std::set<std::string> names;
     for (nb::handle item : items) {
       auto pair = nb::cast<nb::tuple>(nb::borrow(item), false);
       WS_EXPECT(pair.size() == 2, ErrorCode::kInvalidArgument,
                 "update_changes: each item is (name, tensor), got " + std::to_string(pair.size()) + " fields");
-      std::string name = nb::cast<std::string>(pair[0]);
-      described.push_back(describe(name, pair[1], std::nullopt));
-      declared.push_back({name, described.back().dtype, described.back().shape});
-      const bool found = bases.contains(pair[0]);
-      old.push_back(found ? describe(name, bases[pair[0]], std::nullopt) : Described{});
-      has_base.push_back(found && old.back().dtype == described.back().dtype && old.back().shape == described.back().shape);
+      pairs.emplace_back(nb::cast<std::string>(pair[0]), nb::borrow(pair[1]));
+      names.insert(pairs.back().first);
+    }
+    enum class How { kWhole, kChanges, kQuantized };
+    struct Planned {
+      How how = How::kWhole;
+      Described tensor, old, scales;
+    };
+    std::vector<Planned> planned;
+    std::vector<DeclaredTensor> declared;
+    for (const auto& [name, object] : pairs) {
+      Planned& plan = planned.emplace_back();
+      plan.tensor = describe(name, object, std::nullopt);
+      const std::string scales = name + "_scale_inv";
+      if (bases.contains(name)) plan.old = describe(name, bases[name.c_str()], std::nullopt);
+      const bool same = bases.contains(name) && plan.old.dtype == plan.tensor.dtype && plan.old.shape == plan.tensor.shape;
+      const bool quantized = bases.contains(name) && plan.old.dtype == Dtype::kF8E4M3 &&
+                             plan.old.shape == plan.tensor.shape && is_float(plan.tensor.dtype) &&
+                             bases.contains(scales) && !names.contains(scales);
+      plan.how = same ? How::kChanges : quantized ? How::kQuantized : How::kWhole;
+      declared.push_back({name, quantized ? Dtype::kF8E4M3 : plan.tensor.dtype, plan.tensor.shape});
+      if (!quantized) continue;
+      plan.scales = describe(scales, bases[scales.c_str()], std::nullopt);
+      declared.push_back({scales, plan.scales.dtype, plan.scales.shape});
     }
     start_declared(TensorFormat::kCheckpoint, declared, {base, target});
-    std::vector<TensorView> base_views, views;
     auto view_of = [](const Described& tensor) {
       return TensorView{tensor.name, tensor.dtype, tensor.shape, tensor.data, tensor.device, 0, tensor.bytes};
     };
     {
       ReleasedGil release;  // `tensors` and `base_tensors` keep every array referenced meanwhile
-      for (size_t i = 0; i < described.size(); ++i) {
-        if (!has_base[i]) {
-          if (!views.empty()) sender_->send_changes(base_views, views);
-          base_views.clear(), views.clear();
-          sender_->send(view_of(described[i]));
+      std::vector<TensorView> base_views, views;
+      auto send_batch = [&] {
+        if (!views.empty()) sender_->send_changes(base_views, views);
+        base_views.clear(), views.clear();
+      };
+      for (const Planned& plan : planned) {
+        if (plan.how == How::kChanges) {
+          base_views.push_back(view_of(plan.old));
+          views.push_back(view_of(plan.tensor));
           continue;
         }
-        base_views.push_back(view_of(old[i]));
-        views.push_back(view_of(described[i]));
+        send_batch();
+        if (plan.how == How::kQuantized) {
+          sender_->send_quantized_changes(view_of(plan.old), view_of(plan.scales), view_of(plan.tensor));
+        } else {
+          sender_->send(view_of(plan.tensor));
+        }
       }
-      if (!views.empty()) sender_->send_changes(base_views, views);
+      send_batch();
     }
     return finish();
   }
@@ -312,8 +339,10 @@ class PySender {
     std::optional<Dtype> raw = dtype ? std::nullopt : raw_array_dtype(array.data(), array.nbytes());
     if (raw && parsed == Dtype::kU8) parsed = *raw;
     unsigned bits = dtype_bits(parsed);
-    // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 without torch).
-    if ((dtype || raw) && array.dtype().bits == 8 && bits > 8 && !shape.empty() && shape.back() == bits / 8) {
+    // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 and F8 without torch: an
+    // F8 array weightstream gave ends in [1] too; one named F8 by the caller is taken as shaped).
+    if ((dtype || raw) && array.dtype().bits == 8 && bits % 8 == 0 && (bits > 8 || raw) && !shape.empty() &&
+        shape.back() == bits / 8) {
       shape.pop_back();
     }
     auto bytes = tensor_byte_size(parsed, shape);

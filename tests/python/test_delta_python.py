@@ -120,3 +120,30 @@ def test_a_delta_for_another_version_is_refused_naming_both(versions):
     assert expected in outcome.get("error", ""), outcome
     assert parameter_bytes(live) == before
     assert receiver.version == "0123456789abcdef"
+
+
+def test_update_changes_quantizes_bf16_weights_into_an_fp8_model_at_the_sender(tmp_path):
+    # The FP8 checkpoint is its BF16 weights quantized (the same seed, block-aligned sizes).
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    subprocess.run([CLI, "synth", str(fp8), "--arch", "llama", "--layers", "2", "--seed", "5", "--quantize",
+                    "fp8-block"], check=True, capture_output=True)
+    subprocess.run([CLI, "synth", str(bf16), "--arch", "llama", "--layers", "2", "--seed", "5", "--block-aligned"],
+                   check=True, capture_output=True)
+    change_elements(bf16, 0.01, 6)
+    live = cold_layout(str(fp8))
+    expected_layout = weightstream.model_layout(weightstream.open(str(fp8)), device="cpu")
+    session = weightstream.LoadSession(expected_layout)  # B's BF16 weights, quantized on receipt
+    session.begin("cold")
+    session.load_checkpoint(str(bf16))
+    session.finish()
+    receiver = weightstream.UpdateReceiver(live, token="t", timeout=30.0)
+    receiver.version = content_digest(fp8)
+    thread, outcome = receive_in_thread(receiver)
+    sender = weightstream.UpdateSender(receiver.address, token="t", bucket_bytes=1 << 20)
+    report = sender.update_changes(weightstream.load(str(fp8), framework="numpy"),
+                                   weightstream.load(str(bf16), framework="numpy"), base=content_digest(fp8))
+    thread.join(timeout=60)
+    assert "error" not in outcome, outcome
+    assert parameter_bytes(live) == parameter_bytes(expected_layout)
+    assert report["sparse_tensors"] >= 14, report  # every linear weight's codes
+    assert receiver.version == ""  # the update named no target
