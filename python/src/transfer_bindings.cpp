@@ -300,15 +300,21 @@ class PySender {
     };
     {
       ReleasedGil release;  // `tensors` and `base_tensors` keep every array referenced meanwhile
+      // Compared a batch at a time: the encodings of a batch are held until it is queued.
+      constexpr uint64_t kBatchBytes = 64ull << 20;
       std::vector<TensorView> base_views, views;
+      uint64_t batch_bytes = 0;
       auto send_batch = [&] {
         if (!views.empty()) sender_->send_changes(base_views, views);
         base_views.clear(), views.clear();
+        batch_bytes = 0;
       };
       for (const Planned& plan : planned) {
         if (plan.how == How::kChanges) {
           base_views.push_back(view_of(plan.old));
           views.push_back(view_of(plan.tensor));
+          batch_bytes += plan.tensor.bytes;
+          if (batch_bytes >= kBatchBytes) send_batch();
           continue;
         }
         send_batch();

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "base/parallel.hpp"
 #include "transfer/delta.hpp"
@@ -522,9 +523,10 @@ uint64_t UpdateSender::send_changes(std::span<const TensorView> bases, std::span
   // Every tensor is checked before any is counted as sent: a refused batch sends nothing.
   std::vector<State::Declared*> declared;
   declared.reserve(tensors.size());
+  std::unordered_set<const State::Declared*> seen;
   for (size_t i = 0; i < tensors.size(); ++i) {
     State::Declared& entry = state.admit_changes(bases[i], tensors[i]);
-    WS_EXPECT(std::ranges::find(declared, &entry) == declared.end(), ErrorCode::kInvalidArgument,
+    WS_EXPECT(seen.insert(&entry).second, ErrorCode::kInvalidArgument,
               "update sender: tensor " + std::string(tensors[i].name) + " comes twice in one send_changes()");
     declared.push_back(&entry);
   }
