@@ -124,6 +124,14 @@ enum class SourceLifetime {
                ///< keeps the keepalive instead of a copy
 };
 
+/// The elements of a tensor that changed since the version a layout holds (a delta update):
+/// their indices in the tensor's row-major order, strictly ascending, and their new values in
+/// the tensor's dtype (`indices.size()` elements, packed), on the host.
+struct ChangedElements {
+  std::vector<uint64_t> indices;
+  std::vector<std::byte> values;
+};
+
 /// A named tensor, or one piece of it, handed to a session. The bytes may be on the host
 /// or on a device.
 struct TensorView {
@@ -144,6 +152,11 @@ struct TensorView {
   /// When set, keeps `data` valid while it lives (a staging buffer's lease): the session
   /// keeps it until its copies of these bytes have landed and returns without waiting.
   std::shared_ptr<const void> keepalive;
+  /// Set: the view delivers the whole tensor (offset 0, `bytes` its size, `data` unused) as
+  /// these changed elements over the values its parameters hold; every other element keeps
+  /// its value. Checkpoint format only, into parameters that hold the tensor's dtype as it is
+  /// (no conversion, no processing) on the host.
+  std::shared_ptr<const ChangedElements> changes;
 };
 
 class ModelLayout;
@@ -542,6 +555,14 @@ std::vector<std::byte> parameter_bytes(const Parameter& parameter);
 uint8_t float_to_e4m3(float value) noexcept;
 /// The float value of an E4M3 code.
 float e4m3_to_float(uint8_t code) noexcept;
+/// Quantizes a [rows x columns] tensor of BF16, F16 or F32 `values` (host) into FP8 block-scaled
+/// form, block by block of `block` [rows, columns], by the rule FP8 block-scaled checkpoints are
+/// made with and LoadSession quantizes with (scale = amax / 448, code = E4M3(value / scale)):
+/// `codes` [rows x columns] E4M3, `scales` [ceil(rows / block rows) x ceil(columns / block
+/// columns)] F32, both compact. Throws Error(kModel) for another dtype, an empty block or spans
+/// of other sizes.
+void quantize_fp8_blocks(std::span<const std::byte> values, Dtype dtype, uint64_t rows, uint64_t columns,
+                         std::array<int64_t, 2> block, std::span<std::byte> codes, std::span<float> scales);
 /// Converts `elements` values between BF16, F16 and F32 on the host. Throws Error(kModel)
 /// for any other pair of distinct dtypes.
 void convert_elements(std::byte* destination, Dtype destination_dtype, const std::byte* source, Dtype source_dtype,

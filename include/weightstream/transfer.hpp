@@ -62,6 +62,9 @@ inline constexpr uint64_t kMinBucketBytes = 4096;
 /// Smallest sender allocation shared in place over CUDA IPC (SenderOptions).
 inline constexpr uint64_t kDefaultShareMinimumBytes = 256ull << 20;
 
+/// Default of SenderOptions::delta_dense_fraction.
+inline constexpr double kDefaultDeltaDenseFraction = 0.25;
+
 /// The one rule of every listener (UpdateReceiver, PeerServer): it starts only with a
 /// non-empty token, or with `open_without_token` asked for explicitly, never both. `listener`
 /// names it in the message ("peer server on 10.0.0.5:7000"). Throws Error(kInvalidArgument)
@@ -125,7 +128,27 @@ struct SenderOptions {
   /// by default one-sided puts where the endpoint's lanes carry RMA, active messages
   /// (rendezvous) where they do not (tcp).
   UcxPath ucx_path = UcxPath::kAuto;
+  /// Delta updates (UpdateSender::send_changes): a tensor whose changed elements would take
+  /// more than this fraction of its dense bytes (or more than a bucket) is sent whole.
+  double delta_dense_fraction = kDefaultDeltaDenseFraction;
+  /// Delta updates: threads that compare a large tensor (16 MiB and more) with its base, range
+  /// by range; 0: one per core.
+  unsigned delta_threads = 0;
 };
+
+/// The versions an update names, as content digests (16 lowercase hex digits, what
+/// `weightstream digest` prints; at most kMaxVersionBytes). docs/DELTA.md.
+struct UpdateVersions {
+  /// The version the update applies to. Set: a delta update (checkpoint format, host
+  /// transports), refused before its first byte by a receiver that holds another version or
+  /// an unknown one. Empty: a full update.
+  std::string base;
+  /// The version the receiver holds once the update has landed; empty: unknown.
+  std::string target;
+};
+
+/// Longest version an update may name.
+inline constexpr size_t kMaxVersionBytes = 128;
 
 /// What an update did, reported by the receiver (and echoed to the sender).
 /// Where the receiver's time in one update went, in seconds; together they make up about
@@ -171,6 +194,9 @@ struct UpdateReport {
   /// Set-up of the connection (buffers allocated, exported and opened; NCCL joined), for
   /// the first update of a connection; 0 for the updates after it.
   double connect_seconds = 0;
+  /// Tensors that arrived as changed elements (a delta update), and those that arrived whole.
+  uint64_t sparse_tensors = 0;
+  uint64_t dense_tensors = 0;
   LoadCounters counters;     ///< of the receiver's LoadSession
   UpdatePhases phases;       ///< where the receiver's `seconds` went
   std::vector<int64_t> completed_layers;
@@ -264,6 +290,13 @@ class UpdateReceiver {
 
   /// Its counters. Safe from any thread while it receives.
   ReceiverStats stats() const noexcept;
+  /// Declares the version the layout holds (its checkpoint's content digest, after a load):
+  /// the base a delta update must name. Each update that lands replaces it with the version
+  /// it names as its target (unknown when it names none); a failed update makes it unknown.
+  /// Empty: unknown, and every delta update is refused. Call it between updates only.
+  void set_version(std::string content_digest);
+  /// The version the layout holds, as set_version() and the updates left it; empty: unknown.
+  std::string version() const;
 
  private:
   struct State;
@@ -304,7 +337,35 @@ class UpdateSender {
   /// kMaxTensorRank dimensions, a shape without a valid byte size, or too many tensors for one message;
   /// a receiver's refusal as its error code with its reason ("update receiver at ADDR refused
   /// the update: ..."), nothing of the update applied.
-  void start(TensorFormat format, std::span<const DeclaredTensor> manifest);
+  ///
+  /// With `versions.base` set, a delta update (docs/DELTA.md): checkpoint format only, tensors
+  /// sent with send_changes() (or send(), whole); each receiver refuses it before its first
+  /// byte unless it holds that version. Throws Error(kInvalidArgument) for a delta in engine
+  /// format, or a version longer than kMaxVersionBytes.
+  void start(TensorFormat format, std::span<const DeclaredTensor> manifest, const UpdateVersions& versions = {});
+  /// In a delta update: sends `tensor` (whole, on the host) as its elements that differ from
+  /// `base` (the same tensor as the receiver holds it: same dtype and shape, on the host), or
+  /// whole, as send() does, when that encoding would take more than
+  /// SenderOptions::delta_dense_fraction of its bytes or more than a bucket. Returns true when
+  /// it went as changed elements. Throws send()'s errors, and Error(kInvalidArgument) outside a
+  /// delta update, for a piece or device memory, or a base of another dtype, shape or size.
+  bool send_changes(const TensorView& base, const TensorView& tensor);
+  /// send_changes() of many tensors: `bases[i]` is the base of `tensors[i]`. Their comparisons
+  /// run at once on up to SenderOptions::delta_threads threads (a model's small tensors
+  /// together), and they are queued in the order given. Every tensor is checked before any is
+  /// sent; throws send_changes()'s errors, and Error(kInvalidArgument) for spans of different
+  /// lengths or a tensor given twice. Returns how many went as changed elements.
+  uint64_t send_changes(std::span<const TensorView> bases, std::span<const TensorView> tensors);
+  /// In a delta update of an FP8 block-scaled model: quantizes `tensor` (a BF16, F16 or F32
+  /// weight on the host, viewed as [shape[0], the rest]) by the checkpoint's rule
+  /// (quantize_fp8_blocks) in blocks of `block`, and sends its codes as the changes since
+  /// `base_codes` (F8_E4M3, the weight's shape, named as `tensor`) and its block scales as the
+  /// changes since `base_scales` (F32 [ceil(rows / block rows), ceil(columns / block columns)]),
+  /// each declared so in the manifest, as send_changes() does: a change that moves no code and no
+  /// scale sends nothing. Returns how many of the two went as changed elements. Throws
+  /// send_changes()'s errors, and Error(kInvalidArgument) for bases of other names, dtypes or shapes.
+  uint64_t send_quantized_changes(const TensorView& base_codes, const TensorView& base_scales, const TensorView& tensor,
+                                  std::array<int64_t, 2> block = {128, 128});
   /// Queues a tensor, or one piece of it (view.offset, view.bytes), packing it into the
   /// current bucket; a full bucket is sent, and the call waits only when both buckets are
   /// in flight. Pieces of one tensor must come in order. Host bytes are copied before the

@@ -165,6 +165,8 @@ Dtype declared_dtype(nb::handle dtype, const std::string& name) {
                                            "', neither a safetensors dtype name (BF16, F8_E4M3, ...) nor a torch dtype");
 }
 
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
 /// A DLPack array as the sender sends it: its safetensors dtype and shape, its bytes.
 struct Described {
   std::string name;
@@ -199,7 +201,7 @@ class PySender {
 
   /// start(format, manifest): `manifest` lists (name, dtype, shape) of every tensor the
   /// update sends; dtype a safetensors name ("BF16") or a torch dtype (or its name).
-  void start(const std::string& format, nb::handle manifest) {
+  void start(const std::string& format, nb::handle manifest, const std::string& base, const std::string& target) {
     auto parsed = format_of(format);
     std::vector<DeclaredTensor> declared;
     for (nb::handle entry : manifest) {
@@ -211,7 +213,18 @@ class PySender {
       for (nb::handle dimension : fields[2]) shape.push_back(nb::cast<int64_t>(dimension));
       declared.push_back({name, declared_dtype(fields[1], name), std::move(shape)});
     }
-    start_declared(parsed, declared);
+    start_declared(parsed, declared, {base, target});
+  }
+
+  /// send_changes(name, base, tensor): in a delta update, the elements of `tensor` that differ
+  /// from `base` (host arrays), or the whole tensor where that is cheaper. True: as changes.
+  bool send_changes(const std::string& name, nb::handle base, nb::handle tensor, std::optional<std::string> dtype) {
+    Described old = describe(name, base, dtype);
+    Described next = describe(name, tensor, dtype);
+    TensorView old_view{old.name, old.dtype, old.shape, old.data, old.device, 0, old.bytes};
+    TensorView view{next.name, next.dtype, next.shape, next.data, next.device, 0, next.bytes};
+    ReleasedGil release;  // the caller keeps both arrays referenced meanwhile
+    return sender_->send_changes(old_view, view);
   }
 
   void send(const std::string& name, nb::handle tensor, std::optional<std::string> dtype) {
@@ -240,6 +253,82 @@ class PySender {
     return finish();
   }
 
+  /// One whole delta update: `tensors` (a dict of name -> tensor, or (name, tensor) pairs) sent
+  /// as their changes since `base_tensors` (a dict of name -> tensor, the version `base` names),
+  /// compared several at once; a tensor `base_tensors` lacks, or holds in another dtype or
+  /// shape, goes whole; a floating-point weight it holds as FP8 codes with `_scale_inv` scales
+  /// (and `tensors` does not) is quantized here and goes as the changes of its codes and scales.
+  nb::dict update_changes(nb::handle base_tensors, nb::handle tensors, const std::string& base,
+                          const std::string& target) {
+    auto bases = nb::cast<nb::dict>(nb::borrow(base_tensors), false);
+    nb::object items = nb::isinstance<nb::dict>(tensors) ? nb::borrow<nb::dict>(tensors).attr("items")()
+                                                         : nb::borrow(tensors);
+    std::vector<std::pair<std::string, nb::object>> pairs;
+    std::set<std::string> names;
+    for (nb::handle item : items) {
+      auto pair = nb::cast<nb::tuple>(nb::borrow(item), false);
+      WS_EXPECT(pair.size() == 2, ErrorCode::kInvalidArgument,
+                "update_changes: each item is (name, tensor), got " + std::to_string(pair.size()) + " fields");
+      pairs.emplace_back(nb::cast<std::string>(pair[0]), nb::borrow(pair[1]));
+      names.insert(pairs.back().first);
+    }
+    enum class How { kWhole, kChanges, kQuantized };
+    struct Planned {
+      How how = How::kWhole;
+      Described tensor, old, scales;
+    };
+    std::vector<Planned> planned;
+    std::vector<DeclaredTensor> declared;
+    for (const auto& [name, object] : pairs) {
+      Planned& plan = planned.emplace_back();
+      plan.tensor = describe(name, object, std::nullopt);
+      const std::string scales = name + "_scale_inv";
+      if (bases.contains(name)) plan.old = describe(name, bases[name.c_str()], std::nullopt);
+      const bool same = bases.contains(name) && plan.old.dtype == plan.tensor.dtype && plan.old.shape == plan.tensor.shape;
+      const bool quantized = bases.contains(name) && plan.old.dtype == Dtype::kF8E4M3 &&
+                             plan.old.shape == plan.tensor.shape && is_float(plan.tensor.dtype) &&
+                             bases.contains(scales) && !names.contains(scales);
+      plan.how = same ? How::kChanges : quantized ? How::kQuantized : How::kWhole;
+      declared.push_back({name, quantized ? Dtype::kF8E4M3 : plan.tensor.dtype, plan.tensor.shape});
+      if (!quantized) continue;
+      plan.scales = describe(scales, bases[scales.c_str()], std::nullopt);
+      declared.push_back({scales, plan.scales.dtype, plan.scales.shape});
+    }
+    start_declared(TensorFormat::kCheckpoint, declared, {base, target});
+    auto view_of = [](const Described& tensor) {
+      return TensorView{tensor.name, tensor.dtype, tensor.shape, tensor.data, tensor.device, 0, tensor.bytes};
+    };
+    {
+      ReleasedGil release;  // `tensors` and `base_tensors` keep every array referenced meanwhile
+      // Compared a batch at a time: the encodings of a batch are held until it is queued.
+      constexpr uint64_t kBatchBytes = 64ull << 20;
+      std::vector<TensorView> base_views, views;
+      uint64_t batch_bytes = 0;
+      auto send_batch = [&] {
+        if (!views.empty()) sender_->send_changes(base_views, views);
+        base_views.clear(), views.clear();
+        batch_bytes = 0;
+      };
+      for (const Planned& plan : planned) {
+        if (plan.how == How::kChanges) {
+          base_views.push_back(view_of(plan.old));
+          views.push_back(view_of(plan.tensor));
+          batch_bytes += plan.tensor.bytes;
+          if (batch_bytes >= kBatchBytes) send_batch();
+          continue;
+        }
+        send_batch();
+        if (plan.how == How::kQuantized) {
+          sender_->send_quantized_changes(view_of(plan.old), view_of(plan.scales), view_of(plan.tensor));
+        } else {
+          sender_->send(view_of(plan.tensor));
+        }
+      }
+      send_batch();
+    }
+    return finish();
+  }
+
   Described describe(const std::string& name, nb::handle tensor, const std::optional<std::string>& dtype) {
     auto array = nb::cast<nb::ndarray<nb::ro>>(tensor, false);
     int64_t expected_stride = 1;
@@ -256,8 +345,10 @@ class PySender {
     std::optional<Dtype> raw = dtype ? std::nullopt : raw_array_dtype(array.data(), array.nbytes());
     if (raw && parsed == Dtype::kU8) parsed = *raw;
     unsigned bits = dtype_bits(parsed);
-    // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 without torch).
-    if ((dtype || raw) && array.dtype().bits == 8 && bits > 8 && !shape.empty() && shape.back() == bits / 8) {
+    // Raw bytes of [*shape, itemsize] (how weightstream hands out BF16 and F8 without torch: an
+    // F8 array weightstream gave ends in [1] too; one named F8 by the caller is taken as shaped).
+    if ((dtype || raw) && array.dtype().bits == 8 && bits % 8 == 0 && (bits > 8 || raw) && !shape.empty() &&
+        shape.back() == bits / 8) {
       shape.pop_back();
     }
     auto bytes = tensor_byte_size(parsed, shape);
@@ -285,9 +376,10 @@ class PySender {
     sender_->send(view);
   }
 
-  void start_declared(TensorFormat format, const std::vector<DeclaredTensor>& declared) {
+  void start_declared(TensorFormat format, const std::vector<DeclaredTensor>& declared,
+                      const UpdateVersions& versions = {}) {
     ReleasedGil release;
-    sender_->start(format, declared);
+    sender_->start(format, declared, versions);
   }
 
   void flush() {
@@ -316,6 +408,8 @@ class PySender {
     result["bytes"] = report.bytes;
     result["shared_bytes"] = report.shared_bytes;
     result["placed_bytes"] = report.placed_bytes;
+    result["sparse_tensors"] = report.sparse_tensors;
+    result["dense_tensors"] = report.dense_tensors;
     result["regions"] = report.regions;
     result["seconds"] = report.seconds;
     result["connect_seconds"] = report.connect_seconds;
@@ -374,6 +468,9 @@ class PyReceiver {
     return PySender::report_dict(report);
   }
 
+  std::string version() const { return receiver_->version(); }
+  void set_version(const std::string& content_digest) { receiver_->set_version(content_digest); }
+
   void refuse(const std::string& reason, double accept_timeout) {
     auto wait = milliseconds(accept_timeout);
     ReleasedGil release(/*receiving=*/true);
@@ -411,16 +508,26 @@ void bind_transfer(nb::module_& m) {
            "address"_a, "transport"_a = "tcp", "token"_a = "", "bucket_bytes"_a = kDefaultBucketBytes,
            "timeout"_a = 30.0, "device"_a = "cpu", "share_allocations"_a = true,
            "share_minimum_bytes"_a = kDefaultShareMinimumBytes)
-      .def("start", &PySender::start, "format"_a, "manifest"_a,
+      .def("start", &PySender::start, "format"_a, "manifest"_a, nb::kw_only(), "base"_a = "", "target"_a = "",
            "Starts an update declaring every tensor it sends: manifest is a list of (name, dtype, shape), dtype a "
            "safetensors name (\"BF16\") or a torch dtype. Each receiver checks it against its model before any "
-           "bucket; a refusal raises weightstream.Error with the receiver's reason, nothing applied.")
+           "bucket; a refusal raises weightstream.Error with the receiver's reason, nothing applied. base (a content "
+           "digest) makes it a delta update, refused by a receiver that holds another version; target names the "
+           "version the receivers hold after it (docs/DELTA.md).")
+      .def("send_changes", &PySender::send_changes, "name"_a, "base"_a, "tensor"_a, "dtype"_a = nb::none(),
+           "In a delta update: sends the elements of tensor that differ from base (both host arrays of one dtype and "
+           "shape), or the whole tensor where that is cheaper. Returns True when it went as changed elements.")
       .def("send", &PySender::send, "name"_a, "tensor"_a, "dtype"_a = nb::none(),
            "Sends a declared tensor; one the manifest does not declare, or declares otherwise, raises "
            "weightstream.Error before anything of it is sent.")
       .def("update", &PySender::update, "tensors"_a, "format"_a = "checkpoint",
            "One whole update: tensors is a dict of name -> tensor or (name, tensor) pairs (an iterator is taken "
            "into a list of references first); they are declared, sent and finished. Returns the report.")
+      .def("update_changes", &PySender::update_changes, "base_tensors"_a, "tensors"_a, nb::kw_only(), "base"_a,
+           "target"_a = "",
+           "One whole delta update (docs/DELTA.md): tensors (a dict of name -> host tensor, or (name, tensor) "
+           "pairs) sent as their changes since base_tensors (a dict of name -> host tensor, the version base "
+           "names), whole where that is cheaper or base_tensors lacks one. Returns the report.")
       .def("flush", &PySender::flush)
       .def("finish", &PySender::finish);
   nb::class_<PyReceiver>(m, "UpdateReceiver",
@@ -432,6 +539,9 @@ void bind_transfer(nb::module_& m) {
            "A non-empty token (which senders must prove, never sent) is required; open_without_token=True accepts "
            "any sender instead (warned about on stderr).")
       .def_prop_ro("address", &PyReceiver::address)
+      .def_prop_rw("version", &PyReceiver::version, &PyReceiver::set_version,
+                   "The content digest of the version the layout holds (set it after a load); a delta update must "
+                   "name it as its base. Each update that lands sets it to its target; \"\": unknown.")
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
       .def("refuse", &PyReceiver::refuse, "reason"_a, "accept_timeout"_a = 600.0,
            "Refuses the next update with reason (a check only the engine can make): waits for the sender and its "

@@ -344,6 +344,7 @@ void add_audit_command(CLI::App& app) {
     double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
     nlohmann::json update_seconds_each = nlohmann::json::array();  // --via: each update's
     UpdatePhases update_phases;  // --via: where those seconds went, summed over repeats
+    uint64_t sparse_tensors = 0, dense_tensors = 0;  // --via --delta: how the tensors went
     if (flags->via.requested()) {
       // ---- --via (issue 8): the reloads arrive as buckets from one `weightstream send`
       // process, one update after another over one connection
@@ -356,10 +357,12 @@ void add_audit_command(CLI::App& app) {
                               update_phases.*phase += update.report.phases.*phase;
                             }
                             reload_bytes += update.report.bytes;
+                            sparse_tensors += update.report.sparse_tensors;
+                            dense_tensors += update.report.dense_tensors;
                             progress.finished(plan.bytes_to_read);
                             watch.loaded();
                           },
-                          metrics.get());
+                          metrics.get(), flags->via.delta ? flags->uri : std::string());
       // ---- end of the --via block ----------------------------------------------------------
     } else {
       for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
@@ -395,6 +398,10 @@ void add_audit_command(CLI::App& app) {
       nlohmann::json phases = nlohmann::json::object();
       for (const auto& [name, phase] : kUpdatePhases) phases[name] = update_phases.*phase;
       result["update_phases"] = phases;
+      if (flags->via.delta) {
+        result["sparse_tensors"] = sparse_tensors;
+        result["dense_tensors"] = dense_tensors;
+      }
     }
     // ---- end of the --via block ----
     if (flags->json) {
@@ -404,6 +411,11 @@ void add_audit_command(CLI::App& app) {
       if (flags->via.requested()) {  // ---- --via (issue 8) ----
         std::printf("update via %s: %.3f s, %.2f GB/s\n", flags->via.via.c_str(), update_seconds,
                     update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0);
+        if (flags->via.delta) {
+          std::printf("delta: %llu tensors as changed elements, %llu whole, %s moved\n",
+                      static_cast<unsigned long long>(sparse_tensors), static_cast<unsigned long long>(dense_tensors),
+                      format_size(reload_bytes).c_str());
+        }
       }
     }
     if (!result["clean"].get<bool>()) throw CLI::RuntimeError(3);

@@ -19,9 +19,11 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "cli/update_via.hpp"
 #include "weightstream/error.hpp"
+#include "weightstream/load.hpp"
 #include "weightstream/stream.hpp"
 
 extern char** environ;
@@ -39,8 +41,96 @@ struct SendFlags {
   bool token_stdin = false;
   bool json = false;
   int64_t repeat = 1;
+  std::string delta_from;  // --delta-from: the checkpoint the receiver holds (a delta update)
   StreamFlags stream;
 };
+
+/// The content digest of `checkpoint` from its tensors loaded in `loaded` (one pass over
+/// memory, no second read).
+std::string loaded_content_digest(const Checkpoint& checkpoint, const LoadedCheckpoint& loaded) {
+  std::vector<TensorDigest> digests;
+  digests.reserve(loaded.tensors.size());
+  for (size_t i = 0; i < loaded.tensors.size(); ++i) {
+    Hasher hasher(HashKind::kXxh64);
+    hasher.update(std::span<const std::byte>(loaded.tensors[i].data, loaded.tensors[i].bytes));
+    digests.push_back({checkpoint.tensors()[i].name, hasher.finish()});
+  }
+  return content_digest(checkpoint, digests);
+}
+
+bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
+/// One delta update of `next` from `base` (the checkpoint the receivers hold): both loaded
+/// into host memory (mapped where they are local files), each tensor sent as its changed
+/// elements, or whole where that is cheaper or the base lacks it in that dtype and shape. A
+/// BF16, F16 or F32 weight that `base` holds as FP8 codes with F32 `_scale_inv` block scales
+/// is quantized as FP8 block-scaled checkpoints are (128 x 128 blocks) and sent as the changes
+/// of its codes and scales.
+UpdateReport send_delta(UpdateSender& sender, const Checkpoint& next, const Checkpoint& base,
+                        const StreamOptions& options) {
+  LoadedCheckpoint base_tensors = load_checkpoint(base, Device{}, options);
+  LoadedCheckpoint next_tensors = load_checkpoint(next, Device{}, options);
+  const UpdateVersions versions{loaded_content_digest(base, base_tensors), loaded_content_digest(next, next_tensors)};
+  std::unordered_map<std::string_view, size_t> base_index, next_index;
+  for (size_t i = 0; i < base.tensors().size(); ++i) base_index.emplace(base.tensors()[i].name, i);
+  for (size_t i = 0; i < next.tensors().size(); ++i) next_index.emplace(next.tensors()[i].name, i);
+  auto base_tensor = [&](const std::string& name) -> const CheckpointTensor* {
+    auto found = base_index.find(name);
+    return found == base_index.end() ? nullptr : &base.tensors()[found->second];
+  };
+  auto view_of = [&](const CheckpointTensor& tensor, bool in_base) {
+    const auto& index = in_base ? base_index : next_index;
+    const LoadedTensor& loaded = (in_base ? base_tensors : next_tensors).tensors[index.at(tensor.name)];
+    return TensorView{.name = tensor.name, .dtype = tensor.dtype, .shape = tensor.shape, .data = loaded.data,
+                      .bytes = loaded.bytes};
+  };
+  // The FP8 block scales `base` holds for a floating-point weight of `next`, if it holds it so.
+  auto quantized_base = [&](const CheckpointTensor& tensor) -> const CheckpointTensor* {
+    const CheckpointTensor* codes = base_tensor(tensor.name);
+    const CheckpointTensor* scales = base_tensor(tensor.name + "_scale_inv");
+    const bool quantized = is_float(tensor.dtype) && codes && codes->dtype == Dtype::kF8E4M3 &&
+                           codes->shape == tensor.shape && scales && scales->dtype == Dtype::kF32 &&
+                           !next_index.contains(scales->name);
+    return quantized ? scales : nullptr;
+  };
+  std::vector<DeclaredTensor> manifest;
+  for (const CheckpointTensor& tensor : next.tensors()) {
+    const CheckpointTensor* scales = quantized_base(tensor);
+    manifest.push_back({tensor.name, scales ? Dtype::kF8E4M3 : tensor.dtype, tensor.shape});
+    if (scales) manifest.push_back({scales->name, scales->dtype, scales->shape});
+  }
+  sender.start(TensorFormat::kCheckpoint, manifest, versions);
+  // Tensors go in file order, compared a batch at a time so that small ones share the threads.
+  constexpr uint64_t kBatchBytes = 64ull << 20;
+  std::vector<TensorView> batch_bases, batch;
+  uint64_t batch_bytes = 0;
+  auto send_batch = [&] {
+    sender.send_changes(batch_bases, batch);
+    batch_bases.clear();
+    batch.clear();
+    batch_bytes = 0;
+  };
+  for (const CheckpointTensor& tensor : next.tensors()) {
+    const TensorView view = view_of(tensor, false);
+    if (const CheckpointTensor* scales = quantized_base(tensor)) {
+      send_batch();
+      sender.send_quantized_changes(view_of(*base_tensor(tensor.name), true), view_of(*scales, true), view);
+      continue;
+    }
+    const CheckpointTensor* old = base_tensor(tensor.name);
+    if (!old || old->dtype != tensor.dtype || old->shape != tensor.shape) {
+      send_batch();
+      sender.send(view);
+      continue;
+    }
+    batch_bases.push_back(view_of(*old, true));
+    batch.push_back(view);
+    batch_bytes += view.bytes;
+    if (batch_bytes >= kBatchBytes) send_batch();
+  }
+  send_batch();
+  return sender.finish();
+}
 
 /// Hands streamed pieces to the sender in file order, as a trainer pushes a model layer
 /// after layer: the receiver then holds back only the layer a bucket ends inside.
@@ -209,6 +299,9 @@ void add_via_flags(CLI::App& command, ViaFlags& flags) {
                    "--await-sender: accept any sender, with no token (warned about on stderr)")
       ->excludes(token_stdin);
   add_metrics_flags(command, flags.metrics)->needs(via);
+  command.add_flag("--delta", flags.delta,
+                   "--via: push the reload as a delta update from URI, only the elements that changed (docs/DELTA.md)")
+      ->needs(via);
 }
 
 void add_send_command(CLI::App& app) {
@@ -233,8 +326,16 @@ void add_send_command(CLI::App& app) {
                       "Updates to send, one after another over one connection, as a trainer pushes every step "
                       "(default 1)")
       ->check(CLI::Range(1, 1 << 20));
+  command->add_option("--delta-from", flags->delta_from,
+                      "Send only the elements that changed since this checkpoint, the one the receivers hold (a delta "
+                      "update, refused by a receiver that holds another version; docs/DELTA.md)");
   add_stream_flags(*command, flags->stream);
   command->callback([flags] {
+    const bool delta = !flags->delta_from.empty();
+    WS_EXPECT(!delta || flags->repeat == 1, ErrorCode::kInvalidArgument,
+              "--delta-from sends one update from the version the receivers hold; it does not combine with --repeat");
+    WS_EXPECT(!delta || flags->format == "checkpoint", ErrorCode::kInvalidArgument,
+              "--delta-from sends checkpoint-format tensors; it does not combine with --format engine");
     Options options = resolve_options(flags->stream);
     SenderOptions sender_options;
     sender_options.transport = parse_transport(flags->via);
@@ -256,16 +357,25 @@ void add_send_command(CLI::App& app) {
     UpdateReport report;
     nlohmann::json updates = nlohmann::json::array();
     for (int64_t update = 0; update < flags->repeat; ++update) {
-      sender.start(format, manifest);
-      stream_tensors(checkpoint, requests, sink, options.stream);
-      sink.drain();
-      report = sender.finish();  // the receiver's report, echoed back
+      if (delta) {
+        report = send_delta(sender, checkpoint, Checkpoint::open(flags->delta_from, options), options.stream);
+      } else {
+        sender.start(format, manifest);
+        stream_tensors(checkpoint, requests, sink, options.stream);
+        sink.drain();
+        report = sender.finish();  // the receiver's report, echoed back
+      }
       updates.push_back({{"seconds", report.seconds}, {"gbps", report.gbps()}});
       if (!flags->json) {
         std::printf("sent %llu tensors, %s in %llu bucket%s to %s via %s; applied in %.3f s (%.2f GB/s)\n",
                     static_cast<unsigned long long>(report.tensors), format_size(report.bytes).c_str(),
                     static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
                     flags->via.c_str(), report.seconds, report.gbps());
+        if (delta) {
+          std::printf("delta from %s: %llu tensors as changed elements, %llu whole\n", flags->delta_from.c_str(),
+                      static_cast<unsigned long long>(report.sparse_tensors),
+                      static_cast<unsigned long long>(report.dense_tensors));
+        }
       }
     }
     if (flags->json) {
@@ -281,14 +391,25 @@ void add_send_command(CLI::App& app) {
                   {"gbps", report.gbps()},
                   {"model_hook_runs", report.counters.model_hook_runs},
                   {"paths", sender.paths()},
-                  {"updates", updates}});
+                  {"updates", updates},
+                  {"delta_from", delta ? nlohmann::json(flags->delta_from) : nlohmann::json()},
+                  {"sparse_tensors", report.sparse_tensors},
+                  {"dense_tensors", report.dense_tensors}});
     }
   });
 }
 
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count,
-                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics) {
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
+                         MetricsEndpoint* metrics, const std::string& delta_base_uri) {
+  WS_EXPECT(delta_base_uri.empty() || count == 1, ErrorCode::kInvalidArgument,
+            "--delta pushes one update from the loaded version; it does not combine with --repeat");
+  // The version the layout holds, which a delta must name: a read of the loaded checkpoint.
+  std::string version;
+  if (!delta_base_uri.empty()) {
+    const Options resolved = resolve_options(stream);
+    version = checkpoint_content_digest(Checkpoint::open(delta_base_uri, resolved), resolved.stream);
+  }
   UpdateMetrics applied(flags.via);
   Publication applied_series = publish(metrics, [&applied] { return applied.series(); });
   const auto record_then_report = [&](const ViaUpdate& update) {
@@ -315,6 +436,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
     options.open_without_token = flags.open_without_token;
     UpdateReceiver receiver(layout, options);
     Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
+    receiver.set_version(version);
     std::fprintf(stderr, "weightstream: update receiver (%s) awaiting a sender at %s\n", flags.via.c_str(),
                  receiver.address().c_str());
     std::fflush(stderr);
@@ -324,6 +446,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   UpdateReceiver receiver(layout, options);
   Publication receiver_series = publish(metrics, [&] { return update_receiver_series(receiver.stats(), flags.via); });
 
+  receiver.set_version(version);
   // NCCL refuses two ranks on one GPU: the sender stages on the next one.
   Device sender_device = device;
   if (options.transport == TransportKind::kNccl && device.is_cuda() && cuda_device_count() > 1) {
@@ -337,6 +460,7 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
   if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
   if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
+  if (!delta_base_uri.empty()) arguments.insert(arguments.end(), {"--delta-from", delta_base_uri});
   const auto started = std::chrono::steady_clock::now();
   const pid_t child = spawn_sender(arguments, options.token);
 

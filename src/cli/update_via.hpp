@@ -28,6 +28,8 @@ struct ViaFlags {
   bool open_without_token = false;
   /// --metrics-listen: the receiver's Prometheus endpoint (docs/METRICS.md).
   MetricsFlags metrics;
+  /// --delta: the reload goes as a delta update from the audited checkpoint (send --delta-from).
+  bool delta = false;
   bool requested() const noexcept { return !via.empty(); }
 };
 
@@ -45,12 +47,14 @@ struct ViaUpdate {
 /// Receives `count` updates of `layout`, one after another over one connection, from one
 /// `weightstream send --repeat COUNT` process spawned for `reload_uri` (or, with
 /// --await-sender, from a sender elsewhere), through the transport of `flags`, with a fresh
-/// random token; calls `on_update` after each. Throws the receiver's error, with the
-/// sender's exit status when it failed first. With `metrics`, each update applied shows in
-/// its weightstream_update_* series while the receiver lives.
+/// random token; calls `on_update` after each. With `metrics`, each update applied shows in
+/// its weightstream_update_* series while the receiver lives. With `delta_base_uri` (the
+/// checkpoint the layout holds), the receiver holds that checkpoint's content digest as its
+/// version and the sender sends `send --delta-from delta_base_uri` (one update). Throws the
+/// receiver's error, with the sender's exit status when it failed first.
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
-                         const StreamFlags& stream, int64_t count,
-                         const std::function<void(const ViaUpdate&)>& on_update, MetricsEndpoint* metrics = nullptr);
+                         const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
+                         MetricsEndpoint* metrics = nullptr, const std::string& delta_base_uri = {});
 
 /// Registers the hidden `send` subcommand.
 void add_send_command(CLI::App& app);

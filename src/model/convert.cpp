@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "model/fp8_blocks.hpp"
 #include "weightstream/error.hpp"
@@ -169,6 +170,27 @@ void convert_elements(std::byte* destination, Dtype destination_dtype, const std
   for (uint64_t i = 0; i < elements; ++i) {
     store_float(destination, destination_dtype, i, load_float(source, source_dtype, i));
   }
+}
+
+void quantize_fp8_blocks(std::span<const std::byte> values, Dtype dtype, uint64_t rows, uint64_t columns,
+                         std::array<int64_t, 2> block, std::span<std::byte> codes, std::span<float> scales) {
+  WS_EXPECT(is_convertible_float(dtype), ErrorCode::kModel,
+            "cannot quantize " + std::string(dtype_name(dtype)) + " into FP8 blocks: only BF16, F16 and F32");
+  WS_EXPECT(block[0] > 0 && block[1] > 0, ErrorCode::kModel,
+            "FP8 blocks of " + std::to_string(block[0]) + " x " + std::to_string(block[1]) + " elements");
+  const uint64_t elements = rows * columns;
+  const auto block_rows = static_cast<uint64_t>(block[0]), block_columns = static_cast<uint64_t>(block[1]);
+  const uint64_t scale_count = (rows + block_rows - 1) / block_rows * ((columns + block_columns - 1) / block_columns);
+  WS_EXPECT(values.size() == elements * (dtype_bits(dtype) / 8) && codes.size() == elements &&
+                scales.size() == scale_count,
+            ErrorCode::kModel,
+            "FP8 quantization of " + std::to_string(rows) + " x " + std::to_string(columns) + " " +
+                std::string(dtype_name(dtype)) + " values: given " + std::to_string(values.size()) + " bytes of values, " +
+                std::to_string(codes.size()) + " codes and " + std::to_string(scales.size()) + " scales (" +
+                std::to_string(scale_count) + " blocks)");
+  std::vector<float> floats(elements);
+  convert_elements(reinterpret_cast<std::byte*>(floats.data()), Dtype::kF32, values.data(), dtype, elements);
+  model::quantize_e4m3_blocks(floats, rows, columns, block, codes, scales);
 }
 
 namespace model {

@@ -105,6 +105,7 @@ struct PieceWrite {
   SourceLifetime lifetime = SourceLifetime::kCall;
   std::shared_ptr<const void> keepalive;
   std::string_view name;
+  std::shared_ptr<const ChangedElements> changes;  ///< set: the part's changed elements, not bytes at `source`
 };
 
 /// Where the byte at tensor position `position` (in [write.begin, write.end); packed: in
@@ -324,6 +325,7 @@ struct LoadSession::State {
     const ParameterPart& part = parameter.parts[write.part];
     ParameterState& parameter_state = parameters[write.parameter];
     std::byte* base = part_base(write);
+    if (write.changes) return write_changes(part, write, base);
     if (write.dtype == parameter.load_dtype) return write_part_bytes(*writer, base, part, element_bytes(write.dtype), write);
     if (quantizes_into(write.dtype, parameter) && writer->quantizes_on_device() && parameter.device == writer->device() &&
         (!write.device.is_cuda() || write.device == writer->device())) {
@@ -355,6 +357,42 @@ struct LoadSession::State {
     convert_elements(converted->data(), parameter.load_dtype, part_state.assembly.data(), write.dtype, part.elements());
     std::vector<std::byte>().swap(part_state.assembly);
     writer->copy(base, converted->data(), kHost, converted->size(), converted, write.name);
+  }
+
+  /// Writes the changed elements of `write` that fall in `part`'s slice at their places in
+  /// the part (host storage at `base`, checked by check_changes_target()).
+  void write_changes(const ParameterPart& part, const Write& write, std::byte* base) {
+    switch (element_bytes(write.dtype)) {
+      case 1: return scatter_changes<1>(*write.changes, part, base);
+      case 2: return scatter_changes<2>(*write.changes, part, base);
+      case 4: return scatter_changes<4>(*write.changes, part, base);
+      case 8: return scatter_changes<8>(*write.changes, part, base);
+    }
+    WS_FAIL(ErrorCode::kInternal, "tensor " + std::string(write.name) + ": changed elements of " +
+                                      std::string(dtype_name(write.dtype)) + " cannot be written");
+  }
+
+  /// write_changes() for elements of `kElement` bytes: a part of whole rows takes each change
+  /// at its offset from the part's first element; a column window places it by row and column.
+  template <uint64_t kElement>
+  static void scatter_changes(const ChangedElements& changes, const ParameterPart& part, std::byte* base) {
+    const auto tensor_columns = static_cast<uint64_t>(part.tensor_columns());
+    const auto column_begin = static_cast<uint64_t>(part.column_begin);
+    const auto columns = static_cast<uint64_t>(part.columns);
+    const uint64_t first = static_cast<uint64_t>(part.row_begin) * tensor_columns;
+    const uint64_t end = first + static_cast<uint64_t>(part.rows) * tensor_columns;
+    const auto begin = std::lower_bound(changes.indices.begin(), changes.indices.end(), first);
+    const std::byte* values = changes.values.data();
+    for (auto at = begin; at != changes.indices.end() && *at < end; ++at) {
+      const auto k = static_cast<uint64_t>(at - changes.indices.begin());
+      uint64_t element = *at - first;  // in the part, when it holds whole rows
+      if (!part.contiguous()) {
+        const uint64_t column = *at % tensor_columns;
+        if (column < column_begin || column >= column_begin + columns) continue;  // another rank's columns
+        element = (element / tensor_columns) * columns + column - column_begin;
+      }
+      std::memcpy(base + element * kElement, values + k * kElement, kElement);
+    }
   }
 
   /// Quantizes a floating-point part's slice gathered whole (compactly) in its
@@ -510,7 +548,8 @@ struct LoadSession::State {
       WS_EXPECT(view.offset <= *size && view.bytes <= *size - view.offset, ErrorCode::kModel,
                 "tensor " + std::string(view.name) + ": piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes) +
                     " lies outside its " + std::to_string(*size) + " bytes");
-      WS_EXPECT(view.data != nullptr || view.bytes == 0, ErrorCode::kModel, "tensor " + std::string(view.name) + ": no data");
+      WS_EXPECT(view.data != nullptr || view.bytes == 0 || view.changes, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": no data");
       WS_EXPECT(view.packed_run == 0 || (format == TensorFormat::kCheckpoint && view.packed_stride >= view.packed_run &&
                                          view.bytes >= view.packed_run &&
                                          (view.bytes - view.packed_run) % view.packed_stride == 0),
@@ -519,6 +558,9 @@ struct LoadSession::State {
                     " bytes every " + std::to_string(view.packed_stride) + " bytes does not span " +
                     std::to_string(view.bytes) + " bytes in whole runs" +
                     (format == TensorFormat::kEngine ? " (and engine-format pieces are never packed)" : ""));
+      WS_EXPECT(!view.changes || view.packed_run == 0, ErrorCode::kModel,
+                "tensor " + std::string(view.name) + ": changed elements are never packed");
+      if (view.changes) check_changes(view, *size);
       if (format == TensorFormat::kEngine) {
         check_engine(view, what, checked);
       } else {
@@ -532,9 +574,53 @@ struct LoadSession::State {
                         uint64_t end, uint64_t needed) {
     const PieceWrite whole{.begin = view.offset, .source = view.data, .packed_run = view.packed_run,
                            .packed_stride = view.packed_stride};
-    checked.writes.push_back({parameter, part, begin, end, needed, source_at(whole, begin), view.packed_run,
-                              view.packed_stride, view.device, view.dtype, view.lifetime, view.keepalive, view.name});
-    checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive);
+    const std::byte* source = view.changes ? nullptr : source_at(whole, begin);
+    checked.writes.push_back({parameter, part, begin, end, needed, source, view.packed_run, view.packed_stride,
+                              view.device, view.dtype, view.lifetime, view.keepalive, view.name, view.changes});
+    checked.waits = checked.waits || (view.lifetime == SourceLifetime::kCall && !view.keepalive && !view.changes);
+  }
+
+  /// A view of changed elements (a delta): the whole tensor, its indices ascending inside it
+  /// and one value each.
+  static void check_changes(const TensorView& view, uint64_t size) {
+    const ChangedElements& changes = *view.changes;
+    const std::string tensor = "tensor " + std::string(view.name);
+    WS_EXPECT(view.offset == 0 && view.bytes == size, ErrorCode::kModel,
+              tensor + ": changed elements stand for the whole tensor (offset 0, " + std::to_string(size) +
+                  " bytes), not the piece " + std::to_string(view.offset) + "+" + std::to_string(view.bytes));
+    const uint64_t element = element_bytes(view.dtype);
+    WS_EXPECT(element > 0, ErrorCode::kModel,
+              tensor + ": changed elements are whole-byte elements, and " + std::string(dtype_name(view.dtype)) +
+                  " packs several in a byte; send it whole");
+    WS_EXPECT(changes.values.size() == changes.indices.size() * element, ErrorCode::kModel,
+              tensor + ": " + std::to_string(changes.indices.size()) + " changed elements of " +
+                  std::string(dtype_name(view.dtype)) + " come with " + std::to_string(changes.values.size()) +
+                  " bytes of values");
+    const uint64_t elements = size / element;
+    for (size_t i = 0; i < changes.indices.size(); ++i) {
+      const uint64_t index = changes.indices[i];
+      WS_EXPECT(index < elements && (i == 0 || index > changes.indices[i - 1]), ErrorCode::kModel,
+                tensor + ": changed element " + std::to_string(i) + " is at index " + std::to_string(index) +
+                    (index < elements ? ", not after the one before it" : ", outside its " + std::to_string(elements) +
+                                                                              " elements"));
+    }
+  }
+
+  /// A delta reaches only parameters that hold the tensor's values as they are, on the host.
+  template <typename TargetText>
+  void check_changes_target(const TensorView& view, const Parameter& parameter, const TargetText& target_text) const {
+    std::string why;
+    if (parameter.processing != Processing::kNone) {
+      why = "is processed (quantized) after loading";
+    } else if (view.dtype != parameter.dtype) {
+      why = "holds " + std::string(dtype_name(parameter.dtype)) + ", not the tensor's " +
+            std::string(dtype_name(view.dtype));
+    } else if (parameter.device.is_cuda()) {
+      why = "lives on a GPU, where changed elements are not written yet";
+    }
+    WS_EXPECT(why.empty(), ErrorCode::kModel,
+              "tensor " + std::string(view.name) + " arrives as changed elements but " + target_text() + " " + why +
+                  "; send it whole");
   }
 
   /// An engine-format tensor: a whole parameter's bytes (or a piece of them) as they are.
@@ -544,6 +630,8 @@ struct LoadSession::State {
     WS_EXPECT(index.has_value(), ErrorCode::kModel,
               "engine-format tensor " + std::string(tensor) + " names no parameter of " + layout.description());
     const Parameter& parameter = layout.parameters()[*index];
+    WS_EXPECT(!view.changes, ErrorCode::kModel,
+              "engine-format tensor " + std::string(tensor) + " arrives as changed elements, which take checkpoint names");
     WS_EXPECT(view.dtype == parameter.dtype, ErrorCode::kModel,
               "engine-format tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but parameter " +
                   parameter.name + " (" + layer_label(layout, parameter.layer) + ") holds " +
@@ -583,6 +671,7 @@ struct LoadSession::State {
       WS_EXPECT(std::ranges::equal(view.shape, part.shape), ErrorCode::kModel,
                 "tensor " + std::string(tensor) + " has shape " + shape_text(view.shape) + " but " + target_text() + " expects " +
                     shape_text(part.shape));
+      if (view.changes) check_changes_target(view, parameter, target_text);
       const bool quantizes = quantizes_into(view.dtype, parameter);
       WS_EXPECT(convertible(view.dtype, parameter.load_dtype) || quantizes, ErrorCode::kModel,
                 "tensor " + std::string(tensor) + " has dtype " + std::string(dtype_name(view.dtype)) + " but " + target_text() +
@@ -654,7 +743,7 @@ struct LoadSession::State {
         }
         continue;
       }
-      if (write.dtype != parameter.load_dtype) unlocked = false;
+      if (write.dtype != parameter.load_dtype || write.changes) unlocked = false;
       account_part(write, completed);
     }
     for (size_t index : completed) {
@@ -736,7 +825,9 @@ struct LoadSession::State {
   void keep(Held held) {
     Write& write = held.write;
     write.name = *held.name;
-    if (write.lifetime == SourceLifetime::kLoad) {
+    if (write.changes) {
+      // The changed elements are the session's own: nothing to copy.
+    } else if (write.lifetime == SourceLifetime::kLoad) {
       write.keepalive.reset();
     } else if (write.lifetime == SourceLifetime::kKeepalive && write.keepalive) {
       // The keepalive goes with the held write: nothing to copy.
@@ -793,7 +884,8 @@ struct LoadSession::State {
       if (write.device == writer->device() && parameter.device == writer->device() &&
           quantizes_into(write.dtype, parameter) && writer->quantizes_on_device()) {
         write_quantized_on_device(parameter, write, part_base(write), &quantized);
-      } else if (write.device.is_cuda() || write.dtype != parameter.load_dtype || parameter.device != writer->device()) {
+      } else if (write.changes || write.device.is_cuda() || write.dtype != parameter.load_dtype ||
+                 parameter.device != writer->device()) {
         write_checkpoint(write);
         continue;
       }

@@ -24,6 +24,7 @@
 
 #include "base/errno_text.hpp"
 #include "base/text.hpp"
+#include "transfer/delta.hpp"
 #include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
@@ -63,6 +64,9 @@ std::string join_layers(const ModelLayout& layout, const std::vector<int64_t>& l
 /// ends (kLoad). Only where the bytes are is checked here; names, shapes, dtypes, rules and
 /// what arrives twice are the session's checks. Throws Error(kProtocol) for bytes outside
 /// their region.
+/// Stands for a delta entry's changed elements in checks made before they are decoded.
+const std::shared_ptr<const ChangedElements> kUndecoded = std::make_shared<const ChangedElements>();
+
 std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::byte* slot,
                                      const ReceiverTransport& transport) {
   std::vector<TensorView> views;
@@ -74,7 +78,11 @@ std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::
                     .device = transport.device(),
                     .offset = entry.tensor_offset,
                     .bytes = entry.bytes};
-    if (entry.source == 0) {
+    if (entry.encoding == EntryEncoding::kChangedElements) {
+      // The whole tensor, as changed elements decoded once the bucket's bytes are here.
+      view.bytes = tensor_byte_size(entry.dtype, entry.shape).value_or(0);  // the parser checked it
+      view.changes = kUndecoded;
+    } else if (entry.source == 0) {
       view.data = slot + entry.source_offset;
       view.lifetime = SourceLifetime::kSettle;
     } else {
@@ -97,6 +105,23 @@ std::vector<TensorView> bucket_views(const BucketManifest& manifest, const std::
   return views;
 }
 
+/// Decodes the changed elements of `manifest`'s delta entries (their bytes in the bucket
+/// buffer at `slot`) into their views, every one before any is applied. Throws
+/// Error(kProtocol) naming the tensor and the bucket for a truncated or corrupted one.
+void decode_changes(const BucketManifest& manifest, const std::byte* slot, std::vector<TensorView>& views) {
+  for (size_t i = 0; i < manifest.entries.size(); ++i) {
+    const BucketEntry& entry = manifest.entries[i];
+    if (entry.encoding != EntryEncoding::kChangedElements) continue;
+    const uint64_t element = dtype_bits(entry.dtype) / 8;
+    WS_EXPECT(element > 0, ErrorCode::kProtocol,
+              "tensor " + entry.name + " (bucket " + std::to_string(manifest.index) + ") arrives as changed elements of " +
+                  std::string(dtype_name(entry.dtype)) + ", which has no whole-byte element");
+    views[i].changes = std::make_shared<const ChangedElements>(decode_changed_elements(
+        std::span(slot + entry.source_offset, entry.bytes), element, views[i].bytes / element,
+        "tensor " + entry.name + " (bucket " + std::to_string(manifest.index) + ")"));
+  }
+}
+
 /// Problems listed in a refusal: the first ones, then how many more.
 constexpr size_t kProblemsListed = 20;
 
@@ -109,6 +134,39 @@ struct ManifestLedger {
   std::unordered_map<std::string_view, size_t> index;
   std::vector<uint64_t> bytes;
   std::vector<uint64_t> received;
+
+  /// Counts the entries of a bucket as received, each checked against `declared` (the update's
+  /// manifest): a tensor it does not declare, or declares with another dtype or shape, and
+  /// changed elements outside a delta update or after bytes of their tensor are
+  /// Error(kProtocol). Changed elements count as their whole tensor. Returns how many entries
+  /// carry changed elements.
+  uint64_t account(const BucketManifest& manifest, std::span<const DeclaredTensor> declared, bool delta) {
+    uint64_t changed = 0;
+    const std::string bucket = "bucket " + std::to_string(manifest.index);
+    for (const BucketEntry& entry : manifest.entries) {
+      auto found = index.find(entry.name);
+      WS_EXPECT(found != index.end(), ErrorCode::kProtocol,
+                bucket + " carries tensor " + entry.name + ", which the update's manifest does not declare");
+      const DeclaredTensor& tensor = declared[found->second];
+      WS_EXPECT(entry.dtype == tensor.dtype && entry.shape == tensor.shape, ErrorCode::kProtocol,
+                bucket + " carries tensor " + entry.name + " as " + std::string(dtype_name(entry.dtype)) + " " +
+                    shape_text(entry.shape) + ", but the update's manifest declares it " +
+                    std::string(dtype_name(tensor.dtype)) + " " + shape_text(tensor.shape));
+      uint64_t& arrived = received[found->second];
+      if (entry.encoding == EntryEncoding::kBytes) {
+        arrived += entry.bytes;
+        continue;
+      }
+      WS_EXPECT(delta, ErrorCode::kProtocol,
+                bucket + " carries changed elements of tensor " + entry.name + " in a full update");
+      WS_EXPECT(arrived == 0, ErrorCode::kProtocol,
+                bucket + " carries changed elements of tensor " + entry.name + " after " + std::to_string(arrived) +
+                    " bytes of it");
+      arrived = bytes[found->second];
+      ++changed;
+    }
+    return changed;
+  }
 };
 
 /// Checks an update's manifest whole against `layout`, before any bucket: each tensor
@@ -117,7 +175,7 @@ struct ManifestLedger {
 /// their block scales (and scales with codes; a BF16, F16 or F32 weight quantized here comes
 /// alone). Returns the ledger of the update. Throws Error(kModel) listing every problem.
 ManifestLedger check_manifest(const ModelLayout& layout, const LoadSession& session, TensorFormat format,
-                              std::span<const DeclaredTensor> manifest) {
+                              std::span<const DeclaredTensor> manifest, bool delta) {
   ManifestLedger ledger;
   ledger.index.reserve(manifest.size());
   ledger.bytes.reserve(manifest.size());
@@ -137,6 +195,11 @@ ManifestLedger check_manifest(const ModelLayout& layout, const LoadSession& sess
       continue;
     }
     views.push_back({.name = tensor.name, .dtype = tensor.dtype, .shape = tensor.shape});
+    if (delta) {
+      // Any tensor of a delta may come as changed elements: each is checked as one.
+      views.back().bytes = ledger.bytes.back();
+      views.back().changes = kUndecoded;
+    }
   }
   // One call for the whole manifest; only a refused one is checked again tensor by tensor,
   // to name every problem.
@@ -290,6 +353,33 @@ struct UpdateReceiver::State {
   // begun anew otherwise.
   std::optional<TensorFormat> prepared;
   std::optional<TensorFormat> last_format;
+  // The version the layout holds (UpdateReceiver::set_version); empty: unknown.
+  mutable std::mutex version_mutex;
+  std::string version;
+
+  std::string held_version() const {
+    std::lock_guard lock(version_mutex);
+    return version;
+  }
+  void hold_version(std::string content_digest) {
+    std::lock_guard lock(version_mutex);
+    version = std::move(content_digest);
+  }
+
+  /// Refuses a delta update this receiver cannot apply, before its first byte: another base
+  /// version than the one it holds, an unknown one, or buckets on a GPU.
+  void check_delta(const UpdateVersions& versions) const {
+    const std::string held = held_version();
+    WS_EXPECT(!held.empty(), ErrorCode::kModel,
+              "the delta update applies to content digest " + versions.base +
+                  " but this receiver's version is unknown (none was set after its load, or an update left it so); "
+                  "send a full update");
+    WS_EXPECT(held == versions.base, ErrorCode::kModel,
+              "the delta update applies to content digest " + versions.base + " but this receiver holds " + held +
+                  "; send a full update, or a delta from " + held);
+    WS_EXPECT(!transport->device().is_cuda(), ErrorCode::kUnsupported,
+              "a delta update lands through host buckets only, and this receiver's are on " + transport->device().name());
+  }
 
   /// Forgets an update prepared ahead: its session was begun (nothing written), so the
   /// next update makes a new one.
@@ -411,7 +501,8 @@ struct UpdateReceiver::State {
                                                               std::vector<size_t>& entries) const {
     std::vector<size_t> order;
     for (size_t i = 0; i < manifest.entries.size(); ++i) {
-      if (manifest.entries[i].source == 0 && manifest.entries[i].bytes > 0) order.push_back(i);
+      const BucketEntry& entry = manifest.entries[i];
+      if (entry.source == 0 && entry.bytes > 0 && entry.encoding == EntryEncoding::kBytes) order.push_back(i);
     }
     std::ranges::sort(order, {}, [&](size_t i) { return manifest.entries[i].source_offset; });
     std::vector<ReceiverTransport::Placement> placements;
@@ -497,6 +588,10 @@ ReceiverStats UpdateReceiver::stats() const noexcept {
   stats.updating = state.updating.load();
   return stats;
 }
+
+void UpdateReceiver::set_version(std::string content_digest) { state_->hold_version(std::move(content_digest)); }
+
+std::string UpdateReceiver::version() const { return state_->held_version(); }
 
 void UpdateReceiver::State::connect(std::chrono::milliseconds accept_timeout) {
   const auto deadline = Clock::now() + accept_timeout;
@@ -713,6 +808,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
   placing_layers.clear();
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
+  bool loading = false;             // a bucket was handed to the session: the version held is unknown
   auto last_bucket_text = [&] {
     if (current) return "at bucket " + std::to_string(*current) + " (" + std::to_string(buckets) + " applied before it)";
     return buckets == 0 ? std::string("before any bucket arrived")
@@ -727,13 +823,16 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     prepared.reset();  // this update's now
     last_format = format;
     // The whole update is checked before its first byte: a refusal writes nothing.
+    const bool delta = !start_message.versions.base.empty();
     ManifestLedger ledger = timed(phases.checking, [&] {
-      ManifestLedger checked = check_manifest(layout, *session, format, start_message.declared);
+      if (delta) check_delta(start_message.versions);
+      ManifestLedger checked = check_manifest(layout, *session, format, start_message.declared, delta);
       Message accepted;
       accepted.type = MessageType::kAccepted;
       link.send(accepted, timeout);
       return checked;
     });
+    uint64_t sparse_tensors = 0;
 
     // ---- buckets, then finish ----
     for (;;) {
@@ -775,6 +874,8 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         report.placed_bytes = placed_bytes;
         report.regions = regions_open;
         report.tensors = session->counters().tensors_applied;
+        report.sparse_tensors = sparse_tensors;
+        report.dense_tensors = start_message.declared.size() - sparse_tensors;
         report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
         report.connect_seconds = updates == 0 ? connect_seconds : 0;
         report.counters = session->counters();
@@ -783,6 +884,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         Message answer;
         answer.type = MessageType::kReport;
         answer.report = report;
+        hold_version(start_message.versions.target);
         link.send(answer, timeout);
         ++updates;
         return report;
@@ -800,19 +902,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       current = manifest.index;
       // What the manifest did not declare, or declared otherwise, is refused before the
       // bucket's bytes are received.
-      for (const BucketEntry& entry : manifest.entries) {
-        auto found = ledger.index.find(entry.name);
-        WS_EXPECT(found != ledger.index.end(), ErrorCode::kProtocol,
-                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name +
-                      ", which the update's manifest does not declare");
-        const DeclaredTensor& declared = start_message.declared[found->second];
-        WS_EXPECT(entry.dtype == declared.dtype && entry.shape == declared.shape, ErrorCode::kProtocol,
-                  "bucket " + std::to_string(manifest.index) + " carries tensor " + entry.name + " as " +
-                      std::string(dtype_name(entry.dtype)) + " " + shape_text(entry.shape) +
-                      ", but the update's manifest declares it " + std::string(dtype_name(declared.dtype)) + " " +
-                      shape_text(declared.shape));
-        ledger.received[found->second] += entry.bytes;
-      }
+      sparse_tensors += ledger.account(manifest, start_message.declared, delta);
       for (const SharedRegion& region : manifest.regions) {
         WS_EXPECT(region.id == regions_open, ErrorCode::kProtocol,
                   "bucket " + std::to_string(manifest.index) + " shares region " + std::to_string(region.id) +
@@ -847,6 +937,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         });
       }
       timed(phases.checking, [&] {
+        decode_changes(manifest, transport->slot(manifest.slot), views);
         // The session checks every entry before any byte of the bucket is written (or held
         // back); copies within the GPU are only issued, so the next bucket's checks overlap them.
         // Entries that landed in place are checked and counted, not copied.
@@ -858,6 +949,10 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
             views[placed_entries[i]].device = placements[i].device;
             placed_bytes += placements[i].bytes;
           }
+        }
+        if (!views.empty() && !loading) {
+          loading = true;
+          hold_version("");  // from here bytes land: unknown until the whole update has
         }
         if (!views.empty()) session->load(views);
       });

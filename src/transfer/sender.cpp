@@ -4,8 +4,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
+#include "base/parallel.hpp"
+#include "transfer/delta.hpp"
 #include "transfer/handshake.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/transport.hpp"
@@ -77,12 +81,17 @@ struct UpdateSender::State {
   std::vector<Connection*> connections;          // of every link, for the transport's push
   std::unique_ptr<SenderTransport> transport;
   bool open = false;    // an update is between start() and finish()
+  bool delta = false;   // the open update is a delta update
   bool broken = false;  // an update failed: the connections are in an unknown state
   uint32_t slot = 0;                             // the buffer the current bucket fills
   bool slot_claimed = false;                     // the current bucket has bytes in `slot`
   uint64_t next_index = 0;
   BucketManifest current;
   uint64_t current_shared_bytes = 0;             // bytes the current bucket shares in place
+  // Tensor bytes the current bucket's changed elements stand for (a delta update): it is sent
+  // once they reach its limit, so the receiver applies a delta bucket by bucket as the sender
+  // encodes it instead of after the whole of it.
+  uint64_t current_covered_bytes = 0;
 
   /// A tensor the open update declared, and how much of it has been sent.
   struct Declared {
@@ -230,6 +239,7 @@ struct UpdateSender::State {
     slot_claimed = false;
     current = BucketManifest{};
     current_shared_bytes = 0;
+    current_covered_bytes = 0;
     // Buckets of shared regions alone never wait for a buffer: read the APPLIED messages
     // that are already here, so no receiver blocks on a full socket.
     guarded([&] {
@@ -244,10 +254,26 @@ struct UpdateSender::State {
     current = BucketManifest{};
     current.index = next_index;
     current_shared_bytes = 0;
+    current_covered_bytes = 0;
   }
 
   /// Queues one tensor (UpdateSender::send after its checks).
   void send(const TensorView& tensor);
+  /// Queues the changed elements of a whole tensor (send_changes after its checks) as one
+  /// entry, in one bucket.
+  void send_encoded(const TensorView& tensor, std::span<const std::byte> encoded);
+  /// The checks of send() for `tensor`; returns its entry of the manifest.
+  Declared& admit(const TensorView& tensor);
+  /// The checks of send_changes() for one tensor and its base; returns its entry of the manifest.
+  Declared& admit_changes(const TensorView& base, const TensorView& tensor);
+  /// The encoding of `tensor`'s changed elements since `base` on `threads` threads, or
+  /// std::nullopt where sending it whole is cheaper (SenderOptions::delta_dense_fraction).
+  std::optional<std::vector<std::byte>> encode_changes(const TensorView& base, const TensorView& tensor,
+                                                       unsigned threads) const;
+  /// Threads that encode one tensor's changed elements (SenderOptions::delta_threads).
+  unsigned delta_threads() const {
+    return options.delta_threads > 0 ? options.delta_threads : std::max(1u, std::thread::hardware_concurrency());
+  }
 
   /// The current bucket's buffer, once every receiver has released it.
   void claim_slot() {
@@ -337,10 +363,22 @@ uint64_t UpdateSender::buckets_sent() const noexcept { return state_->next_index
 
 std::vector<std::string> UpdateSender::paths() const { return state_->transport->paths(); }
 
-void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> manifest) {
+void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> manifest, const UpdateVersions& versions) {
   State& state = *state_;
   WS_EXPECT(state.broken || !state.open, ErrorCode::kInvalidArgument,
             "update sender: start() while an update is open (finish() it first)");
+  const bool delta = !versions.base.empty();
+  WS_EXPECT(versions.base.size() <= kMaxVersionBytes && versions.target.size() <= kMaxVersionBytes,
+            ErrorCode::kInvalidArgument,
+            "update sender: a version of " + std::to_string(std::max(versions.base.size(), versions.target.size())) +
+                " bytes, at most " + std::to_string(kMaxVersionBytes));
+  WS_EXPECT(!delta || format == TensorFormat::kCheckpoint, ErrorCode::kInvalidArgument,
+            "update sender: a delta update takes checkpoint-format tensors, not engine format");
+  WS_EXPECT(!delta || state.options.transport == TransportKind::kShm || state.options.transport == TransportKind::kTcp ||
+                state.options.transport == TransportKind::kUcx,
+            ErrorCode::kUnsupported,
+            "update sender: delta updates travel over shm, tcp and ucx, not " +
+                std::string(transport_name(state.options.transport)) + " (yet)");
   // The manifest is checked here as the receiver's parser would refuse it, before anything
   // is sent: a bad manifest leaves the connection usable.
   WS_EXPECT(manifest.size() <= kMaxEntries, ErrorCode::kInvalidArgument,
@@ -377,6 +415,7 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
     Message message;
     message.type = MessageType::kStart;
     message.format = format;
+    message.versions = versions;
     message.declared.assign(manifest.begin(), manifest.end());
     state.transport->begin_update();
     state.next_index = 0;
@@ -385,6 +424,7 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
     for (State::Link& link : state.links) link.in_flight[0].reset(), link.in_flight[1].reset();
     state.current = BucketManifest{};
     state.current_shared_bytes = 0;
+    state.current_covered_bytes = 0;
     state.declared = std::move(declared);
     state.declared_index = std::move(index);  // its keys view the names, which moved with their vector
     state.guarded([&] { state.send_all(message); });
@@ -397,11 +437,12 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
       if (answer.message.type != MessageType::kAccepted) State::fail_with(link, answer.message, "ACCEPTED");
     }
     state.open = true;
+    state.delta = delta;
   });
 }
 
-void UpdateSender::send(const TensorView& tensor) {
-  State& state = *state_;
+UpdateSender::State::Declared& UpdateSender::State::admit(const TensorView& tensor) {
+  State& state = *this;
   // Spelled out only in messages: a string per tensor is measurable at 10,000 tensors.
   const std::string_view name = tensor.name;
   WS_EXPECT(state.open, ErrorCode::kInvalidArgument, "update sender: send(" + std::string(name) + ") outside start()/finish()");
@@ -429,9 +470,145 @@ void UpdateSender::send(const TensorView& tensor) {
   WS_EXPECT(tensor.offset == declared.sent, ErrorCode::kInvalidArgument,
             "update sender: tensor " + std::string(name) + ": a piece at byte " + std::to_string(tensor.offset) +
                 " after " + std::to_string(declared.sent) + " bytes of it were sent (pieces come in order)");
+  return declared;
+}
+
+void UpdateSender::send(const TensorView& tensor) {
+  State& state = *state_;
+  State::Declared& declared = state.admit(tensor);
   declared.sent += tensor.bytes;
   declared.begun = true;
   state.on_connection([&] { state.send(tensor); });
+}
+
+UpdateSender::State::Declared& UpdateSender::State::admit_changes(const TensorView& base, const TensorView& tensor) {
+  const std::string name(tensor.name);
+  WS_EXPECT(open && delta, ErrorCode::kInvalidArgument,
+            "update sender: send_changes(" + name + ") outside a delta update (start() with a base version)");
+  WS_EXPECT(base.dtype == tensor.dtype && std::ranges::equal(base.shape, tensor.shape) && base.offset == 0 &&
+                base.bytes == tensor.bytes,
+            ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " is " + described(tensor.dtype, tensor.shape) + " but its base is " +
+                described(base.dtype, base.shape) + " (" + std::to_string(base.bytes) + " bytes)");
+  WS_EXPECT(!base.device.is_cuda() && !tensor.device.is_cuda() && (base.data != nullptr || base.bytes == 0),
+            ErrorCode::kInvalidArgument,
+            "update sender: changed elements of tensor " + name + " are computed from host memory (" +
+                base.device.name() + " and " + tensor.device.name() + " given)");
+  Declared& declared = admit(tensor);
+  WS_EXPECT(tensor.offset == 0 && tensor.bytes == declared.bytes, ErrorCode::kInvalidArgument,
+            "update sender: changed elements of tensor " + name + " are computed from the whole tensor, not the piece " +
+                std::to_string(tensor.offset) + "+" + std::to_string(tensor.bytes));
+  return declared;
+}
+
+std::optional<std::vector<std::byte>> UpdateSender::State::encode_changes(const TensorView& base,
+                                                                          const TensorView& tensor,
+                                                                          unsigned threads) const {
+  const double fraction = std::clamp(options.delta_dense_fraction, 0.0, 1.0);
+  const uint64_t limit =
+      std::min<uint64_t>(static_cast<uint64_t>(fraction * static_cast<double>(tensor.bytes)), options.bucket_bytes);
+  return encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
+                                 dtype_bits(tensor.dtype) / 8, limit, threads);
+}
+
+bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor) {
+  return send_changes(std::span(&base, 1), std::span(&tensor, 1)) == 1;
+}
+
+uint64_t UpdateSender::send_changes(std::span<const TensorView> bases, std::span<const TensorView> tensors) {
+  State& state = *state_;
+  WS_EXPECT(bases.size() == tensors.size(), ErrorCode::kInvalidArgument,
+            "update sender: send_changes() of " + std::to_string(tensors.size()) + " tensors with " +
+                std::to_string(bases.size()) + " bases");
+  // Every tensor is checked before any is counted as sent: a refused batch sends nothing.
+  std::vector<State::Declared*> declared;
+  declared.reserve(tensors.size());
+  std::unordered_set<const State::Declared*> seen;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    State::Declared& entry = state.admit_changes(bases[i], tensors[i]);
+    WS_EXPECT(seen.insert(&entry).second, ErrorCode::kInvalidArgument,
+              "update sender: tensor " + std::string(tensors[i].name) + " comes twice in one send_changes()");
+    declared.push_back(&entry);
+  }
+  // Large tensors are compared range by range on every thread, the small ones a tensor a thread.
+  const unsigned threads = state.delta_threads();
+  std::vector<std::optional<std::vector<std::byte>>> encoded(tensors.size());
+  std::vector<size_t> small;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].bytes >= kParallelEncodingBytes || threads == 1) {
+      encoded[i] = state.encode_changes(bases[i], tensors[i], threads);
+    } else {
+      small.push_back(i);
+    }
+  }
+  detail::run_parallel(small.size(), threads, [&](size_t, size_t item) {
+    encoded[small[item]] = state.encode_changes(bases[small[item]], tensors[small[item]], 1);
+  });
+  uint64_t sparse = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    declared[i]->sent = tensors[i].bytes;
+    declared[i]->begun = true;
+    state.on_connection([&] { encoded[i] ? state.send_encoded(tensors[i], *encoded[i]) : state.send(tensors[i]); });
+    sparse += encoded[i] ? 1 : 0;
+  }
+  return sparse;
+}
+
+uint64_t UpdateSender::send_quantized_changes(const TensorView& base_codes, const TensorView& base_scales,
+                                             const TensorView& tensor, std::array<int64_t, 2> block) {
+  const std::string name(tensor.name);
+  WS_EXPECT(!tensor.shape.empty() && block[0] > 0 && block[1] > 0, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " of shape " + shape_text(tensor.shape) + " cannot be quantized in " +
+                std::to_string(block[0]) + " x " + std::to_string(block[1]) + " blocks");
+  const auto rows = static_cast<uint64_t>(tensor.shape[0]);
+  const uint64_t columns = rows > 0 ? tensor.bytes / (dtype_bits(tensor.dtype) / 8) / rows : 0;
+  const std::vector<int64_t> scale_shape = {(tensor.shape[0] + block[0] - 1) / block[0],
+                                            static_cast<int64_t>((columns + block[1] - 1) / block[1])};
+  WS_EXPECT(base_codes.name == tensor.name && base_codes.dtype == Dtype::kF8E4M3 &&
+                std::ranges::equal(base_codes.shape, tensor.shape) && base_scales.dtype == Dtype::kF32 &&
+                std::ranges::equal(base_scales.shape, scale_shape),
+            ErrorCode::kInvalidArgument,
+            "update sender: the FP8 base of tensor " + name + " " + described(tensor.dtype, tensor.shape) + " must be " +
+                name + " F8_E4M3 " + shape_text(tensor.shape) + " with its scales F32 " + shape_text(scale_shape) +
+                ", not " + std::string(base_codes.name) + " " + described(base_codes.dtype, base_codes.shape) + " and " +
+                std::string(base_scales.name) + " " + described(base_scales.dtype, base_scales.shape));
+  WS_EXPECT(!tensor.device.is_cuda() && tensor.offset == 0, ErrorCode::kInvalidArgument,
+            "update sender: tensor " + name + " is quantized whole from host memory");
+  std::vector<std::byte> codes(rows * columns);
+  std::vector<float> scales(static_cast<uint64_t>(scale_shape[0] * scale_shape[1]));
+  quantize_fp8_blocks(std::span(tensor.data, tensor.bytes), tensor.dtype, rows, columns, block, codes, scales);
+  const std::array<TensorView, 2> quantized = {
+      TensorView{.name = base_codes.name, .dtype = Dtype::kF8E4M3, .shape = base_codes.shape, .data = codes.data(),
+                 .bytes = codes.size()},
+      TensorView{.name = base_scales.name, .dtype = Dtype::kF32, .shape = base_scales.shape,
+                 .data = reinterpret_cast<const std::byte*>(scales.data()), .bytes = scales.size() * sizeof(float)}};
+  const std::array<TensorView, 2> bases = {base_codes, base_scales};
+  return send_changes(bases, quantized);  // copied into the buckets before it returns
+}
+
+void UpdateSender::State::send_encoded(const TensorView& tensor, std::span<const std::byte> encoded) {
+  State& state = *this;
+  if (state.current.entries.empty()) state.open_bucket();
+  uint64_t start = (state.current.bytes + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
+  // One entry in one bucket: the whole buffer may take it, whatever the ramp allows.
+  if (start + encoded.size() + state.current_shared_bytes > state.options.bucket_bytes) {
+    state.flush();
+    state.open_bucket();
+    start = 0;
+  }
+  state.claim_slot();
+  state.transport->fill(state.slot, start, encoded.data(), Device{}, encoded.size());
+  BucketEntry& entry = state.current.entries.emplace_back();
+  entry.name = tensor.name;
+  entry.dtype = tensor.dtype;
+  entry.shape.assign(tensor.shape.begin(), tensor.shape.end());
+  entry.source_offset = start;
+  entry.bytes = encoded.size();
+  entry.encoding = EntryEncoding::kChangedElements;
+  state.current.bytes = start + encoded.size();
+  state.current_covered_bytes += tensor.bytes;
+  const uint64_t limit = state.bucket_limit();
+  if (state.current.bytes + state.current_shared_bytes >= limit || state.current_covered_bytes >= limit) state.flush();
 }
 
 void UpdateSender::State::send(const TensorView& tensor) {

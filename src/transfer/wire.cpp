@@ -177,6 +177,9 @@ std::vector<std::byte> encode_body(const Message& message) {
     case MessageType::kStart:
       out.reserve(8 + 64 * message.declared.size());
       out.put(static_cast<uint8_t>(message.format == TensorFormat::kEngine ? 1 : 0));
+      out.put(static_cast<uint8_t>(message.versions.base.empty() ? 0 : 1));
+      out.put_string(message.versions.base);
+      out.put_string(message.versions.target);
       out.put(static_cast<uint32_t>(message.declared.size()));
       for (const DeclaredTensor& tensor : message.declared) {
         out.put_string(tensor.name);
@@ -208,6 +211,7 @@ std::vector<std::byte> encode_body(const Message& message) {
         out.put(entry.source);
         out.put(entry.source_offset);
         out.put(entry.bytes);
+        out.put(static_cast<uint8_t>(entry.encoding));
       }
       break;
     case MessageType::kApplied:
@@ -225,6 +229,8 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.shared_bytes);
       out.put(report.placed_bytes);
       out.put(report.regions);
+      out.put(report.sparse_tensors);
+      out.put(report.dense_tensors);
       out.put(report.seconds);
       out.put(report.connect_seconds);
       for (const auto& [name, phase] : kUpdatePhases) out.put(report.phases.*phase);
@@ -284,6 +290,14 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       auto format = in.get<uint8_t>("format");
       if (format > 1) in.fail("format", "unknown tensor format " + std::to_string(format));
       message.format = format == 1 ? TensorFormat::kEngine : TensorFormat::kCheckpoint;
+      auto delta = in.get<uint8_t>("delta");
+      if (delta > 1) in.fail("delta", "unknown update kind " + std::to_string(delta));
+      message.versions.base = in.get_string("base version", kMaxVersionBytes);
+      message.versions.target = in.get_string("target version", kMaxVersionBytes);
+      if ((delta == 1) != !message.versions.base.empty()) {
+        in.fail("base version", delta == 1 ? "a delta update names no base version" : "a full update names a base version");
+      }
+      if (delta == 1 && message.format == TensorFormat::kEngine) in.fail("delta", "a delta update in engine format");
       auto count = in.get<uint32_t>("count");
       if (count > kMaxEntries) in.fail("count", std::to_string(count) + " declared tensors exceed the limit");
       // Each declared tensor takes at least 7 bytes: reserve no more than the body can hold.
@@ -341,8 +355,8 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       }
       auto count = in.get<uint32_t>("count");
       if (count > kMaxEntries) in.fail("count", std::to_string(count) + " entries exceed the limit");
-      // Each entry takes at least 38 bytes: reserve no more than the body can hold.
-      if (count > in.left() / 38) {
+      // Each entry takes at least 39 bytes: reserve no more than the body can hold.
+      if (count > in.left() / 39) {
         in.fail("count", std::to_string(count) + " entries cannot fit in the " + std::to_string(in.left()) +
                              " bytes left");
       }
@@ -367,6 +381,12 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
         entry.source = in.get<uint32_t>("entry source");
         entry.source_offset = in.get<uint64_t>("entry source_offset");
         entry.bytes = in.get<uint64_t>("entry bytes");
+        auto encoding = in.get<uint8_t>("entry encoding");
+        if (encoding > 1) in.fail(where(), "unknown encoding " + std::to_string(encoding));
+        entry.encoding = static_cast<EntryEncoding>(encoding);
+        if (entry.encoding == EntryEncoding::kChangedElements && (entry.source != 0 || entry.tensor_offset != 0)) {
+          in.fail(where(), "changed elements of a whole tensor, in the bucket buffer, are expected");
+        }
         auto size = tensor_byte_size(entry.dtype, entry.shape);
         if (!size) in.fail(where(), "shape " + shape_text(entry.shape) + " of " + std::string(dtype_name(entry.dtype)) + " has no valid byte size");
         if (entry.tensor_offset > *size || entry.bytes > *size - entry.tensor_offset) {
@@ -402,6 +422,8 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.shared_bytes = in.get<uint64_t>("shared_bytes");
       report.placed_bytes = in.get<uint64_t>("placed_bytes");
       report.regions = in.get<uint64_t>("regions");
+      report.sparse_tensors = in.get<uint64_t>("sparse_tensors");
+      report.dense_tensors = in.get<uint64_t>("dense_tensors");
       report.seconds = in.get<double>("seconds");
       report.connect_seconds = in.get<double>("connect_seconds");
       for (const auto& [name, phase] : kUpdatePhases) report.phases.*phase = in.get<double>(name);

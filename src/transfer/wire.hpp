@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 7. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 8. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -14,7 +14,10 @@
 //                                 worker address, the buckets' and counts' addresses and keys); shm passes
 //                                 the bucket memfd with this message (SCM_RIGHTS)
 //   REFUSE  (receiver -> sender)  reason string; the receiver then closes
-//   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine), then the update's
+//   START   (sender -> receiver)  format u8 (0 checkpoint, 1 engine), delta u8 (0 full, 1
+//                                 delta), base string (the version a delta applies to; empty
+//                                 for a full update), target string (the version after it, or
+//                                 empty), then the update's
 //                                 manifest: count u32, then per tensor: name string, dtype u8,
 //                                 rank u8, rank x i64 dims (each name once)
 //   ACCEPTED (receiver -> sender) empty: the manifest fits the model, buckets may come (a
@@ -24,11 +27,14 @@
 //                                 then count u32, then per entry: name string, dtype u8,
 //                                 rank u8, rank x i64 dims, tensor_offset u64, source u32
 //                                 (0 bucket buffer, r + 1 region r), source_offset u64,
-//                                 bytes u64. TCP: `bytes` bytes of payload follow the frame.
+//                                 bytes u64, encoding u8 (0 the tensor's bytes, 1 its changed
+//                                 elements: delta.hpp; the whole tensor, in the bucket buffer).
+//                                 TCP: `bytes` bytes of payload follow the frame.
 //   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled (a bucket with
 //                                 no buffer bytes occupies no slot: nothing to refill)
 //   FINISH  (sender -> receiver)  buckets u64
-//   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, placed_bytes, regions u64, seconds,
+//   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, placed_bytes, regions,
+//                                 sparse_tensors, dense_tensors u64, seconds,
 //                                 connect_seconds f64, nine phases f64 (preparing,
 //                                 first_bucket, waiting, parsing, opening, checking, copying,
 //                                 finishing, closing), six counters u64,
@@ -51,6 +57,12 @@
 
 namespace weightstream::transfer {
 
+/// How a bucket entry carries its tensor.
+enum class EntryEncoding : uint8_t {
+  kBytes = 0,            ///< bytes [tensor_offset, tensor_offset + bytes) of the tensor
+  kChangedElements = 1,  ///< the whole tensor's changed elements (delta.hpp)
+};
+
 /// One tensor (or one piece of it) in a bucket.
 struct BucketEntry {
   std::string name;
@@ -62,6 +74,7 @@ struct BucketEntry {
   uint32_t source = 0;
   uint64_t source_offset = 0;  ///< where the piece starts within its source
   uint64_t bytes = 0;          ///< bytes of the piece
+  EntryEncoding encoding = EntryEncoding::kBytes;
 };
 
 /// A device allocation of the sender that the receiver may read in place (CUDA IPC): shared
@@ -86,8 +99,9 @@ struct BucketManifest {
 inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian bytes
 // 4: a ucx WELCOME carries the rendezvous secret; 5: REPORT carries placed_bytes (and a ucx
 // piece's header its bucket); 6: the handshake (handshake.hpp) proves the token, HELLO
-// no longer carries it; 7: START carries the update's manifest, answered by ACCEPTED
-inline constexpr uint16_t kProtocolVersion = 7;
+// no longer carries it; 7: START carries the update's manifest, answered by ACCEPTED; 8: START
+// names its versions (delta updates), entries their encoding, REPORT sparse and dense tensors
+inline constexpr uint16_t kProtocolVersion = 8;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
@@ -143,6 +157,7 @@ struct Message {
   // START
   TensorFormat format = TensorFormat::kCheckpoint;
   std::vector<DeclaredTensor> declared;  ///< the update's manifest
+  UpdateVersions versions;               ///< base set: a delta update
   // BUCKET (manifest), APPLIED (index, slot)
   BucketManifest manifest;
   // FINISH

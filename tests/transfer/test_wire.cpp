@@ -244,19 +244,21 @@ TEST(Wire, HostileManifestsAreRejectedBeforeAnythingIsAllocated) {
     EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, part, "peer"); }), HasSubstr("START message from peer"));
   }
   // A count over the limit, and one no body could hold: refused before anything is reserved.
+  // The count follows the format, the delta flag and the two (empty) versions.
+  constexpr size_t kCountAt = 1 + 1 + 4 + 4;
   std::vector<std::byte> counted = body;
   uint32_t count = 0xFFFFFFF0;
-  std::memcpy(counted.data() + 1, &count, 4);  // after the format
+  std::memcpy(counted.data() + kCountAt, &count, 4);
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, counted, "peer"); }),
               HasSubstr("START message from peer: count: 4294967280 declared tensors exceed the limit"));
   count = 1000;
-  std::memcpy(counted.data() + 1, &count, 4);
+  std::memcpy(counted.data() + kCountAt, &count, 4);
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, counted, "peer"); }),
               HasSubstr("count: 1000 declared tensors cannot fit in the "));
   // A name longer than the limit, claimed by its length field.
   std::vector<std::byte> long_name = body;
   uint32_t length = kMaxNameBytes + 1;
-  std::memcpy(long_name.data() + 5, &length, 4);
+  std::memcpy(long_name.data() + kCountAt + 4, &length, 4);
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, long_name, "peer"); }),
               HasSubstr("declared name: length 4097 exceeds the limit 4096"));
   Message unnamed = start_message();
@@ -277,7 +279,7 @@ TEST(Wire, HostileManifestsAreRejectedBeforeAnythingIsAllocated) {
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(negative), "peer"); }),
               HasSubstr("has no valid byte size"));
   std::vector<std::byte> dtype = body;
-  dtype[5 + 4 + std::strlen("model.layers.0.mlp.down_proj.weight")] = std::byte{200};
+  dtype[kCountAt + 4 + 4 + std::strlen("model.layers.0.mlp.down_proj.weight")] = std::byte{200};
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, dtype, "peer"); }), HasSubstr("unknown dtype code 200"));
   std::vector<std::byte> format = body;
   format[0] = std::byte{2};
@@ -286,6 +288,52 @@ TEST(Wire, HostileManifestsAreRejectedBeforeAnythingIsAllocated) {
   std::vector<std::byte> trailing = body;
   trailing.push_back(std::byte{0});
   EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, trailing, "peer"); }), HasSubstr("1 trailing bytes"));
+  std::vector<std::byte> kind = body;
+  kind[1] = std::byte{7};
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, kind, "peer"); }), HasSubstr("delta: unknown update kind 7"));
+  kind[1] = std::byte{1};  // a delta that names no base
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, kind, "peer"); }),
+              HasSubstr("base version: a delta update names no base version"));
+  std::vector<std::byte> long_version = body;
+  length = kMaxVersionBytes + 1;
+  std::memcpy(long_version.data() + 2, &length, 4);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, long_version, "peer"); }),
+              HasSubstr("base version: length 129 exceeds the limit 128"));
+}
+
+TEST(Wire, StartNamesTheVersionsOfADelta) {
+  Message message = start_message();
+  message.format = TensorFormat::kCheckpoint;
+  message.versions = {"a0a0a0a0a0a0a0a0", "b1b1b1b1b1b1b1b1"};
+  Message parsed = parse_body(MessageType::kStart, encode_body(message), "peer");
+  EXPECT_EQ(parsed.versions.base, "a0a0a0a0a0a0a0a0");
+  EXPECT_EQ(parsed.versions.target, "b1b1b1b1b1b1b1b1");
+  message.format = TensorFormat::kEngine;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kStart, encode_body(message), "peer"); }),
+              HasSubstr("delta: a delta update in engine format"));
+  message.format = TensorFormat::kCheckpoint;
+  message.versions.base.clear();  // a full update may name the version it makes
+  EXPECT_EQ(parse_body(MessageType::kStart, encode_body(message), "peer").versions.target, "b1b1b1b1b1b1b1b1");
+}
+
+TEST(Wire, ChangedElementsAreAWholeTensorInTheBucketBuffer) {
+  Message message;
+  message.type = MessageType::kBucket;
+  message.manifest.bytes = 100;
+  BucketEntry& entry = message.manifest.entries.emplace_back();
+  entry.name = "model.norm.weight";
+  entry.shape = {64};
+  entry.bytes = 40;
+  entry.encoding = EntryEncoding::kChangedElements;
+  EXPECT_EQ(parse_body(MessageType::kBucket, encode_body(message), "peer").manifest.entries[0].encoding,
+            EntryEncoding::kChangedElements);
+  message.manifest.entries[0].tensor_offset = 2;
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, encode_body(message), "peer"); }),
+              HasSubstr("changed elements of a whole tensor, in the bucket buffer, are expected"));
+  message.manifest.entries[0].tensor_offset = 0;
+  std::vector<std::byte> body = encode_body(message);
+  body.back() = std::byte{9};  // the encoding is the entry's last byte
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kBucket, body, "peer"); }), HasSubstr("unknown encoding 9"));
 }
 
 }  // namespace

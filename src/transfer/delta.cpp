@@ -1,0 +1,308 @@
+// The changed-elements encoding of delta updates (see delta.hpp and docs/DELTA.md).
+#include "transfer/delta.hpp"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cstring>
+
+#include "base/parallel.hpp"
+#include "weightstream/error.hpp"
+
+namespace weightstream::transfer {
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "the encoding is little-endian; add byte swaps here");
+
+/// LEB128 takes at most 10 bytes for a 64-bit value.
+constexpr unsigned kMaxVarintBytes = 10;
+
+/// Elements compared, evenly spaced, before a tensor is encoded: one whose sample says its
+/// encoding would take more than kSampleMargin times the limit goes whole without paying for a
+/// partial encoding (otherwise a tensor that changed everywhere is scanned and encoded up to
+/// the limit first). Tensors of fewer than kSampledElements * 8 elements are not sampled.
+constexpr uint64_t kSampledElements = 1024;
+constexpr double kSampleMargin = 2.0;
+
+/// Whether the sample of `elements` says that the encoding would pass `limit` by far.
+bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t element_bytes,
+                       uint64_t limit) {
+  if (elements < kSampledElements * 8) return false;
+  const uint64_t stride = elements / kSampledElements;
+  uint64_t changed = 0;
+  for (uint64_t i = 0; i < kSampledElements; ++i) {
+    const uint64_t at = i * stride * element_bytes;
+    changed += std::memcmp(base + at, tensor + at, element_bytes) != 0 ? 1 : 0;
+  }
+  // At least one byte of position and the value for each changed element.
+  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(elements) *
+                          static_cast<double>(element_bytes + 1);
+  return estimate > kSampleMargin * static_cast<double>(limit);
+}
+
+void put_varint(std::vector<std::byte>& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(static_cast<std::byte>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out.push_back(static_cast<std::byte>(value));
+}
+
+void put_u64(std::byte* at, uint64_t value) { std::memcpy(at, &value, sizeof(value)); }
+
+uint64_t get_u64(const std::byte* at) {
+  uint64_t value;
+  std::memcpy(&value, at, sizeof(value));
+  return value;
+}
+
+/// Bytes compared at once where nothing changed: eight words whose XORs are ORed together, a
+/// loop the compiler vectorizes; only a block that differs is compared element by element.
+constexpr uint64_t kBlockBytes = 64;
+
+/// Whether the `kBlockBytes` at `base` and `tensor` differ anywhere.
+bool block_differs(const std::byte* base, const std::byte* tensor) {
+  uint64_t differs = 0;
+  for (uint64_t word = 0; word < kBlockBytes; word += 8) differs |= get_u64(base + word) ^ get_u64(tensor + word);
+  return differs != 0;
+}
+
+/// Calls `changed(index)` for each element of type `Element` that differs, in order, until it
+/// returns false.
+template <typename Element, typename Changed>
+void for_each_changed_of(const std::byte* base, const std::byte* tensor, uint64_t bytes, Changed&& changed) {
+  auto element_at = [](const std::byte* bytes_at) {
+    Element value;
+    std::memcpy(&value, bytes_at, sizeof(Element));
+    return value;
+  };
+  uint64_t position = 0;
+  while (position < bytes) {
+    const uint64_t stop = std::min(bytes, position + kBlockBytes);
+    if (stop - position == kBlockBytes && !block_differs(base + position, tensor + position)) {
+      position = stop;
+      continue;
+    }
+    for (; position < stop; position += sizeof(Element)) {
+      if (element_at(base + position) != element_at(tensor + position) && !changed(position / sizeof(Element))) return;
+    }
+  }
+}
+
+/// for_each_changed_of() for elements of `element_bytes` bytes: 1, 2, 4 or 8.
+template <typename Changed>
+void for_each_changed(const std::byte* base, const std::byte* tensor, uint64_t bytes, uint64_t element_bytes,
+                      Changed&& changed) {
+  switch (element_bytes) {
+    case 1: return for_each_changed_of<uint8_t>(base, tensor, bytes, changed);
+    case 2: return for_each_changed_of<uint16_t>(base, tensor, bytes, changed);
+    case 4: return for_each_changed_of<uint32_t>(base, tensor, bytes, changed);
+    default: return for_each_changed_of<uint64_t>(base, tensor, bytes, changed);
+  }
+}
+
+/// Bytes a varint of `value` takes.
+uint64_t varint_bytes(uint64_t value) {
+  uint64_t bytes = 1;
+  for (; value >= 0x80; value >>= 7) ++bytes;
+  return bytes;
+}
+
+std::byte* put_varint_at(std::byte* at, uint64_t value) {
+  for (; value >= 0x80; value >>= 7) *at++ = static_cast<std::byte>((value & 0x7f) | 0x80);
+  *at++ = static_cast<std::byte>(value);
+  return at;
+}
+
+/// Each range of a tensor encoded on several threads (kParallelEncodingBytes) is at least this large.
+constexpr uint64_t kRangeMinimumBytes = 4ull << 20;
+/// Scratch a range keeps for the next tensor, at most.
+constexpr uint64_t kKeptBytes = 16ull << 20;
+
+/// The changed elements of one range of a tensor, encoded on their own: the first position's
+/// varint counts from the range's first element, and is written again when the ranges are
+/// joined.
+struct RangeEncoding {
+  std::vector<std::byte> positions;
+  std::vector<std::byte> values;
+  uint64_t changed = 0;
+  uint64_t first = 0;  ///< index of its first changed element, in the tensor
+  uint64_t last = 0;   ///< index of its last one
+  uint64_t first_varint_bytes = 0;
+};
+
+/// What the ranges of one tensor share while they are encoded: their bytes so far, and whether
+/// these passed the limit (every range then stops).
+struct EncodingBudget {
+  uint64_t limit = 0;
+  std::atomic<uint64_t> bytes{kChangedElementsOverhead};
+  std::atomic<bool> over{false};
+};
+
+/// Encodes the changed elements among elements [begin, end) into `range`, until the budget is
+/// spent.
+void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, uint64_t element_bytes,
+                  EncodingBudget& budget, RangeEncoding& range) {
+  range.positions.clear();
+  range.values.clear();
+  range.changed = 0;
+  uint64_t next = begin;  // the smallest index the next change may have
+  uint64_t counted = 0;   // bytes of this range already added to the budget
+  auto spend = [&] {
+    const uint64_t bytes = range.positions.size() + range.values.size();
+    const uint64_t total = budget.bytes.fetch_add(bytes - counted, std::memory_order_relaxed) + bytes - counted;
+    counted = bytes;
+    if (total > budget.limit) budget.over.store(true, std::memory_order_relaxed);
+  };
+  for_each_changed(base + begin * element_bytes, tensor + begin * element_bytes, (end - begin) * element_bytes,
+                   element_bytes, [&](uint64_t offset) {
+                     const uint64_t index = begin + offset;
+                     const uint64_t before = range.positions.size();
+                     put_varint(range.positions, index - next);
+                     if (range.changed++ == 0) {
+                       range.first = index;
+                       range.first_varint_bytes = range.positions.size() - before;
+                     }
+                     range.last = index;
+                     next = index + 1;
+                     const std::byte* value = tensor + index * element_bytes;
+                     range.values.insert(range.values.end(), value, value + element_bytes);
+                     // The shared count is brought up to date every few KiB, and checked at every change.
+                     if (range.positions.size() + range.values.size() - counted >= 4096) spend();
+                     return !budget.over.load(std::memory_order_relaxed) &&
+                            budget.bytes.load(std::memory_order_relaxed) + range.positions.size() +
+                                    range.values.size() - counted <= budget.limit;
+                   });
+  spend();
+}
+
+/// Joins the ranges' encodings into one (delta.hpp's layout).
+std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
+  uint64_t changed = 0, position_bytes = 0, value_bytes = 0, next = 0;
+  for (const RangeEncoding& range : ranges) {
+    if (range.changed == 0) continue;
+    changed += range.changed;
+    position_bytes += range.positions.size() - range.first_varint_bytes + varint_bytes(range.first - next);
+    value_bytes += range.values.size();
+    next = range.last + 1;
+  }
+  std::vector<std::byte> encoded(kChangedElementsOverhead + position_bytes + value_bytes);
+  put_u64(encoded.data(), changed);
+  put_u64(encoded.data() + 8, position_bytes);
+  std::byte* positions = encoded.data() + 16;
+  std::byte* values = positions + position_bytes;
+  next = 0;
+  for (const RangeEncoding& range : ranges) {
+    if (range.changed == 0) continue;
+    positions = put_varint_at(positions, range.first - next);
+    const uint64_t rest = range.positions.size() - range.first_varint_bytes;
+    if (rest > 0) std::memcpy(positions, range.positions.data() + range.first_varint_bytes, rest);
+    positions += rest;
+    std::memcpy(values, range.values.data(), range.values.size());
+    values += range.values.size();
+    next = range.last + 1;
+  }
+  const uint64_t checksum_at = encoded.size() - 8;
+  put_u64(encoded.data() + checksum_at, XXH64(encoded.data(), checksum_at, 0));
+  return encoded;
+}
+
+}  // namespace
+
+std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
+                                                              std::span<const std::byte> tensor, uint64_t element_bytes,
+                                                              uint64_t limit, unsigned threads) {
+  WS_EXPECT(base.size() == tensor.size(), ErrorCode::kInvalidArgument,
+            "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
+                std::to_string(tensor.size()));
+  if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
+  if (kChangedElementsOverhead > limit) return std::nullopt;
+  const uint64_t elements = tensor.size() / element_bytes;
+  if (sample_says_dense(base.data(), tensor.data(), elements, element_bytes, limit)) return std::nullopt;
+  const uint64_t range_count =
+      threads > 1 && tensor.size() >= kParallelEncodingBytes
+          ? std::min<uint64_t>(uint64_t{4} * threads, tensor.size() / kRangeMinimumBytes)
+          : 1;
+  // Kept between calls on the calling thread: fresh memory for every tensor costs more in page
+  // faults than the encoding itself.
+  thread_local std::vector<RangeEncoding> kept;
+  if (kept.size() < range_count) kept.resize(range_count);
+  std::vector<RangeEncoding>& ranges = kept;  // the calling thread's, also on the workers
+  EncodingBudget budget;
+  budget.limit = limit;
+  auto encode = [&](size_t, size_t item) {
+    encode_range(base.data(), tensor.data(), elements * item / range_count, elements * (item + 1) / range_count,
+                 element_bytes, budget, ranges[item]);
+  };
+  if (range_count == 1) {
+    encode(0, 0);
+  } else {
+    detail::run_parallel(range_count, threads, encode);
+  }
+  std::optional<std::vector<std::byte>> encoded;
+  if (!budget.over.load() && budget.bytes.load() <= limit) encoded = join_ranges(std::span(ranges.data(), range_count));
+  // What a large tensor's encoding grew is not kept for the next one.
+  for (RangeEncoding& range : ranges) {
+    if (range.positions.capacity() + range.values.capacity() <= kKeptBytes) continue;
+    std::vector<std::byte>().swap(range.positions);
+    std::vector<std::byte>().swap(range.values);
+  }
+  return encoded;
+}
+
+ChangedElements decode_changed_elements(std::span<const std::byte> encoded, uint64_t element_bytes, uint64_t elements,
+                                        const std::string& what) {
+  const uint64_t size = encoded.size();
+  WS_EXPECT(size >= kChangedElementsOverhead, ErrorCode::kProtocol,
+            what + ": its changed elements are truncated: " + std::to_string(size) + " bytes, fewer than the " +
+                std::to_string(kChangedElementsOverhead) + " of their counts and checksum");
+  const uint64_t changed = get_u64(encoded.data());
+  const uint64_t position_bytes = get_u64(encoded.data() + 8);
+  const uint64_t body = size - kChangedElementsOverhead;
+  // changed <= elements keeps changed * element_bytes within the tensor's size.
+  const bool counts_fit = changed <= elements && position_bytes <= body && body - position_bytes == changed * element_bytes;
+  WS_EXPECT(counts_fit, ErrorCode::kProtocol,
+            what + ": its changed elements are truncated or overlong: " + std::to_string(size) + " bytes hold " +
+                std::to_string(changed) + " changed of " + std::to_string(elements) + " elements with " +
+                std::to_string(position_bytes) + " bytes of positions, which take " +
+                (changed <= elements ? std::to_string(kChangedElementsOverhead + position_bytes + changed * element_bytes)
+                                     : std::string("more")) +
+                " bytes");
+  const uint64_t checksum = get_u64(encoded.data() + size - 8);
+  const uint64_t computed = XXH64(encoded.data(), size - 8, 0);
+  WS_EXPECT(checksum == computed, ErrorCode::kProtocol,
+            what + ": its changed elements are corrupted: their checksum says " + std::to_string(checksum) + ", their " +
+                std::to_string(size - 8) + " bytes hash to " + std::to_string(computed));
+  ChangedElements result;
+  result.indices.reserve(changed);
+  const std::byte* at = encoded.data() + 16;
+  const std::byte* end = at + position_bytes;
+  uint64_t next = 0;
+  for (uint64_t i = 0; i < changed; ++i) {
+    uint64_t gap = 0;
+    unsigned shift = 0;
+    for (;;) {
+      WS_EXPECT(at < end && shift < 7 * kMaxVarintBytes, ErrorCode::kProtocol,
+                what + ": changed element " + std::to_string(i) + "'s position runs past its " +
+                    std::to_string(position_bytes) + " bytes of positions");
+      const auto byte = static_cast<uint8_t>(*at++);
+      gap |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      shift += 7;
+      if ((byte & 0x80) == 0) break;
+    }
+    WS_EXPECT(gap < elements && next <= elements - 1 - gap, ErrorCode::kProtocol,
+              what + ": changed element " + std::to_string(i) + " lies past the tensor's " + std::to_string(elements) +
+                  " elements");
+    result.indices.push_back(next + gap);
+    next += gap + 1;
+  }
+  WS_EXPECT(at == end, ErrorCode::kProtocol,
+            what + ": " + std::to_string(end - at) + " bytes of positions are left after its " +
+                std::to_string(changed) + " changed elements");
+  result.values.assign(end, end + changed * element_bytes);
+  return result;
+}
+
+}  // namespace weightstream::transfer
