@@ -96,7 +96,8 @@ uint64_t effective_chunk(const StreamOptions& options) {
   return std::min(chunk, std::max<uint64_t>(options.memory_limit, 4096));
 }
 
-/// Reads for a sink that takes packed runs (TensorSink::takes_packed_runs()), in file order:
+/// Reads of the staged requests `order` (none direct) for a sink that takes packed runs
+/// (TensorSink::takes_packed_runs()), in file order:
 /// the ranges it asks for, apart or not, are gathered into reads that stage at most `chunk`
 /// bytes of exactly those ranges, back to back: the runs of a column window, and slices of
 /// many small tensors, cost a read per `chunk` of their own bytes. A run or request longer
@@ -129,14 +130,6 @@ std::vector<PlannedRead> plan_gathered_reads(std::span<const ResolvedRequest> re
     const ResolvedRequest& request = resolved[index];
     if (request.length == 0) continue;
     const bool several = request.runs > 1;
-    if (request.direct != nullptr) {  // straight into the sink's memory, a read per `chunk`
-      for (uint64_t done = 0; done < request.length; done += chunk) {
-        uint64_t length = std::min(chunk, request.length - done);
-        reads.push_back({request.shard, request.start + done, length, true,
-                         {{index, done, 0, length, request.direct + done, length}}, {}});
-      }
-      continue;
-    }
     if (request.run_length > chunk) {  // alone, as plain reads of `chunk` bytes
       for (uint64_t run = 0; run < request.runs; ++run) {
         const uint64_t first = request.start + run * request.stride;
@@ -163,7 +156,8 @@ std::vector<PlannedRead> plan_gathered_reads(std::span<const ResolvedRequest> re
   return reads;
 }
 
-/// Reads of at most `chunk` bytes, in file order; with `gather`, plan_gathered_reads()'s.
+/// Reads of at most `chunk` bytes, in file order; with `gather`, the staged requests'
+/// plan_gathered_reads() after the direct ones.
 /// Neighbouring small requests share a read:
 /// staged ones one staging buffer; direct ones (memory of the sink's own) one scatter read,
 /// where `merge_direct` (a storage that pays per request, such as S3, reads it in one
@@ -200,13 +194,16 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return std::tie(resolved[a].shard, resolved[a].start) < std::tie(resolved[b].shard, resolved[b].start);
   });
-  if (gather) return plan_gathered_reads(resolved, order, chunk);
-
   std::vector<PlannedRead> reads;
+  std::vector<size_t> staged;  // with `gather`: the requests read into staging, gathered below
   bool merge_open = false;  // whether reads.back() may take more neighbours of its kind
   for (size_t index : order) {
     const auto& request = resolved[index];
     if (request.length == 0) continue;
+    if (gather && request.direct == nullptr) {
+      staged.push_back(index);
+      continue;
+    }
     if (request.runs > 1) {
       plan_run_reads(request, index, chunk, reads);
       merge_open = false;
@@ -229,6 +226,11 @@ std::vector<PlannedRead> plan_reads(const Checkpoint& checkpoint, std::span<cons
                        {{index, done, 0, length, direct ? request.direct + done : nullptr, length}}, {}});
     }
     merge_open = mergeable;
+  }
+  if (gather) {
+    // Direct reads (merged as above where storage pays per request) come first.
+    std::vector<PlannedRead> gathered = plan_gathered_reads(resolved, staged, chunk);
+    reads.insert(reads.end(), std::make_move_iterator(gathered.begin()), std::make_move_iterator(gathered.end()));
   }
   return reads;
 }
