@@ -58,7 +58,7 @@ struct ResolvedRequest {
   uint64_t stride;
 };
 
-/// Reads of the runs of `request` (request `index`, several runs): as many runs as fit in
+/// Reads of the runs of `request` (request `index`; one run or several): as many runs as fit in
 /// `chunk` bytes of the extent per read, one piece each; a run longer than `chunk` alone in
 /// reads of `chunk` bytes. Which gaps storage reads with the runs is its choice (read_runs).
 void plan_run_reads(const ResolvedRequest& request, size_t index, uint64_t chunk, std::vector<PlannedRead>& reads) {
@@ -131,14 +131,7 @@ std::vector<PlannedRead> plan_gathered_reads(std::span<const ResolvedRequest> re
     if (request.length == 0) continue;
     const bool several = request.runs > 1;
     if (request.run_length > chunk) {  // alone, as plain reads of `chunk` bytes
-      for (uint64_t run = 0; run < request.runs; ++run) {
-        const uint64_t first = request.start + run * request.stride;
-        for (uint64_t done = 0; done < request.run_length; done += chunk) {
-          uint64_t length = std::min(chunk, request.run_length - done);
-          reads.push_back({request.shard, first + done, length, false,
-                           {{index, first - request.start + done, 0, length, nullptr, length}}, {}});
-        }
-      }
+      plan_run_reads(request, index, chunk, reads);
       continue;
     }
     for (uint64_t run = 0; run < request.runs; ++run) {
