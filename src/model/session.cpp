@@ -736,12 +736,14 @@ struct LoadSession::State {
 
   /// Step 2: counts a checked batch and marks the parts, parameters and layers it completes
   /// (lock held). Returns whether its writes may be issued outside the lock: pieces copied
-  /// as they are into their parts, as they arrive. Conversions gather on the host, and
-  /// engine batches and whole-layer commits stay under the lock.
+  /// as they are into their parts. Conversions gather on the host, and engine batches stay
+  /// under the lock. With whole-layer commits, only the call that completes a layer writes
+  /// it (the others hold their pieces), so its writes go outside the lock as well, unless a
+  /// held piece it flushes needs the lock (may_write_unlocked()).
   bool account(const CheckedBatch& checked) {
     counters.tensors_skipped += checked.skipped;
     std::vector<size_t> completed;  // parameters this batch completes
-    bool unlocked = format == TensorFormat::kCheckpoint && commit == LayerCommit::kAsArrived;
+    bool unlocked = format == TensorFormat::kCheckpoint;
     for (const Write& write : checked.writes) {
       const Parameter& parameter = layout.parameters()[write.parameter];
       ParameterState& parameter_state = parameters[write.parameter];
@@ -889,6 +891,14 @@ struct LoadSession::State {
       write.keepalive = std::move(copy);
     }
     layers[layout.parameters()[write.parameter].layer].held.push_back(std::move(held));
+  }
+
+  /// Whether `writes` (a batch's and the held pieces it flushes) are plain copies that may
+  /// be issued outside the lock: no conversion, no changed elements (lock held).
+  bool may_write_unlocked(std::span<const Write> writes) const {
+    return std::ranges::none_of(writes, [&](const Write& write) {
+      return write.changes || write.dtype != layout.parameters()[write.parameter].load_dtype;
+    });
   }
 
   /// The layer of each checkpoint-format write, each counted as writing while `unlocked`
@@ -1145,8 +1155,9 @@ void LoadSession::load(std::span<const TensorView> batch) {
   bool wrote = false;
   try {
     State::CheckedBatch checked = state.check(batch, what);
-    const bool unlocked = state.account(checked);
+    bool unlocked = state.account(checked);
     State::Ready ready = state.hold(std::move(checked.writes));
+    unlocked = unlocked && state.may_write_unlocked(ready.writes);
     std::vector<int64_t> layers = state.begin_writing(ready.writes, unlocked);
     wrote = true;
     if (unlocked) lock.unlock();  // the reader threads of a stream copy in parallel
