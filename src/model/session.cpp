@@ -372,13 +372,24 @@ struct LoadSession::State {
   }
 
   /// Writes the changed elements of `write` that fall in `part`'s slice at their places in
-  /// the part (host storage at `base`, checked by check_changes_target()).
+  /// the part (host storage at `base`, checked by check_changes_target()); values in another
+  /// float dtype than the parameter's (a BF16 checkpoint tensor an engine holds in F32) are
+  /// converted first, as a whole piece would be.
   void write_changes(const ParameterPart& part, const Write& write, std::byte* base) {
-    switch (element_bytes(write.dtype)) {
-      case 1: return scatter_changes<1>(*write.changes, part, base);
-      case 2: return scatter_changes<2>(*write.changes, part, base);
-      case 4: return scatter_changes<4>(*write.changes, part, base);
-      case 8: return scatter_changes<8>(*write.changes, part, base);
+    const Dtype held = layout.parameters()[write.parameter].dtype;
+    const ChangedElements* changes = write.changes.get();
+    ChangedElements converted;
+    if (held != write.dtype) {
+      converted.indices = changes->indices;
+      converted.values.resize(changes->indices.size() * element_bytes(held));
+      convert_elements(converted.values.data(), held, changes->values.data(), write.dtype, changes->indices.size());
+      changes = &converted;
+    }
+    switch (element_bytes(held)) {
+      case 1: return scatter_changes<1>(*changes, part, base);
+      case 2: return scatter_changes<2>(*changes, part, base);
+      case 4: return scatter_changes<4>(*changes, part, base);
+      case 8: return scatter_changes<8>(*changes, part, base);
     }
     WS_FAIL(ErrorCode::kInternal, "tensor " + std::string(write.name) + ": changed elements of " +
                                       std::string(dtype_name(write.dtype)) + " cannot be written");
@@ -624,7 +635,7 @@ struct LoadSession::State {
     std::string why;
     if (parameter.processing != Processing::kNone) {
       why = "is processed (quantized) after loading";
-    } else if (view.dtype != parameter.dtype) {
+    } else if (view.dtype != parameter.dtype && !convertible(view.dtype, parameter.dtype)) {
       why = "holds " + std::string(dtype_name(parameter.dtype)) + ", not the tensor's " +
             std::string(dtype_name(view.dtype));
     } else if (parameter.device.is_cuda()) {

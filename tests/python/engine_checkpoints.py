@@ -216,6 +216,57 @@ def checkpoint_tensors(folder: str) -> Dict[str, torch.Tensor]:
     return tensors
 
 
+def write_changed_variant(source: str, folder: str, fraction: float, seed: int,
+                          bf16_source: Optional[str] = None) -> str:
+    """Writes into ``folder`` a copy of checkpoint ``source`` in which a random ``fraction`` of
+    the elements of every floating-point weight changed (one file, ``source``'s config): what
+    one RL step leaves of a model. An FP8 block-scaled ``source`` is quantized from its BF16
+    twin ``bf16_source`` changed so, and ``folder``-bf16 (the changed BF16 weights a trainer
+    holds) is written beside it. Returns folder."""
+    import shutil  # noqa: PLC0415
+
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def changed(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in sorted(tensors.items()):
+            if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                out[name] = tensor
+                continue
+            mask = torch.rand(tensor.shape, generator=generator) < fraction
+            # Shrunk, never grown: a block's amax (its FP8 scale) moves only where its largest
+            # element is among the changed ones, as small training steps leave most scales.
+            bumped = (tensor.to(torch.float32) * 0.9).to(tensor.dtype)
+            out[name] = torch.where(mask, bumped, tensor).contiguous()
+        return out
+
+    def copy_config(into: str) -> None:
+        os.makedirs(into, exist_ok=True)
+        for file in os.listdir(source):
+            if not file.endswith(".safetensors") and file != "model.safetensors.index.json":
+                shutil.copy(os.path.join(source, file), os.path.join(into, file))
+
+    copy_config(folder)
+    if bf16_source is None:
+        save_file(changed(checkpoint_tensors(source)), os.path.join(folder, "model.safetensors"),
+                  metadata={"format": "pt"})
+        return folder
+    quantized = {name[: -len("_scale_inv")] for name in checkpoint_tensors(source) if name.endswith("_scale_inv")}
+    weights = changed(checkpoint_tensors(bf16_source))
+    os.makedirs(folder + "-bf16", exist_ok=True)
+    save_file(weights, os.path.join(folder + "-bf16", "model.safetensors"), metadata={"format": "pt"})
+    out: Dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name in quantized:
+            out[name], out[name + "_scale_inv"] = quantize_blocks(tensor)
+        else:
+            out[name] = tensor
+    save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def rank_bytes(layout: Any, folder: str) -> Tuple[int, int]:
     """(share, planned) of a rank: the bytes of the checkpoint slices its parameters take, and
     the bytes weightstream's plan reads for them: a tensor feeding one part is read as that

@@ -35,12 +35,16 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from engine_checkpoints import write_changed_variant  # noqa: E402
 from vllm_models import FAMILIES, MOE_FAMILIES, MTP_FAMILIES, write_checkpoint  # noqa: E402
 
 MIB = 1 << 20
 #: moto's S3 server, started by scripts/vllm-test.sh where moto is installed.
 S3_ENDPOINT = os.environ.get("WS_TEST_S3_ENDPOINT")
 PARALLEL = ("tp1", "tp2", "tp2-ep")
+#: Scenarios that also take a delta update (issue 46): a MoE with expert parallelism, and an
+#: FP8 block-scaled model at tp 2.
+DELTA_SCENARIOS = (("qwen3_moe", "bf16", "tp2-ep"), ("deepseek_v3", "fp8", "tp2"))
 
 
 def scenarios():
@@ -112,6 +116,10 @@ def results(tmp_path_factory):
                 folder = str(root / f"{family}-{kind}-{name}")
                 write_checkpoint(family, folder, seed, fp8=kind == "fp8")
                 paths[f"{family}-{kind}-{name}"] = folder
+    for family, kind, _ in DELTA_SCENARIOS:
+        paths[f"{family}-{kind}-a1"] = write_changed_variant(
+            paths[f"{family}-{kind}-a"], str(root / f"{family}-{kind}-a1"), 0.01, seed=7,
+            bf16_source=paths[f"{family}-bf16-a"] if kind == "fp8" else None)
     for family in MTP_FAMILIES:
         for kind in ("bf16", "fp8"):
             folder = str(root / f"{family}-{kind}-mtp")
@@ -121,7 +129,7 @@ def results(tmp_path_factory):
     for family, kind, parallel in scenarios():
         tp = 1 if parallel == "tp1" else 2
         scenario = {"family": family, "fp8": kind == "fp8", "ep": parallel == "tp2-ep", "update": True,
-                    "id": f"{family}-{kind}-{parallel}"}
+                    "delta": (family, kind, parallel) in DELTA_SCENARIOS, "id": f"{family}-{kind}-{parallel}"}
         plans[tp].append(scenario)
     plans[1].append({"family": "llama", "fp8": False, "ep": False, "refused_update": True, "id": "refused"})
     plans[1].append({"family": "qwen3_moe", "fp8": True, "ep": False, "refused_manifests": True,
@@ -227,6 +235,31 @@ def test_pushed_updates_land_every_weight_in_place(results, family, kind, parall
             assert update["bytes"] > 0
             assert update["differences"] == [], f"{where} over {update['transport']}: stale or wrong parameters"
             assert update["addresses_unchanged"], where
+
+
+@pytest.mark.parametrize("family,kind,parallel", DELTA_SCENARIOS)
+def test_a_delta_update_lands_only_what_changed_in_place(results, family, kind, parallel):
+    """Issue 46: the model holds A; a full update names its version; a delta from another
+    version is refused before its first byte; the delta A -> A1 (1% of the elements changed;
+    FP8: quantized by the sender, only changed codes and scales sent) leaves every parameter
+    equal to vLLM's default load of A1, in place, moving a fraction of the full update's bytes."""
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
+        delta = result["delta"]
+        assert delta["before_differences"] == [], where
+        assert "torch.bfloat16" in delta["dtypes"], (where, delta["dtypes"])  # built as vLLM's loader builds it
+        full = delta["full"]
+        assert full["trainer"] == full["worker"] == "" and full["differences"] == [], (where, full)
+        wrong = delta["wrong_base"]
+        assert f"the delta update applies to content digest {'0f' * 8} but this receiver holds {'a' * 16}" \
+            in wrong["trainer"], (where, wrong)
+        assert wrong["differences"] == [], f"{where}: a refused delta changed parameters: {wrong['differences']}"
+        changed = delta["delta"]
+        assert changed["trainer"] == changed["worker"] == "", (where, changed)
+        assert changed["differences"] == [], f"{where}: parameters differ from vLLM's load of A1: {changed['differences']}"
+        assert changed["addresses_unchanged"], where
+        assert changed["sparse_tensors"] > 0, (where, changed)
+        assert 0 < changed["bytes"] < full["bytes"] / 5, (where, changed["bytes"], full["bytes"])
 
 
 def test_an_update_that_cannot_land_in_place_fails_before_its_first_byte(results):

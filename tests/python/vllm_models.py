@@ -110,20 +110,25 @@ def vllm_config(path: str, tp_size: int, expert_parallel: bool, load_format: str
 
 
 def build(path: str, tp_size: int, expert_parallel: bool, load_format: str,
-          extra: Optional[Dict[str, Any]] = None, draft: bool = False) -> Tuple[torch.nn.Module, Any, Any]:
+          extra: Optional[Dict[str, Any]] = None, draft: bool = False,
+          model_dtype: bool = False) -> Tuple[torch.nn.Module, Any, Any]:
     """vLLM's model of the checkpoint at ``path``, built by initialize_model and filled by the
     loader of ``load_format`` ("safetensors": vLLM's default loader; "weightstream");
     returns (model, loader, vllm_config). With ``draft``, the model is vLLM's MTP draft of the
     checkpoint (its model config made with vLLM's own speculative hf_config_override, as
     vLLM makes a draft's). process_weights_after_loading is not run (it needs vLLM's
-    compiled CPU ops)."""
+    compiled CPU ops). With ``model_dtype``, the model is built and loaded in the model
+    config's dtype (BF16) as vLLM's loader does it (set_default_torch_dtype); without, its
+    unquantized parameters are torch's default F32."""
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
     from vllm.model_executor.model_loader import get_model_loader  # noqa: PLC0415
     from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
 
     register_cpu_fp8_kernel()
     config = vllm_config(path, tp_size, expert_parallel, load_format, extra, draft)
-    with set_current_vllm_config(config):
+    dtype = config.model_config.dtype if model_dtype else torch.get_default_dtype()
+    with set_current_vllm_config(config), set_default_torch_dtype(dtype):
         model = initialize_model(vllm_config=config, model_config=config.model_config)
         loader = get_model_loader(config.load_config)
         loader.load_weights(model, config.model_config)
@@ -191,6 +196,77 @@ def push(engine: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, b
     if failure:
         raise failure[0]
     return report
+
+
+def push_with(engine: Any, send: Any) -> Tuple[Dict[str, Any], str, str]:
+    """One update that ``send(sender)`` makes from a trainer thread over tcp into ``engine``:
+    (the sender's report, the trainer's error, the worker's error)."""
+    import weightstream  # noqa: PLC0415
+
+    report: Dict[str, Any] = {}
+    errors = {"trainer": "", "worker": ""}
+
+    def trainer() -> None:
+        try:
+            sender = weightstream.UpdateSender(engine.address, transport="tcp", token="secret", bucket_bytes=1 << 20)
+            report.update(send(sender))
+        except Exception as error:  # noqa: BLE001 - the error is the result (a TypeError too)
+            errors["trainer"] = f"{type(error).__name__}: {error}" if not isinstance(error, weightstream.Error) \
+                else str(error)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        engine.receive_weights(engine.parse_update_info({"accept_timeout": 120.0}))
+    except Exception as raised:  # noqa: BLE001 - the error is the result
+        errors["worker"] = str(raised)
+    finally:
+        thread.join()
+    return report, errors["trainer"], errors["worker"]
+
+
+#: The versions a delta scenario names: A (its checkpoint) and A1 (A after one step).
+VERSION_A, VERSION_A1, VERSION_OTHER = "a" * 16, "a1" * 8, "0f" * 8
+
+
+def delta_updates(tp_size: int, ep: bool, a: str, a1: str, trainer_a1: str) -> Dict[str, Any]:
+    """Issue 46 in vLLM's own classes, built and loaded in BF16 as vLLM's loader builds them (a
+    delta lands in parameters of the tensors' own dtype): the model, loaded from A with
+    ``--load-format weightstream``, holds A; a full update of A names its version,
+    a delta from another version is refused before its first byte, then the delta A -> A1 (A1:
+    1% of the elements changed; for FP8 the trainer holds A1 in BF16 and the sender quantizes
+    it, sending only the codes and scales that changed) lands in place. Each step is compared
+    with vLLM's default load of the checkpoint it should leave."""
+    reference_a, _, _ = build(a, tp_size, ep, "safetensors", model_dtype=True)
+    reference_a1, _, _ = build(a1, tp_size, ep, "safetensors", model_dtype=True)
+    model, _, config = build(a, tp_size, ep, "weightstream", model_dtype=True)
+    base = dict(sorted(checkpoint_tensors(a).items()))
+    changed = dict(sorted(checkpoint_tensors(trainer_a1).items()))
+    before = addresses(model)
+    result: Dict[str, Any] = {"before_differences": differences(model, reference_a),
+                              "dtypes": sorted({str(t.dtype) for t in model.parameters()})}
+    engine = transfer_engine(model, config, "tcp")
+    try:
+        def full(sender: Any) -> Dict[str, Any]:
+            sender.start("checkpoint", [(n, t.dtype, tuple(t.shape)) for n, t in base.items()], target=VERSION_A)
+            for name, tensor in base.items():
+                sender.send(name, tensor)
+            return sender.finish()
+
+        report, trainer, worker = push_with(engine, full)
+        result["full"] = {"bytes": report.get("bytes"), "trainer": trainer, "worker": worker,
+                          "differences": differences(model, reference_a)}
+        report, trainer, worker = push_with(
+            engine, lambda sender: sender.update_changes(base, changed, base=VERSION_OTHER, target=VERSION_A1))
+        result["wrong_base"] = {"trainer": trainer, "worker": worker, "differences": differences(model, reference_a)}
+        report, trainer, worker = push_with(
+            engine, lambda sender: sender.update_changes(base, changed, base=VERSION_A, target=VERSION_A1))
+        result["delta"] = {"bytes": report.get("bytes"), "sparse_tensors": report.get("sparse_tensors"),
+                           "dense_tensors": report.get("dense_tensors"), "trainer": trainer, "worker": worker,
+                           "differences": differences(model, reference_a1), "addresses_unchanged": addresses(model) == before}
+    finally:
+        engine.shutdown()
+    return result
 
 
 def refused_push(engine: Any, tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, str]:
@@ -310,6 +386,9 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
                                 "differences": differences(ours, reference),
                                 "addresses_unchanged": addresses(ours) == before})
             result["updates"] = updates
+        if scenario.get("delta"):
+            a1 = paths[f"{family}-{kind}-a1"]
+            result["delta"] = delta_updates(tp_size, ep, a, a1, a1 + "-bf16" if fp8 else a1)
         if scenario.get("refused_update"):
             result["refused_update"] = refused_update(ours, config)
         if scenario.get("refused_manifests"):
