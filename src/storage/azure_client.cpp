@@ -324,4 +324,47 @@ void BlobClient::get_range(std::string_view container, std::string_view key, uin
   });
 }
 
+void BlobClient::create_container(std::string_view container) {
+  const std::string path = "/" + storage::uri_encode(container, false);
+  bool token_renewed = false;  // after a 401, once per request
+  with_retries("cannot create container az://" + account() + "/" + std::string(container),
+               [&](double remaining) -> std::optional<AttemptFailure> {
+    std::string signature;
+    HttpRequest request = build("PUT", path, {{"restype", "container"}}, {{"Content-Length", "0"}}, signature);
+    request.headers.erase(std::remove_if(request.headers.begin(), request.headers.end(),
+                                         [](const Field& field) { return field.first == "Content-Length"; }),
+                          request.headers.end());  // libcurl sends the length of the (empty) upload itself
+    request.timeout_seconds = remaining;
+    auto response = send(request);
+    if (response.status == 409) return std::nullopt;  // ContainerAlreadyExists
+    if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
+      return http_failure(response, container, "", true, token_renewed, signature);
+    return std::nullopt;
+  });
+}
+
+void BlobClient::put_blob(std::string_view container, std::string_view key, std::string_view body) {
+  const std::string path = "/" + storage::uri_encode(container, false) + "/" + storage::uri_encode(key, true);
+  bool token_renewed = false;  // after a 401, once per request
+  with_retries("cannot write " + std::to_string(body.size()) + " bytes to " + azure_uri(account(), container, key),
+               [&](double remaining) -> std::optional<AttemptFailure> {
+    std::string signature;
+    // Content-Length is signed (empty when zero); libcurl sends the one it computes, the same.
+    HttpRequest request = build("PUT", path, {},
+                                {{"Content-Length", std::to_string(body.size())},
+                                 {"Content-Type", "application/octet-stream"},
+                                 {"x-ms-blob-type", "BlockBlob"}},
+                                signature);
+    request.headers.erase(std::remove_if(request.headers.begin(), request.headers.end(),
+                                         [](const Field& field) { return field.first == "Content-Length"; }),
+                          request.headers.end());
+    request.upload = body;
+    request.timeout_seconds = remaining;
+    auto response = send(request);
+    if (response.transport_error != 0 || response.status < 200 || response.status >= 300)
+      return http_failure(response, container, key, false, token_renewed, signature);
+    return std::nullopt;
+  });
+}
+
 }  // namespace weightstream::azure

@@ -71,6 +71,11 @@ class BlobClient {
   void get_range(std::string_view container, std::string_view key, uint64_t offset,
                  std::span<const std::span<std::byte>> segments, std::optional<uint64_t> whole_object_size);
 
+  /// Create Container (an existing one is fine). For test fixtures and tools.
+  void create_container(std::string_view container);
+  /// Put Blob of a small block blob. For test fixtures and tools.
+  void put_blob(std::string_view container, std::string_view key, std::string_view body);
+
   uint64_t requests() const noexcept { return requests_.load(); }
   uint64_t retries() const noexcept { return retries_.load(); }
 
