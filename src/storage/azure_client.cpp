@@ -95,17 +95,18 @@ ListPage parse_list_page(std::string_view xml) {
   return page;
 }
 
-ErrorBody parse_error_body(std::string_view xml) {
+ErrorBody parse_error_body(std::string_view xml, const std::function<std::string(std::string)>& redact) {
   ErrorBody body;
   if (xml.empty()) return body;
   pugi::xml_document document;
   if (!document.load_buffer(xml.data(), xml.size(), pugi::parse_default, pugi::encoding_utf8)) return body;
   auto root = document.child("Error");
   if (!root) return body;
-  body.code = clip(root.child_value("Code"), 80);
+  auto masked = [&](std::string text) { return redact ? redact(std::move(text)) : text; };
+  body.code = clip(masked(root.child_value("Code")), 80);
   // The first line: Azure adds "RequestId:…\nTime:…" on the next ones.
   std::string_view message = root.child_value("Message");
-  body.message = clip(message.substr(0, message.find('\n')));
+  body.message = clip(masked(std::string(message.substr(0, message.find('\n')))));
   return body;
 }
 
@@ -169,10 +170,11 @@ void BlobClient::with_retries(const std::string& operation,
 AttemptFailure BlobClient::http_failure(const HttpResponse& response, std::string_view container, std::string_view key,
                                         bool listing, bool& token_renewed, const std::string& signature) {
   if (response.transport_error != 0) return storage::transport_failure(response, "the system CA store");
-  ErrorBody body = parse_error_body(redact(response.body, signature));
+  // Redacted field by field after parsing: "<redacted>" inside the XML would break it.
+  ErrorBody body = parse_error_body(response.body, [&](std::string text) { return redact(std::move(text), signature); });
   // A HEAD's answer has no body: the code comes in x-ms-error-code.
   if (body.code.empty()) body.code = clip(redact(response.header("x-ms-error-code"), signature), 80);
-  const std::string request_id = redact(clip(response.header("x-ms-request-id"), 100), signature);
+  const std::string request_id = clip(redact(response.header("x-ms-request-id"), signature), 100);
   const long status = response.status;
   AttemptFailure failure;
   failure.cause = "HTTP " + std::to_string(status);
@@ -188,12 +190,12 @@ AttemptFailure BlobClient::http_failure(const HttpResponse& response, std::strin
   const std::string container_uri = "az://" + account() + "/" + std::string(container);
   if (status == 401 || status == 403) {
     failure.code = ErrorCode::kPermission;
-    if (credentials_.kind() == Credentials::Kind::kManagedIdentity && !token_renewed) {
+    if (status == 401 && credentials_.kind() == Credentials::Kind::kManagedIdentity && !token_renewed) {
       // An expired or revoked token: one more attempt, with a fresh one; a fresh token
       // refused too is a credential problem, not retried.
       credentials_.invalidate();
       token_renewed = true;
-      failure.retryable = status == 401;
+      failure.retryable = true;
     }
     failure.advice = "a credential problem: check the credentials (" + credentials_.description() +
                      ") and that they may read " + container_uri;
@@ -305,7 +307,7 @@ void BlobClient::get_range(std::string_view container, std::string_view key, uin
     const bool success_status = response.status >= 200 && response.status < 300;
     if ((response.transport_error != 0 && !response.overflow) || !success_status)
       return http_failure(response, container, key, false, token_renewed, signature);
-    const std::string request_id = redact(clip(response.header("x-ms-request-id"), 100), signature);
+    const std::string request_id = clip(redact(response.header("x-ms-request-id"), signature), 100);
     const std::string id_note = request_id.empty() ? "" : " (request id " + request_id + ")";
     auto check = storage::check_range_response(response, offset, size, whole, id_note);
     if (check.failure) return check.failure;

@@ -41,8 +41,9 @@ struct ErrorBody {
   std::string code;     ///< e.g. "BlobNotFound", "AuthenticationFailed"
   std::string message;  ///< its first line
 };
-/// Parses an error body leniently: anything else yields empty fields. Fields are cut short.
-ErrorBody parse_error_body(std::string_view xml);
+/// Parses an error body leniently: anything else yields empty fields. Each field passes
+/// through `redact` (when given) before it is cut short, so no part of a secret survives the cut.
+ErrorBody parse_error_body(std::string_view xml, const std::function<std::string(std::string)>& redact = {});
 
 /// Thread-safe client of one account's Blob service.
 class BlobClient {

@@ -122,8 +122,18 @@ ConnectionString parse_connection_string(std::string_view text) {
       parsed.endpoint_suffix = value;
     } else if (name == "usedevelopmentstorage") {
       parsed.development = lowercase(value) == "true";
+    } else {
+      // Other services' settings are fine; anything else is a mistake (an AccountKey whose
+      // name was lost reads as a "name" of key material: it is not quoted).
+      static constexpr std::string_view kOtherServices[] = {
+          "queueendpoint", "tableendpoint", "fileendpoint", "dfsendpoint", "blobsecondaryendpoint",
+          "queuesecondaryendpoint", "tablesecondaryendpoint", "filesecondaryendpoint", "developmentstorageproxyuri"};
+      WS_EXPECT(std::find(std::begin(kOtherServices), std::end(kOtherServices), name) != std::end(kOtherServices),
+                ErrorCode::kConfig,
+                "AZURE_STORAGE_CONNECTION_STRING: part " + std::to_string(part_number) +
+                    " is not a setting of a connection string (expected DefaultEndpointsProtocol, AccountName, "
+                    "AccountKey, SharedAccessSignature, BlobEndpoint, EndpointSuffix or UseDevelopmentStorage)");
     }
-    // QueueEndpoint, TableEndpoint, FileEndpoint, DevelopmentStorageProxyUri…: not the Blob service's.
   }
   if (parsed.development) {
     if (parsed.account.empty()) parsed.account = std::string(kDevelopmentAccount);

@@ -49,7 +49,8 @@ struct ConnectionString {
 };
 
 /// Parses AZURE_STORAGE_CONNECTION_STRING's text ("Name=value;…", names in any case; other
-/// services' endpoints are ignored). Throws Error(kConfig) on a part without '=', a
+/// services' endpoints are ignored). Throws Error(kConfig) on a part without '=' or with a
+/// name no connection string has, a
 /// DefaultEndpointsProtocol other than http or https, a BlobEndpoint that is not an http(s)
 /// URL, or a string that gives neither an account nor a BlobEndpoint. Messages quote names,
 /// never values.

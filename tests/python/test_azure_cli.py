@@ -77,7 +77,7 @@ def digest_lines(result):
 
 @pytest.mark.parametrize("variables, expected", [
     ({"AZURE_STORAGE_CONNECTION_STRING": "AccountName=myaccount;" + DEV_KEY},
-     "AZURE_STORAGE_CONNECTION_STRING: part 2 is not Name=value"),
+     "AZURE_STORAGE_CONNECTION_STRING: part 2 is not a setting of a connection string"),
     ({"AZURE_STORAGE_KEY": "not base64! " + SAS_SIG}, "the AZURE_STORAGE_KEY is not base64"),
     ({"AZURE_STORAGE_SAS_TOKEN": "sv=2021-08-06&sp=r"}, "AZURE_STORAGE_SAS_TOKEN is not a SAS token"),
     ({"AZURE_STORAGE_ACCOUNT": "otheraccount", "AZURE_STORAGE_KEY": DEV_KEY},
