@@ -648,6 +648,12 @@ TEST(AzureListing, ParsesMicrosoftsDocumentedResponseAndRefusesMalformedOnes) {
   EXPECT_EQ(page.prefixes, std::vector<std::string>{"m/d/"});
   EXPECT_EQ(page.next_marker, "2!96!abc");
   EXPECT_TRUE(azure::parse_list_page("<EnumerationResults/>").objects.empty());
+  // Azure starts its XML with a UTF-8 byte order mark.
+  auto bom = azure::parse_list_page("\xEF\xBB\xBF<?xml version=\"1.0\" encoding=\"utf-8\"?><EnumerationResults><Blobs><Blob>"
+                                    "<Name>x</Name><Properties><Content-Length>3</Content-Length></Properties></Blob>"
+                                    "</Blobs></EnumerationResults>");
+  ASSERT_EQ(bom.objects.size(), 1u);
+  EXPECT_EQ(bom.objects[0].size, 3u);
   for (std::string bad : {"<EnumerationResults>", "<ListBucketResult/>",
                           "<EnumerationResults><Blobs><Blob><Properties><Content-Length>1</Content-Length></Properties>"
                           "</Blob></Blobs></EnumerationResults>",
