@@ -7,7 +7,6 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
-#include <pugixml.hpp>
 
 #include "storage/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
@@ -64,50 +63,6 @@ storage::HttpSettings settings_of(const S3Options& transfer) {
 
 std::string azure_uri(std::string_view account, std::string_view container, std::string_view key) {
   return "az://" + std::string(account) + "/" + std::string(container) + "/" + std::string(key);
-}
-
-ListPage parse_list_page(std::string_view xml) {
-  pugi::xml_document document;
-  // parse_default without entity/doctype extras; pugixml never fetches external entities.
-  pugi::xml_parse_result parsed = document.load_buffer(xml.data(), xml.size(), pugi::parse_default, pugi::encoding_utf8);
-  WS_EXPECT(parsed, ErrorCode::kFormat,
-            std::string("malformed List Blobs response: ") + parsed.description() + " at byte " +
-                std::to_string(parsed.offset));
-  auto root = document.child("EnumerationResults");
-  WS_EXPECT(root, ErrorCode::kFormat,
-            "malformed List Blobs response: the root element is <" + clip(document.first_child().name()) +
-                ">, not <EnumerationResults>");
-  ListPage page;
-  auto blobs = root.child("Blobs");
-  for (auto blob : blobs.children("Blob")) {
-    auto name = blob.child("Name");
-    WS_EXPECT(name && *name.text().get() != '\0', ErrorCode::kFormat,
-              "malformed List Blobs response: a <Blob> without <Name>");
-    std::string_view size_text = blob.child("Properties").child_value("Content-Length");
-    auto size = parse_size(size_text);
-    WS_EXPECT(size.has_value(), ErrorCode::kFormat,
-              "malformed List Blobs response: blob '" + clip(name.text().get()) + "' has Content-Length '" +
-                  clip(size_text) + "', not a whole number of bytes");
-    page.objects.push_back({name.text().get(), *size});
-  }
-  for (auto prefix : blobs.children("BlobPrefix")) page.prefixes.emplace_back(prefix.child_value("Name"));
-  page.next_marker = root.child_value("NextMarker");
-  return page;
-}
-
-ErrorBody parse_error_body(std::string_view xml, const std::function<std::string(std::string)>& redact) {
-  ErrorBody body;
-  if (xml.empty()) return body;
-  pugi::xml_document document;
-  if (!document.load_buffer(xml.data(), xml.size(), pugi::parse_default, pugi::encoding_utf8)) return body;
-  auto root = document.child("Error");
-  if (!root) return body;
-  auto masked = [&](std::string text) { return redact ? redact(std::move(text)) : text; };
-  body.code = clip(masked(root.child_value("Code")), 80);
-  // The first line: Azure adds "RequestId:…\nTime:…" on the next ones.
-  std::string_view message = root.child_value("Message");
-  body.message = clip(masked(std::string(message.substr(0, message.find('\n')))));
-  return body;
 }
 
 BlobClient::BlobClient(std::string account, std::string_view uri_endpoint, const AzureOptions& options,

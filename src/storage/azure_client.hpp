@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "storage/azure_credentials.hpp"
+#include "storage/azure_listing.hpp"
 #include "storage/http_client.hpp"
 #include "storage/object_store.hpp"
 #include "storage/retry_policy.hpp"
@@ -24,26 +25,6 @@ namespace weightstream::azure {
 
 /// "az://account/container/key".
 std::string azure_uri(std::string_view account, std::string_view container, std::string_view key);
-
-/// One page of a List Blobs response.
-struct ListPage {
-  std::vector<storage::ListedKey> objects;
-  std::vector<std::string> prefixes;  ///< BlobPrefix names (with a delimiter)
-  std::string next_marker;            ///< empty on the last page
-};
-/// Parses a List Blobs response body (<EnumerationResults><Blobs><Blob><Name>…<Properties>
-/// <Content-Length>…). Throws Error(kFormat) on malformed XML, another root, a Blob without a
-/// Name, or a Content-Length that is not a whole number of bytes below 2^64.
-ListPage parse_list_page(std::string_view xml);
-
-/// The parts of an error body (<Error><Code>…</Code><Message>…</Message></Error>).
-struct ErrorBody {
-  std::string code;     ///< e.g. "BlobNotFound", "AuthenticationFailed"
-  std::string message;  ///< its first line
-};
-/// Parses an error body leniently: anything else yields empty fields. Each field passes
-/// through `redact` (when given) before it is cut short, so no part of a secret survives the cut.
-ErrorBody parse_error_body(std::string_view xml, const std::function<std::string(std::string)>& redact = {});
 
 /// Thread-safe client of one account's Blob service.
 class BlobClient {
