@@ -40,8 +40,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto body = weightstream::azure::parse_error_body(xml);
   check_field(body.code);
   check_field(body.message);
+  check_field(body.detail);
   auto masked = weightstream::azure::parse_error_body(xml, [](std::string text) { return text + "<redacted>\n"; });
   check_field(masked.code);
   check_field(masked.message);
+  check_field(masked.detail);
   return 0;
 }

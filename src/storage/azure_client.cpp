@@ -136,6 +136,7 @@ AttemptFailure BlobClient::http_failure(const HttpResponse& response, std::strin
   if (!body.code.empty()) failure.cause += " " + body.code;
   failure.kind = failure.cause;
   if (!body.message.empty()) failure.cause += ": " + body.message;
+  if (!body.detail.empty()) failure.cause += " (" + body.detail + ")";
   if (!request_id.empty()) failure.cause += " (request id " + request_id + ")";
   if (status >= 500 || status == 429 || status == 408) {
     failure.retryable = true;

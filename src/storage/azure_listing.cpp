@@ -67,6 +67,8 @@ ErrorBody parse_error_body(std::string_view xml, const std::function<std::string
   // The first line: Azure adds "RequestId:…\nTime:…" on the next ones.
   std::string_view message = root.child_value("Message");
   body.message = clip(masked(std::string(message.substr(0, message.find('\n')))));
+  std::string_view detail = root.child_value("AuthenticationErrorDetail");
+  body.detail = clip(masked(std::string(detail.substr(0, detail.find('\n')))));
   return body;
 }
 

@@ -29,6 +29,9 @@ ListPage parse_list_page(std::string_view xml);
 struct ErrorBody {
   std::string code;     ///< e.g. "BlobNotFound", "AuthenticationFailed"
   std::string message;  ///< its first line
+  /// AuthenticationErrorDetail's first line, which says why a signature was refused (a clock
+  /// off by more than 15 minutes, a MAC that differs); empty for other errors.
+  std::string detail;
 };
 /// Parses an error body leniently: anything else yields empty fields. Each field passes
 /// through `redact` (when given) before it is cut short, so no part of a secret survives the cut.

@@ -84,9 +84,12 @@ std::string head_response(uint64_t size) {
 }
 
 /// An Azure error document, as the service sends it.
-std::string error_response(int status, const std::string& reason, const std::string& code, const std::string& message) {
-  const std::string body = "<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>" + code + "</Code><Message>" +
-                           message + "\nRequestId:abc\nTime:2026-12-07T12:00:00Z</Message></Error>";
+std::string error_response(int status, const std::string& reason, const std::string& code, const std::string& message,
+                           const std::string& detail = {}) {
+  const std::string body = "\xEF\xBB\xBF<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>" + code +
+                           "</Code><Message>" + message + "\nRequestId:abc\nTime:2026-12-07T12:00:00Z</Message>" +
+                           (detail.empty() ? "" : "<AuthenticationErrorDetail>" + detail + "</AuthenticationErrorDetail>") +
+                           "</Error>";
   return "HTTP/1.1 " + std::to_string(status) + " " + reason +
          "\r\nContent-Type: application/xml\r\nx-ms-request-id: req-9\r\nx-ms-error-code: " + code +
          "\r\nConnection: close\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
@@ -566,6 +569,34 @@ TEST(AzureErrors, AuthenticationFailedIsNotRetriedAndEchoesNoSignature) {
     expect_no_secret(error.what());
   }
   EXPECT_EQ(server.requests().size(), 1u);
+}
+
+TEST(AzureErrors, WhyASignatureWasRefusedIsShownWithoutTheSignature) {
+  // Azure says why in AuthenticationErrorDetail: a clock too far off, or a MAC that differs
+  // (quoting the signature it was sent, which is masked).
+  LoopbackServer clock(error_response(403, "Forbidden", "AuthenticationFailed",
+                                      "Server failed to authenticate the request. Make sure the value of Authorization "
+                                      "header is formed correctly including the signature.",
+                                      "Request date header too old: 'Mon, 07 Dec 2026 11:00:00 GMT'"));
+  try {
+    open_azure_storage("devstoreaccount1", "models", "llama", emulator_options(clock.endpoint()))->list();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kPermission);
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("HTTP 403 AuthenticationFailed: Server failed to authenticate"),
+                                    HasSubstr("(Request date header too old: 'Mon, 07 Dec 2026 11:00:00 GMT')")));
+  }
+  LoopbackServer mac(error_response(403, "Forbidden", "AuthenticationFailed", "Server failed to authenticate the request.",
+                                    "The MAC signature found in the HTTP request '" + kKey +
+                                        "' is not the same as any computed signature. Server used following string "
+                                        "to sign: 'GET\n\n'."));
+  try {
+    open_azure_storage("devstoreaccount1", "models", "llama", emulator_options(mac.endpoint()))->list();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("(The MAC signature found in the HTTP request '<redacted>' is not the same"));
+    expect_no_secret(error.what());
+  }
 }
 
 TEST(AzureErrors, AMissingBlobOrContainerIsNotFoundNamingIt) {
