@@ -599,6 +599,37 @@ TEST(AzureErrors, WhyASignatureWasRefusedIsShownWithoutTheSignature) {
   }
 }
 
+TEST(AzureErrors, NoSignatureOrTokenSentIsQuotedBack) {
+  // A server that quotes back the whole Authorization header it was sent, in the message and
+  // in the detail: the Shared Key signature of that request, and a managed identity's token.
+  const std::string refusal = error_response(403, "Forbidden", "AuthenticationFailed",
+                                             "Refused " + std::string(LoopbackServer::kEchoAuthorization),
+                                             "Header " + std::string(LoopbackServer::kEchoAuthorization));
+  LoopbackServer server(refusal);
+  try {
+    open_azure_storage("devstoreaccount1", "models", "llama", emulator_options(server.endpoint()))->list();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    const std::string sent = header_of(server.requests().at(0), "Authorization");
+    ASSERT_TRUE(sent.starts_with("SharedKey devstoreaccount1:"));
+    EXPECT_THAT(error.what(), AllOf(HasSubstr("Refused SharedKey devstoreaccount1:<redacted>"),
+                                    HasSubstr("(Header SharedKey devstoreaccount1:<redacted>)"),
+                                    Not(HasSubstr(sent.substr(sent.find(':') + 1)))));
+  }
+  LoopbackServer imds(json_response(200, "OK", nlohmann::json{{"access_token", kTestToken}, {"expires_in", "3600"}}.dump()));
+  LoopbackServer storage_endpoint(refusal);
+  Options options;
+  options.s3 = transfer();
+  options.azure.imds_host = imds.endpoint();
+  try {
+    open_azure_storage("myaccount", "models", "llama", options, storage_endpoint.endpoint())->list();
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_THAT(error.what(), HasSubstr("Refused Bearer <redacted>"));
+    expect_no_secret(error.what());
+  }
+}
+
 TEST(AzureErrors, AMissingBlobOrContainerIsNotFoundNamingIt) {
   {
     // A HEAD's 404 has no body: the code is in x-ms-error-code.
