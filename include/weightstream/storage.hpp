@@ -20,17 +20,24 @@ namespace weightstream {
 
 /// A parsed checkpoint location.
 struct Uri {
-  enum class Scheme { kFile, kS3, kGcs, kHttp };
+  enum class Scheme { kFile, kS3, kGcs, kAzure, kHttp };
   Scheme scheme = Scheme::kFile;
   /// The text as given.
   std::string text;
-  /// kFile: absolute or relative path. kS3, kGcs: key or prefix (no leading '/'). kHttp: URL.
+  /// kFile: absolute or relative path. kS3, kGcs, kAzure: key or prefix (no leading '/'). kHttp: URL.
   std::string path;
-  /// kS3, kGcs: bucket name.
+  /// kS3, kGcs: bucket name. kAzure: container name.
   std::string bucket;
+  /// kAzure: the storage account.
+  std::string account;
+  /// kAzure given as https://ACCOUNT.blob.core.windows.net/…: that endpoint
+  /// ("https://ACCOUNT.blob.core.windows.net"); empty for az://.
+  std::string endpoint;
 };
 
-/// Parses a plain path, file://PATH, s3://bucket/prefix, gs://bucket/prefix or http(s)://... URI.
+/// Parses a plain path, file://PATH, s3://bucket/prefix, gs://bucket/prefix,
+/// az://account/container/prefix, https://ACCOUNT.blob.core.windows.net/container/prefix or
+/// http(s)://... URI.
 /// Throws Error(kInvalidArgument) on an empty, malformed or unsupported URI.
 Uri parse_uri(std::string_view text);
 
@@ -163,6 +170,17 @@ std::unique_ptr<Storage> open_s3_storage(const std::string& bucket, const std::s
 /// Throws Error(kInvalidArgument) on a bucket name GCS does not allow, Error(kConfig) on an
 /// unreadable or malformed key file.
 std::unique_ptr<Storage> open_gcs_storage(const std::string& bucket, const std::string& prefix, const Options& options);
+
+/// Azure Blob Storage under az://account/container/prefix (List Blobs, Get Blob Properties and
+/// ranged Get Blob): endpoint and credentials from options.azure (a connection string, an
+/// account key, a SAS token, a managed identity, or anonymous), connections, request size,
+/// retries and timeouts from the transfer fields of options.s3. `endpoint` is the https URL
+/// form's endpoint, empty for az://. Throws Error(kInvalidArgument) on an account or container
+/// name Azure does not allow, Error(kConfig) on a malformed connection string, key or SAS token,
+/// or credentials of another account.
+std::unique_ptr<Storage> open_azure_storage(const std::string& account, const std::string& container,
+                                            const std::string& prefix, const Options& options,
+                                            const std::string& endpoint = {});
 
 /// A presigned GET URL for s3://bucket/key (SigV4 query-string authentication), valid for
 /// `expires_seconds` (1 to 604800) from `amz_date` (YYYYMMDDTHHMMSSZ; empty means now), signed

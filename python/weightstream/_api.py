@@ -254,8 +254,10 @@ class TensorIterator:
 def open(uri: str, **options: Any) -> Checkpoint:  # noqa: A001 - mirrors gzip.open and friends
     """Opens a checkpoint and reads every header: ``uri`` is a .safetensors file, a
     directory of shards, file://PATH, s3://bucket/prefix (S3 settings from the AWS_* and
-    WEIGHTSTREAM_S3_* environment variables) or gs://bucket/prefix (GCS credentials from
-    STORAGE_EMULATOR_HOST, GOOGLE_APPLICATION_CREDENTIALS or the metadata server). Raises weightstream.Error naming the object
+    WEIGHTSTREAM_S3_* environment variables), gs://bucket/prefix (GCS credentials from
+    STORAGE_EMULATOR_HOST, GOOGLE_APPLICATION_CREDENTIALS or the metadata server) or
+    az://account/container/prefix (AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_KEY,
+    AZURE_STORAGE_SAS_TOKEN or the managed identity). Raises weightstream.Error naming the object
     and the rule broken (.code "not_found", "format", ...).
     """
     return Checkpoint(uri, **options)

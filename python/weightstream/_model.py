@@ -75,7 +75,7 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
     """Builds the layout of a model of a supported architecture (llama, qwen3, qwen3_moe,
     mixtral, deepseek_v3, kimi_k2, glm4_moe, qwen3_next) for one rank from its Hugging Face
     config: a dict, JSON text, a path to config.json, a checkpoint directory or URI
-    (file://, s3://, gs://: its config.json), or an open Checkpoint. ``dtype`` is the parameters'
+    (file://, s3://, gs://, az://: its config.json), or an open Checkpoint. ``dtype`` is the parameters'
     safetensors dtype (default: the config's torch_dtype); ``quantize`` "fp8" quantizes
     linear weights per tensor once a layer is complete (an FP8 block-quantized checkpoint's
     weights are held as shipped, with their ``weight_scale_inv`` blocks); ``modules``

@@ -32,7 +32,7 @@ def safetensors_weights_iterator(
 
     ``hf_weights_files`` is a list of .safetensors files, streamed one after another in
     the order given (vLLM sorts them before the call), or a single URI: a file, a
-    directory of shards, s3://bucket/prefix or gs://bucket/prefix. Tensors come in file order, each with its own
+    directory of shards, s3://bucket/prefix, gs://bucket/prefix or az://account/container/prefix. Tensors come in file order, each with its own
     memory on ``device`` ("cpu", as vLLM's iterator yields, or "cuda:N" to land them on the
     GPU directly), at most memory_limit bytes read ahead of the consumer.
 

@@ -127,6 +127,9 @@ const Variable kVariables[] = {
     {"WEIGHTSTREAM_GCS_ANONYMOUS", [](Options& options, std::string_view name, const std::string& value) {
        options.gcs.anonymous = parse_flag(name, value);
      }},
+    {"WEIGHTSTREAM_AZURE_ANONYMOUS", [](Options& options, std::string_view name, const std::string& value) {
+       options.azure.anonymous = parse_flag(name, value);
+     }},
     {"WEIGHTSTREAM_PEER_TOKEN", [](Options& options, std::string_view, const std::string& value) {
        options.peer_token = value;
      }},
@@ -208,6 +211,17 @@ Options options_from_environment(const Environment& environment) {
   gcs.emulator_host = first_of(environment, {"STORAGE_EMULATOR_HOST"});
   gcs.credentials_file = first_of(environment, {"GOOGLE_APPLICATION_CREDENTIALS"});
   if (auto host = first_of(environment, {"GCE_METADATA_HOST"}); !host.empty()) gcs.metadata_host = host;
+
+  // Azure's variables, as its CLI and azure-identity read them.
+  auto& azure = options.azure;
+  azure.connection_string = first_of(environment, {"AZURE_STORAGE_CONNECTION_STRING"});
+  azure.account = first_of(environment, {"AZURE_STORAGE_ACCOUNT"});
+  azure.account_key = first_of(environment, {"AZURE_STORAGE_KEY"});
+  azure.sas_token = first_of(environment, {"AZURE_STORAGE_SAS_TOKEN"});
+  azure.identity_endpoint = first_of(environment, {"IDENTITY_ENDPOINT"});
+  azure.identity_header = first_of(environment, {"IDENTITY_HEADER"});
+  if (auto host = first_of(environment, {"AZURE_POD_IDENTITY_AUTHORITY_HOST"}); !host.empty()) azure.imds_host = host;
+  azure.client_id = first_of(environment, {"AZURE_CLIENT_ID"});
 
   const auto* primary = find(environment, "WEIGHTSTREAM_MODEL_URI");
   const auto* alias = find(environment, "MX_MODEL_URI");

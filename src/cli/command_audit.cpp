@@ -289,7 +289,7 @@ void add_audit_command(CLI::App& app) {
   auto* command = app.add_subcommand(
       "audit", "Cold load, reload in batches, and compare every parameter and derived buffer with a fresh load");
   // Required unless the draft path below is taken (its sources can name the checkpoint).
-  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3:// or gs://");
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3://, gs:// or az://");
   command->add_option("--reload", flags->reload_uri, "Checkpoint to reload from (default: URI)");
   command->add_option("--device", flags->device, "Where parameters live: cpu or cuda:N (default cpu)");
   add_layout_flags(*command, flags->layout);

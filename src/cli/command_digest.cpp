@@ -25,7 +25,7 @@ void add_digest_command(CLI::App& app) {
       "digest",
       "Hash every tensor's bytes as they are streamed (one line per tensor), then print the checkpoint's content "
       "digest: xxh64 over every tensor's name, dtype, shape and xxh64, what `serve` publishes and --expect-digest takes");
-  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3:// or gs://")->required();
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3://, gs:// or az://")->required();
   command->add_option("--hash", flags->hash, "sha256 or xxh64 (default sha256)")->check(CLI::IsMember({"sha256", "xxh64"}));
   command->add_option("--device", flags->device, "Land the bytes on cpu or cuda:N and hash them from there");
   command->add_flag("--json", flags->json,

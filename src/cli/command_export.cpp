@@ -52,7 +52,7 @@ struct ExportFlags {
 void add_export_command(CLI::App& app) {
   auto flags = std::make_shared<ExportFlags>();
   auto* command = app.add_subcommand("export", "Write this rank's parameters, as loaded, to one safetensors file");
-  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3:// or gs://")->required();
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3://, gs:// or az://")->required();
   command->add_option("output", flags->output, "The .safetensors file to write")->required();
   add_layout_flags(*command, flags->layout);
   command->add_flag("--json", flags->json, "Print JSON: output, layout, tensors, bytes");

@@ -19,7 +19,7 @@ struct InspectFlags {
 void add_inspect_command(CLI::App& app) {
   auto flags = std::make_shared<InspectFlags>();
   auto* command = app.add_subcommand("inspect", "List a checkpoint's tensors: dtype, shape, bytes and shard; totals; metadata");
-  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3:// or gs://")->required();
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3://, gs:// or az://")->required();
   command->add_flag("--json", flags->json, "Print JSON");
   command->add_flag("--content", flags->content,
                     "Also print the content digest (what `serve` publishes and --expect-digest takes): reads every "

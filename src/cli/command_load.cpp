@@ -29,7 +29,7 @@ void add_load_command(CLI::App& app) {
   auto flags = std::make_shared<LoadFlags>();
   auto* command = app.add_subcommand("load", "Stream every tensor of a checkpoint into memory and report the throughput");
   // Required unless the resolve path below is taken (its sources can name the checkpoint).
-  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3:// or gs://");
+  command->add_option("uri", flags->uri, "Checkpoint: a .safetensors file, a directory, file://, s3://, gs:// or az://");
   command->add_option("--device", flags->device, "Destination: cpu or cuda:N (default cpu)");
   command->add_flag("--json", flags->json, "Print JSON: tensors, bytes, seconds, gbps, peak_staging_bytes, ...");
   add_stream_flags(*command, flags->stream);

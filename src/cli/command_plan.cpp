@@ -106,7 +106,7 @@ void add_plan_command(CLI::App& app) {
   auto flags = std::make_shared<PlanFlags>();
   auto* command = app.add_subcommand(
       "plan", "Dry run: which checkpoint tensors, shards and byte ranges fill each parameter of this rank");
-  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3:// or gs://")->required();
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3://, gs:// or az://")->required();
   add_layout_flags(*command, flags->layout);
   command->add_flag("--json", flags->json, "Print JSON: parameters with their parts and byte ranges, unused, missing");
   command->callback([flags] {

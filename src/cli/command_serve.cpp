@@ -33,7 +33,7 @@ struct ServeFlags {
 void add_serve_command(CLI::App& app) {
   auto flags = std::make_shared<ServeFlags>();
   auto* command = app.add_subcommand("serve", "Load a rank's parameters and publish them to peers (peer://) until SIGINT/SIGTERM");
-  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3:// or gs://")->required();
+  command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3://, gs:// or az://")->required();
   command->add_option("--listen", flags->listen, "HOST:PORT to listen on (default 127.0.0.1:0, a free loopback port)");
   add_layout_flags(*command, flags->layout);
   command->add_option("--device", flags->device,

@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "weightstream/error.hpp"
+#include "weightstream/storage.hpp"
 
 namespace weightstream::cli {
 namespace {
@@ -85,8 +86,13 @@ std::unique_ptr<MetricsEndpoint> start_metrics(const MetricsFlags& flags) {
 }
 
 std::string storage_kind(const std::string& uri) {
-  for (const char* scheme : {"s3", "gs", "peer"}) {
+  for (const char* scheme : {"s3", "gs", "az", "peer"}) {
     if (uri.starts_with(std::string(scheme) + "://")) return scheme;
+  }
+  // https://ACCOUNT.blob.core.windows.net/… is Azure Blob too.
+  try {
+    if (parse_uri(uri).scheme == Uri::Scheme::kAzure) return "az";
+  } catch (const Error&) {
   }
   return "file";
 }

@@ -50,7 +50,7 @@ ModelLayout peer_layout(const PeerSource& source, const LayoutFlags& layout_flag
 void add_peer_flags(CLI::App& command, PeerFlags& flags, bool token_flag) {
   if (token_flag) command.add_flag("--token-stdin", flags.token_stdin, "peer:// sources: read the serving peers' token from the first line of stdin (else WEIGHTSTREAM_PEER_TOKEN)");
   command.add_option("--fallback", flags.fallback,
-                     "peer:// sources: a checkpoint (directory, file://, s3://, gs://) loaded instead when the peers fail");
+                     "peer:// sources: a checkpoint (directory, file://, s3://, gs://, az://) loaded instead when the peers fail");
   command.add_option("--peer-timeout", flags.timeout_seconds,
                      "peer:// sources: seconds a connect, message or read may go without progress (default 30)")
       ->check(CLI::Range(0.1, 86400.0));

@@ -271,12 +271,12 @@ class ObjectStorageStrategy final : public LoadStrategy {
   std::string name() const override { return "object storage"; }
   StrategyAvailability available(const LoadContext& context) const override {
     Uri::Scheme scheme = parse_uri(context.uri).scheme;
-    if (scheme == Uri::Scheme::kS3 || scheme == Uri::Scheme::kGcs) return {true, {}};
+    if (scheme == Uri::Scheme::kS3 || scheme == Uri::Scheme::kGcs || scheme == Uri::Scheme::kAzure) return {true, {}};
     // open_storage refuses http(s) too; saying so here names the fix before any planning.
     if (scheme == Uri::Scheme::kHttp)
       return {false, context.uri + ": http(s) checkpoints are not supported yet; use s3:// with an endpoint "
                                    "(AWS_ENDPOINT_URL)"};
-    return {false, context.uri + " is not an s3:// or gs:// URI"};
+    return {false, context.uri + " is not an s3://, gs:// or az:// URI"};
   }
   StrategyLoad load(LoadContext& context) override { return load_from_storage(context, name()); }
 };

@@ -1,5 +1,5 @@
 #pragma once
-// The one HTTP/1.1 client of the object-store backends (s3://, gs://), over libcurl
+// The one HTTP/1.1 client of the object-store backends (s3://, gs://, az://), over libcurl
 // (internal to the storage layer). Easy handles are pooled and reused, so their connections
 // stay open across requests (libcurl keeps a connection cache per easy handle); a limiter
 // bounds requests in flight. This layer only moves bytes: retries live in retry_policy.hpp,

@@ -1,5 +1,5 @@
 #pragma once
-// What the Storage of every object store (s3://, gs://) needs of its service, internal to
+// What the Storage of every object store (s3://, gs://, az://) needs of its service, internal to
 // the storage layer: list one level of a prefix, an object's size and stored checksums,
 // and a ranged read into memory, each already retried under the shared policy. One
 // Storage implementation (object_store_storage.cpp) does the rest for all of them: names

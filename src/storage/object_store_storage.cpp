@@ -1,4 +1,4 @@
-// The Storage of every object store (s3://, gs://): a prefix of a bucket seen as a flat
+// The Storage of every object store (s3://, gs://, az://): a prefix of a bucket seen as a flat
 // directory, read in parallel ranged requests.
 #include <algorithm>
 #include <map>

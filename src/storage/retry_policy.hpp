@@ -1,5 +1,5 @@
 #pragma once
-// The one retry policy of the object-store backends (s3://, gs://), internal to the storage
+// The one retry policy of the object-store backends (s3://, gs://, az://), internal to the storage
 // layer: exponential backoff with "full jitter" (sleep uniformly in [0, min(cap, base *
 // 2^attempt)]) after AWS's guidance, which Google's client libraries follow too
 // (https://cloud.google.com/storage/docs/retry-strategy), a deadline across attempts, and

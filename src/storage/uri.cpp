@@ -1,14 +1,36 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "storage/azure_credentials.hpp"
 #include "storage/gcs_client.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
 
 namespace weightstream {
+namespace {
+
+// CONTAINER/PREFIX of an Azure URI whose account is already in `uri`.
+void parse_azure_path(Uri& uri, std::string_view rest, std::string_view form) {
+  auto slash = rest.find('/');
+  uri.bucket = std::string(rest.substr(0, slash));
+  uri.path = slash == std::string_view::npos ? std::string() : std::string(rest.substr(slash + 1));
+  while (!uri.path.empty() && uri.path.back() == '/') uri.path.pop_back();
+  WS_EXPECT(!uri.account.empty(), ErrorCode::kInvalidArgument,
+            "'" + uri.text + "': Azure URI without an account (expected " + std::string(form) + ")");
+  WS_EXPECT(azure::valid_account_name(uri.account), ErrorCode::kInvalidArgument,
+            "'" + uri.text + "': storage account name '" + uri.account +
+                "' is not valid (3-24 characters: a-z, 0-9)");
+  WS_EXPECT(!uri.bucket.empty(), ErrorCode::kInvalidArgument,
+            "'" + uri.text + "': Azure URI without a container (expected " + std::string(form) + ")");
+  WS_EXPECT(azure::valid_container_name(uri.bucket), ErrorCode::kInvalidArgument,
+            "'" + uri.text + "': container name '" + uri.bucket +
+                "' is not valid (3-63 characters: a-z, 0-9, '-'; starting and ending with a letter or digit, no '--')");
+}
+
+}  // namespace
 
 Uri parse_uri(std::string_view text) {
-  WS_EXPECT(!text.empty(), ErrorCode::kInvalidArgument, "empty checkpoint URI: give a path, file://PATH, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX");
+  WS_EXPECT(!text.empty(), ErrorCode::kInvalidArgument, "empty checkpoint URI: give a path, file://PATH, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or az://ACCOUNT/CONTAINER/PREFIX");
   WS_EXPECT(text.find('\0') == std::string_view::npos, ErrorCode::kInvalidArgument, "checkpoint URI contains a NUL byte");
   Uri uri;
   uri.text = std::string(text);
@@ -58,12 +80,37 @@ Uri parse_uri(std::string_view text) {
                   "' is not valid (3-63 characters: a-z, 0-9, '-', '_', '.'; starting and ending with a letter or digit)");
     return uri;
   }
+  if (scheme == "az") {
+    // az://ACCOUNT/CONTAINER/PREFIX, as adlfs and the Run:ai streamer name Blob paths.
+    auto slash = rest.find('/');
+    uri.scheme = Uri::Scheme::kAzure;
+    uri.account = std::string(rest.substr(0, slash));
+    parse_azure_path(uri, slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1),
+                     "az://ACCOUNT/CONTAINER/PREFIX");
+    return uri;
+  }
   if (scheme == "http" || scheme == "https") {
+    // https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX is Azure Blob Storage.
+    auto slash = rest.find('/');
+    std::string host(rest.substr(0, slash));
+    std::transform(host.begin(), host.end(), host.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (const auto dot = host.find(".blob."); dot != std::string::npos && host.ends_with(".blob.core.windows.net")) {
+      // A SAS URL pasted whole would put its signature into every message that names the URI.
+      WS_EXPECT(rest.find_first_of("?#") == std::string_view::npos, ErrorCode::kInvalidArgument,
+                "'" + scheme + "://" + host + "/…': an Azure Blob URL with a query; give the SAS token in "
+                "AZURE_STORAGE_SAS_TOKEN and the URL without it");
+      uri.scheme = Uri::Scheme::kAzure;
+      uri.account = host.substr(0, dot);
+      uri.endpoint = scheme + "://" + host;
+      parse_azure_path(uri, slash == std::string_view::npos ? std::string_view() : rest.substr(slash + 1),
+                       "https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX");
+      return uri;
+    }
     uri.scheme = Uri::Scheme::kHttp;
     uri.path = uri.text;
     return uri;
   }
-  WS_FAIL(ErrorCode::kInvalidArgument, "'" + uri.text + "': unsupported scheme '" + scheme + "://' (supported: file://, s3://, gs://, plain paths)");
+  WS_FAIL(ErrorCode::kInvalidArgument, "'" + uri.text + "': unsupported scheme '" + scheme + "://' (supported: file://, s3://, gs://, az://, plain paths)");
 }
 
 std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, std::string* object) {
@@ -97,8 +144,17 @@ std::unique_ptr<Storage> open_storage(const Uri& uri, const Options& options, st
       }
       return open_gcs_storage(uri.bucket, uri.path, options);
     }
+    case Uri::Scheme::kAzure: {
+      if (uri.path.ends_with(".safetensors")) {
+        auto slash = uri.path.rfind('/');
+        if (object) *object = slash == std::string::npos ? uri.path : uri.path.substr(slash + 1);
+        return open_azure_storage(uri.account, uri.bucket, slash == std::string::npos ? std::string() : uri.path.substr(0, slash),
+                                  options, uri.endpoint);
+      }
+      return open_azure_storage(uri.account, uri.bucket, uri.path, options, uri.endpoint);
+    }
     case Uri::Scheme::kHttp:
-      WS_FAIL(ErrorCode::kUnsupported, "'" + uri.text + "': http(s) checkpoints are not supported yet; use s3:// or gs://");
+      WS_FAIL(ErrorCode::kUnsupported, "'" + uri.text + "': http(s) checkpoints are not supported yet; use s3://, gs:// or az://");
   }
   WS_FAIL(ErrorCode::kInternal, "unhandled URI scheme");
 }

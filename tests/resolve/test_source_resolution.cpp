@@ -430,7 +430,7 @@ TEST_F(SourceResolutionTest, WhenEveryStrategyFailsOneErrorListsEachWithItsReaso
                     HasSubstr("model_weights: not set"), HasSubstr("model " + snapshot() + ": no *.safetensors files"),
                     HasSubstr("WEIGHTSTREAM_MODEL_URI " + weights() + ": chosen"),
                     HasSubstr("live peer: peer 10.0.0.7:5555 refused the connection"),
-                    HasSubstr("object storage: " + weights() + " is not an s3:// or gs:// URI")));
+                    HasSubstr("object storage: " + weights() + " is not an s3://, gs:// or az:// URI")));
 }
 
 TEST(ObjectStorageStrategy, RefusesHttpUrlsUpFrontNamingTheFix) {

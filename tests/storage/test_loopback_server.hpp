@@ -2,7 +2,7 @@
 // A loopback HTTP server for endpoints no real server plays in these tests: one that accepts
 // connections and never answers (a dead endpoint), or one that answers every request with
 // one canned response (a token endpoint or a metadata server handing out a fixed answer, a
-// server that echoes a secret). Object stores themselves are always the real emulators.
+// server that echoes a secret, or quotes back the Authorization it was sent). Object stores themselves are always the real emulators.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -89,11 +90,38 @@ class LoopbackServer {
         std::lock_guard lock(mutex_);
         requests_.push_back(request);
       }
-      ::send(fd, response_.data(), response_.size(), MSG_NOSIGNAL);
+      const std::string response = echo_authorization(request);
+      ::send(fd, response.data(), response.size(), MSG_NOSIGNAL);
       ::close(fd);
     }
   }
 
+  // The response with each kEchoAuthorization replaced by the request's Authorization value
+  // (a server that quotes back the signature it refused), Content-Length adjusted.
+  std::string echo_authorization(const std::string& request) const {
+    std::string response = response_;
+    if (response.find(kEchoAuthorization) == std::string::npos) return response;
+    std::string value;
+    if (auto at = request.find("\r\nAuthorization: "); at != std::string::npos) {
+      at += 17;
+      value = request.substr(at, request.find("\r\n", at) - at);
+    }
+    for (size_t marker; (marker = response.find(kEchoAuthorization)) != std::string::npos;)
+      response.replace(marker, kEchoAuthorization.size(), value);
+    const size_t body = response.find("\r\n\r\n");
+    const size_t length = response.find("Content-Length: ");
+    if (body != std::string::npos && length != std::string::npos && length < body) {
+      const size_t end = response.find("\r\n", length);
+      response.replace(length + 16, end - length - 16, std::to_string(response.size() - body - 4));
+    }
+    return response;
+  }
+
+ public:
+  /// Put in a canned response, replaced by the Authorization header of each request answered.
+  static constexpr std::string_view kEchoAuthorization = "{{authorization}}";
+
+ private:
   std::string response_;
   int listener_ = -1;
   int port_ = 0;

@@ -1,6 +1,7 @@
 // One contract for every Storage backend (after Arrow's generic filesystem tests): the
-// same cases run against local files, against S3 (moto's server) and against GCS
-// (fake-gcs-server). A backend passes
+// same cases run against local files, against S3 (moto's server), against GCS
+// (fake-gcs-server) and against Azure Blob (an emulator, where a run has one: see
+// test_azure_fixture.hpp). A backend passes
 // when it lists, stats and reads as the interface in weightstream/storage.hpp promises,
 // and fails with errors that name the object.
 #include <fcntl.h>
@@ -16,7 +17,9 @@
 #include <thread>
 
 #include "storage/local_io.hpp"
+#include "storage/azure_client.hpp"
 #include "storage/gcs_client.hpp"
+#include "storage/test_azure_fixture.hpp"
 #include "storage/test_gcs_fixture.hpp"
 #include "storage/test_s3_fixture.hpp"
 #include "support/test_support.hpp"
@@ -106,6 +109,35 @@ class GcsBackend final : public Backend {
   gcs::GcsClient client_;
 };
 
+class AzureBackend final : public Backend {
+ public:
+  explicit AzureBackend(const std::string& connection_string)
+      : options_(testing::azure_test_options(connection_string)),
+        container_(testing::unique_container("contract")),
+        client_(azure::parse_connection_string(connection_string).account, "", options_.azure, options_.s3) {
+    // Small requests so that reads over 64 KiB take the split, parallel path.
+    options_.s3.request_bytes = 64 * 1024;
+    client_.create_container(container_);
+    // A blob beside the prefix, which the root must not see.
+    client_.put_blob(container_, "checkpoint-other/outside.bin", "outside");
+  }
+  void put(const std::string& name, const std::string& bytes) override {
+    client_.put_blob(container_, std::string(kPrefix) + name, bytes);
+  }
+  void put_below(const std::string& directory, const std::string& name, const std::string& bytes) override {
+    client_.put_blob(container_, std::string(kPrefix) + directory + "/" + name, bytes);
+  }
+  std::unique_ptr<Storage> open() override {
+    return open_azure_storage(client_.account(), container_, kPrefix, options_);
+  }
+
+ private:
+  static constexpr const char* kPrefix = "checkpoint/";
+  Options options_;
+  std::string container_;
+  azure::BlobClient client_;
+};
+
 class StorageContract : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -116,6 +148,9 @@ class StorageContract : public ::testing::TestWithParam<std::string> {
     } else if (GetParam() == "gs") {
       WS_REQUIRE_GCS_SERVER();
       backend_ = std::make_unique<GcsBackend>(*testing::gcs_test_endpoint());
+    } else if (GetParam() == "az") {
+      WS_REQUIRE_AZURE_SERVER();
+      backend_ = std::make_unique<AzureBackend>(*testing::azure_test_connection_string());
     } else {
       WS_REQUIRE_S3_SERVER();
       backend_ = std::make_unique<S3Backend>(*testing::s3_test_endpoint());
@@ -441,7 +476,7 @@ TEST(LocalCacheProbe, TellsAReadFileFromADroppedOne) {
   EXPECT_EQ(local_io::cached_fraction(file.get(), 0, 32), 1.0);  // nothing to read: nothing missing
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "local_mmap", "s3", "gs"),
+INSTANTIATE_TEST_SUITE_P(Backends, StorageContract, ::testing::Values("local", "local_mmap", "s3", "gs", "az"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -168,7 +168,7 @@ TEST(Uri, Schemes) {
   expect_error("", "empty checkpoint URI");
   expect_error("s3:///key", "without a bucket");
   expect_error("s3://Bad_Bucket/key", "is not valid");
-  expect_error("ftp://bucket/key", "unsupported scheme 'ftp://' (supported: file://, s3://, gs://, plain paths)");
+  expect_error("ftp://bucket/key", "unsupported scheme 'ftp://' (supported: file://, s3://, gs://, az://, plain paths)");
   expect_error("gs://Bad_Bucket/key", "is not valid");
 }
 

@@ -2,7 +2,7 @@
 """A fault-injecting HTTP reverse proxy for testing the object-store backends.
 
 It listens on a loopback port and forwards every request to one upstream server (moto's
-S3 server, or fake-gcs-server with --flavor gcs), and can spoil the next N matching responses in the
+S3 server, fake-gcs-server with --flavor gcs, or an Azure Blob emulator with --flavor azure), and can spoil the next N matching responses in the
 ways real object stores and networks do:
 
   reset     send the headers and half of the body, then reset the connection (RST)
@@ -18,14 +18,16 @@ ways real object stores and networks do:
   404       404 NoSuchKey
 With --flavor gcs the errors are the JSON API's documents instead (503 backendError,
 429 rateLimitExceeded, 500 internalError, 403 forbidden, 404 notFound) and the request id
-travels in x-guploader-uploadid.
+travels in x-guploader-uploadid. With --flavor azure they are the Blob service's XML
+documents (503 ServerBusy, 429 ServerBusy, 500 InternalError, 403 AuthorizationPermissionMismatch,
+404 BlobNotFound), with the code in x-ms-error-code and the request id in x-ms-request-id.
 
 Control (plain GETs, never forwarded):
   /__fault__/plan?mode=M&count=N[&method=GET][&path=SUBSTRING]   arm a fault
   /__fault__/clear                                               disarm, zero the counters
   /__fault__/stats                                               JSON counters
 
-Usage: fault_proxy.py --upstream http://127.0.0.1:PORT [--flavor s3|gcs] [--port 0] [--lifetime SECONDS]
+Usage: fault_proxy.py --upstream http://127.0.0.1:PORT [--flavor s3|gcs|azure] [--port 0] [--lifetime SECONDS]
 The first line on stdout is "PORT <n>". The proxy stops on SIGTERM, after --lifetime
 seconds, or (with --watch-stdin) when its stdin closes, whichever comes first. It binds to 127.0.0.1 only.
 """
@@ -56,6 +58,13 @@ GCS_ERRORS = {
     "500": (500, "internalError", "Internal Error"),
     "403": (403, "forbidden", "Caller does not have storage.objects.get access to the object."),
     "404": (404, "notFound", "No such object."),
+}
+AZURE_ERRORS = {
+    "503": (503, "ServerBusy", "The server is currently unable to receive requests. Please retry your request."),
+    "429": (429, "ServerBusy", "Operations per second is over the account limit."),
+    "500": (500, "InternalError", "The server encountered an internal error. Please retry the request."),
+    "403": (403, "AuthorizationPermissionMismatch", "This request is not authorized to perform this operation using this permission."),
+    "404": (404, "BlobNotFound", "The specified blob does not exist."),
 }
 
 
@@ -164,6 +173,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if mode in ERRORS:
             if OPTIONS.flavor == "gcs":
                 self.send_gcs_error_document(*GCS_ERRORS[mode], request_id)
+            elif OPTIONS.flavor == "azure":
+                self.send_azure_error_document(*AZURE_ERRORS[mode], request_id)
             else:
                 self.send_error_document(*ERRORS[mode], request_id)
             return
@@ -252,6 +263,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def send_azure_error_document(self, status, code, message, request_id):
+        data = ('<?xml version="1.0" encoding="utf-8"?><Error><Code>%s</Code><Message>%s\nRequestId:%s\n'
+                'Time:2026-01-01T00:00:00.0000000Z</Message></Error>' % (code, message, request_id)).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("x-ms-request-id", request_id)
+        self.send_header("x-ms-error-code", code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
     def abort_connection(self):
         """Closes with a TCP reset (SO_LINGER 0), as a crashed peer or middlebox does."""
         self.close_connection = True
@@ -271,7 +294,7 @@ def main():
     global OPTIONS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", required=True, help="upstream URL, http://127.0.0.1:PORT")
-    parser.add_argument("--flavor", choices=("s3", "gcs"), default="s3", help="whose error documents to send")
+    parser.add_argument("--flavor", choices=("s3", "gcs", "azure"), default="s3", help="whose error documents to send")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     parser.add_argument("--stall", type=float, default=5.0, help="seconds a 'stall' fault holds the body")
     parser.add_argument("--lifetime", type=float, default=900.0, help="seconds before the proxy stops by itself")
