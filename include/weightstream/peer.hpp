@@ -240,6 +240,9 @@ struct PeerPullReport {
   uint64_t bytes_in_place = 0;     ///< of those, read straight into this layout's parameters
   uint64_t parameters_read = 0;    ///< serving parameters read (each checked against its digest)
   uint64_t tensors = 0;            ///< checkpoint tensors (or slices) handed to the session
+  /// Host staging the source holds for bytes that do not land in place (every byte of a
+  /// reload or update): its buffers, reused by every batch and by the source's next pulls.
+  uint64_t staging_bytes = 0;
   double seconds = 0;
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes_from_peers) / seconds / 1e9 : 0; }
 };
