@@ -219,6 +219,48 @@ TEST_F(PeerTest, RendezvousReadsComeOnlyFromRegisteredMemoryAndOnlyWithTheSecret
   server.stop_progress();
 }
 
+// A server stopped while a puller takes none of its sends (paused or frozen with its reads
+// posted: it turns no worker) ends them, closing the endpoints back to that puller by force,
+// so that no send is left on an endpoint when its worker goes: UCX 1.13 can abort the process
+// there (ucp_ep.c, the proto_reqs assertion). Before, stop_progress() waited 2 s and left them
+// (the process then aborted in about 1 run of 10). Deterministic: in a child process, over tcp
+// (UCX_TLS, set in the child only), the puller asks for four 16 MiB ranges and turns its worker
+// only until the server has started every send; the last one cannot end without it, since
+// more than the sockets buffer is still to move.
+TEST_F(PeerTest, AServerStoppedWhileAPullerTakesNoneOfItsSendsEndsThemAndItsWorkerGoesCleanly) {
+  namespace ucx = transfer::ucx;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto stop_under_a_stalled_puller = [] {
+    testing::ScopedEnv tcp("UCX_TLS", "tcp");
+    testing::ScopedEnv rendezvous("UCX_RNDV_THRESH", "65536");  // as a pull's reads travel
+    constexpr uint64_t kReads = 4, kReadBytes = 16 << 20;
+    std::vector<std::byte> served(kReads * kReadBytes), read(kReads * kReadBytes);
+    ucx::Worker puller;
+    auto server = std::make_unique<ucx::Worker>();
+    auto registration = server->register_memory(served.data(), served.size());
+    const ucx::Secret secret = ucx::random_secret();
+    server->answer_send_requests(secret);
+    server->start_progress();
+    const auto timeout = std::chrono::milliseconds(60'000);
+    auto endpoint = puller.connect(server->address(), "the test server", UcxPath::kRendezvous, secret);
+    for (uint64_t k = 0; k < kReads; ++k) {
+      endpoint->get(read.data() + k * kReadBytes, registration->address() + k * kReadBytes, 0, kReadBytes, timeout);
+    }
+    while (server->bytes_sent_on_request() < kReads * kReadBytes) endpoint->progress();
+    server->stop_progress();
+    std::fprintf(stderr, "in flight after stop: %llu; ended by force: %llu\n",
+                 static_cast<unsigned long long>(server->sends_in_flight()),
+                 static_cast<unsigned long long>(server->sends_ended_at_stop()));
+    const bool ended = server->sends_in_flight() == 0 && server->sends_ended_at_stop() > 0;
+    registration.reset();
+    server.reset();  // ucp_worker_destroy
+    endpoint->cancel();
+    endpoint.reset();
+    std::_Exit(ended ? 0 : 2);
+  };
+  EXPECT_EXIT(stop_under_a_stalled_puller(), ::testing::ExitedWithCode(0), "in flight after stop: 0; ended by force: [1-9]");
+}
+
 TEST_F(PeerTest, AutoPicksRendezvousOnlyWhereNoLaneHasRma) {
   namespace ucx = transfer::ucx;
   ucx::Worker server, puller;
