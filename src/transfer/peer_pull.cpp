@@ -63,7 +63,7 @@ constexpr size_t kStagingSlots = 3;
 /// The size of each, or of the largest layer where larger, but at most
 /// PeerPullOptions::memory_limit / kStagingSlots (a single serving parameter larger than
 /// that gets a buffer its size): a few layers of a model, never a copy of all of it.
-constexpr uint64_t kStagingSlotBytes = 64ull << 20;
+constexpr uint64_t kStagingSlotBytes = 32ull << 20;
 /// Where each serving parameter and each assembled tensor starts in a staging buffer.
 constexpr uint64_t kStagingAlign = 64;
 /// GPU parameters that have landed are checked on the device, piece by piece against the
