@@ -930,8 +930,11 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   uint64_t slot_bytes = 0;
   for (const Batch& batch : batches) slot_bytes = std::max(slot_bytes, batch.bytes);
   Committer committer;
+  // As many buffers as there are batches, up to kStagingSlots.
+  const size_t slots = std::min(batches.size(), kStagingSlots);
   if (!batches.empty()) {
-    for (State::Staging& staging : state.staging) {
+    for (size_t slot = 0; slot < slots; ++slot) {
+      State::Staging& staging = state.staging[slot];
       if (staging.capacity >= slot_bytes) continue;
       staging.bytes.reset();
       staging.bytes = std::make_unique_for_overwrite<std::byte[]>(slot_bytes);
@@ -942,7 +945,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
         storage::populate_destination(std::span(bytes, slot_bytes));
       });
     }
-    for (const State::Staging& staging : state.staging) report.staging_bytes += staging.capacity;
+    for (size_t slot = 0; slot < slots; ++slot) report.staging_bytes += state.staging[slot].capacity;
   }
   // The reads of the next batches land while the committer writes the one before: a batch
   // is checked whole (every digest piece read against its digest) before the committer sees
