@@ -215,8 +215,11 @@ struct PeerPullOptions {
   /// publish; empty (the default): any, as long as all the peers publish the same known one
   /// (a single peer may publish unknown content).
   std::string expect_digest;
-  /// Host staging for bytes that cannot land in place (bytes of parameters that another
-  /// layout holds differently); a single serving parameter larger than this is staged alone.
+  /// Bounds the host staging of bytes that do not land in place (every byte of a reload or
+  /// update, and parameters another layout holds differently): they are read in batches of
+  /// whole layers into three buffers, each 32 MiB or the largest layer's bytes, but at most
+  /// a third of this; a single serving parameter larger than that gets a buffer its size.
+  /// The source keeps the buffers for its next pull.
   uint64_t memory_limit = 1ull << 30;
   /// How UCX moves the bytes from each peer (Options::ucx_path, WEIGHTSTREAM_UCX_PATH): by
   /// default one-sided reads where the endpoint's lanes carry RMA, the peer's tagged sends
@@ -240,6 +243,9 @@ struct PeerPullReport {
   uint64_t bytes_in_place = 0;     ///< of those, read straight into this layout's parameters
   uint64_t parameters_read = 0;    ///< serving parameters read (each checked against its digest)
   uint64_t tensors = 0;            ///< checkpoint tensors (or slices) handed to the session
+  /// Host staging the source holds for bytes that do not land in place (every byte of a
+  /// reload or update): its buffers, reused by every batch and by the source's next pulls.
+  uint64_t staging_bytes = 0;
   double seconds = 0;
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes_from_peers) / seconds / 1e9 : 0; }
 };

@@ -460,6 +460,7 @@ class SessionHandle {
     result["bytes_in_place"] = report.bytes_in_place;
     result["parameters_read"] = report.parameters_read;
     result["tensors"] = report.tensors;
+    result["staging_bytes"] = report.staging_bytes;
     result["bytes_read"] = 0;
     result["seconds"] = report.seconds;
     result["gbps"] = report.gbps();

@@ -129,6 +129,7 @@ nlohmann::json peer_load_json(const PeerLoad& load) {
                            {"bytes_from_peers", load.pull.bytes_from_peers},
                            {"bytes_in_place", load.pull.bytes_in_place},
                            {"parameters_read", load.pull.parameters_read},
+                           {"staging_bytes", load.pull.staging_bytes},
                            {"bytes_read", load.storage.bytes_read},
                            {"seconds", load.peer_failure.empty() ? load.pull.seconds : load.storage.seconds},
                            {"gbps", load.peer_failure.empty() ? load.pull.gbps() : load.storage.gbps()},

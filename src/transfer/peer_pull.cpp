@@ -11,13 +11,20 @@
 // handed to the session as a piece of the checkpoint tensor, exactly as a stream from
 // storage would hand it. A reload or update overwrites parameters that serve, so it takes
 // the staged path for everything: no byte reaches the session or the parameters before its
-// digest has been checked.
+// digest has been checked. Staging is bounded and reused: batches of whole layers, each read
+// into one of a few buffers the source keeps, checked whole, then handed to the session on
+// a thread of its own while the next batches' reads land.
 
 #include <algorithm>
+#include <array>
 #include <cctype>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <exception>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <set>
 #include <stop_token>
 #include <thread>
@@ -48,6 +55,17 @@ constexpr uint64_t kReadPieceBytes = 8ull << 20;
 /// Parameters read in place run this far ahead of the one being checked against its digest,
 /// so that hashing one overlaps the transfer of the next ones.
 constexpr uint64_t kReadAheadBytes = 128ull << 20;
+/// A staged pull (a reload or update, or a layout unlike the server's) reads batches into
+/// this many staging buffers in turn: the session writes one batch (on the committer's
+/// thread) while the reads of the next two land, so the pipe to the peers never drains
+/// between batches.
+constexpr size_t kStagingSlots = 3;
+/// The size of each, or of the largest layer where larger, but at most
+/// PeerPullOptions::memory_limit / kStagingSlots (a single serving parameter larger than
+/// that gets a buffer its size): a few layers of a model, never a copy of all of it.
+constexpr uint64_t kStagingSlotBytes = 32ull << 20;
+/// Where each serving parameter and each assembled tensor starts in a staging buffer.
+constexpr uint64_t kStagingAlign = 64;
 /// GPU parameters that have landed are checked on the device, piece by piece against the
 /// manifest, in launches of about this many bytes (one thread hashes a piece: a launch wants
 /// thousands of pieces to keep the device busy).
@@ -104,6 +122,86 @@ std::string peer_text(const PeerManifest& manifest) {
          std::to_string(manifest.parallel.ep_size) + ")";
 }
 
+/// Runs jobs in order on a thread of its own, started by the first post(): a staged pull's
+/// commits (rows assembled, views handed to the session), so that the session writes one
+/// batch while the next one's reads land. A job that throws ends it: the jobs after it are
+/// dropped, and wait() rethrows its error. The destructor waits for the jobs posted (each
+/// posted batch was checked whole, so a pull that fails later still writes it: what a failed
+/// pull leaves does not depend on how far the committer had got).
+class Committer {
+ public:
+  Committer() = default;
+  Committer(const Committer&) = delete;
+  Committer& operator=(const Committer&) = delete;
+  ~Committer() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  /// Queues `job`; returns its ticket for wait().
+  size_t post(std::function<void()> job) {
+    std::lock_guard lock(mutex_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    jobs_.push_back(std::move(job));
+    changed_.notify_all();
+    return ++posted_;
+  }
+  /// Whether the job of `ticket` and every one before it have ended (0: none), waiting at
+  /// most `timeout` for it; rethrows the error of a job that failed.
+  bool ended(size_t ticket, std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    const bool done = changed_.wait_for(lock, timeout, [&] { return ended_ >= ticket || error_; });
+    if (error_) std::rethrow_exception(error_);
+    return done;
+  }
+  /// Waits until the job of `ticket` and every one before it have ended (0: none); rethrows
+  /// the error of a job that failed.
+  void wait(size_t ticket) {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] { return ended_ >= ticket || error_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        job();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard lock(mutex_);
+        ++ended_;
+        if (error && !error_) error_ = error;
+        if (error_) jobs_.clear();
+      }
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::function<void()>> jobs_;
+  size_t posted_ = 0;
+  size_t ended_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
 }  // namespace
 
 struct PeerSource::State {
@@ -120,6 +218,12 @@ struct PeerSource::State {
   std::unique_ptr<ucx::Worker> worker;  // before the links: endpoints close first
   std::vector<Link> links;
   std::vector<PeerManifest> manifests;
+  /// A staged pull's buffers (kStagingSlots), kept for the next pull of this source.
+  struct Staging {
+    std::unique_ptr<std::byte[]> bytes;
+    uint64_t capacity = 0;
+  };
+  std::array<Staging, kStagingSlots> staging;
 
   void check_content() const;
   void check_agreement() const;
@@ -577,6 +681,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
   };
   struct Assembly {
     std::string tensor;
+    int64_t layer = -1;  // of the first parameter that wants it
     Dtype dtype = Dtype::kBF16;
     int64_t row_begin = 0, row_end = 0;
     std::vector<Piece> pieces;
@@ -587,6 +692,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     const std::vector<Need>& wanted = needs[name];
     Assembly assembly;
     assembly.tensor = name;
+    assembly.layer = layout.parameters()[wanted.front().parameter].layer;
     assembly.row_begin = wanted.front().rect.row_begin;
     assembly.row_end = wanted.front().rect.row_end;
     std::vector<Rect> left;
@@ -639,6 +745,14 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     assemblies.push_back(std::move(assembly));
   }
 
+  // Whole layers together, in the order the layout first wants each: a batch that holds every
+  // tensor of its layers lets a whole-layer commit write them at once, holding nothing back.
+  {
+    std::map<int64_t, size_t> rank;  // layer -> the order of its first assembly
+    for (const Assembly& assembly : assemblies) rank.try_emplace(assembly.layer, rank.size());
+    std::stable_sort(assemblies.begin(), assemblies.end(),
+                     [&](const Assembly& a, const Assembly& b) { return rank[a.layer] < rank[b.layer]; });
+  }
   // An assembly whose one piece is whole rows of its tensor on both sides (the puller's part
   // and the server's) is handed to the session straight from the staged serving parameter:
   // no rows to assemble. On a reload or update, where every parameter comes this way, that
@@ -650,93 +764,148 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
            piece.rect.column_end == columns && piece.rect.row_begin == assembly.row_begin &&
            piece.rect.row_end == assembly.row_end;
   };
-  // Batches of assemblies whose staging fits the memory limit (at least one each).
-  for (size_t first = 0; first < assemblies.size();) {
-    struct Staged {
-      std::shared_ptr<std::byte[]> bytes;  // kept by the views handed to the session
-      std::unique_ptr<PieceDigests> pieces;  // the pieces read
+  auto columns_of = [&](const Assembly& assembly) {
+    return ParameterPart{.shape = tensors.find(assembly.tensor)->second->shape}.tensor_columns();
+  };
+
+  // ---- staged batches: a few layers each, read into reused staging, checked, then written ----
+  // Each batch lays out in one staging buffer the serving parameters its assemblies read from
+  // (whole, at their own offsets, though only the digest pieces holding what is needed are
+  // read) and the rows assembled from them. A batch ends at a layer's end once the next
+  // layer would take it past the buffer's size; a layer larger than that is split (its
+  // earlier batches then wait in the session, copied, for the rest: LayerCommit::kWholeLayer).
+  using ServedKey = std::pair<size_t, size_t>;  // link, serving parameter
+  struct StagedRead {
+    uint64_t offset = 0;                                 // where the serving parameter lies
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;  // the bytes of it that are needed
+  };
+  struct Batch {
+    size_t first = 0, end = 0;  // assemblies [first, end)
+    std::map<ServedKey, StagedRead> reads;
+    std::vector<uint64_t> rows;  // per assembly: where its rows are assembled (kAsIs: none)
+    uint64_t bytes = 0;
+  };
+  constexpr uint64_t kAsIs = ~uint64_t{0};
+  auto aligned = [](uint64_t bytes) { return (std::max<uint64_t>(bytes, 1) + kStagingAlign - 1) / kStagingAlign * kStagingAlign; };
+  // Bytes `assembly` adds to `batch`.
+  auto cost = [&](const Batch& batch, const Assembly& assembly, std::set<ServedKey>& fresh) {
+    const int64_t columns = columns_of(assembly);
+    uint64_t more = staged_as_is(assembly, columns)
+                        ? 0
+                        : aligned(static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns *
+                                  element_bytes(assembly.dtype));
+    for (const Piece& piece : assembly.pieces) {
+      const ServedKey key{piece.link, piece.served};
+      if (batch.reads.count(key) == 0 && fresh.insert(key).second) {
+        more += aligned(state.links[piece.link].manifest.parameters[piece.served].bytes);
+      }
+    }
+    return more;
+  };
+  auto add = [&](Batch& batch, size_t a) {
+    const Assembly& assembly = assemblies[a];
+    const int64_t columns = columns_of(assembly);
+    const uint64_t size = element_bytes(assembly.dtype);
+    for (const Piece& piece : assembly.pieces) {
+      const ServedKey key{piece.link, piece.served};
+      auto [at, inserted] = batch.reads.try_emplace(key);
+      if (inserted) {
+        at->second.offset = batch.bytes;
+        batch.bytes += aligned(state.links[piece.link].manifest.parameters[piece.served].bytes);
+      }
+      // Whole rows of the serving part: one range of the serving parameter.
+      const ParameterPart& part = *piece.part;
+      const uint64_t row_bytes = static_cast<uint64_t>(part.columns) * size;
+      const uint64_t start = part.element_offset * size;
+      at->second.ranges.emplace_back(start + static_cast<uint64_t>(piece.rect.row_begin - part.row_begin) * row_bytes,
+                                     start + static_cast<uint64_t>(piece.rect.row_end - part.row_begin) * row_bytes);
+    }
+    if (staged_as_is(assembly, columns)) {
+      batch.rows.push_back(kAsIs);
+    } else {
+      batch.rows.push_back(batch.bytes);
+      batch.bytes += aligned(static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * size);
+    }
+    batch.end = a + 1;
+  };
+  // Layer groups of the assemblies: [layers[i], layers[i + 1]).
+  std::vector<size_t> layers;
+  for (size_t a = 0; a < assemblies.size(); ++a) {
+    if (a == 0 || assemblies[a].layer != assemblies[a - 1].layer) layers.push_back(a);
+  }
+  layers.push_back(assemblies.size());
+  // A batch holds kStagingSlotBytes, or the largest layer where the memory limit allows: a
+  // layer split across batches is held in the session until its last batch (copied: the
+  // staging is reused at once), an extra copy of it.
+  uint64_t largest_layer = 0;
+  for (size_t i = 0; i + 1 < layers.size(); ++i) {
+    Batch alone;
+    std::set<ServedKey> fresh;
+    uint64_t bytes = 0;
+    for (size_t a = layers[i]; a < layers[i + 1]; ++a) bytes += cost(alone, assemblies[a], fresh);
+    largest_layer = std::max(largest_layer, bytes);
+  }
+  const uint64_t slot_budget = std::max<uint64_t>(
+      std::min<uint64_t>(std::max(kStagingSlotBytes, largest_layer), state.options.memory_limit / kStagingSlots),
+      kStagingAlign);
+  std::vector<Batch> batches;
+  {
+    Batch batch;
+    auto close = [&] {
+      if (batch.end > batch.first) batches.push_back(std::move(batch));
+      batch = Batch{};
+      batch.first = batch.end = batches.empty() ? 0 : batches.back().end;
     };
-    std::map<std::pair<size_t, size_t>, Staged> staged;
-    CancelOnError cancel_on_error{state.links};
-    uint64_t staging = 0;
-    size_t end = first;
-    while (end < assemblies.size()) {
-      const Assembly& assembly = assemblies[end];
-      const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
-      const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
-      uint64_t more = staged_as_is(assembly, columns) ? 0
-                      : static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * columns * element_bytes(assembly.dtype);
-      std::set<std::pair<size_t, size_t>> fresh;
-      for (const Piece& piece : assembly.pieces) {
-        if (staged.count({piece.link, piece.served}) == 0 && fresh.insert({piece.link, piece.served}).second) {
-          more += state.links[piece.link].manifest.parameters[piece.served].bytes;
-        }
-      }
-      if (end > first && staging + more > state.options.memory_limit) break;
-      staging += more;
-      for (auto key : fresh) staged.emplace(key, Staged{});
-      ++end;
-    }
-    // The bytes of each serving parameter that this batch's assemblies copy from: whole rows
-    // of its parts, so each is one range of the parameter.
-    std::map<std::pair<size_t, size_t>, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
-    for (size_t a = first; a < end; ++a) {
-      for (const Piece& piece : assemblies[a].pieces) {
-        const ParameterPart& part = *piece.part;
-        const uint64_t row_bytes = static_cast<uint64_t>(part.columns) * element_bytes(assemblies[a].dtype);
-        const uint64_t start = part.element_offset * element_bytes(assemblies[a].dtype);
-        ranges[{piece.link, piece.served}].emplace_back(
-            start + static_cast<uint64_t>(piece.rect.row_begin - part.row_begin) * row_bytes,
-            start + static_cast<uint64_t>(piece.rect.row_end - part.row_begin) * row_bytes);
+    for (size_t i = 0, a = 0; i + 1 < layers.size(); ++i) {
+      const size_t layer_end = layers[i + 1];
+      std::set<ServedKey> fresh;
+      uint64_t layer_bytes = 0;
+      for (size_t k = a; k < layer_end; ++k) layer_bytes += cost(batch, assemblies[k], fresh);
+      if (batch.bytes + layer_bytes > slot_budget) close();  // the layer starts a batch of its own
+      for (; a < layer_end; ++a) {
+        std::set<ServedKey> one;
+        if (batch.end > batch.first && batch.bytes + cost(batch, assemblies[a], one) > slot_budget) close();
+        add(batch, a);
       }
     }
-    for (auto& [key, buffer] : staged) {
-      State::Link& link = state.links[key.first];
-      const PeerParameter& served = link.manifest.parameters[key.second];
-      buffer.bytes = std::make_shared_for_overwrite<std::byte[]>(std::max<uint64_t>(served.bytes, 1));
-      // Only the digest pieces that hold what the assemblies need.
-      buffer.pieces = std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, served.bytes, ranges[key]);
-      read_pieces(link, key.second, buffer.bytes.get(), *buffer.pieces);
-    }
-    wait_all();
-    for (auto& [key, buffer] : staged) check_pieces(state.links[key.first], key.second, *buffer.pieces);
-    // Every view keeps its buffer, which nothing changes once checked: a piece the session
-    // holds back for its layer (a reload's or update's whole-layer commit) keeps it by
-    // reference instead of copying it (SourceLifetime::kKeepalive).
+    close();
+  }
+
+  // Writes batch `batch` from `base` (its staging): the rows assembled, every view handed to
+  // the session, which has returned by the time this does, its copies done (lifetime kCall):
+  // the staging is then free for the next batch's reads.
+  auto commit = [&](const Batch& batch, std::byte* base) {
     std::vector<TensorView> views;
-    for (size_t a = first; a < end; ++a) {
+    for (size_t a = batch.first; a < batch.end; ++a) {
       const Assembly& assembly = assemblies[a];
       const PeerTensor& tensor = *tensors.find(assembly.tensor)->second;
-      const int64_t columns = ParameterPart{.shape = tensor.shape}.tensor_columns();
+      const int64_t columns = columns_of(assembly);
       const uint64_t size = element_bytes(assembly.dtype);
       const uint64_t row_bytes = static_cast<uint64_t>(columns) * size;
       const uint64_t bytes = static_cast<uint64_t>(assembly.row_end - assembly.row_begin) * row_bytes;
-      const TensorView view{.name = assembly.tensor,
-                            .dtype = assembly.dtype,
-                            .shape = tensor.shape,
-                            .device = Device{},
-                            .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
-                            .bytes = bytes,
-                            .lifetime = SourceLifetime::kKeepalive};
-      if (staged_as_is(assembly, columns)) {
+      TensorView view{.name = assembly.tensor,
+                      .dtype = assembly.dtype,
+                      .shape = tensor.shape,
+                      .device = Device{},
+                      .offset = static_cast<uint64_t>(assembly.row_begin) * row_bytes,
+                      .bytes = bytes};
+      const uint64_t rows_at = batch.rows[a - batch.first];
+      if (rows_at == kAsIs) {
         const Piece& piece = assembly.pieces.front();
-        const std::shared_ptr<std::byte[]>& buffer = staged.at({piece.link, piece.served}).bytes;
+        view.data = base + batch.reads.at({piece.link, piece.served}).offset +
+                    (piece.part->element_offset + static_cast<uint64_t>(piece.rect.row_begin - piece.part->row_begin) *
+                                                      static_cast<uint64_t>(columns)) * size;
         views.push_back(view);
-        views.back().keepalive = buffer;
-        views.back().data = buffer.get() +
-                            (piece.part->element_offset +
-                             static_cast<uint64_t>(piece.rect.row_begin - piece.part->row_begin) *
-                                 static_cast<uint64_t>(columns)) * size;
         continue;
       }
-      const std::shared_ptr<std::byte[]> rows = std::make_shared_for_overwrite<std::byte[]>(std::max<uint64_t>(bytes, 1));
+      std::byte* rows = base + rows_at;
       for (const Piece& piece : assembly.pieces) {
-        const std::byte* source = staged.at({piece.link, piece.served}).bytes.get();
+        const std::byte* source = base + batch.reads.at({piece.link, piece.served}).offset;
         const ParameterPart& part = *piece.part;
         const uint64_t width = static_cast<uint64_t>(piece.rect.column_end - piece.rect.column_begin) * size;
         if (part.column_begin == 0 && part.columns == columns && piece.rect.column_begin == 0 &&
             piece.rect.column_end == columns) {  // whole rows on both sides: one run
-          std::memcpy(rows.get() + static_cast<uint64_t>(piece.rect.row_begin - assembly.row_begin) * row_bytes,
+          std::memcpy(rows + static_cast<uint64_t>(piece.rect.row_begin - assembly.row_begin) * row_bytes,
                       source + (part.element_offset + static_cast<uint64_t>(piece.rect.row_begin - part.row_begin) *
                                                           static_cast<uint64_t>(columns)) * size,
                       static_cast<uint64_t>(piece.rect.row_end - piece.rect.row_begin) * row_bytes);
@@ -747,17 +916,74 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
                                  static_cast<uint64_t>(piece.rect.column_begin - part.column_begin)) * size;
           const uint64_t to = static_cast<uint64_t>(row - assembly.row_begin) * row_bytes +
                               static_cast<uint64_t>(piece.rect.column_begin) * size;
-          std::memcpy(rows.get() + to, source + from, width);
+          std::memcpy(rows + to, source + from, width);
         }
       }
+      view.data = rows;
       views.push_back(view);
-      views.back().keepalive = rows;
-      views.back().data = rows.get();
     }
     if (!views.empty()) session.load(views);
-    report.tensors += views.size();
-    first = end;
+  };
+  // Staging buffers, allocated (and their pages populated) once per source and reused by
+  // every batch of its pulls: batch b reads into buffer b % kStagingSlots, which the
+  // committer has finished writing from (batch b - kStagingSlots) before the reads start.
+  uint64_t slot_bytes = 0;
+  for (const Batch& batch : batches) slot_bytes = std::max(slot_bytes, batch.bytes);
+  Committer committer;
+  // As many buffers as there are batches, up to kStagingSlots.
+  const size_t slots = std::min(batches.size(), kStagingSlots);
+  if (!batches.empty()) {
+    for (size_t slot = 0; slot < slots; ++slot) {
+      State::Staging& staging = state.staging[slot];
+      if (staging.capacity >= slot_bytes) continue;
+      staging.bytes.reset();
+      staging.bytes = std::make_unique_for_overwrite<std::byte[]>(slot_bytes);
+      staging.capacity = slot_bytes;
+      // Populated on the committer's thread, which has nothing else to do yet: the first
+      // batch's reads land meanwhile (populating never changes a byte).
+      committer.post([bytes = staging.bytes.get(), slot_bytes] {
+        storage::populate_destination(std::span(bytes, slot_bytes));
+      });
+    }
+    for (size_t slot = 0; slot < slots; ++slot) report.staging_bytes += state.staging[slot].capacity;
   }
+  // The reads of the next batches land while the committer writes the one before: a batch
+  // is checked whole (every digest piece read against its digest) before the committer sees
+  // it, so no parameter, live or not, ever holds a byte that failed or skipped its check.
+  std::vector<size_t> committed(batches.size(), 0);  // the committer's ticket of each batch
+  std::vector<std::map<ServedKey, std::unique_ptr<PieceDigests>>> pieces(batches.size());
+  CancelOnError cancel_on_error{state.links};  // declared after `pieces`: ends their reads first
+  // Batch b reads into staging b % kStagingSlots once the committer is done with the batch
+  // before it there; the reads in flight keep moving meanwhile (over tcp, UCX moves bytes
+  // only while this thread turns the worker).
+  auto issue = [&](size_t b) {
+    if (b >= kStagingSlots) {
+      while (!committer.ended(committed[b - kStagingSlots], std::chrono::milliseconds(1))) turn_workers();
+    }
+    std::byte* base = state.staging[b % kStagingSlots].bytes.get();
+    for (const auto& [key, read] : batches[b].reads) {
+      State::Link& link = state.links[key.first];
+      const PeerParameter& served = link.manifest.parameters[key.second];
+      // Only the digest pieces that hold what the assemblies need.
+      auto& digests = pieces[b][key] =
+          std::make_unique<PieceDigests>(link.manifest.digest_piece_bytes, served.bytes, read.ranges);
+      read_pieces(link, key.second, base + read.offset, *digests);
+    }
+  };
+  for (size_t b = 0; b < std::min(batches.size(), kStagingSlots - 1); ++b) issue(b);
+  for (size_t b = 0; b < batches.size(); ++b) {
+    for (const auto& [key, digests] : pieces[b]) {
+      state.links[key.first].endpoint->wait_until(digests->landed_count(), digests->size(), timeout);
+    }
+    for (const auto& [key, digests] : pieces[b]) check_pieces(state.links[key.first], key.second, *digests);
+    pieces[b].clear();
+    report.tensors += batches[b].end - batches[b].first;
+    const Batch& batch = batches[b];
+    std::byte* base = state.staging[b % kStagingSlots].bytes.get();
+    committed[b] = committer.post([&commit, &batch, base] { commit(batch, base); });
+    if (b + kStagingSlots - 1 < batches.size()) issue(b + kStagingSlots - 1);
+  }
+  if (!batches.empty()) committer.wait(committed.back());
 
   state.check_versions();
   report.seconds = std::chrono::duration<double>(Clock::now() - started).count();

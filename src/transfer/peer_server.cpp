@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <list>
 #include <map>
 #include <mutex>
@@ -256,6 +257,12 @@ PeerServer::~PeerServer() {
   for (State::Puller& puller : state.pullers) puller.thread.join();
   state.pullers.clear();
   state.worker.stop_progress();  // no read may be in flight while the memory is deregistered
+  if (const uint64_t ended = state.worker.sends_ended_at_stop(); ended > 0) {
+    std::fprintf(stderr,
+                 "weightstream: peer server on %s: %llu sends to pullers that took none of their bytes for 2 s "
+                 "(paused or frozen) were ended at shutdown\n",
+                 state.listener.address().c_str(), static_cast<unsigned long long>(ended));
+  }
   state.registrations.clear();
   for (int fd : state.wake) {
     if (fd >= 0) ::close(fd);

@@ -201,6 +201,12 @@ class Worker {
   /// Bytes of the ranges sent so far on those requests (each counted once its send was
   /// started): what a rendezvous puller read. One-sided gets (kRma) never pass through here.
   uint64_t bytes_sent_on_request() const noexcept;
+  /// Sends answering requests that have not ended (a puller takes each as it receives it).
+  uint64_t sends_in_flight() const noexcept;
+  /// Sends answering requests that had not ended when stop_progress() stopped the worker (a
+  /// puller that took none of them for 2 s: paused, frozen): ended then by closing their
+  /// endpoints by force, so that the worker goes without UCX aborting the process.
+  uint64_t sends_ended_at_stop() const noexcept;
   /// Where a message's payload lands: `destination` (host memory); or, with `later`, not
   /// known yet: the worker keeps the message and asks again after each wake(); or neither:
   /// refused (the sender's message fails).
@@ -224,7 +230,8 @@ class Worker {
   /// stop_progress() or the destructor.
   void start_progress();
   /// Stops that thread (before the memory it serves is deregistered), after the sends it
-  /// started have ended (at most 2 s).
+  /// started have ended (at most 2 s; those still in flight then are ended by closing their
+  /// endpoints by force: sends_ended_at_stop()).
   void stop_progress();
 
  private:

@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "transfer/ucx.hpp"
 #include "weightstream/error.hpp"
@@ -177,6 +178,11 @@ struct Worker::State {
   // Serving side: send requests answered, and their sends not yet ended.
   Secret request_secret{};
   std::atomic<uint64_t> sends_in_flight{0};
+  /// Each send not yet ended and the endpoint (back to its puller) it went on: the progress
+  /// thread's. An endpoint that holds one is alive (UCX ends an endpoint's requests before
+  /// it destroys one that failed), so stop_progress() can close it by force.
+  std::unordered_map<void*, ucp_ep_h> sends;
+  std::atomic<uint64_t> sends_ended_at_stop{0};
   std::atomic<uint64_t> bytes_sent_on_request{0};  // the ranges those sends carried
   // Receiving side of send_message.
   Secret message_secret{};
@@ -202,7 +208,9 @@ struct Worker::State {
   std::atomic<bool> woken{false};  // wake() was called: ask place() again for the kept messages
 
   static void on_sent(void* request, ucs_status_t, void* user_data) {
-    static_cast<State*>(user_data)->sends_in_flight.fetch_sub(1, std::memory_order_relaxed);
+    auto* state = static_cast<State*>(user_data);
+    state->sends.erase(request);
+    state->sends_in_flight.fetch_sub(1, std::memory_order_relaxed);
     ucp_request_free(request);
   }
 
@@ -236,7 +244,10 @@ struct Worker::State {
       }
     }
     ucs_status_ptr_t sending = ucp_tag_send_nbx(param->reply_ep, source, bytes, request.tag, &send);
-    if (UCS_PTR_IS_PTR(sending)) state->sends_in_flight.fetch_add(1, std::memory_order_relaxed);
+    if (UCS_PTR_IS_PTR(sending)) {
+      state->sends.emplace(sending, param->reply_ep);
+      state->sends_in_flight.fetch_add(1, std::memory_order_relaxed);
+    }
     if (!UCS_PTR_IS_ERR(sending)) state->bytes_sent_on_request.fetch_add(bytes, std::memory_order_relaxed);
     return UCS_OK;
   }
@@ -355,6 +366,35 @@ struct Worker::State {
   void drop_kept() {
     for (Kept& message : kept) land_kept(message, Landing{});
     kept.clear();
+  }
+
+  /// Sends a puller never took (paused or frozen with its reads posted, it turns no worker)
+  /// would stay on their endpoints, and UCX 1.13 aborts the process at ucp_worker_destroy on
+  /// an endpoint that still holds a request (ucp_ep.c, the proto_reqs assertion; ucp_request_cancel
+  /// ends tagged receives only): the endpoints that hold such sends are closed by force,
+  /// which ends them (cancelled), before the worker goes. Progress thread, at its end.
+  void end_sends_by_force() {
+    if (sends.empty()) return;
+    sends_ended_at_stop.store(sends.size(), std::memory_order_relaxed);
+    std::vector<ucp_ep_h> endpoints;
+    for (const auto& [request, ep] : sends) {
+      if (std::find(endpoints.begin(), endpoints.end(), ep) == endpoints.end()) endpoints.push_back(ep);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    std::vector<ucs_status_ptr_t> closing;
+    for (ucp_ep_h ep : endpoints) {
+      ucs_status_ptr_t request = ucp_ep_close_nbx(ep, &param);
+      if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
+    }
+    const auto until = Clock::now() + std::chrono::seconds(2);
+    auto open = [&] {
+      return std::any_of(closing.begin(), closing.end(),
+                         [](ucs_status_ptr_t request) { return ucp_request_check_status(request) == UCS_INPROGRESS; });
+    };
+    while ((open() || !sends.empty()) && Clock::now() < until) ucp_worker_progress(worker);
+    for (ucs_status_ptr_t request : closing) ucp_request_free(request);
   }
 
   void set_handler(unsigned id, ucp_am_recv_callback_t callback) {
@@ -515,6 +555,12 @@ uint64_t Worker::bytes_sent_on_request() const noexcept {
   return state_->bytes_sent_on_request.load(std::memory_order_relaxed);
 }
 
+uint64_t Worker::sends_in_flight() const noexcept { return state_->sends_in_flight.load(std::memory_order_relaxed); }
+
+uint64_t Worker::sends_ended_at_stop() const noexcept {
+  return state_->sends_ended_at_stop.load(std::memory_order_relaxed);
+}
+
 bool Worker::moves_cuda_memory() const {
   ucp_context_attr_t attributes{};
   attributes.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
@@ -569,6 +615,7 @@ void Worker::start_progress() {
       if (ucp_request_check_status(flush) == UCS_INPROGRESS) ucp_request_cancel(state->worker, flush);
       ucp_request_free(flush);
     }
+    state->end_sends_by_force();
   });
 }
 

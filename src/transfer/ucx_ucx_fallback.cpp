@@ -43,6 +43,8 @@ std::vector<std::byte> Worker::address() const { return {}; }
 std::unique_ptr<Registration> Worker::register_memory(const std::byte*, uint64_t, Memory) { return nullptr; }
 bool Worker::moves_cuda_memory() const { return false; }
 uint64_t Worker::bytes_sent_on_request() const noexcept { return 0; }
+uint64_t Worker::sends_in_flight() const noexcept { return 0; }
+uint64_t Worker::sends_ended_at_stop() const noexcept { return 0; }
 std::unique_ptr<Endpoint> Worker::connect(std::span<const std::byte>, const std::string&, UcxPath, const Secret&) {
   return nullptr;
 }

@@ -650,6 +650,41 @@ def test_a_reload_from_a_peer_with_a_flipped_byte_leaves_every_parameter_as_it_w
             assert [name for name in before if after[name] != before[name]] == [], commit
 
 
+def test_a_reload_from_peers_stages_within_its_memory_limit_and_equals_the_served_checkpoint(llama, tmp_path):
+    """A reload from peers reads through staging it keeps bounded (memory_limit: three buffers
+    of at most a third of it, or of the largest serving parameter where one is larger), batch
+    by batch, and ends equal to the served checkpoint; the report says what it staged
+    (loopback)."""
+    weightstream = pytest.importorskip("weightstream")
+    pytest.importorskip("numpy")
+    other = synth(tmp_path / "other", "--arch", "llama", "--layers", "4", "--hidden", "256", "--vocab", "1024",
+                  "--seed", "5")
+    served = weightstream.model_layout(str(other), device="cpu")
+    cold_load(served, str(other))
+    try:
+        server = served.serve(str(other), token=TOKEN)
+    except weightstream.Error as error:
+        if "build with UCX" in str(error):
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        raise
+    with server:
+        mine = synth(tmp_path / "mine", "--arch", "llama", "--layers", "4", "--hidden", "256", "--vocab", "1024",
+                     "--seed", "6")
+        layout = weightstream.model_layout(str(mine), device="cpu")
+        cold_load(layout, str(mine))
+        expected = parameter_bytes(served)
+        largest = max(len(value) for value in expected.values())
+        limit = 1 << 20
+        session = weightstream.LoadSession(layout)
+        session.begin("reload")
+        report = session.load_checkpoint(f"peer://{server.address}", token=TOKEN, memory_limit=limit)
+        session.finish()
+        assert report["bytes_in_place"] == 0
+        assert 0 < report["staging_bytes"] <= max(limit, 3 * (largest + 64)), report
+        assert report["staging_bytes"] < sum(len(value) for value in expected.values()) / 2, report
+        assert parameter_bytes(layout) == expected
+
+
 def content_digest(path):
     """The content digest `weightstream digest` prints last."""
     last = digests(path).splitlines()[-1]

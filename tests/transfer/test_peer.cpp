@@ -35,10 +35,10 @@ struct Model {
   ModelConfig config;
   /// `vocab` 16384 gives embeddings of 8 MiB (16 digest pieces): a pull's test hook pauses
   /// in the middle of reading them (PeerPullOptions::pause_after_bytes).
-  explicit Model(uint64_t seed = 7, int64_t vocab = 0) {
+  explicit Model(uint64_t seed = 7, int64_t vocab = 0, int64_t layers = 2) {
     SynthOptions options;
     options.arch = "llama";
-    options.layers = 2;
+    options.layers = layers;
     options.hidden = 256;
     options.seed = seed;
     if (vocab > 0) options.vocab = vocab;
@@ -219,6 +219,48 @@ TEST_F(PeerTest, RendezvousReadsComeOnlyFromRegisteredMemoryAndOnlyWithTheSecret
   server.stop_progress();
 }
 
+// A server stopped while a puller takes none of its sends (paused or frozen with its reads
+// posted: it turns no worker) ends them, closing the endpoints back to that puller by force,
+// so that no send is left on an endpoint when its worker goes: UCX 1.13 can abort the process
+// there (ucp_ep.c, the proto_reqs assertion). Before, stop_progress() waited 2 s and left them
+// (the process then aborted in about 1 run of 10). Deterministic: in a child process, over tcp
+// (UCX_TLS, set in the child only), the puller asks for four 16 MiB ranges and turns its worker
+// only until the server has started every send; the last one cannot end without it, since
+// more than the sockets buffer is still to move.
+TEST_F(PeerTest, AServerStoppedWhileAPullerTakesNoneOfItsSendsEndsThemAndItsWorkerGoesCleanly) {
+  namespace ucx = transfer::ucx;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto stop_under_a_stalled_puller = [] {
+    testing::ScopedEnv tcp("UCX_TLS", "tcp");
+    testing::ScopedEnv rendezvous("UCX_RNDV_THRESH", "65536");  // as a pull's reads travel
+    constexpr uint64_t kReads = 4, kReadBytes = 16 << 20;
+    std::vector<std::byte> served(kReads * kReadBytes), read(kReads * kReadBytes);
+    ucx::Worker puller;
+    auto server = std::make_unique<ucx::Worker>();
+    auto registration = server->register_memory(served.data(), served.size());
+    const ucx::Secret secret = ucx::random_secret();
+    server->answer_send_requests(secret);
+    server->start_progress();
+    const auto timeout = std::chrono::milliseconds(60'000);
+    auto endpoint = puller.connect(server->address(), "the test server", UcxPath::kRendezvous, secret);
+    for (uint64_t k = 0; k < kReads; ++k) {
+      endpoint->get(read.data() + k * kReadBytes, registration->address() + k * kReadBytes, 0, kReadBytes, timeout);
+    }
+    while (server->bytes_sent_on_request() < kReads * kReadBytes) endpoint->progress();
+    server->stop_progress();
+    std::fprintf(stderr, "in flight after stop: %llu; ended by force: %llu\n",
+                 static_cast<unsigned long long>(server->sends_in_flight()),
+                 static_cast<unsigned long long>(server->sends_ended_at_stop()));
+    const bool ended = server->sends_in_flight() == 0 && server->sends_ended_at_stop() > 0;
+    registration.reset();
+    server.reset();  // ucp_worker_destroy
+    endpoint->cancel();
+    endpoint.reset();
+    std::_Exit(ended ? 0 : 2);
+  };
+  EXPECT_EXIT(stop_under_a_stalled_puller(), ::testing::ExitedWithCode(0), "in flight after stop: 0; ended by force: [1-9]");
+}
+
 TEST_F(PeerTest, AutoPicksRendezvousOnlyWhereNoLaneHasRma) {
   namespace ucx = transfer::ucx;
   ucx::Worker server, puller;
@@ -354,6 +396,97 @@ TEST_F(PeerTest, AReloadFromAGoodPeerTakesItsBytesThroughStagingAndEqualsItsChec
     EXPECT_EQ(report.parameters_read, layout.parameters().size());
     const LayoutComparison comparison = compare_layouts(layout, instance.layouts[0]);
     EXPECT_EQ(comparison.mismatched, 0u) << ::testing::PrintToString(comparison.mismatches);
+  }
+}
+
+uint64_t largest_parameter_bytes(const ModelLayout& layout) {
+  uint64_t largest = 0;
+  for (const Parameter& parameter : layout.parameters()) largest = std::max(largest, parameter.bytes());
+  return largest;
+}
+
+uint64_t layout_bytes(const ModelLayout& layout) {
+  uint64_t bytes = 0;
+  for (const Parameter& parameter : layout.parameters()) bytes += parameter.bytes();
+  return bytes;
+}
+
+// A reload stages a few layers at a time, never the model: with memory_limit 2 MiB, three
+// buffers of a third of it each (or of one serving parameter, where one is larger), which
+// every batch reuses, and the next pull of the source too.
+TEST_F(PeerTest, AReloadStagesAFewLayersAtATimeInBuffersItReusesAndEqualsItsCheckpoint) {
+  Model puller_model(7, 1024, 8);
+  Model served_model(8, 1024, 8);
+  Instance instance(served_model, 1);
+  PeerPullOptions options = pull_options();
+  options.memory_limit = 2 << 20;
+  PeerSource source(instance.uri(), options);
+  ModelLayout layout = loaded_layout(puller_model, 1, 0);
+  const uint64_t largest = (largest_parameter_bytes(layout) + 63) / 64 * 64;
+  ASSERT_GT(layout_bytes(layout), 8u << 20);  // several times what the staging holds
+  for (int round = 0; round < 2; ++round) {
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload);
+    PeerPullReport report = source.pull(session);
+    session.finish();
+    EXPECT_EQ(report.bytes_in_place, 0u);
+    // A fused serving parameter (qkv_proj, gate_up_proj) whose tensors fall in two batches
+    // is read in each, only the digest pieces that batch needs.
+    EXPECT_GE(report.parameters_read, layout.parameters().size());
+    EXPECT_GT(report.staging_bytes, 0u);
+    EXPECT_LE(report.staging_bytes, std::max<uint64_t>(options.memory_limit, 3 * largest)) << "round " << round;
+    EXPECT_LT(report.staging_bytes, layout_bytes(layout) / 2) << "round " << round;
+    const LayoutComparison comparison = compare_layouts(layout, instance.layouts[0]);
+    EXPECT_EQ(comparison.mismatched, 0u) << "round " << round << ": " << ::testing::PrintToString(comparison.mismatches);
+  }
+}
+
+// Issue 45: a reload larger than its staging is checked batch by batch, each batch whole
+// before the session sees it. A flipped byte in layer 1 fails it naming the parameter. By
+// default (whole layers) the layers before it (global, layer 0) hold the served values and
+// every parameter of layer 1 its old ones; with commit as arrived the batches before it are
+// written too, part of layer 1 included. Either way no byte of any parameter is other than
+// its old or its served value: nothing that failed, or skipped, its check ever lands.
+TEST_F(PeerTest, AReloadLargerThanItsStagingThatFailsWritesOnlyCheckedBytesAndByDefaultWholeLayers) {
+  Model puller_model(7, 1024);
+  Model served_model(8, 1024);
+  Instance instance(served_model, 1);
+  const std::string victim = "model.layers.1.mlp.down_proj.weight";
+  instance.layouts[0].parameter(victim).data[100] ^= std::byte{0x01};
+  const ModelLayout old_values = loaded_layout(puller_model, 1, 0);
+  const ModelLayout new_values = loaded_layout(served_model, 1, 0);
+  PeerPullOptions options = pull_options();
+  options.memory_limit = 1 << 20;
+  for (std::optional<LayerCommit> commit : {std::optional<LayerCommit>(), std::optional(LayerCommit::kAsArrived)}) {
+    const std::string round = commit ? "commit as arrived" : "default commit";
+    ModelLayout layout = loaded_layout(puller_model, 1, 0);
+    PeerSource source(instance.uri(), options);
+    LoadSession session(layout);
+    session.begin(LoadMode::kReload, TensorFormat::kCheckpoint, commit);
+    const std::string text = error_text([&] { source.pull(session); });
+    EXPECT_THAT(text, AllOf(HasSubstr("parameter " + victim + " read from peer " + instance.servers[0]->address()),
+                            HasSubstr("does not match its digest")))
+        << round;
+    size_t written_in_layer_1 = 0;
+    for (const Parameter& parameter : layout.parameters()) {
+      const std::byte* old_bytes = old_values.parameter(parameter.name).data;
+      const std::byte* new_bytes = new_values.parameter(parameter.name).data;
+      const bool old_whole = std::memcmp(parameter.data, old_bytes, parameter.bytes()) == 0;
+      const bool new_whole = std::memcmp(parameter.data, new_bytes, parameter.bytes()) == 0;
+      uint64_t other = 0;
+      for (uint64_t i = 0; i < parameter.bytes(); ++i) {
+        other += parameter.data[i] != old_bytes[i] && parameter.data[i] != new_bytes[i];
+      }
+      EXPECT_EQ(other, 0u) << round << ": " << parameter.name;
+      if (parameter.layer != 1) {
+        EXPECT_TRUE(new_whole) << round << ": " << parameter.name << " (its layer came before the failure)";
+      } else if (!commit) {
+        EXPECT_TRUE(old_whole) << round << ": " << parameter.name << " (its layer never completed)";
+      }
+      if (parameter.name == victim) EXPECT_TRUE(old_whole) << round;
+      written_in_layer_1 += parameter.layer == 1 && !old_whole;
+    }
+    if (commit) EXPECT_GT(written_in_layer_1, 0u) << "layer 1 was split across batches, written as they arrived";
   }
 }
 
