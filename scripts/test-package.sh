@@ -14,6 +14,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${WS_BUILD_DIR:-$root/build}
+# scripts/test.sh points PYTHONPATH at the package it installed for pytest; the venv below
+# must see only the wheel (pip would otherwise find weightstream installed and skip it).
+unset PYTHONPATH PYTHONHOME
 work=$(mktemp -d)
 serve_pid=""
 cleanup() {
