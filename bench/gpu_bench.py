@@ -956,12 +956,13 @@ def targets(state):
                   + (f", {len(failed)} failed" if failed else "")
                   + (f", {len(PEER_KEYS) - len(peers)} not run" if len(peers) < len(PEER_KEYS) else ""))
         closest = min((raw_rate / rate(rows[k]) for k in peers if rate(rows[k])), default=None)
+        closest_text = f"closest {closest:.2f}x; " if closest is not None else "none measured yet; "
         if not ahead:
             line(34, f"weightstream ahead of every peer setting by >= {lead:.2f}x", False,
-                 f"closest {closest:.2f}x; " + detail)
+                 closest_text + detail)
         else:
             line(34, f"weightstream ahead of every peer setting by >= {lead:.2f}x", None if unmeasured else True,
-                 f"closest {closest:.2f}x; " + detail)
+                 closest_text + detail)
     # issue 16
     for key, label in (("layout_tp2", "layout tp 2 rank 1"), ("layout_tp8", "layout tp 8 rank 3"),
                        ("py_session_tp2", "Python LoadSession tp 2 rank 1"),

@@ -16,6 +16,8 @@
 #   WS_GPU_BENCH_DIR       its checkpoint, kept between calls (default /tmp/ws-gpu-bench)
 #   WS_GPU_BENCH_ARGS      more flags for it (--peers, --repeats, --cold-repeats, ...)
 #   WS_JOBS             build and test parallelism (default: the core count)
+#   WS_GPU_BUILD_TARGETS   ninja targets of the build stage (default all; e.g. weightstream
+#                          alone when a short call needs only the command)
 #   WS_GPU_PYTHON_TESTS    1 (default): the python stage runs every Python test; gpu: only
 #                          those that use the GPU (test_bind_gpu.py, and the tests named for
 #                          cuda or gpu elsewhere; CI runs the rest on every commit); 0: none
@@ -89,7 +91,7 @@ cat "$out/machine.txt"
 
 configure_and_build() {  # source folder
   cmake -S "$1" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWS_WITH_CUDA=ON -DWS_BUILD_BENCH=ON "${deps_flag[@]}" "${ucx_flags[@]}" >>"$out/build.log" 2>&1 &&
-    ninja -C "$build" -j "$jobs" >>"$out/build.log" 2>&1
+    ninja -C "$build" -j "$jobs" ${WS_GPU_BUILD_TARGETS:-} >>"$out/build.log" 2>&1
 }
 # What is built: the working tree, or WS_GPU_SOURCE (a folder holding an export of one
 # commit, e.g. `git archive HEAD`, for a working tree that others are editing), or HEAD

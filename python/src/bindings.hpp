@@ -56,6 +56,24 @@ nanobind::dict stats_dict(const std::vector<StatField>& fields);
 /// without the caller naming the dtype. nullopt for any other memory.
 std::optional<Dtype> raw_array_dtype(const void* data, uint64_t bytes);
 
+/// What weightstream reads of a torch.Tensor: its bytes, safetensors dtype, shape and device.
+struct TorchTensorFacts {
+  const std::byte* data = nullptr;
+  Dtype dtype = Dtype::kU8;
+  std::vector<int64_t> shape;
+  uint64_t bytes = 0;
+  Device device;
+};
+
+/// The facts of `object` when it is a contiguous torch.Tensor (or subclass, e.g. a
+/// Parameter) on the CPU or a CUDA device, in a dtype safetensors names other than uint8,
+/// read from its attributes (data_ptr, shape, dtype, device): about a microsecond a tensor,
+/// where importing it through __dlpack__ costs several in torch's Python code, which bounds
+/// an update of thousands of tensors. nullopt for anything else (torch never imported, a
+/// view that is not contiguous, uint8 bytes that may be weightstream's raw arrays, another
+/// device): the caller takes the DLPack path, with its checks and error texts.
+std::optional<TorchTensorFacts> torch_tensor_facts(nanobind::handle object);
+
 /// What Python sees of one checkpoint tensor.
 struct TensorEntry {
   std::string name;

@@ -178,6 +178,57 @@ nb::object raw_array_owner(const void* data, const CheckpointTensor& tensor, nb:
 
 }  // namespace
 
+std::optional<TorchTensorFacts> torch_tensor_facts(nb::handle object) {
+  // torch's Tensor type and its dtypes, looked up once torch has been imported by someone
+  // (never imported here: without torch there is no torch tensor to describe).
+  struct Torch {
+    nb::object tensor_type;
+    std::vector<std::pair<nb::object, Dtype>> dtypes;
+  };
+  static std::optional<Torch> torch;
+  if (!torch) {
+    nb::dict modules = nb::borrow<nb::dict>(PySys_GetObject("modules"));
+    if (!modules.contains("torch")) return std::nullopt;
+    nb::object module = modules["torch"];
+    if (!nb::hasattr(module, "Tensor")) return std::nullopt;  // torch still importing
+    Torch found{module.attr("Tensor"), {}};
+    static const std::pair<const char*, Dtype> kDtypes[] = {
+        {"bfloat16", Dtype::kBF16}, {"float16", Dtype::kF16}, {"float32", Dtype::kF32}, {"float64", Dtype::kF64},
+        {"int8", Dtype::kI8},       {"int16", Dtype::kI16},   {"int32", Dtype::kI32},   {"int64", Dtype::kI64},
+        {"bool", Dtype::kBool},     {"float8_e4m3fn", Dtype::kF8E4M3}, {"float8_e5m2", Dtype::kF8E5M2},
+    };
+    for (const auto& [name, dtype] : kDtypes) {
+      if (nb::hasattr(module, name)) found.dtypes.emplace_back(module.attr(name), dtype);
+    }
+    torch = std::move(found);
+  }
+  int is_tensor = PyObject_IsInstance(object.ptr(), torch->tensor_type.ptr());
+  if (is_tensor < 0) PyErr_Clear();
+  if (is_tensor != 1) return std::nullopt;
+  nb::object dtype_object = object.attr("dtype");
+  std::optional<Dtype> dtype;
+  for (const auto& [known, parsed] : torch->dtypes) {
+    if (known.is(dtype_object)) dtype = parsed;
+  }
+  if (!dtype) return std::nullopt;
+  Device device;
+  if (nb::cast<bool>(object.attr("is_cuda"))) {
+    device = Device{Device::Kind::kCuda, nb::cast<int>(object.attr("get_device")())};
+  } else if (!nb::cast<bool>(object.attr("is_cpu"))) {
+    return std::nullopt;
+  }
+  if (!nb::cast<bool>(object.attr("is_contiguous")())) return std::nullopt;
+  TorchTensorFacts facts;
+  facts.dtype = *dtype;
+  facts.device = device;
+  for (nb::handle dimension : object.attr("shape")) facts.shape.push_back(nb::cast<int64_t>(dimension));
+  auto bytes = tensor_byte_size(facts.dtype, facts.shape);
+  if (!bytes) return std::nullopt;
+  facts.bytes = *bytes;
+  facts.data = reinterpret_cast<const std::byte*>(nb::cast<uintptr_t>(object.attr("data_ptr")()));
+  return facts;
+}
+
 std::optional<Dtype> raw_array_dtype(const void* data, uint64_t bytes) {
   auto found = raw_arrays().find(data);
   if (found == raw_arrays().end() || found->second.bytes != bytes) return std::nullopt;

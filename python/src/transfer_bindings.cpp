@@ -249,7 +249,13 @@ class PySender {
       described.emplace_back(std::move(tensor), nb::borrow(pair[1]));
     }
     start_declared(parsed, declared);
-    for (auto& [tensor, object] : described) send_described(tensor, object);
+    std::vector<TensorView> views;
+    views.reserve(described.size());
+    for (auto& [tensor, object] : described) views.push_back(view_to_send(tensor, object));
+    {
+      ReleasedGil release;  // `described` keeps every tensor referenced meanwhile
+      for (const TensorView& view : views) sender_->send(view);
+    }
     return finish();
   }
 
@@ -330,6 +336,11 @@ class PySender {
   }
 
   Described describe(const std::string& name, nb::handle tensor, const std::optional<std::string>& dtype) {
+    if (!dtype) {
+      if (auto facts = torch_tensor_facts(tensor)) {
+        return {name, facts->dtype, std::move(facts->shape), facts->data, facts->bytes, facts->device};
+      }
+    }
     auto array = nb::cast<nb::ndarray<nb::ro>>(tensor, false);
     int64_t expected_stride = 1;
     for (size_t i = array.ndim(); i-- > 0;) {
@@ -360,18 +371,24 @@ class PySender {
     return {name, parsed, std::move(shape), static_cast<const std::byte*>(array.data()), *bytes, device};
   }
 
-  /// Sends a described tensor; `tensor` is the Python object that holds its bytes.
-  void send_described(const Described& described, nb::handle tensor) {
+  /// The view a described tensor is sent as; `tensor` is the Python object that holds its
+  /// bytes. Device bytes are copied when their bucket is sealed or read in place by the
+  /// receiver until finish(): the tensor is kept alive until then (a temporary such as
+  /// p.to(bf16) would otherwise go back to the caching allocator and be overwritten). Valid
+  /// until the update finishes, they may travel from where they lie (ucx: GPU to GPU).
+  TensorView view_to_send(const Described& described, nb::handle tensor) {
     TensorView view{described.name, described.dtype, described.shape, described.data, described.device, 0,
                     described.bytes};
-    // Device bytes are copied when their bucket is sealed or read in place by the receiver
-    // until finish(): keep the tensor alive until then (a temporary such as p.to(bf16)
-    // would otherwise go back to the caching allocator and be overwritten). Valid until the
-    // update finishes, they may travel from where they lie (ucx: GPU to GPU).
     if (described.device.is_cuda()) {
       kept_alive_.push_back(nb::borrow(tensor));
       view.lifetime = SourceLifetime::kLoad;
     }
+    return view;
+  }
+
+  /// Sends a described tensor; `tensor` is the Python object that holds its bytes.
+  void send_described(const Described& described, nb::handle tensor) {
+    TensorView view = view_to_send(described, tensor);
     ReleasedGil release;  // the caller keeps the array referenced meanwhile
     sender_->send(view);
   }

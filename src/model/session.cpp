@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -277,10 +278,21 @@ struct LoadSession::State {
   };
 
   using Write = PieceWrite;
+  /// A held piece's copy out of a source that is valid only during its load() call: made by
+  /// that call after it lets go of the session's lock, so reader threads copy in parallel
+  /// (one thread at a time under the lock ran at a fraction of the memory's rate).
+  struct HeldCopy {
+    std::byte* destination = nullptr;
+    const std::byte* source = nullptr;
+    uint64_t bytes = 0;
+    std::promise<void> done;
+    std::shared_future<void> copied = done.get_future().share();
+  };
   /// A piece of a layer not yet complete (LayerCommit::kWholeLayer), written with its layer.
   struct Held {
     Write write;
     std::shared_ptr<const std::string> name;  ///< the write's name points here (not moved by a move)
+    std::shared_future<void> copied;          ///< valid while its bytes are copied by another load() call
   };
   struct LayerState {
     size_t parameters = 0;  ///< parameters of the layer that parts fill
@@ -724,12 +736,14 @@ struct LoadSession::State {
 
   /// Step 2: counts a checked batch and marks the parts, parameters and layers it completes
   /// (lock held). Returns whether its writes may be issued outside the lock: pieces copied
-  /// as they are into their parts, as they arrive. Conversions gather on the host, and
-  /// engine batches and whole-layer commits stay under the lock.
+  /// as they are into their parts. Conversions gather on the host, and engine batches stay
+  /// under the lock. With whole-layer commits, only the call that completes a layer writes
+  /// it (the others hold their pieces), so its writes go outside the lock as well, unless a
+  /// held piece it flushes needs the lock (may_write_unlocked()).
   bool account(const CheckedBatch& checked) {
     counters.tensors_skipped += checked.skipped;
     std::vector<size_t> completed;  // parameters this batch completes
-    bool unlocked = format == TensorFormat::kCheckpoint && commit == LayerCommit::kAsArrived;
+    bool unlocked = format == TensorFormat::kCheckpoint;
     for (const Write& write : checked.writes) {
       const Parameter& parameter = layout.parameters()[write.parameter];
       ParameterState& parameter_state = parameters[write.parameter];
@@ -786,10 +800,35 @@ struct LoadSession::State {
     if (++scale_state.parts_complete == scale.parts.size()) completed.push_back(scale_index);
   }
 
-  /// The writes to issue now. `names` keeps the names of held pieces among them alive.
+  /// The writes to issue now. `names` keeps the names of held pieces among them alive;
+  /// `copies` are this call's held pieces to copy out of their sources, and `waits` the
+  /// copies of other calls' held pieces among `writes`, to wait for before writing.
   struct Ready {
     std::vector<Write> writes;
     std::vector<std::shared_ptr<const std::string>> names;
+    std::vector<std::shared_ptr<HeldCopy>> copies;
+    std::vector<std::shared_future<void>> waits;
+
+    /// Makes this call's held copies and waits for the others' (without the session's lock).
+    void copy_held() {
+      for (const auto& copy : copies) {
+        std::memcpy(copy->destination, copy->source, copy->bytes);
+        copy->done.set_value();
+      }
+      copies.clear();
+      for (const auto& copied : waits) copied.get();  // rethrows a copy that was abandoned
+    }
+    /// A call that fails before its copies are made leaves their pieces unwritable: whoever
+    /// flushes them gets this error rather than waiting for ever.
+    ~Ready() {
+      for (const auto& copy : copies) {
+        copy->done.set_exception(std::make_exception_ptr(
+            Error(ErrorCode::kModel, "a held piece was never copied: the load() call that held it failed")));
+      }
+    }
+    Ready() = default;
+    Ready(Ready&&) = default;
+    Ready& operator=(Ready&&) = delete;
   };
 
   /// Step 3: with whole-layer commits, holds back each piece of a layer still incomplete,
@@ -804,7 +843,7 @@ struct LoadSession::State {
     for (Write& write : writes) {
       LayerState& layer_state = layers[layout.parameters()[write.parameter].layer];
       if (!layer_state.complete_now()) {
-        keep(Held{write, std::make_shared<const std::string>(write.name)});
+        keep(Held{write, std::make_shared<const std::string>(write.name), {}}, ready);
         continue;
       }
       ready.writes.push_back(write);
@@ -812,6 +851,7 @@ struct LoadSession::State {
       for (Held& held : layer_state.held) {
         ready.writes.push_back(held.write);
         ready.names.push_back(held.name);
+        if (held.copied.valid()) ready.waits.push_back(held.copied);
       }
       // The held bytes live on in the writes' keepalives.
       layer_state.held.clear();
@@ -821,8 +861,8 @@ struct LoadSession::State {
 
   /// Keeps a held piece with its layer: kept by reference when it stays valid for the whole
   /// load or while its keepalive lives, else copied out of its source, which may change after
-  /// load() returns.
-  void keep(Held held) {
+  /// load() returns (host bytes by `ready`'s copy_held(), once the lock is let go).
+  void keep(Held held, Ready& ready) {
     Write& write = held.write;
     write.name = *held.name;
     if (write.changes) {
@@ -834,7 +874,12 @@ struct LoadSession::State {
     } else if (!write.device.is_cuda()) {
       counters.held_bytes_copied += source_bytes(write);
       std::shared_ptr<std::byte> copy = held_bytes->take(source_bytes(write));
-      std::memcpy(copy.get(), write.source, source_bytes(write));
+      auto pending = std::make_shared<HeldCopy>();
+      pending->destination = copy.get();
+      pending->source = write.source;
+      pending->bytes = source_bytes(write);
+      held.copied = pending->copied;
+      ready.copies.push_back(std::move(pending));
       write.source = copy.get();
       write.keepalive = std::move(copy);
     } else {
@@ -846,6 +891,14 @@ struct LoadSession::State {
       write.keepalive = std::move(copy);
     }
     layers[layout.parameters()[write.parameter].layer].held.push_back(std::move(held));
+  }
+
+  /// Whether `writes` (a batch's and the held pieces it flushes) are plain copies that may
+  /// be issued outside the lock: no conversion, no changed elements (lock held).
+  bool may_write_unlocked(std::span<const Write> writes) const {
+    return std::ranges::none_of(writes, [&](const Write& write) {
+      return write.changes || write.dtype != layout.parameters()[write.parameter].load_dtype;
+    });
   }
 
   /// The layer of each checkpoint-format write, each counted as writing while `unlocked`
@@ -1102,11 +1155,13 @@ void LoadSession::load(std::span<const TensorView> batch) {
   bool wrote = false;
   try {
     State::CheckedBatch checked = state.check(batch, what);
-    const bool unlocked = state.account(checked);
+    bool unlocked = state.account(checked);
     State::Ready ready = state.hold(std::move(checked.writes));
+    unlocked = unlocked && state.may_write_unlocked(ready.writes);
     std::vector<int64_t> layers = state.begin_writing(ready.writes, unlocked);
     wrote = true;
     if (unlocked) lock.unlock();  // the reader threads of a stream copy in parallel
+    ready.copy_held();
     state.write(ready.writes);
     if (checked.waits && state.writer->asynchronous()) state.writer->wait();
     if (!lock.owns_lock()) lock.lock();
@@ -1191,7 +1246,10 @@ void LoadSession::finish() {
   }
   try {
     std::vector<State::Write> writes;
-    for (State::Held& held : rest) writes.push_back(held.write);
+    for (State::Held& held : rest) {
+      if (held.copied.valid()) held.copied.get();  // made by a load() call that has returned
+      writes.push_back(held.write);
+    }
     if (state.format == TensorFormat::kCheckpoint) {
       for (const State::Write& write : writes) state.write_checkpoint(write);
     } else {

@@ -266,3 +266,35 @@ def test_a_receiver_refusal_reaches_the_sender_with_its_reason(tmp_path):
         "the engine replaced model.norm.weight"
     assert errors and errors[0].code == "model" and "the engine replaced model.norm.weight" in str(errors[0])
     assert parameter_bytes(live) == before
+
+
+def test_torch_tensors_are_sent_as_they_are_read_from_their_attributes(tmp_path):
+    """torch tensors (a Parameter too) cross without __dlpack__: the bytes that land are the
+    tensors' own, a view that is not contiguous is still refused with its error, and uint8
+    bytes keep the DLPack path."""
+    torch = pytest.importorskip("torch")
+    new = synth(tmp_path / "new", 2)
+    live = cold_layout(synth(tmp_path / "old", 1))
+    tensors = {name: torch.from_dlpack(np.ascontiguousarray(array)).view(torch.bfloat16).reshape(new.shapes[name])
+               if new.dtypes[name] == "BF16" else torch.from_dlpack(np.ascontiguousarray(array))
+               for name, array in new.stream(framework="numpy")}
+    first = next(iter(tensors))
+    tensors[first] = torch.nn.Parameter(tensors[first].clone(), requires_grad=True)
+    receiver, thread, outcome = start_receiving(live)
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret", bucket_bytes=1 << 20)
+    report = sender.update(tensors)
+    thread.join(timeout=60)
+    assert outcome["report"]["tensors"] == report["tensors"] == len(new.names)
+    assert parameter_bytes(live) == parameter_bytes(cold_layout(new))
+
+    name = next(n for n in new.names if len(new.shapes[n]) == 2 and new.dtypes[n] == "BF16")
+    receiver, thread, outcome = start_receiving(live)
+    sender = weightstream.UpdateSender(receiver.address, transport="tcp", token="s3cret", bucket_bytes=1 << 20)
+    sender.start("checkpoint", [(name, torch.bfloat16, new.shapes[name])])
+    transposed = tensors[name].t().contiguous().t()  # its shape, column-major
+    with pytest.raises(weightstream.Error, match=f"tensor '{name}' is not contiguous"):
+        sender.send(name, transposed)
+    with pytest.raises(weightstream.Error, match="has a dtype safetensors has no name for"):
+        sender.send(name, torch.zeros(4, dtype=torch.complex64))
+    receiver.cancel()
+    thread.join(timeout=60)
