@@ -46,7 +46,8 @@ for tool in bash sh cat grep sed head tail ldd; do
   ln -s "$(command -v "$tool")" "$tools/$tool"
 done
 # bare [NAME=VALUE...] COMMAND ARGS: COMMAND with only these variables set.
-bare() { env -i HOME="$work" LANG=C.UTF-8 PATH="$venv/bin:$tools" "$@"; }
+bare_environment=(env -i HOME="$work" LANG=C.UTF-8 PATH="$venv/bin:$tools")
+bare() { "${bare_environment[@]}" "$@"; }
 for compiler in cc c++ gcc g++ clang clang++; do
   if found=$(bare bash -c "command -v $compiler"); then fail "$compiler is on the bare PATH ($found)"; fi
 done
@@ -88,8 +89,9 @@ EOF
 # included (python/CMakeLists.txt), with the token on standard input.
 serve_log="$work/serve.log"
 echo token >"$work/token"
-# env, the console script and the command exec one another: $! is the server's own pid.
-bare weightstream serve "$sample" --token-stdin <"$work/token" >"$serve_log" 2>&1 &
+# Not through the function, whose subshell would be $!: env, the console script and the
+# command exec one another, so $! is the server's own pid.
+"${bare_environment[@]}" weightstream serve "$sample" --token-stdin <"$work/token" >"$serve_log" 2>&1 &
 serve_pid=$!
 address=""
 for _ in $(seq 1 600); do
