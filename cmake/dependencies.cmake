@@ -8,7 +8,10 @@ find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
 find_library(XXHASH_LIBRARY NAMES xxhash)
 add_library(ws_xxhash INTERFACE)
 target_include_directories(ws_xxhash SYSTEM INTERFACE ${XXHASH_INCLUDE_DIR})
+# The shared library alone, for the installed package's link interface (src/CMakeLists.txt).
+set(WS_XXHASH_LIBRARY "")
 if(XXHASH_LIBRARY)
+  set(WS_XXHASH_LIBRARY ${XXHASH_LIBRARY})
   target_link_libraries(ws_xxhash INTERFACE ${XXHASH_LIBRARY})
 else()
   # Header-only mode of xxHash (used where only the header was carried).

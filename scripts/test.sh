@@ -35,6 +35,15 @@ if [ -d "$root/tests/python" ]; then
   # pytest exits 5 when it collects nothing; that is not a failure of the suite.
   python3 -m pytest -q "$root/tests/python" || { rc=$?; [ "$rc" = 5 ] || status=1; }
 fi
+# ---- Installing (issue 47): the wheel and the C++ package --------------------------------
+# scripts/test-package.sh builds the repaired wheel (reusing the Python package's build tree
+# above), installs it into a fresh virtual environment and runs its command and its module
+# with no compiler on the PATH, then builds tests/package against `cmake --install` of this
+# build (docs/INSTALL.md). WS_TEST_PACKAGE=0 skips it.
+if [ "${WS_TEST_PACKAGE:-1}" != 0 ]; then
+  WS_BUILD_DIR="$build" "$root/scripts/test-package.sh" || status=1
+fi
+# ---- end of the installing checks ------------------------------------------------------
 # ---- Reliability stages (issue 7): sanitizers and fuzzing -----------------------------
 # Heavy (two more builds of the suite and one with clang), so they run in CI (CI=true) or on
 # request (WS_TEST_FULL=1), and WS_TEST_FULL=0 skips them anywhere. They reuse build-asan/,
