@@ -458,6 +458,8 @@ struct LoadCounters {
   uint64_t model_hook_runs = 0;
   uint64_t held_bytes_copied = 0;  ///< bytes held back for their layer (whole-layer commits) and
                                    ///< copied, since their source could change before the layer is whole
+  uint64_t held_bytes_on_device = 0;  ///< of those, bytes from the host held in the GPU's memory
+                                      ///< (the rest in host memory)
 };
 
 /// The counters of `counters` by name, as the fields above are named.

@@ -10,7 +10,8 @@ std::vector<StatField> stat_fields(const LoadCounters& counters) {
           {"parameters_completed", counters.parameters_completed},
           {"layer_processing_runs", counters.layer_processing_runs},
           {"model_hook_runs", counters.model_hook_runs},
-          {"held_bytes_copied", counters.held_bytes_copied}};
+          {"held_bytes_copied", counters.held_bytes_copied},
+          {"held_bytes_on_device", counters.held_bytes_on_device}};
 }
 
 }  // namespace weightstream

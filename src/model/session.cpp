@@ -29,6 +29,11 @@ namespace {
 
 const Device kHost{};
 
+/// The most GPU memory a load holds pieces of incomplete layers in (whole-layer commits), on
+/// top of the engine's own: a reload in file order holds a few layers at a time, well below
+/// it; past it (a shuffled reload of a large model), pieces are held in host memory.
+constexpr uint64_t kMostHeldDeviceBytes = 2ull << 30;
+
 uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
 
 bool is_float(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
@@ -189,17 +194,27 @@ void write_part_bytes(model::ParameterWriter& writer, std::byte* base, const Par
                      });
 }
 
-/// Host memory for held pieces, reused within a load. A held piece's copy in fresh memory
-/// costs more than the copy itself: the kernel faults in and zero-fills every page first (a
-/// pushed update of a 1 GiB llama in 64 MiB buckets holds about 60% of its bytes, and the
-/// receiver applied it at 2.1 GB/s). Memory comes back when its last holder lets go; free
-/// memory is kept up to the most ever in use at once, so the pool stays within twice the peak
-/// of held bytes, and release() gives it all back when the load ends. (The stream's
-/// StagingPool does not fit: its buffers are of one size and capped, and a held piece may
-/// neither wait nor be refused.)
+/// Memory for held pieces, reused within a load: host memory, or a GPU's when the pieces go
+/// to that GPU. A held piece's copy in fresh host memory costs more than the copy itself: the
+/// kernel faults in and zero-fills every page first (a pushed update of a 1 GiB llama in 64
+/// MiB buckets holds about 60% of its bytes, and the receiver applied it at 2.1 GB/s). On a
+/// GPU, a piece held in host memory would later cross from pageable memory (about 6 GB/s; a
+/// 16 GB reload took 11 s): held in the GPU's memory it crosses once from the pinned staging
+/// at the link's rate and lands by a device-to-device copy. Memory comes back when its last
+/// holder lets go; free memory is kept up to the most ever in use at once, so the pool stays
+/// within twice the peak of held bytes, and release() gives it all back when the load ends.
+/// A GPU's pool holds at most `most_bytes` in use: take() then gives nothing, and the piece
+/// is held in host memory. (The stream's StagingPool does not fit: its buffers are of one
+/// size and capped, and a held piece may neither wait nor be refused.)
 class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
  public:
-  /// `bytes` of host memory, unwritten (or holding an earlier piece's bytes).
+  HeldBytesPool() = default;
+  HeldBytesPool(Device device, uint64_t most_bytes) : device_(std::move(device)), most_bytes_(most_bytes) {}
+
+  const Device& device() const noexcept { return device_; }
+
+  /// `bytes` of the pool's memory, unwritten (or holding an earlier piece's bytes); null when
+  /// a GPU's pool would go past its bound.
   std::shared_ptr<std::byte> take(uint64_t bytes) {
     const uint64_t capacity = (std::max<uint64_t>(bytes, 1) + kGranule - 1) / kGranule * kGranule;
     std::shared_ptr<Block> buffer;
@@ -211,14 +226,14 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
         buffer = std::move(found->second);
         free_bytes_ -= found->first;
         free_.erase(found);
+      } else if (device_.is_cuda() && in_use_bytes_ + free_bytes_ + capacity > most_bytes_) {
+        return nullptr;
       }
       in_use_bytes_ += buffer ? buffer->size : capacity;
       peak_in_use_bytes_ = std::max(peak_in_use_bytes_, in_use_bytes_);
     }
-    // malloc's memory, not the device layer's mapped host buffers: those ask for transparent
-    // huge pages, whose first faults stall here.
-    if (!buffer) buffer = std::make_shared<Block>(Block{std::unique_ptr<std::byte[]>(new std::byte[capacity]), capacity});
-    std::byte* data = buffer->data.get();
+    if (!buffer) buffer = allocate(capacity);
+    std::byte* data = buffer->data();
     return std::shared_ptr<std::byte>(data, [pool = shared_from_this(), buffer](std::byte*) { pool->give_back(buffer); });
   }
 
@@ -233,9 +248,30 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
  private:
   static constexpr uint64_t kGranule = 64 * 1024;
   struct Block {
-    std::unique_ptr<std::byte[]> data;
+    std::unique_ptr<std::byte[]> host;
+    Buffer device;
     uint64_t size = 0;
+    std::byte* data() const { return host ? host.get() : device.data(); }
   };
+
+  std::shared_ptr<Block> allocate(uint64_t capacity) {
+    try {
+      auto block = std::make_shared<Block>();
+      block->size = capacity;
+      // Host: malloc's memory, not the device layer's mapped host buffers: those ask for
+      // transparent huge pages, whose first faults stall here.
+      if (device_.is_cuda()) {
+        block->device = Buffer(device_, capacity);
+      } else {
+        block->host.reset(new std::byte[capacity]);
+      }
+      return block;
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      in_use_bytes_ -= capacity;
+      throw;
+    }
+  }
 
   void give_back(const std::shared_ptr<Block>& buffer) {
     std::lock_guard lock(mutex_);
@@ -245,6 +281,8 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
     free_.emplace(buffer->size, buffer);
   }
 
+  Device device_;
+  uint64_t most_bytes_ = 0;
   std::mutex mutex_;
   std::multimap<uint64_t, std::shared_ptr<Block>> free_;  ///< by size
   uint64_t free_bytes_ = 0;
@@ -283,6 +321,7 @@ struct LoadSession::State {
   /// (one thread at a time under the lock ran at a fraction of the memory's rate).
   struct HeldCopy {
     std::byte* destination = nullptr;
+    Device destination_device;  ///< the host, or the GPU whose pool holds the piece
     const std::byte* source = nullptr;
     uint64_t bytes = 0;
     std::promise<void> done;
@@ -306,6 +345,7 @@ struct LoadSession::State {
   std::mutex mutex;
   std::optional<model::ParameterWriter> writer;  ///< made for the layout's device, kept across loads
   std::shared_ptr<HeldBytesPool> held_bytes = std::make_shared<HeldBytesPool>();  ///< host copies of held pieces
+  std::shared_ptr<HeldBytesPool> held_device_bytes;  ///< copies of held pieces on the writer's GPU
   std::vector<size_t> batch_bytes_touched;   ///< parameters with engine bytes in the current batch
   std::vector<uint64_t> batch_engine_bytes;  ///< per parameter: engine bytes in the current batch
   bool active = false;
@@ -823,7 +863,12 @@ struct LoadSession::State {
     /// Makes this call's held copies and waits for the others' (without the session's lock).
     void copy_held() {
       for (const auto& copy : copies) {
-        std::memcpy(copy->destination, copy->source, copy->bytes);
+        try {
+          copy_bytes(copy->destination, copy->destination_device, copy->source, kHost, copy->bytes);
+        } catch (...) {
+          copy->done.set_exception(std::current_exception());
+          throw;
+        }
         copy->done.set_value();
       }
       copies.clear();
@@ -884,15 +929,22 @@ struct LoadSession::State {
       // The keepalive goes with the held write: nothing to copy.
     } else if (!write.device.is_cuda()) {
       counters.held_bytes_copied += source_bytes(write);
-      std::shared_ptr<std::byte> copy = held_bytes->take(source_bytes(write));
       auto pending = std::make_shared<HeldCopy>();
+      std::shared_ptr<std::byte> copy = take_device_held(write);
+      if (copy) {
+        counters.held_bytes_on_device += source_bytes(write);
+        pending->destination_device = held_device_bytes->device();
+      } else {
+        copy = held_bytes->take(source_bytes(write));
+      }
       pending->destination = copy.get();
       pending->source = write.source;
       pending->bytes = source_bytes(write);
       held.copied = pending->copied;
-      ready.copies.push_back(std::move(pending));
       write.source = copy.get();
+      write.device = pending->destination_device;
       write.keepalive = std::move(copy);
+      ready.copies.push_back(std::move(pending));
     } else {
       counters.held_bytes_copied += write.end - write.begin;
       auto copy = std::make_shared<Buffer>(write.device, std::max<uint64_t>(write.end - write.begin, 1));
@@ -902,6 +954,24 @@ struct LoadSession::State {
       write.keepalive = std::move(copy);
     }
     layers[layout.parameters()[write.parameter].layer].held.push_back(std::move(held));
+  }
+
+  /// Gives back the memory of held pieces no write holds any more (the load ended).
+  void release_held_bytes() {
+    held_bytes->release();
+    if (held_device_bytes) held_device_bytes->release();
+  }
+
+  /// Memory on the writer's GPU for a held piece from the host that is written as it is
+  /// into a parameter on that GPU: it crosses now from its pinned staging, and lands by a
+  /// device-to-device copy when its layer is whole. Null when the piece is converted on the
+  /// host, its parameter lies elsewhere, or the GPU's pool is at its bound.
+  std::shared_ptr<std::byte> take_device_held(const Write& write) {
+    const Parameter& parameter = layout.parameters()[write.parameter];
+    if (!held_device_bytes || parameter.device != held_device_bytes->device() || write.dtype != parameter.load_dtype) {
+      return nullptr;
+    }
+    return held_device_bytes->take(source_bytes(write));
   }
 
   /// Whether `writes` (a batch's and the held pieces it flushes) are plain copies that may
@@ -1010,6 +1080,7 @@ struct LoadSession::State {
     if (!writer || writer->device() != device) {
       if (writer) writer->wait();
       writer.emplace(device);
+      held_device_bytes = device.is_cuda() ? std::make_shared<HeldBytesPool>(device, kMostHeldDeviceBytes) : nullptr;
     }
     return *writer;
   }
@@ -1202,7 +1273,7 @@ void LoadSession::finish() {
     } catch (const Error&) {
       // The batch's error is the one the caller sees.
     }
-    state.held_bytes->release();
+    state.release_held_bytes();
     std::string state_text = state.failure->wrote ? "" : "nothing of that batch was written; ";
     if (state.commit == LayerCommit::kWholeLayer) {
       state_text += "layers not completed before the failure keep their old values";
@@ -1241,7 +1312,7 @@ void LoadSession::finish() {
     if (!partial.empty()) {
       state.active = false;
       for (auto& [layer, layer_state] : state.layers) layer_state.held.clear();
-      state.held_bytes->release();
+      state.release_held_bytes();
       size_t count = partial.size();
       if (partial.size() > 10) partial.resize(10);
       WS_FAIL(ErrorCode::kModel, what + ": " + std::to_string(count) + " tensor" + (count == 1 ? "" : "s") +
@@ -1308,7 +1379,7 @@ void LoadSession::finish() {
     if (state.format == TensorFormat::kCheckpoint && !layer_state.processed) state.process_layer(layer);
   }
   state.writer->wait();
-  state.held_bytes->release();
+  state.release_held_bytes();
   for (const auto& hook : layout_.hooks()) {
     hook->run(layout_);
     ++state.counters.model_hook_runs;

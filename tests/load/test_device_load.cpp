@@ -291,6 +291,52 @@ TEST(CudaLoad, RanksOfTp8EqualTheirHostLoads) {
   }
 }
 
+// A reload commits whole layers: pieces of a layer not yet complete that arrive in staging
+// buffers are held on the GPU (copied there at once, written by a device-to-device copy
+// with their layer); the parameters stay where they were and equal
+// a host load of the new checkpoint.
+TEST(CudaLoad, AReloadHoldsPiecesOfIncompleteLayersOnTheGpu) {
+  WS_SKIP_WITHOUT_GPU();
+  TempDir old_directory;
+  TempDir new_directory;
+  SynthOptions synth;
+  synth.arch = "llama";
+  synth.hidden = 512;
+  synth.layers = 3;
+  synth.shards = 2;
+  synth.seed = 1;
+  synthesize_checkpoint(old_directory.path(), synth);
+  synth.seed = 2;
+  synthesize_checkpoint(new_directory.path(), synth);
+  auto old_checkpoint = Checkpoint::open(old_directory.path().string(), Options{});
+  auto new_checkpoint = Checkpoint::open(new_directory.path().string(), Options{});
+  const ModelConfig config = checkpoint_model_config(new_checkpoint);
+  for (Parallelism parallel : {Parallelism{1, 0, 1, 0}, Parallelism{2, 1, 1, 0}}) {
+    {
+      SCOPED_TRACE("tp " + std::to_string(parallel.tp_size));
+      ModelLayout reference = build_model_layout(config, {.parallel = parallel});
+      reference.allocate(Device{});
+      load_layout(reference, new_checkpoint, LoadMode::kCold, StreamOptions{});
+      ModelLayout layout = build_model_layout(config, {.parallel = parallel});
+      layout.allocate(kCuda0, ModelLayout::ArenaContents::kUnwritten);
+      load_layout(layout, old_checkpoint, LoadMode::kCold, StreamOptions{});
+      std::vector<std::byte*> addresses;
+      for (const Parameter& parameter : layout.parameters()) addresses.push_back(parameter.data);
+      StreamOptions pieces;
+      pieces.chunk_bytes = 64 * kKiB;  // reads that split layers
+      pieces.memory_limit = 1 * kMiB;
+      pieces.gpu_path = GpuPath::kStaged;
+      const LayoutLoad reload = load_layout(layout, new_checkpoint, LoadMode::kReload, pieces);
+      EXPECT_GT(reload.counters.held_bytes_on_device, 0u);
+      EXPECT_EQ(reload.counters.held_bytes_on_device, reload.counters.held_bytes_copied);
+      LayoutComparison comparison = compare_layouts(layout, reference);
+      EXPECT_EQ(comparison.compared, layout.parameters().size());
+      EXPECT_EQ(comparison.mismatched, 0u) << (comparison.mismatches.empty() ? "" : comparison.mismatches[0]);
+      for (size_t i = 0; i < addresses.size(); ++i) EXPECT_EQ(layout.parameters()[i].data, addresses[i]);
+    }
+  }
+}
+
 TEST(CudaLoad, MappedPathNeedsLocalFiles) {
   WS_SKIP_WITHOUT_GPU();
   TempDir directory;
