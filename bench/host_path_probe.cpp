@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "weightstream/device.hpp"
-#include "device/copies.hpp"
-#include "device/host_registration.hpp"
+#include "device/shared/copies.hpp"
+#include "device/shared/host_registration.hpp"
 #include "weightstream/error.hpp"
 
 using namespace weightstream;

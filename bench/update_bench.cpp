@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "weightstream/device.hpp"
-#include "device/copies.hpp"
+#include "device/shared/copies.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/options.hpp"

@@ -13,6 +13,8 @@ build=${WS_BUILD_DIR:-$root/build}
 . "$root/scripts/azurite.sh" "$build/azurite.log"
 
 status=0
+# The include rules of docs/ARCHITECTURE.md (its table of layers), checked on every run.
+python3 "$root/scripts/check-layers.py" "$root" || status=1
 (cd "$build" && ctest --output-on-failure -j "${WS_JOBS:-$(nproc)}" --timeout 600) || status=1
 export WS_CLI="$build/weightstream"
 # ---- Python package (python/, issue 6) ------------------------------------------------

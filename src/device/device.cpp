@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "device/host_memory.hpp"
-#include "device/host_registration.hpp"
+#include "device/shared/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"

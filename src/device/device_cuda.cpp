@@ -18,11 +18,11 @@
 #include <vector>
 
 #include "device/host_memory.hpp"
-#include "device/copies.hpp"
-#include "device/digests.hpp"
-#include "device/host_registration.hpp"
-#include "device/ipc.hpp"
-#include "device/quantize.hpp"
+#include "device/shared/copies.hpp"
+#include "device/shared/digests.hpp"
+#include "device/shared/host_registration.hpp"
+#include "device/shared/ipc.hpp"
+#include "device/shared/quantize.hpp"
 #ifdef WS_HAVE_CUDA_KERNELS
 #include "device/copy_kernels.hpp"
 #include "device/digest_kernels.hpp"

@@ -4,11 +4,11 @@
 #include <cstring>
 
 #include "device/host_memory.hpp"
-#include "device/copies.hpp"
-#include "device/digests.hpp"
-#include "device/host_registration.hpp"
-#include "device/ipc.hpp"
-#include "device/quantize.hpp"
+#include "device/shared/copies.hpp"
+#include "device/shared/digests.hpp"
+#include "device/shared/host_registration.hpp"
+#include "device/shared/ipc.hpp"
+#include "device/shared/quantize.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 

@@ -2,7 +2,7 @@
 // untrusted file and are joined to a directory or URI prefix by the callers, so anything
 // but a plain file name is rejected here.
 
-#include "format/json_text.hpp"
+#include "format/shared/json_text.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
 

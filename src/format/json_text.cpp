@@ -1,4 +1,4 @@
-#include "format/json_text.hpp"
+#include "format/shared/json_text.hpp"
 
 #include <cstdio>
 #include <set>

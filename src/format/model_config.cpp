@@ -3,7 +3,7 @@
 
 #include <functional>
 
-#include "format/json_text.hpp"
+#include "format/shared/json_text.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
 

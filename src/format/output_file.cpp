@@ -1,4 +1,4 @@
-#include "format/output_file.hpp"
+#include "format/shared/output_file.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>

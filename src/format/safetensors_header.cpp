@@ -13,7 +13,7 @@
 #include <limits>
 #include <unordered_set>
 
-#include "format/json_text.hpp"
+#include "format/shared/json_text.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
 

@@ -5,8 +5,8 @@
 
 #include <set>
 
-#include "format/json_text.hpp"
-#include "format/output_file.hpp"
+#include "format/shared/json_text.hpp"
+#include "format/shared/output_file.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/format.hpp"
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "format/json_text.hpp"
+#include "format/shared/json_text.hpp"
 #include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"

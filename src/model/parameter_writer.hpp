@@ -18,9 +18,9 @@
 #include <string_view>
 #include <vector>
 
-#include "device/copies.hpp"
+#include "device/shared/copies.hpp"
 
-#include "device/quantize.hpp"
+#include "device/shared/quantize.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/format.hpp"
 

@@ -17,7 +17,7 @@
 #include <set>
 
 #include "base/text.hpp"
-#include "device/copies.hpp"
+#include "device/shared/copies.hpp"
 #include "model/fp8_blocks.hpp"
 #include "model/parameter_writer.hpp"
 #include "model/processing.hpp"

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "base/parallel.hpp"
-#include "format/json_text.hpp"
-#include "format/output_file.hpp"
+#include "format/shared/json_text.hpp"
+#include "format/shared/output_file.hpp"
 #include "model/checkpoint_tensors.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/model.hpp"

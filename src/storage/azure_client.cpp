@@ -8,7 +8,7 @@
 
 #include <algorithm>
 
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
 #include "weightstream/error.hpp"
 

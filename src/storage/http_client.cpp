@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "weightstream/error.hpp"
 
 namespace weightstream::storage {

@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "storage/local_io.hpp"
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "storage/run_groups.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"

@@ -6,7 +6,7 @@
 
 #include "base/parallel.hpp"
 #include "storage/object_store.hpp"
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
 #include "weightstream/error.hpp"
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "storage/local_io.hpp"
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 
 namespace weightstream::storage {
 namespace {

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "base/text.hpp"
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "storage/s3_checksum.hpp"
 
 namespace weightstream::s3 {

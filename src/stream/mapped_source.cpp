@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "base/text.hpp"
-#include "device/host_registration.hpp"
+#include "device/shared/host_registration.hpp"
 #include "weightstream/error.hpp"
 #include "stream/split_stream.hpp"
 #include "stream/streamer.hpp"

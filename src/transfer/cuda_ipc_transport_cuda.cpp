@@ -21,8 +21,8 @@
 #include <memory>
 
 #include "transfer/transport.hpp"
-#include "device/copies.hpp"
-#include "device/ipc.hpp"
+#include "device/shared/copies.hpp"
+#include "device/shared/ipc.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/options.hpp"
 

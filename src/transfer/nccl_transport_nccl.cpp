@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "transfer/transport.hpp"
-#include "device/copies.hpp"
+#include "device/shared/copies.hpp"
 #include "weightstream/device.hpp"
 
 namespace weightstream::transfer {

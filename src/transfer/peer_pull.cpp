@@ -29,8 +29,8 @@
 #include <stop_token>
 #include <thread>
 
-#include "device/digests.hpp"
-#include "storage/read_destination.hpp"
+#include "device/shared/digests.hpp"
+#include "storage/shared/read_destination.hpp"
 #include "transfer/peer_protocol.hpp"
 #include "transfer/socket.hpp"
 #include "transfer/ucx.hpp"

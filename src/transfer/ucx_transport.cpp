@@ -29,7 +29,7 @@
 #include <optional>
 #include <vector>
 
-#include "device/copies.hpp"
+#include "device/shared/copies.hpp"
 #include "transfer/transport.hpp"
 #include "transfer/ucx.hpp"
 

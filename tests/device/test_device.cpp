@@ -15,9 +15,9 @@
 #include <xxhash.h>
 
 #include "support/test_support.hpp"
-#include "device/copies.hpp"
-#include "device/digests.hpp"
-#include "device/host_registration.hpp"
+#include "device/shared/copies.hpp"
+#include "device/shared/digests.hpp"
+#include "device/shared/host_registration.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"

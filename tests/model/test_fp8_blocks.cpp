@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "device/e4m3_rule.hpp"
-#include "device/quantize.hpp"
+#include "device/shared/quantize.hpp"
 #include "model/fp8_blocks.hpp"
 #include "weightstream/device.hpp"
 #include "weightstream/model.hpp"

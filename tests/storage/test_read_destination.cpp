@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "storage/read_destination.hpp"
+#include "storage/shared/read_destination.hpp"
 
 namespace weightstream {
 namespace {
