@@ -233,6 +233,7 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
       peak_in_use_bytes_ = std::max(peak_in_use_bytes_, in_use_bytes_);
     }
     if (!buffer) buffer = allocate(capacity);
+    if (!buffer) return nullptr;
     std::byte* data = buffer->data();
     return std::shared_ptr<std::byte>(data, [pool = shared_from_this(), buffer](std::byte*) { pool->give_back(buffer); });
   }
@@ -254,10 +255,12 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
     std::byte* data() const { return host ? host.get() : device.data(); }
   };
 
+  /// A new block; null when the GPU has no memory left for it (the pool then takes no more,
+  /// and pieces are held in host memory).
   std::shared_ptr<Block> allocate(uint64_t capacity) {
+    auto block = std::make_shared<Block>();
+    block->size = capacity;
     try {
-      auto block = std::make_shared<Block>();
-      block->size = capacity;
       // Host: malloc's memory, not the device layer's mapped host buffers: those ask for
       // transparent huge pages, whose first faults stall here.
       if (device_.is_cuda()) {
@@ -266,6 +269,12 @@ class HeldBytesPool : public std::enable_shared_from_this<HeldBytesPool> {
         block->host.reset(new std::byte[capacity]);
       }
       return block;
+    } catch (const Error& error) {
+      std::lock_guard lock(mutex_);
+      in_use_bytes_ -= capacity;
+      if (!device_.is_cuda() || error.code() != ErrorCode::kDevice) throw;
+      most_bytes_ = 0;
+      return nullptr;
     } catch (...) {
       std::lock_guard lock(mutex_);
       in_use_bytes_ -= capacity;
