@@ -80,7 +80,7 @@ void add_export_command(CLI::App& app) {
       ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
       const LayoutLoad load = load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
                                           [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
-      load_series = publish_load(metrics.get(), stream_load_record(checkpoint->uri(), load.stream), flags->metrics);
+      load_series = publish_load(metrics.get(), checkpoint_load_record(*checkpoint, load.stream), flags->metrics);
     }
     SafetensorsWriter writer;
     uint64_t bytes = 0;

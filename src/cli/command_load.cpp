@@ -61,7 +61,7 @@ LoadRecord run_load(const LoadFlags& flags, const LayoutLoadFlags& layout_flags,
                   static_cast<unsigned long long>(in_place));
     }
   }
-  return stream_load_record(checkpoint.uri(), loaded.stats);
+  return checkpoint_load_record(checkpoint, loaded.stats);
 }
 
 }  // namespace

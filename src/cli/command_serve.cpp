@@ -74,7 +74,7 @@ void add_serve_command(CLI::App& app) {
     ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
     Publication cold_series = publish_load(
         metrics.get(),
-        stream_load_record(checkpoint.uri(), load_layout(layout, checkpoint, LoadMode::kCold, options.stream).stream),
+        checkpoint_load_record(checkpoint, load_layout(layout, checkpoint, LoadMode::kCold, options.stream).stream),
         flags->metrics);
 
     const Parallelism parallel{flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),

@@ -120,14 +120,14 @@ LoadRecord run_layout_load(const std::string& uri, const LayoutFlags& flags, con
                    {"checkpoint_bytes", checkpoint.tensor_bytes()},
                    {"session", stats_json(stat_fields(load.counters))}});
     print_json(report);
-    return stream_load_record(checkpoint.uri(), load.stream);
+    return checkpoint_load_record(checkpoint, load.stream);
   }
   std::printf("loaded %s (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %s\n",
               counted(layout.parameters().size(), "parameter").c_str(), format_size(parameter_bytes).c_str(),
               layout.description().c_str(), device.name().c_str(), format_size(load.stream.bytes).c_str(),
               format_size(checkpoint.tensor_bytes()).c_str(), load.stream.seconds, load.stream.gbps(),
               counted(load.counters.model_hook_runs, "model hook run").c_str());
-  return stream_load_record(checkpoint.uri(), load.stream);
+  return checkpoint_load_record(checkpoint, load.stream);
 }
 
 }  // namespace weightstream::cli

@@ -94,7 +94,9 @@ class StopSignals {
   /// The signal that came within `seconds`, or 0 when none did.
   int wait(double seconds) const {
     using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    // At most about 31 years: a longer wait would overflow the clock's count.
+    const std::chrono::duration<double> wanted(std::min(seconds, 1e9));
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(wanted);
     for (auto now = Clock::now(); now < deadline; now = Clock::now()) {
       const double left_ms = std::chrono::duration<double, std::milli>(deadline - now).count();
       pollfd ready{fds_[0], POLLIN, 0};
@@ -206,6 +208,13 @@ LoadRecord stream_load_record(const std::string& uri, const StreamStats& stream)
                  {"staging_wait", stream.staging_wait_seconds}};
   load.storage = {stream.storage_requests, stream.storage_retries, stream.storage_checksum_failures};
   load.digest_failures = stream.storage_checksum_failures;
+  return load;
+}
+
+LoadRecord checkpoint_load_record(const Checkpoint& checkpoint, const StreamStats& stream) {
+  LoadRecord load = stream_load_record(checkpoint.uri(), stream);
+  load.storage = checkpoint.storage().stats();
+  load.digest_failures = load.storage.checksum_failures;
   return load;
 }
 

@@ -151,8 +151,11 @@ struct LoadRecord {
 };
 /// The storage kind of a checkpoint URI, as the `source` label shows it.
 std::string storage_kind(const std::string& uri);
-/// The record of a stream from `uri`.
+/// The record of a stream from `uri`, with the storage requests of the stream.
 LoadRecord stream_load_record(const std::string& uri, const StreamStats& stream);
+/// The record of a load of `checkpoint` by `stream`, with every request its storage sent
+/// since it was opened (the headers, index and config read by Checkpoint::open included).
+LoadRecord checkpoint_load_record(const Checkpoint& checkpoint, const StreamStats& stream);
 std::vector<MetricSeries> load_series(const LoadRecord& load);
 /// Publishes the series of `load` (on `endpoint`, where there is one), with the link rate
 /// of `flags`.
