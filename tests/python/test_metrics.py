@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 import uuid
 
 import pytest
 from conftest import CLI, requires_cli
 
-parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+from prometheus_scrape import scrape, scrape_text, value  # noqa: E402
 
 pytestmark = requires_cli
 
@@ -43,25 +43,6 @@ def llama(tmp_path_factory):
 
 def checkpoint_bytes(path):
     return sum(entry.stat().st_size for entry in path.glob("*.safetensors"))
-
-
-def scrape(address):
-    """{(name, labels as a sorted tuple): value} and {family name: type} of one scrape."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    samples, types = {}, {}
-    for family in parser.text_string_to_metric_families(text):
-        types[family.name] = family.type
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples, types
-
-
-def value(samples, name, **labels):
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if k[0].startswith(name))}"
-    return samples[key]
 
 
 def scrape_until(address, done):
@@ -154,7 +135,7 @@ def test_a_running_serve_shows_its_load_its_pullers_and_the_bytes_it_sent(llama,
         assert refused.returncode != 0
         samples = scrape_until(metrics, lambda s: value(s, "weightstream_peer_connections_refused_total") >= 1)
         assert value(samples, "weightstream_peer_pullers_accepted_total") == 1
-        assert TOKEN not in urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
+        assert TOKEN not in scrape_text(metrics)
         # It stops cleanly with its endpoint (a sanitizer build fails the exit on a leak).
         serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(timeout=60) == 0, serve.process.stderr.read()

@@ -6,41 +6,16 @@ update returned, a sender refused and joined)."""
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
-from conftest import CLI, cold_layout, requires_cli
+from conftest import cold_layout, requires_cli
 
 weightstream = pytest.importorskip("weightstream")
-parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+from prometheus_scrape import scrape, scrape_text, value  # noqa: E402
+from test_transfer import synth  # noqa: E402
 
 pytestmark = requires_cli
-
-
-def synth(directory, seed):
-    import subprocess
-
-    subprocess.run([CLI, "synth", str(directory), "--arch", "llama", "--layers", "2", "--seed", str(seed)],
-                   check=True, capture_output=True)
-    return weightstream.open(str(directory))
-
-
-def scrape(address):
-    """{(name, labels as a sorted tuple): value} and {family: type} of one scrape."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    samples, types = {}, {}
-    for family in parser.text_string_to_metric_families(text):
-        types[family.name] = family.type
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples, types
-
-
-def value(samples, name, **labels):
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if k[0].startswith(name))}"
-    return samples[key]
 
 
 @pytest.fixture
@@ -99,7 +74,7 @@ def test_a_receiver_with_metrics_shows_its_refusals_and_each_update_it_applied(t
     # The wrong token's connection was refused by the time the good sender was accepted:
     # the receiver serves one connection at a time.
     assert value(samples, "weightstream_update_connections_refused_total", transport="tcp") == 1
-    assert "s3cret" not in urllib.request.urlopen(f"http://{metrics.address}/metrics", timeout=30).read().decode()
+    assert "s3cret" not in scrape_text(metrics.address)
 
 
 def test_a_load_recorded_shows_under_the_commands_names(metrics):

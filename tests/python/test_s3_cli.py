@@ -250,7 +250,8 @@ def test_a_load_counts_the_retries_its_faults_cost_in_its_report_and_its_metrics
     import signal
     import re
 
-    parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+    pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+    from prometheus_scrape import parse, scrape_text, value
     proxy.arm("503", 3)
     process = subprocess.Popen([CLI, "load", checkpoint["uri"], "--json", "--no-progress", "--concurrency", "2",
                                 "--metrics-listen", "127.0.0.1:0", "--metrics-linger", "600"],
@@ -266,8 +267,7 @@ def test_a_load_counts_the_retries_its_faults_cost_in_its_report_and_its_metrics
                 address = found.group(1)
                 break
         assert address, "the load never said its metrics were up"
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-            text = response.read().decode()
+        text = scrape_text(address)
         process.send_signal(signal.SIGTERM)
         report = json.loads(process.stdout.read())
         assert process.wait(timeout=60) == 0
@@ -277,15 +277,14 @@ def test_a_load_counts_the_retries_its_faults_cost_in_its_report_and_its_metrics
             process.wait()
     forwarded = proxy.stats()
     assert forwarded["faults"] == 3
-    samples = {(sample.name, tuple(sample.labels.items())): sample.value
-               for family in parser.text_string_to_metric_families(text) for sample in family.samples}
+    samples, _ = parse(text)
     # The metrics count every request of the load, the opening's (headers, index) included;
     # the report's counters are the stream's own, a part of them.
-    assert samples[("weightstream_storage_retries_total", (("source", "s3"),))] == 3
-    requests = samples[("weightstream_storage_requests_total", (("source", "s3"),))]
+    assert value(samples, "weightstream_storage_retries_total", source="s3") == 3
+    requests = value(samples, "weightstream_storage_requests_total", source="s3")
     assert requests == forwarded["requests"]  # every attempt the proxy forwarded, spoiled ones included
     assert report["storage_retries"] <= 3 and report["storage_checksum_failures"] == 0
     assert 0 < report["storage_requests"] <= requests
-    assert samples[("weightstream_load_digest_failures_total", (("source", "s3"),))] == 0
-    assert samples[("weightstream_load_read_bytes_total", (("source", "s3"),))] == report["bytes_read"]
+    assert value(samples, "weightstream_load_digest_failures_total", source="s3") == 0
+    assert value(samples, "weightstream_load_read_bytes_total", source="s3") == report["bytes_read"]
     assert SECRET not in text

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (scripts/sglang-test.sh installs it)")
-parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+from prometheus_scrape import parse, value  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,19 +53,13 @@ def test_an_sglang_load_shows_in_its_metrics(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     load = outcome["load"]
-    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-               for family in parser.text_string_to_metric_families(outcome["text"]) for sample in family.samples}
-
-    def value(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if name in k[0])}"
-        return samples[key]
+    samples, _ = parse(outcome["text"])
 
     assert load["path"] == "layout"
-    read = value("weightstream_load_read_bytes_total", source="file")
+    read = value(samples, "weightstream_load_read_bytes_total", source="file")
     assert read == load["bytes_read"] > 0
-    seconds = value("weightstream_load_duration_seconds", source="file")
+    seconds = value(samples, "weightstream_load_duration_seconds", source="file")
     assert seconds == pytest.approx(load["seconds"]) and seconds > 0
-    assert value("weightstream_load_phase_seconds", source="file", phase="read") >= 0
-    assert value("weightstream_storage_retries_total", source="file") == 0
-    assert value("weightstream_load_link_efficiency", source="file") == pytest.approx(read / seconds / 1e9)
+    assert value(samples, "weightstream_load_phase_seconds", source="file", phase="read") >= 0
+    assert value(samples, "weightstream_storage_retries_total", source="file") == 0
+    assert value(samples, "weightstream_load_link_efficiency", source="file") == pytest.approx(read / seconds / 1e9)

@@ -8,32 +8,18 @@ from __future__ import annotations
 
 import os
 import threading
-import urllib.request
 
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/vllm-test.sh installs it)")
 torch = pytest.importorskip("torch")
-parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
 
 import weightstream  # noqa: E402
 import weightstream.vllm as ws_vllm  # noqa: E402
+from prometheus_scrape import scrape, value  # noqa: E402
 from test_vllm import checkpoints, model_config, run_ranks  # noqa: E402,F401 - the module's fixture
 from vllm_tiny_llama import CONFIG, TinyLlama, distributed  # noqa: E402
-
-
-def scrape(address):
-    """{(name, labels as a sorted tuple): value} of one scrape of http://address/metrics."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in parser.text_string_to_metric_families(text) for sample in family.samples}
-
-
-def value(samples, name, **labels):
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if k[0].startswith(name))}"
-    return samples[key]
 
 
 EXTRA = {"metrics_listen": "127.0.0.1:0", "link_rate": 1.0}
@@ -55,7 +41,7 @@ def _load_then_update(tp_size, rank, port, paths):
         loader.load_weights(model, model_config(paths[1]))
         # Port 0: each rank's endpoint took a free port; the process holds one per address.
         address = weightstream.metrics.serve_once("127.0.0.1:0").address
-        loaded = scrape(address)
+        loaded, _ = scrape(address)
         last_load = dict(loader.last_load)
 
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
@@ -75,7 +61,7 @@ def _load_then_update(tp_size, rank, port, paths):
         thread.start()
         engine.receive_weights(engine.parse_update_info({"accept_timeout": 60.0}))
         thread.join()
-        updated = scrape(address)
+        updated, _ = scrape(address)
         report = dict(engine.last_report)
         engine.shutdown()
         return {"loaded": loaded, "last_load": last_load, "updated": updated, "report": report}
