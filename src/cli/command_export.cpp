@@ -66,6 +66,8 @@ void add_export_command(CLI::App& app) {
     refuse_output_inside_input(flags->uri, flags->output);
     Options options = resolve_options(flags->stream);
     std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->metrics);
+    LoadProgress progress;
+    Publication progress_series = publish(metrics.get(), [&progress] { return progress.series(); });
     Publication load_series;
     std::optional<PeerLoad> from_peers;  // peer:// (cli/peer_flags.hpp)
     std::optional<Checkpoint> checkpoint;
@@ -77,9 +79,9 @@ void add_export_command(CLI::App& app) {
     } else {
       checkpoint = Checkpoint::open(flags->uri, options);
       layout = checkpoint_layout(*checkpoint, flags->layout, Device{});
-      ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
+      ProgressLine line(progress_enabled(flags->stream, options) && !flags->json, progress.observer());
       const LayoutLoad load = load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
-                                          [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+                                          [&line](uint64_t done, uint64_t total) { line.update(done, total); });
       load_series = publish_load(metrics.get(), checkpoint_load_record(*checkpoint, load.stream), flags->metrics);
     }
     SafetensorsWriter writer;

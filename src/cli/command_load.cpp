@@ -21,26 +21,27 @@ struct LoadFlags {
   MetricsFlags metrics;
 };
 
-/// Runs the load the flags ask for (the first path that takes them) and prints its summary.
+/// Runs the load the flags ask for (the first path that takes them) and prints its summary;
+/// `observer` sees its progress (a pull from peers reports none).
 LoadRecord run_load(const LoadFlags& flags, const LayoutLoadFlags& layout_flags, const DraftFlags& draft_flags,
-                    const PeerFlags& peer_flags) {
+                    const PeerFlags& peer_flags, const ProgressCallback& observer) {
   if (is_peer_uri(flags.uri)) {
     return run_peer_load(flags.uri, layout_flags.layout, flags.device, peer_flags, flags.stream, flags.json);
   }
   if (draft_flags.requested()) {  // source resolution and drafts
     return run_draft_load(flags.uri, draft_flags, layout_options_from_flags(layout_flags.layout), flags.device,
-                          flags.stream, flags.json);
+                          flags.stream, flags.json, observer);
   }
   if (flags.uri.empty()) throw CLI::RequiredError("uri");
   if (layout_flags.requested()) {  // model layout path
-    return run_layout_load(flags.uri, layout_flags.layout, flags.device, flags.stream, flags.json);
+    return run_layout_load(flags.uri, layout_flags.layout, flags.device, flags.stream, flags.json, observer);
   }
   auto options = resolve_options(flags.stream);
   auto device = parse_device(flags.device);
   auto checkpoint = Checkpoint::open(flags.uri, options);
   LoadedCheckpoint loaded;
   {
-    ProgressLine progress(progress_enabled(flags.stream, options) && !flags.json);
+    ProgressLine progress(progress_enabled(flags.stream, options) && !flags.json, observer);
     loaded = load_checkpoint(checkpoint, device, options.stream,
                              [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
   }
@@ -103,8 +104,10 @@ void add_load_command(CLI::App& app) {
   command->callback([flags, layout_flags, draft_flags, peer_flags] {
     // Before the load, so that a scrape during a long load reaches it; a port in use fails here.
     std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->metrics);
-    Publication load_series = publish_load(metrics.get(), run_load(*flags, *layout_flags, *draft_flags, *peer_flags),
-                                           flags->metrics);
+    LoadProgress progress;
+    Publication progress_series = publish(metrics.get(), [&progress] { return progress.series(); });
+    Publication load_series = publish_load(
+        metrics.get(), run_load(*flags, *layout_flags, *draft_flags, *peer_flags, progress.observer()), flags->metrics);
     linger_metrics(metrics.get(), flags->metrics);
   });
 }

@@ -166,7 +166,8 @@ nlohmann::json resolution_json(const SourceResolution& resolution) {
 }
 
 LoadRecord run_draft_load(const std::string& uri, const DraftFlags& given, const LayoutOptions& layout_options,
-                          const std::string& device_name, const StreamFlags& stream_flags, bool json) {
+                          const std::string& device_name, const StreamFlags& stream_flags, bool json,
+                          const ProgressCallback& observer) {
   DraftFlags flags = with_target_uri("load", uri, given);
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
@@ -174,7 +175,7 @@ LoadRecord run_draft_load(const std::string& uri, const DraftFlags& given, const
   std::vector<ModuleLoadRequest> requests = load_requests(modules);
   std::vector<StrategyLoad> loads;
   {
-    ProgressLine progress(progress_enabled(stream_flags, options) && !json);
+    ProgressLine progress(progress_enabled(stream_flags, options) && !json, observer);
     loads = load_modules(requests, LoadMode::kCold, options, StrategyChain::standard(),
                          [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
   }

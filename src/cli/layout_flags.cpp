@@ -93,7 +93,7 @@ void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
 }
 
 LoadRecord run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device_name,
-                           const StreamFlags& stream_flags, bool json) {
+                           const StreamFlags& stream_flags, bool json, const ProgressCallback& observer) {
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
   Checkpoint checkpoint = Checkpoint::open(uri, options);
@@ -104,7 +104,7 @@ LoadRecord run_layout_load(const std::string& uri, const LayoutFlags& flags, con
   ModelLayout layout = checkpoint_layout(checkpoint, flags, device);
   LayoutLoad load;
   {
-    ProgressLine progress(progress_enabled(stream_flags, options) && !json);
+    ProgressLine progress(progress_enabled(stream_flags, options) && !json, observer);
     load = load_layout(layout, checkpoint, LoadMode::kCold, options.stream,
                        [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
   }

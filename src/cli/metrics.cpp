@@ -266,6 +266,20 @@ Publication publish_load(MetricsEndpoint* endpoint, LoadRecord load, const Metri
   return publish(endpoint, [load = std::move(load)] { return load_series(load); });
 }
 
+ProgressCallback LoadProgress::observer() {
+  return [this](uint64_t done, uint64_t total) {
+    total_ = total;
+    done_ = done;
+  };
+}
+
+std::vector<MetricSeries> LoadProgress::series() const {
+  return {one_sample("weightstream_load_progress_bytes", "Bytes the load under way has delivered so far",
+                     MetricType::kGauge, static_cast<double>(done_.load())),
+          one_sample("weightstream_load_planned_bytes", "Bytes the load under way delivers in all", MetricType::kGauge,
+                     static_cast<double>(total_.load()))};
+}
+
 void linger_metrics(const MetricsEndpoint* endpoint, const MetricsFlags& flags) {
   if (endpoint == nullptr || flags.linger_seconds <= 0) return;
   StopSignals signals;  // before the line below: a scraper that reads it may signal at once

@@ -10,6 +10,7 @@
 // before what that function reads goes away.
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -160,6 +161,20 @@ std::vector<MetricSeries> load_series(const LoadRecord& load);
 /// Publishes the series of `load` (on `endpoint`, where there is one), with the link rate
 /// of `flags`.
 [[nodiscard]] Publication publish_load(MetricsEndpoint* endpoint, LoadRecord load, const MetricsFlags& flags);
+
+/// A load under way, as weightstream_load_progress_bytes and weightstream_load_planned_bytes
+/// show it while it runs (and after, at their final values). Thread-safe: the loading thread
+/// updates, a scrape reads.
+class LoadProgress {
+ public:
+  /// A progress callback that records into this (it must outlive the load).
+  ProgressCallback observer();
+  std::vector<MetricSeries> series() const;
+
+ private:
+  std::atomic<uint64_t> done_{0};
+  std::atomic<uint64_t> total_{0};
+};
 
 /// After a load: keeps `endpoint` (where there is one) up for flags.linger_seconds, or until
 /// SIGINT or SIGTERM, saying so on stderr, so that a scraper sees the load's final values.

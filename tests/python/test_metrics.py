@@ -284,6 +284,9 @@ def test_a_load_shows_what_it_read_its_phases_and_its_link_efficiency(llama):
     assert value(samples, "weightstream_load_link_efficiency", source="file") == pytest.approx(read / seconds / 2.5e9)
     assert types["weightstream_load_read_bytes"] == "counter"
     assert types["weightstream_load_link_efficiency"] == "gauge"
+    # The progress a scrape during the load sees, at its final values.
+    assert value(samples, "weightstream_load_progress_bytes") == value(samples, "weightstream_load_planned_bytes") \
+        == report["bytes"]
     assert not any(name.startswith("weightstream_load_peer") for name, _ in samples)
 
 
@@ -291,6 +294,7 @@ def test_a_layout_load_shows_the_bytes_of_its_rank(llama):
     samples, _, report = load_with_metrics(str(llama), "--tp-size", "2", "--tp-rank", "1")
     read = value(samples, "weightstream_load_read_bytes_total", source="file")
     assert read == report["bytes_read"] and 0 < read < tensor_bytes(llama)  # this rank's ranges only
+    assert value(samples, "weightstream_load_progress_bytes") == value(samples, "weightstream_load_planned_bytes") > 0
     assert value(samples, "weightstream_load_duration_seconds", source="file") == pytest.approx(report["seconds"])
     # Without --link-rate there is no rate to compare with.
     assert ("weightstream_load_link_efficiency", (("source", "file"),)) not in samples
