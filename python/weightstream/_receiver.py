@@ -23,11 +23,23 @@ class UpdateReceiver(_core.UpdateReceiver):
                          open_without_token=open_without_token)
         self._transport = transport
         self._metrics = metrics
-        if metrics is not None:
-            metrics.watch_receiver(self, transport)
+        self._metrics_key = metrics.watch_receiver(self, transport) if metrics is not None else None
 
     def receive(self, accept_timeout: float = 600.0) -> Dict[str, Any]:
-        report = super().receive(accept_timeout)
+        try:
+            report = super().receive(accept_timeout)
+        finally:
+            self._counted()
         if self._metrics is not None:
             self._metrics.update_completed(report, self._transport)
         return report
+
+    def refuse(self, reason: str, accept_timeout: float = 600.0) -> None:
+        try:
+            super().refuse(reason, accept_timeout)
+        finally:
+            self._counted()
+
+    def _counted(self) -> None:
+        if self._metrics is not None:
+            self._metrics.receiver_counted(self._metrics_key)

@@ -13,11 +13,12 @@ The vLLM and SGLang loaders take ``metrics_listen`` (and ``link_rate``) in
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from . import _core
 
@@ -73,32 +74,58 @@ class _ReceiverSeries:
     )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._receivers: List[Tuple[weakref.ReferenceType, str]] = []
+        # Reentrant: a receiver collected while it is held retires itself on the same thread.
+        self._lock = threading.RLock()
+        #: Per receiver watched: a weak reference, its transport, and its counters when last read.
+        self._watched: Dict[int, Tuple[weakref.ReferenceType, str, Dict[str, float]]] = {}
+        #: Per transport: the counters of the receivers gone (a counter never goes back).
+        self._retired: Dict[str, Dict[str, float]] = {}
+        self._keys = itertools.count()
 
-    def watch(self, receiver: Any, transport: str) -> None:
+    def watch(self, receiver: Any, transport: str) -> int:
+        """Watches ``receiver``; returns the key read() takes."""
+        key = next(self._keys)
         with self._lock:
-            self._receivers.append((weakref.ref(receiver), transport))
+            self._watched[key] = (weakref.ref(receiver), transport, {})
+        weakref.finalize(receiver, self._retire, key)
+        return key
+
+    def read(self, key: int) -> None:
+        """Reads the receiver's counters now (it calls this as each receive() or refuse()
+        ends, the only calls that change them): what it counted outlives it."""
+        with self._lock:
+            entry = self._watched.get(key)
+            receiver = entry[0]() if entry is not None else None
+            if receiver is not None:
+                entry[2].update({name: float(value) for name, value in receiver.stats.items()})
+
+    def _retire(self, key: int) -> None:
+        with self._lock:
+            entry = self._watched.pop(key, None)
+            if entry is None:
+                return
+            _, transport, last = entry
+            retired = self._retired.setdefault(transport, {})
+            for _, kind, name, _ in self._SERIES:
+                if kind == "counter":
+                    retired[name] = retired.get(name, 0.0) + last.get(name, 0.0)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
 
-        totals: Dict[str, Dict[str, float]] = {}
         with self._lock:
-            self._receivers = [(ref, transport) for ref, transport in self._receivers if ref() is not None]
-            watched = [(ref(), transport) for ref, transport in self._receivers]
-        for receiver, transport in watched:
-            if receiver is None:
-                continue
-            stats = receiver.stats
-            by_transport = totals.setdefault(transport, {})
-            for _, _, key, _ in self._SERIES:
-                by_transport[key] = by_transport.get(key, 0) + float(stats[key])
+            for key in list(self._watched):
+                self.read(key)
+            totals = {transport: dict(values) for transport, values in self._retired.items()}
+            for _, transport, last in list(self._watched.values()):
+                by_transport = totals.setdefault(transport, {})
+                for name, value in last.items():
+                    by_transport[name] = by_transport.get(name, 0.0) + value
         for name, kind, key, help_text in self._SERIES:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_text,
                                                                                       labels=["transport"])
             for transport, values in totals.items():
-                family.add_metric([transport], values[key])
+                family.add_metric([transport], values.get(key, 0.0))
             yield family
 
 
@@ -191,14 +218,20 @@ class Metrics:
                 self._link_rate.labels(source).set(stated)
                 self._link_efficiency.labels(source).set(read / seconds / stated if seconds > 0 else 0.0)
 
-    def watch_receiver(self, receiver: Any, transport: str) -> None:
+    def watch_receiver(self, receiver: Any, transport: str) -> int:
         """Shows the receiver's own counters (senders, refusals, updates started and failed,
-        one under way) at every scrape, for as long as it lives."""
-        self._receivers.watch(receiver, transport)
+        one under way) at every scrape; once it is gone, what it counted stays in the totals.
+        Returns the key of receiver_counted()."""
         with self._lock:
             for series in (self._updates_completed, self._update_bytes, self._update_tensors, self._update_last):
                 series.labels(transport)
             self._update_seconds.labels(transport)
+        return self._receivers.watch(receiver, transport)
+
+    def receiver_counted(self, key: int) -> None:
+        """Reads a watched receiver's counters now (UpdateReceiver calls it as each receive()
+        and refuse() ends), so that they outlive it."""
+        self._receivers.read(key)
 
     def update_completed(self, report: Mapping[str, Any], transport: str) -> None:
         """Records one update applied whole, from its report (UpdateReceiver.receive())."""

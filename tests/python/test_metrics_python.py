@@ -3,6 +3,7 @@ the series of the command under the same names, here from an UpdateReceiver give
 ``metrics=``, scraped over HTTP and parsed with prometheus_client's parser. Every port is
 picked by the kernel; nothing waits on a timer: each scrape follows what it checks (an
 update returned, a sender refused and joined)."""
+import gc
 import socket
 import threading
 import time
@@ -75,6 +76,15 @@ def test_a_receiver_with_metrics_shows_its_refusals_and_each_update_it_applied(t
     # the receiver serves one connection at a time.
     assert value(samples, "weightstream_update_connections_refused_total", transport="tcp") == 1
     assert "s3cret" not in scrape_text(metrics.address)
+
+    # A receiver gone (one a step, say): what it counted stays, as counters must.
+    del receiver, receive
+    gc.collect()
+    assert not metrics._receivers._watched, "the receiver was not collected"  # else this checks nothing
+    after, _ = scrape(metrics.address)
+    for name in ("weightstream_update_senders_accepted_total", "weightstream_update_connections_refused_total",
+                 "weightstream_updates_started_total", "weightstream_updates_completed_total"):
+        assert value(after, name, transport="tcp") == value(samples, name, transport="tcp"), name
 
 
 def test_a_load_recorded_shows_under_the_commands_names(metrics):
