@@ -612,13 +612,20 @@ def metrics_endpoint(metrics_listen: str, rank: int, logger: logging.Logger) -> 
     return endpoint
 
 
-def record_load_metrics(options: LoaderOptions, last_load: Mapping[str, Any], rank: int,
+def record_load_metrics(model: torch.nn.Module, options: LoaderOptions, last_load: Mapping[str, Any], rank: int,
                         logger: logging.Logger) -> None:
-    """Records a load in this rank's Prometheus metrics (metrics_endpoint); nothing without
-    ``metrics_listen``."""
+    """Records a load of ``model`` in this rank's Prometheus metrics (metrics_endpoint), where
+    the updates it receives are recorded too (model_metrics); nothing without ``metrics_listen``."""
     endpoint = metrics_endpoint(options.metrics_listen, rank, logger)
     if endpoint is not None:
         endpoint.record_load(last_load, options.link_rate)
+    object.__setattr__(model, "_weightstream_metrics", endpoint)
+
+
+def model_metrics(model: torch.nn.Module) -> Optional[metrics.Metrics]:
+    """The Prometheus endpoint the model's loads are recorded in (the updates it receives go
+    there too); None when its loader had no ``metrics_listen``."""
+    return getattr(model, "_weightstream_metrics", None)
 
 
 @contextlib.contextmanager

@@ -106,7 +106,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                          "load_weights, fed by weightstream's streamer, at iterator speed",
                          type(model).__name__, reason, role)
                 self._load_through_model(model, model_config, sources, role, started)
-                record_load_metrics(self.options, self.last_load, world_rank(), logger)
+                record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
                 return
             store_binding(model, bound)
         # A reload once a load finished; a load that failed before (no source, say) is retried cold.
@@ -126,7 +126,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             self._check_filled(model, model_config, set(bound.filled_model_names))
         if not serving and self.options.serve and bound.role == "target":
             self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
-        record_load_metrics(self.options, self.last_load, world_rank(), logger)
+        record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
                      mode: str, started: float, options: LoaderOptions, peer_failure: str = "",

@@ -21,15 +21,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import _core
-from .._engine import LoaderOptions, metrics_endpoint
+from .._engine import model_metrics
 from .._push import TRANSPORTS  # noqa: F401 - the vLLM plugin's name since before _push
 from .._push import check_transport as _check_transport
 from .._push import free_addresses  # noqa: F401 - the trainer's, as before _push
 from .._push import make_senders as _make_senders
 from .._push import send_update as _send
 from .._receiver import UpdateReceiver
-from . import NAME
-from ._loader import world_rank
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -126,21 +124,12 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         bound = self._binding(model)
         tp_rank = parallel_ranks().tp_rank
         listen = info.addresses[tp_rank] if info.addresses else ""
-        metrics = metrics_endpoint(self._loader_options().metrics_listen, world_rank(), logger)
         receiver = UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device,
-                                  metrics=metrics)
+                                  metrics=model_metrics(model))
         self._receivers[id(model)] = receiver
         logger.info("weightstream: rank %d receives updates of %s over %s at %s", tp_rank, bound.description,
                     info.transport, receiver.address)
         return receiver
-
-    def _loader_options(self) -> LoaderOptions:
-        """The weightstream loader's extra-config (its metrics_listen shows the updates too,
-        docs/METRICS.md); the defaults under another --load-format, whose keys are not ours."""
-        load_config = getattr(self.vllm_config, "load_config", None)
-        if str(getattr(load_config, "load_format", "")) != NAME:
-            return LoaderOptions()
-        return LoaderOptions.from_extra_config(getattr(load_config, "model_loader_extra_config", None))
 
     @property
     def address(self) -> str:
@@ -200,6 +189,8 @@ def register_transfer_engines() -> None:
     """Registers the worker engine with vLLM's WeightTransferEngineFactory (and the trainer
     engine with its trainer factory where the release has one); harmless when done already."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: PLC0415
+
+    from . import NAME  # noqa: PLC0415
 
     if NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(NAME, WeightstreamWeightTransferEngine)
