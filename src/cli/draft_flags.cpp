@@ -47,7 +47,9 @@ void add_to_record(LoadRecord& record, const StrategyLoad& load) {
   }
   record.bytes_read += stream.bytes_read;
   record.seconds += stream.seconds;
-  for (size_t i = 0; i < record.phases.size() && i < stream.phases.size(); ++i) record.phases[i].second += stream.phases[i].second;
+  for (size_t i = 0; i < record.phases.size() && i < stream.phases.size(); ++i) {
+    record.phases[i].second += stream.phases[i].second;  // the same phases, in the same order
+  }
   record.storage.requests += stream.storage.requests;
   record.storage.retries += stream.storage.retries;
   record.storage.checksum_failures += stream.storage.checksum_failures;

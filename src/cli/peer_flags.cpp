@@ -81,7 +81,10 @@ PeerLoad load_from_peers(const std::string& uri, const LayoutFlags& layout_flags
     result.peers = source->stats();
     return result;
   } catch (const Error& error) {
-    if (source) result.peers = source->stats();
+    if (source) {
+      result.peers = source->stats();
+      source.reset();  // its connections and staging go before the fallback loads
+    }
     if (flags.fallback.empty() || error.code() == ErrorCode::kInvalidArgument) {
       WS_FAIL(error.code(), std::string("cannot load from ") + uri + ": " + error.what() +
                                 (flags.fallback.empty() ? "; no storage fallback given (--fallback URI)" : ""));
@@ -142,12 +145,13 @@ nlohmann::json peer_load_json(const PeerLoad& load) {
 }
 
 LoadRecord peer_load_record(const PeerLoad& load) {
-  LoadRecord record = stream_load_record(load.source, load.storage);
+  LoadRecord record;
   if (load.peer_failure.empty()) {
-    record = LoadRecord{};
     record.source = "peer";
     record.bytes_read = load.pull.bytes_from_peers;
     record.seconds = load.pull.seconds;
+  } else {
+    record = stream_load_record(load.source, load.storage);  // the fallback's
   }
   record.peers = load.peers.peers;
   record.digest_failures += load.peers.digest_failures;

@@ -324,6 +324,18 @@ def test_a_load_from_a_peer_shows_the_bytes_by_peer_and_transport(llama):
     assert value(samples, "weightstream_load_digest_failures_total", source="peer") == 0
 
 
+def test_a_pull_that_fails_over_to_storage_shows_the_fallbacks_load(llama):
+    with socket.socket() as closed:  # bound, never listening: a connect is refused at once
+        closed.bind(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % closed.getsockname()[1]
+        samples, _, report = load_with_metrics(f"peer://{address}", "--fallback", str(llama), "--token-stdin",
+                                               stdin=TOKEN + "\n")
+    assert "peer_failure" in report and report["bytes_from_peers"] == 0
+    assert value(samples, "weightstream_load_read_bytes_total", source="file") == report["bytes_read"] > 0
+    assert not any(name == "weightstream_load_read_bytes_total" and labels == (("source", "peer"),)
+                   for name, labels in samples)
+
+
 def test_without_linger_the_load_ends_at_once_and_its_endpoint_with_it(llama):
     result = run("load", str(llama), "--no-progress", "--metrics-listen", "127.0.0.1:0")
     if WITHOUT_PROMETHEUS in result.stderr:
