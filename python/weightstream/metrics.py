@@ -33,8 +33,10 @@ def listen_address(text: str, what: str = "metrics_listen") -> Tuple[str, int]:
     free one. Raises ValueError naming ``what`` and the text for anything else."""
     text = str(text)
     host, _, port = text.rpartition(":") if ":" in text else ("127.0.0.1", "", text)
-    if ":" in text and (not host or ":" in host):
-        raise ValueError(f"{what} {text!r} is not HOST:PORT (IPv6 is not served)")
+    if ":" in text and not host:
+        raise ValueError(f"{what} {text!r} is not HOST:PORT")
+    if ":" in host:
+        raise ValueError(f"{what} {text!r} is not HOST:PORT (an IPv6 address is not served from Python)")
     if not re.fullmatch(r"[0-9]{1,5}", port) or int(port) > 65535:
         raise ValueError(f"{what} {text!r} is not HOST:PORT or PORT with a port from 0 to 65535")
     return host, int(port)
