@@ -23,4 +23,4 @@ export VLLM_TARGET_DEVICE=cpu
 # moto's S3 server for the s3:// scenario.
 . "$root/scripts/moto-server.sh" "$build/moto-vllm.log"
 PYTHONPATH="$python_site" "$venv/bin/python" -m pytest -q "$root/tests/python/test_vllm.py" \
-  "$root/tests/python/test_vllm_models.py" "$@"
+  "$root/tests/python/test_vllm_models.py" "$root/tests/python/test_vllm_metrics.py" "$@"

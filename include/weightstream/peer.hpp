@@ -250,6 +250,21 @@ struct PeerPullReport {
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes_from_peers) / seconds / 1e9 : 0; }
 };
 
+/// Bytes a puller read from one serving peer.
+struct PeerBytes {
+  std::string address;     ///< the peer's "HOST:PORT" (PeerManifest::address)
+  std::string transports;  ///< the lanes of this puller's UCX endpoint to it (PeerManifest::ucx_transports: "tcp/lo")
+  uint64_t bytes = 0;      ///< bytes read from it, every pull of the source together
+};
+
+/// What a source's pulls did so far, failed pulls included (PeerSource::stats()).
+struct PeerPullStats {
+  std::vector<PeerBytes> peers;  ///< one per serving peer, in the order of the URI
+  /// Parameters (or digest pieces of them) whose bytes did not match the manifest's digest:
+  /// each fails its pull.
+  uint64_t digest_failures = 0;
+};
+
 /// The serving ranks of one instance, connected: their manifests (checked to agree) and
 /// UCX endpoints.
 class PeerSource {
@@ -286,6 +301,10 @@ class PeerSource {
   /// match, Error(kNetwork)/Error(kTimeout) naming the peer
   /// when it dies or stalls, Error(kProtocol) when a peer's version changed during the pull.
   PeerPullReport pull(LoadSession& session);
+
+  /// Bytes read from each peer and digest failures of every pull so far, a failed one
+  /// included (its bytes up to the failure). Call it on the pulling thread, between pulls.
+  PeerPullStats stats() const;
 
  private:
   struct State;

@@ -91,6 +91,17 @@ struct ByteRange {
 /// exactly their bytes).
 enum class RunPlacement { kAtOffsets, kPacked };
 
+/// Counters of the requests a storage root sent to its service since it was opened (object
+/// stores: s3://, gs://, az://; all zero for local files). Read by the stream layer into
+/// StreamStats, and by the metrics of `weightstream load` (docs/METRICS.md).
+struct StorageStats {
+  uint64_t requests = 0;  ///< HTTP attempts sent (reads, listings, metadata, access tokens)
+  uint64_t retries = 0;   ///< attempts sent again after a retryable failure (5xx, 429, a reset, a stall)
+  /// Reads whose bytes did not match the checksum the store keeps of the object (CRC-32C,
+  /// SHA-256 or Content-MD5): each is read again, within the retry bound.
+  uint64_t checksum_failures = 0;
+};
+
 /// A flat namespace of objects under one root: a local directory or an S3 prefix.
 /// Implementations are thread-safe: reads may run concurrently from many threads.
 class Storage {
@@ -151,6 +162,8 @@ class Storage {
   /// read nothing from disk; std::nullopt where the backend cannot tell (object storage, a
   /// file system without RWF_NOWAIT).
   virtual std::optional<double> cached_share(std::string_view /*name*/) { return std::nullopt; }
+  /// Its requests so far (thread-safe; zero where it sends none).
+  virtual StorageStats stats() const { return {}; }
 };
 
 /// Opens the storage root that `uri` names. For a URI that names a single object the

@@ -177,11 +177,16 @@ struct StreamStats {
   double read_seconds = 0;
   double deliver_seconds = 0;
   double staging_wait_seconds = 0;
+  /// The storage's requests during the stream (Storage::stats(): zero for local files).
+  uint64_t storage_requests = 0;
+  uint64_t storage_retries = 0;
+  uint64_t storage_checksum_failures = 0;
   double gbps() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0; }
 };
 
 /// The counters of `stats` by name: tensors, bytes, bytes_read, reads, shards_read, seconds,
-/// gbps, peak_staging_bytes, read_seconds, deliver_seconds, staging_wait_seconds.
+/// gbps, peak_staging_bytes, read_seconds, deliver_seconds, staging_wait_seconds, storage_requests,
+/// storage_retries, storage_checksum_failures.
 std::vector<StatField> stat_fields(const StreamStats& stats);
 
 /// Progress callback: bytes delivered so far, bytes in total. Called on the thread that

@@ -444,6 +444,7 @@ class SessionHandle {
   nb::dict pull_peers(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds,
                       uint64_t memory_limit, const std::optional<std::string>& expect_digest) {
     PeerPullReport report;
+    PeerPullStats peers;
     {
       nb::gil_scoped_release release;
       PeerPullOptions options;
@@ -454,6 +455,7 @@ class SessionHandle {
       options.expect_digest = expect_digest.value_or("");
       PeerSource source(uri, options);
       report = source.pull(session_);
+      peers = source.stats();
     }
     nb::dict result;
     result["bytes_from_peers"] = report.bytes_from_peers;
@@ -464,6 +466,16 @@ class SessionHandle {
     result["bytes_read"] = 0;
     result["seconds"] = report.seconds;
     result["gbps"] = report.gbps();
+    nb::list by_peer;
+    for (const PeerBytes& peer : peers.peers) {
+      nb::dict entry;
+      entry["address"] = peer.address;
+      entry["transports"] = peer.transports;
+      entry["bytes"] = peer.bytes;
+      by_peer.append(entry);
+    }
+    result["peers"] = by_peer;
+    result["digest_failures"] = peers.digest_failures;
     return result;
   }
 

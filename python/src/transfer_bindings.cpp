@@ -486,6 +486,19 @@ class PyReceiver {
   }
 
   std::string version() const { return receiver_->version(); }
+
+  /// The receiver's own counters (ReceiverStats), read at any time from any thread.
+  nb::dict stats() const {
+    const ReceiverStats stats = receiver_->stats();
+    nb::dict result;
+    result["senders_accepted"] = stats.senders_accepted;
+    result["connections_refused"] = stats.connections_refused;
+    result["updates_started"] = stats.updates_started;
+    result["updates_completed"] = stats.updates_completed;
+    result["updates_failed"] = stats.updates_failed;
+    result["updating"] = stats.updating;
+    return result;
+  }
   void set_version(const std::string& content_digest) { receiver_->set_version(content_digest); }
 
   void refuse(const std::string& reason, double accept_timeout) {
@@ -559,6 +572,10 @@ void bind_transfer(nb::module_& m) {
       .def_prop_rw("version", &PyReceiver::version, &PyReceiver::set_version,
                    "The content digest of the version the layout holds (set it after a load); a delta update must "
                    "name it as its base. Each update that lands sets it to its target; \"\": unknown.")
+      .def_prop_ro("stats", &PyReceiver::stats,
+                   "The receiver's counters: senders_accepted, connections_refused, updates_started, "
+                   "updates_completed, updates_failed, and updating (an update under way); weightstream.metrics "
+                   "shows them")
       .def("receive", &PyReceiver::receive, "accept_timeout"_a = 600.0)
       .def("refuse", &PyReceiver::refuse, "reason"_a, "accept_timeout"_a = 600.0,
            "Refuses the next update with reason (a check only the engine can make): waits for the sender and its "

@@ -34,7 +34,9 @@ from ._api import (
     stream,
 )
 from . import _core
-from ._core import UpdateReceiver, UpdateSender, cuda_compiled, cuda_device_count, peer_config
+from ._core import UpdateSender, cuda_compiled, cuda_device_count, peer_config
+from ._receiver import UpdateReceiver
+from . import metrics
 from ._model import LoadSession, ModelLayout, PeerServer, identity_layout, model_layout, serve
 from ._weights_iterator import safetensors_weights_iterator
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import threading
@@ -23,14 +24,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from . import _core
+from . import _core, metrics
 from ._api import Checkpoint, resolve_options
 from ._model import LoadSession, ModelLayout, model_layout, serve
 
 #: weightstream's stream options, as weightstream.stream takes them.
 STREAM_OPTIONS = ("concurrency", "memory_limit", "chunk_size", "io", "gpu_path", "mapped_share", "prefetchers")
 #: Every key ``--model-loader-extra-config`` takes.
-EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri", "peer_token", "peer_timeout", "peer_expect_digest", "serve")
+EXTRA_CONFIG_KEYS = STREAM_OPTIONS + ("model_uri", "peer_token", "peer_timeout", "peer_expect_digest", "serve",
+                                      "metrics_listen", "link_rate")
 
 #: The reason given to the layout for a checkpoint tensor it leaves to the model.
 BY_LOAD_WEIGHTS = "loaded by the model's load_weights"
@@ -78,6 +80,12 @@ class LoaderOptions:
     #: "HOST:PORT": after its load each rank serves its bound parameters to pullers
     #: (peer://) at HOST, port PORT + its rank in the engine's world (PORT 0: a free port each).
     serve: str = ""
+    #: "HOST:PORT" (or "PORT", on loopback): each rank serves Prometheus metrics of its loads
+    #: (docs/METRICS.md) at HOST, port PORT + its rank in the engine's world (PORT 0: a free port each).
+    metrics_listen: str = ""
+    #: GB/s the rank's link (NIC, disk, bucket) is stated to carry: the metrics show the loads'
+    #: achieved rate against it (weightstream_load_link_efficiency).
+    link_rate: Optional[float] = None
 
     @classmethod
     def from_extra_config(cls, extra_config: Optional[Mapping[str, Any]]) -> "LoaderOptions":
@@ -113,8 +121,19 @@ class LoaderOptions:
         serve = extra.get("serve") or ""
         if serve:
             serve_address(serve, 0)  # raises for a malformed HOST:PORT
+        metrics_listen = str(extra.get("metrics_listen") or "")
+        if metrics_listen:
+            metrics.listen_address(metrics_listen, "--model-loader-extra-config: metrics_listen")
+        link_rate = extra.get("link_rate")
+        if link_rate is not None:
+            if isinstance(link_rate, bool) or not isinstance(link_rate, (int, float)) or not 0 < link_rate < math.inf:
+                raise ValueError(f"--model-loader-extra-config: link_rate must be GB/s above 0, got {link_rate!r}")
+            if not metrics_listen:
+                raise ValueError("--model-loader-extra-config: link_rate is shown in the metrics: it needs "
+                                 "metrics_listen")
         return cls(stream=stream, model_uri=model_uri, peer_token=peer_token, peer_timeout=float(peer_timeout),
-                   peer_expect_digest=peer_expect_digest, serve=serve)
+                   peer_expect_digest=peer_expect_digest, serve=serve, metrics_listen=metrics_listen,
+                   link_rate=None if link_rate is None else float(link_rate))
 
 
 def serve_address(serve: str, rank: int) -> str:
@@ -511,7 +530,7 @@ def load_layout(model: torch.nn.Module, bound: BoundModel, resolution: Dict[str,
                  "shards_read": stats["shards_read"], "parameters_bound": len(bound.bound),
                  "parameters_through_load_weights": len(bound.unbound),
                  "tensors_through_load_weights": through_model,
-                 "seconds": time.perf_counter() - started}
+                 "seconds": time.perf_counter() - started, "stream": stats}
     through = ("nothing through load_weights" if not by_load_weights else
                f"{through_model} checkpoint tensors through load_weights ({first_names(by_load_weights)})")
     logger.info("weightstream: %s load of the %s (%s) from %s (%s): %d parameters bound in place, %d tensors, "
@@ -542,7 +561,8 @@ def pull_layout(bound: BoundModel, uri: str, options: LoaderOptions, mode: str, 
                  "bytes_streamed": report["bytes_from_peers"], "bytes_read": 0,
                  "bytes_from_peers": report["bytes_from_peers"], "bytes_in_place": report["bytes_in_place"],
                  "shards_read": 0, "parameters_bound": len(bound.bound), "parameters_through_load_weights": 0,
-                 "tensors_through_load_weights": 0, "seconds": time.perf_counter() - started}
+                 "tensors_through_load_weights": 0, "seconds": time.perf_counter() - started,
+                 "peers": report["peers"], "digest_failures": report["digest_failures"]}
     logger.info("weightstream: %s load of the %s (%s) from %s: %d parameters bound in place, %d bytes from peers "
                 "(%d in place, 0 read from storage), nothing through load_weights, %.2f s", mode, bound.role,
                 bound.description, uri, len(bound.bound), report["bytes_from_peers"], report["bytes_in_place"],
@@ -579,6 +599,33 @@ def load_from_peers_or_storage(bound: BoundModel, mode: str, started: float, opt
     except (_core.Error, FileNotFoundError) as error:
         raise _core.Error(f"cannot load {bound.description} from any source: {uri}: {failure}; "
                           f"the model's own sources: {error}") from error
+
+
+def metrics_endpoint(metrics_listen: str, rank: int, logger: logging.Logger) -> Optional[metrics.Metrics]:
+    """This rank's Prometheus endpoint for the extra-config key ``metrics_listen``, at PORT +
+    ``rank`` (started by the first call, which logs its address); None without the key."""
+    if not metrics_listen:
+        return None
+    host, port = metrics.listen_address(metrics_listen)
+    endpoint = metrics.serve_once(serve_address(f"{host}:{port}", rank))
+    log_once(logger, logging.INFO, "weightstream: metrics at http://%s/metrics", endpoint.address)
+    return endpoint
+
+
+def record_load_metrics(model: torch.nn.Module, options: LoaderOptions, last_load: Mapping[str, Any], rank: int,
+                        logger: logging.Logger) -> None:
+    """Records a load of ``model`` in this rank's Prometheus metrics (metrics_endpoint), where
+    the updates it receives are recorded too (model_metrics); nothing without ``metrics_listen``."""
+    endpoint = metrics_endpoint(options.metrics_listen, rank, logger)
+    if endpoint is not None:
+        endpoint.record_load(last_load, options.link_rate)
+    object.__setattr__(model, "_weightstream_metrics", endpoint)
+
+
+def model_metrics(model: torch.nn.Module) -> Optional[metrics.Metrics]:
+    """The Prometheus endpoint the model's loads are recorded in (the updates it receives go
+    there too); None when its loader had no ``metrics_listen``."""
+    return getattr(model, "_weightstream_metrics", None)
 
 
 @contextlib.contextmanager

@@ -67,9 +67,11 @@ double now_seconds() {
 }
 }  // namespace
 
-ProgressLine::ProgressLine(bool enabled) : enabled_(enabled), terminal_(enabled && isatty(STDERR_FILENO)) {}
+ProgressLine::ProgressLine(bool enabled, ProgressCallback observer)
+    : observer_(std::move(observer)), enabled_(enabled), terminal_(enabled && isatty(STDERR_FILENO)) {}
 
 void ProgressLine::update(uint64_t done, uint64_t total) {
+  if (observer_) observer_(done, total);
   if (!enabled_) return;
   double now = now_seconds();
   if (start_ < 0) start_ = now;

@@ -46,13 +46,15 @@ bool progress_enabled(const StreamFlags& flags, const Options& options);
 /// A progress printer for stderr (bytes, GB/s, ETA). On a terminal one line is redrawn in
 /// place at most 10 times a second; elsewhere (a pipe, a log) a plain line is written every
 /// 3 seconds and once at the end. The first frame, before any rate is measured, shows "ETA --".
+/// `observer`, when given, sees every update, printed or not (a load's metrics).
 class ProgressLine {
  public:
-  explicit ProgressLine(bool enabled);
+  explicit ProgressLine(bool enabled, ProgressCallback observer = {});
   ~ProgressLine();
   void update(uint64_t done, uint64_t total);
 
  private:
+  ProgressCallback observer_;
   bool enabled_;
   bool terminal_;
   bool drawn_ = false;

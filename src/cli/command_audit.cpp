@@ -335,7 +335,7 @@ void add_audit_command(CLI::App& app) {
     AuditProgress progress(progress_enabled(flags->stream, options) && !flags->json,
                            std::max<uint64_t>(1, cold_bytes + (static_cast<uint64_t>(flags->repeat) + 1) * plan.bytes_to_read));
     const LayoutLoad cold = load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
-    Publication cold_series = publish_load(metrics.get(), first.uri(), cold.stream);
+    Publication cold_series = publish_load(metrics.get(), checkpoint_load_record(first, cold.stream), flags->via.metrics);
     progress.finished(cold_bytes);
     watch.loaded();
     std::mt19937_64 random(flags->seed);

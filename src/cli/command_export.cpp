@@ -7,6 +7,7 @@
 #include <system_error>
 
 #include "cli/layout_flags.hpp"
+#include "cli/metrics.hpp"
 #include "cli/peer_flags.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
@@ -45,6 +46,7 @@ struct ExportFlags {
   bool json = false;
   StreamFlags stream;
   PeerFlags peer;  // peer:// sources
+  MetricsFlags metrics;
 };
 
 }  // namespace
@@ -58,21 +60,29 @@ void add_export_command(CLI::App& app) {
   command->add_flag("--json", flags->json, "Print JSON: output, layout, tensors, bytes");
   add_stream_flags(*command, flags->stream);
   add_peer_flags(*command, flags->peer);
+  add_metrics_flags(*command, flags->metrics);  // the load's series (docs/METRICS.md)
+  add_metrics_linger_flag(*command, flags->metrics);
   command->callback([flags] {
     refuse_output_inside_input(flags->uri, flags->output);
     Options options = resolve_options(flags->stream);
+    std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->metrics);
+    LoadProgress progress;
+    Publication progress_series = publish(metrics.get(), [&progress] { return progress.series(); });
+    Publication load_series;
     std::optional<PeerLoad> from_peers;  // peer:// (cli/peer_flags.hpp)
     std::optional<Checkpoint> checkpoint;
     ModelLayout layout;
     if (is_peer_uri(flags->uri)) {
       from_peers = load_from_peers(flags->uri, flags->layout, Device{}, flags->peer, options);
       layout = std::move(from_peers->layout);
+      load_series = publish_load(metrics.get(), peer_load_record(*from_peers), flags->metrics);
     } else {
       checkpoint = Checkpoint::open(flags->uri, options);
       layout = checkpoint_layout(*checkpoint, flags->layout, Device{});
-      ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
-      load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
-                  [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+      ProgressLine line(progress_enabled(flags->stream, options) && !flags->json, progress.observer());
+      const LayoutLoad load = load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
+                                          [&line](uint64_t done, uint64_t total) { line.update(done, total); });
+      load_series = publish_load(metrics.get(), checkpoint_load_record(*checkpoint, load.stream), flags->metrics);
     }
     SafetensorsWriter writer;
     uint64_t bytes = 0;
@@ -101,6 +111,7 @@ void add_export_command(CLI::App& app) {
       std::printf("wrote %zu parameters (%s) of %s to %s\n", layout.parameters().size(), format_size(bytes).c_str(),
                   layout.description().c_str(), flags->output.c_str());
     }
+    linger_metrics(metrics.get(), flags->metrics);
   });
 }
 

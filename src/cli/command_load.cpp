@@ -1,10 +1,12 @@
 // weightstream load URI [--device cpu|cuda:N] [--concurrency N] [--memory-limit SIZE] [--json]
+//                       [--metrics-listen HOST:PORT [--link-rate GB/S] [--metrics-linger SECONDS]]
 #include <algorithm>
 #include <cstdio>
 
 #include "cli/command.hpp"
 #include "cli/draft_flags.hpp"
 #include "cli/layout_flags.hpp"
+#include "cli/metrics.hpp"
 #include "cli/peer_flags.hpp"
 #include "weightstream/load.hpp"
 
@@ -16,7 +18,53 @@ struct LoadFlags {
   std::string device = "cpu";
   bool json = false;
   StreamFlags stream;
+  MetricsFlags metrics;
 };
+
+/// Runs the load the flags ask for (the first path that takes them) and prints its summary;
+/// `observer` sees its progress (a pull from peers reports none).
+LoadRecord run_load(const LoadFlags& flags, const LayoutLoadFlags& layout_flags, const DraftFlags& draft_flags,
+                    const PeerFlags& peer_flags, const ProgressCallback& observer) {
+  if (is_peer_uri(flags.uri)) {
+    return run_peer_load(flags.uri, layout_flags.layout, flags.device, peer_flags, flags.stream, flags.json);
+  }
+  if (draft_flags.requested()) {  // source resolution and drafts
+    return run_draft_load(flags.uri, draft_flags, layout_options_from_flags(layout_flags.layout), flags.device,
+                          flags.stream, flags.json, observer);
+  }
+  if (flags.uri.empty()) throw CLI::RequiredError("uri");
+  if (layout_flags.requested()) {  // model layout path
+    return run_layout_load(flags.uri, layout_flags.layout, flags.device, flags.stream, flags.json, observer);
+  }
+  auto options = resolve_options(flags.stream);
+  auto device = parse_device(flags.device);
+  auto checkpoint = Checkpoint::open(flags.uri, options);
+  LoadedCheckpoint loaded;
+  {
+    ProgressLine progress(progress_enabled(flags.stream, options) && !flags.json, observer);
+    loaded = load_checkpoint(checkpoint, device, options.stream,
+                             [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
+  }
+  // Tensors handed out as copy-on-write views of the page cache (a host load at --io auto
+  // or mmap), the rest copied.
+  auto in_place = static_cast<uint64_t>(std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place));
+  if (flags.json) {
+    auto summary = stats_json(stat_fields(loaded.stats));
+    summary["uri"] = checkpoint.uri();
+    summary["device"] = device.name();
+    summary["shards"] = checkpoint.shards().size();
+    summary["tensors_in_place"] = in_place;
+    print_json(summary);
+  } else {
+    print_stream_summary("loaded", loaded.stats, device.name());
+    if (in_place > 0) {
+      std::printf("%llu of them in place: copy-on-write views of the page cache (--io pread copies them)\n",
+                  static_cast<unsigned long long>(in_place));
+    }
+  }
+  return checkpoint_load_record(checkpoint, loaded.stats);
+}
+
 }  // namespace
 
 void print_stream_summary(const char* verb, const StreamStats& stats, const std::string& device) {
@@ -51,47 +99,16 @@ void add_load_command(CLI::App& app) {
   // ---- end of source resolution and drafts ----
   auto peer_flags = std::make_shared<PeerFlags>();  // peer:// sources (cli/peer_flags.hpp)
   add_peer_flags(*command, *peer_flags);
+  add_metrics_flags(*command, flags->metrics);  // docs/METRICS.md
+  add_metrics_linger_flag(*command, flags->metrics);
   command->callback([flags, layout_flags, draft_flags, peer_flags] {
-    if (is_peer_uri(flags->uri)) {
-      run_peer_load(flags->uri, layout_flags->layout, flags->device, *peer_flags, flags->stream, flags->json);
-      return;
-    }
-    if (draft_flags->requested()) {  // source resolution and drafts
-      run_draft_load(flags->uri, *draft_flags, layout_options_from_flags(layout_flags->layout), flags->device,
-                     flags->stream, flags->json);
-      return;
-    }
-    if (flags->uri.empty()) throw CLI::RequiredError("uri");
-    if (layout_flags->requested()) {  // model layout path
-      run_layout_load(flags->uri, layout_flags->layout, flags->device, flags->stream, flags->json);
-      return;
-    }
-    auto options = resolve_options(flags->stream);
-    auto device = parse_device(flags->device);
-    auto checkpoint = Checkpoint::open(flags->uri, options);
-    LoadedCheckpoint loaded;
-    {
-      ProgressLine progress(progress_enabled(flags->stream, options) && !flags->json);
-      loaded = load_checkpoint(checkpoint, device, options.stream,
-                               [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
-    }
-    // Tensors handed out as copy-on-write views of the page cache (a host load at --io auto
-    // or mmap), the rest copied.
-    auto in_place = static_cast<uint64_t>(std::ranges::count_if(loaded.tensors, &LoadedTensor::in_place));
-    if (flags->json) {
-      auto summary = stats_json(stat_fields(loaded.stats));
-      summary["uri"] = checkpoint.uri();
-      summary["device"] = device.name();
-      summary["shards"] = checkpoint.shards().size();
-      summary["tensors_in_place"] = in_place;
-      print_json(summary);
-    } else {
-      print_stream_summary("loaded", loaded.stats, device.name());
-      if (in_place > 0) {
-        std::printf("%llu of them in place: copy-on-write views of the page cache (--io pread copies them)\n",
-                    static_cast<unsigned long long>(in_place));
-      }
-    }
+    // Before the load, so that a scrape during a long load reaches it; a port in use fails here.
+    std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->metrics);
+    LoadProgress progress;
+    Publication progress_series = publish(metrics.get(), [&progress] { return progress.series(); });
+    Publication load_series = publish_load(
+        metrics.get(), run_load(*flags, *layout_flags, *draft_flags, *peer_flags, progress.observer()), flags->metrics);
+    linger_metrics(metrics.get(), flags->metrics);
   });
 }
 

@@ -72,8 +72,10 @@ void add_serve_command(CLI::App& app) {
     require_listener_token(serve.token, serve.open_without_token, "serve --listen " + serve.listen);
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
     ModelLayout layout = checkpoint_layout(checkpoint, flags->layout, parse_device(flags->device));
-    Publication cold_series = publish_load(metrics.get(), checkpoint.uri(),
-                                           load_layout(layout, checkpoint, LoadMode::kCold, options.stream).stream);
+    Publication cold_series = publish_load(
+        metrics.get(),
+        checkpoint_load_record(checkpoint, load_layout(layout, checkpoint, LoadMode::kCold, options.stream).stream),
+        flags->metrics);
 
     const Parallelism parallel{flags->layout.tp_size.value_or(1), flags->layout.tp_rank.value_or(0),
                                flags->layout.ep_size, flags->layout.ep_rank};

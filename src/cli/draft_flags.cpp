@@ -38,6 +38,24 @@ nlohmann::json module_load_json(const ModuleSetup& module, const ModuleLoad& loa
           {"tensors_skipped", load.counters.tensors_skipped}};
 }
 
+/// Adds the stream of `load` to `record`: the first stream names the source.
+void add_to_record(LoadRecord& record, const StrategyLoad& load) {
+  LoadRecord stream = stream_load_record(load.modules.empty() ? std::string() : load.modules.front().source, load.stream);
+  if (record.source.empty()) {
+    record = std::move(stream);
+    return;
+  }
+  record.bytes_read += stream.bytes_read;
+  record.seconds += stream.seconds;
+  for (size_t i = 0; i < record.phases.size() && i < stream.phases.size(); ++i) {
+    record.phases[i].second += stream.phases[i].second;  // the same phases, in the same order
+  }
+  record.storage.requests += stream.storage.requests;
+  record.storage.retries += stream.storage.retries;
+  record.storage.checksum_failures += stream.storage.checksum_failures;
+  record.digest_failures += stream.digest_failures;
+}
+
 }  // namespace
 
 void add_model_source_flags(CLI::App& command, DraftFlags& flags) {
@@ -149,8 +167,9 @@ nlohmann::json resolution_json(const SourceResolution& resolution) {
   return result;
 }
 
-void run_draft_load(const std::string& uri, const DraftFlags& given, const LayoutOptions& layout_options,
-                    const std::string& device_name, const StreamFlags& stream_flags, bool json) {
+LoadRecord run_draft_load(const std::string& uri, const DraftFlags& given, const LayoutOptions& layout_options,
+                          const std::string& device_name, const StreamFlags& stream_flags, bool json,
+                          const ProgressCallback& observer) {
   DraftFlags flags = with_target_uri("load", uri, given);
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
@@ -158,7 +177,7 @@ void run_draft_load(const std::string& uri, const DraftFlags& given, const Layou
   std::vector<ModuleLoadRequest> requests = load_requests(modules);
   std::vector<StrategyLoad> loads;
   {
-    ProgressLine progress(progress_enabled(stream_flags, options) && !json);
+    ProgressLine progress(progress_enabled(stream_flags, options) && !json, observer);
     loads = load_modules(requests, LoadMode::kCold, options, StrategyChain::standard(),
                          [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
   }
@@ -166,10 +185,12 @@ void run_draft_load(const std::string& uri, const DraftFlags& given, const Layou
   nlohmann::json report = {{"device", device.name()}, {"streams", loads.size()}};
   uint64_t bytes_read = 0, shards_read = 0;
   double seconds = 0;
+  LoadRecord record;
   for (const StrategyLoad& load : loads) {
     bytes_read += load.stream.bytes_read;
     shards_read += load.stream.shards_read;
     seconds += load.stream.seconds;
+    add_to_record(record, load);
     for (const ModuleLoad& module_load : load.modules) {
       for (const ModuleSetup& module : modules) {
         if (module.role == module_load.role) report[std::string(module_role_name(module.role))] = module_load_json(module, module_load);
@@ -181,7 +202,7 @@ void run_draft_load(const std::string& uri, const DraftFlags& given, const Layou
   report["seconds"] = seconds;
   if (json) {
     print_json(report);
-    return;
+    return record;
   }
   for (const ModuleSetup& module : modules) {
     const nlohmann::json& entry = report[std::string(module_role_name(module.role))];
@@ -193,6 +214,7 @@ void run_draft_load(const std::string& uri, const DraftFlags& given, const Layou
   }
   std::printf("read %s in %.3f s in %s to %s\n", format_size(bytes_read).c_str(), seconds,
               counted(loads.size(), "stream").c_str(), device.name().c_str());
+  return record;
 }
 
 }  // namespace weightstream::cli

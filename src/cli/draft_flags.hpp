@@ -11,6 +11,7 @@
 
 #include "cli/command.hpp"
 #include "cli/layout_flags.hpp"
+#include "cli/metrics.hpp"
 #include "weightstream/resolve.hpp"
 
 namespace weightstream::cli {
@@ -79,9 +80,12 @@ nlohmann::json resolution_json(const SourceResolution& resolution);
 
 /// The `load` command's resolve path (flags given with it): resolves target and draft, loads
 /// them into fresh layouts (combined when they share a source), prints per-module source,
-/// tensors, bytes read and shards read. `uri`, when given, is the target's --model.
-void run_draft_load(const std::string& uri, const DraftFlags& flags, const LayoutOptions& layout_options,
-                    const std::string& device, const StreamFlags& stream_flags, bool json);
+/// tensors, bytes read and shards read. `uri`, when given, is the target's --model. Returns
+/// what the streams did together, for the metrics, labelled with the first stream's source;
+/// `observer` sees their progress.
+LoadRecord run_draft_load(const std::string& uri, const DraftFlags& flags, const LayoutOptions& layout_options,
+                          const std::string& device, const StreamFlags& stream_flags, bool json,
+                          const ProgressCallback& observer = {});
 
 /// The layout options of --tp-size, --tp-rank, --ep-size, --ep-rank and --quantize.
 /// Throws Error(kInvalidArgument) for a rank outside its size.

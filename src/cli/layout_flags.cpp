@@ -92,8 +92,8 @@ void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
   }
 }
 
-void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device_name,
-                     const StreamFlags& stream_flags, bool json) {
+LoadRecord run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device_name,
+                           const StreamFlags& stream_flags, bool json, const ProgressCallback& observer) {
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
   Checkpoint checkpoint = Checkpoint::open(uri, options);
@@ -104,7 +104,7 @@ void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std
   ModelLayout layout = checkpoint_layout(checkpoint, flags, device);
   LayoutLoad load;
   {
-    ProgressLine progress(progress_enabled(stream_flags, options) && !json);
+    ProgressLine progress(progress_enabled(stream_flags, options) && !json, observer);
     load = load_layout(layout, checkpoint, LoadMode::kCold, options.stream,
                        [&progress](uint64_t done, uint64_t total) { progress.update(done, total); });
   }
@@ -120,13 +120,14 @@ void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std
                    {"checkpoint_bytes", checkpoint.tensor_bytes()},
                    {"session", stats_json(stat_fields(load.counters))}});
     print_json(report);
-    return;
+    return checkpoint_load_record(checkpoint, load.stream);
   }
   std::printf("loaded %s (%s) of %s into %s: read %s of %s in %.3f s (%.2f GB/s); %s\n",
               counted(layout.parameters().size(), "parameter").c_str(), format_size(parameter_bytes).c_str(),
               layout.description().c_str(), device.name().c_str(), format_size(load.stream.bytes).c_str(),
               format_size(checkpoint.tensor_bytes()).c_str(), load.stream.seconds, load.stream.gbps(),
               counted(load.counters.model_hook_runs, "model hook run").c_str());
+  return checkpoint_load_record(checkpoint, load.stream);
 }
 
 }  // namespace weightstream::cli

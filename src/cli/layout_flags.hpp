@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cli/command.hpp"
+#include "cli/metrics.hpp"
 #include "weightstream/load.hpp"
 #include "weightstream/model.hpp"
 
@@ -49,8 +50,9 @@ ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& f
 
 /// The `load` command's model-layout path: builds the layout from config.json, loads the
 /// checkpoint into it through a LoadSession and prints the summary (JSON when `json`).
-void run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device,
-                     const StreamFlags& stream_flags, bool json);
+/// Returns what the load did, for its metrics; `observer` sees its progress.
+LoadRecord run_layout_load(const std::string& uri, const LayoutFlags& flags, const std::string& device,
+                           const StreamFlags& stream_flags, bool json, const ProgressCallback& observer = {});
 
 /// Flags of `load` for the layout path, kept apart from the plain load's own flags.
 struct LayoutLoadFlags {

@@ -3,9 +3,18 @@
 // metrics_prometheus.cpp.
 #include "cli/metrics.hpp"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "weightstream/error.hpp"
 #include "weightstream/storage.hpp"
@@ -24,17 +33,109 @@ MetricSeries one_sample(std::string name, std::string help, MetricType type, dou
   return result;
 }
 
+/// A check that a flag's value is a finite number of `unit` above 0 (or at least 0).
+CLI::Validator positive_number(const std::string& unit, bool zero_allowed = false) {
+  return CLI::Validator(
+      [unit, zero_allowed](std::string& text) -> std::string {
+        double value = 0;
+        size_t used = 0;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        const bool good = used == text.size() && std::isfinite(value) && (zero_allowed ? value >= 0 : value > 0);
+        if (good) return {};
+        // CLI11 puts the flag's name before it: "--link-rate: '0' is not a number above 0 (GB/s)".
+        return "'" + text + "' is not a number " + (zero_allowed ? "of at least 0" : "above 0") + " (" + unit + ")";
+      },
+      unit);
+}
+
 bool is_port_text(const std::string& text) {
   return !text.empty() && text.size() <= 5 && text.find_first_not_of("0123456789") == std::string::npos &&
          std::stoul(text) <= 65535;
 }
 
+/// The write end of the pipe StopSignals waits on: its signal handler writes the signal there.
+std::atomic<int> stop_signal_pipe{-1};
+
+extern "C" void note_stop_signal(int signal) {
+  const char byte = static_cast<char>(signal);
+  [[maybe_unused]] const ssize_t written = ::write(stop_signal_pipe.load(), &byte, 1);
+}
+
+/// SIGINT and SIGTERM, while it lives, end wait() instead of the process (whichever thread
+/// they reach: a handler writes to a pipe, which wait() polls); the former handlers come back
+/// when it goes.
+class StopSignals {
+ public:
+  StopSignals() {
+    WS_EXPECT(::pipe2(fds_, O_CLOEXEC | O_NONBLOCK) == 0, ErrorCode::kIo,
+              std::string("cannot create the pipe that SIGINT and SIGTERM end --metrics-linger through: ") +
+                  std::strerror(errno));
+    stop_signal_pipe = fds_[1];
+    struct sigaction action {};
+    action.sa_handler = note_stop_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGINT, &action, &previous_int_);
+    ::sigaction(SIGTERM, &action, &previous_term_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGINT, &previous_int_, nullptr);
+    ::sigaction(SIGTERM, &previous_term_, nullptr);
+    stop_signal_pipe = -1;
+    ::close(fds_[0]);
+    ::close(fds_[1]);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  /// The signal that came within `seconds`, or 0 when none did.
+  int wait(double seconds) const {
+    using Clock = std::chrono::steady_clock;
+    // At most about 31 years: a longer wait would overflow the clock's count.
+    const std::chrono::duration<double> wanted(std::min(seconds, 1e9));
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(wanted);
+    for (auto now = Clock::now(); now < deadline; now = Clock::now()) {
+      const double left_ms = std::chrono::duration<double, std::milli>(deadline - now).count();
+      pollfd ready{fds_[0], POLLIN, 0};
+      if (::poll(&ready, 1, static_cast<int>(std::clamp(std::ceil(left_ms), 1.0, 86'400'000.0))) <= 0) continue;
+      char signal = 0;
+      if (::read(fds_[0], &signal, 1) == 1) return signal;
+    }
+    return 0;
+  }
+
+ private:
+  int fds_[2] = {-1, -1};
+  struct sigaction previous_int_ {};
+  struct sigaction previous_term_ {};
+};
+
 }  // namespace
 
 CLI::Option* add_metrics_flags(CLI::App& command, MetricsFlags& flags) {
-  return command.add_option("--metrics-listen", flags.listen,
-                     "Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT listens on 127.0.0.1; port 0 "
-                     "picks a free one, printed on stderr); the series are in docs/METRICS.md");
+  CLI::Option* listen = command.add_option(
+      "--metrics-listen", flags.listen,
+      "Serve Prometheus metrics at http://HOST:PORT/metrics (a bare PORT listens on 127.0.0.1; port 0 "
+      "picks a free one, printed on stderr); the series are in docs/METRICS.md");
+  command
+      .add_option("--link-rate", flags.link_rate_gbps,
+                  "The rate in GB/s the load's link (NIC, disk, bucket) is stated to carry: the metrics show the "
+                  "achieved rate against it (weightstream_load_link_efficiency)")
+      ->check(positive_number("GB/s"))
+      ->needs(listen);
+  return listen;
+}
+
+void add_metrics_linger_flag(CLI::App& command, MetricsFlags& flags) {
+  command
+      .add_option("--metrics-linger", flags.linger_seconds,
+                  "Seconds the metrics endpoint stays up after the load, so that a scraper sees its final values; "
+                  "SIGINT or SIGTERM ends the wait (default 0)")
+      ->check(positive_number("seconds", /*zero_allowed=*/true))
+      ->needs(command.get_option("--metrics-listen"));
 }
 
 std::pair<std::string, uint16_t> metrics_listen_address(const std::string& text) {
@@ -97,18 +198,98 @@ std::string storage_kind(const std::string& uri) {
   return "file";
 }
 
-std::vector<MetricSeries> load_series(const LoadRecord& load) {
-  const std::vector<std::pair<std::string, std::string>> source = {{"source", load.source}};
-  return {one_sample("weightstream_load_read_bytes_total", "Bytes read from the source by the cold load",
-                     MetricType::kCounter, static_cast<double>(load.bytes_read), source),
-          one_sample("weightstream_load_duration_seconds",
-                     "Seconds the cold load took, from planning to the model hook", MetricType::kGauge, load.seconds,
-                     source)};
+LoadRecord stream_load_record(const std::string& uri, const StreamStats& stream) {
+  LoadRecord load;
+  load.source = storage_kind(uri);
+  load.bytes_read = stream.bytes_read;
+  load.seconds = stream.seconds;
+  load.phases = {{"read", stream.read_seconds},
+                 {"deliver", stream.deliver_seconds},
+                 {"staging_wait", stream.staging_wait_seconds}};
+  load.storage = {stream.storage_requests, stream.storage_retries, stream.storage_checksum_failures};
+  load.digest_failures = stream.storage_checksum_failures;
+  return load;
 }
 
-Publication publish_load(MetricsEndpoint* endpoint, const std::string& uri, const StreamStats& stream) {
-  const LoadRecord load{storage_kind(uri), stream.bytes_read, stream.seconds};
-  return publish(endpoint, [load] { return load_series(load); });
+LoadRecord checkpoint_load_record(const Checkpoint& checkpoint, const StreamStats& stream) {
+  LoadRecord load = stream_load_record(checkpoint.uri(), stream);
+  load.storage = checkpoint.storage().stats();
+  load.digest_failures = load.storage.checksum_failures;
+  return load;
+}
+
+std::vector<MetricSeries> load_series(const LoadRecord& load) {
+  auto count = [](uint64_t value) { return static_cast<double>(value); };
+  const std::vector<std::pair<std::string, std::string>> source = {{"source", load.source}};
+  std::vector<MetricSeries> result = {
+      one_sample("weightstream_load_read_bytes_total", "Bytes the load read from its source (storage or peers)",
+                 MetricType::kCounter, count(load.bytes_read), source),
+      one_sample("weightstream_load_duration_seconds", "Seconds the load took, from planning to the model hook",
+                 MetricType::kGauge, load.seconds, source),
+      one_sample("weightstream_storage_requests_total", "Requests the load sent to its object store",
+                 MetricType::kCounter, count(load.storage.requests), source),
+      one_sample("weightstream_storage_retries_total",
+                 "Requests sent again after a retryable failure (5xx, 429, a reset, a stall)", MetricType::kCounter,
+                 count(load.storage.retries), source),
+      one_sample("weightstream_load_digest_failures_total",
+                 "Bytes that did not match their digest or stored checksum (storage reads, peers' parameters)",
+                 MetricType::kCounter, count(load.digest_failures), source),
+  };
+  MetricSeries phases{"weightstream_load_phase_seconds",
+                      "Seconds the load's readers spent in each phase, summed over the reader threads",
+                      MetricType::kGauge, {}};
+  for (const auto& [phase, seconds] : load.phases) {
+    phases.samples.push_back(MetricSample{{{"source", load.source}, {"phase", phase}}, seconds, {}, 0});
+  }
+  if (!phases.samples.empty()) result.push_back(std::move(phases));
+  MetricSeries peers{"weightstream_load_peer_read_bytes_total", "Bytes the load read from each serving peer",
+                     MetricType::kCounter, {}};
+  for (const PeerBytes& peer : load.peers) {
+    peers.samples.push_back(MetricSample{{{"peer", peer.address}, {"transport", peer.transports}}, count(peer.bytes), {}, 0});
+  }
+  if (!peers.samples.empty()) result.push_back(std::move(peers));
+  if (load.link_rate_gbps > 0) {
+    const double stated = load.link_rate_gbps * 1e9;
+    const double achieved = load.seconds > 0 ? static_cast<double>(load.bytes_read) / load.seconds : 0;
+    result.push_back(one_sample("weightstream_load_link_rate_bytes_per_second",
+                                "The rate the load's link is stated to carry (--link-rate)", MetricType::kGauge,
+                                stated, source));
+    result.push_back(one_sample("weightstream_load_link_efficiency",
+                                "The load's achieved rate (bytes read / seconds) against the stated link rate",
+                                MetricType::kGauge, achieved / stated, source));
+  }
+  return result;
+}
+
+Publication publish_load(MetricsEndpoint* endpoint, LoadRecord load, const MetricsFlags& flags) {
+  load.link_rate_gbps = flags.link_rate_gbps;
+  return publish(endpoint, [load = std::move(load)] { return load_series(load); });
+}
+
+ProgressCallback LoadProgress::observer() {
+  return [this](uint64_t done, uint64_t total) {
+    total_ = total;
+    done_ = done;
+  };
+}
+
+std::vector<MetricSeries> LoadProgress::series() const {
+  return {one_sample("weightstream_load_progress_bytes", "Bytes the load under way has delivered so far",
+                     MetricType::kGauge, static_cast<double>(done_.load())),
+          one_sample("weightstream_load_planned_bytes", "Bytes the load under way delivers in all", MetricType::kGauge,
+                     static_cast<double>(total_.load()))};
+}
+
+void linger_metrics(const MetricsEndpoint* endpoint, const MetricsFlags& flags) {
+  if (endpoint == nullptr || flags.linger_seconds <= 0) return;
+  StopSignals signals;  // before the line below: a scraper that reads it may signal at once
+  std::fflush(stdout);
+  std::fprintf(stderr, "weightstream: metrics stay at http://%s/metrics for %g s (SIGINT or SIGTERM ends the wait)\n",
+               endpoint->address().c_str(), flags.linger_seconds);
+  std::fflush(stderr);
+  if (const int received = signals.wait(flags.linger_seconds); received != 0) {
+    std::fprintf(stderr, "weightstream: metrics endpoint closed by %s\n", received == SIGINT ? "SIGINT" : "SIGTERM");
+  }
 }
 
 std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats) {

@@ -10,6 +10,7 @@
 // before what that function reads goes away.
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -19,19 +20,25 @@
 #include <vector>
 
 #include "weightstream/peer.hpp"
+#include "weightstream/storage.hpp"
 #include "weightstream/stream.hpp"
 #include "weightstream/transfer.hpp"
 
 namespace weightstream::cli {
 
-/// --metrics-listen of one command.
+/// --metrics-listen, --link-rate and --metrics-linger of one command.
 struct MetricsFlags {
-  std::string listen;  ///< empty: no metrics endpoint
+  std::string listen;        ///< empty: no metrics endpoint
+  double link_rate_gbps = 0;  ///< --link-rate: the rate the load's link is stated to carry (0: none stated)
+  double linger_seconds = 0;  ///< --metrics-linger: how long the endpoint outlives a load
   bool requested() const noexcept { return !listen.empty(); }
 };
 
-/// Adds --metrics-listen to `command`.
+/// Adds --metrics-listen and --link-rate (which needs it) to `command`; returns the former.
 CLI::Option* add_metrics_flags(CLI::App& command, MetricsFlags& flags);
+/// Adds --metrics-linger (which needs --metrics-listen) to a command that ends after its
+/// load (`load`, `export`).
+void add_metrics_linger_flag(CLI::App& command, MetricsFlags& flags);
 
 /// The HOST:PORT that --metrics-listen `text` names: "HOST:PORT", "[IPv6]:PORT", or a
 /// bare "PORT" on loopback (127.0.0.1); port 0 picks a free one. Throws
@@ -127,18 +134,51 @@ class MetricsEndpoint {
 /// ("weightstream: metrics at http://HOST:PORT/metrics").
 std::unique_ptr<MetricsEndpoint> start_metrics(const MetricsFlags& flags);
 
-/// The cold load a command makes before it serves or receives: the series
-/// weightstream_load_* (docs/METRICS.md).
+/// What a load did (a plain `load`, or the cold load a command makes before it serves or
+/// receives), as the series weightstream_load_* and weightstream_storage_* show it
+/// (docs/METRICS.md).
 struct LoadRecord {
-  std::string source;  ///< the storage kind: file, s3, gs or peer
-  uint64_t bytes_read = 0;
+  std::string source;  ///< the storage kind: file, s3, gs, az or peer
+  uint64_t bytes_read = 0;  ///< from storage, or from peers
   double seconds = 0;
+  /// Seconds the readers spent in each phase, summed over the reader threads (read,
+  /// deliver, staging_wait: StreamStats); none for a pull from peers.
+  std::vector<std::pair<std::string, double>> phases;
+  StorageStats storage;  ///< the storage's requests (zero for local files and peers)
+  /// Checksum mismatches of the storage's reads and digest mismatches of the peers' bytes.
+  uint64_t digest_failures = 0;
+  std::vector<PeerBytes> peers;  ///< bytes from each serving peer, a failed pull's included
+  double link_rate_gbps = 0;     ///< --link-rate (0: none stated, no efficiency shown)
 };
 /// The storage kind of a checkpoint URI, as the `source` label shows it.
 std::string storage_kind(const std::string& uri);
+/// The record of a stream from `uri`, with the storage requests of the stream.
+LoadRecord stream_load_record(const std::string& uri, const StreamStats& stream);
+/// The record of a load of `checkpoint` by `stream`, with every request its storage sent
+/// since it was opened (the headers, index and config read by Checkpoint::open included).
+LoadRecord checkpoint_load_record(const Checkpoint& checkpoint, const StreamStats& stream);
 std::vector<MetricSeries> load_series(const LoadRecord& load);
-/// Publishes the series of the cold load of `uri` (on `endpoint`, where there is one).
-[[nodiscard]] Publication publish_load(MetricsEndpoint* endpoint, const std::string& uri, const StreamStats& stream);
+/// Publishes the series of `load` (on `endpoint`, where there is one), with the link rate
+/// of `flags`.
+[[nodiscard]] Publication publish_load(MetricsEndpoint* endpoint, LoadRecord load, const MetricsFlags& flags);
+
+/// A load under way, as weightstream_load_progress_bytes and weightstream_load_planned_bytes
+/// show it while it runs (and after, at their final values). Thread-safe: the loading thread
+/// updates, a scrape reads.
+class LoadProgress {
+ public:
+  /// A progress callback that records into this (it must outlive the load).
+  ProgressCallback observer();
+  std::vector<MetricSeries> series() const;
+
+ private:
+  std::atomic<uint64_t> done_{0};
+  std::atomic<uint64_t> total_{0};
+};
+
+/// After a load: keeps `endpoint` (where there is one) up for flags.linger_seconds, or until
+/// SIGINT or SIGTERM, saying so on stderr, so that a scraper sees the load's final values.
+void linger_metrics(const MetricsEndpoint* endpoint, const MetricsFlags& flags);
 
 /// The series of a peer server (weightstream_peer_*) from its stats.
 std::vector<MetricSeries> peer_server_series(const PeerServeStats& stats);

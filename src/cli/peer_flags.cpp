@@ -67,18 +67,24 @@ std::string peer_token(const PeerFlags& flags) {
 PeerLoad load_from_peers(const std::string& uri, const LayoutFlags& layout_flags, const Device& device,
                          const PeerFlags& flags, const Options& options) {
   PeerLoad result;
+  std::optional<PeerSource> source;  // outside the try: a failed pull's stats are kept
   try {
-    PeerSource source(uri, pull_options(flags, options));
-    ModelLayout layout = peer_layout(source, layout_flags, device);
+    source.emplace(uri, pull_options(flags, options));
+    ModelLayout layout = peer_layout(*source, layout_flags, device);
     LoadSession session(layout);
     session.begin(LoadMode::kCold);
-    result.pull = source.pull(session);
+    result.pull = source->pull(session);
     session.finish();
     result.layout = std::move(layout);
     result.source = uri;
-    result.manifests = source.manifests();
+    result.manifests = source->manifests();
+    result.peers = source->stats();
     return result;
   } catch (const Error& error) {
+    if (source) {
+      result.peers = source->stats();
+      source.reset();  // its connections and staging go before the fallback loads
+    }
     if (flags.fallback.empty() || error.code() == ErrorCode::kInvalidArgument) {
       WS_FAIL(error.code(), std::string("cannot load from ") + uri + ": " + error.what() +
                                 (flags.fallback.empty() ? "; no storage fallback given (--fallback URI)" : ""));
@@ -138,8 +144,22 @@ nlohmann::json peer_load_json(const PeerLoad& load) {
   return result;
 }
 
-void run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, const std::string& device_name,
-                   const PeerFlags& flags, const StreamFlags& stream_flags, bool json) {
+LoadRecord peer_load_record(const PeerLoad& load) {
+  LoadRecord record;
+  if (load.peer_failure.empty()) {
+    record.source = "peer";
+    record.bytes_read = load.pull.bytes_from_peers;
+    record.seconds = load.pull.seconds;
+  } else {
+    record = stream_load_record(load.source, load.storage);  // the fallback's
+  }
+  record.peers = load.peers.peers;
+  record.digest_failures += load.peers.digest_failures;
+  return record;
+}
+
+LoadRecord run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, const std::string& device_name,
+                         const PeerFlags& flags, const StreamFlags& stream_flags, bool json) {
   Options options = resolve_options(stream_flags);
   Device device = parse_device(device_name);
   PeerLoad load = load_from_peers(uri, layout_flags, device, flags, options);
@@ -147,7 +167,7 @@ void run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, cons
   result["device"] = device.name();
   if (json) {
     print_json(result);
-    return;
+    return peer_load_record(load);
   }
   uint64_t parameter_bytes = 0;
   for (const Parameter& parameter : load.layout.parameters()) parameter_bytes += parameter.bytes();
@@ -156,6 +176,7 @@ void run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, cons
               device.name().c_str(), load.source.c_str(), format_size(load.pull.bytes_from_peers).c_str(),
               format_size(load.pull.bytes_in_place).c_str(), format_size(load.storage.bytes_read).c_str(),
               result["seconds"].get<double>(), result["gbps"].get<double>());
+  return peer_load_record(load);
 }
 
 }  // namespace weightstream::cli

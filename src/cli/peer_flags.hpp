@@ -10,6 +10,7 @@
 
 #include "cli/command.hpp"
 #include "cli/layout_flags.hpp"
+#include "cli/metrics.hpp"
 #include "weightstream/peer.hpp"
 
 namespace weightstream::cli {
@@ -34,6 +35,7 @@ struct PeerLoad {
   StreamStats storage;             ///< the fallback's stream (bytes_read); zero otherwise
   std::string peer_failure;        ///< why the peers failed, when the fallback loaded it
   std::vector<PeerManifest> manifests;
+  PeerPullStats peers;             ///< bytes from each peer and digest failures, a failed pull's too
 };
 
 /// Reads the token (--token-stdin) once per process.
@@ -56,9 +58,13 @@ PeerPullReport reload_from_peers(ModelLayout& layout, const std::string& uri, co
 /// JSON of a peer load: source, bytes_from_peers, bytes_in_place, bytes_read, peers, ...
 nlohmann::json peer_load_json(const PeerLoad& load);
 
-/// `load peer://...` with layout flags (tp 1 rank 0 by default).
-void run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, const std::string& device,
-                   const PeerFlags& flags, const StreamFlags& stream_flags, bool json);
+/// What a load from peers (or their fallback) did, for its metrics: the source "peer" and
+/// the bytes pulled, or the fallback's stream, with the peers' bytes and digest failures.
+LoadRecord peer_load_record(const PeerLoad& load);
+
+/// `load peer://...` with layout flags (tp 1 rank 0 by default). Returns peer_load_record.
+LoadRecord run_peer_load(const std::string& uri, const LayoutFlags& layout_flags, const std::string& device,
+                         const PeerFlags& flags, const StreamFlags& stream_flags, bool json);
 
 /// Registers `serve`.
 void add_serve_command(CLI::App& app);

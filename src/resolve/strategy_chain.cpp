@@ -49,6 +49,7 @@ class ShardSubsetStorage final : public Storage {
   bool lends_views() const override { return storage_->lends_views(); }
   bool views_serve_reads() const override { return storage_->views_serve_reads(); }
   std::optional<double> cached_share(std::string_view name) override { return storage_->cached_share(name); }
+  StorageStats stats() const override { return storage_->stats(); }
 
  private:
   std::shared_ptr<Storage> storage_;

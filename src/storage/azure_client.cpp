@@ -272,10 +272,12 @@ void BlobClient::get_range(std::string_view container, std::string_view key, uin
       const std::string expected = response.header("content-md5");
       if (!expected.empty()) {
         const std::string actual = md5_base64(segments[0]);
-        if (expected != actual)
+        if (expected != actual) {
+          ++checksum_failures_;
           return AttemptFailure{"checksum mismatch: Content-MD5 is " + clip(expected, 30) +
                                     " but the bytes received give " + actual + id_note,
                                 true};
+        }
       }
     }
     return std::nullopt;

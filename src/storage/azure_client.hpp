@@ -20,6 +20,7 @@
 #include "storage/object_store.hpp"
 #include "storage/retry_policy.hpp"
 #include "weightstream/options.hpp"
+#include "weightstream/storage.hpp"
 
 namespace weightstream::azure {
 
@@ -58,8 +59,8 @@ class BlobClient {
   /// Put Blob of a small block blob. For test fixtures and tools.
   void put_blob(std::string_view container, std::string_view key, std::string_view body);
 
-  uint64_t requests() const noexcept { return requests_.load(); }
-  uint64_t retries() const noexcept { return retries_.load(); }
+  /// Its requests, retries and whole-object checksum mismatches so far.
+  StorageStats stats() const noexcept { return {requests_.load(), retries_.load(), checksum_failures_.load()}; }
 
  private:
   /// A request to `encoded_path` (below the endpoint's path) with x-ms-date, x-ms-version,
@@ -80,6 +81,7 @@ class BlobClient {
   storage::HttpClient http_;
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> checksum_failures_{0};
 };
 
 }  // namespace weightstream::azure

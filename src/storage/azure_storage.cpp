@@ -29,6 +29,7 @@ class AzureContainer final : public storage::ObjectStore {
   }
 
   const S3Options& transfer() const override { return client_.transfer(); }
+  StorageStats stats() const override { return client_.stats(); }
 
  private:
   std::string container_;

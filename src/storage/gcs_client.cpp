@@ -296,10 +296,12 @@ void GcsClient::get_range(std::string_view bucket, std::string_view key, uint64_
         if (part.starts_with("crc32c=")) {
           const std::string expected(part.substr(7));
           const std::string actual = s3::crc32c_header_value(segments[0]);
-          if (expected != actual)
+          if (expected != actual) {
+            ++checksum_failures_;
             return AttemptFailure{"checksum mismatch: crc32c is " + clip(expected, 20) + " but the bytes received give " +
                                       actual + id_note,
                                   true};
+          }
         }
         at = end + 1;
       }

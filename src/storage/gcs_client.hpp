@@ -18,6 +18,7 @@
 #include "storage/object_store.hpp"
 #include "storage/retry_policy.hpp"
 #include "weightstream/options.hpp"
+#include "weightstream/storage.hpp"
 
 namespace weightstream::gcs {
 
@@ -78,8 +79,8 @@ class GcsClient {
   /// A simple media upload of a small object. For test fixtures and tools.
   void put_object(std::string_view bucket, std::string_view key, std::string_view body);
 
-  uint64_t requests() const noexcept { return requests_.load(); }
-  uint64_t retries() const noexcept { return retries_.load(); }
+  /// Its requests, retries and whole-object checksum mismatches so far.
+  StorageStats stats() const noexcept { return {requests_.load(), retries_.load(), checksum_failures_.load()}; }
   /// Pooled HTTP handles created so far (connection reuse keeps this small).
   size_t connections_opened() const { return http_.handles_created(); }
 
@@ -98,6 +99,7 @@ class GcsClient {
   storage::HttpClient http_;
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> checksum_failures_{0};
 };
 
 }  // namespace weightstream::gcs

@@ -30,6 +30,7 @@ class GcsBucket final : public storage::ObjectStore {
   }
 
   const S3Options& transfer() const override { return client_.transfer(); }
+  StorageStats stats() const override { return client_.stats(); }
 
  private:
   std::string bucket_;

@@ -58,6 +58,8 @@ class ObjectStore {
   /// The transfer settings the reads run under (request_bytes, max_connections,
   /// max_attempts of S3Options: one set for every object store).
   virtual const S3Options& transfer() const = 0;
+  /// Its client's requests, retries and checksum mismatches so far.
+  virtual StorageStats stats() const = 0;
 };
 
 /// The Storage of the objects under `prefix` of `store`: a flat directory.

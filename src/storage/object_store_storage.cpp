@@ -1,6 +1,7 @@
 // The Storage of every object store (s3://, gs://, az://): a prefix of a bucket seen as a flat
 // directory, read in parallel ranged requests.
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 
@@ -99,6 +100,7 @@ class ObjectStoreStorage final : public Storage {
       read_pieces(key, offset, segments, piece);
       auto mismatch = checksum_mismatch(metadata, segments[0]);
       if (!mismatch) return;
+      ++checksum_failures_;
       WS_EXPECT(attempt < attempts, ErrorCode::kNetwork,
                 "cannot read 0+" + std::to_string(size) + " bytes of " + store_->uri(key) + ": " + *mismatch +
                     ", after " + std::to_string(attempt) + (attempt == 1 ? " read" : " reads") + " of the whole object");
@@ -106,6 +108,12 @@ class ObjectStoreStorage final : public Storage {
   }
 
   unsigned preferred_concurrency() const override { return std::max(1u, store_->transfer().max_connections); }
+
+  StorageStats stats() const override {
+    StorageStats stats = store_->stats();
+    stats.checksum_failures += checksum_failures_.load();
+    return stats;
+  }
 
  private:
   // Names are plain object names under the prefix, as for local files: no '/', which
@@ -154,6 +162,7 @@ class ObjectStoreStorage final : public Storage {
   std::string prefix_;  ///< empty, or ends with '/'
   std::mutex mutex_;
   std::map<std::string, uint64_t, std::less<>> sizes_;  ///< sizes seen by list() and stat()
+  std::atomic<uint64_t> checksum_failures_{0};  ///< whole objects read in pieces that did not match
 };
 
 }  // namespace

@@ -329,12 +329,14 @@ uint64_t S3Client::get_range(std::string_view bucket, std::string_view key, uint
       const std::span<const std::byte> destination = segments[0];
       auto crc = response.header("x-amz-checksum-crc32c");
       if (!crc.empty() && crc.find('-') == std::string::npos && crc32c_header_value(destination) != crc) {
+        ++checksum_failures_;
         return Failure{"checksum mismatch: x-amz-checksum-crc32c is " + crc.substr(0, 20) +
                            " but the bytes received give " + crc32c_header_value(destination) + id_note,
                        true};
       }
       auto sha = response.header("x-amz-checksum-sha256");
       if (!sha.empty() && sha.find('-') == std::string::npos && sha256_header_value(destination) != sha) {
+        ++checksum_failures_;
         return Failure{"checksum mismatch: x-amz-checksum-sha256 is " + sha.substr(0, 60) +
                            " but the bytes received give " + sha256_header_value(destination) + id_note,
                        true};

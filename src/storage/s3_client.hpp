@@ -20,6 +20,7 @@
 #include "storage/s3_signer.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
+#include "weightstream/storage.hpp"
 
 namespace weightstream::s3 {
 
@@ -56,12 +57,6 @@ struct ObjectHead {
   std::string etag;
   std::string checksum_crc32c;  ///< base64, when the server sent x-amz-checksum-crc32c
   std::string checksum_sha256;  ///< base64, when the server sent x-amz-checksum-sha256
-};
-
-/// Counters of one client, for tests and benchmarks.
-struct ClientStats {
-  uint64_t requests = 0;  ///< HTTP attempts sent
-  uint64_t retries = 0;   ///< attempts after a retryable failure
 };
 
 /// Thread-safe client of one S3-compatible endpoint.
@@ -116,7 +111,8 @@ class S3Client {
   std::string presign_get(std::string_view bucket, std::string_view key, uint64_t expires_seconds,
                           std::string_view amz_date) const;
 
-  ClientStats stats() const noexcept { return {requests_.load(), retries_.load()}; }
+  /// Its requests, retries and whole-object checksum mismatches so far.
+  StorageStats stats() const noexcept { return {requests_.load(), retries_.load(), checksum_failures_.load()}; }
   /// Pooled HTTP handles created so far (connection reuse keeps this small).
   size_t connections_opened() const { return http_.handles_created(); }
 
@@ -142,6 +138,7 @@ class S3Client {
   HttpClient http_;
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> retries_{0};
+  std::atomic<uint64_t> checksum_failures_{0};
 };
 
 /// "s3://bucket/key".

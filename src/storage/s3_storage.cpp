@@ -32,6 +32,7 @@ class S3Bucket final : public storage::ObjectStore {
   }
 
   const S3Options& transfer() const override { return client_.options(); }
+  StorageStats stats() const override { return client_.stats(); }
 
  private:
   std::string bucket_;

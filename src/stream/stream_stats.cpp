@@ -14,7 +14,10 @@ std::vector<StatField> stat_fields(const StreamStats& stats) {
           {"peak_staging_bytes", stats.peak_staging_bytes},
           {"read_seconds", stats.read_seconds},
           {"deliver_seconds", stats.deliver_seconds},
-          {"staging_wait_seconds", stats.staging_wait_seconds}};
+          {"staging_wait_seconds", stats.staging_wait_seconds},
+          {"storage_requests", stats.storage_requests},
+          {"storage_retries", stats.storage_retries},
+          {"storage_checksum_failures", stats.storage_checksum_failures}};
 }
 
 }  // namespace weightstream

@@ -635,6 +635,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
                       !(sink.takes_views() && storage.views_serve_reads());
   auto reads = plan_reads(checkpoint, requests, sink, chunk, !storage.reads_through_views(), gather);
 
+  const StorageStats storage_before = storage.stats();
   StreamStats stats;
   std::set<uint32_t> shards;
   uint64_t total = 0;
@@ -716,6 +717,10 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
   sink.finish();
   if (progress) progress(total, total);
   stats.peak_staging_bytes = pool->peak_bytes();
+  const StorageStats storage_after = storage.stats();
+  stats.storage_requests = storage_after.requests - storage_before.requests;
+  stats.storage_retries = storage_after.retries - storage_before.retries;
+  stats.storage_checksum_failures = storage_after.checksum_failures - storage_before.checksum_failures;
   stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return stats;
 }

@@ -212,6 +212,7 @@ struct PeerSource::State {
     std::unique_ptr<ucx::Endpoint> endpoint;
     std::vector<uint32_t> keys;  // per parameter of the manifest
     std::map<std::string, size_t, std::less<>> by_name;
+    uint64_t bytes_read = 0;  // by every pull of the source (PeerSource::stats)
   };
   std::string uri;
   PeerPullOptions options;
@@ -224,6 +225,7 @@ struct PeerSource::State {
     uint64_t capacity = 0;
   };
   std::array<Staging, kStagingSlots> staging;
+  uint64_t digest_failures = 0;  // by every pull of the source (PeerSource::stats)
 
   void check_content() const;
   void check_agreement() const;
@@ -287,6 +289,15 @@ const std::string& PeerSource::uri() const noexcept { return state_->uri; }
 const std::vector<PeerManifest>& PeerSource::manifests() const noexcept { return state_->manifests; }
 const std::string& PeerSource::config_json() const noexcept { return state_->links.front().manifest.config_json; }
 const std::vector<PeerTensor>& PeerSource::tensors() const noexcept { return state_->links.front().manifest.tensors; }
+PeerPullStats PeerSource::stats() const {
+  PeerPullStats stats;
+  for (const State::Link& link : state_->links) {
+    stats.peers.push_back({link.manifest.address, link.manifest.ucx_transports, link.bytes_read});
+  }
+  stats.digest_failures = state_->digest_failures;
+  return stats;
+}
+
 const std::string& PeerSource::content_digest() const noexcept { return state_->links.front().manifest.content_digest; }
 
 void PeerSource::State::check_content() const {
@@ -484,6 +495,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
                          ucx::Memory::kCuda, [landed_bytes, bytes] { *landed_bytes += bytes; });
     }
     report.bytes_from_peers += parameter.bytes;
+    link.bytes_read += parameter.bytes;
   };
   // Reads the digest pieces `pieces` of a served parameter into host memory at `destination`
   // (where the whole parameter lies), each hashed as it lands.
@@ -502,6 +514,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
                            if (landed) ++*landed;
                          });
       report.bytes_from_peers += bytes;
+      link.bytes_read += bytes;
     }
     if (pause_here) {
       paused = true;
@@ -521,6 +534,7 @@ PeerPullReport PeerSource::pull(LoadSession& session) {
     char text[96];
     std::snprintf(text, sizeof(text), "xxh64 %016llx, the manifest says %016llx", static_cast<unsigned long long>(digest),
                   static_cast<unsigned long long>(expected));
+    ++state.digest_failures;
     WS_FAIL(ErrorCode::kProtocol, "parameter " + parameter.name + " read from " + peer_text(link.manifest) +
                                       " does not match its digest (" + what + text +
                                       "): its bytes changed in the peer's memory or in transit; the pull is refused");

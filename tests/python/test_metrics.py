@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 import uuid
 
 import pytest
 from conftest import CLI, requires_cli
 
-parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+from prometheus_scrape import scrape, scrape_text, value  # noqa: E402
 
 pytestmark = requires_cli
 
@@ -43,25 +43,6 @@ def llama(tmp_path_factory):
 
 def checkpoint_bytes(path):
     return sum(entry.stat().st_size for entry in path.glob("*.safetensors"))
-
-
-def scrape(address):
-    """{(name, labels as a sorted tuple): value} and {family name: type} of one scrape."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    samples, types = {}, {}
-    for family in parser.text_string_to_metric_families(text):
-        types[family.name] = family.type
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples, types
-
-
-def value(samples, name, **labels):
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"{name}{labels} is not in the scrape: {sorted(k for k in samples if k[0].startswith(name))}"
-    return samples[key]
 
 
 def scrape_until(address, done):
@@ -154,7 +135,7 @@ def test_a_running_serve_shows_its_load_its_pullers_and_the_bytes_it_sent(llama,
         assert refused.returncode != 0
         samples = scrape_until(metrics, lambda s: value(s, "weightstream_peer_connections_refused_total") >= 1)
         assert value(samples, "weightstream_peer_pullers_accepted_total") == 1
-        assert TOKEN not in urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
+        assert TOKEN not in scrape_text(metrics)
         # It stops cleanly with its endpoint (a sanitizer build fails the exit on a leak).
         serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(timeout=60) == 0, serve.process.stderr.read()
@@ -246,3 +227,152 @@ def test_the_receivers_metrics_need_via(llama):
     result = run("audit", str(llama), "--metrics-listen", "0", "--no-progress")
     assert result.returncode == 2, result.stderr
     assert "--metrics-listen requires --via" in result.stderr
+
+
+# ---- a plain `load` (and its layout, peer and export paths) ------------------------------
+
+LINGER = "600"  # far longer than any test: SIGTERM ends the wait
+
+
+def load_with_metrics(*arguments, command="load", stdin=""):
+    """Runs `command ... --metrics-listen 127.0.0.1:0 --metrics-linger 600`, scrapes once the
+    command says its final values are up, then ends the wait with SIGTERM. Returns the scrape
+    ({(name, labels): value}, {family: type}), what the command printed (JSON) and its stderr."""
+    process = subprocess.Popen([CLI, command, *arguments, "--json", "--no-progress", "--metrics-listen", "127.0.0.1:0",
+                                "--metrics-linger", LINGER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        process.stdin.write(stdin)
+        process.stdin.close()
+        address = read_stderr_until(process, r"metrics at http://(\S+)/metrics").group(1)
+        lingering = read_stderr_until(process, r"metrics stay at http://(\S+)/metrics for 600 s")
+        assert lingering.group(1) == address
+        samples, types = scrape(address)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.stdout.read(), process.stderr.read()  # both small: neither pipe fills
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert "metrics endpoint closed by SIGTERM" in err
+    return samples, types, json.loads(out)
+
+
+def tensor_bytes(path):
+    result = run("inspect", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["bytes"]
+
+
+def test_a_load_shows_what_it_read_its_phases_and_its_link_efficiency(llama):
+    samples, types, report = load_with_metrics(str(llama), "--link-rate", "2.5")
+    read = value(samples, "weightstream_load_read_bytes_total", source="file")
+    assert read == report["bytes_read"] == tensor_bytes(llama)  # every tensor, once
+    seconds = value(samples, "weightstream_load_duration_seconds", source="file")
+    assert seconds == pytest.approx(report["seconds"]) and seconds > 0
+    for phase in ("read", "deliver", "staging_wait"):
+        assert value(samples, "weightstream_load_phase_seconds", source="file", phase=phase) == \
+            pytest.approx(report[phase + "_seconds"])
+    assert value(samples, "weightstream_load_phase_seconds", source="file", phase="deliver") >= 0
+    # Local files send no requests: nothing to retry, no stored checksum to miss.
+    assert value(samples, "weightstream_storage_requests_total", source="file") == 0
+    assert value(samples, "weightstream_storage_retries_total", source="file") == 0
+    assert value(samples, "weightstream_load_digest_failures_total", source="file") == 0
+    assert value(samples, "weightstream_load_link_rate_bytes_per_second", source="file") == 2.5e9
+    assert value(samples, "weightstream_load_link_efficiency", source="file") == pytest.approx(read / seconds / 2.5e9)
+    assert types["weightstream_load_read_bytes"] == "counter"
+    assert types["weightstream_load_link_efficiency"] == "gauge"
+    # The progress a scrape during the load sees, at its final values.
+    assert value(samples, "weightstream_load_progress_bytes") == value(samples, "weightstream_load_planned_bytes") \
+        == report["bytes"]
+    assert not any(name.startswith("weightstream_load_peer") for name, _ in samples)
+
+
+def test_a_layout_load_shows_the_bytes_of_its_rank(llama):
+    samples, _, report = load_with_metrics(str(llama), "--tp-size", "2", "--tp-rank", "1")
+    read = value(samples, "weightstream_load_read_bytes_total", source="file")
+    assert read == report["bytes_read"] and 0 < read < tensor_bytes(llama)  # this rank's ranges only
+    assert value(samples, "weightstream_load_progress_bytes") == value(samples, "weightstream_load_planned_bytes") > 0
+    assert value(samples, "weightstream_load_duration_seconds", source="file") == pytest.approx(report["seconds"])
+    # Without --link-rate there is no rate to compare with.
+    assert ("weightstream_load_link_efficiency", (("source", "file"),)) not in samples
+
+
+def test_an_export_shows_its_load(llama, tmp_path):
+    samples, _, report = load_with_metrics(str(llama), str(tmp_path / "rank.safetensors"), command="export")
+    assert value(samples, "weightstream_load_read_bytes_total", source="file") == tensor_bytes(llama)
+    assert report["tensors"] > 10
+
+
+def test_a_load_from_a_peer_shows_the_bytes_by_peer_and_transport(llama):
+    with Running("serve", str(llama), "--listen", "127.0.0.1:0", "--token-stdin", "--no-progress") as serve:
+        line = serve.process.stdout.readline()
+        ready = re.search(r"at peer://(\S+)", line)
+        if not ready and "build with UCX" in serve.process.stderr.read():
+            pytest.skip("this build has no UCX (WS_WITH_UCX)")
+        assert ready, line
+        address = ready.group(1)
+        samples, _, report = load_with_metrics(f"peer://{address}", "--token-stdin", stdin=TOKEN + "\n")
+    pulled = report["bytes_from_peers"]
+    assert pulled > 0
+    assert value(samples, "weightstream_load_read_bytes_total", source="peer") == pulled
+    assert value(samples, "weightstream_load_duration_seconds", source="peer") > 0
+    transports = report["peers"][0]["ucx_transports"]
+    assert value(samples, "weightstream_load_peer_read_bytes_total", peer=address, transport=transports) == pulled
+    assert value(samples, "weightstream_load_digest_failures_total", source="peer") == 0
+
+
+def test_a_pull_that_fails_over_to_storage_shows_the_fallbacks_load(llama):
+    with socket.socket() as closed:  # bound, never listening: a connect is refused at once
+        closed.bind(("127.0.0.1", 0))
+        address = "127.0.0.1:%d" % closed.getsockname()[1]
+        samples, _, report = load_with_metrics(f"peer://{address}", "--fallback", str(llama), "--token-stdin",
+                                               stdin=TOKEN + "\n")
+    assert "peer_failure" in report and report["bytes_from_peers"] == 0
+    assert value(samples, "weightstream_load_read_bytes_total", source="file") == report["bytes_read"] > 0
+    assert not any(name == "weightstream_load_read_bytes_total" and labels == (("source", "peer"),)
+                   for name, labels in samples)
+
+
+def test_without_linger_the_load_ends_at_once_and_its_endpoint_with_it(llama):
+    result = run("load", str(llama), "--no-progress", "--metrics-listen", "127.0.0.1:0")
+    if WITHOUT_PROMETHEUS in result.stderr:
+        pytest.skip("this build has no prometheus-cpp (WS_WITH_PROMETHEUS)")
+    assert result.returncode == 0, result.stderr
+    assert "metrics at http://127.0.0.1:" in result.stderr and "metrics stay" not in result.stderr
+
+
+@pytest.mark.parametrize("arguments, needle", [
+    (["--link-rate", "0"], "--link-rate: '0' is not a number above 0 (GB/s)"),
+    (["--link-rate", "-3"], "--link-rate: '-3' is not a number above 0 (GB/s)"),
+    (["--link-rate", "fast"], "--link-rate: 'fast' is not a number above 0 (GB/s)"),
+    (["--metrics-linger", "-1"], "--metrics-linger: '-1' is not a number of at least 0 (seconds)"),
+    (["--metrics-listen", "x"], "--metrics-listen 'x' is not HOST:PORT or PORT with a port from 0 to 65535"),
+])
+def test_bad_load_metrics_flags_are_usage_errors(llama, arguments, needle):
+    if "--metrics-listen" not in arguments:
+        arguments = [*arguments, "--metrics-listen", "0"]
+    result = run("load", str(llama), "--no-progress", *arguments)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert "loaded" not in result.stdout
+
+
+@pytest.mark.parametrize("flag, value_text", [("--link-rate", "1"), ("--metrics-linger", "5")])
+def test_the_load_metrics_flags_need_an_endpoint(llama, flag, value_text):
+    result = run("load", str(llama), "--no-progress", flag, value_text)
+    assert result.returncode == 2, result.stderr
+    assert f"{flag} requires --metrics-listen" in result.stderr
+
+
+def test_a_load_whose_metrics_port_is_in_use_fails_before_it_reads(llama):
+    with free_port_held() as holder:
+        port = holder.getsockname()[1]
+        result = run("load", str(llama), "--no-progress", "--metrics-listen", f"127.0.0.1:{port}")
+    if WITHOUT_PROMETHEUS in result.stderr:
+        pytest.skip("this build has no prometheus-cpp (WS_WITH_PROMETHEUS)")
+    assert result.returncode == 1, result.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port} (--metrics-listen): Address already in use" in result.stderr
+    assert result.stdout == ""

@@ -242,3 +242,49 @@ def test_a_presigned_url_fetches_the_object(checkpoint):
     assert url.startswith(ENDPOINT + "/" + checkpoint["bucket"] + "/models/tiny/config.json?")
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.read() == (checkpoint["local"] / "config.json").read_bytes()
+
+
+def test_a_load_counts_the_retries_its_faults_cost_in_its_report_and_its_metrics(checkpoint, proxy):
+    """Three spoiled GETs: three retries, in `load --json` and in weightstream_storage_retries_total
+    of the load's metrics, scraped while the load lingers (docs/METRICS.md)."""
+    import signal
+    import re
+
+    pytest.importorskip("prometheus_client.parser", reason="prometheus_client is not installed (pip)")
+    from prometheus_scrape import parse, scrape_text, value
+    proxy.arm("503", 3)
+    process = subprocess.Popen([CLI, "load", checkpoint["uri"], "--json", "--no-progress", "--concurrency", "2",
+                                "--metrics-listen", "127.0.0.1:0", "--metrics-linger", "600"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=cli_env(proxy.endpoint))
+    try:
+        address = None
+        for line in process.stderr:
+            if "built without prometheus-cpp" in line:
+                pytest.skip("this build has no prometheus-cpp (WS_WITH_PROMETHEUS)")
+            found = re.search(r"metrics stay at http://(\S+)/metrics", line)
+            if found:
+                address = found.group(1)
+                break
+        assert address, "the load never said its metrics were up"
+        text = scrape_text(address)
+        process.send_signal(signal.SIGTERM)
+        report = json.loads(process.stdout.read())
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    forwarded = proxy.stats()
+    assert forwarded["faults"] == 3
+    samples, _ = parse(text)
+    # The metrics count every request of the load, the opening's (headers, index) included;
+    # the report's counters are the stream's own, a part of them.
+    assert value(samples, "weightstream_storage_retries_total", source="s3") == 3
+    requests = value(samples, "weightstream_storage_requests_total", source="s3")
+    assert requests == forwarded["requests"]  # every attempt the proxy forwarded, spoiled ones included
+    assert report["storage_retries"] <= 3 and report["storage_checksum_failures"] == 0
+    assert 0 < report["storage_requests"] <= requests
+    assert value(samples, "weightstream_load_digest_failures_total", source="s3") == 0
+    assert value(samples, "weightstream_load_read_bytes_total", source="s3") == report["bytes_read"]
+    assert SECRET not in text

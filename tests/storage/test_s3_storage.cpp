@@ -185,9 +185,14 @@ TEST_F(S3Faults, RecoversFromEachFaultWithinTheAttemptBound) {
     SCOPED_TRACE(mode);
     proxy_->clear();
     proxy_->arm(mode, 2);
+    const StorageStats before = storage_->stats();
     EXPECT_EQ(read(4096, 100000), payload_.substr(4096, 100000));
     EXPECT_EQ(proxy_->faults(), 2);
     EXPECT_EQ(proxy_->requests("GET"), 3);  // two spoiled attempts, then the good one
+    // What `load --metrics-listen` shows as weightstream_storage_retries_total.
+    EXPECT_EQ(storage_->stats().retries - before.retries, 2u);
+    EXPECT_EQ(storage_->stats().requests - before.requests, 3u);
+    EXPECT_EQ(storage_->stats().checksum_failures, 0u);
   }
 }
 
@@ -325,6 +330,8 @@ TEST_F(S3Faults, CorruptBytesAreCaughtWhereAChecksumCoversThem) {
   proxy_->arm("corrupt", 1);
   EXPECT_EQ(read(0, payload_.size(), "checked.bin"), payload_);
   EXPECT_EQ(proxy_->requests("GET"), 2);  // the corrupted copy was refused and fetched again
+  EXPECT_EQ(storage_->stats().checksum_failures, 1u);
+  EXPECT_EQ(storage_->stats().retries, 1u);
 
   proxy_->clear();
   proxy_->arm("corrupt", 100);
@@ -349,6 +356,7 @@ TEST_F(S3Faults, CorruptPiecesOfAWholeObjectAreCaughtToo) {
   storage->read("checked.bin", 0, writable(bytes));
   EXPECT_EQ(bytes, payload_);
   EXPECT_EQ(proxy_->faults(), 1);
+  EXPECT_EQ(storage->stats().checksum_failures, 1u);  // the whole object, read again
 
   proxy_->clear();
   proxy_->arm("corrupt", 1000);

@@ -384,6 +384,19 @@ TEST_P(StorageContract, LendsViewsOfLocalFilesAndCopiesElsewhere) {
   }
 }
 
+TEST_P(StorageContract, CountsItsRequestsWhereItSendsAny) {
+  const StorageStats before = storage_->stats();
+  EXPECT_EQ(read("small.bin", 17, 100), small_.substr(17, 100));
+  const StorageStats after = storage_->stats();
+  if (GetParam().starts_with("local")) {
+    EXPECT_EQ(after.requests, 0u);  // local files send no requests
+  } else {
+    EXPECT_EQ(after.requests - before.requests, 1u);  // one ranged GET
+  }
+  EXPECT_EQ(after.retries, 0u);
+  EXPECT_EQ(after.checksum_failures, 0u);
+}
+
 /// Reading 4096 bytes at 2 * 65536 of shard.safetensors, cut to 65536 bytes after it was
 /// mapped, fails with the size error rather than SIGBUS.
 void expect_read_of_truncated_shard_fails(Storage& storage) {

@@ -154,6 +154,17 @@ TEST_P(PeerPathTest, PullsInPlaceAndAcrossTpSizesEqualToTheCheckpoint) {
     PeerPullReport report = pull_into(layout, source);
     EXPECT_GT(report.bytes_from_peers, 0u);
     if (tp_size == 2) EXPECT_GT(report.bytes_in_place, 0u);
+    // The bytes by peer (what `load --metrics-listen` shows per peer and transport) add up.
+    const PeerPullStats stats = source.stats();
+    ASSERT_EQ(stats.peers.size(), 2u);
+    uint64_t by_peer = 0;
+    for (size_t i = 0; i < stats.peers.size(); ++i) {
+      EXPECT_EQ(stats.peers[i].address, source.manifests()[i].address);
+      EXPECT_EQ(stats.peers[i].transports, source.manifests()[i].ucx_transports);
+      by_peer += stats.peers[i].bytes;
+    }
+    EXPECT_EQ(by_peer, report.bytes_from_peers);
+    EXPECT_EQ(stats.digest_failures, 0u);
     LayoutComparison comparison = compare_layouts(layout, loaded_layout(model, tp_size, tp_rank));
     EXPECT_EQ(comparison.mismatched, 0u) << path << ", tp " << tp_size << " rank " << tp_rank << ": "
                                          << ::testing::PrintToString(comparison.mismatches);
@@ -344,6 +355,9 @@ TEST_F(PeerTest, AFlippedByteInAServedParameterFailsThePullNamingIt) {
   EXPECT_THAT(text, HasSubstr("model.layers.1.self_attn.o_proj.weight"));
   EXPECT_THAT(text, HasSubstr("does not match its digest"));
   EXPECT_THAT(text, HasSubstr(instance.servers[1]->address()));
+  // Counted, and readable after the failed pull (the metrics' digest failures).
+  EXPECT_EQ(source.stats().digest_failures, 1u);
+  EXPECT_GT(source.stats().peers[1].bytes, 0u);
 }
 
 // Issue 45: a reload or update from a peer lands nothing before its digests are checked. The

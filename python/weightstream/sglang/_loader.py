@@ -35,6 +35,7 @@ from .._engine import (
     log_once,
     model_tensors,
     pulls_refused,
+    record_load_metrics,
     resolve_module_source,
     serve_model,
     serving_peer,
@@ -201,6 +202,7 @@ class WeightstreamModelLoader(DefaultModelLoader):
                                                                 logger)
         if not serving and self.options.serve:
             self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
+        record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
         object.__setattr__(model, "_weightstream_last_load", self.last_load)  # SGLang keeps no loader
 
     def _weights_folder(self, model_config: Any) -> str:
@@ -218,6 +220,7 @@ class WeightstreamModelLoader(DefaultModelLoader):
         model.load_weights(checkpoint.stream(framework="torch"))
         self.last_load = {"path": "load_weights", "mode": "cold", "role": "target", "source": uri,
                           "tensors_through_load_weights": len(checkpoint), "seconds": time.perf_counter() - started}
+        record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
         object.__setattr__(model, "_weightstream_last_load", self.last_load)
 
 

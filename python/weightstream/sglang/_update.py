@@ -23,8 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _core
-from .._engine import check_in_place, store_binding, stored_binding
+from .._engine import check_in_place, model_metrics, store_binding, stored_binding
 from .._push import check_transport, free_addresses, make_senders, send_update
+from .._receiver import UpdateReceiver
 from . import UPDATE_LOADER, logger
 
 #: The name of the one tensor update_request makes: the request, as UTF-8 JSON bytes.
@@ -102,8 +103,8 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
         raise ValueError(f"{UPDATE_LOADER}: {len(addresses)} addresses for tensor-parallel rank {rank} "
                          f"(one for each rank)")
     bound = _binding(model)
-    receiver = _core.UpdateReceiver(bound.layout, request["transport"], addresses[rank], request["token"],
-                                    request["timeout"], bound.device)
+    receiver = UpdateReceiver(bound.layout, request["transport"], addresses[rank], request["token"],
+                              request["timeout"], bound.device, metrics=model_metrics(model))
     try:
         check_in_place(model, bound)
     except _core.Error as unfit:

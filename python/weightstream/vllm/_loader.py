@@ -11,7 +11,7 @@ import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from .._api import Checkpoint
-from .._engine import load_from_peers_or_storage, load_layout, pulls_refused, serve_model
+from .._engine import load_from_peers_or_storage, load_layout, pulls_refused, record_load_metrics, serve_model
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -106,6 +106,7 @@ class WeightstreamModelLoader(BaseModelLoader):
                          "load_weights, fed by weightstream's streamer, at iterator speed",
                          type(model).__name__, reason, role)
                 self._load_through_model(model, model_config, sources, role, started)
+                record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
                 return
             store_binding(model, bound)
         # A reload once a load finished; a load that failed before (no source, say) is retried cold.
@@ -125,6 +126,7 @@ class WeightstreamModelLoader(BaseModelLoader):
             self._check_filled(model, model_config, set(bound.filled_model_names))
         if not serving and self.options.serve and bound.role == "target":
             self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
+        record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
 
     def _load_layout(self, model: torch.nn.Module, model_config: Any, sources: ModelSources, bound: BoundModel,
                      mode: str, started: float, options: LoaderOptions, peer_failure: str = "",

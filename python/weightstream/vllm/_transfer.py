@@ -21,11 +21,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from .. import _core
+from .._engine import model_metrics
 from .._push import TRANSPORTS  # noqa: F401 - the vLLM plugin's name since before _push
 from .._push import check_transport as _check_transport
 from .._push import free_addresses  # noqa: F401 - the trainer's, as before _push
 from .._push import make_senders as _make_senders
 from .._push import send_update as _send
+from .._receiver import UpdateReceiver
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -122,7 +124,8 @@ class WeightstreamWeightTransferEngine(WeightTransferEngine):
         bound = self._binding(model)
         tp_rank = parallel_ranks().tp_rank
         listen = info.addresses[tp_rank] if info.addresses else ""
-        receiver = _core.UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device)
+        receiver = UpdateReceiver(bound.layout, info.transport, listen, info.token, info.timeout, bound.device,
+                                  metrics=model_metrics(model))
         self._receivers[id(model)] = receiver
         logger.info("weightstream: rank %d receives updates of %s over %s at %s", tp_rank, bound.description,
                     info.transport, receiver.address)
