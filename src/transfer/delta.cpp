@@ -26,9 +26,10 @@ constexpr unsigned kMaxVarintBytes = 10;
 constexpr uint64_t kSampledElements = 1024;
 constexpr double kSampleMargin = 2.0;
 
-/// Whether the sample of `elements` says that the encoding would pass `limit` by far.
-bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t element_bytes,
-                       uint64_t limit) {
+/// Whether the sample of `elements` says that the encoding of `held` of them would pass
+/// `limit` by far.
+bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t held,
+                       uint64_t element_bytes, uint64_t limit) {
   if (elements < kSampledElements * 8) return false;
   const uint64_t stride = elements / kSampledElements;
   uint64_t changed = 0;
@@ -37,7 +38,7 @@ bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t 
     changed += std::memcmp(base + at, tensor + at, element_bytes) != 0 ? 1 : 0;
   }
   // At least one byte of position and the value for each changed element.
-  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(elements) *
+  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(held) *
                           static_cast<double>(element_bytes + 1);
   return estimate > kSampleMargin * static_cast<double>(limit);
 }
@@ -141,10 +142,13 @@ struct EncodingBudget {
   std::atomic<bool> over{false};
 };
 
-/// Encodes the changed elements among elements [begin, end) into `range`, until the budget is
-/// spent.
-void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, uint64_t element_bytes,
-                  EncodingBudget& budget, RangeEncoding& range) {
+/// Runs of held elements: [first, second), ascending.
+using HeldRuns = std::vector<std::pair<uint64_t, uint64_t>>;
+
+/// Encodes the changed elements among elements [begin, end) inside `runs` into `range`, until
+/// the budget is spent.
+void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, const HeldRuns& runs,
+                  uint64_t element_bytes, EncodingBudget& budget, RangeEncoding& range) {
   range.positions.clear();
   range.values.clear();
   range.changed = 0;
@@ -156,9 +160,13 @@ void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin
     counted = bytes;
     if (total > budget.limit) budget.over.store(true, std::memory_order_relaxed);
   };
-  for_each_changed(base + begin * element_bytes, tensor + begin * element_bytes, (end - begin) * element_bytes,
-                   element_bytes, [&](uint64_t offset) {
-                     const uint64_t index = begin + offset;
+  bool going = true;
+  auto run = std::ranges::upper_bound(runs, begin, {}, [](const auto& held) { return held.second; });
+  for (; going && run != runs.end() && run->first < end; ++run) {
+    const uint64_t from = std::max(begin, run->first), to = std::min(end, run->second);
+    for_each_changed(base + from * element_bytes, tensor + from * element_bytes, (to - from) * element_bytes,
+                     element_bytes, [&](uint64_t offset) {
+                     const uint64_t index = from + offset;
                      const uint64_t before = range.positions.size();
                      put_varint(range.positions, index - next);
                      if (range.changed++ == 0) {
@@ -171,10 +179,12 @@ void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin
                      range.values.insert(range.values.end(), value, value + element_bytes);
                      // The shared count is brought up to date every few KiB, and checked at every change.
                      if (range.positions.size() + range.values.size() - counted >= 4096) spend();
-                     return !budget.over.load(std::memory_order_relaxed) &&
-                            budget.bytes.load(std::memory_order_relaxed) + range.positions.size() +
-                                    range.values.size() - counted <= budget.limit;
+                     going = !budget.over.load(std::memory_order_relaxed) &&
+                             budget.bytes.load(std::memory_order_relaxed) + range.positions.size() +
+                                     range.values.size() - counted <= budget.limit;
+                     return going;
                    });
+  }
   spend();
 }
 
@@ -213,17 +223,31 @@ std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
 
 std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
                                                               std::span<const std::byte> tensor, uint64_t element_bytes,
-                                                              uint64_t limit, unsigned threads) {
+                                                              uint64_t limit, unsigned threads,
+                                                              const TensorWindows* held) {
   WS_EXPECT(base.size() == tensor.size(), ErrorCode::kInvalidArgument,
             "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
                 std::to_string(tensor.size()));
   if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
   if (kChangedElementsOverhead > limit) return std::nullopt;
   const uint64_t elements = tensor.size() / element_bytes;
-  if (sample_says_dense(base.data(), tensor.data(), elements, element_bytes, limit)) return std::nullopt;
+  HeldRuns runs;
+  if (held != nullptr && !held->whole) {
+    WS_EXPECT(held->rows * held->columns == elements, ErrorCode::kInvalidArgument,
+              "cannot encode changed elements: windows of a " + std::to_string(held->rows) + " x " +
+                  std::to_string(held->columns) + " tensor over " + std::to_string(elements) + " elements");
+    held->for_each_range([&](uint64_t begin, uint64_t end) { runs.emplace_back(begin, end); });
+  } else if (elements > 0) {
+    runs.emplace_back(0, elements);
+  }
+  uint64_t held_elements = 0;
+  for (const auto& [begin, end] : runs) held_elements += end - begin;
+  if (sample_says_dense(base.data(), tensor.data(), elements, held_elements, element_bytes, limit)) return std::nullopt;
+  // Ranges split the span from the first held element to the last.
+  const uint64_t first = runs.empty() ? 0 : runs.front().first, last = runs.empty() ? 0 : runs.back().second;
   const uint64_t range_count =
-      threads > 1 && tensor.size() >= kParallelEncodingBytes
-          ? std::min<uint64_t>(uint64_t{4} * threads, tensor.size() / kRangeMinimumBytes)
+      threads > 1 && held_elements * element_bytes >= kParallelEncodingBytes
+          ? std::min<uint64_t>(uint64_t{4} * threads, held_elements * element_bytes / kRangeMinimumBytes)
           : 1;
   // Kept between calls on the calling thread: fresh memory for every tensor costs more in page
   // faults than the encoding itself.
@@ -233,8 +257,9 @@ std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const st
   EncodingBudget budget;
   budget.limit = limit;
   auto encode = [&](size_t, size_t item) {
-    encode_range(base.data(), tensor.data(), elements * item / range_count, elements * (item + 1) / range_count,
-                 element_bytes, budget, ranges[item]);
+    const uint64_t span = last - first;
+    encode_range(base.data(), tensor.data(), first + span * item / range_count, first + span * (item + 1) / range_count,
+                 runs, element_bytes, budget, ranges[item]);
   };
   if (range_count == 1) {
     encode(0, 0);

@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -134,6 +135,7 @@ struct ManifestLedger {
   std::unordered_map<std::string_view, size_t> index;
   std::vector<uint64_t> bytes;
   std::vector<uint64_t> received;
+  std::vector<bool> sent_as_changes;  ///< arrived as changed elements (a delta's, checked at FINISH)
 
   /// Counts the entries of a bucket as received, each checked against `declared` (the update's
   /// manifest): a tensor it does not declare, or declares with another dtype or shape, and
@@ -163,6 +165,7 @@ struct ManifestLedger {
                 bucket + " carries changed elements of tensor " + entry.name + " after " + std::to_string(arrived) +
                     " bytes of it");
       arrived = bytes[found->second];
+      sent_as_changes[found->second] = true;
       ++changed;
     }
     return changed;
@@ -180,6 +183,7 @@ ManifestLedger check_manifest(const ModelLayout& layout, const LoadSession& sess
   ledger.index.reserve(manifest.size());
   ledger.bytes.reserve(manifest.size());
   ledger.received.assign(manifest.size(), 0);
+  ledger.sent_as_changes.assign(manifest.size(), false);
   std::vector<std::string> problems;
   std::unordered_set<std::string> seen_problems;
   auto problem = [&](std::string text) {
@@ -809,6 +813,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
 
   std::optional<uint64_t> current;  // the bucket being checked and applied
   bool loading = false;             // a bucket was handed to the session: the version held is unknown
+  bool landed = false;              // every byte landed and the hooks ran (a delta's check follows)
   auto last_bucket_text = [&] {
     if (current) return "at bucket " + std::to_string(*current) + " (" + std::to_string(buckets) + " applied before it)";
     return buckets == 0 ? std::string("before any bucket arrived")
@@ -829,6 +834,8 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
       ManifestLedger checked = check_manifest(layout, *session, format, start_message.declared, delta);
       Message accepted;
       accepted.type = MessageType::kAccepted;
+      // A delta's sender sends each element this receiver holds, and digests them for FINISH.
+      if (delta) accepted.held = held_windows(layout, start_message.declared);
       link.send(accepted, timeout);
       return checked;
     });
@@ -865,8 +872,16 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
         }
         timed(phases.copying, [&] { session->settle(); });
         timed(phases.finishing, [&] { session->finish(); });
-        timed(phases.closing, [&] { transport->end_update(); });
+        landed = true;
         UpdateReport report;
+        if (delta) {
+          hold_version("");  // known again once what landed is checked
+          report.checked_tensors = timed(phases.verifying, [&] {
+            return check_held_digests(layout, start_message.declared, message.digests, ledger.sent_as_changes,
+                                      start_message.versions.target, std::max(1u, std::thread::hardware_concurrency()));
+          });
+        }
+        timed(phases.closing, [&] { transport->end_update(); });
         report.format = format;
         report.buckets = buckets;
         report.bytes = bytes;
@@ -989,6 +1004,7 @@ UpdateReport UpdateReceiver::State::run_update(const Message& start_message, Clo
     }
     session.reset();  // waits for copies issued from the sender's regions before closing them
     drop_connection();  // closes the regions
+    WS_EXPECT(!landed, error.code(), "update from " + peer + " to " + self() + " failed after it landed: " + error.what());
     const bool stopped = cancelled.load();
     WS_FAIL(stopped ? ErrorCode::kCancelled : error.code(),
             "update from " + peer + " to " + self() + " failed " + last_bucket_text() + ": " +

@@ -343,6 +343,82 @@ def test_trainer_engine_pushes_updates_through_the_client(checkpoints):
     run_ranks(_trainer_engine, 1, checkpoints)
 
 
+def _one_step(tensors, seed):
+    """``tensors`` after one step: 1% of each floating-point tensor's elements scaled by 0.9."""
+    generator = torch.Generator().manual_seed(seed)
+    stepped = {}
+    for name, tensor in sorted(tensors.items()):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.01
+        stepped[name] = torch.where(mask, (tensor.float() * 0.9).to(tensor.dtype), tensor).contiguous()
+    return stepped
+
+
+def _trainer_engine_delta(tp_size, rank, port, paths):
+    """WeightstreamTrainerEngine with delta=True through vLLM's trainer factory: the first
+    update goes whole naming its version, each next one only the elements that changed since,
+    checked by the worker after it; every update equals vLLM's weight_loader of the same
+    tensors, in place."""
+    with distributed(tp_size, rank, port) as vllm_config:
+        ws_vllm.register()
+        from vllm.config import LoadConfig
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+        from vllm.model_executor.model_loader import get_model_loader
+        from weightstream.vllm import WeightstreamTrainerInitInfo
+
+        model = TinyLlama(CONFIG)
+        get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(paths[1]))
+        addresses = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
+                                                           torch.device("cpu"), model)
+
+        class Client:  # vLLM's VLLMWeightSyncClient protocol, calling the worker engine
+            def init_weight_transfer_engine(self, init_info):
+                engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+            def start_weight_update(self):
+                engine.start_weight_update()
+
+            def update_weights(self, update_info):
+                engine.receive_weights(engine.parse_update_info(update_info))
+
+            def finish_weight_update(self):
+                engine.finish_weight_update()
+
+        _, step0 = _reference(paths[2])
+        step1 = _one_step(step0, 1)
+        step2 = _one_step(step1, 2)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t", delta=True), client=Client(),
+            source=sorted(step0.items()))
+        reports = []
+        for step, version in ((step0, None), (step1, None), (step2, "step-2")):
+            trainer.source = sorted(step.items())
+            trainer.send_weights(version=version)
+            reference = TinyLlama(CONFIG)
+            reference.load_weights(sorted(step.items()))
+            _assert_same(model, reference, f"trainer delta update to {trainer.version}")
+            assert engine.last_report is not None and trainer.version == engine._receiver(model).version
+            reports.append(trainer.last_reports[0])
+        assert trainer.version == "step-2"
+        full, *deltas = reports
+        assert full["sparse_tensors"] == 0 and full["checked_tensors"] == 0
+        for delta in deltas:
+            assert delta["sparse_tensors"] > 0 and delta["checked_tensors"] == delta["sparse_tensors"], delta
+            assert 0 < delta["bytes"] < full["bytes"] / 5, (delta["bytes"], full["bytes"])
+        assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == addresses
+        with pytest.raises(ValueError, match="a delta update travels in checkpoint format over shm or tcp, not "
+                                             "engine format over tcp"):
+            WeightTransferTrainerFactory.trainer_init(
+                WeightstreamTrainerInitInfo(rank=0, transport="tcp", token="t", format="engine", delta=True),
+                client=Client())
+        return "ok"
+
+
+def test_trainer_engine_sends_only_the_changes_with_delta(checkpoints):
+    run_ranks(_trainer_engine_delta, 1, checkpoints)
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 class _Renamed(torch.nn.Module):

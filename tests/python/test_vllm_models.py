@@ -259,6 +259,8 @@ def test_a_delta_update_lands_only_what_changed_in_place(results, family, kind, 
         assert changed["differences"] == [], f"{where}: parameters differ from vLLM's load of A1: {changed['differences']}"
         assert changed["addresses_unchanged"], where
         assert changed["sparse_tensors"] > 0, (where, changed)
+        # What the rank holds of each tensor sent as changes was checked against the target.
+        assert changed["checked_tensors"] == changed["sparse_tensors"], (where, changed)
         assert 0 < changed["bytes"] < full["bytes"] / 5, (where, changed["bytes"], full["bytes"])
 
 

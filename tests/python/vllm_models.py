@@ -262,6 +262,7 @@ def delta_updates(tp_size: int, ep: bool, a: str, a1: str, trainer_a1: str) -> D
         report, trainer, worker = push_with(
             engine, lambda sender: sender.update_changes(base, changed, base=VERSION_A, target=VERSION_A1))
         result["delta"] = {"bytes": report.get("bytes"), "sparse_tensors": report.get("sparse_tensors"),
+                           "checked_tensors": report.get("checked_tensors"),
                            "dense_tensors": report.get("dense_tensors"), "trainer": trainer, "worker": worker,
                            "differences": differences(model, reference_a1), "addresses_unchanged": addresses(model) == before}
     finally:
