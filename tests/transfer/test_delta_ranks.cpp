@@ -308,5 +308,26 @@ TEST(HeldWindows, OnlyChangesInsideTheWindowsAreEncoded) {
               HasSubstr("a held window of rows 3+2, columns 0+8 lies outside a tensor of 4 x 8"));
 }
 
+TEST(HeldWindows, EachChangedElementIsFoundWhicheverOfItsBytesChanged) {
+  // 1000 elements of each size, one byte changed in some of them (the first, the last and
+  // every byte place in between), and the last partial block too.
+  for (uint64_t element : {1, 2, 4, 8}) {
+    std::vector<std::byte> base(1000 * element), next;
+    std::mt19937_64 random(element);
+    for (std::byte& value : base) value = static_cast<std::byte>(random());
+    next = base;
+    std::vector<uint64_t> expected;
+    for (uint64_t index = 0; index < 1000; index += 7 + index % 5) {
+      next[index * element + index % element] ^= std::byte{0x80};
+      expected.push_back(index);
+    }
+    next[999 * element] ^= std::byte{1};
+    expected.push_back(999);
+    auto encoded = transfer::encode_changed_elements(base, next, element, base.size());
+    ASSERT_TRUE(encoded.has_value());
+    EXPECT_EQ(transfer::decode_changed_elements(*encoded, element, 1000, "t").indices, expected) << element << " bytes";
+  }
+}
+
 }  // namespace
 }  // namespace weightstream
