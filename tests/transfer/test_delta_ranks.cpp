@@ -272,6 +272,51 @@ TEST(DeltaCheck, AFinishWithoutTheDigestOfAChangedTensorOrPastTheManifestIsAProt
                                                                    "manifest's 1 tensors"));
 }
 
+/// A receiver spoken by hand over tcp: it welcomes one sender and answers the START of a delta
+/// of `tensor` with `held` as its windows. Returns the error text of the sender's start().
+std::string start_against_windows(const MemoryTensor& tensor, std::vector<std::vector<transfer::HeldWindow>> held) {
+  using namespace transfer;
+  const auto timeout = std::chrono::milliseconds(10'000);
+  Listener listener = Listener::tcp("127.0.0.1:0");
+  auto receiver = std::async(std::launch::async, [&] {
+    Connection connection = listener.accept(timeout);
+    const ListenerAuth auth = listener_auth("shared-secret", false, "hand-made receiver");
+    ServerHandshake(kUpdateHandshake, auth).run(connection, timeout);
+    Message welcome;
+    welcome.type = MessageType::kWelcome;
+    welcome.bucket_bytes = connection.receive(timeout, "HELLO").message.bucket_bytes;
+    welcome.slots = 2;
+    connection.send(welcome, timeout);
+    connection.receive(timeout, "START");
+    Message accepted;
+    accepted.type = MessageType::kAccepted;
+    accepted.held = std::move(held);
+    connection.send(accepted, timeout);
+    error_text([&] { connection.receive(timeout, "the sender's hang-up"); });
+  });
+  std::string text;
+  {
+    UpdateSender sender(listener.address(), sender_options(TransportKind::kTcp, 1 << 20));
+    text = error_text([&] {
+      sender.start(TensorFormat::kCheckpoint, declared_tensors(std::vector{tensor.view()}), {kVersionA, kVersionB});
+    });
+  }
+  receiver.get();
+  return text;
+}
+
+TEST(DeltaRanks, ASenderRefusesWindowsThatDoNotFitTheManifest) {
+  const MemoryTensor& tensor = version_a().tensor(kUpProjection);
+  const std::string shape = std::to_string(tensor.shape[0]) + " x " + std::to_string(tensor.shape[1]);
+  const auto rows = static_cast<uint64_t>(tensor.shape[0]);
+  const std::string none = start_against_windows(tensor, {});
+  EXPECT_THAT(none, HasSubstr("protocol: update receiver at 127.0.0.1:"));
+  EXPECT_THAT(none, HasSubstr("accepted a delta of 1 tensors with windows of 0"));
+  EXPECT_THAT(start_against_windows(tensor, {{{rows - 1, 2, 0, 1}}}),
+              HasSubstr("holds rows " + std::to_string(rows - 1) + "+2, columns 0+1 of tensor " + kUpProjection +
+                        ", which has " + shape));
+}
+
 // ---- the windows on their own ----------------------------------------------------------------
 
 TEST(HeldWindows, RunsJoinAdjacentRowsAndCountSharedElementsOnce) {
