@@ -154,8 +154,7 @@ def test_a_delta_from_another_base_than_it_names_is_caught_after_it_lands_by_nam
     changes, and the receiver's check after the delta names that tensor; its version is then
     unknown (the next update must be a full one)."""
     a, b = versions
-    live = cold_layout(str(a))
-    receiver = weightstream.UpdateReceiver(live, token="t", timeout=30.0)
+    receiver = weightstream.UpdateReceiver(cold_layout(str(a)), token="t", timeout=30.0)
     receiver.version = content_digest(a)
     thread, outcome = receive_in_thread(receiver)
     old = weightstream.load(str(a), framework="numpy")

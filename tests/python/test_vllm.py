@@ -285,48 +285,63 @@ def test_bind_module_on_vllm_layers_at_tp_2(checkpoints):
     run_ranks(_bind_module_directly, 2, checkpoints)
 
 
+def _loaded_with_a_worker_engine(vllm_config, path):
+    """The small Llama loaded from ``path`` with --load-format weightstream, and the
+    weightstream weight-transfer backend's worker engine of it."""
+    from vllm.config import LoadConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader import get_model_loader
+
+    model = TinyLlama(CONFIG)
+    get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(path))
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
+                                                       torch.device("cpu"), model)
+    return model, engine
+
+
+def _weight_sync_client(engine, calls):
+    """The four calls of vLLM's VLLMWeightSyncClient protocol, calling the worker ``engine`` as
+    vLLM's weight-sync routes do; each call's name is appended to ``calls``."""
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info):
+            calls.append("init")
+            engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+        def start_weight_update(self):
+            calls.append("start")
+            engine.start_weight_update()
+
+        def update_weights(self, update_info):
+            calls.append("update")
+            engine.receive_weights(engine.parse_update_info(update_info))
+
+        def finish_weight_update(self):
+            calls.append("finish")
+            engine.finish_weight_update()
+
+    return Client()
+
+
 def _trainer_engine(tp_size, rank, port, paths):
     """vLLM's trainer interface: trainer_init then send_weights, through a client that calls the
     worker engine as vLLM's weight-sync routes do."""
     with distributed(tp_size, rank, port) as vllm_config:
         ws_vllm.register()
-        from vllm.config import LoadConfig
-        from vllm.config.weight_transfer import WeightTransferConfig
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-        from vllm.model_executor.model_loader import get_model_loader
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from weightstream.vllm import WeightstreamTrainerEngine, WeightstreamTrainerInitInfo
 
-        model = TinyLlama(CONFIG)
-        get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(paths[1]))
+        model, engine = _loaded_with_a_worker_engine(vllm_config, paths[1])
         addresses = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
-        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
-                                                           torch.device("cpu"), model)
         calls = []
-
-        class Client:  # the four calls of vLLM's VLLMWeightSyncClient protocol
-            def init_weight_transfer_engine(self, init_info):
-                calls.append("init")
-                engine.init_transfer_engine(engine.parse_init_info(init_info))
-
-            def start_weight_update(self):
-                calls.append("start")
-                engine.start_weight_update()
-
-            def update_weights(self, update_info):
-                calls.append("update")
-                engine.receive_weights(engine.parse_update_info(update_info))
-
-            def finish_weight_update(self):
-                calls.append("finish")
-                engine.finish_weight_update()
 
         # vLLM's own trainer factory and ModuleSource over a trainer module with the checkpoint's names.
         reference, tensors = _reference(paths[3])
         trainer = WeightTransferTrainerFactory.trainer_init(
-            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t"), client=Client(),
-            source=ModuleSource(_module_of(tensors)))
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t"),
+            client=_weight_sync_client(engine, calls), source=ModuleSource(_module_of(tensors)))
         assert isinstance(trainer, WeightstreamTrainerEngine)
         trainer.send_weights()
         _assert_same(model, reference, "trainer update")
@@ -360,36 +375,18 @@ def _trainer_engine_delta(tp_size, rank, port, paths):
     tensors, in place."""
     with distributed(tp_size, rank, port) as vllm_config:
         ws_vllm.register()
-        from vllm.config import LoadConfig
-        from vllm.config.weight_transfer import WeightTransferConfig
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from weightstream.vllm import WeightstreamTrainerInitInfo
 
-        model = TinyLlama(CONFIG)
-        get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(paths[1]))
+        model, engine = _loaded_with_a_worker_engine(vllm_config, paths[1])
         addresses = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
-        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
-                                                           torch.device("cpu"), model)
-
-        class Client:  # vLLM's VLLMWeightSyncClient protocol, calling the worker engine
-            def init_weight_transfer_engine(self, init_info):
-                engine.init_transfer_engine(engine.parse_init_info(init_info))
-
-            def start_weight_update(self):
-                engine.start_weight_update()
-
-            def update_weights(self, update_info):
-                engine.receive_weights(engine.parse_update_info(update_info))
-
-            def finish_weight_update(self):
-                engine.finish_weight_update()
+        client = _weight_sync_client(engine, [])
 
         _, step0 = _reference(paths[2])
         step1 = _one_step(step0, 1)
         step2 = _one_step(step1, 2)
         trainer = WeightTransferTrainerFactory.trainer_init(
-            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t", delta=True), client=Client(),
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t", delta=True), client=client,
             source=sorted(step0.items()))
         reports = []
         for step, version in ((step0, None), (step1, None), (step2, "step-2")):
@@ -411,7 +408,7 @@ def _trainer_engine_delta(tp_size, rank, port, paths):
                                              "engine format over tcp"):
             WeightTransferTrainerFactory.trainer_init(
                 WeightstreamTrainerInitInfo(rank=0, transport="tcp", token="t", format="engine", delta=True),
-                client=Client())
+                client=client)
         return "ok"
 
 

@@ -12,6 +12,7 @@
 
 #include "model/model_fixtures.hpp"
 #include "transfer/delta.hpp"
+#include "transfer/delta_fixtures.hpp"
 #include "transfer/handshake.hpp"
 #include "transfer/transfer_fixtures.hpp"
 #include "transfer/wire.hpp"
@@ -26,6 +27,8 @@ using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
 using testing::error_text;
 using testing::host_layout;
+using testing::kVersionA;
+using testing::kVersionB;
 using testing::MemoryCheckpoint;
 using testing::MemoryTensor;
 using testing::receiver_options;
@@ -33,28 +36,13 @@ using testing::run_load;
 using testing::sender_options;
 using namespace std::chrono_literals;
 
-const std::string kVersionA = "a0a0a0a0a0a0a0a0";
-const std::string kVersionB = "b1b1b1b1b1b1b1b1";
 // Held by gate_up_proj's part 1; its first rows are rank 0's at tp 2.
 const std::string kUpProjection = "model.layers.0.mlp.up_proj.weight";
 
 const MemoryCheckpoint& version_a() { return cached_checkpoint("llama", 1); }
 
-/// `base` with `fraction` of each tensor's elements changed (one bit each, drawn from `seed`).
-MemoryCheckpoint changed_copy(const MemoryCheckpoint& base, double fraction, uint64_t seed) {
-  MemoryCheckpoint next = base;
-  std::mt19937_64 random(seed);
-  for (MemoryTensor& tensor : next.tensors) {
-    const uint64_t element = dtype_bits(tensor.dtype) / 8;
-    const uint64_t elements = tensor.bytes.size() / element;
-    const auto changes = std::max<uint64_t>(1, static_cast<uint64_t>(static_cast<double>(elements) * fraction));
-    for (uint64_t i = 0; i < changes; ++i) tensor.bytes[(random() % elements) * element] ^= std::byte{1};
-  }
-  return next;
-}
-
 const MemoryCheckpoint& version_b() {
-  static const MemoryCheckpoint next = changed_copy(version_a(), 0.01, 146);
+  static const MemoryCheckpoint next = testing::changed_copy(version_a(), 0.01, 146);
   return next;
 }
 
@@ -105,7 +93,7 @@ TEST(DeltaRanks, EachTensorParallelRankReceivesAboutItsShareAndChecksIt) {
 TEST(DeltaRanks, AnExpertParallelRankReceivesNothingOfAnotherRanksExperts) {
   SynthOptions synth = testing::synth_options("qwen3_moe", 1);
   const MemoryCheckpoint base = testing::synth_in_memory(synth);
-  const MemoryCheckpoint next = changed_copy(base, 0.01, 148);
+  const MemoryCheckpoint next = testing::changed_copy(base, 0.01, 148);
   auto loaded = [&](const MemoryCheckpoint& checkpoint, int64_t tp_size, int64_t ep_size) {
     LayoutOptions options;
     options.parallel.ep_size = ep_size;
@@ -206,35 +194,12 @@ std::string hand_made_delta(UpdateReceiver& receiver, std::vector<std::pair<uint
   using namespace transfer;
   const auto timeout = std::chrono::milliseconds(10'000);
   const MemoryTensor& tensor = version_b().tensor(kUpProjection);
-  Connection connection = connect_to(receiver.address(), timeout, "receiver");
-  prove_to_server(connection, kUpdateHandshake, "shared-secret", timeout, "receiver");
-  Message hello;
-  hello.type = MessageType::kHello;
-  hello.transport = TransportKind::kTcp;
-  hello.bucket_bytes = 1 << 20;
-  connection.send(hello, timeout);
-  EXPECT_EQ(connection.receive(timeout, "WELCOME").message.type, MessageType::kWelcome);
-  Message start;
-  start.type = MessageType::kStart;
-  start.versions = {kVersionA, kVersionB};
-  start.declared = declared_tensors(std::vector{tensor.view()});
-  connection.send(start, timeout);
-  Received accepted = connection.receive(timeout, "ACCEPTED");
-  EXPECT_EQ(accepted.message.type, MessageType::kAccepted);
-  held = accepted.message.held;
-  const std::vector<std::byte> payload =
-      *encode_changed_elements(version_a().tensor(kUpProjection).bytes, tensor.bytes, 2, tensor.bytes.size());
-  Message bucket;
-  bucket.type = MessageType::kBucket;
-  bucket.manifest.bytes = payload.size();
-  BucketEntry& entry = bucket.manifest.entries.emplace_back();
-  entry.name = tensor.name;
-  entry.dtype = tensor.dtype;
-  entry.shape = tensor.shape;
-  entry.bytes = payload.size();
-  entry.encoding = EntryEncoding::kChangedElements;
-  connection.send(bucket, timeout);
-  connection.send_bytes(payload, timeout, "payload");
+  Message accepted;
+  Connection connection = testing::start_hand_made_delta(receiver.address(), tensor, {kVersionA, kVersionB}, accepted);
+  held = accepted.held;
+  testing::send_hand_made_bucket(
+      connection, tensor,
+      *encode_changed_elements(version_a().tensor(kUpProjection).bytes, tensor.bytes, 2, tensor.bytes.size()));
   EXPECT_EQ(connection.receive(timeout, "APPLIED").message.type, MessageType::kApplied);
   Message finish;
   finish.type = MessageType::kFinish;
