@@ -261,6 +261,11 @@ def test_a_delta_update_lands_only_what_changed_in_place(results, family, kind, 
         assert changed["sparse_tensors"] > 0, (where, changed)
         # What the rank holds of each tensor sent as changes was checked against the target.
         assert changed["checked_tensors"] == changed["sparse_tensors"], (where, changed)
+        # Each rank receives only the changed elements it holds: about its share of the delta a
+        # receiver of the whole model takes (what every rank received before), not all of it.
+        assert changed["bytes"] < 0.8 * changed["whole_bytes"], (where, changed["bytes"], changed["whole_bytes"])
+        print(f"{where}: delta bytes {changed['bytes']} of the whole model's {changed['whole_bytes']} "
+              f"({changed['bytes'] / changed['whole_bytes']:.3f})")
         assert 0 < changed["bytes"] < full["bytes"] / 5, (where, changed["bytes"], full["bytes"])
 
 
