@@ -231,6 +231,9 @@ def test_a_delta_through_sglangs_update_api_lands_only_each_ranks_changes_in_pla
         assert delta["version"] == "b1" * 8, (where, delta["version"])
         assert delta["sparse_tensors"] > 0 and delta["checked_tensors"] == delta["sparse_tensors"], (where, delta)
         assert 0 < delta["bytes"] < delta["full_bytes"] / 5, (where, delta["bytes"], delta["full_bytes"])
+        if parallel != "tp1":  # each rank receives about its share of the tp-1 rank's delta, not all of it
+            (whole,) = ranks_of(results, family, kind, "tp1")
+            assert delta["bytes"] < 0.8 * whole["delta"]["bytes"], (where, delta["bytes"], whole["delta"]["bytes"])
 
 
 @pytest.mark.parametrize("family,kind,parallel", list(scenarios()))
