@@ -78,6 +78,15 @@ def median_report(reports):
     return result
 
 
+def phases_line(label, via, reports):
+    """The medians of where the receiver's update time went (UpdatePhases), over `reports`."""
+    names = [name for name in reports[0]["update_phases"] if name != "first_bucket"]
+    medians = {name: statistics.median(report["update_phases"][name] for report in reports) for name in names}
+    shown = ", ".join(f"{name} {seconds:.3f}" for name, seconds in medians.items() if seconds >= 0.0005)
+    checked = reports[0].get("checked_tensors")
+    return f"- {label} via {via}: {shown} s" + (f"; {checked} tensors checked after it" if checked is not None else "")
+
+
 def row(label, via, report, full):
     ratio = lambda key: report[key] / full[key] if full[key] else float("nan")  # noqa: E731
     how = f"{report.get('sparse_tensors', 0)} sparse / {report.get('dense_tensors', '-')} dense"
@@ -108,6 +117,7 @@ def main():
               f"load average before: {os.getloadavg()[0]:.2f}")
         print("| update | via | bytes moved | receiver's update time | whole exchange | tensors |")
         print("| --- | --- | ---: | ---: | ---: | --- |")
+        phases = []
         for via in args.transports.split(","):
             rounds = {key: [] for key in ("full_b", "delta_b", "full_c", "delta_c")}
             for _ in range(args.runs):
@@ -120,7 +130,10 @@ def main():
             print(row(f"delta, B ({args.changed:.0%} changed)", via, delta_b, full_b))
             print(row("full, C", via, full_c, full_c))
             print(row("delta, C (100% changed)", via, delta_c, full_c))
+            phases += [phases_line("full, B", via, rounds["full_b"]), phases_line("delta, B", via, rounds["delta_b"])]
         print(f"load average after: {os.getloadavg()[0]:.2f}")
+        print("Where the receiver's update time went (medians, seconds):")
+        print("\n".join(phases))
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -13,7 +13,7 @@ OUT = Path(__file__).resolve().parent / "corpus" / "fuzz_update_message"
 MAGIC = 0x50555357
 
 
-def frame(kind, body, version=8, length=None):
+def frame(kind, body, version=9, length=None):
     return struct.pack("<IHHQ", MAGIC, version, kind, len(body) if length is None else length) + body
 
 
@@ -57,7 +57,8 @@ SEEDS = {
                          + declared("model.norm.weight", BF16, [128])),
     "bucket_changes": frame(5, struct.pack("<QIQII", 0, 0, 40, 0, 1)
                             + entry("model.norm.weight", BF16, [128], 0, 0, 40, encoding=1)),
-    "accepted": frame(10, b""),
+    "accepted": frame(10, struct.pack("<I", 0)),
+    "accepted_windows": frame(10, struct.pack("<II", 2, 1) + struct.pack("<4Q", 0, 64, 0, 128) + struct.pack("<I", 0)),
     "bucket": frame(5, struct.pack("<QIQII", 0, 0, 8448, 0, 2)
                     + entry("model.layers.0.self_attn.q_proj.weight", BF16, [64, 64], 0, 0, 8192)
                     + entry("model.norm.weight", BF16, [128], 0, 8192, 256)),
@@ -68,9 +69,10 @@ SEEDS = {
                            + entry("model.layers.1.mlp.up_proj.weight", BF16, [64, 64], 0, 4096, 8192, source=1)
                            + entry("model.norm.weight", BF16, [128], 0, 0, 256)),
     "applied": frame(6, struct.pack("<QI", 3, 1)),
-    "finish": frame(7, struct.pack("<Q", 4)),
-    "report": frame(8, struct.pack("<QQQQQQQQdd", 4, 10, 1 << 20, 1 << 30, 0, 1, 7, 3, 0.5, 0.01)
-                    + struct.pack("<9d", 0.001, 0.01, 0.1, 0.02, 0.001, 0.2, 0.15, 0.01, 0.001)
+    "finish": frame(7, struct.pack("<QI", 4, 0)),
+    "finish_digests": frame(7, struct.pack("<QI", 4, 2) + struct.pack("<IQ", 0, 0x1234) + struct.pack("<IQ", 5, 1)),
+    "report": frame(8, struct.pack("<QQQQQQQQQdd", 4, 10, 1 << 20, 1 << 30, 0, 1, 7, 3, 7, 0.5, 0.01)
+                    + struct.pack("<10d", 0.001, 0.01, 0.1, 0.02, 0.001, 0.2, 0.15, 0.01, 0.02, 0.001)
                     + struct.pack("<6Q", 10, 1 << 20, 0, 12, 0, 1)
                     + struct.pack("<I", 3) + struct.pack("<3q", -1, 0, 1)),
     "error": frame(9, struct.pack("<B", 8) + string("tensor x matches no parameter")),

@@ -163,12 +163,13 @@ struct UpdatePhases {
   double checking = 0;      ///< checking entries against the layout and issuing their copies
   double copying = 0;       ///< waiting for copies to land (before a buffer is refilled, and at the end)
   double finishing = 0;     ///< the session's finish(): completeness, layer processing, model hooks
+  double verifying = 0;     ///< a delta's check of what the receiver holds against the sender's digests
   double closing = 0;       ///< closing shared regions the update no longer needs
 };
 
 /// Every phase and its name, in one order: the wire, the Python report and the benchmark
 /// list them from here.
-inline constexpr std::array<std::pair<const char*, double UpdatePhases::*>, 9> kUpdatePhases = {{
+inline constexpr std::array<std::pair<const char*, double UpdatePhases::*>, 10> kUpdatePhases = {{
     {"preparing", &UpdatePhases::preparing},
     {"first_bucket", &UpdatePhases::first_bucket},
     {"waiting", &UpdatePhases::waiting},
@@ -177,6 +178,7 @@ inline constexpr std::array<std::pair<const char*, double UpdatePhases::*>, 9> k
     {"checking", &UpdatePhases::checking},
     {"copying", &UpdatePhases::copying},
     {"finishing", &UpdatePhases::finishing},
+    {"verifying", &UpdatePhases::verifying},
     {"closing", &UpdatePhases::closing},
 }};
 
@@ -197,6 +199,9 @@ struct UpdateReport {
   /// Tensors that arrived as changed elements (a delta update), and those that arrived whole.
   uint64_t sparse_tensors = 0;
   uint64_t dense_tensors = 0;
+  /// Tensors of a delta whose elements this receiver holds were checked, after the update
+  /// landed, against the sender's digest of them in the target version (docs/DELTA.md).
+  uint64_t checked_tensors = 0;
   LoadCounters counters;     ///< of the receiver's LoadSession
   UpdatePhases phases;       ///< where the receiver's `seconds` went
   std::vector<int64_t> completed_layers;

@@ -427,6 +427,7 @@ class PySender {
     result["placed_bytes"] = report.placed_bytes;
     result["sparse_tensors"] = report.sparse_tensors;
     result["dense_tensors"] = report.dense_tensors;
+    result["checked_tensors"] = report.checked_tensors;
     result["regions"] = report.regions;
     result["seconds"] = report.seconds;
     result["connect_seconds"] = report.connect_seconds;

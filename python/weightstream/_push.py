@@ -24,30 +24,58 @@ def check_transport(transport: str) -> None:
 
 
 def make_senders(addresses: List[str], transport: str, token: str, device: str,
-                 bucket_bytes: Optional[int], timeout: Optional[float] = None) -> List[Any]:
+                 bucket_bytes: Optional[int], timeout: Optional[float] = None, one_each: bool = False) -> List[Any]:
     """The senders that feed ``addresses``: one for all of them over tcp and nccl, one each
-    over shm and cuda-ipc (which take one receiver per sender)."""
+    over shm and cuda-ipc (which take one receiver per sender), and one each with
+    ``one_each`` (a delta: each rank's sender sends only the elements that rank holds)."""
     options: Dict[str, Any] = {"transport": transport, "token": token, "device": device}
     if bucket_bytes:
         options["bucket_bytes"] = int(bucket_bytes)
     if timeout is not None:
         options["timeout"] = float(timeout)
-    if transport in ("shm", "cuda-ipc"):
+    if one_each or transport in ("shm", "cuda-ipc"):
         return [_core.UpdateSender(address, **options) for address in addresses]
     return [_core.UpdateSender(list(addresses) if len(addresses) > 1 else addresses[0], **options)]
 
 
-def send_update(sender: Any, tensors: List[Tuple[str, torch.Tensor]], format: str) -> Dict[str, Any]:
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, an FSDP DTensor gathered, contiguous."""
+    tensor = tensor.detach()
+    full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
+    if callable(full):
+        tensor = full()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def send_update(sender: Any, tensors: List[Tuple[str, torch.Tensor]], format: str, target: str = "") -> Dict[str, Any]:
     """One update of ``tensors``: their manifest (name, dtype, shape; an FSDP DTensor's are its
-    full tensor's) declared first, then each tensor gathered and sent in turn."""
-    sender.start(format, [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors])
+    full tensor's) declared first, then each tensor gathered and sent in turn. ``target``: the
+    version the receivers hold after it (docs/DELTA.md; empty: unknown)."""
+    sender.start(format, [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors], target=target)
     for name, tensor in tensors:
-        tensor = tensor.detach()
-        full = getattr(tensor, "full_tensor", None)  # an FSDP DTensor gathers here
-        if callable(full):
-            tensor = full()
-        sender.send(name, tensor if tensor.is_contiguous() else tensor.contiguous())
+        sender.send(name, _full(tensor))
     return sender.finish()
+
+
+def host_copies(tensors: List[Tuple[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (gathered, contiguous), by name: what a delta compares on the
+    host, kept as the base of the next one."""
+    return {name: _full(tensor).to("cpu", copy=True) for name, tensor in tensors}
+
+
+def send_deltas(senders: List[Any], base_tensors: Dict[str, torch.Tensor], tensors: Dict[str, torch.Tensor],
+                base: str, target: str) -> List[Dict[str, Any]]:
+    """One delta update (``UpdateSender.update_changes``: the changes of ``tensors`` since
+    ``base_tensors``, the version ``base``, leaving version ``target``) through each sender at
+    once, each on a thread of its own; every sender's report, or the first failure raised."""
+    if len(senders) == 1:
+        return [senders[0].update_changes(base_tensors, tensors, base=base, target=target)]
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    with ThreadPoolExecutor(max_workers=len(senders), thread_name_prefix="weightstream-delta") as pool:
+        running = [pool.submit(sender.update_changes, base_tensors, tensors, base=base, target=target)
+                   for sender in senders]
+        return [future.result() for future in running]
 
 
 def free_addresses(transport: str, count: int, host: str = "127.0.0.1") -> List[str]:

@@ -344,7 +344,7 @@ void add_audit_command(CLI::App& app) {
     double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
     nlohmann::json update_seconds_each = nlohmann::json::array();  // --via: each update's
     UpdatePhases update_phases;  // --via: where those seconds went, summed over repeats
-    uint64_t sparse_tensors = 0, dense_tensors = 0;  // --via --delta: how the tensors went
+    uint64_t sparse_tensors = 0, dense_tensors = 0, checked_tensors = 0;  // --via --delta: how the tensors went
     if (flags->via.requested()) {
       // ---- --via (issue 8): the reloads arrive as buckets from one `weightstream send`
       // process, one update after another over one connection
@@ -359,6 +359,7 @@ void add_audit_command(CLI::App& app) {
                             reload_bytes += update.report.bytes;
                             sparse_tensors += update.report.sparse_tensors;
                             dense_tensors += update.report.dense_tensors;
+                            checked_tensors += update.report.checked_tensors;
                             progress.finished(plan.bytes_to_read);
                             watch.loaded();
                           },
@@ -401,6 +402,7 @@ void add_audit_command(CLI::App& app) {
       if (flags->via.delta) {
         result["sparse_tensors"] = sparse_tensors;
         result["dense_tensors"] = dense_tensors;
+        result["checked_tensors"] = checked_tensors;
       }
     }
     // ---- end of the --via block ----
@@ -412,9 +414,9 @@ void add_audit_command(CLI::App& app) {
         std::printf("update via %s: %.3f s, %.2f GB/s\n", flags->via.via.c_str(), update_seconds,
                     update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0);
         if (flags->via.delta) {
-          std::printf("delta: %llu tensors as changed elements, %llu whole, %s moved\n",
+          std::printf("delta: %llu tensors as changed elements, %llu whole, %s moved; %llu checked after it\n",
                       static_cast<unsigned long long>(sparse_tensors), static_cast<unsigned long long>(dense_tensors),
-                      format_size(reload_bytes).c_str());
+                      format_size(reload_bytes).c_str(), static_cast<unsigned long long>(checked_tensors));
         }
       }
     }

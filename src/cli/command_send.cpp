@@ -372,9 +372,10 @@ void add_send_command(CLI::App& app) {
                     static_cast<unsigned long long>(report.buckets), report.buckets == 1 ? "" : "s", to.c_str(),
                     flags->via.c_str(), report.seconds, report.gbps());
         if (delta) {
-          std::printf("delta from %s: %llu tensors as changed elements, %llu whole\n", flags->delta_from.c_str(),
-                      static_cast<unsigned long long>(report.sparse_tensors),
-                      static_cast<unsigned long long>(report.dense_tensors));
+          std::printf("delta from %s: %llu tensors as changed elements, %llu whole; %llu checked after it\n",
+                      flags->delta_from.c_str(), static_cast<unsigned long long>(report.sparse_tensors),
+                      static_cast<unsigned long long>(report.dense_tensors),
+                      static_cast<unsigned long long>(report.checked_tensors));
         }
       }
     }
@@ -394,7 +395,8 @@ void add_send_command(CLI::App& app) {
                   {"updates", updates},
                   {"delta_from", delta ? nlohmann::json(flags->delta_from) : nlohmann::json()},
                   {"sparse_tensors", report.sparse_tensors},
-                  {"dense_tensors", report.dense_tensors}});
+                  {"dense_tensors", report.dense_tensors},
+                  {"checked_tensors", report.checked_tensors}});
     }
   });
 }

@@ -26,28 +26,38 @@ constexpr unsigned kMaxVarintBytes = 10;
 constexpr uint64_t kSampledElements = 1024;
 constexpr double kSampleMargin = 2.0;
 
-/// Whether the sample of `elements` says that the encoding would pass `limit` by far.
-bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t element_bytes,
-                       uint64_t limit) {
+/// Whether the elements of `element_bytes` bytes (1, 2, 4 or 8) at `base` and `tensor` differ:
+/// a size the compiler knows in each case (a memcmp call per sampled element costs more).
+bool element_differs(const std::byte* base, const std::byte* tensor, uint64_t element_bytes) {
+  auto differs = [&]<typename Element>(Element) {
+    Element a, b;
+    std::memcpy(&a, base, sizeof(Element));
+    std::memcpy(&b, tensor, sizeof(Element));
+    return a != b;
+  };
+  switch (element_bytes) {
+    case 1: return *base != *tensor;
+    case 2: return differs(uint16_t{});
+    case 4: return differs(uint32_t{});
+    default: return differs(uint64_t{});
+  }
+}
+
+/// Whether the sample of `elements` says that the encoding of `held` of them would pass
+/// `limit` by far.
+bool sample_says_dense(const std::byte* base, const std::byte* tensor, uint64_t elements, uint64_t held,
+                       uint64_t element_bytes, uint64_t limit) {
   if (elements < kSampledElements * 8) return false;
   const uint64_t stride = elements / kSampledElements;
   uint64_t changed = 0;
   for (uint64_t i = 0; i < kSampledElements; ++i) {
     const uint64_t at = i * stride * element_bytes;
-    changed += std::memcmp(base + at, tensor + at, element_bytes) != 0 ? 1 : 0;
+    changed += element_differs(base + at, tensor + at, element_bytes) ? 1 : 0;
   }
   // At least one byte of position and the value for each changed element.
-  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(elements) *
+  const double estimate = static_cast<double>(changed) / kSampledElements * static_cast<double>(held) *
                           static_cast<double>(element_bytes + 1);
   return estimate > kSampleMargin * static_cast<double>(limit);
-}
-
-void put_varint(std::vector<std::byte>& out, uint64_t value) {
-  while (value >= 0x80) {
-    out.push_back(static_cast<std::byte>((value & 0x7f) | 0x80));
-    value >>= 7;
-  }
-  out.push_back(static_cast<std::byte>(value));
 }
 
 void put_u64(std::byte* at, uint64_t value) { std::memcpy(at, &value, sizeof(value)); }
@@ -59,34 +69,52 @@ uint64_t get_u64(const std::byte* at) {
 }
 
 /// Bytes compared at once where nothing changed: eight words whose XORs are ORed together, a
-/// loop the compiler vectorizes; only a block that differs is compared element by element.
+/// loop the compiler vectorizes; in a block that differs, each word's XOR says which of its
+/// elements changed, one bit each, without comparing them one by one.
 constexpr uint64_t kBlockBytes = 64;
+constexpr uint64_t kBlockWords = kBlockBytes / 8;
 
-/// Whether the `kBlockBytes` at `base` and `tensor` differ anywhere.
-bool block_differs(const std::byte* base, const std::byte* tensor) {
-  uint64_t differs = 0;
-  for (uint64_t word = 0; word < kBlockBytes; word += 8) differs |= get_u64(base + word) ^ get_u64(tensor + word);
-  return differs != 0;
+/// One bit (the top bit of its first byte) for each element of `kElement` bytes that is not
+/// zero in the word `difference` (little-endian: the first element in the lowest bytes).
+template <uint64_t kElement>
+uint64_t changed_lanes(uint64_t difference) {
+  constexpr uint64_t kLow7 = 0x7f7f7f7f7f7f7f7full;
+  constexpr uint64_t kHigh = 0x8080808080808080ull;
+  // The top bit of each byte that is not zero (no carry crosses a byte: each sum stays below 256).
+  uint64_t lanes = (difference | ((difference & kLow7) + kLow7)) & kHigh;
+  if constexpr (kElement >= 2) lanes |= lanes >> 8;
+  if constexpr (kElement >= 4) lanes |= lanes >> 16;
+  if constexpr (kElement >= 8) lanes |= lanes >> 32;
+  constexpr uint64_t kFirstBytes = kElement == 1   ? kHigh
+                                   : kElement == 2 ? 0x0080008000800080ull
+                                   : kElement == 4 ? 0x0000008000000080ull
+                                                   : 0x80ull;
+  return lanes & kFirstBytes;
 }
 
 /// Calls `changed(index)` for each element of type `Element` that differs, in order, until it
 /// returns false.
 template <typename Element, typename Changed>
 void for_each_changed_of(const std::byte* base, const std::byte* tensor, uint64_t bytes, Changed&& changed) {
-  auto element_at = [](const std::byte* bytes_at) {
-    Element value;
-    std::memcpy(&value, bytes_at, sizeof(Element));
-    return value;
-  };
   uint64_t position = 0;
-  while (position < bytes) {
-    const uint64_t stop = std::min(bytes, position + kBlockBytes);
-    if (stop - position == kBlockBytes && !block_differs(base + position, tensor + position)) {
-      position = stop;
-      continue;
+  for (; position + kBlockBytes <= bytes; position += kBlockBytes) {
+    uint64_t differences[kBlockWords];
+    uint64_t any = 0;
+    for (uint64_t word = 0; word < kBlockWords; ++word) {
+      differences[word] = get_u64(base + position + 8 * word) ^ get_u64(tensor + position + 8 * word);
+      any |= differences[word];
     }
-    for (; position < stop; position += sizeof(Element)) {
-      if (element_at(base + position) != element_at(tensor + position) && !changed(position / sizeof(Element))) return;
+    if (any == 0) continue;
+    for (uint64_t word = 0; word < kBlockWords; ++word) {
+      for (uint64_t lanes = changed_lanes<sizeof(Element)>(differences[word]); lanes != 0; lanes &= lanes - 1) {
+        const uint64_t byte = position + 8 * word + static_cast<uint64_t>(std::countr_zero(lanes)) / 8;
+        if (!changed(byte / sizeof(Element))) return;
+      }
+    }
+  }
+  for (; position < bytes; position += sizeof(Element)) {  // the last partial block
+    if (std::memcmp(base + position, tensor + position, sizeof(Element)) != 0 && !changed(position / sizeof(Element))) {
+      return;
     }
   }
 }
@@ -123,10 +151,13 @@ constexpr uint64_t kKeptBytes = 16ull << 20;
 
 /// The changed elements of one range of a tensor, encoded on their own: the first position's
 /// varint counts from the range's first element, and is written again when the ranges are
-/// joined.
+/// joined. Its buffers are kept between tensors (grown, never shrunk below kKeptBytes) and
+/// written in place: `position_bytes` and `value_bytes` of them hold the encoding.
 struct RangeEncoding {
   std::vector<std::byte> positions;
   std::vector<std::byte> values;
+  uint64_t position_bytes = 0;
+  uint64_t value_bytes = 0;
   uint64_t changed = 0;
   uint64_t first = 0;  ///< index of its first changed element, in the tensor
   uint64_t last = 0;   ///< index of its last one
@@ -141,40 +172,69 @@ struct EncodingBudget {
   std::atomic<bool> over{false};
 };
 
-/// Encodes the changed elements among elements [begin, end) into `range`, until the budget is
-/// spent.
-void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, uint64_t element_bytes,
-                  EncodingBudget& budget, RangeEncoding& range) {
-  range.positions.clear();
-  range.values.clear();
-  range.changed = 0;
+/// Runs of held elements: [first, second), ascending.
+using HeldRuns = std::vector<std::pair<uint64_t, uint64_t>>;
+
+/// Copies one element of `element_bytes` bytes (a size known to the compiler in each case).
+inline void copy_element(std::byte* to, const std::byte* from, uint64_t element_bytes) {
+  switch (element_bytes) {
+    case 1: *to = *from; return;
+    case 2: std::memcpy(to, from, 2); return;
+    case 4: std::memcpy(to, from, 4); return;
+    default: std::memcpy(to, from, 8); return;
+  }
+}
+
+/// Encodes the changed elements among elements [begin, end) inside `runs` into `range`, until
+/// the budget is spent.
+void encode_range(const std::byte* base, const std::byte* tensor, uint64_t begin, uint64_t end, const HeldRuns& runs,
+                  uint64_t element_bytes, EncodingBudget& budget, RangeEncoding& range) {
+  // Room for all the budget allows (the encoding stops once it passes the limit), so each change
+  // is written in place, never appended.
+  const uint64_t room =
+      std::min(budget.limit, (end - begin) * (element_bytes + kMaxVarintBytes)) + kMaxVarintBytes + element_bytes;
+  if (range.positions.size() < room) range.positions.resize(room);
+  if (range.values.size() < room) range.values.resize(room);
+  std::byte* const positions = range.positions.data();
+  std::byte* const values = range.values.data();
+  uint64_t position_bytes = 0, value_bytes = 0, changed = 0;
   uint64_t next = begin;  // the smallest index the next change may have
   uint64_t counted = 0;   // bytes of this range already added to the budget
   auto spend = [&] {
-    const uint64_t bytes = range.positions.size() + range.values.size();
+    const uint64_t bytes = position_bytes + value_bytes;
     const uint64_t total = budget.bytes.fetch_add(bytes - counted, std::memory_order_relaxed) + bytes - counted;
     counted = bytes;
     if (total > budget.limit) budget.over.store(true, std::memory_order_relaxed);
   };
-  for_each_changed(base + begin * element_bytes, tensor + begin * element_bytes, (end - begin) * element_bytes,
-                   element_bytes, [&](uint64_t offset) {
-                     const uint64_t index = begin + offset;
-                     const uint64_t before = range.positions.size();
-                     put_varint(range.positions, index - next);
-                     if (range.changed++ == 0) {
-                       range.first = index;
-                       range.first_varint_bytes = range.positions.size() - before;
-                     }
-                     range.last = index;
-                     next = index + 1;
-                     const std::byte* value = tensor + index * element_bytes;
-                     range.values.insert(range.values.end(), value, value + element_bytes);
-                     // The shared count is brought up to date every few KiB, and checked at every change.
-                     if (range.positions.size() + range.values.size() - counted >= 4096) spend();
-                     return !budget.over.load(std::memory_order_relaxed) &&
-                            budget.bytes.load(std::memory_order_relaxed) + range.positions.size() +
-                                    range.values.size() - counted <= budget.limit;
-                   });
+  bool going = true;
+  auto run = std::ranges::upper_bound(runs, begin, {}, [](const auto& held) { return held.second; });
+  for (; going && run != runs.end() && run->first < end; ++run) {
+    const uint64_t from = std::max(begin, run->first), to = std::min(end, run->second);
+    for_each_changed(base + from * element_bytes, tensor + from * element_bytes, (to - from) * element_bytes,
+                     element_bytes, [&](uint64_t offset) {
+                       const uint64_t index = from + offset;
+                       const uint64_t before = position_bytes;
+                       position_bytes = static_cast<uint64_t>(put_varint_at(positions + position_bytes, index - next) -
+                                                              positions);
+                       if (changed++ == 0) {
+                         range.first = index;
+                         range.first_varint_bytes = position_bytes - before;
+                       }
+                       range.last = index;
+                       next = index + 1;
+                       copy_element(values + value_bytes, tensor + index * element_bytes, element_bytes);
+                       value_bytes += element_bytes;
+                       // The shared count is brought up to date every few KiB, and checked at every change.
+                       if (position_bytes + value_bytes - counted >= 4096) spend();
+                       going = !budget.over.load(std::memory_order_relaxed) &&
+                               budget.bytes.load(std::memory_order_relaxed) + position_bytes + value_bytes - counted <=
+                                   budget.limit;
+                       return going;
+                     });
+  }
+  range.position_bytes = position_bytes;
+  range.value_bytes = value_bytes;
+  range.changed = changed;
   spend();
 }
 
@@ -184,8 +244,8 @@ std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
   for (const RangeEncoding& range : ranges) {
     if (range.changed == 0) continue;
     changed += range.changed;
-    position_bytes += range.positions.size() - range.first_varint_bytes + varint_bytes(range.first - next);
-    value_bytes += range.values.size();
+    position_bytes += range.position_bytes - range.first_varint_bytes + varint_bytes(range.first - next);
+    value_bytes += range.value_bytes;
     next = range.last + 1;
   }
   std::vector<std::byte> encoded(kChangedElementsOverhead + position_bytes + value_bytes);
@@ -197,11 +257,11 @@ std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
   for (const RangeEncoding& range : ranges) {
     if (range.changed == 0) continue;
     positions = put_varint_at(positions, range.first - next);
-    const uint64_t rest = range.positions.size() - range.first_varint_bytes;
+    const uint64_t rest = range.position_bytes - range.first_varint_bytes;
     if (rest > 0) std::memcpy(positions, range.positions.data() + range.first_varint_bytes, rest);
     positions += rest;
-    std::memcpy(values, range.values.data(), range.values.size());
-    values += range.values.size();
+    std::memcpy(values, range.values.data(), range.value_bytes);
+    values += range.value_bytes;
     next = range.last + 1;
   }
   const uint64_t checksum_at = encoded.size() - 8;
@@ -213,17 +273,31 @@ std::vector<std::byte> join_ranges(std::span<const RangeEncoding> ranges) {
 
 std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const std::byte> base,
                                                               std::span<const std::byte> tensor, uint64_t element_bytes,
-                                                              uint64_t limit, unsigned threads) {
+                                                              uint64_t limit, unsigned threads,
+                                                              const TensorWindows* held) {
   WS_EXPECT(base.size() == tensor.size(), ErrorCode::kInvalidArgument,
             "cannot encode changed elements: the base has " + std::to_string(base.size()) + " bytes, the tensor " +
                 std::to_string(tensor.size()));
   if (!std::has_single_bit(element_bytes) || element_bytes > 8 || tensor.size() % element_bytes != 0) return std::nullopt;
   if (kChangedElementsOverhead > limit) return std::nullopt;
   const uint64_t elements = tensor.size() / element_bytes;
-  if (sample_says_dense(base.data(), tensor.data(), elements, element_bytes, limit)) return std::nullopt;
+  HeldRuns runs;
+  if (held != nullptr && !held->whole) {
+    WS_EXPECT(held->rows * held->columns == elements, ErrorCode::kInvalidArgument,
+              "cannot encode changed elements: windows of a " + std::to_string(held->rows) + " x " +
+                  std::to_string(held->columns) + " tensor over " + std::to_string(elements) + " elements");
+    held->for_each_range([&](uint64_t begin, uint64_t end) { runs.emplace_back(begin, end); });
+  } else if (elements > 0) {
+    runs.emplace_back(0, elements);
+  }
+  uint64_t held_elements = 0;
+  for (const auto& [begin, end] : runs) held_elements += end - begin;
+  if (sample_says_dense(base.data(), tensor.data(), elements, held_elements, element_bytes, limit)) return std::nullopt;
+  // Ranges split the span from the first held element to the last.
+  const uint64_t first = runs.empty() ? 0 : runs.front().first, last = runs.empty() ? 0 : runs.back().second;
   const uint64_t range_count =
-      threads > 1 && tensor.size() >= kParallelEncodingBytes
-          ? std::min<uint64_t>(uint64_t{4} * threads, tensor.size() / kRangeMinimumBytes)
+      threads > 1 && held_elements * element_bytes >= kParallelEncodingBytes
+          ? std::min<uint64_t>(uint64_t{4} * threads, held_elements * element_bytes / kRangeMinimumBytes)
           : 1;
   // Kept between calls on the calling thread: fresh memory for every tensor costs more in page
   // faults than the encoding itself.
@@ -233,8 +307,9 @@ std::optional<std::vector<std::byte>> encode_changed_elements(std::span<const st
   EncodingBudget budget;
   budget.limit = limit;
   auto encode = [&](size_t, size_t item) {
-    encode_range(base.data(), tensor.data(), elements * item / range_count, elements * (item + 1) / range_count,
-                 element_bytes, budget, ranges[item]);
+    const uint64_t span = last - first;
+    encode_range(base.data(), tensor.data(), first + span * item / range_count, first + span * (item + 1) / range_count,
+                 runs, element_bytes, budget, ranges[item]);
   };
   if (range_count == 1) {
     encode(0, 0);

@@ -73,6 +73,10 @@ struct UpdateSender::State {
     std::string address;
     Connection connection;
     std::optional<uint64_t> in_flight[2];
+    /// A delta's: the windows this receiver holds of each declared tensor (its ACCEPTED), and
+    /// the digests of them in the tensors sent as changed elements (its FINISH).
+    std::vector<std::vector<HeldWindow>> held;
+    std::vector<std::pair<uint32_t, uint64_t>> digests;
     std::string receiver() const { return "update receiver at " + address; }
   };
 
@@ -103,6 +107,15 @@ struct UpdateSender::State {
   std::vector<Declared> declared;
   /// Index into `declared` by name; the keys view its names (never resized once indexed).
   std::unordered_map<std::string_view, size_t> declared_index;
+  /// A delta's: the elements of each declared tensor that some receiver holds (the union of
+  /// the links' windows), the only ones compared and sent.
+  std::vector<TensorWindows> held;
+
+  /// Takes each receiver's windows from its ACCEPTED of a delta (checked against the manifest:
+  /// Error(kProtocol) naming the receiver for a window outside its tensor) and joins them.
+  void take_windows(std::span<const DeclaredTensor> manifest);
+  /// The digests of `tensor`'s windows at each receiver (its index `index` in the manifest).
+  std::vector<uint64_t> link_digests(size_t index, const TensorView& tensor) const;
 
   /// The declared tensors not sent whole, with how much of each was sent.
   std::vector<std::string> unsent() const {
@@ -266,9 +279,10 @@ struct UpdateSender::State {
   Declared& admit(const TensorView& tensor);
   /// The checks of send_changes() for one tensor and its base; returns its entry of the manifest.
   Declared& admit_changes(const TensorView& base, const TensorView& tensor);
-  /// The encoding of `tensor`'s changed elements since `base` on `threads` threads, or
-  /// std::nullopt where sending it whole is cheaper (SenderOptions::delta_dense_fraction).
-  std::optional<std::vector<std::byte>> encode_changes(const TensorView& base, const TensorView& tensor,
+  /// The encoding of `tensor`'s changed elements since `base` inside the receivers' windows of
+  /// it (its index `index` in the manifest) on `threads` threads, or std::nullopt where sending
+  /// it whole is cheaper (SenderOptions::delta_dense_fraction).
+  std::optional<std::vector<std::byte>> encode_changes(size_t index, const TensorView& base, const TensorView& tensor,
                                                        unsigned threads) const;
   /// Threads that encode one tensor's changed elements (SenderOptions::delta_threads).
   unsigned delta_threads() const {
@@ -435,7 +449,11 @@ void UpdateSender::start(TensorFormat format, std::span<const DeclaredTensor> ma
         WS_FAIL(answer.message.code, link.receiver() + " refused the update: " + answer.message.text);
       }
       if (answer.message.type != MessageType::kAccepted) State::fail_with(link, answer.message, "ACCEPTED");
+      link.held = std::move(answer.message.held);
+      link.digests.clear();
     }
+    state.held.clear();
+    if (delta) state.take_windows(manifest);
     state.open = true;
     state.delta = delta;
   });
@@ -501,14 +519,63 @@ UpdateSender::State::Declared& UpdateSender::State::admit_changes(const TensorVi
   return declared;
 }
 
-std::optional<std::vector<std::byte>> UpdateSender::State::encode_changes(const TensorView& base,
+std::optional<std::vector<std::byte>> UpdateSender::State::encode_changes(size_t index, const TensorView& base,
                                                                           const TensorView& tensor,
                                                                           unsigned threads) const {
   const double fraction = std::clamp(options.delta_dense_fraction, 0.0, 1.0);
   const uint64_t limit =
       std::min<uint64_t>(static_cast<uint64_t>(fraction * static_cast<double>(tensor.bytes)), options.bucket_bytes);
   return encode_changed_elements(std::span(base.data, base.bytes), std::span(tensor.data, tensor.bytes),
-                                 dtype_bits(tensor.dtype) / 8, limit, threads);
+                                 dtype_bits(tensor.dtype) / 8, limit, threads, &held[index]);
+}
+
+void UpdateSender::State::take_windows(std::span<const DeclaredTensor> manifest) {
+  held.assign(manifest.size(), TensorWindows{});
+  for (size_t i = 0; i < manifest.size(); ++i) {
+    const uint64_t elements = declared[i].bytes * 8 / std::max<uint64_t>(dtype_bits(manifest[i].dtype), 1);
+    held[i].rows = manifest[i].shape.empty() ? 1 : static_cast<uint64_t>(manifest[i].shape[0]);
+    held[i].columns = held[i].rows > 0 ? elements / held[i].rows : 0;
+  }
+  for (Link& link : links) {
+    WS_EXPECT(link.held.size() == manifest.size(), ErrorCode::kProtocol,
+              link.receiver() + " accepted a delta of " + std::to_string(manifest.size()) + " tensors with windows of " +
+                  std::to_string(link.held.size()));
+    for (size_t i = 0; i < manifest.size(); ++i) {
+      TensorWindows& joined = held[i];
+      for (const HeldWindow& window : link.held[i]) {
+        WS_EXPECT(window.row_begin <= joined.rows && window.rows <= joined.rows - window.row_begin &&
+                      window.column_begin <= joined.columns && window.columns <= joined.columns - window.column_begin,
+                  ErrorCode::kProtocol,
+                  link.receiver() + " holds rows " + std::to_string(window.row_begin) + "+" + std::to_string(window.rows) +
+                      ", columns " + std::to_string(window.column_begin) + "+" + std::to_string(window.columns) +
+                      " of tensor " + manifest[i].name + ", which has " + std::to_string(joined.rows) + " x " +
+                      std::to_string(joined.columns));
+      }
+    }
+  }
+  // Whole where a receiver holds the whole tensor (a replicated one), else the windows joined.
+  for (size_t i = 0; i < manifest.size(); ++i) {
+    TensorWindows& joined = held[i];
+    const HeldWindow all{0, joined.rows, 0, joined.columns};
+    bool whole = false;
+    joined.whole = false;
+    for (const Link& link : links) {
+      for (const HeldWindow& window : link.held[i]) {
+        whole = whole || window == all;
+        if (std::ranges::find(joined.windows, window) == joined.windows.end()) joined.windows.push_back(window);
+      }
+    }
+    if (whole) joined = TensorWindows{.rows = joined.rows, .columns = joined.columns};
+  }
+}
+
+std::vector<uint64_t> UpdateSender::State::link_digests(size_t index, const TensorView& tensor) const {
+  std::vector<uint64_t> digests;
+  for (const Link& link : links) {
+    digests.push_back(windows_digest(std::span(tensor.data, tensor.bytes), dtype_bits(tensor.dtype) / 8,
+                                     held[index].columns, link.held[index]));
+  }
+  return digests;
 }
 
 bool UpdateSender::send_changes(const TensorView& base, const TensorView& tensor) {
@@ -531,24 +598,31 @@ uint64_t UpdateSender::send_changes(std::span<const TensorView> bases, std::span
     declared.push_back(&entry);
   }
   // Large tensors are compared range by range on every thread, the small ones a tensor a thread.
+  // Each one sent as changes is digested as each receiver holds it, for its check at FINISH.
   const unsigned threads = state.delta_threads();
   std::vector<std::optional<std::vector<std::byte>>> encoded(tensors.size());
+  std::vector<std::vector<uint64_t>> digests(tensors.size());
+  auto encode = [&](size_t i, unsigned on_threads) {
+    const auto index = static_cast<size_t>(declared[i] - state.declared.data());
+    encoded[i] = state.encode_changes(index, bases[i], tensors[i], on_threads);
+    if (encoded[i]) digests[i] = state.link_digests(index, tensors[i]);
+  };
   std::vector<size_t> small;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].bytes >= kParallelEncodingBytes || threads == 1) {
-      encoded[i] = state.encode_changes(bases[i], tensors[i], threads);
+      encode(i, threads);
     } else {
       small.push_back(i);
     }
   }
-  detail::run_parallel(small.size(), threads, [&](size_t, size_t item) {
-    encoded[small[item]] = state.encode_changes(bases[small[item]], tensors[small[item]], 1);
-  });
+  detail::run_parallel(small.size(), threads, [&](size_t, size_t item) { encode(small[item], 1); });
   uint64_t sparse = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     declared[i]->sent = tensors[i].bytes;
     declared[i]->begun = true;
     state.on_connection([&] { encoded[i] ? state.send_encoded(tensors[i], *encoded[i]) : state.send(tensors[i]); });
+    const auto index = static_cast<uint32_t>(declared[i] - state.declared.data());
+    for (size_t link = 0; link < digests[i].size(); ++link) state.links[link].digests.emplace_back(index, digests[i][link]);
     sparse += encoded[i] ? 1 : 0;
   }
   return sparse;
@@ -684,7 +758,13 @@ UpdateReport UpdateSender::finish() {
     Message message;
     message.type = MessageType::kFinish;
     message.buckets = state.next_index;
-    state.guarded([&] { state.send_all(message); });
+    state.guarded([&] {
+      for (State::Link& link : state.links) {  // each with the digests of what it holds
+        message.digests = std::move(link.digests);
+        link.digests.clear();
+        link.connection.send(message, state.options.timeout);
+      }
+    });
     state.open = false;
     // Every receiver's report; the slowest one's is the update's.
     std::optional<UpdateReport> slowest;

@@ -189,6 +189,13 @@ std::vector<std::byte> encode_body(const Message& message) {
       }
       break;
     case MessageType::kAccepted:
+      out.put(static_cast<uint32_t>(message.held.size()));
+      for (const std::vector<HeldWindow>& windows : message.held) {
+        out.put(static_cast<uint32_t>(windows.size()));
+        for (const HeldWindow& window : windows) {
+          for (uint64_t value : {window.row_begin, window.rows, window.column_begin, window.columns}) out.put(value);
+        }
+      }
       break;
     case MessageType::kBucket:
       out.reserve(64 + 128 * message.manifest.regions.size() + 96 * message.manifest.entries.size());
@@ -220,6 +227,11 @@ std::vector<std::byte> encode_body(const Message& message) {
       break;
     case MessageType::kFinish:
       out.put(message.buckets);
+      out.put(static_cast<uint32_t>(message.digests.size()));
+      for (const auto& [index, digest] : message.digests) {
+        out.put(index);
+        out.put(digest);
+      }
       break;
     case MessageType::kReport: {
       const UpdateReport& report = message.report;
@@ -231,6 +243,7 @@ std::vector<std::byte> encode_body(const Message& message) {
       out.put(report.regions);
       out.put(report.sparse_tensors);
       out.put(report.dense_tensors);
+      out.put(report.checked_tensors);
       out.put(report.seconds);
       out.put(report.connect_seconds);
       for (const auto& [name, phase] : kUpdatePhases) out.put(report.phases.*phase);
@@ -326,8 +339,23 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       }
       break;
     }
-    case MessageType::kAccepted:
+    case MessageType::kAccepted: {
+      auto count = in.get<uint32_t>("count");
+      // Each tensor's windows take at least 4 bytes: reserve no more than the body can hold.
+      if (count > kMaxEntries || count > in.left() / 4) in.fail("count", std::to_string(count) + " tensors do not fit");
+      message.held.resize(count);
+      for (std::vector<HeldWindow>& windows : message.held) {
+        auto held = in.get<uint32_t>("windows");
+        if (held > in.left() / 32) in.fail("windows", std::to_string(held) + " windows do not fit");
+        windows.resize(held);
+        for (HeldWindow& window : windows) {
+          for (uint64_t* value : {&window.row_begin, &window.rows, &window.column_begin, &window.columns}) {
+            *value = in.get<uint64_t>("window");
+          }
+        }
+      }
       break;
+    }
     case MessageType::kBucket: {
       BucketManifest& manifest = message.manifest;
       manifest.index = in.get<uint64_t>("index");
@@ -411,9 +439,17 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       message.manifest.slot = in.get<uint32_t>("slot");
       if (message.manifest.slot > 1) in.fail("slot", "bucket buffer " + std::to_string(message.manifest.slot) + " does not exist");
       break;
-    case MessageType::kFinish:
+    case MessageType::kFinish: {
       message.buckets = in.get<uint64_t>("buckets");
+      auto count = in.get<uint32_t>("digests");
+      if (count > kMaxEntries || count > in.left() / 12) in.fail("digests", std::to_string(count) + " digests do not fit");
+      message.digests.resize(count);
+      for (auto& [index, digest] : message.digests) {
+        index = in.get<uint32_t>("digest index");
+        digest = in.get<uint64_t>("digest");
+      }
       break;
+    }
     case MessageType::kReport: {
       UpdateReport& report = message.report;
       report.buckets = in.get<uint64_t>("buckets");
@@ -424,6 +460,7 @@ Message parse_body(MessageType type, std::span<const std::byte> body, const std:
       report.regions = in.get<uint64_t>("regions");
       report.sparse_tensors = in.get<uint64_t>("sparse_tensors");
       report.dense_tensors = in.get<uint64_t>("dense_tensors");
+      report.checked_tensors = in.get<uint64_t>("checked_tensors");
       report.seconds = in.get<double>("seconds");
       report.connect_seconds = in.get<double>("connect_seconds");
       for (const auto& [name, phase] : kUpdatePhases) report.phases.*phase = in.get<double>(name);

@@ -1,5 +1,5 @@
 #pragma once
-// The update protocol's wire format, version 8. Every message is a frame: a 16-byte header
+// The update protocol's wire format, version 9. Every message is a frame: a 16-byte header
 // followed by a body of `length` bytes. All integers are little-endian.
 //
 //   header: magic u32 ("WSUP"), version u16, type u16, length u64 (<= kMaxMessageBytes)
@@ -20,8 +20,11 @@
 //                                 empty), then the update's
 //                                 manifest: count u32, then per tensor: name string, dtype u8,
 //                                 rank u8, rank x i64 dims (each name once)
-//   ACCEPTED (receiver -> sender) empty: the manifest fits the model, buckets may come (a
-//                                 manifest refused is answered by ERROR instead)
+//   ACCEPTED (receiver -> sender) the manifest fits the model, buckets may come (a manifest
+//                                 refused is answered by ERROR instead): count u32 (0 for a full
+//                                 update; a delta's: its declared tensors), then per declared
+//                                 tensor the windows this receiver holds (delta.hpp): windows
+//                                 u32, then per window row_begin, rows, column_begin, columns u64
 //   BUCKET  (sender -> receiver)  index u64, slot u32, bytes u64, regions u32, then per region
 //                                 shared for the first time: id u32, bytes u64, blob (handle);
 //                                 then count u32, then per entry: name string, dtype u8,
@@ -32,12 +35,14 @@
 //                                 TCP: `bytes` bytes of payload follow the frame.
 //   APPLIED (receiver -> sender)  index u64, slot u32: the slot may be refilled (a bucket with
 //                                 no buffer bytes occupies no slot: nothing to refill)
-//   FINISH  (sender -> receiver)  buckets u64
+//   FINISH  (sender -> receiver)  buckets u64, count u32, then per tensor of a delta sent as
+//                                 changed elements: its index in the manifest u32, the
+//                                 windows_digest u64 of this receiver's windows of it
 //   REPORT  (receiver -> sender)  buckets, tensors, bytes, shared_bytes, placed_bytes, regions,
-//                                 sparse_tensors, dense_tensors u64, seconds,
-//                                 connect_seconds f64, nine phases f64 (preparing,
+//                                 sparse_tensors, dense_tensors, checked_tensors u64, seconds,
+//                                 connect_seconds f64, ten phases f64 (preparing,
 //                                 first_bucket, waiting, parsing, opening, checking, copying,
-//                                 finishing, closing), six counters u64,
+//                                 finishing, verifying, closing), six counters u64,
 //                                 count u32, count x i64 completed layers
 //   ERROR   (either way)          code u8 (ErrorCode), message string; the update is over
 //                                 (from the sender: it abandons the update)
@@ -52,6 +57,7 @@
 #include <string>
 #include <vector>
 
+#include "transfer/delta.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
 
@@ -100,8 +106,9 @@ inline constexpr uint32_t kMagic = 0x50555357;  // "WSUP" read as little-endian 
 // 4: a ucx WELCOME carries the rendezvous secret; 5: REPORT carries placed_bytes (and a ucx
 // piece's header its bucket); 6: the handshake (handshake.hpp) proves the token, HELLO
 // no longer carries it; 7: START carries the update's manifest, answered by ACCEPTED; 8: START
-// names its versions (delta updates), entries their encoding, REPORT sparse and dense tensors
-inline constexpr uint16_t kProtocolVersion = 8;
+// names its versions (delta updates), entries their encoding, REPORT sparse and dense tensors;
+// 9: ACCEPTED lists the receiver's windows, FINISH the digests of them, REPORT checked tensors
+inline constexpr uint16_t kProtocolVersion = 9;
 inline constexpr size_t kHeaderBytes = 16;
 /// Largest message body: a manifest of 100,000 entries with long names fits easily.
 inline constexpr uint64_t kMaxMessageBytes = 64ull << 20;
@@ -160,8 +167,13 @@ struct Message {
   UpdateVersions versions;               ///< base set: a delta update
   // BUCKET (manifest), APPLIED (index, slot)
   BucketManifest manifest;
+  // ACCEPTED of a delta update: the receiver's windows of each declared tensor, in order
+  std::vector<std::vector<HeldWindow>> held;
   // FINISH
   uint64_t buckets = 0;
+  /// A delta's: (index in the manifest, windows_digest of the receiver's windows) of each
+  /// tensor sent as changed elements.
+  std::vector<std::pair<uint32_t, uint64_t>> digests;
   // REPORT
   UpdateReport report;
   // REFUSE, ERROR

@@ -192,7 +192,7 @@ def through_load_weights(model: torch.nn.Module) -> List[str]:
 
 
 def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, tp_size: int,
-           rank: int) -> Dict[str, Any]:
+           rank: int, **versions: Any) -> Dict[str, Any]:
     """One update pushed by weightstream's sender through SGLang's update API of the runner,
     by a trainer beside this rank (each rank's process pushes to its own receiver)."""
     import socket  # noqa: PLC0415
@@ -214,7 +214,7 @@ def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str,
     try:
         return ws_sglang.push_update(updater.update_weights_from_tensor, tensors, transport=transport,
                                      token=UPDATE_TOKEN, addresses=addresses, ranks=[rank], bucket_bytes=1 << 20,
-                                     accept_timeout=120.0)
+                                     accept_timeout=120.0, **versions)
     finally:
         updater.end_weight_update(run_post_load=False)
 
@@ -255,6 +255,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
         if scenario.get("update"):
             result["updates"] = updates(runner, family, kind, paths, reference_a, tp_size, rank)
             result["refused"] = refused_update(runner, b, default_load_of(runner, b), tp_size, rank)
+            if kind == "bf16":
+                result["delta"] = delta_update(runner, b, paths[f"{family}-bf16-b1"], tp_size, rank)
         result["log"] = [m for m in recorder.messages if "weightstream" in m]
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -296,6 +298,23 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
                     "differences": differences(ours, reference_b), "addresses_unchanged": addresses(ours) == before,
                     "through_load_weights": list(seen)})
     return results
+
+
+def delta_update(runner: Any, b: str, b1: str, tp_size: int, rank: int) -> Dict[str, Any]:
+    """Issue 46 through SGLang's update API: a full update of B naming its version, then the
+    delta B -> B1 (1% of the elements changed) from that version, each rank receiving only the
+    changed elements it holds; compared with SGLang's default load of B1."""
+    ours = runner.model
+    before = addresses(ours)
+    b_tensors = checkpoint_tensors(b)
+    full = update(runner, sorted(b_tensors.items()), "tcp", tp_size, rank, target="b" * 16)
+    changed = update(runner, sorted(checkpoint_tensors(b1).items()), "tcp", tp_size, rank, target="b1" * 8,
+                     base="b" * 16, base_tensors=b_tensors)
+    report = changed["senders"][0]
+    return {"full_bytes": full["senders"][0].get("bytes"), "bytes": report.get("bytes"),
+            "sparse_tensors": report.get("sparse_tensors"), "checked_tensors": report.get("checked_tensors"),
+            "version": getattr(ours, "_weightstream_version", None),
+            "differences": differences(ours, default_load_of(runner, b1)), "addresses_unchanged": addresses(ours) == before}
 
 
 PEER_TOKEN = "peer-secret"

@@ -77,6 +77,7 @@ def test_a_delta_lands_equal_to_a_cold_load_of_the_new_version(versions, via):
     report = json.loads(result.stdout)
     assert report["clean"] and report["mismatched"] == 0 and report["address_changes"] == 0, report
     assert report["dense_tensors"] >= 1 and report["sparse_tensors"] > report["dense_tensors"], report
+    assert report["checked_tensors"] == report["sparse_tensors"], report  # each checked after it landed
     # 1% of the elements changed: about 2% of the bytes move (positions and values).
     assert report["reload_bytes"] < checkpoint_bytes(b) // 10, report
 

@@ -147,3 +147,25 @@ def test_update_changes_quantizes_bf16_weights_into_an_fp8_model_at_the_sender(t
     assert parameter_bytes(live) == parameter_bytes(expected_layout)
     assert report["sparse_tensors"] >= 14, report  # every linear weight's codes
     assert receiver.version == ""  # the update named no target
+
+
+def test_a_delta_from_another_base_than_it_names_is_caught_after_it_lands_by_name(versions):
+    """The trainer's copy of A already holds B's values of one tensor: it sends none of its
+    changes, and the receiver's check after the delta names that tensor; its version is then
+    unknown (the next update must be a full one)."""
+    a, b = versions
+    receiver = weightstream.UpdateReceiver(cold_layout(str(a)), token="t", timeout=30.0)
+    receiver.version = content_digest(a)
+    thread, outcome = receive_in_thread(receiver)
+    old = weightstream.load(str(a), framework="numpy")
+    new = weightstream.load(str(b), framework="numpy")
+    drifted = "model.layers.1.mlp.down_proj.weight"
+    old[drifted] = new[drifted]
+    sender = weightstream.UpdateSender(receiver.address, token="t", bucket_bytes=1 << 20)
+    with pytest.raises(weightstream.Error, match="differs from the version the sender named") as raised:
+        sender.update_changes(old, new, base=content_digest(a), target=content_digest(b))
+    thread.join(timeout=60)
+    assert f"tensor {drifted} in {drifted} (its elements here hash to" in str(raised.value)
+    assert f"tensor {drifted} in {drifted}" in outcome["error"]
+    assert "send a full update" in outcome["error"]
+    assert receiver.version == ""

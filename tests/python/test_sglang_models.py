@@ -42,6 +42,7 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from engine_checkpoints import write_changed_variant  # noqa: E402
 from sglang_models import write_fallback_checkpoint, write_sglang_checkpoint  # noqa: E402
 
 MIB = 1 << 20
@@ -110,6 +111,9 @@ def results(tmp_path_factory):
             folder = str(root / f"{family}-{kind}-{name}")
             write_sglang_checkpoint(family, folder, seed, fp8=kind == "fp8")
             paths[f"{family}-{kind}-{name}"] = folder
+        if kind == "bf16":  # B after one step: 1% of its elements changed (the delta scenarios)
+            paths[f"{family}-bf16-b1"] = write_changed_variant(paths[f"{family}-bf16-b"], str(root / f"{family}-bf16-b1"),
+                                                               0.01, seed=7)
     paths["fallback"] = write_fallback_checkpoint(str(root / "qwen2"), 3)
     s3 = upload_to_s3(paths["llama-bf16-a"], root) if S3_ENDPOINT else None
     processes = []
@@ -212,6 +216,24 @@ def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(result
         assert disk["succeeded"], disk["message"]
         assert disk["differences"] == [] and disk["addresses_unchanged"], disk
         assert disk["through_load_weights"], "update_weights_from_disk goes through load_weights"
+
+
+@pytest.mark.parametrize("family,kind,parallel", [s for s in scenarios() if s[1] == "bf16"])
+def test_a_delta_through_sglangs_update_api_lands_only_each_ranks_changes_in_place(results, family, kind, parallel):
+    """Issue 46: a full update names version B; the delta B -> B1 (1% changed) from it lands
+    in place equal to SGLang's default load of B1, each changed tensor checked after it, a
+    fraction of the full update's bytes moved."""
+    for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
+        where = f"{family} {kind} {parallel} rank {rank}"
+        delta = result["delta"]
+        assert delta["differences"] == [], f"{where}: parameters differ from SGLang's load of B1: {delta['differences']}"
+        assert delta["addresses_unchanged"], where
+        assert delta["version"] == "b1" * 8, (where, delta["version"])
+        assert delta["sparse_tensors"] > 0 and delta["checked_tensors"] == delta["sparse_tensors"], (where, delta)
+        assert 0 < delta["bytes"] < delta["full_bytes"] / 5, (where, delta["bytes"], delta["full_bytes"])
+        if parallel != "tp1":  # each rank receives about its share of the tp-1 rank's delta, not all of it
+            (whole,) = ranks_of(results, family, kind, "tp1")
+            assert delta["bytes"] < 0.8 * whole["delta"]["bytes"], (where, delta["bytes"], whole["delta"]["bytes"])
 
 
 @pytest.mark.parametrize("family,kind,parallel", list(scenarios()))

@@ -60,7 +60,7 @@ def test_pushed_update_equals_a_cold_load_in_place(tmp_path, transport):
     # Where the receiver's time went: every phase is there, and they add up to the update.
     phases = echoed["phases"]
     assert set(phases) == {"preparing", "first_bucket", "waiting", "parsing", "opening", "checking", "copying", "finishing",
-                           "closing"}
+                           "verifying", "closing"}
     assert all(value >= 0 for value in phases.values())
     # (How much of the update they cover depends on how the machine schedules the receiver's
     # threads: only the bounds are properties.)

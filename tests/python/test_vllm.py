@@ -285,48 +285,63 @@ def test_bind_module_on_vllm_layers_at_tp_2(checkpoints):
     run_ranks(_bind_module_directly, 2, checkpoints)
 
 
+def _loaded_with_a_worker_engine(vllm_config, path):
+    """The small Llama loaded from ``path`` with --load-format weightstream, and the
+    weightstream weight-transfer backend's worker engine of it."""
+    from vllm.config import LoadConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader import get_model_loader
+
+    model = TinyLlama(CONFIG)
+    get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(path))
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
+                                                       torch.device("cpu"), model)
+    return model, engine
+
+
+def _weight_sync_client(engine, calls):
+    """The four calls of vLLM's VLLMWeightSyncClient protocol, calling the worker ``engine`` as
+    vLLM's weight-sync routes do; each call's name is appended to ``calls``."""
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info):
+            calls.append("init")
+            engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+        def start_weight_update(self):
+            calls.append("start")
+            engine.start_weight_update()
+
+        def update_weights(self, update_info):
+            calls.append("update")
+            engine.receive_weights(engine.parse_update_info(update_info))
+
+        def finish_weight_update(self):
+            calls.append("finish")
+            engine.finish_weight_update()
+
+    return Client()
+
+
 def _trainer_engine(tp_size, rank, port, paths):
     """vLLM's trainer interface: trainer_init then send_weights, through a client that calls the
     worker engine as vLLM's weight-sync routes do."""
     with distributed(tp_size, rank, port) as vllm_config:
         ws_vllm.register()
-        from vllm.config import LoadConfig
-        from vllm.config.weight_transfer import WeightTransferConfig
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-        from vllm.model_executor.model_loader import get_model_loader
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from weightstream.vllm import WeightstreamTrainerEngine, WeightstreamTrainerInitInfo
 
-        model = TinyLlama(CONFIG)
-        get_model_loader(LoadConfig(load_format="weightstream")).load_weights(model, model_config(paths[1]))
+        model, engine = _loaded_with_a_worker_engine(vllm_config, paths[1])
         addresses = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
-        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="weightstream"), vllm_config,
-                                                           torch.device("cpu"), model)
         calls = []
-
-        class Client:  # the four calls of vLLM's VLLMWeightSyncClient protocol
-            def init_weight_transfer_engine(self, init_info):
-                calls.append("init")
-                engine.init_transfer_engine(engine.parse_init_info(init_info))
-
-            def start_weight_update(self):
-                calls.append("start")
-                engine.start_weight_update()
-
-            def update_weights(self, update_info):
-                calls.append("update")
-                engine.receive_weights(engine.parse_update_info(update_info))
-
-            def finish_weight_update(self):
-                calls.append("finish")
-                engine.finish_weight_update()
 
         # vLLM's own trainer factory and ModuleSource over a trainer module with the checkpoint's names.
         reference, tensors = _reference(paths[3])
         trainer = WeightTransferTrainerFactory.trainer_init(
-            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t"), client=Client(),
-            source=ModuleSource(_module_of(tensors)))
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t"),
+            client=_weight_sync_client(engine, calls), source=ModuleSource(_module_of(tensors)))
         assert isinstance(trainer, WeightstreamTrainerEngine)
         trainer.send_weights()
         _assert_same(model, reference, "trainer update")
@@ -341,6 +356,64 @@ def _trainer_engine(tp_size, rank, port, paths):
 
 def test_trainer_engine_pushes_updates_through_the_client(checkpoints):
     run_ranks(_trainer_engine, 1, checkpoints)
+
+
+def _one_step(tensors, seed):
+    """``tensors`` after one step: 1% of each floating-point tensor's elements scaled by 0.9."""
+    generator = torch.Generator().manual_seed(seed)
+    stepped = {}
+    for name, tensor in sorted(tensors.items()):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.01
+        stepped[name] = torch.where(mask, (tensor.float() * 0.9).to(tensor.dtype), tensor).contiguous()
+    return stepped
+
+
+def _trainer_engine_delta(tp_size, rank, port, paths):
+    """WeightstreamTrainerEngine with delta=True through vLLM's trainer factory: the first
+    update goes whole naming its version, each next one only the elements that changed since,
+    checked by the worker after it; every update equals vLLM's weight_loader of the same
+    tensors, in place."""
+    with distributed(tp_size, rank, port) as vllm_config:
+        ws_vllm.register()
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from weightstream.vllm import WeightstreamTrainerInitInfo
+
+        model, engine = _loaded_with_a_worker_engine(vllm_config, paths[1])
+        addresses = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
+        client = _weight_sync_client(engine, [])
+
+        _, step0 = _reference(paths[2])
+        step1 = _one_step(step0, 1)
+        step2 = _one_step(step1, 2)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WeightstreamTrainerInitInfo(rank=0, transport="tcp", tp_size=1, token="t", delta=True), client=client,
+            source=sorted(step0.items()))
+        reports = []
+        for step, version in ((step0, None), (step1, None), (step2, "step-2")):
+            trainer.source = sorted(step.items())
+            trainer.send_weights(version=version)
+            reference = TinyLlama(CONFIG)
+            reference.load_weights(sorted(step.items()))
+            _assert_same(model, reference, f"trainer delta update to {trainer.version}")
+            assert engine.last_report is not None and trainer.version == engine._receiver(model).version
+            reports.append(trainer.last_reports[0])
+        assert trainer.version == "step-2"
+        full, *deltas = reports
+        assert full["sparse_tensors"] == 0 and full["checked_tensors"] == 0
+        for delta in deltas:
+            assert delta["sparse_tensors"] > 0 and delta["checked_tensors"] == delta["sparse_tensors"], delta
+            assert 0 < delta["bytes"] < full["bytes"] / 5, (delta["bytes"], full["bytes"])
+        assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == addresses
+        with pytest.raises(ValueError, match="a delta update travels in checkpoint format over shm or tcp, not "
+                                             "engine format over tcp"):
+            WeightTransferTrainerFactory.trainer_init(
+                WeightstreamTrainerInitInfo(rank=0, transport="tcp", token="t", format="engine", delta=True),
+                client=client)
+        return "ok"
+
+
+def test_trainer_engine_sends_only_the_changes_with_delta(checkpoints):
+    run_ranks(_trainer_engine_delta, 1, checkpoints)
 
 
 # ---- bad input ---------------------------------------------------------------------------

@@ -259,7 +259,17 @@ def test_a_delta_update_lands_only_what_changed_in_place(results, family, kind, 
         assert changed["differences"] == [], f"{where}: parameters differ from vLLM's load of A1: {changed['differences']}"
         assert changed["addresses_unchanged"], where
         assert changed["sparse_tensors"] > 0, (where, changed)
+        # What the rank holds of each tensor sent as changes was checked against the target.
+        assert changed["checked_tensors"] == changed["sparse_tensors"], (where, changed)
+        # Each rank receives only the changed elements it holds: about its share of the delta a
+        # receiver of the whole model takes (what every rank received before), not all of it (a
+        # tensor that goes dense goes whole: DeepSeek-V3's rank 0 measured 0.78, rank 1 0.55).
+        assert changed["bytes"] < 0.85 * changed["whole_bytes"], (where, changed["bytes"], changed["whole_bytes"])
         assert 0 < changed["bytes"] < full["bytes"] / 5, (where, changed["bytes"], full["bytes"])
+    # Together the ranks receive well under what each of them received before (the whole delta).
+    ranks = ranks_of(results, family, kind, parallel)
+    whole = ranks[0]["delta"]["delta"]["whole_bytes"]
+    assert sum(rank["delta"]["delta"]["bytes"] for rank in ranks) < 0.7 * len(ranks) * whole, parallel
 
 
 def test_an_update_that_cannot_land_in_place_fails_before_its_first_byte(results):

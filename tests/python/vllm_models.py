@@ -229,6 +229,28 @@ def push_with(engine: Any, send: Any) -> Tuple[Dict[str, Any], str, str]:
 VERSION_A, VERSION_A1, VERSION_OTHER = "a" * 16, "a1" * 8, "0f" * 8
 
 
+def whole_delta_bytes(a: str, base: Dict[str, torch.Tensor], changed: Dict[str, torch.Tensor]) -> int:
+    """The bytes of the delta A -> A1 into one receiver holding all of A (weightstream's own tp-1
+    host layout of it): what every rank received before each got only the elements it holds."""
+    import weightstream  # noqa: PLC0415
+
+    checkpoint = weightstream.open(a)
+    layout = weightstream.model_layout(checkpoint, device="cpu")
+    session = weightstream.LoadSession(layout)
+    session.begin("cold")
+    session.load_checkpoint(checkpoint)
+    session.finish()
+    receiver = weightstream.UpdateReceiver(layout, token="secret")
+    receiver.version = VERSION_A
+    thread = threading.Thread(target=receiver.receive, kwargs={"accept_timeout": 120.0})
+    thread.start()
+    try:
+        sender = weightstream.UpdateSender(receiver.address, token="secret", bucket_bytes=1 << 20)
+        return sender.update_changes(base, changed, base=VERSION_A, target=VERSION_A1)["bytes"]
+    finally:
+        thread.join()
+
+
 def delta_updates(tp_size: int, ep: bool, a: str, a1: str, trainer_a1: str) -> Dict[str, Any]:
     """Issue 46 in vLLM's own classes, built and loaded in BF16 as vLLM's loader builds them (a
     delta lands in parameters of the tensors' own dtype): the model, loaded from A with
@@ -262,8 +284,10 @@ def delta_updates(tp_size: int, ep: bool, a: str, a1: str, trainer_a1: str) -> D
         report, trainer, worker = push_with(
             engine, lambda sender: sender.update_changes(base, changed, base=VERSION_A, target=VERSION_A1))
         result["delta"] = {"bytes": report.get("bytes"), "sparse_tensors": report.get("sparse_tensors"),
+                           "checked_tensors": report.get("checked_tensors"),
                            "dense_tensors": report.get("dense_tensors"), "trainer": trainer, "worker": worker,
-                           "differences": differences(model, reference_a1), "addresses_unchanged": addresses(model) == before}
+                           "differences": differences(model, reference_a1), "addresses_unchanged": addresses(model) == before,
+                           "whole_bytes": whole_delta_bytes(a, base, changed)}
     finally:
         engine.shutdown()
     return result

@@ -11,7 +11,7 @@
 
 #include "model/model_fixtures.hpp"
 #include "transfer/delta.hpp"
-#include "transfer/handshake.hpp"
+#include "transfer/delta_fixtures.hpp"
 #include "transfer/transfer_fixtures.hpp"
 #include "transfer/wire.hpp"
 #include "weightstream/error.hpp"
@@ -25,6 +25,8 @@ using testing::cached_checkpoint;
 using testing::cold_loaded_layout;
 using testing::error_text;
 using testing::host_layout;
+using testing::kVersionA;
+using testing::kVersionB;
 using testing::MemoryCheckpoint;
 using testing::MemoryTensor;
 using testing::receiver_options;
@@ -32,35 +34,19 @@ using testing::run_load;
 using testing::sender_options;
 using namespace std::chrono_literals;
 
-// Versions are opaque to the transfer layer: content digests in real use.
-const std::string kVersionA = "a0a0a0a0a0a0a0a0";
-const std::string kVersionB = "b1b1b1b1b1b1b1b1";
 const std::string kOtherVersion = "c2c2c2c2c2c2c2c2";
 // Every element of this tensor changes: it goes dense.
 const std::string kRewrittenTensor = "model.norm.weight";
 
 const MemoryCheckpoint& version_a() { return cached_checkpoint("llama", 1); }
 
-/// `base` with `fraction` of each tensor's elements changed (one bit of each flipped, at
-/// indices drawn from `seed`), and every element of kRewrittenTensor.
-MemoryCheckpoint changed_copy(const MemoryCheckpoint& base, double fraction, uint64_t seed) {
-  MemoryCheckpoint next = base;
-  std::mt19937_64 random(seed);
-  for (MemoryTensor& tensor : next.tensors) {
-    const uint64_t element = dtype_bits(tensor.dtype) / 8;
-    const uint64_t elements = tensor.bytes.size() / element;
-    const bool all = tensor.name == kRewrittenTensor;
-    const auto changes = all ? elements : static_cast<uint64_t>(static_cast<double>(elements) * fraction);
-    for (uint64_t i = 0; i < changes; ++i) {
-      const uint64_t index = all ? i : random() % elements;
-      tensor.bytes[index * element] ^= std::byte{1};
-    }
-  }
-  return next;
+/// `base` after one step: testing::changed_copy(), with every element of kRewrittenTensor.
+MemoryCheckpoint stepped_copy(const MemoryCheckpoint& base, double fraction, uint64_t seed) {
+  return testing::changed_copy(base, fraction, seed, kRewrittenTensor);
 }
 
 const MemoryCheckpoint& version_b() {
-  static const MemoryCheckpoint next = changed_copy(version_a(), 0.01, 46);
+  static const MemoryCheckpoint next = stepped_copy(version_a(), 0.01, 46);
   return next;
 }
 
@@ -149,7 +135,7 @@ TEST(Delta, Fp8BlockScaledExpertsTakeTheirChangedCodesAndScalesAtTensorParallelW
   SynthOptions synth = testing::synth_options("qwen3_moe", 1);
   synth.quantize = SynthOptions::Quantization::kFp8Block;
   const MemoryCheckpoint base = testing::synth_in_memory(synth);
-  const MemoryCheckpoint next = changed_copy(base, 0.01, 48);
+  const MemoryCheckpoint next = stepped_copy(base, 0.01, 48);
   LayoutOptions options;
   options.parallel.ep_size = 2;
   options.parallel.ep_rank = 1;
@@ -210,7 +196,7 @@ TEST(Delta, Bf16WeightsIntoAnFp8ModelAreQuantizedAtTheSenderAndMoveOnlyChangedCo
   SynthOptions bf16 = testing::synth_options("llama", 5);
   bf16.block_aligned = true;
   const MemoryCheckpoint base = testing::synth_in_memory(fp8);
-  const MemoryCheckpoint next = changed_copy(testing::synth_in_memory(bf16), 0.01, 49);
+  const MemoryCheckpoint next = stepped_copy(testing::synth_in_memory(bf16), 0.01, 49);
   for (auto [tp_size, tp_rank] : {std::pair<int64_t, int64_t>{1, 0}, {2, 1}}) {
     ModelLayout layout = host_layout(base, tp_size, tp_rank);
     run_load(layout, LoadMode::kCold, {base.views()});
@@ -264,7 +250,7 @@ TEST(Delta, UpdatesChainFromVersionToVersionOverOneConnection) {
   ModelLayout layout = cold_loaded_layout(version_a());
   UpdateReceiver receiver(layout, receiver_options(TransportKind::kShm));
   receiver.set_version(kVersionA);
-  const MemoryCheckpoint version_c = changed_copy(version_b(), 0.01, 47);
+  const MemoryCheckpoint version_c = stepped_copy(version_b(), 0.01, 47);
   auto trainer = std::async(std::launch::async, [&, address = receiver.address()] {
     UpdateSender sender(address, sender_options(TransportKind::kShm, 1 << 20));
     for (auto [base, next, versions] : {std::tuple{&version_a(), &version_b(), UpdateVersions{kVersionA, kVersionB}},
@@ -392,33 +378,9 @@ std::string receive_hand_made_delta(UpdateReceiver& receiver, const MemoryTensor
                                     std::vector<std::byte> payload,
                                     const UpdateVersions& versions = {kVersionA, kVersionB}) {
   auto receiving = std::async(std::launch::async, [&] { return error_text([&] { receiver.receive(10s); }); });
-  using namespace transfer;
-  const auto timeout = std::chrono::milliseconds(10'000);
-  Connection connection = connect_to(receiver.address(), timeout, "receiver");
-  prove_to_server(connection, kUpdateHandshake, "shared-secret", timeout, "receiver");
-  Message hello;
-  hello.type = MessageType::kHello;
-  hello.transport = TransportKind::kTcp;
-  hello.bucket_bytes = 1 << 20;
-  connection.send(hello, timeout);
-  EXPECT_EQ(connection.receive(timeout, "WELCOME").message.type, MessageType::kWelcome);
-  Message start;
-  start.type = MessageType::kStart;
-  start.versions = versions;
-  start.declared = declared_tensors(std::vector{tensor.view()});
-  connection.send(start, timeout);
-  EXPECT_EQ(connection.receive(timeout, "ACCEPTED").message.type, MessageType::kAccepted);
-  Message bucket;
-  bucket.type = MessageType::kBucket;
-  bucket.manifest.bytes = payload.size();
-  BucketEntry& entry = bucket.manifest.entries.emplace_back();
-  entry.name = tensor.name;
-  entry.dtype = tensor.dtype;
-  entry.shape = tensor.shape;
-  entry.bytes = payload.size();
-  entry.encoding = EntryEncoding::kChangedElements;
-  connection.send(bucket, timeout);
-  connection.send_bytes(payload, timeout, "payload");
+  transfer::Message accepted;
+  transfer::Connection connection = testing::start_hand_made_delta(receiver.address(), tensor, versions, accepted);
+  testing::send_hand_made_bucket(connection, tensor, payload);
   return receiving.get();
 }
 

@@ -127,6 +127,8 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   report.report.connect_seconds = 0.125;
   report.report.phases.first_bucket = 0.5;
   report.report.phases.closing = 0.0625;
+  report.report.phases.verifying = 0.03125;
+  report.report.checked_tensors = 9;
   report.report.counters.model_hook_runs = 1;
   report.report.completed_layers = {-1, 0, 1};
   parsed = parse_body(MessageType::kReport, encode_body(report), "peer");
@@ -138,6 +140,8 @@ TEST(Wire, HelloReportAndErrorRoundTrip) {
   EXPECT_EQ(parsed.report.regions, 2u);
   EXPECT_EQ(parsed.report.connect_seconds, 0.125);
   EXPECT_EQ(parsed.report.phases.first_bucket, 0.5);
+  EXPECT_EQ(parsed.report.phases.verifying, 0.03125);
+  EXPECT_EQ(parsed.report.checked_tensors, 9u);
   EXPECT_EQ(parsed.report.phases.closing, 0.0625);
 }
 
@@ -149,8 +153,8 @@ TEST(Wire, HeadersAreChecked) {
   EXPECT_THAT(error_text([&] { parse_header(bad_magic, "tcp peer 10.0.0.1:9"); }),
               HasSubstr("frame header from tcp peer 10.0.0.1:9: bad magic"));
   auto version = header;
-  version[4] = std::byte{9};
-  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 9, this build speaks " + std::to_string(kProtocolVersion)));
+  version[4] = std::byte{99};
+  EXPECT_THAT(error_text([&] { parse_header(version, "peer"); }), HasSubstr("protocol version 99, this build speaks " + std::to_string(kProtocolVersion)));
   auto type = header;
   type[6] = std::byte{77};
   EXPECT_THAT(error_text([&] { parse_header(type, "peer"); }), HasSubstr("unknown message type 77"));
@@ -203,7 +207,7 @@ Message start_message() {
   return message;
 }
 
-TEST(Wire, StartCarriesTheManifestAndAcceptedIsEmpty) {
+TEST(Wire, StartCarriesTheManifestAndAFullUpdatesAcceptedNoWindows) {
   Message message = start_message();
   std::vector<std::byte> body = encode_body(message);
   Message parsed = parse_body(MessageType::kStart, body, "peer");
@@ -219,11 +223,37 @@ TEST(Wire, StartCarriesTheManifestAndAcceptedIsEmpty) {
   EXPECT_TRUE(parse_body(MessageType::kStart, encode_body(empty), "peer").declared.empty());
   Message accepted;
   accepted.type = MessageType::kAccepted;
-  EXPECT_TRUE(encode_body(accepted).empty());
-  EXPECT_EQ(parse_body(MessageType::kAccepted, {}, "peer").type, MessageType::kAccepted);
-  EXPECT_THAT(error_text([&] { parse_body(MessageType::kAccepted, std::vector<std::byte>(1), "peer"); }),
+  EXPECT_EQ(encode_body(accepted).size(), 4u);  // a full update's: no windows
+  EXPECT_TRUE(parse_body(MessageType::kAccepted, encode_body(accepted), "peer").held.empty());
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kAccepted, std::vector<std::byte>(5), "peer"); }),
               HasSubstr("ACCEPTED message from peer: end: 1 trailing bytes"));
   EXPECT_EQ(message_type_name(MessageType::kAccepted), "ACCEPTED");
+}
+
+TEST(Wire, ADeltasWindowsAndDigestsRoundTripAndAreBounded) {
+  Message accepted;
+  accepted.type = MessageType::kAccepted;
+  accepted.held = {{{0, 64, 0, 128}}, {}, {{1, 2, 3, 4}, {5, 6, 7, 8}}};
+  std::vector<std::byte> body = encode_body(accepted);
+  EXPECT_EQ(parse_body(MessageType::kAccepted, body, "peer").held, accepted.held);
+  body.resize(body.size() - 8);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kAccepted, body, "peer"); }),
+              HasSubstr("ACCEPTED message from peer: windows: 2 windows do not fit"));
+  std::vector<std::byte> many(8, std::byte{0xff});
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kAccepted, many, "peer"); }),
+              HasSubstr("count: 4294967295 tensors do not fit"));
+
+  Message finish;
+  finish.type = MessageType::kFinish;
+  finish.buckets = 7;
+  finish.digests = {{0, 0x1234}, {5, ~0ull}};
+  Message parsed = parse_body(MessageType::kFinish, encode_body(finish), "peer");
+  EXPECT_EQ(parsed.buckets, 7u);
+  EXPECT_EQ(parsed.digests, finish.digests);
+  body = encode_body(finish);
+  body.resize(body.size() - 1);
+  EXPECT_THAT(error_text([&] { parse_body(MessageType::kFinish, body, "peer"); }),
+              HasSubstr("FINISH message from peer: digests: 2 digests do not fit"));
 }
 
 TEST(Wire, ARefusalTooLongForOneMessageIsCutToFit) {

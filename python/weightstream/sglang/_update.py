@@ -24,7 +24,7 @@ import torch
 
 from .. import _core
 from .._engine import check_in_place, model_metrics, store_binding, stored_binding
-from .._push import check_transport, free_addresses, make_senders, send_update
+from .._push import check_transport, free_addresses, host_copies, make_senders, send_deltas, send_update
 from .._receiver import UpdateReceiver
 from . import UPDATE_LOADER, logger
 
@@ -113,7 +113,13 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
         except _core.Error:
             pass  # refuse() always raises; the engine's own reason is the one to report
         raise unfit
-    report = receiver.receive(accept_timeout=request["accept_timeout"])
+    # The version the model holds (what the last update named), for a delta's check at START:
+    # a receiver lives for one update, the model for all of them.
+    receiver.version = getattr(model, "_weightstream_version", "")
+    try:
+        report = receiver.receive(accept_timeout=request["accept_timeout"])
+    finally:
+        object.__setattr__(model, "_weightstream_version", receiver.version)
     # What the model's load_weights would run at its end (DeepSeek's w_kc and w_vc from
     # kv_b_proj); SGLang's end_weight_update leaves it to the load.
     from sglang.srt.model_loader.loader import post_load_weights  # noqa: PLC0415
@@ -126,13 +132,13 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
 
 
 def _connect(addresses: List[str], transport: str, token: str, bucket_bytes: Optional[int], timeout: float,
-             engine: threading.Thread, deadline: float) -> Optional[List[Any]]:
+             engine: threading.Thread, deadline: float, one_each: bool = False) -> Optional[List[Any]]:
     """The senders of ``addresses``, once every rank's receiver listens: the engine opens
     them when its update call reaches the custom weight loader. None when the engine's call
     returned first (its failure is the one to report); the last connect error at ``deadline``."""
     while True:
         try:
-            return make_senders(addresses, transport, token, "cpu", bucket_bytes, timeout)
+            return make_senders(addresses, transport, token, "cpu", bucket_bytes, timeout, one_each=one_each)
         except _core.Error as error:
             if "cannot connect" not in str(error) or time.monotonic() > deadline:
                 raise
@@ -145,7 +151,8 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
                 tp_size: int = 1, transport: str = "shm", token: str, addresses: Optional[Sequence[str]] = None,
                 ranks: Optional[Sequence[int]] = None, format: str = "checkpoint",
                 bucket_bytes: Optional[int] = None, timeout: float = 30.0,
-                accept_timeout: float = 600.0) -> Dict[str, Any]:
+                accept_timeout: float = 600.0, target: str = "", base: str = "",
+                base_tensors: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, Any]:
     """One update of ``tensors`` into a running SGLang: ``update_weights_from_tensor`` is
     called (on a thread of its own) as SGLang's Engine takes it, with ``named_tensors`` the
     request and ``load_format`` UPDATE_LOADER; the tensors are pushed to every rank's
@@ -155,7 +162,14 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     beside each rank pushes to its own). Returns {"engine": what the engine's call returned,
     "senders": each sender's report}. Raises the first failure of either side: a refused
     update raises weightstream.Error with the engine's reason; an engine call that fails before
-    its receivers listen raises its own error."""
+    its receivers listen raises its own error.
+
+    ``target`` names the version the ranks hold after the update (docs/DELTA.md). With
+    ``base`` (the version they hold now) and ``base_tensors`` (its host tensors, by name), a
+    delta update: only the elements that changed since then travel, each rank receiving only
+    those it holds, through ``UpdateSender.update_changes`` (checkpoint format, shm or tcp)."""
+    if base and (base_tensors is None or format != "checkpoint"):
+        raise ValueError("weightstream push_update: a delta (base=...) needs base_tensors, in checkpoint format")
     addresses = list(addresses) if addresses else free_addresses(transport, tp_size)
     request = update_request(addresses, transport, token, timeout, accept_timeout)
     outcome: Dict[str, Any] = {}
@@ -170,10 +184,13 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     engine.start()
     try:
         pushed = [addresses[rank] for rank in ranks] if ranks is not None else addresses
-        senders = _connect(pushed, transport, token, bucket_bytes, timeout, engine, time.monotonic() + accept_timeout)
-        if senders is not None:
+        senders = _connect(pushed, transport, token, bucket_bytes, timeout, engine, time.monotonic() + accept_timeout,
+                           one_each=bool(base))
+        if senders is not None and base:
+            outcome["senders"] = send_deltas(senders, base_tensors, host_copies(list(tensors)), base, target)
+        elif senders is not None:
             listed = list(tensors)  # references: the manifest is declared before the first byte
-            outcome["senders"] = [send_update(sender, listed, format) for sender in senders]
+            outcome["senders"] = [send_update(sender, listed, format, target) for sender in senders]
     finally:
         engine.join(timeout=accept_timeout)
     if "failure" in outcome:
