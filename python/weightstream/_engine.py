@@ -280,15 +280,19 @@ def _mismatch(target: str, tensor: Optional[torch.Tensor], dtype: str, shape: Tu
 
 
 def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: torch.dtype, parallel: Parallel,
-                candidates: Candidates, engine: str, logger: logging.Logger) -> BoundModel:
+                candidates: Candidates, engine: str, logger: logging.Logger,
+                from_target: Iterable[str] = ()) -> BoundModel:
     """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
     MTP layers) in the dtype of the model's own parameters, and binds every layout parameter
     to the model's parameter or buffer of the same name (``candidates``: the engine's names),
     dtype and shape, in one call. A layout parameter the model holds otherwise is removed from
     the layout, never allocated: the checkpoint tensors that fill it go through the model's
-    load_weights. Raises NoMappingTable for an architecture, quantization or dtype
-    weightstream has no table for, and weightstream.Error when nothing binds, saying why for
-    the first parameters."""
+    load_weights. ``from_target``: the draft model's parameters its engine gives the target's
+    tensors after the load (SGLang's NextN draft takes the target's embedding and lm_head):
+    the layout parameters they would bind are removed, their checkpoint tensors read by no
+    one, and nothing loads them. Raises NoMappingTable for an architecture, quantization or
+    dtype weightstream has no table for, and weightstream.Error when nothing binds, saying
+    why for the first parameters."""
     model_type = str(config.get("model_type", ""))
     tensors = walked.tensors
     dtype = parameter_dtype(tensors, role, candidates, dtype)
@@ -307,9 +311,13 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
         raise
     matched: Dict[str, Tuple[str, torch.Tensor]] = {}
     unbound: Dict[str, str] = {}
+    from_target = set(from_target)
     for layout_name, layout_dtype, shape in layout.parameters:
         names = candidates(layout_name, role)
         target = next((candidate for candidate in names if candidate in tensors), names[0])
+        if target in from_target:
+            layout.remove_parameter(layout_name, f"the target's: the {engine} draft's {target} is its target's")
+            continue
         tensor = tensors.get(target)
         why = _mismatch(target, tensor, layout_dtype, shape)
         if why is None:
@@ -352,7 +360,7 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
                  "model; they load through its load_weights, the rest in place: %s", len(unbound),
                  len(unbound) + len(bound), layout.description, engine,
                  first_names(f"{n}: {why}" for n, why in unbound.items()))
-    model_only = set(walked.parameter_names) - set(bound.values())
+    model_only = set(walked.parameter_names) - set(bound.values()) - from_target
     return BoundModel(layout=layout, role=role, bound=bound, unbound=unbound, device=device,
                       description=layout.description, engine=engine, addresses=addresses,
                       unbound_tensors=unbound_tensors, model_only=model_only)
