@@ -26,5 +26,6 @@ started=$(date +%s)
 # SGLang's CPU engine; the sgl_kernel stub before the real (CUDA-only) one.
 export SGLANG_USE_CPU_ENGINE=1
 PYTHONPATH="$root/tests/python/sglang_stubs:$python_site" "$venv/bin/python" -m pytest -q \
-  "$root/tests/python/test_sglang.py" "$root/tests/python/test_sglang_models.py" "$@"
+  "$root/tests/python/test_sglang.py" "$root/tests/python/test_sglang_models.py" \
+  "$root/tests/python/test_sglang_engine.py" "$@"
 echo "SGLang stage: $(( $(date +%s) - started )) s of tests"

@@ -117,9 +117,14 @@ def push_to_target_and_draft(target: Any, draft: Any, tensors: List[Tuple[str, t
 
     runners = (target, draft)
 
-    def update_weights_from_tensor(named_tensors: Any, load_format: str) -> List[Tuple[bool, str]]:
-        return [runner.weight_updater.update_weights_from_tensor(named_tensors=named_tensors, load_format=load_format)
-                for runner in runners]
+    def update_weights_from_tensor(named_tensors: Any, load_format: str) -> Tuple[bool, str]:
+        success, message = True, "Success"
+        for runner in runners:
+            success, message = runner.weight_updater.update_weights_from_tensor(named_tensors=named_tensors,
+                                                                                load_format=load_format)
+            if not success:
+                break
+        return success, message
 
     for runner in runners:
         runner.weight_updater.begin_weight_update()
@@ -187,7 +192,7 @@ def draft_update(target: Any, draft: Any, pushed: str, b: str, layers: int, tp_s
     report = push_to_target_and_draft(target, draft, sorted(checkpoint_tensors(pushed).items()),
                                       mtp_tensors(pushed, layers), tp_size, rank)
     outcome: Dict[str, Any] = {
-        "engine": [list(call) for call in report["engine"]],
+        "engine": list(report["engine"]),
         "draft_bytes": report["draft_senders"][0].get("bytes"),
         "received": dict(getattr(draft.model, "_weightstream_last_update", {})),
         "target_differences": differences(target.model, default_target(target, b)),

@@ -178,7 +178,8 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     Returns {"engine": what the engine's call returned, "senders": each sender's report,
     "draft_senders": the draft's}. Raises the first failure of either side: a refused
     update raises weightstream.Error with the engine's reason; an engine call that fails before
-    its receivers listen raises its own error."""
+    its receivers listen raises its own error, or weightstream.Error with the message of the
+    (False, message) SGLang answered."""
     addresses = list(addresses) if addresses else free_addresses(transport, tp_size)
     if draft_tensors is not None:
         draft_addresses = list(draft_addresses) if draft_addresses else free_addresses(transport, tp_size)
@@ -212,4 +213,8 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
         engine.join(timeout=accept_timeout)
     if "failure" in outcome:
         raise outcome["failure"]
+    answer = outcome.get("engine")
+    if isinstance(answer, tuple) and len(answer) == 2 and answer[0] is False:
+        # SGLang's Engine answers (success, message): a refused update is not a silent one.
+        raise _core.Error(f"SGLang's update_weights_from_tensor failed: {answer[1]}")
     return outcome
