@@ -16,7 +16,6 @@ so the comparison leaves them out and checks that weightstream wrote neither.
 from __future__ import annotations
 
 import contextlib
-import traceback
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -24,11 +23,11 @@ import torch
 from engine_checkpoints import checkpoint_tensors, rank_bytes
 from sglang_models import (
     UPDATE_TOKEN,
-    LogRecorder,
     addresses,
     build,
     differences,
     rank_addresses,
+    recorded,
     state_of,
     through_load_weights,
 )
@@ -147,16 +146,10 @@ def run_draft_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: 
     kind = "fp8" if scenario.get("fp8") else "bf16"
     family = scenario["family"]
     a, b = paths[f"{family}-{kind}-mtp-a"], paths[f"{family}-{kind}-mtp-b"]
-    recorder = LogRecorder()
-    import logging  # noqa: PLC0415
 
-    logging.getLogger("sglang.weightstream").addHandler(recorder)
-    logging.getLogger("sglang.weightstream").setLevel(logging.INFO)
-    result: Dict[str, Any] = {"scenario": scenario}
-    try:
+    def body(result: Dict[str, Any]) -> None:
         target = build(a, tp_size, rank, bool(scenario.get("ep")), "weightstream", port, speculative=True)
         draft = build_draft(target, port)
-        layers = target.model_config.hf_config.num_hidden_layers
         result["class"] = type(draft.model).__name__
         result["modules"] = {}
         for role, runner, reference in (("target", target, default_target(target, a)),
@@ -170,15 +163,10 @@ def run_draft_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: 
         # The two the draft takes from its target are bound to nothing, read by no one.
         result["bound_from_target"] = [name for name in draft.model._weightstream_binding.bound.values()
                                        if name in FROM_TARGET]
-        result["update"] = draft_update(target, draft, paths[f"{family}-bf16-mtp-b"], b, layers, tp_size, rank)
-        result["log"] = [m for m in recorder.messages if "weightstream" in m]
-        result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["ok"] = False
-        result["error"] = traceback.format_exc()
-    finally:
-        logging.getLogger("sglang.weightstream").removeHandler(recorder)
-    return result
+        result["update"] = draft_update(target, draft, paths[f"{family}-bf16-mtp-b"], b,
+                                        target.model_config.hf_config.num_hidden_layers, tp_size, rank)
+
+    return recorded(scenario, body)
 
 
 def draft_update(target: Any, draft: Any, pushed: str, b: str, layers: int, tp_size: int,

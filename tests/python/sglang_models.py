@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -185,6 +185,26 @@ class LogRecorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def recorded(scenario: Dict[str, Any], body: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """Runs ``body(result)`` with weightstream's SGLang log recorded (from INFO) into
+    result["log"]; then result["ok"], or result["error"], the traceback of what it raised."""
+    recorder = LogRecorder()
+    logger = logging.getLogger("sglang.weightstream")
+    logger.addHandler(recorder)
+    logger.setLevel(logging.INFO)
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        body(result)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        logger.removeHandler(recorder)
+        result["log"] = [message for message in recorder.messages if "weightstream" in message]
+    return result
+
+
 def through_load_weights(model: torch.nn.Module) -> List[str]:
     """Wraps the model's load_weights so that every tensor it is given is recorded."""
     seen: List[str] = []
@@ -239,20 +259,16 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
     family, ep = scenario["family"], scenario["ep"]
     kind = "fp8" if scenario.get("fp8") else "bf16"
     a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
-    recorder = LogRecorder()
-    logging.getLogger("sglang.weightstream").addHandler(recorder)
-    logging.getLogger("sglang.weightstream").setLevel(logging.INFO)
-    result: Dict[str, Any] = {"scenario": scenario}
-    try:
+
+    def body(result: Dict[str, Any]) -> None:
         runner = build(a, tp_size, rank, ep, "weightstream", port)
         ours = runner.model
         reference_a = default_load(runner)
-        loader_load = getattr(ours, "_weightstream_binding", None)
         result["class"] = type(ours).__name__
         result["load_differences"] = differences(ours, reference_a)
         result["parameters"] = len(state_of(ours))
         result["dtypes"] = sorted({str(t.dtype) for t in ours.parameters()})
-        bound = loader_load
+        bound = getattr(ours, "_weightstream_binding", None)
         result["bound"] = bound is not None
         if bound is not None:
             result["unbound"] = dict(bound.unbound)
@@ -269,14 +285,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
         if scenario.get("update"):
             result["updates"] = updates(runner, family, kind, paths, reference_a, tp_size, rank)
             result["refused"] = refused_update(runner, b, default_load_of(runner, b), tp_size, rank)
-        result["log"] = [m for m in recorder.messages if "weightstream" in m]
-        result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["ok"] = False
-        result["error"] = traceback.format_exc()
-    finally:
-        logging.getLogger("sglang.weightstream").removeHandler(recorder)
-    return result
+
+    return recorded(scenario, body)
 
 
 def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], reference_a: torch.nn.Module,
@@ -361,10 +371,8 @@ def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
     """A model weightstream has no layout for: it loads through SGLang's load_weights, fed by
     weightstream's streamer, equal to SGLang's default load; a pushed update is refused."""
     path = paths["fallback"]
-    recorder = LogRecorder()
-    logging.getLogger("sglang.weightstream").addHandler(recorder)
-    result: Dict[str, Any] = {"scenario": scenario}
-    try:
+
+    def body(result: Dict[str, Any]) -> None:
         runner = build(path, tp_size, rank, False, "weightstream", port)
         result["class"] = type(runner.model).__name__
         result["load"] = dict(runner.model._weightstream_last_load)
@@ -374,14 +382,8 @@ def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
             result["update_error"] = ""
         except Exception as error:  # noqa: BLE001 - its text is the result
             result["update_error"] = str(error)
-        result["log"] = [m for m in recorder.messages if "weightstream" in m]
-        result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["ok"] = False
-        result["error"] = traceback.format_exc()
-    finally:
-        logging.getLogger("sglang.weightstream").removeHandler(recorder)
-    return result
+
+    return recorded(scenario, body)
 
 
 def run_replaced_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
