@@ -279,9 +279,15 @@ def _mismatch(target: str, tensor: Optional[torch.Tensor], dtype: str, shape: Tu
     return None
 
 
+def _held_wider(tensor: Optional[torch.Tensor], dtype: str, shape: Tuple[int, ...]) -> bool:
+    """Whether the model holds in F32, contiguous, a parameter the layout has in BF16 or F16."""
+    return tensor is not None and tensor.dtype == torch.float32 and dtype in ("BF16", "F16") and \
+        tuple(tensor.shape) == tuple(shape) and tensor.is_contiguous()
+
+
 def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: torch.dtype, parallel: Parallel,
                 candidates: Candidates, engine: str, logger: logging.Logger,
-                from_target: Iterable[str] = ()) -> BoundModel:
+                from_target: Iterable[str] = (), wider_floats: bool = False) -> BoundModel:
     """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
     MTP layers) in the dtype of the model's own parameters, and binds every layout parameter
     to the model's parameter or buffer of the same name (``candidates``: the engine's names),
@@ -290,9 +296,11 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
     load_weights. ``from_target``: the draft model's parameters its engine gives the target's
     tensors after the load (SGLang's NextN draft takes the target's embedding and lm_head):
     the layout parameters they would bind are removed, their checkpoint tensors read by no
-    one, and nothing loads them. Raises NoMappingTable for an architecture, quantization or
-    dtype weightstream has no table for, and weightstream.Error when nothing binds, saying
-    why for the first parameters."""
+    one, and nothing loads them. ``wider_floats``: a parameter the model holds in F32 where the
+    layout's is BF16 or F16 (SGLang keeps GLM-4.5's MoE router so) is held in F32 by the
+    layout too (ModelLayout.hold_as), its checkpoint values widened as they are written.
+    Raises NoMappingTable for an architecture, quantization or dtype weightstream has no table
+    for, and weightstream.Error when nothing binds, saying why for the first parameters."""
     model_type = str(config.get("model_type", ""))
     tensors = walked.tensors
     dtype = parameter_dtype(tensors, role, candidates, dtype)
@@ -320,6 +328,12 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
             continue
         tensor = tensors.get(target)
         why = _mismatch(target, tensor, layout_dtype, shape)
+        if why is not None and wider_floats and _held_wider(tensor, layout_dtype, shape):
+            try:
+                layout.hold_as(layout_name, "F32")
+                why = None
+            except _core.Error as error:  # an FP8 block-scaled weight or its scales: held otherwise
+                why = f"{why} ({error})"
         if why is None:
             matched[layout_name] = (target, tensor)
         else:

@@ -159,8 +159,10 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], quantization: Opt
     weightstream has no table for."""
     if quantization not in BOUND_QUANTIZATIONS:
         raise NoMappingTable(f"quantization '{quantization}'")
+    # SGLang holds some routers in F32 (GLM-4.5's mlp.gate) where the checkpoint's are BF16.
     return bind_layout(model_tensors(model, is_fused_experts), config, role, dtype, parallel_ranks(model),
-                       model_candidates, "SGLang", logger, DRAFT_FROM_TARGET if role == "draft" else ())
+                       model_candidates, "SGLang", logger, DRAFT_FROM_TARGET if role == "draft" else (),
+                       wider_floats=True)
 
 
 class WeightstreamModelLoader(DefaultModelLoader):
