@@ -13,6 +13,8 @@
 #                      filled with sglang==$WS_SGLANG_VERSION, transformers, boto3 and pytest when it lacks them)
 #   WS_SGLANG_VERSION  the SGLang release to install (default 0.5.23, the one weightstream.sglang
 #                      was written against)
+#   WS_VLLM_VENV       vLLM's environment, for the pulls between an SGLang and a vLLM instance
+#                      (default build/venv-vllm where scripts/vllm-test.sh made it; skipped without)
 # The package is built from this checkout with the system python3 into build/python-site
 # (as scripts/test.sh does), which the environment's python (the same Python version) imports.
 set -euo pipefail
@@ -25,7 +27,11 @@ started=$(date +%s)
 . "$root/scripts/moto-server.sh" "$build/moto-sglang.log"
 # SGLang's CPU engine; the sgl_kernel stub before the real (CUDA-only) one.
 export SGLANG_USE_CPU_ENGINE=1
+if [ -z "${WS_VLLM_VENV:-}" ] && [ -x "$build/venv-vllm/bin/python" ]; then
+  export WS_VLLM_VENV="$build/venv-vllm"
+fi
 PYTHONPATH="$root/tests/python/sglang_stubs:$python_site" "$venv/bin/python" -m pytest -q \
   "$root/tests/python/test_sglang.py" "$root/tests/python/test_sglang_models.py" \
-  "$root/tests/python/test_sglang_metrics.py" "$@"
+  "$root/tests/python/test_sglang_metrics.py" "$root/tests/python/test_sglang_engine.py" \
+  "$root/tests/python/test_sglang_vllm_peers.py" "$@"
 echo "SGLang stage: $(( $(date +%s) - started )) s of tests"

@@ -305,6 +305,13 @@ class ModelLayout {
   /// storage is bound or allocated, a hook added or a load run (indices stay stable after).
   /// Throws Error(kNotFound) when there is no such parameter, Error(kModel) when too late.
   void remove_parameter(std::string_view name, const std::string& reason);
+  /// Holds parameter `name` in `dtype`, a float dtype other than the one the mapping rules
+  /// gave it (an engine that keeps a BF16 checkpoint's MoE router in F32): its parts are
+  /// converted as they are written, as for a rule that names its own dtype. Only a float
+  /// parameter that is neither processed nor FP8 block-scaled (nor a block scale), before
+  /// any storage is bound or allocated, a hook added or a load run. Throws Error(kNotFound)
+  /// when there is no such parameter, Error(kModel) for any other case.
+  void hold_as(std::string_view name, Dtype dtype);
   /// The device the layout's storage lives on: set by set_device, allocate or the first
   /// bind (CPU before any of them).
   const Device& device() const noexcept { return device_; }
@@ -328,6 +335,11 @@ class ModelLayout {
 
  private:
   friend class LoadSession;
+  /// Throws Error(kModel), `what` (what cannot be done, to which parameter) and why, once
+  /// storage was bound or allocated, a hook added or a load run.
+  void expect_untouched(const std::string& what) const;
+  /// Declares `parameters` again, in their order, in place of the layout's own.
+  void redeclare(std::vector<Parameter> parameters);
   std::string description_;
   struct NameIndex;  // parameter index by name (hashed, string_view lookups)
   std::vector<Parameter> parameters_;

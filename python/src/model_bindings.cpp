@@ -753,6 +753,18 @@ void bind_model(nb::module_& m) {
            "Removes parameter `name` (the engine fills it by other means): the layout never allocates, fills "
            "or checks it, and its checkpoint tensors that fill no other parameter are skipped with `reason`. "
            "Only before anything is bound or allocated.")
+      .def("hold_as",
+           [](LayoutHandle& handle, const std::string& name, const std::string& dtype) {
+             auto parsed = dtype_from_name(dtype);
+             WS_EXPECT(parsed.has_value(), ErrorCode::kInvalidArgument,
+                       "cannot hold parameter " + name + " in '" + dtype + "': not a safetensors dtype");
+             handle.layout.hold_as(name, *parsed);
+           },
+           "name"_a, "dtype"_a,
+           "Holds parameter `name` in `dtype` (\"F32\", \"BF16\", \"F16\"), another float dtype than its "
+           "rule's (an engine that keeps a BF16 checkpoint's MoE router in F32): its parts convert as they are "
+           "written. Only an unprocessed float parameter, not FP8 block-scaled, before anything is bound or "
+           "allocated.")
       .def("allocate_at_first_load",
            [](LayoutHandle& handle, const std::string& device) {
              auto parsed = parse_device(device);

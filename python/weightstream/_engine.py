@@ -298,16 +298,28 @@ def _mismatch(target: str, tensor: Optional[torch.Tensor], dtype: str, shape: Tu
     return None
 
 
+def _held_wider(tensor: Optional[torch.Tensor], dtype: str, shape: Tuple[int, ...]) -> bool:
+    """Whether the model holds in F32, contiguous, a parameter the layout has in BF16 or F16."""
+    return tensor is not None and tensor.dtype == torch.float32 and dtype in ("BF16", "F16") and \
+        tuple(tensor.shape) == tuple(shape) and tensor.is_contiguous()
+
+
 def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: torch.dtype, parallel: Parallel,
-                candidates: Candidates, engine: str, logger: logging.Logger) -> BoundModel:
+                candidates: Candidates, engine: str, logger: logging.Logger,
+                from_target: Iterable[str] = (), wider_floats: bool = False) -> BoundModel:
     """Builds this rank's layout of ``config`` (the target without MTP layers, or the draft's
     MTP layers) in the dtype of the model's own parameters, and binds every layout parameter
     to the model's parameter or buffer of the same name (``candidates``: the engine's names),
     dtype and shape, in one call. A layout parameter the model holds otherwise is removed from
     the layout, never allocated: the checkpoint tensors that fill it go through the model's
-    load_weights. Raises NoMappingTable for an architecture, quantization or dtype
-    weightstream has no table for, and weightstream.Error when nothing binds, saying why for
-    the first parameters."""
+    load_weights. ``from_target``: the draft model's parameters its engine gives the target's
+    tensors after the load (SGLang's NextN draft takes the target's embedding and lm_head):
+    the layout parameters they would bind are removed, their checkpoint tensors read by no
+    one, and nothing loads them. ``wider_floats``: a parameter the model holds in F32 where the
+    layout's is BF16 or F16 (SGLang keeps GLM-4.5's MoE router so) is held in F32 by the
+    layout too (ModelLayout.hold_as), its checkpoint values widened as they are written.
+    Raises NoMappingTable for an architecture, quantization or dtype weightstream has no table
+    for, and weightstream.Error when nothing binds, saying why for the first parameters."""
     model_type = str(config.get("model_type", ""))
     tensors = walked.tensors
     dtype = parameter_dtype(tensors, role, candidates, dtype)
@@ -326,11 +338,21 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
         raise
     matched: Dict[str, Tuple[str, torch.Tensor]] = {}
     unbound: Dict[str, str] = {}
+    from_target = set(from_target)
     for layout_name, layout_dtype, shape in layout.parameters:
         names = candidates(layout_name, role)
         target = next((candidate for candidate in names if candidate in tensors), names[0])
+        if target in from_target:
+            layout.remove_parameter(layout_name, f"the target's: the {engine} draft's {target} is its target's")
+            continue
         tensor = tensors.get(target)
         why = _mismatch(target, tensor, layout_dtype, shape)
+        if why is not None and wider_floats and _held_wider(tensor, layout_dtype, shape):
+            try:
+                layout.hold_as(layout_name, "F32")
+                why = None
+            except _core.Error as error:  # an FP8 block-scaled weight or its scales: held otherwise
+                why = f"{why} ({error})"
         if why is None:
             matched[layout_name] = (target, tensor)
         else:
@@ -371,7 +393,7 @@ def bind_layout(walked: ModelTensors, config: Dict[str, Any], role: str, dtype: 
                  "model; they load through its load_weights, the rest in place: %s", len(unbound),
                  len(unbound) + len(bound), layout.description, engine,
                  first_names(f"{n}: {why}" for n, why in unbound.items()))
-    model_only = set(walked.parameter_names) - set(bound.values())
+    model_only = set(walked.parameter_names) - set(bound.values()) - from_target
     return BoundModel(layout=layout, role=role, bound=bound, unbound=unbound, device=device,
                       description=layout.description, engine=engine, addresses=addresses,
                       unbound_tensors=unbound_tensors, model_only=model_only)

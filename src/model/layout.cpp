@@ -395,15 +395,25 @@ void ModelLayout::share_storage(std::string_view name, const Parameter& owner, c
   parameter.device = owner.device;
 }
 
+void ModelLayout::expect_untouched(const std::string& what) const {
+  bool untouched = loads_finished_ == 0 && storage_.empty() && hooks_.empty() &&
+                   std::none_of(bound_.begin(), bound_.end(), [](bool bound) { return bound; });
+  WS_EXPECT(untouched, ErrorCode::kModel, what + ": storage was bound or allocated, a hook added or a load run already");
+}
+
+void ModelLayout::redeclare(std::vector<Parameter> parameters) {
+  parameters_.clear();
+  bound_.clear();
+  by_tensor_.clear();
+  by_name_->map.clear();
+  for (Parameter& parameter : parameters) add_parameter(std::move(parameter));
+}
+
 void ModelLayout::remove_parameter(std::string_view name, const std::string& reason) {
   auto index = find(name);
   WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
             "cannot remove parameter " + std::string(name) + ": it is not in " + description_);
-  bool untouched = loads_finished_ == 0 && storage_.empty() && hooks_.empty() &&
-                   std::none_of(bound_.begin(), bound_.end(), [](bool bound) { return bound; });
-  WS_EXPECT(untouched, ErrorCode::kModel,
-            "cannot remove parameter " + std::string(name) + " from " + description_ +
-                ": storage was bound or allocated, a hook added or a load run already");
+  expect_untouched("cannot remove parameter " + std::string(name) + " from " + description_);
   std::vector<Parameter> kept;
   kept.reserve(parameters_.size() - 1);
   std::vector<std::string> orphans;
@@ -414,14 +424,39 @@ void ModelLayout::remove_parameter(std::string_view name, const std::string& rea
     }
     kept.push_back(std::move(parameters_[i]));
   }
-  parameters_.clear();
-  bound_.clear();
-  by_tensor_.clear();
-  by_name_->map.clear();
-  for (Parameter& parameter : kept) add_parameter(std::move(parameter));
+  redeclare(std::move(kept));
   for (std::string& tensor : orphans) {
     if (!by_tensor_.contains(tensor)) skipped_.insert_or_assign(std::move(tensor), reason);
   }
+}
+
+namespace {
+
+/// The dtypes a load converts between as it writes (LoadSession's conversions).
+bool converts_on_write(Dtype dtype) { return dtype == Dtype::kBF16 || dtype == Dtype::kF16 || dtype == Dtype::kF32; }
+
+}  // namespace
+
+void ModelLayout::hold_as(std::string_view name, Dtype dtype) {
+  auto index = find(name);
+  WS_EXPECT(index.has_value(), ErrorCode::kNotFound,
+            "cannot hold parameter " + std::string(name) + " in another dtype: it is not in " + description_);
+  expect_untouched("cannot hold parameter " + std::string(name) + " of " + description_ + " in " +
+                   std::string(dtype_name(dtype)));
+  const Parameter& parameter = parameters_[*index];
+  bool scale = std::any_of(parameters_.begin(), parameters_.end(),
+                           [&](const Parameter& other) { return other.block_scale == parameter.name; });
+  WS_EXPECT(converts_on_write(dtype) && converts_on_write(parameter.dtype) &&
+                parameter.processing == Processing::kNone && parameter.block_scale.empty() && !scale,
+            ErrorCode::kModel,
+            "cannot hold parameter " + std::string(name) + " of " + description_ + " (" +
+                std::string(dtype_name(parameter.dtype)) + ") in " + std::string(dtype_name(dtype)) +
+                ": only an unprocessed float parameter, neither FP8 block-scaled nor a block scale, is held in "
+                "another of F16, BF16 and F32");
+  std::vector<Parameter> parameters = std::move(parameters_);
+  parameters[*index].dtype = dtype;
+  parameters[*index].load_dtype = dtype;
+  redeclare(std::move(parameters));
 }
 
 uint64_t ModelLayout::allocated_bytes() const noexcept {

@@ -407,5 +407,38 @@ TEST(ModelLayout, ARemovedParameterIsNeitherAllocatedNorFilledNorRequired) {
               HasSubstr("cannot remove parameter model.nothing: it is not in llama tp 1 rank 0"));
 }
 
+// An engine that keeps a BF16 checkpoint's parameter in F32 (SGLang's GLM-4.5 router): the
+// layout holds it in F32, a load converts its parts as it writes them, and its values are
+// the BF16 ones widened exactly.
+TEST(ModelLayout, AParameterHeldInAWiderFloatDtypeLoadsConverted) {
+  const MemoryCheckpoint& checkpoint = cached_checkpoint("llama");
+  ModelLayout layout = build_model_layout(checkpoint.config);
+  const std::string norm = "model.layers.0.input_layernorm.weight";
+  const uint64_t bf16_bytes = layout.parameter(norm).bytes();
+  layout.hold_as(norm, Dtype::kF32);
+  EXPECT_EQ(layout.parameter(norm).dtype, Dtype::kF32);
+  EXPECT_EQ(layout.parameter(norm).bytes(), 2 * bf16_bytes);
+  layout.allocate(Device{});
+  run_load(layout, LoadMode::kCold, {checkpoint.views()});
+  ModelLayout reference = cold_loaded_layout(checkpoint);
+  std::vector<std::byte> bf16 = bytes_of(reference, norm);
+  std::vector<std::byte> widened(bf16.size() * 2);
+  convert_elements(widened.data(), Dtype::kF32, bf16.data(), Dtype::kBF16, bf16.size() / 2);
+  EXPECT_EQ(bytes_of(layout, norm), widened);
+  for (const Parameter& parameter : layout.parameters()) {
+    if (parameter.name != norm) EXPECT_EQ(bytes_of(layout, parameter.name), bytes_of(reference, parameter.name));
+  }
+  EXPECT_THAT(bind_error([&] { layout.hold_as("model.norm.weight", Dtype::kF32); }),
+              HasSubstr("cannot hold parameter model.norm.weight of llama tp 1 rank 0 in F32: storage was bound or "
+                        "allocated, a hook added or a load run already"));
+  ModelLayout fresh = build_model_layout(checkpoint.config);
+  EXPECT_THAT(bind_error([&] { fresh.hold_as("model.norm.weight", Dtype::kI32); }),
+              HasSubstr("cannot hold parameter model.norm.weight of llama tp 1 rank 0 (BF16) in I32: only an "
+                        "unprocessed float parameter, neither FP8 block-scaled nor a block scale, is held in another "
+                        "of F16, BF16 and F32"));
+  EXPECT_THAT(bind_error([&] { fresh.hold_as("model.nothing", Dtype::kF32); }),
+              HasSubstr("cannot hold parameter model.nothing in another dtype: it is not in llama tp 1 rank 0"));
+}
+
 }  // namespace
 }  // namespace weightstream

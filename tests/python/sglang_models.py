@@ -32,7 +32,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -51,6 +51,7 @@ SGLANG_CONFIGS = {
     "llama": ({"vocab_size": 1024}, {}),
     "qwen3_moe": ({"vocab_size": 1024, "mlp_only_layers": []}, {}),
     "deepseek_v3": ({"vocab_size": 1024, "rope_scaling": _YARN}, {"moe_layer_freq": 1, "rope_scaling": _YARN}),
+    "glm4_moe": ({"vocab_size": 1024}, {}),
 }
 
 
@@ -71,35 +72,44 @@ def write_fallback_checkpoint(folder: str, seed: int) -> str:
     return folder
 
 
-def write_sglang_checkpoint(family: str, folder: str, seed: int, fp8: bool = False) -> str:
-    """engine_checkpoints.write_checkpoint with the family's config as SGLang takes it."""
+def write_sglang_checkpoint(family: str, folder: str, seed: int, fp8: bool = False, mtp: bool = False) -> str:
+    """engine_checkpoints.write_checkpoint with the family's config as SGLang takes it (``mtp``:
+    with its MTP layer)."""
     config, saved = SGLANG_CONFIGS[family]
-    return write_checkpoint(family, folder, seed, fp8=fp8, config_overrides=config, saved_overrides=saved)
+    return write_checkpoint(family, folder, seed, fp8=fp8, mtp=mtp, config_overrides=config, saved_overrides=saved)
 
 UPDATE_TOKEN = "update-secret"
 
 
+#: SGLang's arguments for an MTP draft of the target's own checkpoint (--speculative-algorithm
+#: NEXTN, one step).
+SPECULATIVE = dict(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_eagle_topk=1,
+                   speculative_num_draft_tokens=2)
+
+
 def server_args(path: str, tp_size: int, ep: bool, load_format: str, port: int,
-                extra: Dict[str, Any] = None) -> Any:
+                extra: Dict[str, Any] = None, speculative: bool = False) -> Any:
     from sglang.srt.server_args import ServerArgs  # noqa: PLC0415
 
     import weightstream.sglang as ws_sglang  # noqa: PLC0415
 
+    draft = dict(SPECULATIVE, speculative_draft_model_path=path) if speculative else {}
     return ServerArgs(model_path=path, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                       max_total_tokens=512, mem_fraction_static=0.9, tp_size=tp_size, ep_size=tp_size if ep else 1,
                       load_format=load_format, model_loader_extra_config=json.dumps(extra or {}),
                       skip_tokenizer_init=True, dtype="bfloat16", dist_init_addr=f"127.0.0.1:{port}",
                       custom_weight_loader=[ws_sglang.UPDATE_LOADER], disable_cuda_graph=True,
-                      disable_custom_all_reduce=True)
+                      disable_custom_all_reduce=True, **draft)
 
 
 _parallel_ready = False
 
 
 def build(path: str, tp_size: int, rank: int, ep: bool, load_format: str, port: int,
-          extra: Dict[str, Any] = None) -> Any:
+          extra: Dict[str, Any] = None, speculative: bool = False) -> Any:
     """SGLang's ModelRunner of the checkpoint at ``path``, its model loaded with
-    ``load_format``, as bench_one_batch's load_model makes it."""
+    ``load_format``, as bench_one_batch's load_model makes it (``speculative``: with SPECULATIVE's
+    MTP draft of the same checkpoint configured, which sglang_drafts.build_draft builds)."""
     global _parallel_ready
     from sglang.benchmark.one_batch import _init_process_global_configs  # noqa: PLC0415
     from sglang.srt.configs.model_config import ModelConfig  # noqa: PLC0415
@@ -107,7 +117,7 @@ def build(path: str, tp_size: int, rank: int, ep: bool, load_format: str, port: 
     from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: PLC0415
     from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank  # noqa: PLC0415
 
-    args = server_args(path, tp_size, ep, load_format, port, extra)
+    args = server_args(path, tp_size, ep, load_format, port, extra, speculative)
     args.resolve_once()
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=spawn_world_rank(args, tp_rank=rank, pp_rank=0),
                                                      gpu_id=0))
@@ -175,6 +185,26 @@ class LogRecorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def recorded(scenario: Dict[str, Any], body: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """Runs ``body(result)`` with weightstream's SGLang log recorded (from INFO) into
+    result["log"]; then result["ok"], or result["error"], the traceback of what it raised."""
+    recorder = LogRecorder()
+    logger = logging.getLogger("sglang.weightstream")
+    logger.addHandler(recorder)
+    logger.setLevel(logging.INFO)
+    result: Dict[str, Any] = {"scenario": scenario}
+    try:
+        body(result)
+        result["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["ok"] = False
+        result["error"] = traceback.format_exc()
+    finally:
+        logger.removeHandler(recorder)
+        result["log"] = [message for message in recorder.messages if "weightstream" in message]
+    return result
+
+
 def through_load_weights(model: torch.nn.Module) -> List[str]:
     """Wraps the model's load_weights so that every tensor it is given is recorded."""
     seen: List[str] = []
@@ -191,24 +221,34 @@ def through_load_weights(model: torch.nn.Module) -> List[str]:
     return seen
 
 
+def rank_addresses(transport: str, tp_size: int, rank: int) -> List[str]:
+    """One listen address per rank, this rank's its own: a trainer beside each rank pushes to
+    its own receiver (the other ranks' addresses are theirs to choose)."""
+    import socket  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    if transport == "tcp":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            mine = f"127.0.0.1:{probe.getsockname()[1]}"
+        return [mine if r == rank else "127.0.0.1:0" for r in range(tp_size)]
+    global _SOCKET_FOLDERS  # noqa: PLW0603 - one per process, removed when it exits
+    if _SOCKET_FOLDERS is None:
+        _SOCKET_FOLDERS = tempfile.TemporaryDirectory(prefix="ws-sglang-")
+    folder = tempfile.mkdtemp(prefix=f"rank{rank}-", dir=_SOCKET_FOLDERS.name)
+    return [os.path.join(folder, f"rank-{r}.sock") for r in range(tp_size)]
+
+
+_SOCKET_FOLDERS = None  # this process's folder of the ranks' socket folders
+
+
 def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, tp_size: int,
            rank: int, **versions: Any) -> Dict[str, Any]:
     """One update pushed by weightstream's sender through SGLang's update API of the runner,
     by a trainer beside this rank (each rank's process pushes to its own receiver)."""
-    import socket  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     import weightstream.sglang as ws_sglang  # noqa: PLC0415
 
-    if transport == "tcp":
-        # This rank's receiver at a free port; the other ranks' are theirs to choose.
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            mine = f"127.0.0.1:{probe.getsockname()[1]}"
-        addresses = [mine if r == rank else "127.0.0.1:0" for r in range(tp_size)]
-    else:
-        folder = tempfile.mkdtemp(prefix=f"ws-sglang-rank{rank}-")
-        addresses = [os.path.join(folder, f"rank-{r}.sock") for r in range(tp_size)]
+    addresses = rank_addresses(transport, tp_size, rank)
     updater = runner.weight_updater
     updater.begin_weight_update()
     try:
@@ -225,20 +265,16 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
     family, ep = scenario["family"], scenario["ep"]
     kind = "fp8" if scenario.get("fp8") else "bf16"
     a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
-    recorder = LogRecorder()
-    logging.getLogger("sglang.weightstream").addHandler(recorder)
-    logging.getLogger("sglang.weightstream").setLevel(logging.INFO)
-    result: Dict[str, Any] = {"scenario": scenario}
-    try:
+
+    def body(result: Dict[str, Any]) -> None:
         runner = build(a, tp_size, rank, ep, "weightstream", port)
         ours = runner.model
         reference_a = default_load(runner)
-        loader_load = getattr(ours, "_weightstream_binding", None)
         result["class"] = type(ours).__name__
         result["load_differences"] = differences(ours, reference_a)
         result["parameters"] = len(state_of(ours))
         result["dtypes"] = sorted({str(t.dtype) for t in ours.parameters()})
-        bound = loader_load
+        bound = getattr(ours, "_weightstream_binding", None)
         result["bound"] = bound is not None
         if bound is not None:
             result["unbound"] = dict(bound.unbound)
@@ -257,14 +293,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
             result["refused"] = refused_update(runner, b, default_load_of(runner, b), tp_size, rank)
             if kind == "bf16":
                 result["delta"] = delta_update(runner, b, paths[f"{family}-bf16-b1"], tp_size, rank)
-        result["log"] = [m for m in recorder.messages if "weightstream" in m]
-        result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["ok"] = False
-        result["error"] = traceback.format_exc()
-    finally:
-        logging.getLogger("sglang.weightstream").removeHandler(recorder)
-    return result
+
+    return recorded(scenario, body)
 
 
 def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], reference_a: torch.nn.Module,
@@ -366,10 +396,8 @@ def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
     """A model weightstream has no layout for: it loads through SGLang's load_weights, fed by
     weightstream's streamer, equal to SGLang's default load; a pushed update is refused."""
     path = paths["fallback"]
-    recorder = LogRecorder()
-    logging.getLogger("sglang.weightstream").addHandler(recorder)
-    result: Dict[str, Any] = {"scenario": scenario}
-    try:
+
+    def body(result: Dict[str, Any]) -> None:
         runner = build(path, tp_size, rank, False, "weightstream", port)
         result["class"] = type(runner.model).__name__
         result["load"] = dict(runner.model._weightstream_last_load)
@@ -379,14 +407,8 @@ def run_fallback_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
             result["update_error"] = ""
         except Exception as error:  # noqa: BLE001 - its text is the result
             result["update_error"] = str(error)
-        result["log"] = [m for m in recorder.messages if "weightstream" in m]
-        result["ok"] = True
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result["ok"] = False
-        result["error"] = traceback.format_exc()
-    finally:
-        logging.getLogger("sglang.weightstream").removeHandler(recorder)
-    return result
+
+    return recorded(scenario, body)
 
 
 def run_replaced_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
@@ -525,8 +547,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for index, scenario in enumerate(plan["scenarios"]):
         started = time.perf_counter()
-        run = {"peer": run_peer_scenario, "fallback": run_fallback_scenario,
-               "replaced": run_replaced_scenario, "s3": run_s3_scenario}.get(scenario.get("special", ""), run_scenario)
+        from sglang_drafts import run_draft_scenario  # noqa: PLC0415 - it imports this module
+
+        run = {"peer": run_peer_scenario, "fallback": run_fallback_scenario, "replaced": run_replaced_scenario,
+               "s3": run_s3_scenario, "draft": run_draft_scenario}.get(scenario.get("special", ""), run_scenario)
         result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:
@@ -534,4 +558,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As the module sglang_drafts imports, so that both see one set of its globals.
+    import sglang_models  # noqa: PLW0406
+
+    sys.exit(sglang_models.main())

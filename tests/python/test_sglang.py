@@ -60,7 +60,11 @@ def test_an_update_request_round_trips_and_other_tensors_are_refused_by_name():
     request = ws_sglang.update_request(["/tmp/a.sock", "/tmp/b.sock"], "shm", "secret", 10, 20)
     assert [name for name, _ in request] == ["weightstream.update_request"]
     assert _parse_request(request) == {"addresses": ["/tmp/a.sock", "/tmp/b.sock"], "transport": "shm",
-                                       "token": "secret", "timeout": 10.0, "accept_timeout": 20.0}
+                                       "token": "secret", "timeout": 10.0, "accept_timeout": 20.0,
+                                       "draft_addresses": None}
+    # An engine with a speculative draft: its runner's receivers listen at their own addresses.
+    with_draft = ws_sglang.update_request(["/tmp/a.sock"], draft_addresses=["/tmp/draft-a.sock"])
+    assert _parse_request(with_draft)["draft_addresses"] == ["/tmp/draft-a.sock"]
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"weightstream.sglang.receive_update takes the one tensor "
                                          r"weightstream.sglang.update_request makes \(weightstream.update_request\); "

@@ -61,6 +61,13 @@ GROUPS = {(1, False): BOTH, (2, False): BOTH, (2, True): MOE}
 #: (tp, expert parallel, family) of the peer scenarios: an SGLang instance pulls from a serving one.
 PEERS = ((1, False, "llama"), (2, False, "qwen3_moe"), (2, True, "qwen3_moe"))
 
+#: (tp, expert parallel, family, kind) of the MTP draft scenarios: a checkpoint with its MTP
+#: layer, SGLang's target and its NextN draft (tests/python/sglang_drafts.py).
+DRAFTS = ((1, False, "deepseek_v3", "bf16"), (1, False, "deepseek_v3", "fp8"), (2, False, "deepseek_v3", "bf16"),
+          (2, True, "deepseek_v3", "fp8"), (1, False, "glm4_moe", "bf16"), (1, False, "glm4_moe", "fp8"),
+          (2, True, "glm4_moe", "bf16"))
+DRAFT_CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLMNextN", "glm4_moe": "Glm4MoeForCausalLMNextN"}
+
 
 def group_name(tp, ep):
     return f"tp{tp}{'-ep' if ep else ''}"
@@ -114,6 +121,12 @@ def results(tmp_path_factory):
         if kind == "bf16":  # B after one step: 1% of its elements changed (the delta scenarios)
             paths[f"{family}-bf16-b1"] = write_changed_variant(paths[f"{family}-bf16-b"], str(root / f"{family}-bf16-b1"),
                                                                0.01, seed=7)
+    for family in DRAFT_CLASSES:
+        for kind in ("bf16", "fp8"):
+            for name, seed in (("a", 1), ("b", 2)):
+                folder = str(root / f"{family}-{kind}-mtp-{name}")
+                paths[f"{family}-{kind}-mtp-{name}"] = write_sglang_checkpoint(family, folder, seed, fp8=kind == "fp8",
+                                                                               mtp=True)
     paths["fallback"] = write_fallback_checkpoint(str(root / "qwen2"), 3)
     s3 = upload_to_s3(paths["llama-bf16-a"], root) if S3_ENDPOINT else None
     processes = []
@@ -124,6 +137,9 @@ def results(tmp_path_factory):
                 for family, kind in runs]
         plan += [{"family": family, "ep": ep, "special": "peer", "id": f"{family}-peer-{group}"}
                  for peer_tp, peer_ep, family in PEERS if (peer_tp, peer_ep) == (tp, ep)]
+        plan += [{"family": family, "fp8": kind == "fp8", "ep": ep, "special": "draft",
+                  "id": f"draft-{family}-{kind}-{group}"}
+                 for draft_tp, draft_ep, family, kind in DRAFTS if (draft_tp, draft_ep) == (tp, ep)]
         if (tp, ep) == (1, False):
             plan.append({"family": "qwen2", "special": "fallback", "id": "fallback"})
             plan.append({"family": "llama", "special": "replaced", "id": "replaced"})
@@ -306,3 +322,41 @@ def test_a_model_whose_folder_holds_its_config_only_loads_from_s3(results):
     assert result["load_differences"] == [] and result["unbound"] == {}
     assert load["tensors_through_load_weights"] == 0
     assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, (load["bytes_read"], result["share"])
+
+
+@pytest.mark.parametrize("tp,ep,family,kind", DRAFTS)
+def test_the_nextn_draft_loads_bound_from_the_targets_checkpoint_and_takes_updates(results, tp, ep, family, kind):
+    """One DeepSeek-V3 (or GLM-4.5) checkpoint with its MTP layer (model.layers.{num_hidden_layers}.*):
+    SGLang's target reads none of the MTP layer's bytes, and SGLang's DeepseekV3ForCausalLMNextN
+    (Glm4MoeForCausalLMNextN),
+    built by its draft ModelRunner (is_draft_worker) and loaded with --load-format weightstream,
+    equals SGLang's default loader's draft, nothing through load_weights, reading its share
+    (the MTP layer but the embedding and head SGLang gives it from the target). Then
+    checkpoint B pushed through SGLang's update API into the target and, in the same call,
+    the draft (FP8: BF16 weights quantized in place) equals SGLang's default loads of B, every
+    address unchanged; a request that names no draft receivers is refused by the draft."""
+    for rank, result in enumerate(results[f"draft-{family}-{kind}-{group_name(tp, ep)}"]):
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+        where = f"{family} draft {kind} tp {tp} rank {rank}"
+        assert result["class"] == DRAFT_CLASSES[family], where
+        for role, module in result["modules"].items():
+            load = module["load"]
+            assert load["role"] == role and load["path"] == "layout", (where, role)
+            assert module["differences"] == [], f"{where}: the {role}'s parameters differ from SGLang's default loader"
+            assert load["tensors_through_load_weights"] == 0 and module["unbound"] == {}, (where, role)
+            assert module["layout_allocated_bytes"] == 0, (where, role)
+            assert module["share"] <= load["bytes_read"] <= module["share"] + MIB, (where, role, load["bytes_read"])
+        assert result["bound_from_target"] == [], where
+        assert any(f"cold load of the draft ({family} tp" in message and "(draft)) from" in message and
+                   "nothing through load_weights" in message for message in result["log"]), result["log"]
+        update = result["update"]
+        assert update["engine"] == [True, "Success"], where
+        assert update["draft_bytes"] > 0 and update["received"]["bytes"] == update["draft_bytes"], where
+        assert update["target_differences"] == [] and update["draft_differences"] == [], \
+            f"{where}: stale or wrong parameters after the update"
+        assert update["addresses_unchanged"] == {"target": True, "draft": True}, where
+        assert update["through_load_weights"] == {"target": [], "draft": []}, where
+        assert any(f"rank {rank} received an update of {family} tp {tp} rank {rank}" in message and
+                   "(draft) over shm" in message for message in result["log"]), result["log"]
+        assert f"SGLang hands the update to the speculative draft ({DRAFT_CLASSES[family]}) too, and the " \
+               "request names no receivers for it" in update["refused"], update["refused"]

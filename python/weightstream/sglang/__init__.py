@@ -34,6 +34,10 @@ SUPPORTED_SGLANG_VERSIONS: Tuple[str, ...] = ("0.5.23",)
 #: The method of SGLang's LoadConfig that turns the load-format name into its enum.
 _VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 
+#: The method of SGLang's model runners that calls a custom weight loader.
+_UPDATE_WEIGHTS_FROM_TENSOR = ("sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+                               "update_weights_from_tensor")
+
 logger = logging.getLogger("sglang.weightstream")
 
 
@@ -66,12 +70,29 @@ def _verify_load_format(original: Any, load_config: Any) -> None:
     return original(load_config)
 
 
+def _update_weights_from_tensor(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around SGLang's WeightUpdater.update_weights_from_tensor: an update through
+    UPDATE_LOADER that fails returns (False, why), as SGLang's own update paths report a
+    failure to the Engine's caller. SGLang 0.5.23 catches nothing a custom weight loader
+    raises: the exception ends the scheduler process and the Engine's call never returns.
+    Every other load format is SGLang's alone."""
+    load_format = kwargs.get("load_format", args[2] if len(args) > 2 else None)
+    if load_format != UPDATE_LOADER:
+        return original(*args, **kwargs)
+    try:
+        return original(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - reported to the Engine's caller, as SGLang reports its own
+        logger.error("weightstream: the update through %s failed: %s", UPDATE_LOADER, error)
+        return False, f"{UPDATE_LOADER} failed: {error}"
+
+
 _registered = False
 
 
 def register() -> bool:
-    """Adds ``weightstream`` to SGLang's load formats; SGLang's load_plugins() calls it in
-    every process and applies the hook after. Returns False (and registers nothing) without
+    """Adds ``weightstream`` to SGLang's load formats, and makes a failed update through
+    UPDATE_LOADER SGLang's (False, why) rather than the end of its scheduler; SGLang's
+    load_plugins() calls it in every process and applies the hooks after. Returns False (and registers nothing) without
     SGLang, and for an SGLang release other than SUPPORTED_SGLANG_VERSIONS, saying so once
     in the log. Calling it again is harmless."""
     global _registered
@@ -90,6 +111,7 @@ def register() -> bool:
     if NAME not in LOAD_FORMAT_CHOICES:
         add_load_format_choices([NAME])
     HookRegistry.register(_VERIFY_LOAD_FORMAT, _verify_load_format, HookType.AROUND)
+    HookRegistry.register(_UPDATE_WEIGHTS_FROM_TENSOR, _update_weights_from_tensor, HookType.AROUND)
     _registered = True
     return True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -82,6 +83,17 @@ def parallel_ranks(model: torch.nn.Module) -> Parallel:
 #: kv_a_proj_with_mqa, fused).
 _RENAMED = (("self_attn.fused_qkv_a_proj.", "self_attn.fused_qkv_a_proj_with_mqa."),)
 
+#: The MTP layer's own modules, which SGLang's NextN draft keeps under ``model.`` (the
+#: decoder layer's under ``model.decoder.``): its DeepSeek weight loader's
+#: nextn_spec_weight_names, and the embedding and head its EAGLE worker replaces with the
+#: target's.
+_NEXTN_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.", "embed_tokens.")
+_MTP_LAYER = re.compile(r"^model\.layers\.\d+\.(.*)$")
+
+#: The draft's parameters SGLang's EAGLE worker gives the target's tensors once the draft is
+#: loaded (set_embed_and_head); its NextN load_weights skips the MTP layer's own copies.
+DRAFT_FROM_TARGET = ("model.embed_tokens.weight", "lm_head.weight")
+
 
 def world_rank() -> int:
     """This process's rank in SGLang's world group (its tp rank in a tp-only instance)."""
@@ -92,11 +104,30 @@ def world_rank() -> int:
 
 def model_candidates(layout_name: str, role: str) -> List[str]:
     """SGLang's names for a layout parameter: the layout's own (fused qkv_proj, gate_up_proj,
-    experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj."""
+    experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj. A
+    draft's MTP layer model.layers.{N}.* is SGLang's NextN module: its own norms, eh_proj and
+    embedding under model.*, its decoder layer under model.decoder.*, its shared head's
+    projection the draft's lm_head."""
+    if role == "draft":
+        match = _MTP_LAYER.match(layout_name)
+        if match:
+            rest = match.group(1)
+            if rest.startswith("shared_head.head."):
+                return ["lm_head." + rest[len("shared_head.head."):]]
+            layout_name = "model." + rest if rest.startswith(_NEXTN_OWN) else "model.decoder." + rest
     for layout_part, sglang_part in _RENAMED:
         if layout_part in layout_name:
             return [layout_name.replace(layout_part, sglang_part)]
     return [layout_name]
+
+
+def speculative_method(role: str) -> str:
+    """SGLang's --speculative-algorithm (lower case) for a draft's messages; "" for a target."""
+    if role != "draft":
+        return ""
+    from sglang.srt.runtime_context import get_spec  # noqa: PLC0415
+
+    return str(get_spec().speculative_algorithm or "").lower()
 
 
 def config_dict(model_config: Any) -> Dict[str, Any]:
@@ -109,15 +140,30 @@ def config_dict(model_config: Any) -> Dict[str, Any]:
     return model_config.hf_config.to_dict()
 
 
+def is_draft(model_config: Any) -> bool:
+    """Whether SGLang is loading a speculative draft (its draft worker's ModelConfig)."""
+    return bool(getattr(model_config, "is_draft_model", False))
+
+
+def is_draft_module(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is one of SGLang's MTP draft classes (DeepseekV3ForCausalLMNextN,
+    Glm4MoeForCausalLMNextN, Qwen3NextForCausalLMMTP, ...): SGLang names them so."""
+    return type(model).__name__.endswith(("NextN", "MTP"))
+
+
 def bind_model(model: torch.nn.Module, config: Dict[str, Any], quantization: Optional[str],
-               dtype: torch.dtype) -> BoundModel:
+               dtype: torch.dtype, role: str = "target") -> BoundModel:
     """This rank's layout of ``config`` bound to the SGLang model's own parameters (in the
-    dtype of its embedding, ``dtype`` when it has none). Raises NoMappingTable for a
-    quantization, architecture or dtype weightstream has no table for."""
+    dtype of its embedding, ``dtype`` when it has none): the target's, or with ``role``
+    "draft" the MTP layer's, bound to SGLang's NextN draft module (whose embedding and lm_head
+    are the target's). Raises NoMappingTable for a quantization, architecture or dtype
+    weightstream has no table for."""
     if quantization not in BOUND_QUANTIZATIONS:
         raise NoMappingTable(f"quantization '{quantization}'")
-    return bind_layout(model_tensors(model, is_fused_experts), config, "target", dtype, parallel_ranks(model),
-                       model_candidates, "SGLang", logger)
+    # SGLang holds some routers in F32 (GLM-4.5's mlp.gate) where the checkpoint's are BF16.
+    return bind_layout(model_tensors(model, is_fused_experts), config, role, dtype, parallel_ranks(model),
+                       model_candidates, "SGLang", logger, DRAFT_FROM_TARGET if role == "draft" else (),
+                       wider_floats=True)
 
 
 class WeightstreamModelLoader(DefaultModelLoader):
@@ -175,7 +221,7 @@ class WeightstreamModelLoader(DefaultModelLoader):
         if bound is None:
             try:
                 bound = bind_model(model, config_dict(model_config), getattr(model_config, "quantization", None),
-                                   model_config.dtype)
+                                   model_config.dtype, "draft" if is_draft(model_config) else "target")
             except NoMappingTable as reason:
                 log_once(logger, logging.WARNING, "weightstream: no layout for %s (%s): it loads through the "
                          "model's load_weights, fed by weightstream's streamer, at iterator speed",
@@ -191,7 +237,8 @@ class WeightstreamModelLoader(DefaultModelLoader):
         serving = serving_peer(model) is not None
 
         def load_storage(options: LoaderOptions, peer_failure: str) -> Tuple[Checkpoint, Dict[str, Any]]:
-            resolution = resolve_module_source(path, "", bound.role, bound.layout, options, "", ahead)
+            resolution = resolve_module_source(path, "", bound.role, bound.layout, options,
+                                               speculative_method(bound.role), ahead)
             last_load, _ = load_layout(model, bound, resolution, mode, started, logger)
             if peer_failure:
                 last_load["peer_failure"] = peer_failure
@@ -200,7 +247,7 @@ class WeightstreamModelLoader(DefaultModelLoader):
         with pulls_refused(model):
             source, self.last_load = load_from_peers_or_storage(bound, mode, started, self.options, load_storage,
                                                                 logger)
-        if not serving and self.options.serve:
+        if not serving and self.options.serve and bound.role == "target":  # peers serve targets
             self.last_load["serving"] = serve_model(model, bound, source, self.options, world_rank(), logger)
         record_load_metrics(model, self.options, self.last_load, world_rank(), logger)
         object.__setattr__(model, "_weightstream_last_load", self.last_load)  # SGLang keeps no loader
@@ -224,4 +271,4 @@ class WeightstreamModelLoader(DefaultModelLoader):
         object.__setattr__(model, "_weightstream_last_load", self.last_load)
 
 
-__all__ = ["WeightstreamModelLoader", "bind_model", "parallel_ranks"]
+__all__ = ["WeightstreamModelLoader", "bind_model", "is_draft", "is_draft_module", "parallel_ranks"]
