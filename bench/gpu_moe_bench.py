@@ -466,8 +466,9 @@ def update_rows(args, results, save, config, fp8, bf16, model, bound, parallel, 
 def scalars(report):
     """A transfer report's numbers and words, and its phases (the rest is lists)."""
     kept = {k: v for k, v in report.items() if isinstance(v, (int, float, str))}
-    if isinstance(report.get("phases"), dict):
-        kept["phases"] = dict(report["phases"])
+    for phases in ("phases", "sender_phases"):
+        if isinstance(report.get(phases), dict):
+            kept[phases] = dict(report[phases])
     return kept
 
 
@@ -572,6 +573,10 @@ def update_gpu_row(args, results, config, fp8, bf16, model, bound, parallel, wat
         f"{len(runs)}; first {runs[0]:.3f} s; runs {', '.join(f'{t:.3f}' for t in runs)}; receiver "
         f"{', '.join(f'{t:.3f}' for t in row['receiver_runs'])}); a device-to-device copy of the rank's BF16 bytes "
         f"{copy_seconds * 1e3:.2f} ms = {row['d2d_rate_fraction']:.1%} of the copy's rate")
+    last = sender["updates"][-1]["report"]
+    log("update_gpu: the last update's sender phases " +
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in last.get("sender_phases", {}).items()) + "; receiver phases " +
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in last.get("phases", {}).items()))
     checks["update_gpu: data_ptr unchanged"] = watch.pointers_unchanged()
     bad = differing(model, bound, reference)
     checks["update_gpu: every parameter equals a host load of B"] = not bad

@@ -25,7 +25,7 @@ Rows:
                               median of the updates after the first; placed_bytes (bucket bytes
                               that landed straight in the parameters) from the receiver's report.
                               Goal: >= 0.5 of perftest tag_bw at --message-size (8 MiB, the ucx
-                              transport's piece size, src/transfer/ucx_transport.cpp kUcxPiece)
+                              transport's piece size, src/update/ucx_transport.cpp kUcxPiece)
 
 Usage: bench/gpu_ucx_bench.py --cli build-gpu/weightstream --out OUT [--size 4GiB] [--dir /tmp/ws-ucx]
        [--device cuda:0] [--repeats 3] [--updates 3] [--bucket-bytes 268435456] [--python-site DIR]

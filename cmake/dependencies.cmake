@@ -74,7 +74,7 @@ else()
   set(WS_PUGIXML pugixml::pugixml)
 endif()
 
-# NCCL (the update transport across GPUs and hosts, src/transfer/*_nccl.cpp). It ships
+# NCCL (the update transport across GPUs and hosts, src/update/*_nccl.cpp). It ships
 # with the CUDA toolkit on the GPU machines (lib/ beside include/), or system-wide.
 set(WS_WITH_NCCL "AUTO" CACHE STRING "Build the NCCL update transport: AUTO, ON or OFF")
 set(WS_HAVE_NCCL OFF)
@@ -91,7 +91,7 @@ if(WS_WITH_NCCL STREQUAL "ON" AND NOT WS_HAVE_NCCL)
 endif()
 message(STATUS "weightstream: NCCL ${WS_HAVE_NCCL}")
 
-# UCX (the cross-host engine: peer pulls and the ucx update transport, src/transfer/*_ucx.cpp).
+# UCX (the cross-host engine: peer pulls and the ucx update transport, src/net/*_ucx.cpp).
 # Debian's libucx-dev here; the libucx-cu12/cu13 wheels carry a CUDA-aware build elsewhere
 # (point WS_DEPS_DIR or CMAKE_PREFIX_PATH at it).
 set(WS_WITH_UCX "AUTO" CACHE STRING "Build the UCX peer and update transport: AUTO, ON or OFF")

@@ -1,4 +1,4 @@
-// Fuzzes the decoder of a delta update's changed elements (src/transfer/delta.cpp): the first
+// Fuzzes the decoder of a delta update's changed elements (src/update/delta.cpp): the first
 // byte picks the element size (1, 2, 4 or 8 bytes), the next four the tensor's elements, the
 // rest is the encoding, exactly as a receiver takes it from a bucket. An accepted encoding
 // must decode to ascending positions inside the tensor, one value each, and encode back to the
@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-#include "transfer/delta.hpp"
+#include "update/delta.hpp"
 #include "weightstream/error.hpp"
 
 using namespace weightstream;

@@ -1,4 +1,4 @@
-// Fuzzes the update protocol's message parser (src/transfer/wire.cpp): the first 16 bytes
+// Fuzzes the update protocol's message parser (src/update/wire.cpp): the first 16 bytes
 // are a frame header, the rest its body, exactly as a receiver reads them from a socket.
 // An accepted message must re-encode to the same body (the parser keeps every field), and
 // an accepted BUCKET's entries must lie inside their tensor and their bucket (those in it),
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <span>
 
-#include "transfer/wire.hpp"
+#include "update/wire.hpp"
 
 using namespace weightstream;
 using namespace weightstream::transfer;

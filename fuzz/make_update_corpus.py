@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of fuzz_update_message (the update protocol's frames, see
-src/transfer/wire.hpp) into fuzz/corpus/fuzz_update_message/: one valid frame of each
+src/update/wire.hpp) into fuzz/corpus/fuzz_update_message/: one valid frame of each
 message type and a few near misses; and that of fuzz_changed_elements (a delta's changed
-elements, src/transfer/delta.hpp) into fuzz/corpus/fuzz_changed_elements/. Deterministic.
+elements, src/update/delta.hpp) into fuzz/corpus/fuzz_changed_elements/. Deterministic.
 Usage: fuzz/make_update_corpus.py
 """
 
@@ -85,7 +85,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 for name, data in SEEDS.items():
     (OUT / name).write_bytes(data)
 
-# ---- fuzz_changed_elements (delta updates, src/transfer/delta.hpp): one byte picking the
+# ---- fuzz_changed_elements (delta updates, src/update/delta.hpp): one byte picking the
 # element size (0: 1 byte, 1: 2, 2: 4, 3: 8), the tensor's elements (u32), the encoding.
 import ctypes  # noqa: E402 - the second corpus's own needs
 

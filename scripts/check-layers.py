@@ -5,8 +5,10 @@ Layers, in the table's order, may use only the layers above them. For a file of 
 (src/L/..., or the public header of L under include/weightstream/):
   - a public header of layer M (`#include "weightstream/H.hpp"`, M read from the table's
     "public header" column) needs M at or above L;
-  - an internal header `#include "M/..."` needs M == L, or M == base, or the header to lie
-    in src/M/shared/ (the internals M shares with the layers below it) with M above L.
+  - an internal header `#include "M/..."` needs M == L, or M == base, or M above L with the
+    header in src/M/shared/ (the internals M shares with the layers below it) or M a layer
+    whose "public header" cell says "every header is shared" (a layer that exists to be
+    shared, such as net).
 Every violation is printed as FILE:LINE with the rule it breaks; the exit status is 1 if
 there is any. Usage: scripts/check-layers.py [REPOSITORY_ROOT]
 """
@@ -17,18 +19,24 @@ import sys
 INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
 
 
+SHARED_WHOLE = "every header is shared"
+
+
 def read_layers(architecture_text):
-    """(layer names in order, {public header file: layer}) from the table of layers."""
-    layers, public = [], {}
+    """(layer names in order, {public header file: layer}, {layers shared whole}) from the
+    table of layers."""
+    layers, public, shared_whole = [], {}, set()
     for line in architecture_text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) < 4 or not re.fullmatch(r"`[a-z]+`", cells[0]):
             continue
         layer = cells[0].strip("`")
         layers.append(layer)
+        if SHARED_WHOLE in cells[2]:
+            shared_whole.add(layer)
         for header in re.findall(r"`([a-z_]+\.hpp)`", cells[2]):
             public[header] = layer
-    return layers, public
+    return layers, public, shared_whole
 
 
 def layer_of(path):
@@ -39,7 +47,7 @@ def layer_of(path):
     return None
 
 
-def violations(root, layers, public):
+def violations(root, layers, public, shared_whole=frozenset()):
     rank = {layer: index for index, layer in enumerate(layers)}
     found = []
 
@@ -64,7 +72,7 @@ def violations(root, layers, public):
                     continue
                 if rank[top] > rank[layer]:
                     found.append(f"{where}: layer {layer} uses {top}, a layer below it")
-                elif not included.startswith(f"{top}/shared/"):
+                elif not included.startswith(f"{top}/shared/") and top not in shared_whole:
                     found.append(f"{where}: an internal header of layer {top} (only {top}/shared/ is meant for other layers)")
 
     for directory, _, files in os.walk(os.path.join(root, "src")):
@@ -87,10 +95,10 @@ def violations(root, layers, public):
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     with open(os.path.join(root, "docs", "ARCHITECTURE.md"), encoding="utf-8") as architecture:
-        layers, public = read_layers(architecture.read())
+        layers, public, shared_whole = read_layers(architecture.read())
     if not layers:
         sys.exit("check-layers: no table of layers in docs/ARCHITECTURE.md")
-    found = violations(root, layers, public)
+    found = violations(root, layers, public, shared_whole)
     for line in found:
         print(line)
     print(f"check-layers: {len(found)} violation(s) of the include rules of docs/ARCHITECTURE.md "

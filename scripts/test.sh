@@ -15,6 +15,8 @@ build=${WS_BUILD_DIR:-$root/build}
 status=0
 # The include rules of docs/ARCHITECTURE.md (its table of layers), checked on every run.
 python3 "$root/scripts/check-layers.py" "$root" || status=1
+# The sizes of issue 48: no function over 100 lines, no file over 800, in src/ and python/.
+python3 "$root/scripts/check-sizes.py" "$root" || status=1
 (cd "$build" && ctest --output-on-failure -j "${WS_JOBS:-$(nproc)}" --timeout 600) || status=1
 export WS_CLI="$build/weightstream"
 # ---- Python package (python/, issue 6) ------------------------------------------------

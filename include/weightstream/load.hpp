@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <span>
 #include <string>
 #include <vector>
@@ -79,6 +80,48 @@ LayoutLoad load_layout(ModelLayout& layout, const Checkpoint& checkpoint, LoadMo
 /// global (layer -1), no storage yet. What an engine binds when its parameters carry the
 /// checkpoint's names, and what load_checkpoint() loads.
 ModelLayout identity_layout(const Checkpoint& checkpoint);
+
+/// What engine_layout builds: one rank's layout, its storage and its model hooks.
+struct EngineLayoutOptions {
+  /// The rank, dtype, quantization and modules; max_tensors is set from the source's tensors.
+  LayoutOptions layout;
+  /// Where storage is allocated and the hooks attach; without, the layout has neither (a
+  /// plan needs no storage, and an engine binds its own tensors before allocating).
+  std::optional<Device> device;
+  /// Whether engine_hooks are registered (only with `device`: a hook allocates its derived
+  /// buffers when it attaches). Off for an engine whose own model keeps that derived state
+  /// (the vLLM and SGLang plugins): the hooks' buffers would be copies of its memory.
+  bool hooks = true;
+  /// The config of the model that holds these weights: its torch_dtype and
+  /// quantization_config replace the source's (an F16 or BF16 checkpoint as loaded into a BF16
+  /// or FP8 block-scaled model), while the layers and shapes stay the source's.
+  std::optional<ModelConfig> held_as;
+};
+
+/// The model hooks an engine registers on `layout` of `config`, not yet attached: a tied
+/// lm_head where the embeddings are tied (tie_word_embeddings, both parameters in the
+/// layout), a fused K/V buffer where model.layers.{layer} have K and V parts of qkv_proj (or
+/// MLA's latent kv_a part of fused_qkv_a_proj). ModelLayout::add_hook attaches each.
+std::vector<std::unique_ptr<ModelHook>> engine_hooks(const ModelLayout& layout, const ModelConfig& config);
+
+/// The layout every front end builds of a model for one rank (the command, the Python
+/// package and the engine plugins alike): `config` checked against the tensors its source
+/// holds (check_checkpoint_layers; `config_object` names it in messages), built
+/// (build_model_layout, at most layout_tensor_bound of them), allocated on options.device
+/// with engine_hooks registered. Empty `tensor_names`: a config given without its source (a
+/// dict in Python), neither checked nor bounded beyond options.layout.max_tensors. Throws
+/// what those throw.
+ModelLayout engine_layout(ModelConfig config, std::string_view config_object,
+                          std::span<const std::string_view> tensor_names, const EngineLayoutOptions& options);
+
+/// engine_layout of `checkpoint`'s config.json and tensors. Throws Error(kNotFound) naming the
+/// checkpoint when it has no config.json.
+ModelLayout engine_layout(const Checkpoint& checkpoint, const EngineLayoutOptions& options);
+
+/// `checkpoint`'s config.json, refused (Error(kModel) naming it and num_hidden_layers) when it
+/// asks for more layers than the checkpoint's tensors hold (check_checkpoint_layers), before
+/// any layout is built from it.
+ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
 
 /// One tensor loaded into memory.
 struct LoadedTensor {

@@ -258,8 +258,8 @@ class ModelLayout {
   /// What a new arena holds before a load writes it.
   enum class ArenaContents {
     kZeroed,     ///< zeros: a parameter a load leaves unwritten reads as zero
-    kUnwritten,  ///< whatever the device had (skips zeroing a GPU arena, about 4 ms per 16 GB
-                 ///< on an H200): only for a load that writes every parameter whole or throws
+    kUnwritten,  ///< whatever the device had (skips zeroing a GPU arena, which a timed load
+                 ///< would pay for): only for a load that writes every parameter whole or throws
   };
   /// Allocates storage for every parameter that has none (not bound, not yet allocated) on
   /// `device`: one arena, each parameter at a 256-byte boundary, zeroed unless `contents`

@@ -119,9 +119,9 @@ struct SenderOptions {
   /// CUDA IPC: tensors in an allocation of `device` at least `share_minimum_bytes` large
   /// are not copied into buckets; the receiver opens the allocation the first time an update
   /// announces it, keeps it open while later updates of the connection announce it again,
-  /// and reads the tensors in place (one copy per byte instead of two). Opening costs about
-  /// 0.2 ms an allocation on an H200 (what copying 400 MB once costs), paid on the first
-  /// update; the default shares only large allocations (flat buffers, allocator segments).
+  /// and reads the tensors in place (one copy per byte instead of two). Opening one costs as
+  /// much as copying a few hundred MB once (bench/HISTORY.md), paid on the first update;
+  /// the default shares only large allocations (flat buffers, allocator segments).
   bool share_allocations = true;
   uint64_t share_minimum_bytes = kDefaultShareMinimumBytes;
   /// ucx: how bucket bytes travel to each receiver (Options::ucx_path, WEIGHTSTREAM_UCX_PATH):

@@ -3,6 +3,7 @@
 // stream layer, model_bindings.cpp the model layer). Not an installed header.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 
 #include <memory>
 #include <optional>
@@ -13,6 +14,7 @@
 #include "weightstream/device.hpp"
 #include "weightstream/model.hpp"
 #include "weightstream/options.hpp"
+#include "weightstream/source.hpp"
 #include "weightstream/stream.hpp"
 
 namespace weightstream::python {
@@ -118,8 +120,37 @@ void bind_model(nanobind::module_& m);
 /// The C++ layout behind a Python ModelLayout (defined beside LayoutHandle).
 ModelLayout& python_layout(nanobind::handle layout);
 
-/// The config.json the serving peers of a peer:// URI publish (model_bindings.cpp).
+/// Allocates what a layout made with a device left unbound, once (model_layout(device=...)).
+void ensure_python_storage(nanobind::handle layout);
+
+/// The safetensors dtype of a DLPack dtype; nullopt for one safetensors lacks.
+std::optional<Dtype> dlpack_dtype(const nanobind::dlpack::dtype& dtype);
+
+/// The device of a DLPack device type and id.
+Device dlpack_device(int device_type, int device_id);
+
+/// Adds LoadSession (session_bindings.cpp).
+void bind_session(nanobind::module_& m);
+
+/// What from_config built the layout with (parallel ranks, quantize), for a peer server's manifest.
+const LayoutOptions& python_layout_options(nanobind::handle layout);
+
+/// The Python exception class weightstream.Error (module.cpp).
+PyObject* python_error_type();
+
+/// The options of a source from load_checkpoint's keyword arguments: the peers' token,
+/// timeout (seconds) and expect_digest, the rest stream options (source_bindings.cpp).
+SourceOptions python_source_options(nanobind::dict given);
+
+/// What a load from a source did, as load_checkpoint returns it: a checkpoint's stream
+/// counters, or a pull's report with bytes_from_peers, peers and digest_failures.
+nanobind::dict source_load_dict(const SourceLoad& load);
+
+/// The config.json a source publishes (`peer_config`: the serving peers', or a checkpoint's).
 std::string peer_config_json(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds);
+
+/// Adds peer_config, source_kind, load_with_fallback and PeerServer (source_bindings.cpp).
+void bind_sources(nanobind::module_& m);
 
 /// Adds UpdateSender and UpdateReceiver (transfer_bindings.cpp).
 void bind_transfer(nanobind::module_& m);

@@ -16,7 +16,7 @@
 #include "weightstream/error.hpp"
 #include "weightstream/load.hpp"
 #include "weightstream/model.hpp"
-#include "weightstream/peer.hpp"
+#include "weightstream/source.hpp"
 #include "weightstream/stream.hpp"
 #include "weightstream/transfer.hpp"
 
@@ -28,8 +28,9 @@ namespace {
 
 using Code = nb::dlpack::dtype_code;
 
-/// The safetensors dtype of a DLPack dtype; nullopt for one safetensors lacks.
-std::optional<Dtype> dtype_of(const nb::dlpack::dtype& dtype) {
+}  // namespace
+
+std::optional<Dtype> dlpack_dtype(const nb::dlpack::dtype& dtype) {
   if (dtype.lanes != 1) return std::nullopt;
   switch (static_cast<Code>(dtype.code)) {
     case Code::Bool: return dtype.bits == 8 ? std::optional(Dtype::kBool) : std::nullopt;
@@ -67,92 +68,12 @@ std::optional<Dtype> dtype_of(const nb::dlpack::dtype& dtype) {
   }
 }
 
-Device device_of(int device_type, int device_id) {
+Device dlpack_device(int device_type, int device_id) {
   if (device_type == nb::device::cuda::value) return Device{Device::Kind::kCuda, device_id};
   return Device{};
 }
 
-/// A batch entry after its DLPack array was checked: the view LoadSession::load takes,
-/// and the storage the view points into.
-struct BatchTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  nb::ndarray<nb::ro> array;  // keeps the memory alive for the call
-  TensorView view;
-  /// uint8 with a trailing axis of 1 or 2 and no dtype named: perhaps the raw bytes of a
-  /// BF16 or F8 tensor from elsewhere, which the error of a failed load then says.
-  bool maybe_raw = false;
-};
-
-/// Checks one (name, tensor[, dtype]) entry. `dtype` (a safetensors name) reinterprets the
-/// bytes: needed for the raw uint8 [*shape, itemsize] arrays weightstream gives for BF16 and
-/// F8 without torch, whose trailing itemsize axis is dropped.
-BatchTensor batch_tensor(nb::handle entry) {
-  nb::tuple tuple = nb::cast<nb::tuple>(entry);
-  if (tuple.size() != 2 && tuple.size() != 3) throw nb::type_error("batch entries are (name, tensor) or (name, tensor, dtype)");
-  BatchTensor tensor;
-  tensor.name = nb::cast<std::string>(tuple[0]);
-  tensor.array = nb::cast<nb::ndarray<nb::ro>>(tuple[1], false);
-  const auto& array = tensor.array;
-  // Bytes are read in row-major order: a transposed or sliced view would be read wrongly.
-  int64_t expected_stride = 1;
-  for (size_t i = array.ndim(); i-- > 0;) {
-    WS_EXPECT(array.shape(i) <= 1 || array.stride(i) == expected_stride, ErrorCode::kInvalidArgument,
-              "tensor '" + tensor.name + "' is not contiguous (row-major); pass tensor.contiguous()");
-    expected_stride *= static_cast<int64_t>(array.shape(i));
-  }
-  for (size_t i = 0; i < array.ndim(); ++i) tensor.shape.push_back(static_cast<int64_t>(array.shape(i)));
-  auto dtype = dtype_of(array.dtype());
-  if (tuple.size() == 3 && !tuple[2].is_none()) {
-    auto name = nb::cast<std::string>(tuple[2]);
-    auto declared = dtype_from_name(name);
-    WS_EXPECT(declared.has_value(), ErrorCode::kInvalidArgument,
-              "tensor '" + tensor.name + "': unknown safetensors dtype '" + name + "'");
-    unsigned bits = dtype_bits(*declared);
-    if (dtype != declared && bits % 8 == 0 && bits > 8 && dtype == Dtype::kU8 && !tensor.shape.empty() &&
-        tensor.shape.back() == static_cast<int64_t>(bits / 8)) {
-      tensor.shape.pop_back();  // raw bytes of [*shape, itemsize]
-    }
-    dtype = declared;
-  } else if (dtype == Dtype::kU8) {
-    // Raw bytes weightstream itself gave (stream(), load() or layout.tensor() of BF16 or F8
-    // without torch) carry their dtype here: no need to name it.
-    if (auto raw = raw_array_dtype(array.data(), array.nbytes())) {
-      unsigned bits = dtype_bits(*raw);
-      if (bits % 8 == 0 && !tensor.shape.empty() && tensor.shape.back() == static_cast<int64_t>(bits / 8)) {
-        tensor.shape.pop_back();
-        dtype = raw;
-      }
-    } else if (tensor.shape.size() >= 2 && (tensor.shape.back() == 1 || tensor.shape.back() == 2)) {
-      tensor.maybe_raw = true;
-    }
-  }
-  WS_EXPECT(dtype.has_value(), ErrorCode::kInvalidArgument,
-            "tensor '" + tensor.name + "' has a dtype safetensors has no name for; pass (name, tensor, dtype)");
-  auto bytes = tensor_byte_size(*dtype, tensor.shape);
-  WS_EXPECT(bytes && *bytes == array.nbytes(), ErrorCode::kInvalidArgument,
-            "tensor '" + tensor.name + "' holds " + std::to_string(array.nbytes()) + " bytes, not the " +
-                std::string(dtype_name(*dtype)) + " " + shape_text(tensor.shape) + " it claims");
-  tensor.view.dtype = *dtype;
-  tensor.view.data = static_cast<const std::byte*>(array.data());
-  tensor.view.device = device_of(array.device_type(), array.device_id());
-  tensor.view.offset = 0;
-  tensor.view.bytes = array.nbytes();
-  return tensor;
-}
-
-LoadMode parse_mode(const std::string& text) {
-  if (text == "cold") return LoadMode::kCold;
-  if (text == "reload") return LoadMode::kReload;
-  if (text == "update") return LoadMode::kUpdate;
-  WS_FAIL(ErrorCode::kInvalidArgument, "load mode '" + text + "' is not one of cold, reload, update");
-}
-
-TensorFormat parse_format(const std::string& text) {
-  if (text == "checkpoint") return TensorFormat::kCheckpoint;
-  if (text == "engine") return TensorFormat::kEngine;
-  WS_FAIL(ErrorCode::kInvalidArgument, "tensor format '" + text + "' is not one of checkpoint, engine");
-}
+namespace {
 
 struct LayoutHandle;
 
@@ -277,7 +198,7 @@ BindingTensor binding_tensor(const ModelLayout& layout, const std::string& name,
     }
     expected_stride *= static_cast<int64_t>(array.shape(i));
   }
-  auto dtype = dtype_of(array.dtype());
+  auto dtype = dlpack_dtype(array.dtype());
   uint64_t itemsize = dtype_bits(parameter.dtype) / 8;
   if (dtype == Dtype::kU8 && parameter.dtype != Dtype::kU8 && tensor.shape.size() == parameter.shape.size() + 1 &&
       tensor.shape.back() == static_cast<int64_t>(itemsize)) {
@@ -291,7 +212,7 @@ BindingTensor binding_tensor(const ModelLayout& layout, const std::string& name,
                 " lanes)");
   tensor.view.dtype = *dtype;
   tensor.view.data = static_cast<const std::byte*>(array.data());
-  tensor.view.device = device_of(device_type, array.device_id());
+  tensor.view.device = dlpack_device(device_type, array.device_id());
   tensor.view.offset = 0;
   tensor.view.bytes = array.nbytes();
   return tensor;
@@ -375,120 +296,6 @@ PyType_Slot layout_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(layout_tr
                               {Py_tp_clear, reinterpret_cast<void*>(layout_clear)},
                               {0, nullptr}};
 
-/// A LoadSession and the Python layout object it writes into.
-class SessionHandle {
- public:
-  explicit SessionHandle(nb::object layout)
-      : layout_object_(std::move(layout)), session_(nb::cast<LayoutHandle&>(layout_object_).layout) {}
-
-  /// `commit` absent: the mode's default (default_layer_commit).
-  void begin(const std::string& mode, const std::string& format, const std::optional<std::string>& commit) {
-    auto parsed_mode = parse_mode(mode);
-    auto parsed_format = parse_format(format);
-    std::optional<LayerCommit> parsed_commit;
-    if (commit) {
-      WS_EXPECT(*commit == "arrival" || *commit == "layer", ErrorCode::kInvalidArgument,
-                "commit '" + *commit + "' is not one of arrival (write each tensor as it arrives) and layer (write a "
-                "layer once all of it has arrived)");
-      parsed_commit = *commit == "layer" ? LayerCommit::kWholeLayer : LayerCommit::kAsArrived;
-    }
-    auto& handle = nb::cast<LayoutHandle&>(layout_object_);
-    nb::gil_scoped_release release;
-    handle.ensure_storage();
-    session_.begin(parsed_mode, parsed_format, parsed_commit);
-  }
-
-  void load(nb::iterable batch) {
-    std::vector<BatchTensor> tensors;
-    for (nb::handle entry : batch) tensors.push_back(batch_tensor(entry));
-    std::vector<TensorView> views;
-    views.reserve(tensors.size());
-    for (auto& tensor : tensors) {
-      tensor.view.name = tensor.name;
-      tensor.view.shape = tensor.shape;
-      views.push_back(tensor.view);
-    }
-    std::string raw_hint;
-    for (const auto& tensor : tensors) {
-      if (tensor.maybe_raw && raw_hint.empty()) {
-        raw_hint = "; tensor '" + tensor.name + "' came as uint8 " + shape_text(tensor.shape) +
-                   ": if that is the raw bytes of a BF16 or F8 tensor (its last axis the item size), "
-                   "name its dtype: (name, tensor, \"BF16\")";
-      }
-    }
-    try {
-      nb::gil_scoped_release release;
-      session_.load(views);
-    } catch (const Error& error) {
-      if (raw_hint.empty()) throw;
-      throw Error(error.code(), error.what() + raw_hint);
-    }
-  }
-
-  void finish() {
-    // Hooks written in Python take the GIL back themselves.
-    nb::gil_scoped_release release;
-    session_.finish();
-  }
-
-  nb::dict stream_checkpoint(const CheckpointHandle& checkpoint, nb::dict overrides) {
-    auto options = checkpoint.options(overrides);
-    StreamStats stats = call_interruptibly([&](const ProgressCallback& progress) {
-      auto plan = plan_layout_load(layout(), checkpoint.checkpoint());
-      return stream_into_session(checkpoint.checkpoint(), plan, session_, options.stream, progress);
-    });
-    return stats_dict(stat_fields(stats));
-  }
-
-  /// Pulls this layout's parameters from the serving peers of `uri` (peer://, issue 31).
-  nb::dict pull_peers(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds,
-                      uint64_t memory_limit, const std::optional<std::string>& expect_digest) {
-    PeerPullReport report;
-    PeerPullStats peers;
-    {
-      nb::gil_scoped_release release;
-      PeerPullOptions options;
-      options.token = token.value_or(environment_options().peer_token);
-      options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
-      options.memory_limit = memory_limit;
-      options.ucx_path = environment_options().ucx_path;
-      options.expect_digest = expect_digest.value_or("");
-      PeerSource source(uri, options);
-      report = source.pull(session_);
-      peers = source.stats();
-    }
-    nb::dict result;
-    result["bytes_from_peers"] = report.bytes_from_peers;
-    result["bytes_in_place"] = report.bytes_in_place;
-    result["parameters_read"] = report.parameters_read;
-    result["tensors"] = report.tensors;
-    result["staging_bytes"] = report.staging_bytes;
-    result["bytes_read"] = 0;
-    result["seconds"] = report.seconds;
-    result["gbps"] = report.gbps();
-    nb::list by_peer;
-    for (const PeerBytes& peer : peers.peers) {
-      nb::dict entry;
-      entry["address"] = peer.address;
-      entry["transports"] = peer.transports;
-      entry["bytes"] = peer.bytes;
-      by_peer.append(entry);
-    }
-    result["peers"] = by_peer;
-    result["digest_failures"] = peers.digest_failures;
-    return result;
-  }
-
-  nb::dict counters() const { return stats_dict(stat_fields(session_.counters())); }
-  std::string mode() const { return std::string(load_mode_name(session_.mode())); }
-  std::string commit() const { return session_.commit() == LayerCommit::kWholeLayer ? "layer" : "arrival"; }
-  std::vector<int64_t> completed_layers() const { return session_.completed_layers(); }
-
- private:
-  ModelLayout& layout() { return nb::cast<LayoutHandle&>(layout_object_).layout; }
-  nb::object layout_object_;
-  LoadSession session_;
-};
 
 /// A view of parameter `name`'s storage: a DLPack array, or a torch.Tensor made by the core
 /// where `torch` asks and the dtype allows (tensor_object).
@@ -520,119 +327,111 @@ nb::dict stats_dict(const std::vector<StatField>& fields) {
 
 ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
 
+void ensure_python_storage(nb::handle layout) { nb::cast<LayoutHandle&>(layout).ensure_storage(); }
+
+const LayoutOptions& python_layout_options(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).options; }
+
 namespace {
 
-/// A PeerServer publishing a Python layout; it holds the layout object, so the memory it
-/// serves lives as long as the server.
-class PeerServerHandle {
- public:
-  /// `source` is the checkpoint the layout was loaded from (a Checkpoint), or the peer://
-  /// URI it was pulled from (whose peers publish the checkpoint's config.json and tensors).
-  PeerServerHandle(nb::object layout_object, nb::object source, const std::string& listen,
-                   const std::optional<std::string>& token, double timeout_seconds, bool open_without_token,
-                   const std::optional<std::string>& expect_digest)
-      : layout_object_(std::move(layout_object)) {
-    auto& handle = nb::cast<LayoutHandle&>(layout_object_);
-    WS_EXPECT(handle.layout.loads_finished() > 0, ErrorCode::kModel,
-              "cannot serve " + handle.layout.description() + ": it has not been loaded (load it, then serve it)");
-    PeerServeOptions options;
-    options.listen = listen;
-    // An open server asked for takes no token from the environment (the two would conflict).
-    options.token = token.value_or(open_without_token ? std::string() : environment_options().peer_token);
-    options.open_without_token = open_without_token;
-    // Refused before a pull from peer:// (the server refuses it too, when it starts).
-    require_listener_token(options.token, options.open_without_token, "peer server on " + listen);
-    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
-    const Parallelism parallel = handle.options.parallel;
-    const Processing quantize = handle.options.quantize;
-    if (nb::isinstance<CheckpointHandle>(source)) {
-      const Checkpoint& checkpoint = nb::cast<const CheckpointHandle&>(source).checkpoint();
-      WS_EXPECT(!expect_digest, ErrorCode::kInvalidArgument,
-                "expect_digest pins what a layout pulled from peers serves; " + checkpoint.uri() +
-                    " is a checkpoint, whose content digest is computed from its bytes");
-      nb::gil_scoped_release release;
-      start(handle.layout, peer_serve_info(checkpoint, parallel, quantize), std::move(options));
-    } else {
-      const std::string uri = nb::cast<std::string>(source);
-      nb::gil_scoped_release release;
-      PeerPullOptions pull;
-      pull.token = options.token;
-      pull.timeout = options.timeout;
-      pull.expect_digest = expect_digest.value_or("");
-      PeerSource peers(uri, pull);
-      start(handle.layout, peer_serve_info(peers, parallel, quantize), std::move(options));
-    }
+/// The layout options of from_config's arguments.
+LayoutOptions layout_options(int64_t tp_size, int64_t tp_rank, int64_t ep_size, int64_t ep_rank,
+                             const std::optional<std::string>& dtype, const std::string& quantize,
+                             const std::string& modules) {
+  LayoutOptions options;
+  options.parallel = {tp_size, tp_rank, ep_size, ep_rank};
+  if (dtype) {
+    auto parsed = dtype_from_name(*dtype);
+    WS_EXPECT(parsed.has_value(), ErrorCode::kInvalidArgument, "unknown safetensors dtype '" + *dtype + "'");
+    options.dtype = parsed;
   }
+  if (quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
+  else WS_EXPECT(quantize == "none", ErrorCode::kInvalidArgument, "quantize '" + quantize + "' is not one of none, fp8");
+  // "all" is two modules, two layouts: python/weightstream/_model.py builds both.
+  if (modules == "draft") options.modules = LayoutModules::kDraft;
+  else WS_EXPECT(modules == "target", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of target, draft");
+  return options;
+}
 
-  const std::string& address() const { return address_; }
-  uint64_t version() const { return server_ ? server_->version() : 0; }
-  std::string content_digest() const { return server_ ? server_->content_digest() : std::string(); }
-  bool serving() const { return server_ != nullptr; }
-  void begin_update() { live().begin_update(); }
-  void end_update() {
-    nb::gil_scoped_release release;
-    live().end_update();  // rehashes every parameter
+/// The engine_layout options of from_config's and from_source's arguments.
+EngineLayoutOptions engine_options(int64_t tp_size, int64_t tp_rank, int64_t ep_size, int64_t ep_rank,
+                                   const std::optional<std::string>& dtype, const std::string& quantize,
+                                   const std::string& modules, const std::optional<std::string>& device, bool hooks) {
+  EngineLayoutOptions options;
+  options.layout = layout_options(tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules);
+  WS_EXPECT(!hooks || device, ErrorCode::kInvalidArgument,
+            "model hooks allocate their derived buffers when they attach: hooks=True needs a device");
+  if (hooks) {
+    options.device = parse_device(*device);
+    require_device(*options.device);
   }
-  /// Stops serving (pullers' reads fail from then on); the layout is released.
-  void close() {
+  return options;
+}
+
+nb::object layout_object(ModelLayout layout, const LayoutOptions& options) {
+  auto handle = std::make_unique<LayoutHandle>();
+  handle->layout = std::move(layout);
+  handle->options = options;
+  return nb::cast(handle.release(), nb::rv_policy::take_ownership);
+}
+
+/// ModelLayout.from_config: the library's engine_layout of a config.json, as the command builds it.
+nb::object layout_from_config(const std::string& config_json, int64_t tp_size, int64_t tp_rank, int64_t ep_size,
+                              int64_t ep_rank, const std::optional<std::string>& dtype, const std::string& quantize,
+                              const std::string& modules, const CheckpointHandle* checkpoint,
+                              const std::optional<std::string>& device, bool hooks) {
+  EngineLayoutOptions options =
+      engine_options(tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules, device, hooks);
+  std::vector<std::string_view> names;
+  std::string object = "config.json";
+  if (checkpoint != nullptr) {
+    for (const CheckpointTensor& tensor : checkpoint->checkpoint().tensors()) names.push_back(tensor.name);
+    object = checkpoint->checkpoint().uri() + "/config.json";
+  }
+  return layout_object(engine_layout(parse_model_config(object, config_json), object, names, options), options.layout);
+}
+
+/// ModelLayout.from_source: the engine_layout of each of `modules` of the source `uri` names
+/// (open_source: a checkpoint, or serving peers, asked for their config.json once).
+nb::list layouts_from_source(const std::string& uri, int64_t tp_size, int64_t tp_rank, int64_t ep_size,
+                             int64_t ep_rank, const std::optional<std::string>& dtype, const std::string& quantize,
+                             const std::vector<std::string>& modules, const std::optional<std::string>& device,
+                             bool hooks) {
+  std::unique_ptr<Source> source = open_source(uri, source_options(environment_options()));
+  nb::list layouts;
+  for (const std::string& module : modules) {
+    EngineLayoutOptions options =
+        engine_options(tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, module, device, hooks);
+    ModelLayout layout;
     {
       nb::gil_scoped_release release;
-      server_.reset();
+      layout = source->layout(options);
     }
-    layout_object_ = nb::none();
+    layouts.append(layout_object(std::move(layout), options.layout));
   }
-
- private:
-  void start(const ModelLayout& layout, PeerServeInfo info, PeerServeOptions options) {
-    server_ = std::make_unique<PeerServer>(layout, std::move(info), std::move(options));
-    address_ = server_->address();
-  }
-  PeerServer& live() {
-    WS_EXPECT(server_ != nullptr, ErrorCode::kInvalidArgument, "peer server " + address_ + " was closed");
-    return *server_;
-  }
-  nb::object layout_object_;
-  std::unique_ptr<PeerServer> server_;
-  std::string address_;
-};
+  return layouts;
+}
 
 }  // namespace
 
-/// The config.json the serving peers of `uri` publish (peer://, issue 31).
-std::string peer_config_json(const std::string& uri, const std::optional<std::string>& token, double timeout_seconds) {
-  nb::gil_scoped_release release;
-  PeerPullOptions options;
-  options.token = token.value_or(environment_options().peer_token);
-  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000));
-  return PeerSource(uri, options).config_json();
-}
+namespace {
 
-void bind_model(nb::module_& m) {
-  nb::class_<LayoutHandle>(m, "ModelLayout", nb::type_slots(layout_slots))
-      .def_static(
-          "from_config",
-          [](const std::string& config_json, int64_t tp_size, int64_t tp_rank, int64_t ep_size, int64_t ep_rank,
-             std::optional<std::string> dtype, const std::string& quantize, const std::string& modules) {
-            LayoutOptions options;
-            options.parallel = {tp_size, tp_rank, ep_size, ep_rank};
-            if (dtype) {
-              auto parsed = dtype_from_name(*dtype);
-              WS_EXPECT(parsed.has_value(), ErrorCode::kInvalidArgument, "unknown safetensors dtype '" + *dtype + "'");
-              options.dtype = parsed;
-            }
-            if (quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
-            else WS_EXPECT(quantize == "none", ErrorCode::kInvalidArgument, "quantize '" + quantize + "' is not one of none, fp8");
-            // "all" is two modules, two layouts: python/weightstream/_model.py builds both.
-            if (modules == "draft") options.modules = LayoutModules::kDraft;
-            else WS_EXPECT(modules == "target", ErrorCode::kInvalidArgument, "modules '" + modules + "' is not one of target, draft");
-            auto config = parse_model_config("config.json", config_json);
-            auto* handle = new LayoutHandle();
-            handle->layout = build_model_layout(config, options);
-            handle->options = options;
-            return handle;
-          },
-          "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(),
-          "quantize"_a = "none", "modules"_a = "target", nb::rv_policy::take_ownership)
+using LayoutClass = nb::class_<LayoutHandle>;
+
+/// ModelLayout.from_config, from_source and identity: the library's layouts.
+void bind_layout_construction(LayoutClass& layout) {
+  layout
+      .def_static("from_config", &layout_from_config, "config_json"_a, "tp_size"_a = 1, "tp_rank"_a = 0,
+                  "ep_size"_a = 1, "ep_rank"_a = 0, "dtype"_a = nb::none(), "quantize"_a = "none",
+                  "modules"_a = "target", nb::kw_only(), "checkpoint"_a.none() = nb::none(), "device"_a = nb::none(),
+                  "hooks"_a = false,
+                  "engine_layout of a config.json: checked against `checkpoint`'s tensors when given; with "
+                  "`hooks` (which needs `device`) allocated there with the engine's model hooks.")
+      .def_static("from_source", &layouts_from_source, "uri"_a, "tp_size"_a = 1, "tp_rank"_a = 0, "ep_size"_a = 1,
+                  "ep_rank"_a = 0, "dtype"_a = nb::none(), "quantize"_a = "none",
+                  "modules"_a = std::vector<std::string>{"target"}, nb::kw_only(), "device"_a = nb::none(),
+                  "hooks"_a = false,
+                  "engine_layout of each of `modules` of the source `uri` names (a checkpoint directory or URI, or "
+                  "serving peers), as from_config builds it.")
       .def_static(
           "identity",
           [](const CheckpointHandle& checkpoint) {
@@ -640,7 +439,12 @@ void bind_model(nb::module_& m) {
             handle->layout = identity_layout(checkpoint.checkpoint());
             return handle;
           },
-          "checkpoint"_a, nb::rv_policy::take_ownership)
+          "checkpoint"_a, nb::rv_policy::take_ownership);
+}
+
+/// What a layout holds: its parameters, where a tensor goes, its loads and hooks.
+void bind_layout_inspection(LayoutClass& layout) {
+  layout
       .def_prop_ro("description", [](const LayoutHandle& handle) { return handle.layout.description(); })
       .def_prop_ro("parameter_names",
                    [](const LayoutHandle& handle) {
@@ -686,13 +490,6 @@ void bind_model(nb::module_& m) {
              return info;
            },
            "name"_a)
-      .def("allocate",
-           [](LayoutHandle& handle, const std::string& device) {
-             auto parsed = parse_device(device);
-             nb::gil_scoped_release release;
-             handle.layout.allocate(parsed);
-           },
-           "device"_a = "cpu")
       .def("route",
            [](const LayoutHandle& handle, const std::string& tensor) {
              TensorRoute route = handle.layout.route(tensor);
@@ -713,6 +510,22 @@ void bind_model(nb::module_& m) {
            "tensor"_a,
            "Where a checkpoint tensor goes: (kind, parameter names, reason), kind one of parameter, ignored, "
            "skipped, unmatched.")
+      .def_prop_ro("loads_finished", [](const LayoutHandle& handle) { return handle.layout.loads_finished(); })
+      .def_prop_ro("model_hook_runs", [](const LayoutHandle& handle) { return handle.layout.model_hook_runs(); })
+      .def_prop_ro("allocated_bytes", [](const LayoutHandle& handle) { return handle.layout.allocated_bytes(); })
+      .def_prop_ro(
+          "hooks",
+          [](const LayoutHandle& handle) {
+            std::vector<std::string> names;
+            for (const auto& hook : handle.layout.hooks()) names.push_back(hook->name());
+            return names;
+          },
+          "The names of the layout's model hooks, in the order they run.");
+}
+
+/// What an engine changes before it binds: tensors left to it, shared, removed or held wider.
+void bind_layout_shaping(LayoutClass& layout) {
+  layout
       .def("skip_unmatched",
            [](LayoutHandle& handle, const CheckpointHandle& checkpoint, const std::string& reason) {
              // One pass in C++ over every tensor of the checkpoint (thousands for a MoE model).
@@ -764,7 +577,19 @@ void bind_model(nb::module_& m) {
            "Holds parameter `name` in `dtype` (\"F32\", \"BF16\", \"F16\"), another float dtype than its "
            "rule's (an engine that keeps a BF16 checkpoint's MoE router in F32): its parts convert as they are "
            "written. Only an unprocessed float parameter, not FP8 block-scaled, before anything is bound or "
-           "allocated.")
+           "allocated.");
+}
+
+/// Storage: allocated by the layout, or the engine's own tensors bound; views of it.
+void bind_layout_storage(LayoutClass& layout) {
+  layout
+      .def("allocate",
+           [](LayoutHandle& handle, const std::string& device) {
+             auto parsed = parse_device(device);
+             nb::gil_scoped_release release;
+             handle.layout.allocate(parsed);
+           },
+           "device"_a = "cpu")
       .def("allocate_at_first_load",
            [](LayoutHandle& handle, const std::string& device) {
              auto parsed = parse_device(device);
@@ -808,7 +633,12 @@ void bind_model(nb::module_& m) {
             }
             return views;
           },
-          "torch"_a = "none", "Every parameter's view (see _view), by name, in layout order.")
+          "torch"_a = "none", "Every parameter's view (see _view), by name, in layout order.");
+}
+
+/// Model hooks: the tied lm_head, and hooks written in Python.
+void bind_layout_hooks(LayoutClass& layout) {
+  layout
       .def("add_tied_lm_head_hook", [](LayoutHandle& handle) { handle.layout.add_hook(make_tied_lm_head_hook()); })
       .def("add_hook",
            [](LayoutHandle& handle, const std::string& name, nb::callable run, bool rerunnable) {
@@ -833,45 +663,23 @@ void bind_model(nb::module_& m) {
                  },
                  rerunnable));
            },
-           "name"_a, "run"_a, "rerunnable"_a = true)
-      .def_prop_ro("loads_finished", [](const LayoutHandle& handle) { return handle.layout.loads_finished(); })
-      .def_prop_ro("model_hook_runs", [](const LayoutHandle& handle) { return handle.layout.model_hook_runs(); })
-      .def_prop_ro("allocated_bytes", [](const LayoutHandle& handle) { return handle.layout.allocated_bytes(); });
+           "name"_a, "run"_a, "rerunnable"_a = true);
+}
 
+
+}  // namespace
+
+void bind_model(nb::module_& m) {
+  LayoutClass layout(m, "ModelLayout", nb::type_slots(layout_slots));
+  bind_layout_construction(layout);
+  bind_layout_inspection(layout);
+  bind_layout_shaping(layout);
+  bind_layout_storage(layout);
+  bind_layout_hooks(layout);
   m.def("supported_model_types", &supported_model_types,
         "The model_types weightstream has mapping tables for, comma-separated.");
   m.def("_release_python_hooks", &release_all_python_hooks,
         "Drops the Python callables of every layout's model hooks (registered with atexit).");
-
-  nb::class_<SessionHandle>(m, "LoadSession")
-      .def(nb::init<nb::object>(), "layout"_a)
-      .def("begin", &SessionHandle::begin, "mode"_a = "cold", "format"_a = "checkpoint", "commit"_a.none() = nb::none())
-      .def("load", &SessionHandle::load, "batch"_a)
-      .def("finish", &SessionHandle::finish)
-      .def("stream_checkpoint", &SessionHandle::stream_checkpoint, "checkpoint"_a, "options"_a)
-      .def("pull_peers", &SessionHandle::pull_peers, "uri"_a, "token"_a.none(), "timeout"_a, "memory_limit"_a,
-           "expect_digest"_a = nb::none())
-      .def_prop_ro("counters", &SessionHandle::counters)
-      .def_prop_ro("mode", &SessionHandle::mode)
-      .def_prop_ro("commit", &SessionHandle::commit)
-      .def_prop_ro("completed_layers", &SessionHandle::completed_layers);
-
-  nb::class_<PeerServerHandle>(m, "PeerServer")
-      .def(nb::init<nb::object, nb::object, const std::string&, const std::optional<std::string>&, double, bool,
-                    const std::optional<std::string>&>(),
-           "layout"_a, "source"_a, "listen"_a = "127.0.0.1:0", "token"_a = nb::none(), "timeout"_a = 30.0,
-           nb::kw_only(), "open_without_token"_a = false, "expect_digest"_a = nb::none())
-      .def_prop_ro("address", &PeerServerHandle::address)
-      .def_prop_ro("version", &PeerServerHandle::version)
-      .def_prop_ro("content_digest", &PeerServerHandle::content_digest,
-                   "The content digest published (16 hex digits); empty once the parameters were updated.")
-      .def_prop_ro("serving", &PeerServerHandle::serving)
-      .def("begin_update", &PeerServerHandle::begin_update,
-           "Before the served parameters change: pulls that overlap the change are refused.")
-      .def("end_update", &PeerServerHandle::end_update, "After they changed: rehashes and publishes a new version.")
-      .def("close", &PeerServerHandle::close, "Stops serving; pullers' reads fail from then on.")
-      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
-      .def("__exit__", [](PeerServerHandle& handle, nb::args) { handle.close(); });
 }
 
 }  // namespace weightstream::python

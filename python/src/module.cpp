@@ -63,6 +63,8 @@ std::string text_argument(nb::handle value, const char* name) {
 
 }  // namespace
 
+PyObject* python_error_type() { return error_type; }
+
 Options resolve_options(const Options& base, nb::dict overrides) {
   Options options = base;
   auto& stream = options.stream;
@@ -408,10 +410,10 @@ NB_MODULE(_core, m) {
         [](nb::dict overrides) { return options_dict(resolve_options(environment_options(), overrides)); },
         "overrides"_a, "The environment's options with `overrides` applied and checked.");
   bind_model(m);
+  bind_session(m);
   bind_transfer(m);
   bind_resolve(m);
-  m.def("peer_config", &peer_config_json, "uri"_a, "token"_a = nb::none(), "timeout"_a = 30.0,
-        "The config.json text the serving peers of a peer:// URI publish (their token needed).");
+  bind_sources(m);
   m.def("peer_addresses", [](const std::string& uri) { return peer_addresses(uri); }, "uri"_a,
         "The HOST:PORT addresses of a peer:// URI; weightstream.Error for a malformed one.");
   m.def("cuda_device_count", &cuda_device_count, "CUDA devices visible to this build (0 without CUDA support).");

@@ -237,6 +237,11 @@ class PySender {
     auto parsed = format_of(format);
     nb::object items = nb::isinstance<nb::dict>(tensors) ? nb::borrow<nb::dict>(tensors).attr("items")()
                                                          : nb::borrow(tensors);
+    // Where the sender's own time goes, beside the receiver's phases in the report.
+    using Clock = std::chrono::steady_clock;
+    auto since = [](Clock::time_point begun) { return std::chrono::duration<double>(Clock::now() - begun).count(); };
+    nb::dict phases;
+    auto begun = Clock::now();
     std::vector<std::pair<Described, nb::object>> described;  // references to the caller's tensors, no copies
     std::vector<DeclaredTensor> declared;
     for (nb::handle item : items) {
@@ -248,7 +253,11 @@ class PySender {
       declared.push_back({tensor.name, tensor.dtype, tensor.shape});
       described.emplace_back(std::move(tensor), nb::borrow(pair[1]));
     }
+    phases["describing"] = since(begun);
+    begun = Clock::now();
     start_declared(parsed, declared);
+    phases["starting"] = since(begun);
+    begun = Clock::now();
     std::vector<TensorView> views;
     views.reserve(described.size());
     for (auto& [tensor, object] : described) views.push_back(view_to_send(tensor, object));
@@ -256,7 +265,12 @@ class PySender {
       ReleasedGil release;  // `described` keeps every tensor referenced meanwhile
       for (const TensorView& view : views) sender_->send(view);
     }
-    return finish();
+    phases["sending"] = since(begun);
+    begun = Clock::now();
+    nb::dict report = finish();
+    phases["finishing"] = since(begun);
+    report["sender_phases"] = phases;
+    return report;
   }
 
   /// One whole delta update: `tensors` (a dict of name -> tensor, or (name, tensor) pairs) sent
@@ -553,7 +567,9 @@ void bind_transfer(nb::module_& m) {
            "weightstream.Error before anything of it is sent.")
       .def("update", &PySender::update, "tensors"_a, "format"_a = "checkpoint",
            "One whole update: tensors is a dict of name -> tensor or (name, tensor) pairs (an iterator is taken "
-           "into a list of references first); they are declared, sent and finished. Returns the report.")
+           "into a list of references first); they are declared, sent and finished. Returns the report, with "
+           "sender_phases: the sender's seconds describing the tensors, starting (until every receiver accepted), "
+           "sending and finishing.")
       .def("update_changes", &PySender::update_changes, "base_tensors"_a, "tensors"_a, nb::kw_only(), "base"_a,
            "target"_a = "",
            "One whole delta update (docs/DELTA.md): tensors (a dict of name -> host tensor, or (name, tensor) "

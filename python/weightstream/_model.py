@@ -25,34 +25,35 @@ def _error(message: str, code: str) -> Exception:
 _OS_ERROR_CODES = {FileNotFoundError: "not_found", NotADirectoryError: "not_found", PermissionError: "permission"}
 
 
-def _config_text(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) -> str:
-    """The config.json text that ``config`` gives, or weightstream.Error naming what is wrong."""
+def _model_config(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint]) -> Tuple[str, Any]:
+    """Where ``config`` says the model's config.json is: ("text", (text, the compiled checkpoint
+    it came from or None)) for a dict, JSON text, a config.json file or an open Checkpoint;
+    ("source", uri) for a checkpoint directory or a URI, whose source the library opens. Raises
+    weightstream.Error naming what is wrong."""
     if isinstance(config, dict):
-        return json.dumps(config)
+        return "text", (json.dumps(config), None)
     if isinstance(config, str) and config.lstrip().startswith("{"):
-        return config
-    if isinstance(config, str) and config.startswith("peer://"):
-        return _core.peer_config(config)  # token: WEIGHTSTREAM_PEER_TOKEN; else weightstream.peer_config(uri, token)
-    if not isinstance(config, (Checkpoint, str, os.PathLike)):
+        return "text", (config, None)
+    if isinstance(config, Checkpoint):
+        text = config._core.config_json
+        if text is None:
+            raise _error(f"{config.uri} has no config.json beside its shards (model_layout needs the model's config)",
+                         "not_found")
+        return "text", (text, config._core)
+    if not isinstance(config, (str, os.PathLike)):
         raise TypeError(f"model_layout: config must be a dict, JSON text, a path, a URI or a Checkpoint, "
                         f"not {type(config).__name__}")
-    if not isinstance(config, Checkpoint):
-        path = os.fspath(config)
-        if "://" not in path and not os.path.isdir(path):
-            try:
-                with open(path, encoding="utf-8") as file:
-                    return file.read()
-            except OSError as error:
-                code = next((c for kind, c in _OS_ERROR_CODES.items() if isinstance(error, kind)), "io")
-                raise _error(f"cannot read model config {path}: {error.strerror or error}", code) from None
-            except UnicodeDecodeError as error:
-                raise _error(f"model config {path} is not UTF-8 text: {error}", "format") from None
-        config = Checkpoint(path)  # a checkpoint directory or URI: its config.json
-    text = config._core.config_json
-    if text is None:
-        raise _error(f"{config.uri} has no config.json beside its shards (model_layout needs the model's config)",
-                     "not_found")
-    return text
+    path = os.fspath(config)
+    if "://" in path or os.path.isdir(path):
+        return "source", path  # a checkpoint or serving peers (token: WEIGHTSTREAM_PEER_TOKEN)
+    try:
+        with open(path, encoding="utf-8") as file:
+            return "text", (file.read(), None)
+    except OSError as error:
+        code = next((c for kind, c in _OS_ERROR_CODES.items() if isinstance(error, kind)), "io")
+        raise _error(f"cannot read model config {path}: {error.strerror or error}", code) from None
+    except UnicodeDecodeError as error:
+        raise _error(f"model config {path} is not UTF-8 text: {error}", "format") from None
 
 
 def identity_layout(checkpoint: Union[str, os.PathLike, Checkpoint], *, device: Optional[str] = None) -> ModelLayout:
@@ -70,8 +71,8 @@ def identity_layout(checkpoint: Union[str, os.PathLike, Checkpoint], *, device: 
 
 def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *, tp_size: int = 1, tp_rank: int = 0,
                  ep_size: int = 1, ep_rank: int = 0, dtype: Optional[str] = None, quantize: str = "none",
-                 modules: str = "target",
-                 device: Optional[str] = None) -> Union[ModelLayout, Tuple[ModelLayout, ModelLayout]]:
+                 modules: str = "target", device: Optional[str] = None,
+                 hooks: bool = False) -> Union[ModelLayout, Tuple[ModelLayout, ModelLayout]]:
     """Builds the layout of a model of a supported architecture (llama, qwen3, qwen3_moe,
     mixtral, deepseek_v3, kimi_k2, glm4_moe, qwen3_next) for one rank from its Hugging Face
     config: a dict, JSON text, a path to config.json, a checkpoint directory or URI
@@ -88,18 +89,28 @@ def model_layout(config: Union[Dict[str, Any], str, os.PathLike, Checkpoint], *,
     the first ``layout.tensor()``), and binds must be on it; without, call
     ``layout.allocate(device)`` after binding. ``layout.tensor(name)`` is a DLPack view of a
     parameter's storage.
+    The layout is the library's engine_layout, the one ``weightstream plan`` and ``load`` build:
+    a config from a checkpoint is first checked against its tensors. ``hooks=True`` registers
+    the model hooks ``weightstream load`` registers (a tied lm_head, a fused K/V buffer; the
+    layout's ``hooks`` names them): the layout is then allocated on ``device`` at once, as
+    the hooks' derived buffers are, so it takes no binds. An engine that keeps that derived
+    state in its own model leaves it False: the hooks' buffers would copy its memory.
     Raises weightstream.Error for anything bad: code "model" for an unsupported model or a
     bad division, "not_found" for a missing file or config.json, "format" for malformed JSON.
     """
-    text = _config_text(config)
-    if modules == "all":
-        return tuple(model_layout(text, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
-                                  dtype=dtype, quantize=quantize, modules=module, device=device)
-                     for module in ("target", "draft"))
-    layout = _core.ModelLayout.from_config(text, tp_size, tp_rank, ep_size, ep_rank, dtype, quantize, modules)
-    if device is not None:
-        layout.allocate_at_first_load(device)
-    return layout
+    where, given = _model_config(config)
+    built = ("target", "draft") if modules == "all" else (modules,)
+    rank = dict(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank, dtype=dtype, quantize=quantize)
+    if where == "source":
+        layouts = _core.ModelLayout.from_source(given, modules=list(built), device=device, hooks=hooks, **rank)
+    else:
+        text, checkpoint = given
+        layouts = [_core.ModelLayout.from_config(text, modules=module, checkpoint=checkpoint, device=device,
+                                                 hooks=hooks, **rank) for module in built]
+    for layout in layouts:
+        if device is not None and not hooks:
+            layout.allocate_at_first_load(device)
+    return tuple(layouts) if modules == "all" else layouts[0]
 
 
 class LoadSession:
@@ -145,16 +156,9 @@ class LoadSession:
         checkpoint content every peer must serve; a peer serving another or unknown (updated)
         content is refused before a byte lands. Without it, several peers must all serve the
         same known content."""
-        if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
-            unknown = sorted(set(options) - {"token", "timeout", "memory_limit", "expect_digest"})
-            if unknown:
-                raise TypeError(f"load_checkpoint from peers: unknown option(s) {', '.join(unknown)} "
-                                f"(accepted: token, timeout, memory_limit, expect_digest)")
-            return self._core.pull_peers(checkpoint, options.get("token"), float(options.get("timeout", 30.0)),
-                                         int(options.get("memory_limit", 1 << 30)), options.get("expect_digest"))
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = Checkpoint(checkpoint)
-        return self._core.stream_checkpoint(checkpoint._core, options)
+        if isinstance(checkpoint, Checkpoint):
+            return self._core.stream_checkpoint(checkpoint._core, options)
+        return self._core.load_source(os.fspath(checkpoint), options)
 
     def finish(self) -> None:
         """Ends the load: completeness checks, pending layer processing, then every model
@@ -206,12 +210,8 @@ def serve(layout: ModelLayout, checkpoint: Union[str, os.PathLike, Checkpoint], 
     (unknown) from the first ``begin_update()`` on.
     Raises weightstream.Error for a layout not yet loaded, one on a GPU in a build whose UCX
     cannot serve it, a build without UCX, or an address it cannot listen on."""
-    if isinstance(checkpoint, str) and checkpoint.startswith("peer://"):
-        return _core.PeerServer(layout, checkpoint, listen, token, float(timeout),
-                                open_without_token=bool(open_without_token), expect_digest=expect_digest)
-    if not isinstance(checkpoint, Checkpoint):
-        checkpoint = Checkpoint(os.fspath(checkpoint))
-    return _core.PeerServer(layout, checkpoint._core, listen, token, float(timeout),
+    source = checkpoint._core if isinstance(checkpoint, Checkpoint) else os.fspath(checkpoint)
+    return _core.PeerServer(layout, source, listen, token, float(timeout),
                             open_without_token=bool(open_without_token), expect_digest=expect_digest)
 
 

@@ -13,8 +13,10 @@ import torch
 
 from . import _core
 
-#: The transports an engine's receivers take.
-TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nccl")
+#: The transports an engine's receivers take: shm and cuda-ipc listen on a Unix socket, tcp,
+#: nccl and ucx on "HOST:PORT" (ucx's bytes then move by UCX's own lanes: RDMA, shared
+#: memory, cma or tcp, as UCX_TLS allows).
+TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nccl", "ucx")
 
 
 def check_transport(transport: str) -> None:
@@ -25,7 +27,7 @@ def check_transport(transport: str) -> None:
 
 def make_senders(addresses: List[str], transport: str, token: str, device: str,
                  bucket_bytes: Optional[int], timeout: Optional[float] = None, one_each: bool = False) -> List[Any]:
-    """The senders that feed ``addresses``: one for all of them over tcp and nccl, one each
+    """The senders that feed ``addresses``: one for all of them over tcp, nccl and ucx, one each
     over shm and cuda-ipc (which take one receiver per sender), and one each with
     ``one_each`` (a delta: each rank's sender sends only the elements that rank holds)."""
     options: Dict[str, Any] = {"transport": transport, "token": token, "device": device}
@@ -80,8 +82,8 @@ def send_deltas(senders: List[Any], base_tensors: Dict[str, torch.Tensor], tenso
 
 def free_addresses(transport: str, count: int, host: str = "127.0.0.1") -> List[str]:
     """``count`` listen addresses the trainer can hand to the workers: free loopback ports
-    for tcp and nccl (the host given for a remote engine), fresh Unix socket paths for shm
-    and cuda-ipc."""
+    for tcp, nccl and ucx (the host given for a remote engine), fresh Unix socket paths for
+    shm and cuda-ipc."""
     check_transport(transport)
     if transport in ("shm", "cuda-ipc"):
         folder = tempfile.mkdtemp(prefix="weightstream-update-")

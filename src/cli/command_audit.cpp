@@ -18,6 +18,7 @@
 #include "cli/layout_flags.hpp"
 #include "cli/peer_flags.hpp"
 #include "cli/update_via.hpp"
+#include "weightstream/audit.hpp"
 #include "weightstream/error.hpp"
 
 namespace weightstream::cli {
@@ -39,117 +40,19 @@ struct AuditFlags {
   PeerFlags peer;    // peer:// sources (issue 31)
 };
 
-/// Batches of plan indices: the plan's reads in `order`, dealt round-robin.
-std::vector<std::vector<size_t>> batch_indices(size_t reads, int64_t batches, const std::string& order,
-                                               std::mt19937_64& random) {
-  std::vector<size_t> indices(reads);
-  std::iota(indices.begin(), indices.end(), 0);
-  if (order == "reversed") std::reverse(indices.begin(), indices.end());
-  if (order == "shuffled") std::shuffle(indices.begin(), indices.end(), random);
-  std::vector<std::vector<size_t>> result(static_cast<size_t>(batches));
-  for (size_t i = 0; i < indices.size(); ++i) result[i % result.size()].push_back(indices[i]);
-  return result;
+/// The audit's fields of one layout (LayoutAudit), as --json prints them.
+nlohmann::json audit_json(const LayoutAudit& audit) {
+  return {{"layout", audit.layout},
+          {"hooks", audit.hooks},
+          {"compared", audit.comparison.compared},
+          {"mismatched", audit.comparison.mismatched},
+          {"mismatches", audit.comparison.mismatches},
+          {"address_changes", audit.address_changes},
+          {"model_hook_runs_per_load", audit.hook_runs_per_load},
+          {"model_hook_runs_per_load_min", audit.hook_runs_per_load_min},
+          {"memory_growth_bytes", audit.memory_growth_bytes},
+          {"clean", audit.clean}};
 }
-
-/// One progress line over the audit's loads (the cold load, each reload, the fresh load),
-/// each of which reports its own bytes.
-class AuditProgress {
- public:
-  AuditProgress(bool enabled, uint64_t total) : total_(total) { line_.emplace(enabled); }
-  /// The callback of the next load.
-  ProgressCallback part() {
-    return [this, base = done_](uint64_t done, uint64_t) {
-      if (line_) line_->update(std::min(base + done, total_ - 1), total_);
-    };
-  }
-  /// After that load: it read `bytes`.
-  void finished(uint64_t bytes) { done_ += bytes; }
-  /// After the last load, before the report is printed: the line ends.
-  void done() {
-    if (line_) line_->update(total_, total_);
-    line_.reset();
-  }
-
- private:
-  std::optional<ProgressLine> line_;
-  uint64_t total_;
-  uint64_t done_ = 0;
-};
-
-/// One reload of `layout` from `checkpoint` in the flags' batches and order. Returns the
-/// bytes streamed; adds the seconds it took to `seconds`.
-uint64_t reload_in_batches(ModelLayout& layout, const Checkpoint& checkpoint, const LoadPlan& plan,
-                           const AuditFlags& flags, const Options& options, std::mt19937_64& random, double& seconds,
-                           AuditProgress* progress = nullptr) {
-  auto start = std::chrono::steady_clock::now();
-  uint64_t bytes = 0;
-  LoadSession session(layout);
-  session.begin(LoadMode::kReload);
-  for (const auto& indices : batch_indices(plan.reads.size(), flags.batches, flags.order, random)) {
-    if (indices.empty()) continue;
-    LoadPlan batch = plan.subset(indices);
-    bytes += stream_into_session(checkpoint, batch, session, options.stream, progress ? progress->part() : nullptr).bytes;
-    if (progress) progress->finished(batch.bytes_to_read);
-  }
-  session.finish();
-  seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return bytes;
-}
-
-/// What the audit watches on one layout across its loads: model hook runs per load, and,
-/// from the cold load on, the storage addresses and the memory the layout owns.
-class LayoutWatch {
- public:
-  /// Before the cold load.
-  explicit LayoutWatch(const ModelLayout& layout) : layout_(&layout), hook_runs_(layout.model_hook_runs()) {}
-
-  /// After each load, the cold load first.
-  void loaded() {
-    uint64_t runs = layout_->model_hook_runs() - hook_runs_;
-    hook_runs_ = layout_->model_hook_runs();
-    // Per load, each registered hook runs once: normalize by the number of hooks.
-    size_t hooks = layout_->hooks().size();
-    uint64_t per_hook = hooks == 0 || runs % hooks != 0 ? runs : runs / hooks;
-    hooks_min_ = std::min(hooks_min_, per_hook);
-    hooks_max_ = std::max(hooks_max_, per_hook);
-    if (loads_++ == 0) {
-      addresses_ = storage_addresses(*layout_);
-      allocated_ = layout_->allocated_bytes();
-    }
-  }
-
-  /// The audit's fields, against `fresh`, a fresh cold load of the reload's checkpoint.
-  nlohmann::json report(const ModelLayout& fresh) const {
-    uint64_t address_changes = 0;
-    for (const auto& [name, address] : storage_addresses(*layout_)) {
-      auto it = addresses_.find(name);
-      if (it == addresses_.end() || it->second != address) ++address_changes;
-    }
-    int64_t memory_growth = static_cast<int64_t>(layout_->allocated_bytes()) - static_cast<int64_t>(allocated_);
-    LayoutComparison comparison = compare_layouts(*layout_, fresh);
-    bool clean = comparison.mismatched == 0 && address_changes == 0 && memory_growth == 0 &&
-                 (layout_->hooks().empty() || (hooks_min_ == 1 && hooks_max_ == 1));
-    return {{"layout", layout_->description()},
-            {"hooks", layout_->hooks().size()},
-            {"compared", comparison.compared},
-            {"mismatched", comparison.mismatched},
-            {"mismatches", comparison.mismatches},
-            {"address_changes", address_changes},
-            {"model_hook_runs_per_load", hooks_max_},
-            {"model_hook_runs_per_load_min", hooks_min_},
-            {"memory_growth_bytes", memory_growth},
-            {"clean", clean}};
-  }
-
- private:
-  const ModelLayout* layout_;
-  uint64_t hook_runs_ = 0;
-  uint64_t hooks_min_ = UINT64_MAX;
-  uint64_t hooks_max_ = 0;
-  uint64_t loads_ = 0;
-  std::map<std::string, const std::byte*> addresses_;
-  uint64_t allocated_ = 0;
-};
 
 /// "LAYOUT: compared N, mismatched M, address changes A, model hook runs per load H, memory
 /// growth G bytes: clean".
@@ -168,36 +71,35 @@ void run_peer_audit(const AuditFlags& flags) {
   Options options = resolve_options(flags.stream);
   Device device = parse_device(flags.device);
   const std::string reload_uri = flags.reload_uri.empty() ? flags.uri : flags.reload_uri;
-  WS_EXPECT(!flags.via.requested() && is_peer_uri(reload_uri), ErrorCode::kInvalidArgument,
+  WS_EXPECT(!flags.via.requested() && !source_is_checkpoint(source_kind(reload_uri)), ErrorCode::kInvalidArgument,
             "an audit from peers reloads from peers: --reload must be a peer:// URI too, and --via does not apply");
   PeerFlags peer = flags.peer;
   peer.token_stdin = flags.via.token_stdin;
   peer.fallback.clear();  // an audit names what failed, it does not fall back
-  PeerSource source = connect_peers(flags.uri, peer, options);
-  ModelLayout layout = peer_layout(source, flags.layout, device);
-  LayoutWatch watch(layout);
-  PeerPullReport cold;
-  {
-    LoadSession session(layout);
-    session.begin(LoadMode::kCold);
-    cold = source.pull(session);
-    session.finish();
-  }
+  EngineLayoutOptions layout_options;
+  layout_options.layout = layout_options_from_flags(flags.layout);
+  layout_options.device = device;
+  SourceLayout loaded = open_flag_source(flags.uri, peer, options)->load_new(layout_options);
+  ModelLayout& layout = loaded.layout;
+  const PeerPullReport cold = loaded.load.pull;
+  LayoutWatch watch(layout, /*hook_runs_before=*/0);  // built by load_new, which cold-loaded it
   watch.loaded();
+  std::unique_ptr<Source> reload = open_flag_source(reload_uri, peer, options);
   double reload_seconds = 0;
   uint64_t reload_bytes = 0;
   for (int64_t repeat = 0; repeat < flags.repeat; ++repeat) {
-    PeerPullReport report = reload_from_peers(layout, reload_uri, peer);
+    PeerPullReport report = reload->load(layout, LoadMode::kReload).pull;
+    reload->close();  // each reload connects again, as a new puller would
     reload_seconds += report.seconds;
     reload_bytes += report.bytes_from_peers;
     watch.loaded();
   }
-  PeerLoad fresh = load_from_peers(reload_uri, flags.layout, device, peer, options);
+  SourceLayout fresh = open_flag_source(reload_uri, peer, options)->load_new(layout_options);
   nlohmann::json result = {{"uri", flags.uri},        {"reload_uri", reload_uri},
                            {"device", device.name()}, {"repeat", flags.repeat},
                            {"reload_bytes", reload_bytes}, {"reload_seconds", reload_seconds},
                            {"bytes_from_peers", cold.bytes_from_peers}};
-  result.update(watch.report(fresh.layout));
+  result.update(audit_json(watch.report(fresh.layout)));
   if (flags.json) {
     print_json(result);
   } else {
@@ -237,8 +139,10 @@ void run_draft_audit(const AuditFlags& flags) {
   uint64_t reload_bytes = 0;
   for (int64_t repeat = 0; repeat < flags.repeat; ++repeat) {
     for (size_t m = 0; m < modules.size(); ++m) {
-      reload_bytes += reload_in_batches(modules[m].layout, reload_checkpoint(modules[m]), plans[m], flags, options,
-                                        random, reload_seconds);
+      auto start = std::chrono::steady_clock::now();
+      reload_bytes += reload_in_batches(modules[m].layout, reload_checkpoint(modules[m]), plans[m], flags.batches,
+                                        audit_order_from_name(flags.order), random, options.stream);
+      reload_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       watches[m].loaded();
     }
   }
@@ -263,7 +167,7 @@ void run_draft_audit(const AuditFlags& flags) {
   for (size_t m = 0; m < modules.size(); ++m) {
     const Checkpoint& checkpoint = reload_checkpoint(modules[m]);
     load_layout(fresh[m].layout, checkpoint, LoadMode::kCold, options.stream);
-    nlohmann::json audit = watches[m].report(fresh[m].layout);
+    nlohmann::json audit = audit_json(watches[m].report(fresh[m].layout));
     audit["source"] = modules[m].resolution.chosen().uri;
     audit["field"] = modules[m].resolution.chosen().field;
     audit["reload_uri"] = checkpoint.uri();
@@ -280,6 +184,115 @@ void run_draft_audit(const AuditFlags& flags) {
     }
   }
   if (!clean) throw CLI::RuntimeError(3);
+}
+
+/// What the --via updates of an audit moved, summed over its repeats.
+struct ViaTotals {
+  double update_seconds = 0;  // receiver's start to finish
+  nlohmann::json update_seconds_each = nlohmann::json::array();
+  UpdatePhases update_phases;  // where those seconds went
+  uint64_t sparse_tensors = 0, dense_tensors = 0, checked_tensors = 0;  // --delta: how the tensors went
+};
+
+/// The audit's reloads as buckets from one `weightstream send` process, one update after
+/// another over one connection (--via, issue 8); `totals` sums what they moved.
+AuditReloads via_reloads(const AuditFlags& flags, const std::string& reload_uri, const Device& device,
+                         MetricsEndpoint* metrics, ViaTotals& totals) {
+  return [&flags, reload_uri, device, metrics, &totals](ModelLayout& layout, int64_t repeat,
+                                                        const std::function<void(uint64_t, double)>& reloaded) {
+    receive_updates_via(layout, reload_uri, flags.via, device, flags.stream, repeat,
+                        [&](const ViaUpdate& update) {
+                          totals.update_seconds += update.report.seconds;
+                          totals.update_seconds_each.push_back(update.report.seconds);
+                          for (const auto& [name, phase] : kUpdatePhases) {
+                            totals.update_phases.*phase += update.report.phases.*phase;
+                          }
+                          totals.sparse_tensors += update.report.sparse_tensors;
+                          totals.dense_tensors += update.report.dense_tensors;
+                          totals.checked_tensors += update.report.checked_tensors;
+                          reloaded(update.report.bytes, update.seconds);
+                        },
+                        metrics, flags.via.delta ? flags.uri : std::string());
+  };
+}
+
+/// --via's fields of the audit's JSON: the transport, the updates' seconds and phases, and
+/// with --delta how the tensors went.
+void add_via_json(nlohmann::json& result, const ViaFlags& flags, const ViaTotals& via, uint64_t reload_bytes) {
+  result["via"] = flags.via;
+  result["bucket_size"] = flags.bucket_size;
+  result["update_seconds"] = via.update_seconds;
+  result["update_seconds_each"] = via.update_seconds_each;
+  result["update_gbps"] =
+      via.update_seconds > 0 ? static_cast<double>(reload_bytes) / via.update_seconds / 1e9 : 0.0;
+  nlohmann::json phases = nlohmann::json::object();
+  for (const auto& [name, phase] : kUpdatePhases) phases[name] = via.update_phases.*phase;
+  result["update_phases"] = phases;
+  if (flags.delta) {
+    result["sparse_tensors"] = via.sparse_tensors;
+    result["dense_tensors"] = via.dense_tensors;
+    result["checked_tensors"] = via.checked_tensors;
+  }
+}
+
+/// The same as lines after the audit's.
+void print_via(const ViaFlags& flags, const ViaTotals& via, uint64_t reload_bytes) {
+  std::printf("update via %s: %.3f s, %.2f GB/s\n", flags.via.c_str(), via.update_seconds,
+              via.update_seconds > 0 ? static_cast<double>(reload_bytes) / via.update_seconds / 1e9 : 0.0);
+  if (flags.delta) {
+    std::printf("delta: %llu tensors as changed elements, %llu whole, %s moved; %llu checked after it\n",
+                static_cast<unsigned long long>(via.sparse_tensors), static_cast<unsigned long long>(via.dense_tensors),
+                format_size(reload_bytes).c_str(), static_cast<unsigned long long>(via.checked_tensors));
+  }
+}
+
+/// The audit of a checkpoint's layout (the library's audit_reloads), reloaded from --reload
+/// in batches or through --via, printed.
+void run_checkpoint_audit(const AuditFlags& flags) {
+  // Before the cold load, so that a scrape sees the receiver's command from its start.
+  std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags.via.metrics);
+  Options options = resolve_options(flags.stream);
+  Device device = parse_device(flags.device);
+  std::string reload_uri = flags.reload_uri.empty() ? flags.uri : flags.reload_uri;
+  Checkpoint first = Checkpoint::open(flags.uri, options);
+  Checkpoint second = Checkpoint::open(reload_uri, options);
+  AuditOptions audit;
+  audit.layout.layout = layout_options_from_flags(flags.layout);
+  audit.layout.device = device;
+  audit.batches = flags.batches;
+  audit.order = audit_order_from_name(flags.order);
+  audit.repeat = flags.repeat;
+  audit.seed = flags.seed;
+  audit.stream = options.stream;
+  Publication cold_series;
+  audit.on_cold = [&](const LayoutLoad& cold) {
+    cold_series = publish_load(metrics.get(), checkpoint_load_record(first, cold.stream), flags.via.metrics);
+  };
+  ViaTotals via;
+  if (flags.via.requested()) audit.reloads = via_reloads(flags, reload_uri, device, metrics.get(), via);
+  AuditReport report;
+  {
+    ProgressLine line(progress_enabled(flags.stream, options) && !flags.json);
+    audit.progress = [&line](uint64_t done, uint64_t total) { line.update(done, total); };
+    report = audit_reloads(first, second, audit);
+  }
+  nlohmann::json result = {{"uri", first.uri()},
+                           {"reload_uri", second.uri()},
+                           {"device", device.name()},
+                           {"batches", flags.batches},
+                           {"order", flags.order},
+                           {"repeat", flags.repeat},
+                           {"reload_bytes", report.reload_bytes},
+                           {"reload_seconds", report.reload_seconds}};
+  result.update(audit_json(report.audit));
+  if (flags.via.requested()) add_via_json(result, flags.via, via, report.reload_bytes);
+  if (flags.json) {
+    print_json(result);
+  } else {
+    print_audit_line(report.audit.layout, result);
+    if (flags.via.requested()) print_via(flags.via, via, report.reload_bytes);
+  }
+  if (!report.audit.clean) throw CLI::RuntimeError(3);
 }
 
 }  // namespace
@@ -310,7 +323,7 @@ void add_audit_command(CLI::App& app) {
   // ---- end of source resolution and drafts -------------------------------------------------
   add_peer_flags(*command, flags->peer, /*token_flag=*/false);  // peer:// (issue 31)
   command->callback([flags] {
-    if (is_peer_uri(flags->uri)) {  // peer:// (issue 31)
+    if (!flags->uri.empty() && !source_is_checkpoint(source_kind(flags->uri))) {  // peers (issue 31)
       run_peer_audit(*flags);
       return;
     }
@@ -319,108 +332,7 @@ void add_audit_command(CLI::App& app) {
       return;
     }
     if (flags->uri.empty()) throw CLI::RequiredError("uri");
-    // Before the cold load, so that a scrape sees the receiver's command from its start.
-    std::unique_ptr<MetricsEndpoint> metrics = start_metrics(flags->via.metrics);
-    Options options = resolve_options(flags->stream);
-    Device device = parse_device(flags->device);
-    std::string reload_uri = flags->reload_uri.empty() ? flags->uri : flags->reload_uri;
-    Checkpoint first = Checkpoint::open(flags->uri, options);
-    Checkpoint second = Checkpoint::open(reload_uri, options);
-
-    ModelLayout layout = checkpoint_layout(first, flags->layout, device);
-    LayoutWatch watch(layout);
-    LoadPlan plan = plan_layout_load(layout, second);
-    // The cold load, the reloads and the fresh load of the reload's checkpoint, in one line.
-    const uint64_t cold_bytes = plan_layout_load(layout, first).bytes_to_read;
-    AuditProgress progress(progress_enabled(flags->stream, options) && !flags->json,
-                           std::max<uint64_t>(1, cold_bytes + (static_cast<uint64_t>(flags->repeat) + 1) * plan.bytes_to_read));
-    const LayoutLoad cold = load_layout(layout, first, LoadMode::kCold, options.stream, progress.part());
-    Publication cold_series = publish_load(metrics.get(), checkpoint_load_record(first, cold.stream), flags->via.metrics);
-    progress.finished(cold_bytes);
-    watch.loaded();
-    std::mt19937_64 random(flags->seed);
-    double reload_seconds = 0;
-    uint64_t reload_bytes = 0;
-    double update_seconds = 0;  // --via: receiver's start to finish, summed over repeats
-    nlohmann::json update_seconds_each = nlohmann::json::array();  // --via: each update's
-    UpdatePhases update_phases;  // --via: where those seconds went, summed over repeats
-    uint64_t sparse_tensors = 0, dense_tensors = 0, checked_tensors = 0;  // --via --delta: how the tensors went
-    if (flags->via.requested()) {
-      // ---- --via (issue 8): the reloads arrive as buckets from one `weightstream send`
-      // process, one update after another over one connection
-      receive_updates_via(layout, reload_uri, flags->via, device, flags->stream, flags->repeat,
-                          [&](const ViaUpdate& update) {
-                            reload_seconds += update.seconds;
-                            update_seconds += update.report.seconds;
-                            update_seconds_each.push_back(update.report.seconds);
-                            for (const auto& [name, phase] : kUpdatePhases) {
-                              update_phases.*phase += update.report.phases.*phase;
-                            }
-                            reload_bytes += update.report.bytes;
-                            sparse_tensors += update.report.sparse_tensors;
-                            dense_tensors += update.report.dense_tensors;
-                            checked_tensors += update.report.checked_tensors;
-                            progress.finished(plan.bytes_to_read);
-                            watch.loaded();
-                          },
-                          metrics.get(), flags->via.delta ? flags->uri : std::string());
-      // ---- end of the --via block ----------------------------------------------------------
-    } else {
-      for (int64_t repeat = 0; repeat < flags->repeat; ++repeat) {
-        reload_bytes += reload_in_batches(layout, second, plan, *flags, options, random, reload_seconds, &progress);
-        watch.loaded();
-      }
-    }
-
-    // The reload's bytes as the audited model holds them: the reload checkpoint's layers in
-    // the audited checkpoint's dtype and quantization, so an F16 reload of a BF16 model is
-    // converted and a BF16 reload of an FP8 block-scaled model quantized on both sides, and a
-    // reload that lacks layers the model has leaves those NOT CLEAN.
-    const ModelConfig audited = checkpoint_layout_config(first);
-    ModelLayout fresh = checkpoint_layout(second, flags->layout, device, &audited);
-    load_layout(fresh, second, LoadMode::kCold, options.stream, progress.part());
-    progress.done();
-    nlohmann::json result = {{"uri", first.uri()},
-                             {"reload_uri", second.uri()},
-                             {"device", device.name()},
-                             {"batches", flags->batches},
-                             {"order", flags->order},
-                             {"repeat", flags->repeat},
-                             {"reload_bytes", reload_bytes},
-                             {"reload_seconds", reload_seconds}};
-    result.update(watch.report(fresh));
-    // ---- --via (issue 8) ----
-    if (flags->via.requested()) {
-      result["via"] = flags->via.via;
-      result["bucket_size"] = flags->via.bucket_size;
-      result["update_seconds"] = update_seconds;
-      result["update_seconds_each"] = update_seconds_each;
-      result["update_gbps"] = update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0;
-      nlohmann::json phases = nlohmann::json::object();
-      for (const auto& [name, phase] : kUpdatePhases) phases[name] = update_phases.*phase;
-      result["update_phases"] = phases;
-      if (flags->via.delta) {
-        result["sparse_tensors"] = sparse_tensors;
-        result["dense_tensors"] = dense_tensors;
-        result["checked_tensors"] = checked_tensors;
-      }
-    }
-    // ---- end of the --via block ----
-    if (flags->json) {
-      print_json(result);
-    } else {
-      print_audit_line(layout.description(), result);
-      if (flags->via.requested()) {  // ---- --via (issue 8) ----
-        std::printf("update via %s: %.3f s, %.2f GB/s\n", flags->via.via.c_str(), update_seconds,
-                    update_seconds > 0 ? static_cast<double>(reload_bytes) / update_seconds / 1e9 : 0.0);
-        if (flags->via.delta) {
-          std::printf("delta: %llu tensors as changed elements, %llu whole, %s moved; %llu checked after it\n",
-                      static_cast<unsigned long long>(sparse_tensors), static_cast<unsigned long long>(dense_tensors),
-                      format_size(reload_bytes).c_str(), static_cast<unsigned long long>(checked_tensors));
-        }
-      }
-    }
-    if (!result["clean"].get<bool>()) throw CLI::RuntimeError(3);
+    run_checkpoint_audit(*flags);
   });
 }
 

@@ -20,9 +20,8 @@ namespace {
 /// export instead, and the checkpoint would be broken. Symbolic links and `..` are
 /// resolved first; a hard link to the checkpoint file is caught by its inode.
 void refuse_output_inside_input(const std::string& uri, const std::string& output) {
-  if (is_peer_uri(uri)) return;
+  if (source_kind(uri) != SourceKind::kFile) return;
   Uri input = parse_uri(uri);
-  if (input.scheme != Uri::Scheme::kFile) return;
   namespace fs = std::filesystem;
   std::error_code error;
   fs::path source = fs::weakly_canonical(fs::absolute(input.path), error);
@@ -69,21 +68,16 @@ void add_export_command(CLI::App& app) {
     LoadProgress progress;
     Publication progress_series = publish(metrics.get(), [&progress] { return progress.series(); });
     Publication load_series;
-    std::optional<PeerLoad> from_peers;  // peer:// (cli/peer_flags.hpp)
-    std::optional<Checkpoint> checkpoint;
-    ModelLayout layout;
-    if (is_peer_uri(flags->uri)) {
-      from_peers = load_from_peers(flags->uri, flags->layout, Device{}, flags->peer, options);
-      layout = std::move(from_peers->layout);
-      load_series = publish_load(metrics.get(), peer_load_record(*from_peers), flags->metrics);
-    } else {
-      checkpoint = Checkpoint::open(flags->uri, options);
-      layout = checkpoint_layout(*checkpoint, flags->layout, Device{});
+    SourceLayout loaded;
+    {
       ProgressLine line(progress_enabled(flags->stream, options) && !flags->json, progress.observer());
-      const LayoutLoad load = load_layout(layout, *checkpoint, LoadMode::kCold, options.stream,
-                                          [&line](uint64_t done, uint64_t total) { line.update(done, total); });
-      load_series = publish_load(metrics.get(), checkpoint_load_record(*checkpoint, load.stream), flags->metrics);
+      loaded = load_from_source(flags->uri, flags->layout, Device{}, flags->peer, options,
+                                [&line](uint64_t done, uint64_t total) { line.update(done, total); });
     }
+    const bool from_checkpoint = source_is_checkpoint(loaded.load.kind) && loaded.load.failure.empty();
+    load_series = publish_load(metrics.get(),
+                               source_load_record(loaded.load), flags->metrics);
+    const ModelLayout& layout = loaded.layout;
     SafetensorsWriter writer;
     uint64_t bytes = 0;
     for (const Parameter& parameter : layout.parameters()) {
@@ -95,17 +89,14 @@ void add_export_command(CLI::App& app) {
     writer.set_metadata("layout", layout.description());
     writer.set_metadata("tp_size", std::to_string(flags->layout.tp_size.value_or(1)));
     writer.set_metadata("tp_rank", std::to_string(flags->layout.tp_rank.value_or(0)));
-    writer.set_metadata("source", from_peers ? from_peers->source : checkpoint->uri());
+    writer.set_metadata("source", loaded.load.uri);
     writer.write(flags->output);
     if (flags->json) {
       nlohmann::json result = {{"output", flags->output},
                                {"layout", layout.description()},
                                {"tensors", layout.parameters().size()},
                                {"bytes", bytes}};
-      if (from_peers) {
-        from_peers->layout = std::move(layout);  // for peer_load_json's description
-        result.update(peer_load_json(*from_peers));
-      }
+      if (!from_checkpoint) result.update(peer_load_json(loaded));
       print_json(result);
     } else {
       std::printf("wrote %zu parameters (%s) of %s to %s\n", layout.parameters().size(), format_size(bytes).c_str(),

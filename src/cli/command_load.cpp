@@ -25,7 +25,7 @@ struct LoadFlags {
 /// `observer` sees its progress (a pull from peers reports none).
 LoadRecord run_load(const LoadFlags& flags, const LayoutLoadFlags& layout_flags, const DraftFlags& draft_flags,
                     const PeerFlags& peer_flags, const ProgressCallback& observer) {
-  if (is_peer_uri(flags.uri)) {
+  if (!flags.uri.empty() && !source_is_checkpoint(source_kind(flags.uri))) {  // peers serve layouts only
     return run_peer_load(flags.uri, layout_flags.layout, flags.device, peer_flags, flags.stream, flags.json);
   }
   if (draft_flags.requested()) {  // source resolution and drafts

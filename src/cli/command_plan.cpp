@@ -108,20 +108,24 @@ void add_plan_command(CLI::App& app) {
       "plan", "Dry run: which checkpoint tensors, shards and byte ranges fill each parameter of this rank");
   command->add_option("uri", flags->uri, "Checkpoint with config.json: a directory, file://, s3://, gs:// or az://")->required();
   add_layout_flags(*command, flags->layout);
-  command->add_flag("--json", flags->json, "Print JSON: parameters with their parts and byte ranges, unused, missing");
+  command->add_flag("--json", flags->json, "Print JSON: parameters with their parts and byte ranges, unused, missing, the engine's model hooks");
   command->callback([flags] {
     Options options = environment_options();
-    LayoutOptions layout_options;
-    layout_options.parallel = parallelism_from_flags(flags->layout);  // a bad rank before any read
+    EngineLayoutOptions layout_options;
+    layout_options.layout = layout_options_from_flags(flags->layout);  // a bad rank before any read
     Checkpoint checkpoint = Checkpoint::open(flags->uri, options);
-    // Storage is not needed for a plan; the layout is built without allocating.
+    // Storage is not needed for a plan: the layout is built without allocating, and the
+    // hooks an engine_layout with storage registers are named, not attached.
     ModelConfig config = checkpoint_layout_config(checkpoint);
-    if (flags->layout.quantize == "fp8") layout_options.quantize = Processing::kFp8PerTensor;
-    layout_options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
-    ModelLayout layout = build_model_layout(config, layout_options);
+    std::vector<std::string_view> names;
+    for (const CheckpointTensor& tensor : checkpoint.tensors()) names.push_back(tensor.name);
+    ModelLayout layout = engine_layout(config, checkpoint.uri() + "/config.json", names, layout_options);
     LoadPlan plan = plan_layout_load(layout, checkpoint);
     if (flags->json) {
-      print_json(plan_json(checkpoint, layout, plan));
+      nlohmann::json json = plan_json(checkpoint, layout, plan);
+      json["hooks"] = nlohmann::json::array();
+      for (const auto& hook : engine_hooks(layout, config)) json["hooks"].push_back(hook->name());
+      print_json(json);
     } else {
       print_plan(checkpoint, layout, plan);
     }

@@ -401,6 +401,27 @@ void add_send_command(CLI::App& app) {
   });
 }
 
+namespace {
+
+/// The command line of the `weightstream send` child that pushes `reload_uri` to the
+/// receiver at `address`, with the token on its stdin.
+std::vector<std::string> sender_arguments(const std::string& reload_uri, const std::string& address,
+                                          const ViaFlags& flags, const Device& sender_device,
+                                          const StreamFlags& stream, int64_t count, const std::string& delta_base_uri) {
+  std::vector<std::string> arguments = {"weightstream", "send", reload_uri, "--to", address, "--via",
+                                        flags.via, "--bucket-size", flags.bucket_size, "--token-stdin",
+                                        "--no-progress", "--device", sender_device.name(), "--repeat",
+                                        std::to_string(count)};
+  if (stream.concurrency) arguments.insert(arguments.end(), {"--concurrency", std::to_string(*stream.concurrency)});
+  if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
+  if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
+  if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
+  if (!delta_base_uri.empty()) arguments.insert(arguments.end(), {"--delta-from", delta_base_uri});
+  return arguments;
+}
+
+}  // namespace
+
 void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, const ViaFlags& flags, const Device& device,
                          const StreamFlags& stream, int64_t count, const std::function<void(const ViaUpdate&)>& on_update,
                          MetricsEndpoint* metrics, const std::string& delta_base_uri) {
@@ -454,17 +475,10 @@ void receive_updates_via(ModelLayout& layout, const std::string& reload_uri, con
   if (options.transport == TransportKind::kNccl && device.is_cuda() && cuda_device_count() > 1) {
     sender_device.index = (device.index + 1) % cuda_device_count();
   }
-  std::vector<std::string> arguments = {"weightstream", "send", reload_uri, "--to", receiver.address(), "--via",
-                                        flags.via, "--bucket-size", flags.bucket_size, "--token-stdin",
-                                        "--no-progress", "--device", sender_device.name(), "--repeat",
-                                        std::to_string(count)};
-  if (stream.concurrency) arguments.insert(arguments.end(), {"--concurrency", std::to_string(*stream.concurrency)});
-  if (!stream.memory_limit.empty()) arguments.insert(arguments.end(), {"--memory-limit", stream.memory_limit});
-  if (!stream.chunk_size.empty()) arguments.insert(arguments.end(), {"--chunk-size", stream.chunk_size});
-  if (!stream.io.empty()) arguments.insert(arguments.end(), {"--io", stream.io});
-  if (!delta_base_uri.empty()) arguments.insert(arguments.end(), {"--delta-from", delta_base_uri});
   const auto started = std::chrono::steady_clock::now();
-  const pid_t child = spawn_sender(arguments, options.token);
+  const pid_t child = spawn_sender(
+      sender_arguments(reload_uri, receiver.address(), flags, sender_device, stream, count, delta_base_uri),
+      options.token);
 
   // A sender that fails ends at once (a refused argument, an unreadable checkpoint): the
   // watcher sees it end and cancels the receiver, which would otherwise wait its whole

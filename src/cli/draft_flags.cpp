@@ -116,7 +116,7 @@ void allocate_modules(std::vector<ModuleSetup>& modules, const DraftFlags& flags
   for (ModuleSetup& module : modules) {
     if (module.role == ModuleRole::kDraft && flags.share_embeddings) share_target_embeddings(module.layout, modules[0].layout);
     module.layout.allocate(device);
-    add_engine_hooks(module.layout, module.config.config);
+    for (auto& hook : engine_hooks(module.layout, module.config.config)) module.layout.add_hook(std::move(hook));
   }
 }
 
@@ -136,13 +136,6 @@ std::vector<ModuleLoadRequest> load_requests(std::vector<ModuleSetup>& modules) 
   std::vector<ModuleLoadRequest> requests;
   for (ModuleSetup& module : modules) requests.push_back({module.role, &module.layout, module.resolution});
   return requests;
-}
-
-LayoutOptions layout_options_from_flags(const LayoutFlags& flags) {
-  LayoutOptions options;
-  options.parallel = parallelism_from_flags(flags);
-  if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
-  return options;
 }
 
 nlohmann::json resolution_json(const SourceResolution& resolution) {

@@ -63,7 +63,7 @@ std::vector<ModuleSetup> setup_modules(const DraftFlags& flags, const Options& o
 
 /// Storage for each module, as an engine sets it up before the first load: with
 /// --share-embeddings the draft refers to the target's embedding and head (modules[0]),
-/// then each layout is allocated on `device` and gets the engine's hooks (add_engine_hooks).
+/// then each layout is allocated on `device` and gets the engine's hooks (engine_hooks).
 void allocate_modules(std::vector<ModuleSetup>& modules, const DraftFlags& flags, const Device& device);
 
 /// The modules of `flags` ready for their first load: set up (the target unless
@@ -86,10 +86,6 @@ nlohmann::json resolution_json(const SourceResolution& resolution);
 LoadRecord run_draft_load(const std::string& uri, const DraftFlags& flags, const LayoutOptions& layout_options,
                           const std::string& device, const StreamFlags& stream_flags, bool json,
                           const ProgressCallback& observer = {});
-
-/// The layout options of --tp-size, --tp-rank, --ep-size, --ep-rank and --quantize.
-/// Throws Error(kInvalidArgument) for a rank outside its size.
-LayoutOptions layout_options_from_flags(const LayoutFlags& flags);
 
 /// Registers `weightstream resolve`.
 void add_resolve_command(CLI::App& app);

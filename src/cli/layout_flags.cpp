@@ -16,15 +16,6 @@ void add_layout_flags(CLI::App& command, LayoutFlags& flags) {
       ->check(CLI::IsMember({"none", "fp8"}));
 }
 
-ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint) {
-  ModelConfig config = checkpoint_model_config(checkpoint);
-  std::vector<std::string_view> names;
-  names.reserve(checkpoint.tensors().size());
-  for (const CheckpointTensor& tensor : checkpoint.tensors()) names.push_back(tensor.name);
-  check_checkpoint_layers(config, checkpoint.uri() + "/config.json", names);
-  return config;
-}
-
 Parallelism parallelism_from_flags(const LayoutFlags& flags) {
   Parallelism parallel{flags.tp_size.value_or(1), flags.tp_rank.value_or(0), flags.ep_size, flags.ep_rank};
   WS_EXPECT(parallel.tp_rank < parallel.tp_size, ErrorCode::kInvalidArgument,
@@ -36,52 +27,21 @@ Parallelism parallelism_from_flags(const LayoutFlags& flags) {
   return parallel;
 }
 
-ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
-                              const ModelConfig* held_as) {
-  ModelConfig config = checkpoint_layout_config(checkpoint);
-  if (held_as != nullptr) {
-    config.torch_dtype = held_as->torch_dtype;
-    config.quantization = held_as->quantization;
-  }
+LayoutOptions layout_options_from_flags(const LayoutFlags& flags) {
   LayoutOptions options;
   options.parallel = parallelism_from_flags(flags);
   if (flags.quantize == "fp8") options.quantize = Processing::kFp8PerTensor;
-  options.max_tensors = layout_tensor_bound(checkpoint.tensors().size());
-  ModelLayout layout = build_model_layout(config, options);
-  layout.allocate(device);
-  add_engine_hooks(layout, config);
-  return layout;
+  return options;
 }
 
-namespace {
-
-/// Whether a parameter named by `pattern` for its layer has a part `id`.
-bool has_layer_part(const ModelLayout& layout, std::string_view pattern, std::string_view id) {
-  constexpr std::string_view kLayer = "{layer}";
-  for (const Parameter& parameter : layout.parameters()) {
-    std::string name(pattern);
-    if (size_t at = name.find(kLayer); at != std::string::npos) name.replace(at, kLayer.size(), std::to_string(parameter.layer));
-    if (parameter.name != name) continue;
-    for (const ParameterPart& part : parameter.parts) {
-      if (part.id == id) return true;
-    }
-  }
-  return false;
+ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
+                              const ModelConfig* held_as) {
+  EngineLayoutOptions options;
+  options.layout = layout_options_from_flags(flags);
+  options.device = device;
+  if (held_as != nullptr) options.held_as = *held_as;
+  return engine_layout(checkpoint, options);
 }
-
-}  // namespace
-
-void add_engine_hooks(ModelLayout& layout, const ModelConfig& config) {
-  if (config.tie_word_embeddings && layout.find("lm_head.weight") && layout.find("model.embed_tokens.weight")) {
-    layout.add_hook(make_tied_lm_head_hook());
-  }
-  // The fused K/V buffer an engine derives: K and V rows of qkv_proj, or MLA's latent kv_a.
-  constexpr std::string_view kQkv = "model.layers.{layer}.self_attn.qkv_proj.weight";
-  constexpr std::string_view kLatent = "model.layers.{layer}.self_attn.fused_qkv_a_proj.weight";
-  if (has_layer_part(layout, kQkv, "k")) layout.add_hook(make_fused_kv_hook(std::string(kQkv)));
-  if (has_layer_part(layout, kLatent, "kv_a")) layout.add_hook(make_fused_kv_hook(std::string(kLatent), {"kv_a"}));
-}
-
 
 void add_layout_load_flags(CLI::App& command, LayoutLoadFlags& flags) {
   add_layout_flags(command, flags.layout);

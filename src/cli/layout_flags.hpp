@@ -30,21 +30,13 @@ void add_layout_flags(CLI::App& command, LayoutFlags& flags);
 /// rank that is not below its size, naming the flags.
 Parallelism parallelism_from_flags(const LayoutFlags& flags);
 
-/// `checkpoint`'s config.json, refused (Error(kModel) naming it and num_hidden_layers)
-/// when it asks for more layers than the checkpoint's tensors hold, before any layout is
-/// built from it: see check_checkpoint_layers.
-ModelConfig checkpoint_layout_config(const Checkpoint& checkpoint);
+/// The layout options of --tp-size, --tp-rank, --ep-size, --ep-rank and --quantize.
+/// Throws Error(kInvalidArgument) for a rank outside its size.
+LayoutOptions layout_options_from_flags(const LayoutFlags& flags);
 
-/// Registers on `layout` (storage allocated) the hooks an engine would: a tied lm_head where
-/// the embeddings are tied, a fused K/V buffer where model.layers.{layer} have K and V
-/// parts (or MLA's latent kv_a part).
-void add_engine_hooks(ModelLayout& layout, const ModelConfig& config);
-
-/// The layout of `checkpoint`'s config.json for the flags' rank, with storage on
-/// `device` and the hooks an engine would register (add_engine_hooks). `held_as`, when
-/// given, is the config of the model that holds these weights: its torch_dtype and
-/// quantization_config replace the checkpoint's (an F16 or BF16 checkpoint as loaded into a
-/// BF16 or FP8 block-scaled model), while the layers and shapes stay the checkpoint's.
+/// The library's engine_layout of `checkpoint` for the flags' rank, with storage on `device`
+/// and the engine's hooks. `held_as`, when given, is the config of the model that holds these
+/// weights (EngineLayoutOptions::held_as).
 ModelLayout checkpoint_layout(const Checkpoint& checkpoint, const LayoutFlags& flags, const Device& device,
                               const ModelConfig* held_as = nullptr);
 

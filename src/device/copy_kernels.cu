@@ -1,8 +1,8 @@
 // The gather copy behind copy_within_device(): one launch copies thousands of tensors, where
-// one cudaMemcpy (or one entry of cudaMemcpyBatchAsync) each costs about 10 us of driver
-// time on an H200, more than copying a 1.6 MB tensor at 2 TB/s takes. The scatter behind
-// land_and_scatter(): a read's small tensors and narrow column windows written out of the
-// one copy that landed them.
+// one cudaMemcpy (or one entry of cudaMemcpyBatchAsync) each costs more driver time than
+// copying a small tensor takes (bench/HISTORY.md, "Figures once in source comments"). The
+// scatter behind land_and_scatter(): a read's small tensors and narrow column windows
+// written out of the one copy that landed them.
 #include <algorithm>
 
 #include "device/copy_kernels.hpp"

@@ -1,6 +1,6 @@
 #pragma once
 // Internal: the device layer's own CUDA kernels (copy_kernels.cu), built where nvcc works
-// (WS_HAVE_CUDA_KERNELS). Called only from device_cuda.cpp.
+// (WS_HAVE_CUDA_KERNELS). Called only from device_cuda.cpp and copier_cuda.cpp.
 
 #include <cuda_runtime.h>
 

@@ -1,6 +1,6 @@
 #pragma once
 // Internal: the FP8 block quantization kernel (quantize_kernels.cu), built where nvcc works
-// (WS_HAVE_CUDA_KERNELS). Called only from device_cuda.cpp.
+// (WS_HAVE_CUDA_KERNELS). Called only from copier_cuda.cpp.
 
 #include <cuda_runtime.h>
 

@@ -94,16 +94,8 @@ class ConfigFields {
   const Json& document_;
 };
 
-}  // namespace
-
-ModelConfig parse_model_config(std::string_view object, std::string_view json) {
-  Json document = detail::parse_json_strictly(object, json);
-  WS_EXPECT(document.is_object(), ErrorCode::kFormat,
-            std::string(object) + ": config is " + std::string(detail::json_type_text(document.type())) +
-                ", not a JSON object");
-  ConfigFields fields(object, document);
-  ModelConfig config;
-  config.source = std::string(object);
+/// The fields every decoder model has: sizes, heads, vocabulary, dtype.
+void read_common_fields(const ConfigFields& fields, ModelConfig& config) {
   config.model_type = fields.text("model_type");
   config.hidden_size = fields.integer("hidden_size", 1, kMaxDimension, std::nullopt);
   config.num_hidden_layers = fields.integer("num_hidden_layers", 1, kMaxCount, std::nullopt);
@@ -121,7 +113,11 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
   // Newer transformers releases write "dtype" where older ones wrote "torch_dtype".
   config.torch_dtype = fields.text("torch_dtype");
   if (config.torch_dtype.empty()) config.torch_dtype = fields.text("dtype");
+}
 
+/// DeepSeek-V3's fields (MLA, routed and shared experts, MTP layers), which GLM-4.5 and
+/// Qwen3-Next share in part.
+void read_mla_and_moe_fields(const ConfigFields& fields, ModelConfig& config) {
   config.q_lora_rank = fields.integer("q_lora_rank", 1, kMaxDimension, 0);
   config.kv_lora_rank = fields.integer("kv_lora_rank", 1, kMaxDimension, 0);
   config.qk_nope_head_dim = fields.integer("qk_nope_head_dim", 0, kMaxDimension, 0);
@@ -142,6 +138,10 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
     }
     config.num_nextn_predict_layers = mtp_layers;
   }
+}
+
+/// Qwen3-Next's and Qwen3-MoE's fields: linear attention layers, sparse steps, dense layers.
+void read_linear_attention_fields(const ConfigFields& fields, ModelConfig& config) {
   config.full_attention_interval = fields.integer("full_attention_interval", 1, kMaxCount, 0);
   config.layer_types = fields.list<std::string>("layer_types", [&](const Json& item) {
     if (!item.is_string()) fields.fail_value("layer_types", item, "elements must be strings");
@@ -160,6 +160,10 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
     }
     return item.get<int64_t>();
   });
+}
+
+/// The expert counts of the families that name them otherwise, and experts per token.
+void read_expert_counts(const ConfigFields& fields, ModelConfig& config) {
   config.num_experts = fields.integer("num_experts", 0, kMaxCount, 0);
   config.num_local_experts = fields.integer("num_local_experts", 0, kMaxCount, 0);
   config.num_experts_per_tok = fields.integer("num_experts_per_tok", 0, kMaxCount, 0);
@@ -169,39 +173,42 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
     fields.fail("num_experts_per_tok", "= " + std::to_string(config.num_experts_per_tok) +
                                            ": must be at most the " + std::to_string(routed) + " routed experts");
   }
+}
 
-  config.attention_bias = fields.flag("attention_bias", false);
-  config.use_qk_norm = fields.flag("use_qk_norm", false);
-  if (const Json* quantization = fields.find("quantization_config")) {
-    WS_EXPECT(quantization->is_object(), ErrorCode::kFormat,
-              std::string(object) + ": quantization_config must be an object, not " +
-                  std::string(detail::json_type_text(quantization->type())));
-    std::string quantization_object = std::string(object) + " quantization_config";
-    ConfigFields quant(quantization_object, *quantization);
-    ModelConfig::Quantization& q = config.quantization;
-    q.quant_method = quant.text("quant_method");
-    q.fmt = quant.text("fmt");
-    q.activation_scheme = quant.text("activation_scheme");
-    q.weight_block_size = quant.list<int64_t>("weight_block_size", [&](const Json& item) {
-      if (!item.is_number_integer() || item.get<int64_t>() < 1 || item.get<int64_t>() > kMaxDimension) {
-        quant.fail_value("weight_block_size", item, "elements must be integers from 1 to " + std::to_string(kMaxDimension));
-      }
-      return item.get<int64_t>();
-    });
-    if (!q.weight_block_size.empty() && q.weight_block_size.size() != 2) {
-      quant.fail("weight_block_size", "has " + std::to_string(q.weight_block_size.size()) +
-                                          " elements: it must be [block_n, block_k]");
+/// quantization_config, when present: FP8 block-scaled checkpoints' fields.
+void read_quantization(std::string_view object, const Json* quantization, ModelConfig& config) {
+  WS_EXPECT(quantization->is_object(), ErrorCode::kFormat,
+            std::string(object) + ": quantization_config must be an object, not " +
+                std::string(detail::json_type_text(quantization->type())));
+  std::string quantization_object = std::string(object) + " quantization_config";
+  ConfigFields quant(quantization_object, *quantization);
+  ModelConfig::Quantization& q = config.quantization;
+  q.quant_method = quant.text("quant_method");
+  q.fmt = quant.text("fmt");
+  q.activation_scheme = quant.text("activation_scheme");
+  q.weight_block_size = quant.list<int64_t>("weight_block_size", [&](const Json& item) {
+    if (!item.is_number_integer() || item.get<int64_t>() < 1 || item.get<int64_t>() > kMaxDimension) {
+      quant.fail_value("weight_block_size", item, "elements must be integers from 1 to " + std::to_string(kMaxDimension));
     }
-    auto names = [&](std::string_view field) {
-      return quant.list<std::string>(field, [&](const Json& item) {
-        if (!item.is_string()) quant.fail_value(field, item, "elements must be strings");
-        return item.get<std::string>();
-      });
-    };
-    q.modules_to_not_convert = names("modules_to_not_convert");
-    for (std::string& name : names("ignored_layers")) q.modules_to_not_convert.push_back(std::move(name));
+    return item.get<int64_t>();
+  });
+  if (!q.weight_block_size.empty() && q.weight_block_size.size() != 2) {
+    quant.fail("weight_block_size", "has " + std::to_string(q.weight_block_size.size()) +
+                                        " elements: it must be [block_n, block_k]");
   }
+  auto names = [&](std::string_view field) {
+    return quant.list<std::string>(field, [&](const Json& item) {
+      if (!item.is_string()) quant.fail_value(field, item, "elements must be strings");
+      return item.get<std::string>();
+    });
+  };
+  q.modules_to_not_convert = names("modules_to_not_convert");
+  for (std::string& name : names("ignored_layers")) q.modules_to_not_convert.push_back(std::move(name));
+}
 
+/// The head dimension, given or derived (MLA's nope + rope dims, or hidden / heads), after
+/// the checks that MLA and routed experts have the fields they need.
+void resolve_head_dim(const ConfigFields& fields, ModelConfig& config) {
   bool mla = config.kv_lora_rank > 0;
   if (mla) {
     // MLA (DeepSeek-V2/V3): queries and keys have nope + rope dims per head, values v_head_dim.
@@ -225,6 +232,26 @@ ModelConfig parse_model_config(std::string_view object, std::string_view json) {
     }
     config.head_dim = config.hidden_size / config.num_attention_heads;
   }
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(std::string_view object, std::string_view json) {
+  Json document = detail::parse_json_strictly(object, json);
+  WS_EXPECT(document.is_object(), ErrorCode::kFormat,
+            std::string(object) + ": config is " + std::string(detail::json_type_text(document.type())) +
+                ", not a JSON object");
+  ConfigFields fields(object, document);
+  ModelConfig config;
+  config.source = std::string(object);
+  read_common_fields(fields, config);
+  read_mla_and_moe_fields(fields, config);
+  read_linear_attention_fields(fields, config);
+  read_expert_counts(fields, config);
+  config.attention_bias = fields.flag("attention_bias", false);
+  config.use_qk_norm = fields.flag("use_qk_norm", false);
+  if (const Json* quantization = fields.find("quantization_config")) read_quantization(object, quantization, config);
+  resolve_head_dim(fields, config);
   return config;
 }
 

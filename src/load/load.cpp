@@ -400,8 +400,8 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   const auto& tensors = checkpoint.tensors();
   InPlaceTensors in_place;
   if (!device.is_cuda() && (options.local_io == LocalIo::kAuto || options.local_io == LocalIo::kMmap)) {
-    // Threads beyond the cores only contend for the page tables (a probe on 2 cores: 2
-    // threads map 1 GB warm in 0.035-0.038 s, 16 in 0.038-0.053, one 0.069, MAP_POPULATE 0.086).
+    // Threads beyond the cores only contend for the page tables (a probe on 2 cores:
+    // bench/HISTORY.md, "Figures once in source comments").
     unsigned threads = std::min(options.concurrency, std::max(1u, std::thread::hardware_concurrency()));
     in_place = map_in_place(checkpoint, checkpoint.tensor_bytes(), options.chunk_bytes, threads,
                             options.local_io == LocalIo::kAuto, progress);

@@ -17,8 +17,8 @@ const Device kHost{};
 uint64_t element_bytes(Dtype dtype) { return dtype_bits(dtype) / 8; }
 
 /// Rows narrower than this cross from the host as their whole span, not as a 2-D copy: a
-/// DMA of rows a few hundred bytes long runs at a fraction of the link (H100, ccafe98: a tp-2
-/// rank of an FP8 MoE, whose w2 rows are 384 bytes of 768, bound at 14 GB/s against 32 raw).
+/// DMA of rows a few hundred bytes long runs at a fraction of the link (bench/HISTORY.md,
+/// "Narrow rows": a tp-2 rank of an FP8 MoE, whose w2 rows are 384 bytes of 768).
 constexpr uint64_t kNarrowRowBytes = 4096;
 /// ... unless the span holds more than this many times the rows' bytes (a rank of tp 8):
 /// then the extra bytes over the link cost more than the short DMAs.

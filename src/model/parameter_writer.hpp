@@ -1,12 +1,31 @@
 #pragma once
-// The one device path of the model layer: every byte a LoadSession (and processing) writes
-// into parameter storage goes through a ParameterWriter. On the host it is a memcpy on the
+// The one device path of the model layer: every byte a LoadSession writes from a source into
+// parameter storage goes through a ParameterWriter. On the host it is a memcpy on the
 // calling thread; on a GPU, copies are asynchronous on the lanes (streams) of a
 // DeviceCopier: pinned or registered sources are read by the copy engine directly, a column
 // slice is one 2-D copy, a batch of engine-format tensors is one driver call or one gather
 // kernel, and nothing waits per piece. wait() is the one synchronization: the session calls
 // it before per-layer processing, model hooks, the end of a load, and before a receiver
 // hands a bucket's slot back to its sender.
+//
+// Writes into parameter memory that do not go through the writer, and why:
+//  - processing.cpp (process_parameter): a processed parameter's FP8 codes and its scale are
+//    copied synchronously from host buffers it has just computed. It runs after the writer's
+//    wait(), once per parameter, and frees those buffers on return: nothing is left to overlap.
+//  - hooks.cpp (tied_lm_head, fused_kv): model hooks copy between parameters and their derived
+//    buffers after the load's last wait(). A ModelHook sees the ModelLayout, not the writer
+//    (hooks written outside the library copy the same way), and runs once per load.
+//  - session.cpp (LoadSession::begin): a cold load zeroes the padding rows no piece fills (a
+//    vocabulary padded to a multiple of kVocabPadding), after wait(); the writer copies, it
+//    has no fill.
+//  - session_progress.cpp (account_part): the staging of a processed parameter is zeroed when
+//    it is made. Staging is the session's memory, not the parameter's: processing writes the
+//    parameter from it.
+//  - session_writes.cpp (write_changes): changed elements (a delta) are scattered by memcpy
+//    into host parameters only (the checks refuse a GPU parameter), as the host writer would
+//    copy them; the writer has no scatter.
+// Held pieces (session_held.cpp) are copied into the session's own memory, not a
+// parameter's; they reach their parameter later through the writer.
 
 #include <atomic>
 #include <cstddef>

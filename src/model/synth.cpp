@@ -447,9 +447,9 @@ std::string files_text(const std::vector<std::filesystem::path>& files) {
   return text;
 }
 
-}  // namespace
-
-SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options) {
+/// Throws Error(kInvalidArgument) naming the first option out of its range; returns the
+/// options' architecture.
+const Architecture& expect_valid_options(const SynthOptions& options) {
   auto invalid = [](bool ok, const std::string& rule) { WS_EXPECT(ok, ErrorCode::kInvalidArgument, "synth: " + rule); };
   const Architecture* architecture = find_architecture(options.arch);
   invalid(architecture != nullptr,
@@ -473,92 +473,98 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
   if (architecture->mtp != MtpPlacement::kNone) {
     invalid(options.mtp_layers >= 0 && options.mtp_layers <= 16, "mtp_layers must be from 0 to 16");
   }
+  return *architecture;
+}
 
+/// The config of the checkpoint to write: the options' layers and hidden size, or, with
+/// target_bytes, as many layers (and as wide) as come closest to that size.
+ModelConfig sized_config(const SynthOptions& options) {
   int64_t layers = options.layers;
   int64_t hidden = options.hidden;
-  if (options.target_bytes) {
-    // Scaling only adds layers and width: a target below one layer cannot be met, and
-    // writing the one-layer model instead would pass for what was asked.
-    uint64_t smallest = total_bytes(checkpoint_tensor_specs(synth_config(options, 1, hidden), options.dtype));
-    invalid(*options.target_bytes >= smallest,
-            "size " + format_size(*options.target_bytes) + " is below the smallest " + options.arch +
+  if (!options.target_bytes) return synth_config(options, layers, hidden);
+  // Scaling only adds layers and width: a target below one layer cannot be met, and
+  // writing the one-layer model instead would pass for what was asked.
+  uint64_t smallest = total_bytes(checkpoint_tensor_specs(synth_config(options, 1, hidden), options.dtype));
+  WS_EXPECT(*options.target_bytes >= smallest, ErrorCode::kInvalidArgument,
+            "synth: size " + format_size(*options.target_bytes) + " is below the smallest " + options.arch +
                 " checkpoint of hidden size " + std::to_string(hidden) + ": one layer is " + std::to_string(smallest) +
                 " bytes (" + format_size(smallest) + "); ask for at least that, or a smaller hidden size");
-    // Bytes grow linearly with layers: fit the line through 1 and 2 layers, and widen the
-    // model instead when the target would take an unrealistic number of thin layers.
-    for (;;) {
-      uint64_t one = total_bytes(checkpoint_tensor_specs(synth_config(options, 1, hidden), options.dtype));
-      uint64_t two = total_bytes(checkpoint_tensor_specs(synth_config(options, 2, hidden), options.dtype));
-      uint64_t per_layer = std::max<uint64_t>(1, two - one);
-      uint64_t wanted = *options.target_bytes > one ? (*options.target_bytes - one + per_layer / 2) / per_layer : 0;
-      layers = static_cast<int64_t>(std::min<uint64_t>(wanted, 65535)) + 1;
-      if (layers <= kSynthMaxScaledLayers || hidden * 2 > 16384) break;
-      hidden *= 2;
-    }
+  // Bytes grow linearly with layers: fit the line through 1 and 2 layers, and widen the
+  // model instead when the target would take an unrealistic number of thin layers.
+  for (;;) {
+    uint64_t one = total_bytes(checkpoint_tensor_specs(synth_config(options, 1, hidden), options.dtype));
+    uint64_t two = total_bytes(checkpoint_tensor_specs(synth_config(options, 2, hidden), options.dtype));
+    uint64_t per_layer = std::max<uint64_t>(1, two - one);
+    uint64_t wanted = *options.target_bytes > one ? (*options.target_bytes - one + per_layer / 2) / per_layer : 0;
+    layers = static_cast<int64_t>(std::min<uint64_t>(wanted, 65535)) + 1;
+    if (layers <= kSynthMaxScaledLayers || hidden * 2 > 16384) break;
+    hidden *= 2;
   }
+  return synth_config(options, layers, hidden);
+}
 
-  ModelConfig config = synth_config(options, layers, hidden);
-  std::vector<detail::CheckpointTensor> tensors = detail::checkpoint_tensors(config, options.dtype);
-  auto shards = static_cast<size_t>(options.shards);
-  invalid(shards <= tensors.size(), std::to_string(shards) + " shards for " + std::to_string(tensors.size()) +
-                                        " tensors: every shard must hold a tensor");
+/// The tensors of a checkpoint divided among its shards, with the index that names them and
+/// the seed of each tensor's values.
+struct ShardedTensors {
+  CheckpointIndex index;
+  std::vector<std::vector<detail::CheckpointTensor>> tensors;  ///< per shard, in file order
+  std::vector<std::vector<uint64_t>> keys;                     ///< per shard and tensor: its values' seed
+  uint64_t tensor_count = 0;
+};
 
-  std::vector<std::filesystem::path> existing = checkpoint_files_in(directory);
-  invalid(existing.empty() || options.replace,
-          directory.string() + " holds a checkpoint already (" + files_text(existing) +
-              "): it is replaced only when asked (SynthOptions::replace; synth --force)");
-
-  std::error_code error;
-  std::filesystem::create_directories(directory, error);
-  WS_EXPECT(!error, ErrorCode::kIo, "cannot create directory " + directory.string() + ": " + error.message());
-
+ShardedTensors shard_tensors(std::vector<detail::CheckpointTensor> tensors, size_t shards, uint64_t seed) {
   std::vector<uint64_t> sizes;
   for (const detail::CheckpointTensor& tensor : tensors) {
     sizes.push_back(*tensor_byte_size(tensor.spec.dtype, tensor.spec.shape));
   }
   std::vector<size_t> shard_of = assign_shards(sizes, shards);
-
-  SynthResult result;
-  std::string config_text = config_json(config).dump(2) + "\n";
-  result.config = parse_model_config("config.json", config_text);
-
-  CheckpointIndex index;
-  std::vector<std::vector<detail::CheckpointTensor>> shard_tensors(shards);
-  std::vector<std::vector<uint64_t>> shard_keys(shards);
-  uint64_t seed_key = mix64(options.seed + kGolden);
+  ShardedTensors sharded;
+  sharded.tensors.resize(shards);
+  sharded.keys.resize(shards);
+  sharded.tensor_count = tensors.size();
+  uint64_t seed_key = mix64(seed + kGolden);
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string name = shard_name(shard_of[i], shards);
-    index.weight_map[tensors[i].spec.name] = name;
+    sharded.index.weight_map[tensors[i].spec.name] = name;
     // Codes and scales of a quantized weight both come from the random BF16 values of the weight's name.
     const std::string& source = tensors[i].source.empty() ? tensors[i].spec.name : tensors[i].source;
-    shard_keys[shard_of[i]].push_back(mix64(seed_key ^ name_hash(source)));
-    shard_tensors[shard_of[i]].push_back(std::move(tensors[i]));
+    sharded.keys[shard_of[i]].push_back(mix64(seed_key ^ name_hash(source)));
+    sharded.tensors[shard_of[i]].push_back(std::move(tensors[i]));
   }
-  for (size_t s = 0; s < shards; ++s) index.shards.push_back(shard_name(s, shards));
+  for (size_t s = 0; s < shards; ++s) sharded.index.shards.push_back(shard_name(s, shards));
   uint64_t bytes = 0;
   for (uint64_t size : sizes) bytes += size;
-  index.total_size = bytes;
+  sharded.index.total_size = bytes;
+  return sharded;
+}
 
+/// The shards' files, their headers written, and the chunks of every tensor's bytes with the
+/// transform that makes each tensor's values.
+struct ShardFiles {
+  std::vector<detail::OutputFile> files;
+  std::vector<Chunk> chunks;
+  std::vector<std::vector<LaneTransform>> transforms;  ///< per shard and tensor
+};
+
+ShardFiles open_shard_files(const std::filesystem::path& directory, const ShardedTensors& sharded) {
+  using Values = detail::CheckpointTensor::Values;
   // transformers refuses safetensors files whose metadata lacks a known "format".
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  // Every core fills chunks of any shard and pwrites them in place, so a few large shards
-  // still use the whole machine; memory stays at one chunk per thread.
-  std::vector<detail::OutputFile> files;
-  files.reserve(shards);
-  std::vector<Chunk> chunks;
-  std::vector<std::vector<LaneTransform>> transforms(shards);
-  using Values = detail::CheckpointTensor::Values;
+  const size_t shards = sharded.tensors.size();
+  ShardFiles out;
+  out.files.reserve(shards);
+  out.transforms.resize(shards);
   for (size_t s = 0; s < shards; ++s) {
     std::vector<TensorSpec> specs;
-    for (const detail::CheckpointTensor& tensor : shard_tensors[s]) specs.push_back(tensor.spec);
+    for (const detail::CheckpointTensor& tensor : sharded.tensors[s]) specs.push_back(tensor.spec);
     std::string header = safetensors_header_bytes(specs, metadata);
-    files.emplace_back(directory / index.shards[s]);
-    files.back().write(header.data(), header.size());
+    out.files.emplace_back(directory / sharded.index.shards[s]);
+    out.files.back().write(header.data(), header.size());
     uint64_t file_offset = header.size();
     for (size_t t = 0; t < specs.size(); ++t) {
       const TensorSpec& spec = specs[t];
-      const detail::CheckpointTensor& tensor = shard_tensors[s][t];
-      transforms[s].push_back(lane_transform(spec.dtype, is_norm(spec.name) ? ValueKind::kNorm : ValueKind::kWeight));
+      const detail::CheckpointTensor& tensor = sharded.tensors[s][t];
+      out.transforms[s].push_back(lane_transform(spec.dtype, is_norm(spec.name) ? ValueKind::kNorm : ValueKind::kWeight));
       uint64_t size = *tensor_byte_size(spec.dtype, spec.shape);
       // FP8 codes are made whole block-rows at a time, scales all at once (they are small).
       uint64_t step = SafetensorsWriter::kStreamChunkBytes;
@@ -570,44 +576,52 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
       }
       for (uint64_t offset = 0; offset < size; offset += step) {
         uint64_t length = std::min<uint64_t>(step, size - offset);
-        chunks.push_back(Chunk{s, t, offset, length, file_offset + offset});
+        out.chunks.push_back(Chunk{s, t, offset, length, file_offset + offset});
       }
       file_offset += size;
     }
   }
+  return out;
+}
+
+/// Fills every chunk and writes it in place. Every core fills chunks of any shard and pwrites
+/// them in place, so a few large shards still use the whole machine; memory stays at one
+/// chunk per thread.
+void write_chunks(ShardFiles& out, const ShardedTensors& sharded) {
+  using Values = detail::CheckpointTensor::Values;
   size_t workers = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::vector<std::byte>> buffers(std::min(workers, std::max<size_t>(chunks.size(), 1)));
-  detail::run_parallel(chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
-    const Chunk& chunk = chunks[item];
-    const detail::CheckpointTensor& tensor = shard_tensors[chunk.shard][chunk.tensor];
-    uint64_t key = shard_keys[chunk.shard][chunk.tensor];
+  std::vector<std::vector<std::byte>> buffers(std::min(workers, std::max<size_t>(out.chunks.size(), 1)));
+  detail::run_parallel(out.chunks.size(), buffers.size(), [&](size_t worker, size_t item) {
+    const Chunk& chunk = out.chunks[item];
+    const detail::CheckpointTensor& tensor = sharded.tensors[chunk.shard][chunk.tensor];
+    uint64_t key = sharded.keys[chunk.shard][chunk.tensor];
     std::vector<std::byte>& buffer = buffers[worker];
     buffer.resize(std::max<size_t>(buffer.size(), static_cast<size_t>(chunk.length)));
-    std::span<std::byte> out(buffer.data(), static_cast<size_t>(chunk.length));
+    std::span<std::byte> bytes(buffer.data(), static_cast<size_t>(chunk.length));
     switch (tensor.values) {
       case Values::kRandom:
-        fill_values(key, transforms[chunk.shard][chunk.tensor], chunk.offset, out);
+        fill_values(key, out.transforms[chunk.shard][chunk.tensor], chunk.offset, bytes);
         break;
       case Values::kFp8Codes: {
         auto row_begin = static_cast<int64_t>(chunk.offset / static_cast<uint64_t>(tensor.columns));
         auto row_end = row_begin + static_cast<int64_t>(chunk.length / static_cast<uint64_t>(tensor.columns));
-        quantize_block_rows(key, tensor, row_begin, row_end, out.data(), nullptr);
+        quantize_block_rows(key, tensor, row_begin, row_end, bytes.data(), nullptr);
         break;
       }
       case Values::kFp8Scales: {
-        std::vector<float> scales(out.size() / sizeof(float));
+        std::vector<float> scales(bytes.size() / sizeof(float));
         quantize_block_rows(key, tensor, 0, tensor.rows, nullptr, scales.data());
-        std::memcpy(out.data(), scales.data(), out.size());
+        std::memcpy(bytes.data(), scales.data(), bytes.size());
         break;
       }
     }
-    files[chunk.shard].write_at(chunk.file_offset, out.data(), out.size());
+    out.files[chunk.shard].write_at(chunk.file_offset, bytes.data(), bytes.size());
   });
-  // Each file is written whole under a temporary name and renamed into place (a process
-  // that has the old one mapped keeps its bytes). The shards come first, then the index that
-  // names them and the config; the old checkpoint's shards the new one lacks go in between,
-  // so the folder never holds two checkpoints' shards beside one index.
-  for (detail::OutputFile& file : files) file.close();
+}
+
+/// Removes the shards of the checkpoint replaced that the new one (`index`) does not name.
+void remove_old_shards(const std::vector<std::filesystem::path>& existing, const CheckpointIndex& index) {
+  std::error_code error;
   for (const std::filesystem::path& old_file : existing) {
     std::string name = old_file.filename().string();
     if (name == "config.json" || name == kIndexFileName) continue;
@@ -616,13 +630,48 @@ SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const 
     WS_EXPECT(!error, ErrorCode::kIo,
               "cannot remove " + old_file.string() + ", a shard of the checkpoint replaced: " + error.message());
   }
+}
+
+}  // namespace
+
+SynthResult synthesize_checkpoint(const std::filesystem::path& directory, const SynthOptions& options) {
+  expect_valid_options(options);
+  ModelConfig config = sized_config(options);
+  std::vector<detail::CheckpointTensor> tensors = detail::checkpoint_tensors(config, options.dtype);
+  auto shards = static_cast<size_t>(options.shards);
+  WS_EXPECT(shards <= tensors.size(), ErrorCode::kInvalidArgument,
+            "synth: " + std::to_string(shards) + " shards for " + std::to_string(tensors.size()) +
+                " tensors: every shard must hold a tensor");
+
+  std::vector<std::filesystem::path> existing = checkpoint_files_in(directory);
+  WS_EXPECT(existing.empty() || options.replace, ErrorCode::kInvalidArgument,
+            "synth: " + directory.string() + " holds a checkpoint already (" + files_text(existing) +
+                "): it is replaced only when asked (SynthOptions::replace; synth --force)");
+
+  std::error_code error;
+  std::filesystem::create_directories(directory, error);
+  WS_EXPECT(!error, ErrorCode::kIo, "cannot create directory " + directory.string() + ": " + error.message());
+
+  SynthResult result;
+  std::string config_text = config_json(config).dump(2) + "\n";
+  result.config = parse_model_config("config.json", config_text);
+  ShardedTensors sharded = shard_tensors(std::move(tensors), shards, options.seed);
+  ShardFiles files = open_shard_files(directory, sharded);
+  write_chunks(files, sharded);
+  // Each file is written whole under a temporary name and renamed into place (a process
+  // that has the old one mapped keeps its bytes). The shards come first, then the index that
+  // names them and the config; the old checkpoint's shards the new one lacks go in between,
+  // so the folder never holds two checkpoints' shards beside one index.
+  for (detail::OutputFile& file : files.files) file.close();
+  const CheckpointIndex& index = sharded.index;
+  remove_old_shards(existing, index);
   detail::write_text_file(directory / std::string(kIndexFileName), index_json(index));
   detail::write_text_file(directory / "config.json", config_text);
   result.files.push_back((directory / "config.json").string());
   result.files.push_back((directory / std::string(kIndexFileName)).string());
   for (const std::string& shard : index.shards) result.files.push_back((directory / shard).string());
-  result.tensors = sizes.size();
-  result.bytes = bytes;
+  result.tensors = sharded.tensor_count;
+  result.bytes = *index.total_size;
   return result;
 }
 

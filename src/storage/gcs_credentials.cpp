@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -124,6 +125,35 @@ std::string read_credentials_text(const std::string& path, const std::string& or
 std::string credentials_type(std::string_view json) {
   nlohmann::json document = nlohmann::json::parse(json, nullptr, false);
   return document.is_object() ? json_string(document, "type") : std::string();
+}
+
+// The failure of a token request the endpoint answered with a status other than 2xx: its
+// error and description (masked), retryable for 5xx, 429 and 408, else a permission error with
+// what to check for this kind of credentials.
+storage::AttemptFailure token_refusal(const storage::HttpResponse& response, const nlohmann::json& document,
+                                      TokenSource::Kind kind, const std::function<std::string(std::string)>& redact) {
+  std::string cause = "HTTP " + std::to_string(response.status);
+  if (document.is_object()) {
+    std::string error = json_string(document, "error");
+    std::string description = json_string(document, "error_description");
+    if (!error.empty()) cause += " " + clip(redact(error), 80);
+    if (!description.empty()) cause += ": " + clip(redact(description));
+  } else if (!response.body.empty()) {
+    cause += ": " + clip(redact(response.body), 120);
+  }
+  const long status = response.status;
+  storage::AttemptFailure failure(cause, status >= 500 || status == 429 || status == 408);
+  if (!failure.retryable) {
+    failure.code = ErrorCode::kPermission;
+    failure.advice = kind == TokenSource::Kind::kServiceAccount
+                         ? "the token endpoint refused the service account's key: check that the key file is "
+                           "current (not deleted or disabled) and names the right account"
+                     : kind == TokenSource::Kind::kAuthorizedUser
+                         ? "the token endpoint refused the refresh token: run `gcloud auth application-default "
+                           "login` again"
+                         : "the metadata server refused: check the machine's service account";
+  }
+  return failure;
 }
 
 }  // namespace
@@ -286,30 +316,7 @@ std::string TokenSource::authorization(storage::HttpClient& http, const storage:
       return failure;
     }
     nlohmann::json document = nlohmann::json::parse(response.body, nullptr, false);
-    if (response.status < 200 || response.status >= 300) {
-      std::string cause = "HTTP " + std::to_string(response.status);
-      if (document.is_object()) {
-        std::string error = json_string(document, "error");
-        std::string description = json_string(document, "error_description");
-        if (!error.empty()) cause += " " + clip(redact_all(error), 80);
-        if (!description.empty()) cause += ": " + clip(redact_all(description));
-      } else if (!response.body.empty()) {
-        cause += ": " + clip(redact_all(response.body), 120);
-      }
-      const long status = response.status;
-      storage::AttemptFailure failure(cause, status >= 500 || status == 429 || status == 408);
-      if (!failure.retryable) {
-        failure.code = ErrorCode::kPermission;
-        failure.advice = kind_ == Kind::kServiceAccount
-                             ? "the token endpoint refused the service account's key: check that the key file is "
-                               "current (not deleted or disabled) and names the right account"
-                         : kind_ == Kind::kAuthorizedUser
-                             ? "the token endpoint refused the refresh token: run `gcloud auth application-default "
-                               "login` again"
-                             : "the metadata server refused: check the machine's service account";
-      }
-      return failure;
-    }
+    if (response.status < 200 || response.status >= 300) return token_refusal(response, document, kind_, redact_all);
     if (!document.is_object() || json_string(document, "access_token").empty() ||
         !document.contains("expires_in") || !document["expires_in"].is_number_integer()) {
       return storage::AttemptFailure{"the token response is not JSON with access_token and expires_in", true};

@@ -165,6 +165,121 @@ std::string format_seconds(double seconds) {
   return text;
 }
 
+// The request's header lines, in its order, and the empty Expect that stops libcurl's own.
+Slist request_headers(const HttpRequest& request) {
+  Slist headers;
+  for (const auto& [name, value] : request.headers) {
+    std::string line = name + ": " + value;
+    curl_slist* appended = curl_slist_append(headers.get(), line.c_str());
+    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
+    headers.release();
+    headers.reset(appended);
+  }
+  // libcurl adds "Expect: 100-continue" to uploads; S3-compatible servers vary in honouring it.
+  if (request.method == "PUT" || request.method == "POST") {
+    curl_slist* appended = curl_slist_append(headers.get(), "Expect:");
+    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
+    headers.release();
+    headers.reset(appended);
+  }
+  return headers;
+}
+
+// Everything but the method: the URL, the callbacks into `transfer`, the timeouts and TLS.
+void set_transfer_options(CURL* curl, const HttpRequest& request, const HttpSettings& settings, Transfer& transfer,
+                          curl_slist* headers, char* error_text) {
+  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_text);
+  // Signals are unsafe with many threads (the resolver's timeout would use SIGALRM).
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(curl, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header);
+  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+  curl_easy_setopt(curl, CURLOPT_TCP_KEEPALIVE, 1L);
+  // A stalled transfer fails in on_progress, which can say what had moved; libcurl's own
+  // low-speed check (under 1 byte/s) is set 2 s later, only as a backstop. Either way the
+  // caller retries it.
+  const long stall = std::max(1L, static_cast<long>(std::lround(settings.stall_seconds))) + 2;
+  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, on_progress);
+  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, stall);
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, std::max(1L, static_cast<long>(settings.connect_seconds * 1000)));
+  curl_easy_setopt(curl, CURLOPT_PREREQFUNCTION, on_prerequest);
+  curl_easy_setopt(curl, CURLOPT_PREREQDATA, &transfer);
+  if (request.timeout_seconds > 0) {
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(request.timeout_seconds * 1000)));
+  }
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, settings.verify_tls ? 1L : 0L);
+  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, settings.verify_tls ? 2L : 0L);
+  if (!settings.ca_bundle.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, settings.ca_bundle.c_str());
+}
+
+void set_method_options(CURL* curl, const HttpRequest& request, Transfer& transfer) {
+  if (request.method == "HEAD") {
+    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
+  } else if (request.method == "PUT") {
+    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(curl, CURLOPT_READFUNCTION, on_upload);
+    curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
+  } else if (request.method == "POST") {
+    // A form or a small upload, sent from the caller's memory (which outlives the transfer).
+    curl_easy_setopt(curl, CURLOPT_POST, 1L);
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, request.upload.data());
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
+  } else if (request.method != "GET") {
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  }
+}
+
+// The transport error of a failed transfer, with the timeout that ended it in words.
+void record_transport_failure(HttpResponse& response, CURLcode code, const char* error_text, const Transfer& transfer,
+                              const HttpSettings& settings) {
+  const HttpRequest& request = *transfer.request;
+  response.transport_error = static_cast<int>(code);
+  response.transport_message = error_text[0] ? error_text : curl_easy_strerror(code);
+  response.timeout = transfer.timeout;
+  if (response.timeout == HttpResponse::Timeout::kNone && code == CURLE_OPERATION_TIMEDOUT) {
+    response.timeout = transfer.request_started ? HttpResponse::Timeout::kAttemptCap : HttpResponse::Timeout::kConnect;
+  }
+  response.timed_out = response.timeout != HttpResponse::Timeout::kNone;
+  const std::string upload_total = std::to_string(request.upload.size());
+  const std::string body_total = response.header("content-length");
+  switch (response.timeout) {
+    case HttpResponse::Timeout::kConnect:
+      response.transport_message = "no connection within " + format_seconds(settings.connect_seconds) + " s";
+      break;
+    case HttpResponse::Timeout::kFirstByte:
+      response.transport_message = "no response within " + format_seconds(settings.first_byte_seconds) +
+                                   " s of sending the request" +
+                                   (request.upload.empty() ? "" : " (its " + upload_total + "-byte body sent whole)");
+      break;
+    case HttpResponse::Timeout::kStall:
+      // Say what had moved: the request body sent, the status, the body bytes received.
+      response.transport_message = "no byte moved for " + format_seconds(settings.stall_seconds) + " s after ";
+      if (!request.upload.empty() && static_cast<size_t>(transfer.uploaded) < request.upload.size()) {
+        response.transport_message += std::to_string(transfer.uploaded) + " of " + upload_total +
+                                      " request body bytes were sent";
+      } else {
+        response.transport_message += "HTTP " + std::to_string(response.status) + " and " +
+                                      std::to_string(response.body_bytes) + " of " +
+                                      (body_total.empty() ? std::string("?") : body_total.substr(0, 20)) +
+                                      " body bytes arrived";
+      }
+      break;
+    case HttpResponse::Timeout::kAttemptCap:
+    case HttpResponse::Timeout::kNone:
+      break;
+  }
+}
+
 }  // namespace
 
 std::string uri_encode(std::string_view text, bool keep_slash) {
@@ -300,73 +415,14 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   // A reset keeps the handle's connection cache: that is the reuse this pool exists for.
   curl_easy_reset(curl);
 
-  Slist headers;
-  for (const auto& [name, value] : request.headers) {
-    std::string line = name + ": " + value;
-    curl_slist* appended = curl_slist_append(headers.get(), line.c_str());
-    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
-    headers.release();
-    headers.reset(appended);
-  }
-  // libcurl adds "Expect: 100-continue" to uploads; S3-compatible servers vary in honouring it.
-  if (request.method == "PUT" || request.method == "POST") {
-    curl_slist* appended = curl_slist_append(headers.get(), "Expect:");
-    WS_EXPECT(appended != nullptr, ErrorCode::kInternal, "curl_slist_append failed");
-    headers.release();
-    headers.reset(appended);
-  }
-
+  Slist headers = request_headers(request);
   Transfer transfer{.request = &request, .response = &response};
   transfer.stall_seconds = settings_.stall_seconds;
   transfer.first_byte_seconds = settings_.first_byte_seconds;
   transfer.destination_bytes = segments_bytes(request.destination);
   char error_text[CURL_ERROR_SIZE] = {0};
-  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
-  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers.get());
-  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_text);
-  // Signals are unsafe with many threads (the resolver's timeout would use SIGALRM).
-  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
-  curl_easy_setopt(curl, CURLOPT_FOLLOWLOCATION, 0L);
-  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header);
-  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &transfer);
-  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, on_body);
-  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
-  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
-  curl_easy_setopt(curl, CURLOPT_TCP_KEEPALIVE, 1L);
-  // A stalled transfer fails in on_progress, which can say what had moved; libcurl's own
-  // low-speed check (under 1 byte/s) is set 2 s later, only as a backstop. Either way the
-  // caller retries it.
-  const long stall = std::max(1L, static_cast<long>(std::lround(settings_.stall_seconds))) + 2;
-  curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
-  curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, on_progress);
-  curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &transfer);
-  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, stall);
-  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, std::max(1L, static_cast<long>(settings_.connect_seconds * 1000)));
-  curl_easy_setopt(curl, CURLOPT_PREREQFUNCTION, on_prerequest);
-  curl_easy_setopt(curl, CURLOPT_PREREQDATA, &transfer);
-  if (request.timeout_seconds > 0) {
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, std::max(1L, static_cast<long>(request.timeout_seconds * 1000)));
-  }
-  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYPEER, settings_.verify_tls ? 1L : 0L);
-  curl_easy_setopt(curl, CURLOPT_SSL_VERIFYHOST, settings_.verify_tls ? 2L : 0L);
-  if (!settings_.ca_bundle.empty()) curl_easy_setopt(curl, CURLOPT_CAINFO, settings_.ca_bundle.c_str());
-  if (request.method == "HEAD") {
-    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
-  } else if (request.method == "PUT") {
-    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
-    curl_easy_setopt(curl, CURLOPT_READFUNCTION, on_upload);
-    curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
-    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
-  } else if (request.method == "POST") {
-    // A form or a small upload, sent from the caller's memory (which outlives the transfer).
-    curl_easy_setopt(curl, CURLOPT_POST, 1L);
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, request.upload.data());
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(request.upload.size()));
-  } else if (request.method != "GET") {
-    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
-  }
+  set_transfer_options(curl, request, settings_, transfer, headers.get(), error_text);
+  set_method_options(curl, request, transfer);
 
   CURLcode code = curl_easy_perform(curl);
   long status = 0;
@@ -374,41 +430,7 @@ HttpResponse HttpClient::perform(const HttpRequest& request) {
   if (status != 0) response.status = status;
   response.uploaded_bytes = static_cast<uint64_t>(std::max<curl_off_t>(0, transfer.uploaded));
   if (code != CURLE_OK) {
-    response.transport_error = static_cast<int>(code);
-    response.transport_message = error_text[0] ? error_text : curl_easy_strerror(code);
-    response.timeout = transfer.timeout;
-    if (response.timeout == HttpResponse::Timeout::kNone && code == CURLE_OPERATION_TIMEDOUT) {
-      response.timeout = transfer.request_started ? HttpResponse::Timeout::kAttemptCap : HttpResponse::Timeout::kConnect;
-    }
-    response.timed_out = response.timeout != HttpResponse::Timeout::kNone;
-    const std::string upload_total = std::to_string(request.upload.size());
-    const std::string body_total = response.header("content-length");
-    switch (response.timeout) {
-      case HttpResponse::Timeout::kConnect:
-        response.transport_message = "no connection within " + format_seconds(settings_.connect_seconds) + " s";
-        break;
-      case HttpResponse::Timeout::kFirstByte:
-        response.transport_message = "no response within " + format_seconds(settings_.first_byte_seconds) +
-                                     " s of sending the request" +
-                                     (request.upload.empty() ? "" : " (its " + upload_total + "-byte body sent whole)");
-        break;
-      case HttpResponse::Timeout::kStall:
-        // Say what had moved: the request body sent, the status, the body bytes received.
-        response.transport_message = "no byte moved for " + format_seconds(settings_.stall_seconds) + " s after ";
-        if (!request.upload.empty() && static_cast<size_t>(transfer.uploaded) < request.upload.size()) {
-          response.transport_message += std::to_string(transfer.uploaded) + " of " + upload_total +
-                                        " request body bytes were sent";
-        } else {
-          response.transport_message += "HTTP " + std::to_string(response.status) + " and " +
-                                        std::to_string(response.body_bytes) + " of " +
-                                        (body_total.empty() ? std::string("?") : body_total.substr(0, 20)) +
-                                        " body bytes arrived";
-        }
-        break;
-      case HttpResponse::Timeout::kAttemptCap:
-      case HttpResponse::Timeout::kNone:
-        break;
-    }
+    record_transport_failure(response, code, error_text, transfer, settings_);
     // A failed transfer may leave its connection half-read; libcurl closes such connections
     // itself, so the handle stays reusable.
   }

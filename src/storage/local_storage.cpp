@@ -146,7 +146,8 @@ bool map_range(const std::byte* mapping, uint64_t offset, uint64_t length) {
   auto range = page_range(mapping, offset, length);
   // Readahead of the whole range first (advice only: a cold page cache is then read in large
   // requests, not a page per fault), then its pages mapped in one call (MADV_POPULATE_READ,
-  // Linux 5.14) rather than a fault per 64 KiB in the copy: 10% faster warm.
+  // Linux 5.14) rather than a fault per 64 KiB in the copy, which is slower warm
+  // (bench/HISTORY.md, "Figures once in source comments").
   ::madvise(range.data(), range.size(), MADV_WILLNEED);
   return ::madvise(range.data(), range.size(), MADV_POPULATE_READ) == 0;
 }

@@ -202,81 +202,129 @@ class WindowBudget {
   std::vector<Retired> retired_;
 };
 
-StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
-                          TensorSink& sink, const StreamOptions& options, const ProgressCallback& progress) {
-  auto start = Clock::now();
-  const auto& tensors = checkpoint.tensors();
+/// Bytes of a registered window: the chunk size, at least kMappedWindowBytes, at most half of
+/// the memory `limit`, in whole pages.
+uint64_t window_size(uint64_t chunk_bytes, uint64_t limit) {
+  uint64_t window_bytes = std::min(std::max(chunk_bytes, kMappedWindowBytes), std::max(limit / 2, page_size()));
+  return std::max(window_bytes / page_size() * page_size(), page_size());
+}
+
+/// Views of the shards `shard_used` names, each borrowed whole; empty for the others.
+std::vector<Bytes> borrow_shards(const Checkpoint& checkpoint, const std::vector<bool>& shard_used) {
   const auto& shards = checkpoint.shards();
-  uint64_t limit = std::max(options.memory_limit, page_size());
-  uint64_t window_bytes = std::min(std::max(options.chunk_bytes, kMappedWindowBytes), std::max(limit / 2, page_size()));
-  window_bytes = std::max(window_bytes / page_size() * page_size(), page_size());
-  auto windows = plan_windows(checkpoint, requests, window_bytes);
-
-  StreamStats stats;
-  std::vector<bool> shard_used(shards.size(), false);
-  uint64_t total = 0;
-  for (const auto& window : windows) {
-    stats.bytes_read += window.end - window.begin;
-    shard_used[window.shard] = true;
-    for (const auto& piece : window.pieces) total += piece.length;
-  }
-  stats.reads = windows.size();
-  stats.shards_read = static_cast<uint64_t>(std::count(shard_used.begin(), shard_used.end(), true));
-
-  // Each shard read is borrowed whole, as a shared view of its mapping: windows of it are
-  // registered and handed to the sink, and the view lives until the stream returns.
   std::vector<Bytes> files(shards.size());
   for (uint32_t s = 0; s < shards.size(); ++s) {
     if (shard_used[s]) files[s] = checkpoint.storage().borrow(shards[s].name, 0, shards[s].size);
   }
+  return files;
+}
+
+/// Counts `windows` into `stats` (bytes read, reads, shards read); returns which of the
+/// `shard_count` shards they read.
+std::vector<bool> count_windows(std::span<const Window> windows, size_t shard_count, StreamStats& stats) {
+  std::vector<bool> shard_used(shard_count, false);
+  for (const auto& window : windows) {
+    stats.bytes_read += window.end - window.begin;
+    shard_used[window.shard] = true;
+  }
+  stats.reads = windows.size();
+  stats.shards_read = static_cast<uint64_t>(std::count(shard_used.begin(), shard_used.end(), true));
+  return shard_used;
+}
+
+/// Adds the bytes of each request in `windows` to `remaining`; returns their sum.
+uint64_t count_request_bytes(std::span<const Window> windows, std::vector<std::atomic<uint64_t>>& remaining) {
+  uint64_t total = 0;
+  for (const auto& window : windows) {
+    for (const auto& piece : window.pieces) {
+      remaining[piece.request].fetch_add(piece.length, std::memory_order_relaxed);
+      total += piece.length;
+    }
+  }
+  return total;
+}
+
+/// Registers `window` of the shard whose view begins at `file`, its bytes already granted by
+/// `budget`: the handle the window's pieces keep alive, whose last copy hands the
+/// registration back to the budget. On failure the bytes go back to the budget and the error
+/// names the window.
+std::shared_ptr<const void> register_window(const Device& device, const Checkpoint& checkpoint,
+                                            const std::shared_ptr<WindowBudget>& budget, const Window& window,
+                                            const std::byte* file) {
+  const uint64_t bytes = window.end - window.begin;
+  const std::byte* base = file + window.begin;
+  try {
+    // Start the kernel's readahead of the whole window before registration faults
+    // it in page by page (helps only a cold cache; free on a warm one).
+    ::madvise(const_cast<std::byte*>(base), bytes, MADV_WILLNEED);
+    auto* raw = new HostRegistration(device, base, bytes);
+    // The sink drops the last copy of this when its copies out of the window are done:
+    // the budget takes the registration back and a worker unregisters it.
+    return std::shared_ptr<const void>(raw, [budget, base, bytes](const void* pointer) {
+      budget->retire(std::unique_ptr<HostRegistration>(static_cast<HostRegistration*>(const_cast<void*>(pointer))),
+                     base, bytes);
+    });
+  } catch (const Error& error) {
+    budget->release(bytes);
+    rethrow_with_context(error, "cannot register bytes " + std::to_string(window.begin) + "+" +
+                                    std::to_string(bytes) + " of " +
+                                    checkpoint.storage().object_uri(checkpoint.shards()[window.shard].name));
+  }
+}
+
+/// The pieces of `window`, pointing into the shard's view at `file`, each keeping `registration`.
+std::vector<TensorPiece> window_pieces(const Window& window, const std::byte* file,
+                                       const std::shared_ptr<const void>& registration, const Checkpoint& checkpoint,
+                                       std::span<const TensorRequest> requests) {
+  std::vector<TensorPiece> pieces;
+  pieces.reserve(window.pieces.size());
+  for (const auto& piece : window.pieces) {
+    const TensorRequest& request = requests[piece.request];
+    const CheckpointTensor& tensor = checkpoint.tensors()[request.tensor];
+    pieces.push_back({piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
+                      std::span<const std::byte>(file + piece.file_offset, piece.length), registration});
+  }
+  return pieces;
+}
+
+StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, std::span<const TensorRequest> requests,
+                          TensorSink& sink, const StreamOptions& options, const ProgressCallback& progress) {
+  auto start = Clock::now();
+  uint64_t limit = std::max(options.memory_limit, page_size());
+  auto windows = plan_windows(checkpoint, requests, window_size(options.chunk_bytes, limit));
+
+  StreamStats stats;
+  const std::vector<bool> shard_used = count_windows(windows, checkpoint.shards().size(), stats);
+
+  // Each shard read is borrowed whole, as a shared view of its mapping: windows of it are
+  // registered and handed to the sink, and the view lives until the stream returns.
+  const std::vector<Bytes> files = borrow_shards(checkpoint, shard_used);
 
   auto budget = std::make_shared<WindowBudget>(limit, windows.size());
   std::vector<std::atomic<uint64_t>> remaining(requests.size());  // bytes of each request not yet consumed
-  for (const auto& window : windows) {
-    for (const auto& piece : window.pieces) remaining[piece.request].fetch_add(piece.length, std::memory_order_relaxed);
-  }
+  const uint64_t total = count_request_bytes(windows, remaining);
   std::atomic<size_t> next_window{0};
   std::atomic<uint64_t> enqueued{0};
   std::mutex mutex;
   std::condition_variable workers_done;
   unsigned running = 0;
   std::exception_ptr first_error;
+  // Keeps the first error and stops the workers after their current window; the caller holds `mutex`.
+  auto cancel = [&](std::exception_ptr error) {
+    if (!first_error) first_error = error;
+    next_window.store(windows.size());
+    budget->cancel();
+  };
 
   auto work = [&] {
     try {
       for (size_t index; (index = next_window.fetch_add(1)) < windows.size();) {
         const auto& window = windows[index];
         const std::byte* file = files[window.shard].span.data();
-        uint64_t bytes = window.end - window.begin;
-        if (!budget->acquire(index, bytes)) return;
-        const std::byte* base = file + window.begin;
-        std::shared_ptr<const void> registration;
-        try {
-          // Start the kernel's readahead of the whole window before registration faults
-          // it in page by page (helps only a cold cache; free on a warm one).
-          ::madvise(const_cast<std::byte*>(base), bytes, MADV_WILLNEED);
-          auto* raw = new HostRegistration(device, base, bytes);
-          // The sink drops the last copy of this when its copies out of the window are done:
-          // the budget takes the registration back and a worker unregisters it.
-          registration = std::shared_ptr<const void>(raw, [budget, base, bytes](const void* pointer) {
-            budget->retire(std::unique_ptr<HostRegistration>(static_cast<HostRegistration*>(const_cast<void*>(pointer))),
-                           base, bytes);
-          });
-        } catch (const Error& error) {
-          budget->release(bytes);
-          rethrow_with_context(error, "cannot register bytes " + std::to_string(window.begin) + "+" +
-                                          std::to_string(bytes) + " of " +
-                                          checkpoint.storage().object_uri(shards[window.shard].name));
-        }
+        if (!budget->acquire(index, window.end - window.begin)) return;
+        std::shared_ptr<const void> registration = register_window(device, checkpoint, budget, window, file);
         // The window's pieces go to the sink together (one landing copy for its small tensors).
-        std::vector<TensorPiece> delivered;
-        delivered.reserve(window.pieces.size());
-        for (const auto& piece : window.pieces) {
-          const TensorRequest& request = requests[piece.request];
-          const CheckpointTensor& tensor = tensors[request.tensor];
-          delivered.push_back({piece.request, &tensor, piece.file_offset - tensor.offset - request.range.offset,
-                               std::span<const std::byte>(file + piece.file_offset, piece.length), registration});
-        }
+        std::vector<TensorPiece> delivered = window_pieces(window, file, registration, checkpoint, requests);
         sink.consume_batch(delivered);
         for (const auto& piece : window.pieces) {
           enqueued.fetch_add(piece.length, std::memory_order_relaxed);
@@ -285,9 +333,7 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
       }
     } catch (...) {
       std::lock_guard lock(mutex);
-      if (!first_error) first_error = std::current_exception();
-      next_window.store(windows.size());  // the others stop after their current window
-      budget->cancel();
+      cancel(std::current_exception());
     }
   };
 
@@ -316,9 +362,7 @@ StreamStats stream_mapped(const Device& device, const Checkpoint& checkpoint, st
         } catch (...) {
           lock.lock();
           // A throwing progress callback cancels the load, as in stream_tensors.
-          if (!first_error) first_error = std::current_exception();
-          next_window.store(windows.size());
-          budget->cancel();
+          cancel(std::current_exception());
         }
       }
     }

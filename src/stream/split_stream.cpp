@@ -82,6 +82,38 @@ struct Outcome {
   bool cancelled = false;
 };
 
+/// Each source's options: the second gets plan.second_concurrency of the workers (at least
+/// one, leaving one for the first) and a share of the staging memory by its share of the bytes.
+std::pair<StreamOptions, StreamOptions> divide_options(const StreamOptions& options, const SplitPlan& plan,
+                                                       uint64_t second_bytes, uint64_t total) {
+  StreamOptions first_options = options, second_options = options;
+  unsigned second_workers = std::clamp(plan.second_concurrency, 1u, std::max(options.concurrency, 2u) - 1);
+  second_options.concurrency = second_workers;
+  first_options.concurrency = std::max(options.concurrency, 2u) - second_workers;
+  double byte_share = total ? static_cast<double>(second_bytes) / static_cast<double>(total) : 0;
+  second_options.memory_limit =
+      std::max(kMinStagingBytes, static_cast<uint64_t>(static_cast<double>(options.memory_limit) * byte_share));
+  first_options.memory_limit = std::max(kMinStagingBytes, options.memory_limit - std::min(options.memory_limit,
+                                                                                          second_options.memory_limit));
+  return {first_options, second_options};
+}
+
+/// The two sources' counters added up (shards_read and seconds are the caller's).
+StreamStats sum_stats(const StreamStats& first, const StreamStats& second) {
+  StreamStats stats;
+  for (const StreamStats* part : {&first, &second}) {
+    stats.tensors += part->tensors;
+    stats.bytes += part->bytes;
+    stats.bytes_read += part->bytes_read;
+    stats.reads += part->reads;
+    stats.peak_staging_bytes += part->peak_staging_bytes;
+    stats.read_seconds += part->read_seconds;
+    stats.deliver_seconds += part->deliver_seconds;
+    stats.staging_wait_seconds += part->staging_wait_seconds;
+  }
+  return stats;
+}
+
 }  // namespace
 
 StreamStats split_stream(const Checkpoint& checkpoint, std::span<const TensorRequest> requests, TensorSink& sink,
@@ -94,15 +126,9 @@ StreamStats split_stream(const Checkpoint& checkpoint, std::span<const TensorReq
   Subset& second_subset = subsets.second;
   const uint64_t total = first_subset.bytes + second_subset.bytes;
 
-  StreamOptions first_options = options, second_options = options;
-  unsigned second_workers = std::clamp(plan.second_concurrency, 1u, std::max(options.concurrency, 2u) - 1);
-  second_options.concurrency = second_workers;
-  first_options.concurrency = std::max(options.concurrency, 2u) - second_workers;
-  double byte_share = total ? static_cast<double>(second_subset.bytes) / static_cast<double>(total) : 0;
-  second_options.memory_limit =
-      std::max(kMinStagingBytes, static_cast<uint64_t>(static_cast<double>(options.memory_limit) * byte_share));
-  first_options.memory_limit = std::max(kMinStagingBytes, options.memory_limit - std::min(options.memory_limit,
-                                                                                          second_options.memory_limit));
+  const std::pair<StreamOptions, StreamOptions> divided = divide_options(options, plan, second_subset.bytes, total);
+  const StreamOptions& first_options = divided.first;
+  const StreamOptions& second_options = divided.second;
 
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> first_done{0}, second_done{0};
@@ -173,17 +199,7 @@ StreamStats split_stream(const Checkpoint& checkpoint, std::span<const TensorReq
   sink.finish();
   if (progress) progress(total, total);
 
-  StreamStats stats;
-  for (const StreamStats* part : {&first_outcome.stats, &second_outcome.stats}) {
-    stats.tensors += part->tensors;
-    stats.bytes += part->bytes;
-    stats.bytes_read += part->bytes_read;
-    stats.reads += part->reads;
-    stats.peak_staging_bytes += part->peak_staging_bytes;
-    stats.read_seconds += part->read_seconds;
-    stats.deliver_seconds += part->deliver_seconds;
-    stats.staging_wait_seconds += part->staging_wait_seconds;
-  }
+  StreamStats stats = sum_stats(first_outcome.stats, second_outcome.stats);
   std::set<uint32_t> shards;
   for (const TensorRequest& request : requests) shards.insert(checkpoint.tensors()[request.tensor].shard);
   stats.shards_read = shards.size();

@@ -34,12 +34,13 @@ class StagingPool : public std::enable_shared_from_this<StagingPool> {
   /// Cheap, so callers may hold their own locks; allocate_reserved() does the slow part.
   bool try_reserve();
   /// Allocates the buffer a successful try_reserve() promised and leases it. Pinned
-  /// allocations are slow (about 0.6 s per GiB on the GPU machines), so this runs outside
+  /// allocations are slow (every page is faulted in and pinned), so this runs outside
   /// every lock and several readers can allocate at once.
   Lease allocate_reserved();
   /// Pinned buffers go back to a process-wide cache (at most kPinnedCacheBytes), so the
   /// next stream takes them instead of pinning anew: a reload in 8 batches streams 8 times,
-  /// and pinning costs 0.3 to 0.6 s per GiB on the GPU machines.
+  /// and pinning costs far more than reusing a buffer (bench/HISTORY.md, "Figures once in
+  /// source comments").
   ~StagingPool();
 
   size_t buffer_bytes() const noexcept { return buffer_bytes_; }

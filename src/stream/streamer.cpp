@@ -411,12 +411,22 @@ class StreamRun {
  private:
   void execute(size_t read_index, const StagingPool::Lease& lease) {
     const PlannedRead& read = reads_[read_index];
+    const bool lent_read = lent(read);
+    Bytes held = read_range(read, lease, lent_read);
+    if (views_ && !lent_read) return_view(std::move(held));
+    auto deliver_from = Clock::now();
+    ReaderTime::AddOnExit delivering{delivering_, deliver_from};
+    deliver(read_index, lease, held, lent_read);
+  }
+
+  /// Reads `read` into the lease's staging, or into the sink's memory for a direct read;
+  /// returns the view of its range it borrowed (through views, or lent to the sink), else none.
+  Bytes read_range(const PlannedRead& read, const StagingPool::Lease& lease, bool lent_read) {
     const auto& shard = checkpoint_.shards()[read.shard];
     auto read_from = Clock::now();
     // Through views, the reader holds its range's view while it reads: returning it drops
     // the pages, by a helper or, where there is none or it is behind, by this reader. A
     // range lent to the sink is that view, held until its pieces are consumed.
-    const bool lent_read = lent(read);
     Bytes held;
     if (views_ || lent_read) {
       held = storage_.borrow(shard.name, read.offset, read.length,
@@ -440,24 +450,32 @@ class StreamRun {
       storage_.read_scattered(shard.name, read.offset, segments);
     }
     reading_.add_since(read_from);
-    if (views_ && !lent_read) {
-      // A helper's backlog is at most one view each: the mapped pages this process holds
-      // stay near the reads in flight, not the whole checkpoint, and nothing is left for
-      // the unmap at the end.
-      bool queued = false;
-      if (helpers_) {
-        std::lock_guard lock(helper_mutex_);
-        queued = to_return_.size() < helpers_;
-        if (queued) to_return_.push_back(std::move(held));
-      }
-      if (queued) {
-        helper_wakeup_.notify_one();
-      } else {
-        held = {};
-      }
+    return held;
+  }
+
+  /// Returns the view of a read copied out of it: to a helper, or here (dropping its pages)
+  /// when there is none or its backlog is full.
+  void return_view(Bytes held) {
+    // A helper's backlog is at most one view each: the mapped pages this process holds
+    // stay near the reads in flight, not the whole checkpoint, and nothing is left for
+    // the unmap at the end.
+    bool queued = false;
+    if (helpers_) {
+      std::lock_guard lock(helper_mutex_);
+      queued = to_return_.size() < helpers_;
+      if (queued) to_return_.push_back(std::move(held));
     }
-    auto deliver_from = Clock::now();
-    ReaderTime::AddOnExit delivering{delivering_, deliver_from};
+    if (queued) {
+      helper_wakeup_.notify_one();
+    } else {
+      held = {};
+    }
+  }
+
+  /// Hands the pieces of read `read_index` to the sink, in the order it wants, and completes
+  /// the requests whose last bytes they are.
+  void deliver(size_t read_index, const StagingPool::Lease& lease, const Bytes& held, bool lent_read) {
+    const PlannedRead& read = reads_[read_index];
     if (file_ordered_) {
       // Reads take their staging in plan order (a lent read needs none), so the read due
       // next always has what it needs: waiting for it cannot deadlock.
@@ -591,8 +609,8 @@ class StreamRun {
 };
 
 // Prefetchers by default, where the cores allow: of 0, 3, 6 and 8 beside the warm shape's 8
-// readers on an H200's 16 cores (16 GB warm, 5 rounds), 3 was fastest (0.334 s median against
-// 0.343 with none); 6 and 8 were no faster than none (more threads, more memory traffic).
+// readers on a 16-core GPU machine, 3 was fastest; 6 and 8 were no faster than none (more
+// threads, more memory traffic): bench/HISTORY.md, "Figures once in source comments".
 constexpr unsigned kDefaultPrefetchers = 3;
 
 /// Prefetchers beside `readers` reader threads: as asked, or kDefaultPrefetchers where the
@@ -602,6 +620,51 @@ unsigned prefetcher_count(const StreamOptions& options, unsigned readers) {
   if (options.prefetchers) return *options.prefetchers;
   unsigned cores = std::thread::hardware_concurrency();
   return cores >= readers + 2 + kDefaultPrefetchers ? kDefaultPrefetchers : 0;
+}
+
+/// Counts the plan's reads and shards, and the bytes of its plain reads (the others are
+/// counted as storage reads them), into `stats`; returns the bytes it delivers.
+uint64_t count_plan(std::span<const PlannedRead> reads, StreamStats& stats) {
+  std::set<uint32_t> shards;
+  uint64_t total = 0;
+  for (const auto& read : reads) {
+    if (read.runs.empty()) stats.bytes_read += read.length;
+    shards.insert(read.shard);
+    for (const auto& delivery : read.deliveries) total += delivery.payload;
+  }
+  stats.reads = reads.size();
+  stats.shards_read = shards.size();
+  return total;
+}
+
+/// Runs `run`'s readers and prefetchers, and reports progress on this thread, until every
+/// reader and prefetcher has returned.
+void run_threads(StreamRun& run, unsigned thread_count, unsigned helper_count, size_t lookahead,
+                 const ProgressCallback& progress, uint64_t total) {
+  // Declared first so they are joined last: they return once the readers have.
+  std::vector<std::jthread> helpers;
+  for (unsigned i = 0; i < helper_count; ++i) helpers.emplace_back([&run, lookahead] { run.run_helper(lookahead); });
+  std::vector<std::jthread> threads;
+  threads.reserve(thread_count);
+  for (unsigned i = 0; i < thread_count; ++i) {
+    threads.emplace_back([&run] {
+      try {
+        run.run_worker();
+      } catch (...) {
+        run.fail(std::current_exception());
+      }
+      run.worker_exited();
+    });
+  }
+  if (progress) {
+    try {
+      run.report_progress(progress, total, std::chrono::milliseconds(100));
+    } catch (...) {
+      // A progress callback that throws cancels the stream (how a caller interrupts
+      // a load, e.g. Python's Ctrl-C); its exception is the one thrown.
+      run.fail(std::current_exception());
+    }
+  }
 }
 
 }  // namespace
@@ -637,15 +700,7 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
 
   const StorageStats storage_before = storage.stats();
   StreamStats stats;
-  std::set<uint32_t> shards;
-  uint64_t total = 0;
-  for (const auto& read : reads) {
-    if (read.runs.empty()) stats.bytes_read += read.length;  // the others: counted as storage reads them
-    shards.insert(read.shard);
-    for (const auto& delivery : read.deliveries) total += delivery.payload;
-  }
-  stats.reads = reads.size();
-  stats.shards_read = shards.size();
+  const uint64_t total = count_plan(reads, stats);
   // Buffers as large as the largest staged read, not the chunk: a checkpoint of small
   // tensors, or a chunk size far above them (--chunk-size 1TB), stages only what it reads.
   uint64_t largest_staged = 0;
@@ -666,36 +721,11 @@ StreamStats stream_tensors_through(Storage& storage, const Checkpoint& checkpoin
     StreamRun run(storage, checkpoint, requests, sink, std::move(reads), pool, thread_count);
     run.set_helpers(helper_count);
     run.complete_empty_requests();
-    {
-      // Declared first so they are joined last: they return once the readers have. They map
-      // at most two reads a reader ahead, within what the memory limit leaves beside the
-      // staging (at least one read).
-      const uint64_t room = options.memory_limit - std::min<uint64_t>(options.memory_limit, max_buffers * chunk);
-      const size_t lookahead = std::clamp<size_t>(room / chunk, 1, 2 * static_cast<size_t>(thread_count));
-      std::vector<std::jthread> helpers;
-      for (unsigned i = 0; i < helper_count; ++i) helpers.emplace_back([&run, lookahead] { run.run_helper(lookahead); });
-      std::vector<std::jthread> threads;
-      threads.reserve(thread_count);
-      for (unsigned i = 0; i < thread_count; ++i) {
-        threads.emplace_back([&run] {
-          try {
-            run.run_worker();
-          } catch (...) {
-            run.fail(std::current_exception());
-          }
-          run.worker_exited();
-        });
-      }
-      if (progress) {
-        try {
-          run.report_progress(progress, total, std::chrono::milliseconds(100));
-        } catch (...) {
-          // A progress callback that throws cancels the stream (how a caller interrupts
-          // a load, e.g. Python's Ctrl-C); its exception is the one thrown.
-          run.fail(std::current_exception());
-        }
-      }
-    }
+    // The prefetchers map at most two reads a reader ahead, within what the memory limit
+    // leaves beside the staging (at least one read).
+    const uint64_t room = options.memory_limit - std::min<uint64_t>(options.memory_limit, max_buffers * chunk);
+    const size_t lookahead = std::clamp<size_t>(room / chunk, 1, 2 * static_cast<size_t>(thread_count));
+    run_threads(run, thread_count, helper_count, lookahead, progress, total);
     if (auto error = run.error()) {
       try {
         sink.finish();

@@ -227,7 +227,7 @@ def rank_addresses(transport: str, tp_size: int, rank: int) -> List[str]:
     import socket  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    if transport == "tcp":
+    if transport in ("tcp", "ucx"):  # ucx's receiver listens on tcp, then moves bytes by UCX's lanes
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             mine = f"127.0.0.1:{probe.getsockname()[1]}"
@@ -243,9 +243,10 @@ _SOCKET_FOLDERS = None  # this process's folder of the ranks' socket folders
 
 
 def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str, tp_size: int,
-           rank: int, **versions: Any) -> Dict[str, Any]:
+           rank: int, **options: Any) -> Dict[str, Any]:
     """One update pushed by weightstream's sender through SGLang's update API of the runner,
-    by a trainer beside this rank (each rank's process pushes to its own receiver)."""
+    by a trainer beside this rank (each rank's process pushes to its own receiver); ``options``:
+    push_update's (a delta's versions, the senders' device)."""
     import weightstream.sglang as ws_sglang  # noqa: PLC0415
 
     addresses = rank_addresses(transport, tp_size, rank)
@@ -254,7 +255,7 @@ def update(runner: Any, tensors: List[Tuple[str, torch.Tensor]], transport: str,
     try:
         return ws_sglang.push_update(updater.update_weights_from_tensor, tensors, transport=transport,
                                      token=UPDATE_TOKEN, addresses=addresses, ranks=[rank], bucket_bytes=1 << 20,
-                                     accept_timeout=120.0, **versions)
+                                     accept_timeout=120.0, **options)
     finally:
         updater.end_weight_update(run_post_load=False)
 
@@ -290,7 +291,7 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int, p
                                          if f.endswith(".safetensors"))
         if scenario.get("update"):
             result["updates"] = updates(runner, family, kind, paths, reference_a, tp_size, rank)
-            result["refused"] = refused_update(runner, b, default_load_of(runner, b), tp_size, rank)
+            result["refused"] = refused_update(runner, b, reference_a, tp_size, rank)
             if kind == "bf16":
                 result["delta"] = delta_update(runner, b, paths[f"{family}-bf16-b1"], tp_size, rank)
 
@@ -301,8 +302,9 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
             tp_size: int, rank: int) -> List[Dict[str, Any]]:
     """Checkpoint B over shm (for FP8: B's BF16 weights, quantized in place by the receiver as
     the checkpoint was), then back to A over tcp (for FP8: A's codes, then their scales), then
-    B again through SGLang's update_weights_from_disk; each compared with SGLang's default load
-    of the same checkpoint."""
+    B over ucx (as its checkpoint holds it: FP8 codes beside their scales), then A again
+    through SGLang's update_weights_from_disk; each compared with SGLang's default load of the
+    same checkpoint."""
     ours = runner.model
     before = addresses(ours)
     a, b = paths[f"{family}-{kind}-a"], paths[f"{family}-{kind}-b"]
@@ -312,7 +314,8 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
     pushes = (("shm", sorted(checkpoint_tensors(paths[f"{family}-bf16-b"] if kind == "fp8" else b).items()),
                reference_b),
               ("tcp", sorted((n, t) for n, t in a_tensors.items() if not n.endswith("_scale_inv")) +
-               sorted((n, t) for n, t in a_tensors.items() if n.endswith("_scale_inv")), reference_a))
+               sorted((n, t) for n, t in a_tensors.items() if n.endswith("_scale_inv")), reference_a),
+              ("ucx", sorted(checkpoint_tensors(b).items()), reference_b))
     results = []
     for transport, tensors, reference in pushes:
         seen.clear()
@@ -321,11 +324,11 @@ def updates(runner: Any, family: str, kind: str, paths: Dict[str, str], referenc
                         "differences": differences(ours, reference), "addresses_unchanged": addresses(ours) == before,
                         "through_load_weights": list(seen),
                         "received": dict(getattr(ours, "_weightstream_last_update", {}))})
-    # SGLang's update_weights_from_disk with the server's format: its own iterator of B.
+    # SGLang's update_weights_from_disk with the server's format: its own iterator of A.
     seen.clear()
-    succeeded, message = runner.weight_updater.update_weights_from_disk(b, load_format="weightstream")
+    succeeded, message = runner.weight_updater.update_weights_from_disk(a, load_format="weightstream")
     results.append({"transport": "disk", "succeeded": succeeded, "message": message,
-                    "differences": differences(ours, reference_b), "addresses_unchanged": addresses(ours) == before,
+                    "differences": differences(ours, reference_a), "addresses_unchanged": addresses(ours) == before,
                     "through_load_weights": list(seen)})
     return results
 
@@ -441,6 +444,33 @@ def run_replaced_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, por
     return result
 
 
+def run_cuda_ipc_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
+                          paths: Dict[str, str]) -> Dict[str, Any]:
+    """An update over CUDA IPC (where a GPU is): the trainer's tensors of checkpoint B on
+    cuda:0, pushed through SGLang's update API by the same push_update (its senders on the
+    GPU: device "cuda:0") and received by the same UpdateReceiver as every transport; equal to
+    SGLang's default load of B, every address unchanged, nothing through load_weights. The
+    model is SGLang's CPU engine's, as in every scenario here: the receiver maps the trainer's
+    GPU buckets (CUDA IPC) and copies from them into the host parameters."""
+    family = scenario["family"]
+    a, b = paths[f"{family}-bf16-a"], paths[f"{family}-bf16-b"]
+
+    def body(result: Dict[str, Any]) -> None:
+        runner = build(a, tp_size, rank, False, "weightstream", port)
+        ours = runner.model
+        before = addresses(ours)
+        seen = through_load_weights(ours)
+        tensors = sorted((name, tensor.to("cuda:0")) for name, tensor in checkpoint_tensors(b).items())
+        report = update(runner, tensors, "cuda-ipc", tp_size, rank, device="cuda:0")
+        result["bytes"] = report["senders"][0].get("bytes")
+        result["received"] = dict(getattr(ours, "_weightstream_last_update", {}))
+        result["differences"] = differences(ours, default_load_of(runner, b))
+        result["addresses_unchanged"] = addresses(ours) == before
+        result["through_load_weights"] = list(seen)
+
+    return recorded(scenario, body)
+
+
 def run_s3_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, port: int,
                     paths: Dict[str, str]) -> Dict[str, Any]:
     """SGLang's model folder holds config.json only; weightstream finds the weights at the
@@ -481,7 +511,8 @@ def default_load_of(runner: Any, path: str) -> torch.nn.Module:
 
 def refused_update(runner: Any, b: str, reference: torch.nn.Module, tp_size: int, rank: int) -> Dict[str, Any]:
     """An update (of checkpoint B) whose last tensor has a wrong shape: refused before its
-    first byte, the model still equal to ``reference`` (SGLang's default load of what it holds)."""
+    first byte, the model still equal to ``reference`` (SGLang's default load of what it holds:
+    A, which the updates before it left)."""
     import weightstream  # noqa: PLC0415
 
     tensors = sorted(checkpoint_tensors(b).items())
@@ -550,7 +581,8 @@ def main() -> None:
         from sglang_drafts import run_draft_scenario  # noqa: PLC0415 - it imports this module
 
         run = {"peer": run_peer_scenario, "fallback": run_fallback_scenario, "replaced": run_replaced_scenario,
-               "s3": run_s3_scenario, "draft": run_draft_scenario}.get(scenario.get("special", ""), run_scenario)
+               "s3": run_s3_scenario, "draft": run_draft_scenario,
+               "cuda-ipc": run_cuda_ipc_scenario}.get(scenario.get("special", ""), run_scenario)
         result = run(scenario, args.tp, args.rank, args.port, plan["paths"])
         result["seconds"] = time.perf_counter() - started
         with open(os.path.join(args.out, f"{index}-rank{args.rank}.json"), "w") as file:

@@ -66,6 +66,20 @@ def test_each_kind_of_violation_is_named_with_its_file_and_line(tmp_path):
     assert "4 violation(s)" in out
 
 
+def test_a_layer_shared_whole_lends_every_header_to_the_layers_below(tmp_path):
+    root = tree(tmp_path, {
+        "src/model/session.cpp": '#include "device/socket.hpp"\n',
+        "src/base/error.cpp": '#include "device/socket.hpp"\n',
+    })
+    (root / "docs" / "ARCHITECTURE.md").write_text(
+        TABLE.replace("| `device.hpp` |", "| `device.hpp`; none other: every header is shared with the layers below |"))
+    result = check(root)
+    assert result.returncode == 1
+    assert 'src/base/error.cpp:1: "device/socket.hpp": layer base uses device, a layer below it' in result.stdout
+    assert "src/model/session.cpp" not in result.stdout
+    assert "1 violation(s)" in result.stdout
+
+
 def test_a_document_without_the_table_is_an_error(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "ARCHITECTURE.md").write_text("# Architecture\n")

@@ -2,7 +2,7 @@
 token is proven, never sent. On loopback: `serve` and `audit --await-sender` with an empty
 token line, `serve --open-without-token` (warned about, once), a puller with a wrong token
 and one without, Python's serve() and UpdateReceiver, and the peer handshake written again
-from its description (src/transfer/handshake.hpp) against a real `serve`."""
+from its description (src/net/handshake.hpp) against a real `serve`."""
 import hashlib
 import hmac
 import os

@@ -213,7 +213,7 @@ def test_a_wrong_token_is_refused_and_never_printed(namespaces, llama, tmp_path)
     assert TOKEN[::-1] not in result.stdout + result.stderr + logs
 
 
-# The peer protocol's handshake (src/transfer/handshake.hpp), written again from its
+# The peer protocol's handshake (src/net/handshake.hpp), written again from its
 # description: the server proves the token first, then this side; the token is never sent.
 HANDSHAKE = (
     "token = sys.argv[2].encode()\n"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (scripts/sglang-test.sh installs it)")
@@ -72,7 +74,13 @@ def test_an_update_request_round_trips_and_other_tensors_are_refused_by_name():
         ws_sglang.receive_update(model, [("model.layers.0.weight", torch.zeros(2))])
     with pytest.raises(ValueError, match="is not a request update_request made"):
         ws_sglang.receive_update(model, [("weightstream.update_request", torch.zeros(3, dtype=torch.uint8))])
-    with pytest.raises(ValueError, match="transport 'carrier-pigeon' is not one of shm, tcp, cuda-ipc, nccl"):
+    # Every transport of the library's UpdateSender: ucx's receivers listen at HOST:PORT, as tcp's.
+    from weightstream._push import free_addresses
+
+    listen = free_addresses("ucx", 2)
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+", address) for address in listen), listen
+    assert _parse_request(ws_sglang.update_request(listen, "ucx"))["transport"] == "ucx"
+    with pytest.raises(ValueError, match="transport 'carrier-pigeon' is not one of shm, tcp, cuda-ipc, nccl, ucx$"):
         ws_sglang.update_request(["/tmp/a.sock"], "carrier-pigeon")
 
 

@@ -10,8 +10,8 @@ DefaultModelLoader builds and fills from the same checkpoint: every parameter eq
 bit, nothing through load_weights, each rank reading only its share. Then an update to
 checkpoint B goes through SGLang's update API (begin_weight_update,
 update_weights_from_tensor with weightstream's custom weight loader, end_weight_update),
-pushed over shm by weightstream.UpdateSender, back to A over tcp, and to B again through
-SGLang's update_weights_from_disk: each equal to SGLang's default load of the same checkpoint, every address unchanged; an update with a wrongly
+pushed over shm by weightstream.UpdateSender, back to A over tcp, to B over ucx, and to A again
+through SGLang's update_weights_from_disk: each equal to SGLang's default load of the same checkpoint, every address unchanged; an update with a wrongly
 shaped tensor is refused whole. And an SGLang instance pulls its weights from a serving one
 (``peer://``), reading nothing from storage.
 
@@ -145,6 +145,8 @@ def results(tmp_path_factory):
             plan.append({"family": "llama", "special": "replaced", "id": "replaced"})
             if s3 is not None:
                 plan.append(dict(s3, family="llama", special="s3", id="s3"))
+            if torch.cuda.is_available():
+                plan.append({"family": "llama", "special": "cuda-ipc", "id": "cuda-ipc"})
         plans[group] = (tp, plan)
         plan_path = root / f"plan-{group}.json"
         plan_path.write_text(json.dumps({"scenarios": plan, "paths": paths}))
@@ -216,19 +218,21 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kin
 def test_an_update_through_sglangs_update_api_lands_every_weight_in_place(results, family, kind, parallel):
     """Over shm, checkpoint B (FP8: B's BF16 weights, quantized in place by the receiver into
     the FP8 weights and their block scales), equal to SGLang's default load of B; then over
-    tcp back to A (FP8: A's codes, then their scales in later buckets), equal to its load of A."""
+    tcp back to A (FP8: A's codes, then their scales in later buckets), equal to its load of A;
+    then over ucx (UCX's shared-memory or tcp lanes on one host) to B again (FP8: B's codes
+    beside their scales), equal to its load of B."""
     for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
-        assert [update["transport"] for update in result["updates"]] == ["shm", "tcp", "disk"]
-        for update in result["updates"][:2]:
+        assert [update["transport"] for update in result["updates"]] == ["shm", "tcp", "ucx", "disk"]
+        for update in result["updates"][:3]:
             where = f"{family} {kind} {parallel} rank {rank} over {update['transport']}"
             assert update["bytes"] > 0 and update["received"]["bytes"] > 0, where
             assert update["differences"] == [], f"{where}: stale or wrong parameters after the update"
             assert update["addresses_unchanged"], where
             assert update["through_load_weights"] == [], where
         assert any(f"rank {rank} received an update of" in message for message in result["log"]), result["log"]
-        # Then SGLang's update_weights_from_disk with --load-format weightstream: its own
+        # Then SGLang's update_weights_from_disk of A with --load-format weightstream: its own
         # iterator through load_weights, into the same parameters.
-        disk = result["updates"][2]
+        disk = result["updates"][3]
         assert disk["succeeded"], disk["message"]
         assert disk["differences"] == [] and disk["addresses_unchanged"], disk
         assert disk["through_load_weights"], "update_weights_from_disk goes through load_weights"
@@ -259,7 +263,7 @@ def test_an_update_with_a_wrongly_shaped_tensor_is_refused_whole(results, family
         assert "refused the update: the update's manifest of" in refused["error"], refused["error"]
         assert f"tensor {refused['last']} has shape [257]" in refused["error"], refused["error"]
         assert "nothing of it was applied" in refused["error"]
-        # Still SGLang's default load of B (what the updates before it left).
+        # Still SGLang's default load of A (what the updates before it left).
         assert refused["differences"] == [], refused["differences"]
 
 
@@ -322,6 +326,23 @@ def test_a_model_whose_folder_holds_its_config_only_loads_from_s3(results):
     assert result["load_differences"] == [] and result["unbound"] == {}
     assert load["tensors_through_load_weights"] == 0
     assert result["share"] <= load["bytes_read"] <= result["share"] + MIB, (load["bytes_read"], result["share"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA IPC needs an NVIDIA GPU and its driver (torch.cuda.is_available() is False here): "
+                           "the cuda-ipc update into SGLang runs where SGLang is installed beside a GPU")
+def test_an_update_over_cuda_ipc_from_the_trainers_gpu_lands_in_place(results):
+    """Checkpoint B's tensors on the trainer's GPU, pushed over cuda-ipc through SGLang's update
+    API (push_update with device "cuda:0", the receiver UpdateReceiver as for every transport,
+    the path the vLLM backend takes): equal to SGLang's default load of B, every address
+    unchanged, nothing through load_weights."""
+    (result,) = results["cuda-ipc"]
+    assert result["ok"], result.get("error")
+    assert result["bytes"] > 0 and result["received"]["bytes"] > 0, result
+    assert result["differences"] == [], "stale or wrong parameters after the update over cuda-ipc"
+    assert result["addresses_unchanged"] and result["through_load_weights"] == []
+    assert any("received an update of llama tp 1 rank 0 over cuda-ipc" in message for message in result["log"]), \
+        result["log"]
 
 
 @pytest.mark.parametrize("tp,ep,family,kind", DRAFTS)

@@ -5,7 +5,10 @@ SGLang one, each equal to its own engine's default load of the checkpoint, readi
 from storage. Where the engines hold a parameter differently the pull reslices it: vLLM pads a
 vocabulary of 1000 to 1024 rows, SGLang at tp 1 holds 1000, and an SGLang Llama of that
 vocabulary pulled from vLLM still equals SGLang's default load, its embedding and lm_head
-assembled in staging rather than read in place.
+assembled in staging rather than read in place. Where the layouts disagree (a Qwen3-MoE
+instance pointed at a serving Llama, whichever engine serves), the pull is refused before a
+byte is read, naming the parameter and the tensor the peers lack, and the instance, whose
+model folder holds config.json only, does not load.
 
 Needs vLLM's environment beside SGLang's: WS_VLLM_VENV (scripts/sglang-test.sh passes it on;
 build/venv-vllm when scripts/vllm-test.sh made it there), with the same Python version; skipped
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,10 +68,12 @@ def config_only(root, checkpoint):
 @pytest.fixture(scope="module")
 def pulls(tmp_path_factory):
     """vLLM serves Llama (vocabularies of 1024 and 1000) while SGLang serves Llama (1024); then
-    SGLang pulls both from vLLM and vLLM pulls Llama from SGLang."""
+    SGLang pulls both from vLLM and vLLM pulls Llama from SGLang; last, each engine's Qwen3-MoE
+    (its folder of config.json only) pulls from the other's Llama, which the layouts refuse."""
     root = tmp_path_factory.mktemp("sglang-vllm-peers")
     llama = write_sglang_checkpoint("llama", str(root / "llama"), 1)
     padded = write_checkpoint("llama", str(root / "llama-vocab-1000"), 1)  # engine_checkpoints' vocabulary: 1000
+    moe = write_sglang_checkpoint("qwen3_moe", str(root / "qwen3_moe"), 1)
     stop = root / "stop"
     servers = {}
     for engine, paths in (("vllm", [llama, padded]), ("sglang", [llama])):
@@ -78,12 +84,15 @@ def pulls(tmp_path_factory):
     try:
         served = {engine: wait_ready(process, root / f"ready-{engine}", log_path)
                   for engine, (process, _, log_path) in servers.items()}
-        plans = {"sglang": [(served["vllm"], llama), (served["vllm"], padded)], "vllm": [(served["sglang"], llama)]}
+        # (the server, the checkpoint it serves, the checkpoint whose config.json the puller has)
+        plans = {"sglang": [(served["vllm"], llama, llama), (served["vllm"], padded, padded),
+                            (served["vllm"], llama, moe)],
+                 "vllm": [(served["sglang"], llama, llama), (served["sglang"], llama, moe)]}
         results = {}
         for engine, plan in plans.items():
             (root / engine).mkdir()
-            items = [{"config_folder": config_only(root / engine, path), "uri": "peer://" + server[path]["address"],
-                      "digest": server[path]["digest"], "checkpoint": path} for server, path in plan]
+            items = [{"config_folder": config_only(root / engine, path), "uri": "peer://" + server[serving]["address"],
+                      "digest": server[serving]["digest"], "checkpoint": path} for server, serving, path in plan]
             (root / f"plan-{engine}.json").write_text(json.dumps(items))
             with open(root / f"pull-{engine}.log", "w") as log:
                 code = start(engine, ["pull", engine, str(root / f"plan-{engine}.json"),
@@ -121,3 +130,22 @@ def test_a_vocabulary_the_engines_pad_differently_is_resliced_by_the_pull(pulls)
     # vLLM's padded embedding and lm_head are not SGLang's: assembled in staging, not read in place.
     assert 0 < load["bytes_in_place"] < load["bytes_from_peers"], load
     assert result["differences"] == [], "SGLang's parameters differ from its own default load"
+
+
+@pytest.mark.parametrize("puller,server", [("sglang", "vllm"), ("vllm", "sglang")])
+def test_a_pull_the_layouts_cannot_serve_is_refused_naming_what_differs(pulls, puller, server):
+    """A Qwen3-MoE instance of one engine (its model folder holds config.json only) pointed at
+    the other engine's serving Llama: the puller's layout wants tensors the served checkpoint
+    does not have (Qwen3's q_norm and k_norm, the experts). The pull is refused when the
+    manifests arrive, before any byte is read (every wanted tensor is looked up first), naming
+    the puller's parameter, the tensor and the peers; the instance does not load (its own
+    sources hold no weights), and says both."""
+    result = pulls["results"][puller][-1]
+    assert not result["ok"], "a Qwen3-MoE layout loaded from a Llama's peers"
+    error = result["error"]
+    assert re.search(r"parameter model\.layers\.\d+\.\S+ of qwen3_moe tp 1 rank 0 wants tensor "
+                     r"model\.layers\.\d+\.\S+, which the checkpoint served by peer://127\.0\.0\.1:\d+ does not have",
+                     error), error
+    # Then the model's own sources, which hold config.json only: the load fails naming both.
+    assert "cannot load qwen3_moe tp 1 rank 0 from any source" in error, error
+    assert pulls["served"][server][pulls["llama"]]["layout"] == "llama tp 1 rank 0"

@@ -195,6 +195,9 @@ def test_update_declares_and_sends_a_dict_pairs_or_an_iterator(tmp_path, shape):
     thread.join(timeout=60)
     assert outcome["report"]["tensors"] == report["tensors"] == len(new.names)
     assert parameter_bytes(live) == parameter_bytes(cold_layout(new))
+    # The sender's own time, phase by phase, beside the receiver's phases.
+    assert set(report["sender_phases"]) == {"describing", "starting", "sending", "finishing"}
+    assert all(seconds >= 0 for seconds in report["sender_phases"].values())
 
 
 def test_an_unknown_tensor_last_in_an_update_is_refused_before_any_byte(tmp_path):

@@ -230,7 +230,7 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(results, family, kin
 def test_pushed_updates_land_every_weight_in_place(results, family, kind, parallel):
     for rank, result in enumerate(ranks_of(results, family, kind, parallel)):
         where = f"{family} {kind} {parallel} rank {rank}"
-        assert [u["transport"] for u in result["updates"]] == ["shm", "tcp"]
+        assert [u["transport"] for u in result["updates"]] == ["shm", "tcp", "ucx"]
         for update in result["updates"]:
             assert update["bytes"] > 0
             assert update["differences"] == [], f"{where} over {update['transport']}: stale or wrong parameters"

@@ -357,7 +357,7 @@ def transfer_engine(model: torch.nn.Module, config: Any, transport: str) -> Any:
 
 def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[str, str]) -> Dict[str, Any]:
     """One family, dtype and parallelism on this rank: weightstream's load against vLLM's
-    default loader on checkpoint A, then (when asked) updates pushed over shm and tcp."""
+    default loader on checkpoint A, then (when asked) updates pushed over shm, tcp and ucx."""
     import weightstream.vllm as ws_vllm  # noqa: PLC0415
 
     ws_vllm.register()
@@ -393,7 +393,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
             reference_b, _, _ = build(b, tp_size, ep, "safetensors")
             updates = []
             # shm: checkpoint B (for FP8, B's BF16 weights, quantized by the receiver);
-            # tcp: back to A (for FP8, its codes, then their scales in later buckets).
+            # tcp: back to A (for FP8, its codes, then their scales in later buckets);
+            # ucx: B again, over the UCX transport (its tcp lane on loopback here).
             if fp8:
                 first = sorted(checkpoint_tensors(paths[f"{family}-bf16-b"]).items())
                 a_tensors = checkpoint_tensors(a)
@@ -402,7 +403,8 @@ def run_scenario(scenario: Dict[str, Any], tp_size: int, rank: int, paths: Dict[
             else:
                 first = sorted(checkpoint_tensors(b).items())
                 second = sorted(checkpoint_tensors(a).items())
-            for transport, tensors, reference in (("shm", first, reference_b), ("tcp", second, reference_a)):
+            for transport, tensors, reference in (("shm", first, reference_b), ("tcp", second, reference_a),
+                                                  ("ucx", first, reference_b)):
                 engine = transfer_engine(ours, config, transport)
                 report = push(engine, tensors, transport, bucket_bytes=1 << 20)
                 engine.shutdown()

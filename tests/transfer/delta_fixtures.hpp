@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "model/model_fixtures.hpp"
-#include "transfer/handshake.hpp"
-#include "transfer/socket.hpp"
-#include "transfer/wire.hpp"
+#include "net/handshake.hpp"
+#include "net/socket.hpp"
+#include "update/wire.hpp"
 #include "weightstream/transfer.hpp"
 
 namespace weightstream::testing {
@@ -52,14 +52,14 @@ inline transfer::Connection start_hand_made_delta(const std::string& address, co
   hello.type = MessageType::kHello;
   hello.transport = TransportKind::kTcp;
   hello.bucket_bytes = 1 << 20;
-  connection.send(hello, timeout);
-  EXPECT_EQ(connection.receive(timeout, "WELCOME").message.type, MessageType::kWelcome);
+  send_message(connection, hello, timeout);
+  EXPECT_EQ(receive_message(connection, timeout, "WELCOME").message.type, MessageType::kWelcome);
   Message start;
   start.type = MessageType::kStart;
   start.versions = versions;
   start.declared = declared_tensors(std::vector{tensor.view()});
-  connection.send(start, timeout);
-  accepted = connection.receive(timeout, "ACCEPTED").message;
+  send_message(connection, start, timeout);
+  accepted = receive_message(connection, timeout, "ACCEPTED").message;
   EXPECT_EQ(accepted.type, MessageType::kAccepted);
   return connection;
 }
@@ -78,7 +78,7 @@ inline void send_hand_made_bucket(transfer::Connection& connection, const Memory
   entry.shape = tensor.shape;
   entry.bytes = payload.size();
   entry.encoding = EntryEncoding::kChangedElements;
-  connection.send(bucket, timeout);
+  send_message(connection, bucket, timeout);
   connection.send_bytes(payload, timeout, "payload");
 }
 

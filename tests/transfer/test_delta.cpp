@@ -10,10 +10,10 @@
 #include <random>
 
 #include "model/model_fixtures.hpp"
-#include "transfer/delta.hpp"
+#include "update/delta.hpp"
 #include "transfer/delta_fixtures.hpp"
 #include "transfer/transfer_fixtures.hpp"
-#include "transfer/wire.hpp"
+#include "update/wire.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
 

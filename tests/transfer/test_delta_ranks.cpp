@@ -11,11 +11,11 @@
 #include <random>
 
 #include "model/model_fixtures.hpp"
-#include "transfer/delta.hpp"
+#include "update/delta.hpp"
 #include "transfer/delta_fixtures.hpp"
-#include "transfer/handshake.hpp"
+#include "net/handshake.hpp"
 #include "transfer/transfer_fixtures.hpp"
-#include "transfer/wire.hpp"
+#include "update/wire.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
 
@@ -200,12 +200,12 @@ std::string hand_made_delta(UpdateReceiver& receiver, std::vector<std::pair<uint
   testing::send_hand_made_bucket(
       connection, tensor,
       *encode_changed_elements(version_a().tensor(kUpProjection).bytes, tensor.bytes, 2, tensor.bytes.size()));
-  EXPECT_EQ(connection.receive(timeout, "APPLIED").message.type, MessageType::kApplied);
+  EXPECT_EQ(receive_message(connection, timeout, "APPLIED").message.type, MessageType::kApplied);
   Message finish;
   finish.type = MessageType::kFinish;
   finish.buckets = 1;
   finish.digests = std::move(digests);
-  connection.send(finish, timeout);
+  send_message(connection, finish, timeout);
   return receiving.get();
 }
 
@@ -249,15 +249,15 @@ std::string start_against_windows(const MemoryTensor& tensor, std::vector<std::v
     ServerHandshake(kUpdateHandshake, auth).run(connection, timeout);
     Message welcome;
     welcome.type = MessageType::kWelcome;
-    welcome.bucket_bytes = connection.receive(timeout, "HELLO").message.bucket_bytes;
+    welcome.bucket_bytes = receive_message(connection, timeout, "HELLO").message.bucket_bytes;
     welcome.slots = 2;
-    connection.send(welcome, timeout);
-    connection.receive(timeout, "START");
+    send_message(connection, welcome, timeout);
+    receive_message(connection, timeout, "START");
     Message accepted;
     accepted.type = MessageType::kAccepted;
     accepted.held = std::move(held);
-    connection.send(accepted, timeout);
-    error_text([&] { connection.receive(timeout, "the sender's hang-up"); });
+    send_message(connection, accepted, timeout);
+    error_text([&] { receive_message(connection, timeout, "the sender's hang-up"); });
   });
   std::string text;
   {

@@ -11,10 +11,10 @@
 
 #include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
-#include "transfer/handshake.hpp"
-#include "transfer/socket.hpp"
+#include "net/handshake.hpp"
+#include "net/socket.hpp"
 #include "transfer/transfer_fixtures.hpp"
-#include "transfer/wire.hpp"
+#include "update/wire.hpp"
 #include "weightstream/transfer.hpp"
 
 namespace weightstream {

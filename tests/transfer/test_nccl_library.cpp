@@ -4,7 +4,7 @@
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
-#include "transfer/transport.hpp"
+#include "update/transport.hpp"
 
 namespace weightstream::transfer {
 namespace {

@@ -17,8 +17,8 @@
 #include "weightstream/options.hpp"
 #include "weightstream/peer.hpp"
 #include "weightstream/synth.hpp"
-#include "transfer/peer_protocol.hpp"
-#include "transfer/ucx.hpp"
+#include "peer/peer_protocol.hpp"
+#include "net/ucx.hpp"
 
 namespace weightstream {
 namespace {
@@ -302,6 +302,27 @@ TEST_F(PeerTest, PullsAnotherTpLayoutFromTheCheckpointCoordinates) {
   ModelLayout layout = empty_layout(model, 4, 3);
   pull_into(layout, source);
   EXPECT_EQ(compare_layouts(layout, loaded_layout(model, 4, 3)).mismatched, 0u);
+}
+
+// A layout of another config (here a wider MLP) names the same tensors as the served
+// checkpoint but other shapes: the pull is refused while it is planned, naming the
+// parameter, the tensor, both shapes and the peers, before a byte is sent.
+TEST_F(PeerTest, AServedTensorOfAnotherShapeIsRefusedByNameBeforeAByteIsSent) {
+  Model model;
+  Instance instance(model, 1);
+  ModelConfig wider = model.config;
+  wider.intermediate_size *= 2;
+  LayoutOptions options;
+  ModelLayout layout = build_model_layout(wider, options);
+  layout.allocate(Device{});
+  PeerPullOptions pull = pull_options();
+  pull.ucx_path = UcxPath::kRendezvous;  // every byte the server sends is counted
+  PeerSource source(instance.uri(), pull);
+  std::string text = error_text([&] { pull_into(layout, source); });
+  EXPECT_THAT(text, HasSubstr("mlp."));
+  EXPECT_THAT(text, HasSubstr("of shape ["));
+  EXPECT_THAT(text, HasSubstr("but the checkpoint served by " + instance.uri() + " holds it as ["));
+  EXPECT_EQ(instance.servers[0]->stats().bytes_sent, 0u);
 }
 
 TEST_F(PeerTest, ARankOfALargerTpSizeReadsOnlyThePiecesHoldingItsRowsAndChecksEach) {

@@ -12,7 +12,7 @@
 
 #include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
-#include "transfer/socket.hpp"
+#include "net/socket.hpp"
 #include "transfer/transfer_fixtures.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"

@@ -19,9 +19,9 @@
 #include "model/model_fixtures.hpp"
 #include "support/test_support.hpp"
 #include "transfer/transfer_fixtures.hpp"
-#include "transfer/handshake.hpp"
-#include "transfer/socket.hpp"
-#include "transfer/wire.hpp"
+#include "net/handshake.hpp"
+#include "net/socket.hpp"
+#include "update/wire.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/options.hpp"
 #include "weightstream/transfer.hpp"
@@ -297,7 +297,7 @@ TEST(ReceiverPeers, ASilentPeerIsDroppedAfterTheHandshakeTimeout) {
   EXPECT_THAT(text, StartsWith("timeout: no sender connected to " + receiver.address() + " within 0."));
   EXPECT_THAT(text, HasSubstr("1 peer(s) connected but sent no HELLO within the handshake timeout of 0.2 s"));
   // The peer was closed: its next read sees the end.
-  EXPECT_THAT(error_text([&] { silent.receive(2s, "anything"); }), HasSubstr("disconnected"));
+  EXPECT_THAT(error_text([&] { receive_message(silent, 2s, "anything"); }), HasSubstr("disconnected"));
 }
 
 // ---- the socket file ------------------------------------------------------------------------

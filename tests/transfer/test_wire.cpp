@@ -6,7 +6,9 @@
 
 #include <cstring>
 
-#include "transfer/wire.hpp"
+#include "net/frame.hpp"
+#include "peer/peer_protocol.hpp"
+#include "update/wire.hpp"
 
 namespace weightstream::transfer {
 namespace {
@@ -160,6 +162,28 @@ TEST(Wire, HeadersAreChecked) {
   EXPECT_THAT(error_text([&] { parse_header(type, "peer"); }), HasSubstr("unknown message type 77"));
   auto huge = encode_header(MessageType::kBucket, uint64_t{1} << 40);
   EXPECT_THAT(error_text([&] { parse_header(huge, "peer"); }), HasSubstr("BUCKET length 1099511627776 exceeds the limit"));
+}
+
+// The one frame header of both protocols (net/frame.hpp): the bytes each protocol put on the
+// wire before it was shared, field by field, little-endian.
+TEST(Wire, BothProtocolsShareOneFrameHeaderByteForByte) {
+  const auto update = encode_header(MessageType::kBucket, 0x0102030405060708);
+  const std::array<uint8_t, 16> expected_update = {'W', 'S', 'U', 'P', kProtocolVersion, 0, 5, 0,
+                                                   8, 7, 6, 5, 4, 3, 2, 1};
+  for (size_t i = 0; i < 16; ++i) EXPECT_EQ(static_cast<uint8_t>(update[i]), expected_update[i]) << "byte " << i;
+
+  const std::array<std::byte, 3> body = {std::byte{'{'}, std::byte{' '}, std::byte{'}'}};
+  const std::vector<std::byte> peer = encode_frame(transfer::kPeerMagic, transfer::kPeerProtocolVersion, 2, body);
+  const std::array<uint8_t, 19> expected_peer = {'W', 'S', 'P', 'E', transfer::kPeerProtocolVersion, 0, 2, 0,
+                                                 3, 0, 0, 0, 0, 0, 0, 0, '{', ' ', '}'};
+  ASSERT_EQ(peer.size(), expected_peer.size());
+  for (size_t i = 0; i < peer.size(); ++i) EXPECT_EQ(static_cast<uint8_t>(peer[i]), expected_peer[i]) << "byte " << i;
+
+  const transfer::FrameFields fields = decode_frame_header(std::span(update));
+  EXPECT_EQ(fields.magic, kMagic);
+  EXPECT_EQ(fields.version, kProtocolVersion);
+  EXPECT_EQ(fields.type, static_cast<uint16_t>(MessageType::kBucket));
+  EXPECT_EQ(fields.length, 0x0102030405060708u);
 }
 
 TEST(Wire, HostileBucketsAreRejectedWithTheField) {

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "transfer/socket.hpp"
+#include "net/socket.hpp"
 #include "weightstream/error.hpp"
 #include "weightstream/transfer.hpp"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,6 +21,7 @@ from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import BaseModelLoader, DefaultModelLoader, post_load_weights
 
 from .._api import Checkpoint
+from .._engine.renames import engine_names
 from .._engine import (
     BoundModel,
     CheckpointAhead,
@@ -29,6 +29,7 @@ from .._engine import (
     NoMappingTable,
     Parallel,
     bind_layout,
+    checkpoint_ahead,
     check_in_place,
     first_weights_source,
     load_from_peers_or_storage,
@@ -79,17 +80,6 @@ def parallel_ranks(model: torch.nn.Module) -> Parallel:
     return parallel
 
 
-#: Where SGLang names a fused parameter otherwise than the layout (MLA's q_a_proj and
-#: kv_a_proj_with_mqa, fused).
-_RENAMED = (("self_attn.fused_qkv_a_proj.", "self_attn.fused_qkv_a_proj_with_mqa."),)
-
-#: The MTP layer's own modules, which SGLang's NextN draft keeps under ``model.`` (the
-#: decoder layer's under ``model.decoder.``): its DeepSeek weight loader's
-#: nextn_spec_weight_names, and the embedding and head its EAGLE worker replaces with the
-#: target's.
-_NEXTN_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.", "embed_tokens.")
-_MTP_LAYER = re.compile(r"^model\.layers\.\d+\.(.*)$")
-
 #: The draft's parameters SGLang's EAGLE worker gives the target's tensors once the draft is
 #: loaded (set_embed_and_head); its NextN load_weights skips the MTP layer's own copies.
 DRAFT_FROM_TARGET = ("model.embed_tokens.weight", "lm_head.weight")
@@ -104,21 +94,9 @@ def world_rank() -> int:
 
 def model_candidates(layout_name: str, role: str) -> List[str]:
     """SGLang's names for a layout parameter: the layout's own (fused qkv_proj, gate_up_proj,
-    experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj. A
-    draft's MTP layer model.layers.{N}.* is SGLang's NextN module: its own norms, eh_proj and
-    embedding under model.*, its decoder layer under model.decoder.*, its shared head's
-    projection the draft's lm_head."""
-    if role == "draft":
-        match = _MTP_LAYER.match(layout_name)
-        if match:
-            rest = match.group(1)
-            if rest.startswith("shared_head.head."):
-                return ["lm_head." + rest[len("shared_head.head."):]]
-            layout_name = "model." + rest if rest.startswith(_NEXTN_OWN) else "model.decoder." + rest
-    for layout_part, sglang_part in _RENAMED:
-        if layout_part in layout_name:
-            return [layout_name.replace(layout_part, sglang_part)]
-    return [layout_name]
+    experts.w13_weight and w2_weight, as SGLang names them), but MLA's fused_qkv_a_proj and a
+    draft's NextN modules (weightstream._engine.renames)."""
+    return engine_names("sglang", layout_name, role)
 
 
 def speculative_method(role: str) -> str:
@@ -217,7 +195,7 @@ class WeightstreamModelLoader(DefaultModelLoader):
         path = self._weights_folder(model_config)
         bound = stored_binding(model)
         # The checkpoint's headers are read while the model is bound (peers serve no headers).
-        ahead = None if self.options.model_uri.startswith("peer://") else CheckpointAhead(path, self.options)
+        ahead = checkpoint_ahead(path, self.options)
         if bound is None:
             try:
                 bound = bind_model(model, config_dict(model_config), getattr(model_config, "quantization", None),

@@ -42,8 +42,8 @@ def update_request(addresses: Sequence[str], transport: str = "shm", token: str 
                    draft_addresses: Optional[Sequence[str]] = None) -> List[Tuple[str, torch.Tensor]]:
     """The ``named_tensors`` to give SGLang's ``update_weights_from_tensor`` with
     ``load_format=weightstream.sglang.UPDATE_LOADER``: one listen address per
-    tensor-parallel rank (a Unix socket path for shm and cuda-ipc, "HOST:PORT" for tcp),
-    the transport, the token the trainer's sender proves, the seconds a message may take and
+    tensor-parallel rank (a Unix socket path for shm and cuda-ipc, "HOST:PORT" for tcp, nccl
+    and ucx), the transport, the token the trainer's sender proves, the seconds a message may take and
     the seconds a rank waits for the trainer. ``draft_addresses``: one per rank for the
     speculative draft's receivers (SGLang calls the custom weight loader for the target, then
     for the draft, with the same request); None for an engine without a draft, or an update
@@ -146,14 +146,14 @@ def receive_update(model: torch.nn.Module, named_tensors: Any) -> Dict[str, Any]
     return report
 
 
-def _connect(addresses: List[str], transport: str, token: str, bucket_bytes: Optional[int], timeout: float,
-             engine: threading.Thread, deadline: float, one_each: bool = False) -> Optional[List[Any]]:
+def _connect(addresses: List[str], transport: str, token: str, device: str, bucket_bytes: Optional[int],
+             timeout: float, engine: threading.Thread, deadline: float, one_each: bool = False) -> Optional[List[Any]]:
     """The senders of ``addresses``, once every rank's receiver listens: the engine opens
     them when its update call reaches the custom weight loader. None when the engine's call
     returned first (its failure is the one to report); the last connect error at ``deadline``."""
     while True:
         try:
-            return make_senders(addresses, transport, token, "cpu", bucket_bytes, timeout, one_each=one_each)
+            return make_senders(addresses, transport, token, device, bucket_bytes, timeout, one_each=one_each)
         except _core.Error as error:
             if "cannot connect" not in str(error) or time.monotonic() > deadline:
                 raise
@@ -164,7 +164,7 @@ def _connect(addresses: List[str], transport: str, token: str, bucket_bytes: Opt
 
 def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequence[Tuple[str, torch.Tensor]], *,
                 tp_size: int = 1, transport: str = "shm", token: str, addresses: Optional[Sequence[str]] = None,
-                ranks: Optional[Sequence[int]] = None, format: str = "checkpoint",
+                ranks: Optional[Sequence[int]] = None, format: str = "checkpoint", device: str = "cpu",
                 bucket_bytes: Optional[int] = None, timeout: float = 30.0,
                 accept_timeout: float = 600.0, target: str = "", base: str = "",
                 base_tensors: Optional[Dict[str, torch.Tensor]] = None,
@@ -176,7 +176,10 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     receiver meanwhile. Call it between the engine's ``begin_weight_update()`` and
     ``end_weight_update()``. ``addresses``: one per tensor-parallel rank (fresh ones when
     None); ``ranks``: the ranks this trainer pushes to (all when None; a trainer process
-    beside each rank pushes to its own).
+    beside each rank pushes to its own). ``device``: the senders' (as the vLLM backend's
+    trainer takes it): where their bucket buffers lie, for cuda-ipc the GPU the trainer's
+    tensors are on ("cpu" there means cuda:0); tensors on a GPU travel from there over any
+    transport.
 
     An engine with a speculative draft (``--speculative-algorithm NEXTN`` or EAGLE with an MTP
     draft) hands the same request to the draft's runner after the target's: ``draft_tensors``
@@ -193,7 +196,8 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
     ``target`` names the version the ranks hold after the update (docs/DELTA.md). With
     ``base`` (the version they hold now) and ``base_tensors`` (its host tensors, by name), a
     delta update: only the elements that changed since then travel, each rank receiving only
-    those it holds, through ``UpdateSender.update_changes`` (checkpoint format, shm or tcp).
+    those it holds, through ``UpdateSender.update_changes`` (checkpoint format, host tensors;
+    shm, tcp or ucx).
     A draft's tensors always travel whole."""
     if base and (base_tensors is None or format != "checkpoint"):
         raise ValueError("weightstream push_update: a delta (base=...) needs base_tensors, in checkpoint format")
@@ -216,7 +220,7 @@ def push_update(update_weights_from_tensor: Callable[..., Any], tensors: Sequenc
 
     def push(to: List[str], listed: Sequence[Tuple[str, torch.Tensor]], delta: bool) -> Optional[List[Dict[str, Any]]]:
         pushed = [to[rank] for rank in ranks] if ranks is not None else to
-        senders = _connect(pushed, transport, token, bucket_bytes, timeout, engine, deadline, one_each=delta)
+        senders = _connect(pushed, transport, token, device, bucket_bytes, timeout, engine, deadline, one_each=delta)
         if senders is None:
             return None
         if delta:

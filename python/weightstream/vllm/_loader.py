@@ -11,7 +11,8 @@ import torch
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from .._api import Checkpoint
-from .._engine import load_from_peers_or_storage, load_layout, pulls_refused, record_load_metrics, serve_model
+from .._engine import (checkpoint_ahead, load_from_peers_or_storage, load_layout, pulls_refused, record_load_metrics,
+                       serve_model)
 from ._model import (
     BOUND_QUANTIZATIONS,
     BoundModel,
@@ -92,8 +93,7 @@ class WeightstreamModelLoader(BaseModelLoader):
         role = "draft" if is_draft(model_config) else "target"
         bound = stored_binding(model)
         # The checkpoint's headers are read while the model is bound (peers serve no headers).
-        ahead = None if self.options.model_uri.startswith("peer://") else \
-            CheckpointAhead(sources.model_weights or sources.model, self.options)
+        ahead = checkpoint_ahead(sources.model_weights or sources.model, self.options)
         if bound is None:
             config = config_dict(sources, model_config)
             try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -19,6 +18,7 @@ import torch
 
 from .. import _core
 from .._api import Checkpoint
+from .._engine.renames import engine_names
 from .._engine import (  # noqa: F401 - re-exported: the vLLM plugin's names since before _engine
     BY_LOAD_WEIGHTS,
     EXTRA_CONFIG_KEYS,
@@ -108,37 +108,16 @@ def config_dict(sources: ModelSources, model_config: Any) -> Dict[str, Any]:
 
 
 def model_parameter_name(layout_name: str, role: str, model_type: str) -> str:
-    """The vLLM name of a layout parameter. The target's names are vLLM's. A draft's are
-    renamed as vLLM's MTP modules name them: DeepSeek-V3's (and GLM-4.5's) MTP layer keeps enorm, hnorm,
-    eh_proj and shared_head and nests the decoder layer under mtp_block, and its embedding is
-    the draft's model.embed_tokens; Qwen3-Next's mtp.* lives under model.*."""
-    if role != "draft":
-        return layout_name
-    if layout_name.startswith("mtp."):
-        return "model." + layout_name[len("mtp."):]
-    match = re.match(r"^model\.layers\.(\d+)\.(.*)$", layout_name)
-    if match and model_type in ("deepseek_v3", "deepseek_v2", "deepseek_mtp", "kimi_k2", "glm4_moe", "glm4_moe_mtp"):
-        rest = match.group(2)
-        if rest.startswith("embed_tokens."):
-            return "model." + rest
-        if not rest.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.")):
-            return f"model.layers.{match.group(1)}.mtp_block.{rest}"
-    return layout_name
-
-
-# vLLM 0.33's FusedMoE keeps its stacked expert weights (and their scales) in a
-# RoutedExperts submodule: X.experts.routed_experts.w13_weight where the layout says
-# X.experts.w13_weight.
-_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(w13_weight|w2_weight)(.*)$")
+    """The vLLM name of a layout parameter before its experts' submodule: the target's are
+    the layout's, a draft's as vLLM's MTP modules name them (the "draft" stage of
+    weightstream._engine.renames)."""
+    return engine_names("vllm", layout_name, role, model_type, stages=("draft",))[0]
 
 
 def model_candidates(layout_name: str, role: str, model_type: str) -> List[str]:
-    """The names a vLLM model may give a layout parameter, the likeliest first."""
-    name = model_parameter_name(layout_name, role, model_type)
-    match = _FUSED_EXPERTS.match(name)
-    if match:
-        return [f"{match.group(1)}.routed_experts.{match.group(2)}{match.group(3)}", name]
-    return [name]
+    """The names a vLLM model may give a layout parameter, the likeliest first
+    (weightstream._engine.renames)."""
+    return engine_names("vllm", layout_name, role, model_type)
 
 
 def is_routed_experts(module: torch.nn.Module) -> bool:

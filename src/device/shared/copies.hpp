@@ -1,7 +1,8 @@
 #pragma once
 // Copies within a device and the waits for them, as the load session and the update
 // receiver issue them. Internal to the library (not installed): the layers
-// above the device layer use it; src/device/device_cuda.cpp implements it, with a host
+// above the device layer use it; src/device/device_cuda.cpp implements it (DeviceStream:
+// ipc_cuda.cpp; land_and_scatter: copier_cuda.cpp), with a host
 // fallback in device_cuda_fallback.cpp.
 
 #include <cstddef>
@@ -24,9 +25,9 @@ struct CopyRange {
 
 /// Copies every range and waits until all are done. On a GPU the ranges go to the driver
 /// as one batch (cudaMemcpyBatchAsync): thousands of small tensors cost about one call,
-/// not one cudaMemcpy each (about 13 us each on an H200, which for 10,000 tensors is more
-/// than copying 16 GB). The ranges must not overlap. Throws Error(kDevice) naming the
-/// device, the number of ranges and the CUDA error.
+/// not one cudaMemcpy each, whose driver time for thousands of tensors exceeds the copying
+/// (bench/HISTORY.md, "Figures once in source comments"). The ranges must not overlap.
+/// Throws Error(kDevice) naming the device, the number of ranges and the CUDA error.
 void copy_batch(const Device& device, std::span<const CopyRange> ranges);
 
 /// Like copy_batch() for ranges whose sources and destinations are all in the memory of

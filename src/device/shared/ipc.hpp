@@ -1,6 +1,6 @@
 #pragma once
 // CUDA IPC: exporting a device allocation to another process and mapping one. Internal to the library (not installed): the layers
-// above the device layer use it; src/device/device_cuda.cpp implements it, with a host
+// above the device layer use it; src/device/ipc_cuda.cpp implements it, with a host
 // fallback in device_cuda_fallback.cpp.
 
 #include <array>

@@ -3,7 +3,7 @@
 // layer's ParameterWriter issues when a BF16 (F16, F32) update lands in an FP8 block-scaled
 // parameter held on a GPU. Internal to the library (not installed), like copies.hpp; the
 // kernel is quantize_kernels.cu, its rule e4m3_rule.hpp (the host quantizer's, bit for bit);
-// device_cuda.cpp implements this, device_cuda_fallback.cpp refuses it.
+// copier_cuda.cpp implements this, device_cuda_fallback.cpp refuses it.
 
 #include <cstddef>
 #include <cstdint>

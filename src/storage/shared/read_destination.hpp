@@ -11,10 +11,9 @@ namespace weightstream::storage {
 /// Faults in, in one madvise(MADV_POPULATE_WRITE) call per run of pages, the pages of
 /// `destination` that are not yet in memory, before a read copies into it. A read into
 /// fresh memory (a load's arena) otherwise takes one page fault per 4 KiB page inside the
-/// kernel's copy (pread) or libcurl's callback; populating them first is cheaper (on the
-/// 2-core VM, a 1 GiB load ran about 12% faster: bench/RESULTS.md). Pages already present
-/// (reused staging buffers) are found by mincore() and skipped: populating them again
-/// still walks every page (about 1 ms per 16 MiB).
+/// kernel's copy (pread) or libcurl's callback; populating them first is cheaper
+/// (bench/HISTORY.md, "Figures once in source comments"). Pages already present (reused staging
+/// buffers) are found by mincore() and skipped: populating them again still walks every page.
 ///
 /// Advice only: the contents never change, and errors are ignored (where the kernel lacks
 /// MADV_POPULATE_WRITE, before Linux 5.14, the pages fault in as before; a bad address is
