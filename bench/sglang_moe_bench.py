@@ -14,8 +14,10 @@ weightstream step is also split into weightstream's load into SGLang's parameter
 and the stream: ``last_load["seconds"]``) and what SGLang runs after it (DeepSeek's
 ``post_load_weights``, which requantizes every layer's FP8 kv_b_proj into w_kc and w_vc, and
 ``process_weights_after_loading``), which SGLang's own loader runs inside its
-``load_weights`` too and the host load has no counterpart of; each contender's minor page
-faults are counted (getrusage), the host load's as a child process's.
+``load_weights`` too and the host load has no counterpart of; the model's
+``post_load_weights`` is timed in both contenders' steps (wrapped on the model instance), and
+each contender's minor page faults are counted (getrusage), the host load's as a child
+process's.
 
 Usage: python bench/sglang_moe_bench.py --cli build/weightstream --checkpoint DIR [--size 1GiB]
 (DIR is written by ``weightstream synth --arch deepseek_v3 --quantize fp8-block`` when missing,
@@ -53,6 +55,21 @@ def minor_faults(who: int) -> int:
     return resource.getrusage(who).ru_minflt
 
 
+def time_post_load_weights(model, seconds: list) -> None:
+    """Records in ``seconds`` how long each call of the model's post_load_weights takes (SGLang's
+    loader calls it inside the model's load_weights, weightstream's after its load)."""
+    original = model.post_load_weights
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    object.__setattr__(model, "post_load_weights", timed)
+
+
 def rank_main(rank: int, port: int, checkpoint: str, rounds: int, out: str) -> None:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     import sglang_models
@@ -76,6 +93,7 @@ def rank_main(rank: int, port: int, checkpoint: str, rounds: int, out: str) -> N
     times = {"sglang": [], "weightstream": []}
     faults = {"sglang": [], "weightstream": []}
     ours_load = []  # weightstream's part of its step: binding and the stream
+    post_load = {"sglang": [], "weightstream": []}  # SGLang's post_load_weights in each step
     last = {}
     for round_index in range(rounds):
         order = ["sglang", "weightstream"] if round_index % 2 == 0 else ["weightstream", "sglang"]
@@ -93,12 +111,15 @@ def rank_main(rank: int, port: int, checkpoint: str, rounds: int, out: str) -> N
                 dist.barrier()
                 for timed in (0, 1):
                     if rank == timed:
+                        post_seconds = []
+                        time_post_load_weights(model, post_seconds)
                         faulted = minor_faults(resource.RUSAGE_SELF)
                         started = time.perf_counter()
                         loader.load_weights_and_postprocess(model, weights, device)
                         if rank == 0:
                             times[contender].append(time.perf_counter() - started)
                             faults[contender].append(minor_faults(resource.RUSAGE_SELF) - faulted)
+                            post_load[contender].append(sum(post_seconds))
                             if contender == "weightstream":
                                 last = dict(loader.last_load)
                                 ours_load.append(last["seconds"])
@@ -108,7 +129,8 @@ def rank_main(rank: int, port: int, checkpoint: str, rounds: int, out: str) -> N
             gc.collect()
     if rank == 0:
         with open(out, "w") as file:
-            json.dump({"times": times, "faults": faults, "ours_load": ours_load, "last_load": last}, file)
+            json.dump({"times": times, "faults": faults, "ours_load": ours_load, "post_load": post_load,
+                       "last_load": last}, file)
 
 
 def write_checkpoint(cli: str, folder: str, size: str) -> None:
@@ -170,14 +192,17 @@ def main() -> None:
     ours_load_s = statistics.median(measured["ours_load"])
     after_s = statistics.median(total - load for total, load in
                                 zip(measured["times"]["weightstream"], measured["ours_load"]))
+    post_load = {name: statistics.median(seconds) for name, seconds in measured["post_load"].items()}
     rank_bytes = measured["last_load"]["bytes_read"]
     faults = measured["faults"]
     rows = [
-        ("SGLang's DefaultModelLoader into SGLang's model (its post-processing inside)", sglang_s, faults["sglang"]),
+        ("SGLang's DefaultModelLoader into SGLang's model, the whole step", sglang_s, faults["sglang"]),
+        ("- of it SGLang's post_load_weights (inside the model's load_weights)", post_load["sglang"], None),
         ("weightstream loader into SGLang's model, the whole step", ours_s, faults["weightstream"]),
         ("- of it weightstream's load (binding and the stream into SGLang's parameters)", ours_load_s, None),
         ("- of it SGLang's post-processing after the load (post_load_weights, process_weights_after_loading)",
          after_s, None),
+        ("-- of that SGLang's post_load_weights", post_load["weightstream"], None),
         ("weightstream host load of the rank's layout (`load --tp-size 2 --ep-size 2`)", raw_s, raw_faults),
     ]
     print(f"checkpoint {checkpoint_bytes / 2**30:.2f} GiB, rank 0 of tp 2 with EP reads "
@@ -191,7 +216,7 @@ def main() -> None:
           f"weightstream's load alone / its own host load: {raw_s / ours_load_s:.2f}x")
     print(json.dumps({"sglang": measured["times"]["sglang"], "weightstream": measured["times"]["weightstream"],
                       "weightstream_load": measured["ours_load"], "raw": [r["seconds"] for r in raw],
-                      "faults": faults, "raw_faults": raw_faults, "rank_bytes": rank_bytes,
+                      "post_load_weights": measured["post_load"], "faults": faults, "raw_faults": raw_faults, "rank_bytes": rank_bytes,
                       "checkpoint_bytes": checkpoint_bytes}))
 
 
