@@ -211,6 +211,15 @@ def main() -> None:
     for name, seconds, counted in rows:
         fault_text = "" if counted is None else f"{statistics.median(counted):,.0f}"
         print(f"| {name} | {seconds:.3f} | {rank_bytes / seconds / 1e9:.2f} | {fault_text} |")
+    # Rounds whose model's pages were mostly never touched (the allocator handed out fresh
+    # pages: at least half the rank's 4 KiB pages faulted in during the step) and the others
+    # (pages a collected model left behind), as vllm_moe_bench.py reports its fresh-page rounds.
+    fresh_faults = rank_bytes // resource.getpagesize() // 2
+    for label, fresh in (("into mostly fresh pages", True), ("into mostly touched pages", False)):
+        picked = [load for load, faulted in zip(measured["ours_load"], faults["weightstream"])
+                  if (faulted >= fresh_faults) == fresh]
+        if picked:
+            print(f"weightstream's load {label}: median {statistics.median(picked):.3f} s of {len(picked)} rounds")
     print(f"\nweightstream / SGLang default: {sglang_s / ours_s:.2f}x (target >= 2x); "
           f"weightstream in SGLang / its own host load: {raw_s / ours_s:.2f}x (target >= 0.9x); "
           f"weightstream's load alone / its own host load: {raw_s / ours_load_s:.2f}x")
