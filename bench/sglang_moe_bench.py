@@ -225,8 +225,8 @@ def main() -> None:
           f"weightstream's load alone / its own host load: {raw_s / ours_load_s:.2f}x")
     print(json.dumps({"sglang": measured["times"]["sglang"], "weightstream": measured["times"]["weightstream"],
                       "weightstream_load": measured["ours_load"], "raw": [r["seconds"] for r in raw],
-                      "post_load_weights": measured["post_load"], "faults": faults, "raw_faults": raw_faults, "rank_bytes": rank_bytes,
-                      "checkpoint_bytes": checkpoint_bytes}))
+                      "post_load_weights": measured["post_load"], "faults": faults, "raw_faults": raw_faults,
+                      "rank_bytes": rank_bytes, "checkpoint_bytes": checkpoint_bytes}))
 
 
 if __name__ == "__main__":
