@@ -26,6 +26,7 @@ from .._engine import (
     BoundModel,
     CheckpointAhead,
     LoaderOptions,
+    ModelTensors,
     NoMappingTable,
     Parallel,
     bind_layout,
@@ -56,18 +57,21 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
         hasattr(module, "w13_weight")
 
 
-def parallel_ranks(model: torch.nn.Module) -> Parallel:
+def parallel_ranks(model: Optional[torch.nn.Module] = None, walked: Optional[ModelTensors] = None) -> Parallel:
     """This process's tensor-parallel rank in SGLang, and its expert-parallel rank when the
-    model's MoE layers divide their experts (--ep-size). Raises NoMappingTable for an expert
-    division weightstream's layout does not describe: experts cut both by expert and by
-    tensor parallelism, or shared experts fused into the routed ones."""
+    model's MoE layers divide their experts (--ep-size; ``walked``: the model's tensors when
+    walked already, as bind_model has them). Raises NoMappingTable for an expert division
+    weightstream's layout does not describe: experts cut both by expert and by tensor
+    parallelism, or shared experts fused into the routed ones."""
     from sglang.srt.distributed.parallel_state import (  # noqa: PLC0415
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
 
     parallel = Parallel(tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank())
-    for experts in model_tensors(model, is_fused_experts).experts:
+    if walked is None and model is not None:
+        walked = model_tensors(model, is_fused_experts)
+    for experts in walked.experts if walked is not None else []:
         ep_size, ep_rank = int(experts.moe_ep_size), int(experts.moe_ep_rank)
         if ep_size == 1:
             return parallel
@@ -138,8 +142,11 @@ def bind_model(model: torch.nn.Module, config: Dict[str, Any], quantization: Opt
     weightstream has no table for."""
     if quantization not in BOUND_QUANTIZATIONS:
         raise NoMappingTable(f"quantization '{quantization}'")
+    # One walk of the model's modules serves both (a walk of the bench's DeepSeek-V3 rank,
+    # about 700 modules, costs 3 ms of bind_model's 19 ms on a busy 2-core VM).
+    walked = model_tensors(model, is_fused_experts)
     # SGLang holds some routers in F32 (GLM-4.5's mlp.gate) where the checkpoint's are BF16.
-    return bind_layout(model_tensors(model, is_fused_experts), config, role, dtype, parallel_ranks(model),
+    return bind_layout(walked, config, role, dtype, parallel_ranks(walked=walked),
                        model_candidates, "SGLang", logger, DRAFT_FROM_TARGET if role == "draft" else (),
                        wider_floats=True)
 
