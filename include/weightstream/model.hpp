@@ -267,6 +267,11 @@ class ModelLayout {
   /// afterwards. Throws Error(kDevice) when storage already lives on another device (a
   /// bind, an earlier allocate or set_device), or when the allocation fails.
   void allocate(const Device& device, ArenaContents contents = ArenaContents::kZeroed);
+  /// What a new arena must hold for a cold load into it: kUnwritten where every parameter
+  /// without storage has parts (a cold load writes each part whole, zeroes the padding
+  /// between them, or throws naming what is missing), else kZeroed (a parameter no part
+  /// fills must read as zero).
+  ArenaContents cold_load_contents() const;
   /// Declares the device the layout's storage lives on before any exists: binds must then
   /// be on it, and allocate() must use it. Throws Error(kDevice) when storage already lives
   /// on another device.

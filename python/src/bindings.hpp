@@ -76,6 +76,20 @@ struct TorchTensorFacts {
 /// device): the caller takes the DLPack path, with its checks and error texts.
 std::optional<TorchTensorFacts> torch_tensor_facts(nanobind::handle object);
 
+/// The views of imported tensors (each with a `name`, a `shape` and a `view`), named and
+/// shaped, for one call into the library; the tensors must outlive the views.
+template <typename Imported>
+std::vector<TensorView> views_of(std::vector<Imported>& tensors) {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (auto& tensor : tensors) {
+    tensor.view.name = tensor.name;
+    tensor.view.shape = tensor.shape;
+    views.push_back(tensor.view);
+  }
+  return views;
+}
+
 /// What Python sees of one checkpoint tensor.
 struct TensorEntry {
   std::string name;
@@ -120,8 +134,9 @@ void bind_model(nanobind::module_& m);
 /// The C++ layout behind a Python ModelLayout (defined beside LayoutHandle).
 ModelLayout& python_layout(nanobind::handle layout);
 
-/// Allocates what a layout made with a device left unbound, once (model_layout(device=...)).
-void ensure_python_storage(nanobind::handle layout);
+/// Allocates what a layout made with a device left unbound, once (model_layout(device=...)):
+/// `for_cold_load` when a cold load is about to write it (LayoutHandle::ensure_storage).
+void ensure_python_storage(nanobind::handle layout, bool for_cold_load);
 
 /// The safetensors dtype of a DLPack dtype; nullopt for one safetensors lacks.
 std::optional<Dtype> dlpack_dtype(const nanobind::dlpack::dtype& dtype);

@@ -108,9 +108,13 @@ struct LayoutHandle {
   }
 
   /// Allocates what is left unbound when a device was given and that has not happened yet.
-  void ensure_storage() {
+  /// Allocates the storage deferred by allocate_at_first_load: for a cold load, unzeroed
+  /// where the load writes every byte or throws (ModelLayout::cold_load_contents); zeroed
+  /// for anything else (a reload, an update, a parameter read before any load).
+  void ensure_storage(bool for_cold_load = false) {
     if (!allocate_at_first_load) return;
-    layout.allocate(layout.device());
+    layout.allocate(layout.device(),
+                    for_cold_load ? layout.cold_load_contents() : ModelLayout::ArenaContents::kZeroed);
     allocate_at_first_load = false;
   }
 };
@@ -220,14 +224,7 @@ BindingTensor binding_tensor(const ModelLayout& layout, const std::string& name,
 
 /// Binds the tensors (checked all together first), then holds them for the layout.
 void bind_tensors(LayoutHandle& handle, std::vector<BindingTensor>& tensors) {
-  std::vector<TensorView> views;
-  views.reserve(tensors.size());
-  for (auto& tensor : tensors) {
-    tensor.view.name = tensor.name;
-    tensor.view.shape = tensor.shape;
-    views.push_back(tensor.view);
-  }
-  handle.layout.bind(views);
+  handle.layout.bind(views_of(tensors));
   for (auto& tensor : tensors) {
     handle.bound_objects.push_back(std::move(tensor.object));
     handle.bound_arrays.push_back(std::move(tensor.array));
@@ -327,7 +324,9 @@ nb::dict stats_dict(const std::vector<StatField>& fields) {
 
 ModelLayout& python_layout(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).layout; }
 
-void ensure_python_storage(nb::handle layout) { nb::cast<LayoutHandle&>(layout).ensure_storage(); }
+void ensure_python_storage(nb::handle layout, bool for_cold_load) {
+  nb::cast<LayoutHandle&>(layout).ensure_storage(for_cold_load);
+}
 
 const LayoutOptions& python_layout_options(nb::handle layout) { return nb::cast<LayoutHandle&>(layout).options; }
 

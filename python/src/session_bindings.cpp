@@ -121,20 +121,14 @@ class SessionHandle {
     }
     ModelLayout& layout = python_layout(layout_object_);
     nb::gil_scoped_release release;
-    ensure_python_storage(layout_object_);
+    ensure_python_storage(layout_object_, parsed_mode == LoadMode::kCold);
     session_.begin(parsed_mode, parsed_format, parsed_commit);
   }
 
   void load(nb::iterable batch) {
     std::vector<BatchTensor> tensors;
     for (nb::handle entry : batch) tensors.push_back(batch_tensor(entry));
-    std::vector<TensorView> views;
-    views.reserve(tensors.size());
-    for (auto& tensor : tensors) {
-      tensor.view.name = tensor.name;
-      tensor.view.shape = tensor.shape;
-      views.push_back(tensor.view);
-    }
+    std::vector<TensorView> views = views_of(tensors);
     std::string raw_hint;
     for (const auto& tensor : tensors) {
       if (tensor.maybe_raw && raw_hint.empty()) {

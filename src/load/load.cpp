@@ -413,7 +413,7 @@ LoadedCheckpoint load_checkpoint(const Checkpoint& checkpoint, const Device& dev
   try {
     // Every tensor of the identity layout is written whole, or the load throws and the
     // arena goes with it: zeroing it first would only cost time.
-    loaded.layout.allocate(device, ModelLayout::ArenaContents::kUnwritten);
+    loaded.layout.allocate(device, loaded.layout.cold_load_contents());
   } catch (const Error& error) {
     WS_FAIL(error.code(), "cannot load " + checkpoint.uri() + " (" + std::to_string(tensors.size()) + " tensors) onto " +
                               device.name() + ": " + error.what());

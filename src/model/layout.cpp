@@ -245,6 +245,13 @@ void ModelLayout::allocate(const Device& device, ArenaContents contents) {
   storage_.push_back(std::move(arena));
 }
 
+ModelLayout::ArenaContents ModelLayout::cold_load_contents() const {
+  for (const Parameter& parameter : parameters_) {
+    if (parameter.data == nullptr && parameter.parts.empty()) return ArenaContents::kZeroed;
+  }
+  return ArenaContents::kUnwritten;
+}
+
 namespace {
 
 std::string address_text(const void* address) {

@@ -252,6 +252,21 @@ TensorView engine_view(const ModelLayout& layout, std::string_view name, std::ve
   return view;
 }
 
+TEST(ModelLayout, AColdLoadSkipsZeroingOnlyWhereEveryUnallocatedParameterHasParts) {
+  ModelLayout layout = build_model_layout(cached_checkpoint("llama").config);
+  EXPECT_EQ(layout.cold_load_contents(), ModelLayout::ArenaContents::kUnwritten)
+      << "every parameter of a family's layout is filled by its parts, its padding zeroed by the load";
+  Parameter computed;  // filled by no checkpoint tensor (a hook's, say): must read as zero
+  computed.name = "computed";
+  computed.dtype = Dtype::kF32;
+  computed.shape = {2};
+  layout.add_parameter(computed);
+  EXPECT_EQ(layout.cold_load_contents(), ModelLayout::ArenaContents::kZeroed);
+  std::vector<std::byte> memory;  // once bound it is the engine's memory, never allocated
+  layout.bind("computed", engine_view(layout, "computed", memory));
+  EXPECT_EQ(layout.cold_load_contents(), ModelLayout::ArenaContents::kUnwritten);
+}
+
 TEST(ModelLayout, BindChecksDtypeShapeSizeDeviceAlignmentAndOverlap) {
   ModelLayout layout = build_model_layout(llama_config(8, 2));
   const std::string name = "model.layers.0.mlp.down_proj.weight";
